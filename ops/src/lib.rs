@@ -1,0 +1,39 @@
+//! Explicit forward/backward kernels for the seqpipe GPT model, plus AdamW and global
+//! gradient-norm clipping, on candle tensors.
+//!
+//! Every kernel follows the project convention (see `docs/DESIGN-NOTES.md`):
+//! `*_forward(inputs) -> (output, Ctx)` and `*_backward(&Ctx, params, d_output) -> (d_input, Grads)`.
+//! Backward functions never accumulate into caller state; they return fresh gradient tensors.
+//! No kernel uses candle's autograd: all derivatives are written out by hand, so the kernels are
+//! cheap to call and deterministic (same inputs give bit-identical outputs for a fixed thread count).
+//! All kernels are generic over the floating-point dtype (F32 for training, F64 in gradient tests).
+
+pub mod adamw;
+pub mod attention;
+pub mod clip;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod error;
+pub mod gelu;
+pub mod linear;
+pub mod norm;
+pub mod rope;
+pub mod softmax;
+mod util;
+
+pub use adamw::{AdamW, AdamWConfig, Moments};
+pub use attention::{
+    AttentionCtx, causal_prefix_attention_backward, causal_prefix_attention_forward,
+};
+pub use clip::{clip_coefficient, global_norm, sum_of_squares};
+pub use cross_entropy::{cross_entropy_forward_backward, cross_entropy_loss};
+pub use embedding::{embedding_backward, embedding_forward};
+pub use error::{OpsError, Result};
+pub use gelu::{GeluCtx, gelu_backward, gelu_forward};
+pub use linear::{LinearCtx, LinearGrads, linear_backward, linear_forward};
+pub use norm::{
+    NormCtx, NormGrads, layer_norm_backward, layer_norm_forward, rms_norm_backward,
+    rms_norm_forward,
+};
+pub use rope::RopeTable;
+pub use softmax::{softmax_last_dim, softmax_last_dim_backward};

@@ -1,0 +1,14 @@
+//! Tests of the `ops` kernels: finite-difference gradient checks in f64, forward references,
+//! dtype coverage (F32) and determinism.
+
+mod adamw;
+mod attention;
+mod clip;
+mod common;
+mod cross_entropy;
+mod embedding;
+mod gelu;
+mod linear;
+mod norm;
+mod rope;
+mod softmax;

@@ -1,0 +1,333 @@
+//! One typed config tree, read from TOML (`configs/tiny.toml` is embedded as the default), overridable
+//! key by key from the command line (`--set section.key=value`) and validated with reasons.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::data::DataConfig;
+use crate::model::ModelConfig;
+use crate::schedule::{FlopsModel, Partition, ScheduleKind, segment_lengths};
+
+/// The embedded default config (`configs/tiny.toml`).
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/tiny.toml");
+
+/// Why a config could not be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// TOML syntax or type error, or an unknown key in a file.
+    #[error("invalid config {origin}: {message}")]
+    Parse { origin: String, message: String },
+    /// `--set` named a key that does not exist.
+    #[error("unknown config key `{key}` in --set; {hint}")]
+    UnknownKey { key: String, hint: String },
+    /// `--set` was not of the form `section.key=value`.
+    #[error("--set expects `section.key=value`, got `{0}`")]
+    BadOverride(String),
+    /// A value is out of range or inconsistent with another.
+    #[error("invalid value for `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+/// `[run]`: where the run writes and how its processes are set up.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run directory: `metrics.jsonl`, the resolved config and per-stage logs go here.
+    pub dir: PathBuf,
+    /// Compute threads per worker process; 0 = the machine's cores divided among the stages (at least 1).
+    pub threads_per_worker: usize,
+    /// Log filter for the launcher and workers (tracing's `RUST_LOG` syntax; `RUST_LOG` wins when set).
+    pub log: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self { dir: PathBuf::from("runs/latest"), threads_per_worker: 0, log: "info".into() }
+    }
+}
+
+/// `[train]`: the optimization.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Seed of weight init and data sampling.
+    pub seed: u64,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Tokens per sequence (the model predicts `seq_len` targets per sequence).
+    pub seq_len: usize,
+    /// Peak learning rate (after warm-up).
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// AdamW decoupled weight decay (applied to linear weights; embeddings only with `decay_embeddings`).
+    pub weight_decay: f64,
+    /// Also decay the embedding tables.
+    pub decay_embeddings: bool,
+    /// AdamW β1.
+    pub beta1: f64,
+    /// AdamW β2.
+    pub beta2: f64,
+    /// AdamW ε.
+    pub eps: f64,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Run the validation loss every this many steps (and after the last step); 0 disables evaluation.
+    pub eval_every: u64,
+    /// Held-out micro-batches per evaluation.
+    pub eval_batches: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 60,
+            seed: 1,
+            micro_batch_size: 4,
+            seq_len: 128,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 5,
+            weight_decay: 0.1,
+            decay_embeddings: false,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_every: 20,
+            eval_batches: 4,
+        }
+    }
+}
+
+/// `[pipeline]`: how the model is split and scheduled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineConfig {
+    /// Pipeline stages p (one worker process each).
+    pub stages: usize,
+    /// Micro-batches m per step.
+    pub microbatches: usize,
+    /// Sequence segments k per micro-batch (Seq1F1B's splits).
+    pub splits: usize,
+    /// `seq1f1b`, `1f1b` or `gpipe`.
+    pub schedule: ScheduleKind,
+    /// Segment lengths: `uniform` or `compute` (equal FLOPs under causal attention).
+    pub partition: Partition,
+    /// Seconds to wait for a peer (connection or message) before declaring it failed.
+    pub timeout_s: f64,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self { stages: 4, microbatches: 4, splits: 4, schedule: ScheduleKind::Seq1F1B, partition: Partition::Compute, timeout_s: 60.0 }
+    }
+}
+
+/// The whole config tree.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[run]`
+    pub run: RunConfig,
+    /// `[model]`
+    pub model: ModelConfig,
+    /// `[train]`
+    pub train: TrainConfig,
+    /// `[pipeline]`
+    pub pipeline: PipelineConfig,
+    /// `[data]`
+    pub data: DataConfig,
+}
+
+impl Config {
+    /// Reads `file` (or the embedded default), applies `--set` overrides and validates.
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        let (text, origin) = match file {
+            Some(path) => (std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?, path.display().to_string()),
+            None => (DEFAULT_CONFIG_TOML.to_string(), "(embedded configs/tiny.toml)".to_string()),
+        };
+        let mut cfg = Self::from_toml(&text, &origin)?;
+        if !overrides.is_empty() {
+            cfg = cfg.with_overrides(overrides)?;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text (missing keys take their defaults; unknown keys are errors).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })
+    }
+
+    /// The config as TOML (written into the run directory).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a Config always serializes")
+    }
+
+    /// Applies `section.key=value` overrides. Values are TOML (`3`, `true`, `"x"`); a bare word is a string.
+    pub fn with_overrides(&self, overrides: &[String]) -> Result<Self, ConfigError> {
+        let mut tree = toml::Table::try_from(self).expect("a Config always serializes");
+        for item in overrides {
+            let (key, raw) = item.split_once('=').ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+            let key = key.trim();
+            let (section, field) = key.split_once('.').ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+            let sections: Vec<String> = tree.keys().cloned().collect();
+            let table = tree.get_mut(section).and_then(|v| v.as_table_mut()).ok_or_else(|| ConfigError::UnknownKey { key: key.to_string(), hint: format!("sections are: {}", sections.join(", ")) })?;
+            if !table.contains_key(field) {
+                let mut fields: Vec<&String> = table.keys().collect();
+                fields.sort();
+                let fields: Vec<&str> = fields.into_iter().map(String::as_str).collect();
+                return Err(ConfigError::UnknownKey { key: key.to_string(), hint: format!("keys in [{section}] are: {}", fields.join(", ")) });
+            }
+            table.insert(field.to_string(), parse_value(raw.trim()));
+        }
+        let origin = format!("after --set {}", overrides.join(" --set "));
+        toml::Value::Table(tree).try_into().map_err(|e: toml::de::Error| ConfigError::Parse { origin, message: e.to_string() })
+    }
+
+    /// Tokens in one step's global batch (the loss is the mean over them).
+    pub fn tokens_per_step(&self) -> usize {
+        self.pipeline.microbatches * self.train.micro_batch_size * self.train.seq_len
+    }
+
+    /// Model dimensions for the segment-cost formula.
+    pub fn flops_model(&self) -> FlopsModel {
+        let m = &self.model;
+        FlopsModel { layers: m.layers, hidden: m.d_model, heads: m.heads, head_dim: m.head_dim(), ffn: m.ffn(), vocab: m.vocab_size }
+    }
+
+    /// The segment lengths of every micro-batch's sequence.
+    pub fn segment_lengths(&self) -> Result<Vec<usize>, ConfigError> {
+        segment_lengths(self.pipeline.partition, self.train.seq_len, self.pipeline.splits, &self.flops_model()).map_err(|e| ConfigError::Invalid { key: "pipeline.splits", message: e.to_string() })
+    }
+
+    /// Checks every value and their consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let (m, t, p) = (&self.model, &self.train, &self.pipeline);
+        let positive = [
+            ("model.vocab_size", m.vocab_size),
+            ("model.layers", m.layers),
+            ("model.d_model", m.d_model),
+            ("model.heads", m.heads),
+            ("model.ffn_mult", m.ffn_mult),
+            ("model.max_seq_len", m.max_seq_len),
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.seq_len", t.seq_len),
+            ("pipeline.stages", p.stages),
+            ("pipeline.microbatches", p.microbatches),
+            ("pipeline.splits", p.splits),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return invalid(key, "must be at least 1".into());
+            }
+        }
+        if t.steps == 0 {
+            return invalid("train.steps", "must be at least 1".into());
+        }
+        if m.d_model % m.heads != 0 {
+            return invalid("model.heads", format!("d_model {} is not divisible by {} heads", m.d_model, m.heads));
+        }
+        if m.position == crate::model::Position::Rope && m.head_dim() % 2 != 0 {
+            return invalid("model.position", format!("rope needs an even head dimension, got {}", m.head_dim()));
+        }
+        if t.seq_len > m.max_seq_len {
+            return invalid("train.seq_len", format!("{} exceeds model.max_seq_len {}", t.seq_len, m.max_seq_len));
+        }
+        if p.stages > m.layers {
+            return invalid("pipeline.stages", format!("{} stages for {} layers: every stage needs at least one layer (at most {} stages)", p.stages, m.layers, m.layers));
+        }
+        if p.splits > t.seq_len {
+            return invalid("pipeline.splits", format!("cannot cut a sequence of {} tokens into {} segments", t.seq_len, p.splits));
+        }
+        self.segment_lengths()?;
+        for (key, value) in [("train.lr", t.lr), ("train.eps", t.eps)] {
+            if !(value > 0.0 && value.is_finite()) {
+                return invalid(key, format!("must be a positive number, got {value}"));
+            }
+        }
+        if !(0.0..=t.lr).contains(&t.min_lr) {
+            return invalid("train.min_lr", format!("must be between 0 and train.lr ({}), got {}", t.lr, t.min_lr));
+        }
+        for (key, value) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                return invalid(key, format!("must be in [0, 1), got {value}"));
+            }
+        }
+        if t.weight_decay < 0.0 || t.grad_clip < 0.0 {
+            return invalid("train.weight_decay", "weight_decay and grad_clip must not be negative".into());
+        }
+        if t.eval_every > 0 && t.eval_batches == 0 {
+            return invalid("train.eval_batches", "must be at least 1 when train.eval_every > 0".into());
+        }
+        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
+            return invalid("pipeline.timeout_s", format!("must be a positive number of seconds, got {}", p.timeout_s));
+        }
+        Ok(())
+    }
+
+    /// Compute threads each worker should use.
+    pub fn threads_per_worker(&self) -> usize {
+        match self.run.threads_per_worker {
+            0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / self.pipeline.stages).max(1),
+            n => n,
+        }
+    }
+}
+
+/// A `--set` value: TOML if it parses as TOML, otherwise the raw text as a string.
+fn parse_value(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v")).unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_equals_code_defaults() {
+        let parsed = Config::from_toml(DEFAULT_CONFIG_TOML, "tiny.toml").unwrap();
+        assert_eq!(parsed, Config::default(), "configs/tiny.toml and the Default impls disagree");
+        parsed.validate().unwrap();
+    }
+
+    #[test]
+    fn overrides_apply_with_types() {
+        let cfg = Config::default().with_overrides(&["train.steps=7".into(), "pipeline.schedule=1f1b".into(), "run.dir=/tmp/x".into(), "train.lr=0.5".into()]).unwrap();
+        assert_eq!(cfg.train.steps, 7);
+        assert_eq!(cfg.pipeline.schedule, ScheduleKind::OneFOneB);
+        assert_eq!(cfg.run.dir, PathBuf::from("/tmp/x"));
+        assert_eq!(cfg.train.lr, 0.5);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = Config::default().with_overrides(&["train.stpes=3".into()]).unwrap_err().to_string();
+        assert!(err.contains("train.stpes") && err.contains("steps"), "{err}");
+        let err = Config::from_toml("[train]\nstpes = 3\n", "f.toml").unwrap_err().to_string();
+        assert!(err.contains("stpes"), "{err}");
+        let err = Config::default().with_overrides(&["pipeline.schedule=zigzag".into()]).unwrap_err().to_string();
+        assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
+    }
+
+    #[test]
+    fn invalid_values_say_why() {
+        let err = Config::default().with_overrides(&["pipeline.stages=9".into()]).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("pipeline.stages") && err.contains("at least one layer"), "{err}");
+        let err = Config::default().with_overrides(&["pipeline.splits=500".into()]).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("pipeline.splits"), "{err}");
+        let err = Config::default().with_overrides(&["model.heads=5".into()]).unwrap().validate().unwrap_err().to_string();
+        assert!(err.contains("model.heads"), "{err}");
+    }
+}

@@ -1,0 +1,481 @@
+//! Training data: token sources, deterministic micro-batch sampling and dataset preparation.
+//!
+//! # Determinism
+//!
+//! The tokens of row `r` of micro-batch `m` at optimizer step `s` depend only on
+//! `(split, seed, s, m, r)` and the dataset: each row is drawn from its own ChaCha8 stream whose
+//! seed is a stable SplitMix64 hash of those integers (see [`keys`]). The number of pipeline
+//! stages, workers, restarts or the micro-batch size never enter the derivation, so any process
+//! that asks for a given micro-batch gets exactly the same tokens.
+//!
+//! # Sources
+//!
+//! * `source = "synthetic"`: a seeded random n-gram language ([`SyntheticLanguage`]) whose
+//!   entropy rate, and hence the best achievable loss, is known exactly. Needs no download.
+//! * `source = "<dir>"`: a directory with `train.bin` / `val.bin` in the nanoGPT layout
+//!   ([`TokenFiles`]), as written by [`prepare()`] (`seqpipe data prepare`).
+
+pub mod bin;
+pub mod keys;
+pub mod prepare;
+pub mod synthetic;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use bin::{DatasetMeta, TokenFiles};
+pub use prepare::{PrepareReport, prepare};
+pub use synthetic::SyntheticLanguage;
+
+/// The value of [`DataConfig::source`] that selects the built-in synthetic language.
+pub const SYNTHETIC_SOURCE: &str = "synthetic";
+
+/// Width of the token ids stored in `.bin` files.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDtype {
+    /// 2-byte little-endian ids (vocabularies up to 65536, e.g. GPT-2's 50257).
+    #[default]
+    U16,
+    /// 4-byte little-endian ids.
+    U32,
+}
+
+impl TokenDtype {
+    /// Bytes per token id.
+    pub fn width(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
+        }
+    }
+
+    /// The config spelling: `"u16"` or `"u32"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenDtype::U16 => "u16",
+            TokenDtype::U32 => "u32",
+        }
+    }
+}
+
+impl fmt::Display for TokenDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The `[data]` config section.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `"synthetic"` (built-in, no download) or a directory containing `train.bin` and
+    /// `val.bin` (nanoGPT layout: flat little-endian token ids, no header). A relative
+    /// directory is resolved against the current working directory.
+    pub source: String,
+    /// Token id width of the `.bin` files: `"u16"` or `"u32"`.
+    pub dtype: TokenDtype,
+    /// Synthetic language: context order n (the next token depends on the previous n tokens).
+    pub synthetic_order: usize,
+    /// Synthetic language: number of possible successors of every context (1..=vocab_size).
+    pub synthetic_branching: usize,
+    /// Seed of the synthetic language's transition table (independent of `train.seed`).
+    pub synthetic_seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            source: SYNTHETIC_SOURCE.to_string(),
+            dtype: TokenDtype::U16,
+            synthetic_order: 1,
+            synthetic_branching: 4,
+            synthetic_seed: 1234,
+        }
+    }
+}
+
+impl DataConfig {
+    /// Whether this config selects the built-in synthetic language.
+    pub fn is_synthetic(&self) -> bool {
+        self.source == SYNTHETIC_SOURCE
+    }
+}
+
+/// Which part of the dataset to sample from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    /// Training data (`train.bin`, or the synthetic training stream).
+    Train,
+    /// Held-out data (`val.bin`, or a synthetic stream disjoint from the training one).
+    Val,
+}
+
+impl Split {
+    /// `"train"` or `"val"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Val => "val",
+        }
+    }
+
+    /// The token file of this split inside a dataset directory: `train.bin` or `val.bin`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Split::Train => "train.bin",
+            Split::Val => "val.bin",
+        }
+    }
+}
+
+impl fmt::Display for Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Identifies one sample row: row `row` of micro-batch `micro_batch` at optimizer step `step`,
+/// under the run seed `seed`. Together with the [`Split`] it fully determines the row's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SampleKey {
+    /// Run seed (`train.seed`).
+    pub seed: u64,
+    /// Optimizer step (or evaluation batch index).
+    pub step: u64,
+    /// Micro-batch index within the step.
+    pub micro_batch: u64,
+    /// Row index within the micro-batch.
+    pub row: u64,
+}
+
+/// Errors of the data module. Messages say what is wrong, where, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A `[data]` setting (or a value derived from the model config) is unusable.
+    #[error("invalid [data] config: {0}")]
+    InvalidConfig(String),
+
+    /// Bad arguments to a sampling or preparation call.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The dataset directory named by `[data] source` does not exist or is not a directory.
+    #[error(
+        "dataset directory {} does not exist or is not a directory; set [data] source to a \
+         directory created by `seqpipe data prepare`, or to \"synthetic\"",
+        path.display()
+    )]
+    NotADirectory {
+        /// The configured directory.
+        path: PathBuf,
+    },
+
+    /// `train.bin` or `val.bin` is missing from the dataset directory.
+    #[error(
+        "{split} token file {} is missing; create the dataset with `seqpipe data prepare` \
+         (which writes train.bin, val.bin and meta.json), or set [data] source = \"synthetic\"",
+        path.display()
+    )]
+    MissingFile {
+        /// Which split's file.
+        split: Split,
+        /// The missing file.
+        path: PathBuf,
+    },
+
+    /// An I/O operation on a file failed.
+    #[error("cannot {action} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("read", "create", "memory-map", ...).
+        action: &'static str,
+        /// The file involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A token file's size is not a whole number of token ids.
+    #[error(
+        "token file {} is {bytes} bytes, not a multiple of {width} (the size of a {dtype} \
+         token id): the file is truncated or corrupt, or [data] dtype is wrong; check \
+         [data] dtype against the dataset's meta.json or re-run `seqpipe data prepare`",
+        path.display()
+    )]
+    CorruptSize {
+        /// The token file.
+        path: PathBuf,
+        /// Its size in bytes.
+        bytes: u64,
+        /// Bytes per token id.
+        width: usize,
+        /// The configured dtype.
+        dtype: TokenDtype,
+    },
+
+    /// A token file is too short to hold one sample.
+    #[error(
+        "token file {} holds {tokens} tokens but one sample needs {needed} \
+         (seq_len + 1); use a larger dataset or a smaller model.seq_len",
+        path.display()
+    )]
+    TooShort {
+        /// The token file.
+        path: PathBuf,
+        /// Tokens in the file.
+        tokens: u64,
+        /// Tokens needed for one sample.
+        needed: u64,
+    },
+
+    /// A token id in a file does not fit the model's vocabulary.
+    #[error(
+        "token file {} has token id {value} at token index {index} (byte offset {byte_offset}), \
+         but the model's vocab_size is {vocab_size}; raise model.vocab_size to at least the \
+         dataset's vocab_size (see its meta.json), or check [data] dtype",
+        path.display()
+    )]
+    TokenOutOfRange {
+        /// The token file.
+        path: PathBuf,
+        /// Index of the offending token.
+        index: u64,
+        /// Byte offset of the offending token.
+        byte_offset: u64,
+        /// The token id.
+        value: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
+
+    /// A dataset's `meta.json` is unreadable or contradicts the config.
+    #[error("dataset metadata {}: {message}", path.display())]
+    Meta {
+        /// The `meta.json` file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+
+    /// An input of `prepare` is not usable.
+    #[error("input {}: {message}", path.display())]
+    Input {
+        /// The input file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+
+    /// A `.jsonl` input line is not a JSON object with a string `"text"` field.
+    #[error(
+        "{}:{line}: {message}; every non-empty line of a .jsonl input must be a JSON object \
+         with a string \"text\" field",
+        path.display()
+    )]
+    InvalidJsonl {
+        /// The input file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong.
+        message: String,
+    },
+
+    /// The GPT-2 tokenizer could not be loaded.
+    #[error("cannot load the GPT-2 (r50k_base) tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// A source of token sequences. Implemented by [`SyntheticLanguage`] and [`TokenFiles`].
+///
+/// Implementations must be pure: `sample` returns the same tokens for the same
+/// `(split, key, len)` in every process, whatever else has been sampled before.
+pub trait TokenSource: Send + Sync {
+    /// The vocabulary the source needs: the synthetic alphabet size (max id + 1), or for token
+    /// files the `vocab_size` declared in the dataset's `meta.json` (the model's `vocab_size`
+    /// when the dataset has no `meta.json`).
+    fn vocab_size(&self) -> usize;
+
+    /// A one-line human-readable description for logs.
+    fn describe(&self) -> String;
+
+    /// Returns `len` tokens of sample `(split, key.seed, key.step, key.micro_batch, key.row)`.
+    /// Every token is below the model `vocab_size` the source was opened with.
+    fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError>;
+}
+
+/// Opens the configured source.
+///
+/// `vocab_size` is the model's; every token produced is `< vocab_size`. For token files this is
+/// checked when a window is sampled (the error names the file and offset); the synthetic
+/// language uses `vocab_size` as its alphabet.
+pub fn open_source(cfg: &DataConfig, vocab_size: usize) -> Result<Box<dyn TokenSource>, DataError> {
+    if cfg.is_synthetic() {
+        Ok(Box::new(synthetic_language(cfg, vocab_size)?))
+    } else if cfg.source.trim().is_empty() {
+        Err(DataError::InvalidConfig(
+            "source is empty; set it to \"synthetic\" or to a dataset directory created by \
+             `seqpipe data prepare`"
+                .into(),
+        ))
+    } else {
+        Ok(Box::new(TokenFiles::open(
+            Path::new(&cfg.source),
+            cfg.dtype,
+            vocab_size,
+        )?))
+    }
+}
+
+/// Builds the synthetic language described by `cfg` over an alphabet of `vocab_size` tokens
+/// (whatever `cfg.source` says), e.g. so the CLI can print its loss lower bound.
+pub fn synthetic_language(
+    cfg: &DataConfig,
+    vocab_size: usize,
+) -> Result<SyntheticLanguage, DataError> {
+    SyntheticLanguage::new(
+        vocab_size,
+        cfg.synthetic_order,
+        cfg.synthetic_branching,
+        cfg.synthetic_seed,
+    )
+}
+
+/// The tokens of one micro-batch: `micro_batch_size` rows of `seq_len + 1` tokens, row-major
+/// (`(micro_batch_size, seq_len + 1)`). Inputs are `row[..seq_len]`, targets `row[1..]`.
+///
+/// Row `r` is `src.sample(split, SampleKey { seed, step, micro_batch, row: r }, seq_len + 1)`,
+/// so it does not depend on `micro_batch_size` or on who asks.
+pub fn micro_batch_tokens(
+    src: &dyn TokenSource,
+    split: Split,
+    seed: u64,
+    step: u64,
+    micro_batch: u64,
+    micro_batch_size: usize,
+    seq_len: usize,
+) -> Result<Vec<u32>, DataError> {
+    if micro_batch_size == 0 || seq_len == 0 {
+        return Err(DataError::InvalidArgument(format!(
+            "micro_batch_tokens needs micro_batch_size >= 1 and seq_len >= 1 \
+             (got {micro_batch_size} and {seq_len}); check the model/train config"
+        )));
+    }
+    let row_len = seq_len + 1;
+    let mut out = Vec::with_capacity(micro_batch_size * row_len);
+    for row in 0..micro_batch_size as u64 {
+        let key = SampleKey {
+            seed,
+            step,
+            micro_batch,
+            row,
+        };
+        let tokens = src.sample(split, key, row_len)?;
+        debug_assert_eq!(tokens.len(), row_len);
+        out.extend_from_slice(&tokens);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn synth(vocab: usize) -> Box<dyn TokenSource> {
+        open_source(&DataConfig::default(), vocab).unwrap()
+    }
+
+    #[test]
+    fn config_defaults_and_serde() {
+        let cfg = DataConfig::default();
+        assert_eq!(cfg.source, "synthetic");
+        assert_eq!(cfg.dtype, TokenDtype::U16);
+        assert_eq!(
+            (
+                cfg.synthetic_order,
+                cfg.synthetic_branching,
+                cfg.synthetic_seed
+            ),
+            (2, 4, 1234)
+        );
+        let parsed: DataConfig =
+            serde_json::from_str(r#"{"source":"/data/owt","dtype":"u32"}"#).unwrap();
+        assert_eq!(parsed.source, "/data/owt");
+        assert_eq!(parsed.dtype, TokenDtype::U32);
+        assert_eq!(parsed.synthetic_branching, 4);
+        let round: DataConfig =
+            serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
+        assert_eq!(round, cfg);
+        assert!(serde_json::from_str::<DataConfig>(r#"{"sauce":"x"}"#).is_err());
+        assert!(serde_json::from_str::<DataConfig>(r#"{"dtype":"u8"}"#).is_err());
+    }
+
+    #[test]
+    fn micro_batch_is_pure_and_row_keyed() {
+        let src = synth(64);
+        let a = micro_batch_tokens(&*src, Split::Train, 7, 3, 1, 4, 16).unwrap();
+        let b = micro_batch_tokens(&*src, Split::Train, 7, 3, 1, 4, 16).unwrap();
+        assert_eq!(a.len(), 4 * 17);
+        assert_eq!(a, b);
+        // A freshly opened source (another process / another restart) agrees.
+        let again = synth(64);
+        assert_eq!(
+            a,
+            micro_batch_tokens(&*again, Split::Train, 7, 3, 1, 4, 16).unwrap()
+        );
+        // Rows depend on the row index only, not on the micro-batch size.
+        let two = micro_batch_tokens(&*src, Split::Train, 7, 3, 1, 2, 16).unwrap();
+        assert_eq!(&a[..2 * 17], &two[..]);
+        // Each row equals the source's sample for its key.
+        for row in 0..4u64 {
+            let key = SampleKey {
+                seed: 7,
+                step: 3,
+                micro_batch: 1,
+                row,
+            };
+            let r = row as usize;
+            assert_eq!(
+                &a[r * 17..(r + 1) * 17],
+                &src.sample(Split::Train, key, 17).unwrap()[..]
+            );
+        }
+        // Different rows, micro-batches, steps, seeds and splits differ.
+        assert_ne!(a[..17], a[17..34]);
+        for other in [
+            micro_batch_tokens(&*src, Split::Train, 7, 3, 2, 4, 16).unwrap(),
+            micro_batch_tokens(&*src, Split::Train, 7, 4, 1, 4, 16).unwrap(),
+            micro_batch_tokens(&*src, Split::Train, 8, 3, 1, 4, 16).unwrap(),
+            micro_batch_tokens(&*src, Split::Val, 7, 3, 1, 4, 16).unwrap(),
+        ] {
+            assert_ne!(a, other);
+        }
+    }
+
+    #[test]
+    fn micro_batch_rejects_empty_shapes() {
+        let src = synth(64);
+        assert!(matches!(
+            micro_batch_tokens(&*src, Split::Train, 0, 0, 0, 0, 8),
+            Err(DataError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            micro_batch_tokens(&*src, Split::Train, 0, 0, 0, 2, 0),
+            Err(DataError::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn open_source_rejects_empty_source() {
+        let cfg = DataConfig {
+            source: " ".into(),
+            ..DataConfig::default()
+        };
+        let err = open_source(&cfg, 64).err().unwrap();
+        assert!(matches!(err, DataError::InvalidConfig(_)), "{err}");
+    }
+}

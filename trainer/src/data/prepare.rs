@@ -1,0 +1,439 @@
+//! `seqpipe data prepare`: tokenize text into a nanoGPT-layout dataset directory.
+//!
+//! Inputs are `.txt` files (the whole file is one document) and `.jsonl` files (one JSON object
+//! per non-empty line; the document is its string `"text"` field). Documents are tokenized with
+//! the GPT-2 BPE (`r50k_base`), each followed by `<|endoftext|>` (id 50256), and written as u16
+//! little-endian ids: the last `val_fraction` of the documents (at least one when there are two
+//! or more) to `val.bin`, the others to `train.bin`, plus a `meta.json` ([`DatasetMeta`]).
+//!
+//! Inputs are read twice — once to validate and count documents, once to tokenize — so that
+//! nothing is written for invalid input and the token stream is never held in memory. Outputs
+//! are written to temporary files and renamed into place at the end.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use super::bin::{DatasetMeta, META_FILE};
+use super::{DataError, Split, TokenDtype};
+
+/// GPT-2 vocabulary size.
+pub const GPT2_VOCAB_SIZE: usize = 50257;
+/// GPT-2 `<|endoftext|>` token id, appended after every document.
+pub const GPT2_EOT: u32 = 50256;
+
+/// What [`prepare()`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrepareReport {
+    /// Documents written to `train.bin`.
+    pub train_documents: u64,
+    /// Documents written to `val.bin`.
+    pub val_documents: u64,
+    /// Tokens in `train.bin` (end-of-text tokens included).
+    pub train_tokens: u64,
+    /// Tokens in `val.bin` (end-of-text tokens included).
+    pub val_tokens: u64,
+    /// Path of `train.bin`.
+    pub train_path: PathBuf,
+    /// Path of `val.bin`.
+    pub val_path: PathBuf,
+    /// Path of `meta.json`.
+    pub meta_path: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InputKind {
+    Text,
+    Jsonl,
+}
+
+fn input_kind(path: &Path) -> Result<InputKind, DataError> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("txt") => Ok(InputKind::Text),
+        Some("jsonl") => Ok(InputKind::Jsonl),
+        _ => Err(DataError::Input {
+            path: path.to_path_buf(),
+            message: "unsupported file type; inputs must be .txt (one document per file) or \
+                      .jsonl (one {\"text\": ...} object per line)"
+                .into(),
+        }),
+    }
+}
+
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DataError + use<> {
+    let path = path.to_path_buf();
+    move |source| DataError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+fn read_text(path: &Path) -> Result<String, DataError> {
+    let bytes = std::fs::read(path).map_err(io_err("read", path))?;
+    String::from_utf8(bytes).map_err(|e| DataError::Input {
+        path: path.to_path_buf(),
+        message: format!(
+            "not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8",
+            e.utf8_error().valid_up_to()
+        ),
+    })
+}
+
+/// The `"text"` field of one `.jsonl` line.
+fn jsonl_text(path: &Path, line_no: u64, line: &str) -> Result<String, DataError> {
+    let bad = |message: String| DataError::InvalidJsonl {
+        path: path.to_path_buf(),
+        line: line_no,
+        message,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| bad(format!("invalid JSON ({e})")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    match obj.get("text") {
+        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+        Some(_) => Err(bad("field \"text\" is not a string".into())),
+        None => Err(bad("no \"text\" field".into())),
+    }
+}
+
+/// Calls `f` on every document of `inputs`, in order.
+fn for_each_document(
+    inputs: &[PathBuf],
+    mut f: impl FnMut(&str) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    for path in inputs {
+        match input_kind(path)? {
+            InputKind::Text => f(&read_text(path)?)?,
+            InputKind::Jsonl => {
+                let file = File::open(path).map_err(io_err("open", path))?;
+                for (i, line) in BufReader::new(file).lines().enumerate() {
+                    let line_no = i as u64 + 1;
+                    let line = line.map_err(|e| DataError::InvalidJsonl {
+                        path: path.clone(),
+                        line: line_no,
+                        message: format!("cannot read line ({e})"),
+                    })?;
+                    if line.trim().is_empty() {
+                        continue;
+                    }
+                    f(&jsonl_text(path, line_no, &line)?)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A token file being written through a temporary name.
+struct TokenWriter {
+    tmp: PathBuf,
+    path: PathBuf,
+    out: BufWriter<File>,
+    tokens: u64,
+}
+
+impl TokenWriter {
+    fn create(path: PathBuf) -> Result<TokenWriter, DataError> {
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        let file = File::create(&tmp).map_err(io_err("create", &tmp))?;
+        Ok(TokenWriter {
+            out: BufWriter::with_capacity(1 << 20, file),
+            tmp,
+            path,
+            tokens: 0,
+        })
+    }
+
+    fn write(&mut self, tokens: &[u32]) -> Result<(), DataError> {
+        for &t in tokens {
+            let t = u16::try_from(t).map_err(|_| {
+                DataError::Tokenizer(format!(
+                    "token id {t} does not fit in u16 (GPT-2 ids are < 50257)"
+                ))
+            })?;
+            self.out
+                .write_all(&t.to_le_bytes())
+                .map_err(io_err("write", &self.tmp))?;
+        }
+        self.tokens += tokens.len() as u64;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<(PathBuf, u64), DataError> {
+        let file = self.out.into_inner().map_err(|e| DataError::Io {
+            action: "write",
+            path: self.tmp.clone(),
+            source: e.into_error(),
+        })?;
+        file.sync_all().map_err(io_err("sync", &self.tmp))?;
+        drop(file);
+        std::fs::rename(&self.tmp, &self.path).map_err(io_err("rename into place", &self.path))?;
+        Ok((self.path, self.tokens))
+    }
+}
+
+/// Number of validation documents out of `n`: `round(val_fraction * n)`, clamped so that both
+/// splits get at least one document when `n >= 2`.
+fn val_documents(n: u64, val_fraction: f64) -> u64 {
+    if n < 2 {
+        0
+    } else {
+        ((val_fraction * n as f64).round() as u64).clamp(1, n - 1)
+    }
+}
+
+/// Tokenizes `inputs` with the GPT-2 BPE into `out_dir/{train.bin,val.bin,meta.json}` (see the
+/// module docs). `val_fraction` (in `[0, 1)`) is the share of documents, taken from the end, that
+/// go to `val.bin`.
+pub fn prepare(
+    inputs: &[PathBuf],
+    out_dir: &Path,
+    val_fraction: f64,
+) -> Result<PrepareReport, DataError> {
+    if !(0.0..1.0).contains(&val_fraction) {
+        return Err(DataError::InvalidArgument(format!(
+            "val_fraction is {val_fraction}; it must be in [0, 1), e.g. 0.1"
+        )));
+    }
+    if inputs.is_empty() {
+        return Err(DataError::InvalidArgument(
+            "no input files; pass one or more .txt or .jsonl files".into(),
+        ));
+    }
+
+    // Pass 1: validate every input and count documents before writing anything.
+    let mut n_docs = 0u64;
+    for_each_document(inputs, |_| {
+        n_docs += 1;
+        Ok(())
+    })?;
+    if n_docs == 0 {
+        return Err(DataError::Input {
+            path: inputs[0].clone(),
+            message: "the inputs contain no documents (all .jsonl inputs are empty); add text"
+                .into(),
+        });
+    }
+    let n_val = val_documents(n_docs, val_fraction);
+    let n_train = n_docs - n_val;
+    if n_val == 0 {
+        tracing::warn!("only one document: val.bin will be empty; add more documents to validate");
+    }
+
+    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    std::fs::create_dir_all(out_dir).map_err(io_err("create directory", out_dir))?;
+    let mut train = TokenWriter::create(out_dir.join(Split::Train.file_name()))?;
+    let mut val = TokenWriter::create(out_dir.join(Split::Val.file_name()))?;
+
+    // Pass 2: tokenize and stream out.
+    let mut doc = 0u64;
+    for_each_document(inputs, |text| {
+        let mut tokens = bpe.encode_ordinary(text);
+        tokens.push(GPT2_EOT);
+        let out = if doc < n_train { &mut train } else { &mut val };
+        out.write(&tokens)?;
+        doc += 1;
+        Ok(())
+    })?;
+    if doc != n_docs {
+        return Err(DataError::InvalidArgument(format!(
+            "the inputs changed while being prepared ({n_docs} documents, then {doc}); \
+             run again on files that are not being modified"
+        )));
+    }
+
+    let (train_path, train_tokens) = train.finish()?;
+    let (val_path, val_tokens) = val.finish()?;
+    let meta = DatasetMeta {
+        vocab_size: GPT2_VOCAB_SIZE,
+        dtype: TokenDtype::U16,
+        tokenizer: "gpt2".into(),
+        train_tokens,
+        val_tokens,
+    };
+    let meta_path = out_dir.join(META_FILE);
+    let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
+    std::fs::write(&meta_path, json + "\n").map_err(io_err("write", &meta_path))?;
+    tracing::info!(
+        train_documents = n_train,
+        val_documents = n_val,
+        train_tokens,
+        val_tokens,
+        dir = %out_dir.display(),
+        "dataset prepared"
+    );
+    Ok(PrepareReport {
+        train_documents: n_train,
+        val_documents: n_val,
+        train_tokens,
+        val_tokens,
+        train_path,
+        val_path,
+        meta_path,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::bin::TokenFiles;
+    use super::super::bin::tests::TempDir;
+    use super::super::{DataConfig, SampleKey, TokenSource, open_source};
+    use super::*;
+
+    fn read_u16(path: &Path) -> Vec<u32> {
+        std::fs::read(path)
+            .unwrap()
+            .chunks_exact(2)
+            .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+            .collect()
+    }
+
+    #[test]
+    fn val_split_sizes() {
+        assert_eq!(val_documents(1, 0.5), 0);
+        assert_eq!(val_documents(2, 0.0), 1);
+        assert_eq!(val_documents(2, 0.9), 1);
+        assert_eq!(val_documents(10, 0.1), 1);
+        assert_eq!(val_documents(100, 0.25), 25);
+    }
+
+    #[test]
+    fn prepare_txt_files() {
+        let tmp = TempDir::new("prep-txt");
+        let a = tmp.0.join("a.txt");
+        let b = tmp.0.join("b.TXT");
+        std::fs::write(&a, "Hello world").unwrap();
+        std::fs::write(&b, " world").unwrap();
+        let out = tmp.0.join("out");
+        let report = prepare(&[a, b], &out, 0.1).unwrap();
+        assert_eq!((report.train_documents, report.val_documents), (1, 1));
+        assert_eq!((report.train_tokens, report.val_tokens), (3, 2));
+        // GPT-2: "Hello" = 15496, " world" = 995.
+        assert_eq!(read_u16(&report.train_path), vec![15496, 995, GPT2_EOT]);
+        assert_eq!(read_u16(&report.val_path), vec![995, GPT2_EOT]);
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report.meta_path).unwrap()).unwrap();
+        assert_eq!(
+            meta,
+            serde_json::json!({"vocab_size": 50257, "dtype": "u16", "tokenizer": "gpt2",
+                               "train_tokens": 3, "val_tokens": 2})
+        );
+        assert!(!out.join("train.bin.tmp").exists());
+
+        // The result opens as a dataset.
+        let cfg = DataConfig {
+            source: out.to_str().unwrap().into(),
+            ..DataConfig::default()
+        };
+        let src = open_source(&cfg, GPT2_VOCAB_SIZE).unwrap();
+        assert_eq!(src.vocab_size(), GPT2_VOCAB_SIZE);
+        let key = SampleKey {
+            seed: 0,
+            step: 0,
+            micro_batch: 0,
+            row: 0,
+        };
+        assert_eq!(
+            src.sample(Split::Train, key, 3).unwrap(),
+            vec![15496, 995, GPT2_EOT]
+        );
+        // A model with a smaller vocabulary gets a clear error on sampling.
+        let files = TokenFiles::open(&out, TokenDtype::U16, 1000).unwrap();
+        let err = files.sample(Split::Train, key, 3).unwrap_err();
+        assert!(
+            matches!(err, DataError::TokenOutOfRange { value: 15496, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn prepare_jsonl() {
+        let tmp = TempDir::new("prep-jsonl");
+        let input = tmp.0.join("docs.jsonl");
+        let lines: Vec<String> = (0..10)
+            .map(|i| format!("{{\"id\": {i}, \"text\": \"Hello world\"}}"))
+            .collect();
+        std::fs::write(&input, lines.join("\n") + "\n\n").unwrap();
+        let out = tmp.0.join("out");
+        let report = prepare(&[input], &out, 0.2).unwrap();
+        assert_eq!((report.train_documents, report.val_documents), (8, 2));
+        assert_eq!((report.train_tokens, report.val_tokens), (24, 6));
+        assert_eq!(
+            read_u16(&report.val_path),
+            vec![15496, 995, GPT2_EOT, 15496, 995, GPT2_EOT]
+        );
+        let meta = crate::data::DatasetMeta::read(&out).unwrap().unwrap();
+        assert_eq!((meta.train_tokens, meta.val_tokens), (24, 6));
+    }
+
+    #[test]
+    fn prepare_reports_bad_jsonl_line() {
+        let tmp = TempDir::new("prep-bad");
+        let input = tmp.0.join("docs.jsonl");
+        let out = tmp.0.join("out");
+        for (body, needle) in [
+            ("{\"text\": \"ok\"}\n{\"text\": 5}\n", "not a string"),
+            ("{\"text\": \"ok\"}\n{broken\n", "invalid JSON"),
+            ("{\"text\": \"ok\"}\n[1, 2]\n", "not a JSON object"),
+            (
+                "{\"text\": \"ok\"}\n{\"body\": \"x\"}\n",
+                "no \"text\" field",
+            ),
+        ] {
+            std::fs::write(&input, body).unwrap();
+            let err = prepare(std::slice::from_ref(&input), &out, 0.1).unwrap_err();
+            match &err {
+                DataError::InvalidJsonl { path, line, .. } => {
+                    assert_eq!(path, &input);
+                    assert_eq!(*line, 2);
+                }
+                other => panic!("unexpected {other}"),
+            }
+            let msg = err.to_string();
+            assert!(
+                msg.contains("docs.jsonl:2") && msg.contains(needle),
+                "{msg}"
+            );
+            assert!(!out.exists(), "nothing is written for invalid input");
+        }
+    }
+
+    #[test]
+    fn prepare_rejects_bad_arguments() {
+        let tmp = TempDir::new("prep-args");
+        let out = tmp.0.join("out");
+        assert!(matches!(
+            prepare(&[], &out, 0.1),
+            Err(DataError::InvalidArgument(_))
+        ));
+        let txt = tmp.0.join("a.txt");
+        std::fs::write(&txt, "x").unwrap();
+        assert!(matches!(
+            prepare(std::slice::from_ref(&txt), &out, 1.0),
+            Err(DataError::InvalidArgument(_))
+        ));
+        let csv = tmp.0.join("a.csv");
+        std::fs::write(&csv, "x").unwrap();
+        let err = prepare(&[csv], &out, 0.1).unwrap_err();
+        assert!(matches!(err, DataError::Input { .. }), "{err}");
+        let err = prepare(&[tmp.0.join("absent.txt")], &out, 0.1).unwrap_err();
+        assert!(err.to_string().contains("absent.txt"), "{err}");
+        let bad = tmp.0.join("bad.txt");
+        std::fs::write(&bad, [b'a', 0xFF]).unwrap();
+        let err = prepare(&[bad], &out, 0.1).unwrap_err();
+        assert!(err.to_string().contains("UTF-8"), "{err}");
+        // A single document: everything goes to train.
+        let report = prepare(&[txt], &out, 0.5).unwrap();
+        assert_eq!((report.train_documents, report.val_documents), (1, 0));
+        assert_eq!(report.val_tokens, 0);
+    }
+}

@@ -1,0 +1,12 @@
+//! seqpipe's trainer: the GPT model split into pipeline stages, Seq1F1B schedules as data,
+//! the stage runtime that executes a schedule over a [`runtime::transport::Transport`],
+//! data loading, and the `seqpipe` command line.
+
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod lr;
+pub mod metrics;
+pub mod model;
+pub mod runtime;
+pub mod schedule;

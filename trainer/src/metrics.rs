@@ -1,0 +1,56 @@
+//! `metrics.jsonl`: one JSON object per line, appended and flushed as the run goes.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// One training step's numbers.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// Completed optimizer steps (1-based).
+    pub step: u64,
+    /// Mean token loss of the step's global batch.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens in the step's global batch.
+    pub tokens: usize,
+    /// Wall-clock seconds of the step (forward, backward, update).
+    pub step_time_s: f64,
+    /// tokens / step_time_s.
+    pub tokens_per_s: f64,
+    /// Validation loss, on steps where evaluation ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// Appends JSON lines to a file.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsLog {
+    /// Opens (creating or appending to) `path`.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self { path: path.to_path_buf(), file })
+    }
+
+    /// Appends one record and flushes it.
+    pub fn append(&mut self, record: &impl Serialize) -> io::Result<()> {
+        let mut line = serde_json::to_vec(record).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.file.write_all(&line)?;
+        self.file.flush()
+    }
+
+    /// The file written to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}

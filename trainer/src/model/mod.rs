@@ -1,0 +1,13 @@
+//! The GPT model (GPT-2 style decoder) split into pipeline stages, with explicit forward/backward per
+//! (micro-batch, segment) unit.
+
+pub mod block;
+pub mod config;
+pub mod norm;
+pub mod params;
+pub mod partition;
+pub mod stage;
+
+pub use config::{ModelConfig, Norm, Position};
+pub use partition::{StageLayout, partition_layers};
+pub use stage::{Mode, ModelError, Stage, StageInput, StageOutput};

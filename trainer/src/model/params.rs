@@ -1,0 +1,269 @@
+//! Parameter names, shapes and seeded initialization.
+//!
+//! Names are global and GPT-2 style (`h.7.attn.c_attn.weight`): a parameter keeps its name whichever
+//! stage holds it, and its initial value depends only on (seed, name), never on the partition.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::config::{ModelConfig, Norm, Position};
+use super::stage::ModelError;
+
+/// A part of the model that is placed on exactly one stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Component {
+    /// Token (and learned position) embeddings: always on the first stage.
+    Embeddings,
+    /// Transformer block `i`.
+    Block(usize),
+    /// Final norm and LM head: always on the last stage.
+    Head,
+}
+
+/// What role a parameter plays (decides weight decay).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A linear layer's weight matrix (decayed).
+    Weight,
+    /// A bias vector (not decayed).
+    Bias,
+    /// A norm's gain or bias (not decayed).
+    Norm,
+    /// An embedding table (decayed only when configured).
+    Embedding,
+}
+
+/// How a parameter starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal(0, std) from the parameter's own seeded stream.
+    Normal(f64),
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+}
+
+/// One parameter of the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    /// Global name, e.g. `h.0.mlp.c_fc.weight`.
+    pub name: String,
+    /// Shape; linear weights are `(out, in)`.
+    pub shape: Vec<usize>,
+    /// Initial distribution.
+    pub init: Init,
+    /// Role (weight decay policy).
+    pub kind: ParamKind,
+    /// Which component owns it.
+    pub component: Component,
+}
+
+/// The model's components in canonical order.
+pub fn components(cfg: &ModelConfig) -> Vec<Component> {
+    let mut all = vec![Component::Embeddings];
+    all.extend((0..cfg.layers).map(Component::Block));
+    all.push(Component::Head);
+    all
+}
+
+/// The parameters of one component, in canonical order.
+pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpec> {
+    let c = cfg.d_model;
+    let std = cfg.init_std;
+    let residual_std = std / (2.0 * cfg.layers as f64).sqrt();
+    let mut out = Vec::new();
+    let mut push = |name: String, shape: Vec<usize>, init: Init, kind: ParamKind| {
+        out.push(ParamSpec { name, shape, init, kind, component });
+    };
+    let norm = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind), prefix: &str| {
+        push(format!("{prefix}.weight"), vec![c], Init::Ones, ParamKind::Norm);
+        if cfg.norm == Norm::LayerNorm {
+            push(format!("{prefix}.bias"), vec![c], Init::Zeros, ParamKind::Norm);
+        }
+    };
+    match component {
+        Component::Embeddings => {
+            push("wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), ParamKind::Embedding);
+            if cfg.position == Position::Learned {
+                push("wpe.weight".into(), vec![cfg.max_seq_len, c], Init::Normal(std), ParamKind::Embedding);
+            }
+        }
+        Component::Block(i) => {
+            let p = format!("h.{i}");
+            let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind), name: &str, out_dim: usize, in_dim: usize, std: f64| {
+                push(format!("{p}.{name}.weight"), vec![out_dim, in_dim], Init::Normal(std), ParamKind::Weight);
+                push(format!("{p}.{name}.bias"), vec![out_dim], Init::Zeros, ParamKind::Bias);
+            };
+            norm(&mut push, &format!("{p}.ln_1"));
+            linear(&mut push, "attn.c_attn", 3 * c, c, std);
+            linear(&mut push, "attn.c_proj", c, c, residual_std);
+            norm(&mut push, &format!("{p}.ln_2"));
+            linear(&mut push, "mlp.c_fc", cfg.ffn(), c, std);
+            linear(&mut push, "mlp.c_proj", c, cfg.ffn(), residual_std);
+        }
+        Component::Head => {
+            norm(&mut push, "ln_f");
+            push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), ParamKind::Weight);
+        }
+    }
+    out
+}
+
+/// Every parameter of the model, in canonical order (embeddings, blocks, final norm, head).
+pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
+    components(cfg).into_iter().flat_map(|comp| component_params(cfg, comp)).collect()
+}
+
+/// Total number of parameters.
+pub fn param_count(cfg: &ModelConfig) -> usize {
+    param_specs(cfg).iter().map(|s| s.shape.iter().product::<usize>()).sum()
+}
+
+/// FNV-1a of a name: a hash that is stable across platforms and Rust versions.
+fn stable_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The initial value of a parameter: a pure function of (seed, name, shape, init).
+pub fn init_param(spec: &ParamSpec, seed: u64, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    let n: usize = spec.shape.iter().product();
+    let values: Vec<f64> = match spec.init {
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Normal(std) => {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ stable_hash(&spec.name).rotate_left(17));
+            let mut values = Vec::with_capacity(n + 1);
+            while values.len() < n {
+                // Box-Muller: two independent normals from two uniforms in (0, 1].
+                let u1: f64 = 1.0 - rng.random::<f64>();
+                let u2: f64 = rng.random::<f64>();
+                let r = (-2.0 * u1.ln()).sqrt();
+                let theta = std::f64::consts::TAU * u2;
+                values.push(std * r * theta.cos());
+                values.push(std * r * theta.sin());
+            }
+            values.truncate(n);
+            values
+        }
+    };
+    Tensor::from_vec(values, spec.shape.as_slice(), device)?.to_dtype(dtype)
+}
+
+/// Whether AdamW's decoupled weight decay applies to this parameter.
+pub fn decays(kind: ParamKind, decay_embeddings: bool) -> bool {
+    match kind {
+        ParamKind::Weight => true,
+        ParamKind::Embedding => decay_embeddings,
+        ParamKind::Bias | ParamKind::Norm => false,
+    }
+}
+
+/// The parameters a stage holds, by global name, with their specs in canonical order.
+pub struct Params {
+    specs: Vec<ParamSpec>,
+    values: HashMap<String, Tensor>,
+}
+
+impl Params {
+    /// Holds `values`, one per spec.
+    pub fn new(specs: Vec<ParamSpec>, values: HashMap<String, Tensor>) -> Self {
+        Self { specs, values }
+    }
+
+    /// The tensor of `name`.
+    pub fn get(&self, name: &str) -> Result<&Tensor, ModelError> {
+        self.values.get(name).ok_or_else(|| ModelError::MissingParam(name.to_string()))
+    }
+
+    /// Replaces the value of `name` (same shape required).
+    pub fn set(&mut self, name: &str, value: Tensor) -> Result<(), ModelError> {
+        let spec = self.specs.iter().find(|s| s.name == name).ok_or_else(|| ModelError::MissingParam(name.to_string()))?;
+        if value.dims() != spec.shape.as_slice() {
+            return Err(ModelError::Shape { name: name.to_string(), expected: spec.shape.clone(), got: value.dims().to_vec() });
+        }
+        self.values.insert(name.to_string(), value);
+        Ok(())
+    }
+
+    /// Specs of the held parameters, in canonical order.
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// `(name, tensor)` pairs in canonical order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.specs.iter().map(|s| (s.name.as_str(), &self.values[&s.name]))
+    }
+}
+
+/// Parameter gradients accumulated over a step's units, in the order the units' backward ran.
+#[derive(Default)]
+pub struct Gradients {
+    values: HashMap<String, Tensor>,
+}
+
+impl Gradients {
+    /// `grad[name] += g`.
+    pub fn add(&mut self, name: &str, g: Tensor) -> Result<(), ModelError> {
+        let next = match self.values.remove(name) {
+            Some(acc) => acc.add(&g)?,
+            None => g,
+        };
+        self.values.insert(name.to_string(), next);
+        Ok(())
+    }
+
+    /// The accumulated gradient of `name`, if any unit produced one.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.values.get(name)
+    }
+
+    /// Forgets all gradients (start of a step).
+    pub fn clear(&mut self) {
+        self.values.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_gpt2_and_are_unique() {
+        let cfg = ModelConfig { layers: 2, ..ModelConfig::default() };
+        let specs = param_specs(&cfg);
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names[0], "wte.weight");
+        assert_eq!(names[1], "wpe.weight");
+        assert!(names.contains(&"h.1.attn.c_attn.weight"));
+        assert!(names.contains(&"h.0.mlp.c_proj.bias"));
+        assert_eq!(names[names.len() - 1], "lm_head.weight");
+        let unique: std::collections::BTreeSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+    }
+
+    #[test]
+    fn rmsnorm_and_rope_drop_biases_and_wpe() {
+        let cfg = ModelConfig { norm: Norm::RmsNorm, position: Position::Rope, ..ModelConfig::default() };
+        let names: Vec<String> = param_specs(&cfg).into_iter().map(|s| s.name).collect();
+        assert!(!names.iter().any(|n| n == "wpe.weight" || n.ends_with("ln_1.bias") || n == "ln_f.bias"));
+    }
+
+    #[test]
+    fn init_depends_only_on_seed_and_name() {
+        let cfg = ModelConfig::default();
+        let spec = &param_specs(&cfg)[2];
+        let a = init_param(spec, 7, DType::F32, &Device::Cpu).unwrap();
+        let b = init_param(spec, 7, DType::F32, &Device::Cpu).unwrap();
+        let c = init_param(spec, 8, DType::F32, &Device::Cpu).unwrap();
+        let diff = |x: &Tensor, y: &Tensor| x.sub(y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff(&a, &b), 0.0);
+        assert!(diff(&a, &c) > 0.0);
+        let std = a.sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+    }
+}

@@ -1,0 +1,8 @@
+//! The stage runtime: worker processes that execute their stage's action list over a
+//! [`transport::Transport`], and the launcher that starts them and drives the steps.
+
+pub mod control;
+pub mod launcher;
+pub mod transport;
+pub mod wire;
+pub mod worker;

@@ -1,0 +1,128 @@
+//! Moving activations and gradients between neighbouring stages.
+//!
+//! [`Transport`] is what the stage runtime sees; [`TcpLink`] implements it over one TCP connection per
+//! neighbour pair (activations flow down it, gradients up). A reader thread drains the socket into a
+//! queue so that two stages sending to each other at once never deadlock.
+
+use std::io::{self, BufReader, BufWriter};
+use std::net::TcpStream;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::wire::{Frame, read_frame, write_frame};
+use crate::schedule::Unit;
+
+/// What a tensor message carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Payload {
+    /// Hidden states flowing forward.
+    Activation,
+    /// Gradients flowing backward.
+    Grad,
+}
+
+/// The small header in front of every tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorHeader {
+    /// Plan generation; messages of another generation are refused.
+    pub generation: u64,
+    /// Optimizer step (1-based).
+    pub step: u64,
+    /// Activation or gradient.
+    pub payload: Payload,
+    /// Which (micro-batch, segment) it belongs to.
+    pub unit: Unit,
+    /// Tensor shape (f32, row-major).
+    pub shape: Vec<usize>,
+}
+
+/// Transport failures, naming the peer.
+#[derive(Debug, Error)]
+pub enum TransportError {
+    /// The connection broke (the peer died or closed it).
+    #[error("connection to {peer} failed: {source}")]
+    Io { peer: String, source: io::Error },
+    /// Nothing arrived in time.
+    #[error("no message from {peer} within {timeout:?} (is it hung or dead?)")]
+    Timeout { peer: String, timeout: Duration },
+    /// Something other than what the schedule expected arrived.
+    #[error("protocol error with {peer}: expected {expected}, got {got}")]
+    Unexpected { peer: String, expected: String, got: String },
+    /// A tensor could not be (de)serialized.
+    #[error("bad tensor from {peer}: {reason}")]
+    BadTensor { peer: String, reason: String },
+}
+
+/// Sends and receives tensors tagged with their unit to one neighbouring stage.
+pub trait Transport: Send {
+    /// Sends `tensor` (f32) as the `payload` of `unit` in `step`.
+    fn send(&mut self, step: u64, payload: Payload, unit: Unit, tensor: &Tensor) -> Result<(), TransportError>;
+    /// Receives the next message, which must be the `payload` of `unit` in `step`.
+    fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError>;
+}
+
+/// A [`Transport`] over one TCP connection.
+pub struct TcpLink {
+    peer: String,
+    generation: u64,
+    timeout: Duration,
+    writer: BufWriter<TcpStream>,
+    incoming: Receiver<io::Result<Frame>>,
+}
+
+impl TcpLink {
+    /// Wraps a connected stream; `peer` names it in errors (e.g. "stage 2").
+    pub fn new(stream: TcpStream, peer: String, generation: u64, timeout: Duration) -> io::Result<Self> {
+        stream.set_nodelay(true)?;
+        let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
+        let (tx, incoming) = channel();
+        std::thread::Builder::new().name(format!("recv-{peer}")).spawn(move || {
+            loop {
+                let frame = read_frame(&mut reader);
+                let stop = frame.is_err();
+                if tx.send(frame).is_err() || stop {
+                    break;
+                }
+            }
+        })?;
+        Ok(Self { peer, generation, timeout, writer: BufWriter::with_capacity(1 << 20, stream), incoming })
+    }
+
+    fn io_error(&self, source: io::Error) -> TransportError {
+        TransportError::Io { peer: self.peer.clone(), source }
+    }
+}
+
+impl Transport for TcpLink {
+    fn send(&mut self, step: u64, payload: Payload, unit: Unit, tensor: &Tensor) -> Result<(), TransportError> {
+        let bad = |e: candle_core::Error| TransportError::BadTensor { peer: self.peer.clone(), reason: e.to_string() };
+        let values = tensor.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(bad)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let header = TensorHeader { generation: self.generation, step, payload, unit, shape: tensor.dims().to_vec() };
+        write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
+    }
+
+    fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError> {
+        let frame = match self.incoming.recv_timeout(self.timeout) {
+            Ok(frame) => frame.map_err(|e| self.io_error(e))?,
+            Err(RecvTimeoutError::Timeout) => return Err(TransportError::Timeout { peer: self.peer.clone(), timeout: self.timeout }),
+            Err(RecvTimeoutError::Disconnected) => return Err(self.io_error(io::ErrorKind::UnexpectedEof.into())),
+        };
+        let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
+        let expected = TensorHeader { generation: self.generation, step, payload, unit, shape: header.shape.clone() };
+        if header != expected {
+            return Err(TransportError::Unexpected { peer: self.peer.clone(), expected: format!("{expected:?}"), got: format!("{header:?}") });
+        }
+        let n: usize = header.shape.iter().product();
+        if frame.payload.len() != 4 * n {
+            return Err(TransportError::BadTensor { peer: self.peer.clone(), reason: format!("shape {:?} needs {} bytes, got {}", header.shape, 4 * n, frame.payload.len()) });
+        }
+        let values: Vec<f32> = frame.payload.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
+        Tensor::from_vec(values, header.shape, &Device::Cpu).map_err(|e| TransportError::BadTensor { peer: self.peer.clone(), reason: e.to_string() })
+    }
+}

@@ -1,0 +1,333 @@
+//! The vocabulary of schedules: which schedule ([`ScheduleKind`]), what is scheduled ([`Unit`]),
+//! and what a stage does with it ([`Action`]).
+//!
+//! Every type here prints and parses in a compact text form (PyTorch `_Action` style), and
+//! serializes to JSON as that same string, so that a schedule can be written to a file, read
+//! back, and diffed by eye:
+//!
+//! | text     | meaning                                            |
+//! |----------|----------------------------------------------------|
+//! | `F0.1`   | forward of micro-batch 0, segment 1                |
+//! | `B0.1`   | backward of micro-batch 0, segment 1               |
+//! | `RF0.1`  | receive the unit's input activation (from r−1)     |
+//! | `SF0.1`  | send the unit's output activation (to r+1)         |
+//! | `RB0.1`  | receive the gradient of the unit's output (from r+1) |
+//! | `SB0.1`  | send the gradient of the unit's input (to r−1)     |
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::ScheduleError;
+
+/// Which pipeline schedule.
+///
+/// Text and JSON forms are `"gpipe"`, `"1f1b"` and `"seq1f1b"`; parsing ignores ASCII case and
+/// a wrong name is an error that lists the allowed values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum ScheduleKind {
+    /// All forwards of the step, then all backwards (`"gpipe"`).
+    GPipe,
+    /// Classic 1F1B over whole micro-batches; a micro-batch's forward is its k segment forwards in
+    /// order, its backward the k segment backwards in reverse (`"1f1b"`).
+    OneFOneB,
+    /// Seq1F1B: 1F1B over (micro-batch, segment) units (`"seq1f1b"`).
+    Seq1F1B,
+}
+
+impl ScheduleKind {
+    /// All kinds, in the order they are listed in error messages.
+    pub const ALL: [ScheduleKind; 3] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Seq1F1B,
+    ];
+
+    /// The canonical name (`"gpipe"`, `"1f1b"`, `"seq1f1b"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScheduleKind::GPipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Seq1F1B => "seq1f1b",
+        }
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        ScheduleKind::ALL
+            .into_iter()
+            .find(|k| k.as_str().eq_ignore_ascii_case(t))
+            .ok_or_else(|| ScheduleError::Parse {
+                what: "schedule kind",
+                input: s.to_string(),
+                reason: "allowed values are \"gpipe\", \"1f1b\", \"seq1f1b\"".to_string(),
+            })
+    }
+}
+
+impl TryFrom<String> for ScheduleKind {
+    type Error = ScheduleError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<ScheduleKind> for String {
+    fn from(k: ScheduleKind) -> String {
+        k.as_str().to_string()
+    }
+}
+
+/// One schedulable unit: micro-batch `micro_batch`, sequence segment `segment`.
+///
+/// Ordering is lexicographic (micro-batch, then segment), which is the forward order. Text form
+/// is `"i.j"`, e.g. `"0.1"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Unit {
+    /// Micro-batch index within the step, `0..m`.
+    pub micro_batch: usize,
+    /// Segment index within the micro-batch's sequence, `0..k`.
+    pub segment: usize,
+}
+
+impl Unit {
+    /// The unit (micro-batch `micro_batch`, segment `segment`).
+    pub fn new(micro_batch: usize, segment: usize) -> Self {
+        Unit {
+            micro_batch,
+            segment,
+        }
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.micro_batch, self.segment)
+    }
+}
+
+impl FromStr for Unit {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason: &str| ScheduleError::Parse {
+            what: "unit",
+            input: s.to_string(),
+            reason: reason.to_string(),
+        };
+        let (i, j) = s
+            .split_once('.')
+            .ok_or_else(|| err("expected \"<micro_batch>.<segment>\", e.g. \"0.1\""))?;
+        let parse = |x: &str| {
+            // `usize::from_str` accepts a leading '+'; we do not.
+            if x.is_empty() || !x.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(err("indices must be non-negative decimal integers"));
+            }
+            x.parse::<usize>()
+                .map_err(|_| err("index does not fit in usize"))
+        };
+        Ok(Unit::new(parse(i)?, parse(j)?))
+    }
+}
+
+/// A stage's action on one unit.
+///
+/// Text form (see the module docs): `F0.1`, `B0.1`, `RF0.1`, `SF0.1`, `RB0.1`, `SB0.1`.
+/// JSON form is the same string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Action {
+    /// Run the stage's layers forward on the unit (text `F`).
+    Forward(Unit),
+    /// Run the stage's layers backward on the unit (text `B`).
+    Backward(Unit),
+    /// Receive the unit's input activation from stage r−1 (text `RF`).
+    RecvActivation(Unit),
+    /// Send the unit's output activation to stage r+1 (text `SF`).
+    SendActivation(Unit),
+    /// Receive the gradient of the unit's output from stage r+1 (text `RB`).
+    RecvGrad(Unit),
+    /// Send the gradient of the unit's input to stage r−1 (text `SB`).
+    SendGrad(Unit),
+}
+
+impl Action {
+    /// The unit this action is about.
+    pub fn unit(self) -> Unit {
+        match self {
+            Action::Forward(u)
+            | Action::Backward(u)
+            | Action::RecvActivation(u)
+            | Action::SendActivation(u)
+            | Action::RecvGrad(u)
+            | Action::SendGrad(u) => u,
+        }
+    }
+
+    /// True for [`Action::Forward`] and [`Action::Backward`] (the actions that take time).
+    pub fn is_compute(self) -> bool {
+        matches!(self, Action::Forward(_) | Action::Backward(_))
+    }
+
+    /// True for the backward-pass actions: [`Action::Backward`], [`Action::RecvGrad`],
+    /// [`Action::SendGrad`].
+    pub fn is_backward_pass(self) -> bool {
+        matches!(
+            self,
+            Action::Backward(_) | Action::RecvGrad(_) | Action::SendGrad(_)
+        )
+    }
+
+    /// The text prefix of this action (`"F"`, `"B"`, `"RF"`, `"SF"`, `"RB"`, `"SB"`).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Action::Forward(_) => "F",
+            Action::Backward(_) => "B",
+            Action::RecvActivation(_) => "RF",
+            Action::SendActivation(_) => "SF",
+            Action::RecvGrad(_) => "RB",
+            Action::SendGrad(_) => "SB",
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.prefix(), self.unit())
+    }
+}
+
+impl FromStr for Action {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // Two-letter prefixes first: "RF0.0" must not be read as "R" + "F0.0".
+        type Ctor = fn(Unit) -> Action;
+        const CTORS: [(&str, Ctor); 6] = [
+            ("RF", Action::RecvActivation),
+            ("SF", Action::SendActivation),
+            ("RB", Action::RecvGrad),
+            ("SB", Action::SendGrad),
+            ("F", Action::Forward),
+            ("B", Action::Backward),
+        ];
+        let t = s.trim();
+        for (prefix, ctor) in CTORS {
+            if let Some(rest) = t.strip_prefix(prefix) {
+                let unit = rest.parse::<Unit>().map_err(|e| ScheduleError::Parse {
+                    what: "action",
+                    input: s.to_string(),
+                    reason: format!("bad unit after {prefix:?}: {e}"),
+                })?;
+                return Ok(ctor(unit));
+            }
+        }
+        Err(ScheduleError::Parse {
+            what: "action",
+            input: s.to_string(),
+            reason: "expected F, B, RF, SF, RB or SB followed by \"<micro_batch>.<segment>\", \
+                     e.g. \"F0.1\""
+                .to_string(),
+        })
+    }
+}
+
+impl TryFrom<String> for Action {
+    type Error = ScheduleError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<Action> for String {
+    fn from(a: Action) -> String {
+        a.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_round_trips_and_lists_allowed_values() {
+        for k in ScheduleKind::ALL {
+            assert_eq!(k.to_string().parse::<ScheduleKind>().unwrap(), k);
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{k}\""));
+            assert_eq!(serde_json::from_str::<ScheduleKind>(&json).unwrap(), k);
+        }
+        assert_eq!(
+            "Seq1F1B".parse::<ScheduleKind>().unwrap(),
+            ScheduleKind::Seq1F1B
+        );
+        let e = "zb-v".parse::<ScheduleKind>().unwrap_err().to_string();
+        assert!(
+            e.contains("zb-v")
+                && e.contains("gpipe")
+                && e.contains("1f1b")
+                && e.contains("seq1f1b"),
+            "{e}"
+        );
+        let e = serde_json::from_str::<ScheduleKind>("\"pipedream\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("seq1f1b"), "{e}");
+    }
+
+    #[test]
+    fn action_round_trips() {
+        let u = Unit::new(12, 3);
+        for a in [
+            Action::Forward(u),
+            Action::Backward(u),
+            Action::RecvActivation(u),
+            Action::SendActivation(u),
+            Action::RecvGrad(u),
+            Action::SendGrad(u),
+        ] {
+            let s = a.to_string();
+            assert_eq!(s.parse::<Action>().unwrap(), a, "{s}");
+            let json = serde_json::to_string(&a).unwrap();
+            assert_eq!(json, format!("\"{s}\""));
+            assert_eq!(serde_json::from_str::<Action>(&json).unwrap(), a);
+        }
+        assert_eq!(Action::Forward(Unit::new(0, 1)).to_string(), "F0.1");
+        assert_eq!(Action::RecvGrad(Unit::new(2, 0)).to_string(), "RB2.0");
+        assert_eq!(
+            "SB1.2".parse::<Action>().unwrap(),
+            Action::SendGrad(Unit::new(1, 2))
+        );
+    }
+
+    #[test]
+    fn bad_actions_are_rejected_with_the_input() {
+        for bad in [
+            "", "F", "X0.1", "F0", "F0.", "F.1", "F-1.0", "F+1.0", "RX0.0", "F0.1.2", "f0.1",
+        ] {
+            let e = bad.parse::<Action>().unwrap_err().to_string();
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn units_order_forward_first() {
+        let mut v = vec![Unit::new(1, 0), Unit::new(0, 1), Unit::new(0, 0)];
+        v.sort();
+        assert_eq!(v, vec![Unit::new(0, 0), Unit::new(0, 1), Unit::new(1, 0)]);
+    }
+}

@@ -1,0 +1,39 @@
+//! Pipeline schedules as data: GPipe, 1F1B and Seq1F1B (arXiv 2406.03488).
+//!
+//! A step's work is m·k *units* — micro-batch i, sequence segment j. A [`Schedule`] is one
+//! ordered [`Action`] list per stage (compute and communication), which can be printed
+//! ([`render_text`]), saved and loaded (serde, actions as strings like `"RF0.1"`), dry-run
+//! ([`validate`]), timed ([`simulate`]) and drawn ([`render_svg`], [`report_json`]).
+//!
+//! Invariant kept by every generator: on every stage the backward units run in the same order —
+//! micro-batch ascending, segment descending — whatever the kind and the stage count, so the
+//! order in which parameter gradients accumulate never depends on the pipeline partition.
+//!
+//! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`].
+//!
+//! ```
+//! use trainer::schedule::{ScheduleKind, generate, render_text, validate};
+//! let s = generate(ScheduleKind::Seq1F1B, 4, 3, 2).unwrap();
+//! validate(&s).unwrap();
+//! assert!(render_text(&s).starts_with("stage 0: F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1 B0.0"));
+//! ```
+//!
+//! The module is pure: no tensors, no IO.
+
+mod action;
+mod error;
+mod generate;
+mod render;
+pub mod segments;
+mod simulate;
+mod validate;
+
+pub use action::{Action, ScheduleKind, Unit};
+pub use error::ScheduleError;
+pub use generate::{Schedule, generate, generate_forward_only};
+pub use render::{render_svg, render_text, report_json};
+pub use segments::{
+    FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
+};
+pub use simulate::{Simulation, Slot, StageStats, UnitCosts, simulate};
+pub use validate::validate;

@@ -1,0 +1,678 @@
+//! The schedule validator: a dry run of all stages before anything executes.
+//!
+//! Checks, in this order (the first failure is returned):
+//!
+//! 1. parameters: p, m, k ≥ 1 and one action list per stage;
+//! 2. every action is allowed where it is: unit in range, no receive from / send to a neighbour
+//!    that does not exist, no backward-pass action in a forward-only schedule;
+//! 3. completeness: on every stage every unit is forwarded exactly once and (training) backwarded
+//!    exactly once, with exactly one of each communication action its position needs;
+//! 4. local order on each stage: `F(i,j)` after `F(i,j−1)`; `B(i,j)` after `F(i,j)`, after
+//!    `F(i,k−1)` (the whole micro-batch's K/V exists) and after `B(i,j+1)`; receives before the
+//!    compute that consumes them, sends after the compute that produces them;
+//! 5. cross-stage execution: all stages run in lock-step with one FIFO channel per neighbour pair
+//!    and direction. Sends never block; a receive waits for a message and must find exactly its
+//!    unit at the head of the channel. No stage able to progress is a deadlock, reported with a
+//!    step × stage grid of what ran.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt::Write as _;
+
+use super::generate::check_parameters;
+use super::{Action, Schedule, ScheduleError, Unit};
+
+/// How many grid rows a deadlock report shows (the most recent ones).
+const GRID_ROWS: usize = 48;
+
+/// Validates `s`: parameters, completeness, per-stage dependencies, communication pairing, and a
+/// FIFO-channel dry run for message-order mismatches and deadlocks.
+///
+/// Returns the first problem found as a [`ScheduleError`] naming the stage, the position in the
+/// stage's action list and the action.
+pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
+    check_parameters(s.stages, s.microbatches, s.splits)?;
+    if s.actions.len() != s.stages {
+        return Err(ScheduleError::StageCount {
+            expected: s.stages,
+            found: s.actions.len(),
+        });
+    }
+    for r in 0..s.stages {
+        check_allowed(s, r)?;
+    }
+    for r in 0..s.stages {
+        check_counts(s, r)?;
+    }
+    for r in 0..s.stages {
+        check_local_order(s, r)?;
+    }
+    dry_run(s)
+}
+
+/// Step 2: units in range, communication only with existing neighbours, forward-only purity.
+fn check_allowed(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+    let (m, k, p) = (s.microbatches, s.splits, s.stages);
+    for (position, &action) in s.actions[r].iter().enumerate() {
+        let u = action.unit();
+        let reason = if u.micro_batch >= m || u.segment >= k {
+            Some(format!(
+                "unit out of range (micro-batches 0..{m}, segments 0..{k})"
+            ))
+        } else if s.forward_only && action.is_backward_pass() {
+            Some("backward-pass action in a forward-only schedule".to_string())
+        } else {
+            match action {
+                Action::RecvActivation(_) if r == 0 => {
+                    Some("stage 0 has no previous stage to receive an activation from".into())
+                }
+                Action::SendGrad(_) if r == 0 => {
+                    Some("stage 0 has no previous stage to send a gradient to".into())
+                }
+                Action::SendActivation(_) if r + 1 == p => Some(format!(
+                    "the last stage ({r}) has no next stage to send an activation to"
+                )),
+                Action::RecvGrad(_) if r + 1 == p => Some(format!(
+                    "the last stage ({r}) has no next stage to receive a gradient from"
+                )),
+                _ => None,
+            }
+        };
+        if let Some(reason) = reason {
+            return Err(ScheduleError::InvalidAction {
+                stage: r,
+                position,
+                action,
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Index of an action's kind in the count table.
+fn kind_index(a: Action) -> usize {
+    match a {
+        Action::Forward(_) => 0,
+        Action::Backward(_) => 1,
+        Action::RecvActivation(_) => 2,
+        Action::SendActivation(_) => 3,
+        Action::RecvGrad(_) => 4,
+        Action::SendGrad(_) => 5,
+    }
+}
+
+/// Step 3: exactly one of each expected action per unit, none of the others.
+fn check_counts(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+    const NAMES: [&str; 6] = [
+        "forward (F)",
+        "backward (B)",
+        "receive-activation (RF)",
+        "send-activation (SF)",
+        "receive-gradient (RB)",
+        "send-gradient (SB)",
+    ];
+    let (m, k, p) = (s.microbatches, s.splits, s.stages);
+    let train = !s.forward_only;
+    let (first, last) = (r == 0, r + 1 == p);
+    let expected = [true, train, !first, !last, train && !last, train && !first].map(usize::from);
+    let mut counts = vec![[0usize; 6]; m * k];
+    for &a in &s.actions[r] {
+        let u = a.unit();
+        counts[u.micro_batch * k + u.segment][kind_index(a)] += 1;
+    }
+    for i in 0..m {
+        for j in 0..k {
+            let c = &counts[i * k + j];
+            for t in 0..6 {
+                if c[t] != expected[t] {
+                    return Err(ScheduleError::Incomplete {
+                        stage: r,
+                        unit: Unit::new(i, j),
+                        what: NAMES[t],
+                        count: c[t],
+                        expected: expected[t],
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Step 4: dependencies and communication pairing within one stage.
+fn check_local_order(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+    let (k, p) = (s.splits, s.stages);
+    let mut done: HashSet<Action> = HashSet::with_capacity(s.actions[r].len());
+    for (position, &action) in s.actions[r].iter().enumerate() {
+        let u = action.unit();
+        let (i, j) = (u.micro_batch, u.segment);
+        let dependency = |needs: Action, why: &'static str| ScheduleError::Dependency {
+            stage: r,
+            position,
+            action,
+            needs,
+            why,
+        };
+        let unpaired = |needs: Action| ScheduleError::Unpaired {
+            stage: r,
+            position,
+            action,
+            needs,
+        };
+        match action {
+            Action::Forward(_) => {
+                let prev = Action::Forward(Unit::new(i, j.wrapping_sub(1)));
+                if j > 0 && !done.contains(&prev) {
+                    return Err(dependency(
+                        prev,
+                        "a segment attends to the K/V of the previous segments of its micro-batch",
+                    ));
+                }
+                let recv = Action::RecvActivation(u);
+                if r > 0 && !done.contains(&recv) {
+                    return Err(unpaired(recv));
+                }
+            }
+            Action::Backward(_) => {
+                let fwd = Action::Forward(u);
+                if !done.contains(&fwd) {
+                    return Err(dependency(
+                        fwd,
+                        "a backward needs the unit's forward context",
+                    ));
+                }
+                let last_fwd = Action::Forward(Unit::new(i, k - 1));
+                if !done.contains(&last_fwd) {
+                    return Err(dependency(
+                        last_fwd,
+                        "no backward of a micro-batch before all of its segments are forwarded \
+                         (later segments' K/V)",
+                    ));
+                }
+                let later = Action::Backward(Unit::new(i, j + 1));
+                if j + 1 < k && !done.contains(&later) {
+                    return Err(dependency(
+                        later,
+                        "segments of a micro-batch are backwarded last to first (dK/dV of the \
+                         prefix flows backwards)",
+                    ));
+                }
+                let recv = Action::RecvGrad(u);
+                if r + 1 < p && !done.contains(&recv) {
+                    return Err(unpaired(recv));
+                }
+            }
+            Action::SendActivation(_) => {
+                let fwd = Action::Forward(u);
+                if !done.contains(&fwd) {
+                    return Err(unpaired(fwd));
+                }
+            }
+            Action::SendGrad(_) => {
+                let bwd = Action::Backward(u);
+                if !done.contains(&bwd) {
+                    return Err(unpaired(bwd));
+                }
+            }
+            Action::RecvActivation(_) | Action::RecvGrad(_) => {}
+        }
+        done.insert(action);
+    }
+    Ok(())
+}
+
+/// A message in flight: the unit and the send action's position on the sender.
+type Msg = (Unit, Action);
+
+/// Step 5: lock-step execution with FIFO channels.
+///
+/// Each step, every stage that has actions left tries its next one; messages sent during a step
+/// are delivered at its end. A receive on an empty channel waits; a receive that finds another
+/// unit at the head is a [`ScheduleError::ChannelMismatch`].
+fn dry_run(s: &Schedule) -> Result<(), ScheduleError> {
+    let p = s.stages;
+    // act[r]: stage r → r+1; grad[r]: stage r+1 → r.
+    let mut act: Vec<VecDeque<Msg>> = vec![VecDeque::new(); p.saturating_sub(1)];
+    let mut grad: Vec<VecDeque<Msg>> = vec![VecDeque::new(); p.saturating_sub(1)];
+    let mut pc = vec![0usize; p];
+    let mut grid: Vec<Vec<Option<Action>>> = Vec::new();
+    loop {
+        if (0..p).all(|r| pc[r] == s.actions[r].len()) {
+            debug_assert!(act.iter().chain(&grad).all(VecDeque::is_empty));
+            return Ok(());
+        }
+        let mut row: Vec<Option<Action>> = vec![None; p];
+        let mut sent_act: Vec<(usize, Msg)> = Vec::new();
+        let mut sent_grad: Vec<(usize, Msg)> = Vec::new();
+        for r in 0..p {
+            let Some(&action) = s.actions[r].get(pc[r]) else {
+                continue;
+            };
+            let u = action.unit();
+            let ran = match action {
+                Action::RecvActivation(_) => receive(&mut act[r - 1], r, pc[r], action, r - 1)?,
+                Action::RecvGrad(_) => receive(&mut grad[r], r, pc[r], action, r + 1)?,
+                Action::SendActivation(_) => {
+                    sent_act.push((r, (u, action)));
+                    true
+                }
+                Action::SendGrad(_) => {
+                    sent_grad.push((r - 1, (u, action)));
+                    true
+                }
+                Action::Forward(_) | Action::Backward(_) => true,
+            };
+            if ran {
+                row[r] = Some(action);
+                pc[r] += 1;
+            }
+        }
+        if row.iter().all(Option::is_none) {
+            return Err(deadlock(s, &pc, &grid, &act, &grad));
+        }
+        for (c, msg) in sent_act {
+            act[c].push_back(msg);
+        }
+        for (c, msg) in sent_grad {
+            grad[c].push_back(msg);
+        }
+        grid.push(row);
+    }
+}
+
+/// Tries a receive: `Ok(true)` if the expected unit was at the head (consumed), `Ok(false)` if
+/// the channel is empty, an error if another unit is at the head.
+fn receive(
+    chan: &mut VecDeque<Msg>,
+    stage: usize,
+    position: usize,
+    action: Action,
+    from: usize,
+) -> Result<bool, ScheduleError> {
+    match chan.front() {
+        None => Ok(false),
+        Some(&(unit, _)) if unit == action.unit() => {
+            chan.pop_front();
+            Ok(true)
+        }
+        Some(&(found, found_action)) => Err(ScheduleError::ChannelMismatch {
+            stage,
+            position,
+            action,
+            from,
+            found,
+            found_action,
+        }),
+    }
+}
+
+/// Builds the deadlock error: who waits for what, and the step × stage grid.
+fn deadlock(
+    s: &Schedule,
+    pc: &[usize],
+    grid: &[Vec<Option<Action>>],
+    act: &[VecDeque<Msg>],
+    grad: &[VecDeque<Msg>],
+) -> ScheduleError {
+    let p = s.stages;
+    let mut blocked = Vec::new();
+    for r in 0..p {
+        if let Some(&a) = s.actions[r].get(pc[r]) {
+            let (what, from, empty) = match a {
+                Action::RecvActivation(_) => ("an activation", r - 1, act[r - 1].is_empty()),
+                Action::RecvGrad(_) => ("a gradient", r + 1, grad[r].is_empty()),
+                _ => unreachable!("only receives block"),
+            };
+            debug_assert!(empty);
+            blocked.push(format!(
+                "stage {r} waits at #{} {a} for {what} from stage {from}",
+                pc[r]
+            ));
+        }
+    }
+    ScheduleError::Deadlock {
+        steps: grid.len(),
+        blocked: blocked.join("; "),
+        grid: render_grid(s, pc, grid),
+    }
+}
+
+/// The step × stage grid of executed actions, plus a final row with the blocked actions
+/// (`*RB0.0*`) and finished stages (`done`).
+fn render_grid(s: &Schedule, pc: &[usize], grid: &[Vec<Option<Action>>]) -> String {
+    let p = s.stages;
+    let skip = grid.len().saturating_sub(GRID_ROWS);
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    rows.push((
+        "step".to_string(),
+        (0..p).map(|r| format!("stage {r}")).collect(),
+    ));
+    for (t, row) in grid.iter().enumerate().skip(skip) {
+        rows.push((
+            t.to_string(),
+            row.iter()
+                .map(|a| a.map(|a| a.to_string()).unwrap_or_else(|| ".".into()))
+                .collect(),
+        ));
+    }
+    rows.push((
+        "blocked".to_string(),
+        (0..p)
+            .map(|r| match s.actions[r].get(pc[r]) {
+                Some(a) => format!("*{a}*"),
+                None => "done".to_string(),
+            })
+            .collect(),
+    ));
+    let w0 = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..p)
+        .map(|c| {
+            rows.iter()
+                .map(|(_, cells)| cells[c].len())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    if skip > 0 {
+        let _ = writeln!(out, "({skip} earlier steps not shown)");
+    }
+    for (label, cells) in rows {
+        let _ = write!(out, "{label:>w0$} |");
+        for (cell, w) in cells.iter().zip(&widths) {
+            let _ = write!(out, " {cell:<w$}");
+        }
+        out.truncate(out.trim_end().len());
+        out.push('\n');
+    }
+    out.push_str("(. = idle or waiting; *X* = blocked action)");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{ScheduleKind, generate, generate_forward_only};
+    use super::*;
+
+    fn a(s: &str) -> Action {
+        s.parse().unwrap()
+    }
+
+    fn stage(line: &str) -> Vec<Action> {
+        line.split_whitespace().map(a).collect()
+    }
+
+    fn pos(s: &Schedule, r: usize, x: &str) -> usize {
+        let x = a(x);
+        s.actions[r].iter().position(|&y| y == x).unwrap()
+    }
+
+    #[test]
+    fn swapped_stage_orders_deadlock_with_a_grid() {
+        // p=2, m=2, k=1: stage 0 runs 1F1B's last-stage order (F0 B0 F1 B1), stage 1 runs
+        // GPipe's (F0 F1 B0 B1). Each is fine locally; together stage 0 waits for B0's gradient
+        // while stage 1 waits for F1's activation.
+        let s = Schedule {
+            kind: ScheduleKind::OneFOneB,
+            stages: 2,
+            microbatches: 2,
+            splits: 1,
+            forward_only: false,
+            actions: vec![
+                stage("F0.0 SF0.0 RB0.0 B0.0 F1.0 SF1.0 RB1.0 B1.0"),
+                stage("RF0.0 F0.0 RF1.0 F1.0 B0.0 SB0.0 B1.0 SB1.0"),
+            ],
+        };
+        let e = validate(&s).unwrap_err();
+        let ScheduleError::Deadlock {
+            ref blocked,
+            ref grid,
+            ..
+        } = e
+        else {
+            panic!("expected a deadlock, got {e}");
+        };
+        assert!(
+            blocked.contains("stage 0 waits at #2 RB0.0 for a gradient from stage 1"),
+            "{e}"
+        );
+        assert!(
+            blocked.contains("stage 1 waits at #2 RF1.0 for an activation from stage 0"),
+            "{e}"
+        );
+        assert!(
+            grid.contains("*RB0.0*") && grid.contains("*RF1.0*"),
+            "{grid}"
+        );
+        assert!(grid.contains("stage 0") && grid.contains("SF0.0"), "{grid}");
+        let msg = e.to_string();
+        assert!(msg.starts_with("deadlock after"), "{msg}");
+    }
+
+    #[test]
+    fn swapped_receive_order_is_a_channel_mismatch() {
+        // Stage 1 takes micro-batch 1 before micro-batch 0 (locally valid: forwards of different
+        // micro-batches are independent), but stage 0 sends 0 first.
+        let mut s = generate(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        s.actions[1] = stage("RF1.0 F1.0 RF0.0 F0.0 B0.0 SB0.0 B1.0 SB1.0");
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::ChannelMismatch { stage: 1, position: 0, from: 0, found, .. }
+                    if found == Unit::new(0, 0)
+            ),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("stage 1, action #0 RF1.0") && msg.contains("0.0"),
+            "{msg}"
+        );
+
+        // Swapping only the two receives leaves F0.0 without its input.
+        let mut s = generate(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        let (x, y) = (pos(&s, 1, "RF0.0"), pos(&s, 1, "RF1.0"));
+        s.actions[1].swap(x, y);
+        let e = validate(&s).unwrap_err();
+        assert_eq!(
+            e,
+            ScheduleError::Unpaired {
+                stage: 1,
+                position: 1,
+                action: a("F0.0"),
+                needs: a("RF0.0"),
+            }
+        );
+    }
+
+    #[test]
+    fn gradient_order_mismatch() {
+        // Stage 0 takes micro-batch 1's gradient first; stage 1 sends micro-batch 0's first.
+        let mut s = generate(ScheduleKind::GPipe, 2, 2, 1).unwrap();
+        s.actions[0] = stage("F0.0 SF0.0 F1.0 SF1.0 RB1.0 B1.0 RB0.0 B0.0");
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::ChannelMismatch {
+                    stage: 0,
+                    from: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_backward_is_incomplete() {
+        let mut s = generate(ScheduleKind::Seq1F1B, 3, 2, 2).unwrap();
+        let x = pos(&s, 2, "B0.1");
+        s.actions[2].remove(x);
+        let e = validate(&s).unwrap_err();
+        assert_eq!(
+            e,
+            ScheduleError::Incomplete {
+                stage: 2,
+                unit: Unit::new(0, 1),
+                what: "backward (B)",
+                count: 0,
+                expected: 1,
+            }
+        );
+        assert!(e.to_string().contains("stage 2: incomplete"), "{e}");
+
+        let mut s = generate(ScheduleKind::Seq1F1B, 3, 2, 2).unwrap();
+        s.actions[1].push(a("F1.1"));
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Incomplete {
+                    stage: 1,
+                    count: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn backward_segments_out_of_order_is_a_dependency_error() {
+        let mut s = generate(ScheduleKind::Seq1F1B, 3, 2, 2).unwrap();
+        let (x, y) = (pos(&s, 2, "B0.0"), pos(&s, 2, "B0.1"));
+        s.actions[2].swap(x, y);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Dependency { stage: 2, action, needs, .. }
+                    if action == a("B0.0") && needs == a("B0.1")
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("dependency violated"), "{e}");
+    }
+
+    #[test]
+    fn backward_before_the_whole_microbatch_is_forwarded() {
+        // Last stage: F0.0 B0.0 F0.1 B0.1 would backward segment 0 before segment 1 exists.
+        let s = Schedule {
+            kind: ScheduleKind::Seq1F1B,
+            stages: 1,
+            microbatches: 1,
+            splits: 2,
+            forward_only: false,
+            actions: vec![stage("F0.0 B0.0 F0.1 B0.1")],
+        };
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::Dependency { needs, .. } if needs == a("F0.1")),
+            "{e}"
+        );
+        let s = Schedule {
+            actions: vec![stage("F0.1 F0.0 B0.1 B0.0")],
+            ..s
+        };
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::Dependency { position: 0, needs, .. } if needs == a("F0.0")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn send_before_compute_is_unpaired() {
+        let mut s = generate(ScheduleKind::OneFOneB, 2, 1, 1).unwrap();
+        s.actions[0] = stage("SF0.0 F0.0 RB0.0 B0.0");
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Unpaired {
+                    stage: 0,
+                    position: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn misplaced_actions_are_rejected() {
+        let mut s = generate(ScheduleKind::Seq1F1B, 2, 1, 1).unwrap();
+        s.actions[0].insert(0, a("RF0.0"));
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::InvalidAction {
+                    stage: 0,
+                    position: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+
+        let mut s = generate(ScheduleKind::Seq1F1B, 2, 1, 1).unwrap();
+        s.actions[1].push(a("F3.0"));
+        let e = validate(&s).unwrap_err();
+        assert!(e.to_string().contains("out of range"), "{e}");
+
+        let mut s = generate_forward_only(2, 1, 1).unwrap();
+        s.actions[1].push(a("B0.0"));
+        let e = validate(&s).unwrap_err();
+        assert!(e.to_string().contains("forward-only"), "{e}");
+
+        let mut s = generate(ScheduleKind::GPipe, 2, 1, 1).unwrap();
+        s.actions.pop();
+        assert_eq!(
+            validate(&s).unwrap_err(),
+            ScheduleError::StageCount {
+                expected: 2,
+                found: 1
+            }
+        );
+
+        let s = Schedule {
+            kind: ScheduleKind::GPipe,
+            stages: 0,
+            microbatches: 1,
+            splits: 1,
+            forward_only: false,
+            actions: vec![],
+        };
+        assert!(matches!(
+            validate(&s),
+            Err(ScheduleError::InvalidParameters(_))
+        ));
+    }
+
+    #[test]
+    fn big_deadlock_grid_is_truncated() {
+        // Stage 1 waits for an activation that stage 0 only sends after a gradient.
+        let mut s = generate(ScheduleKind::GPipe, 2, 40, 1).unwrap();
+        let mut st0 = Vec::new();
+        for i in 0..40 {
+            st0.extend(stage(&format!("F{i}.0 SF{i}.0")));
+        }
+        // Move F39's forward after B0's backward on stage 0.
+        let tail = st0.split_off(78);
+        st0.extend(stage("RB0.0 B0.0"));
+        st0.extend(tail);
+        for i in 1..40 {
+            st0.extend(stage(&format!("RB{i}.0 B{i}.0")));
+        }
+        s.actions[0] = st0;
+        let e = validate(&s).unwrap_err();
+        let ScheduleError::Deadlock { grid, .. } = e else {
+            panic!("{e}")
+        };
+        assert!(grid.contains("earlier steps not shown"), "{grid}");
+        assert!(grid.lines().count() <= GRID_ROWS + 4, "{grid}");
+    }
+}
