@@ -43,6 +43,7 @@ impl Default for AdamWConfig {
 }
 
 /// First and second moment estimates of one parameter (same shape and dtype as the parameter).
+#[derive(Clone, Debug)]
 pub struct Moments {
     /// First moment (running mean of the gradient).
     pub m: Tensor,
@@ -51,6 +52,7 @@ pub struct Moments {
 }
 
 /// AdamW optimizer state; all fields are public so that it can be checkpointed and restored.
+#[derive(Clone, Debug)]
 pub struct AdamW {
     /// Hyper-parameters.
     pub config: AdamWConfig,

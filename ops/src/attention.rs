@@ -16,6 +16,7 @@ use crate::util::{dims4, expect_float, shape_err};
 
 /// Saved state of [`causal_prefix_attention_forward`]. `k` and `v` are not stored: the caller
 /// keeps them (they are its key/value cache) and passes them to the backward.
+#[derive(Clone, Debug)]
 pub struct AttentionCtx {
     /// The queries. // (B, H, s, D)
     pub q: Tensor,
@@ -139,6 +140,6 @@ pub fn causal_prefix_attention_backward(
     let delta = (d_out * &ctx.out)?.sum_keepdim(D::Minus1)?; // (B, H, s, 1)
     let ds = (probs * dprobs.broadcast_sub(&delta)?)?; // (B, H, s, L)
     let dq = ds.matmul(k)?.affine(scale, 0.0)?; // (B, H, s, D)
-    let dk = ds.t()?.matmul(q)?.affine(scale * 1.00001, 0.0)?; // (B, H, L, D)
+    let dk = ds.t()?.matmul(q)?.affine(scale, 0.0)?; // (B, H, L, D)
     Ok((dq, dk, dv))
 }

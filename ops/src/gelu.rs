@@ -9,6 +9,7 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044715;
 
 /// Saved activations of [`gelu_forward`].
+#[derive(Clone, Debug)]
 pub struct GeluCtx {
     /// The GELU input (any shape).
     pub x: Tensor,

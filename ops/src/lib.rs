@@ -8,6 +8,8 @@
 //! cheap to call and deterministic (same inputs give bit-identical outputs for a fixed thread count).
 //! All kernels are generic over the floating-point dtype (F32 for training, F64 in gradient tests).
 
+#![deny(missing_docs)]
+
 pub mod adamw;
 pub mod attention;
 pub mod clip;

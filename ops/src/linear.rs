@@ -6,12 +6,14 @@ use crate::error::Result;
 use crate::util::{dims2, expect_shape, shape_err};
 
 /// Saved activations of [`linear_forward`] needed by [`linear_backward`].
+#[derive(Clone, Debug)]
 pub struct LinearCtx {
     /// The layer input. // (N, in)
     pub x: Tensor,
 }
 
 /// Parameter gradients returned by [`linear_backward`].
+#[derive(Clone, Debug)]
 pub struct LinearGrads {
     /// Gradient of the weight. // (out, in)
     pub dw: Tensor,

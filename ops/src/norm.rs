@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::util::{dims2, expect_float, expect_shape};
 
 /// Saved activations of a normalization forward pass.
+#[derive(Clone, Debug)]
 pub struct NormCtx {
     /// The normalized input before the affine transform. // (N, C)
     pub xhat: Tensor,
@@ -14,6 +15,7 @@ pub struct NormCtx {
 }
 
 /// Parameter gradients of a normalization layer.
+#[derive(Clone, Debug)]
 pub struct NormGrads {
     /// Gradient of the scale. // (C,)
     pub dweight: Tensor,

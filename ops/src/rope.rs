@@ -10,6 +10,7 @@ use crate::error::Result;
 use crate::util::{dims4, shape_err};
 
 /// Precomputed cos/sin tables for positions `0..max_len`.
+#[derive(Clone, Debug)]
 pub struct RopeTable {
     /// cos(theta). // (max_len, D/2)
     cos: Tensor,
@@ -33,7 +34,7 @@ impl RopeTable {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return shape_err(format!(
                 "RopeTable::new: head_dim must be even and positive, got {head_dim}"
             ));

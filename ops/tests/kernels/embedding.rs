@@ -40,7 +40,7 @@ fn backward_sums_in_index_order_and_is_deterministic() {
         ids.to_vec1::<u32>().unwrap(),
         g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
     );
-    let mut expected = vec![0f32; 6 * 5];
+    let mut expected = [0f32; 6 * 5];
     for (n, &i) in idv.iter().enumerate() {
         for c in 0..5 {
             expected[i as usize * 5 + c] += gv[n * 5 + c];

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: unit tests of every crate, the gradient checks, and the end-to-end tests that
+# run the real `seqpipe` binary with worker processes over TCP. Installs what the tests need first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
+
+# One compute thread per process: the tests start several worker processes on a small machine.
+export RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1
+
+cargo fmt --all -- --check
+# --release: the end-to-end tests launch the release binary, and this shares one optimized build
+# of candle between the binary and the test harnesses.
+cargo test --release --workspace
