@@ -220,7 +220,7 @@ pub enum DataError {
     /// A token file is too short to hold one sample.
     #[error(
         "token file {} holds {tokens} tokens but one sample needs {needed} \
-         (seq_len + 1); use a larger dataset or a smaller model.seq_len",
+         (seq_len + 1); use a larger dataset or a smaller train.seq_len",
         path.display()
     )]
     TooShort {
@@ -400,7 +400,7 @@ mod tests {
                 cfg.synthetic_branching,
                 cfg.synthetic_seed
             ),
-            (2, 4, 1234)
+            (1, 4, 1234)
         );
         let parsed: DataConfig =
             serde_json::from_str(r#"{"source":"/data/owt","dtype":"u32"}"#).unwrap();

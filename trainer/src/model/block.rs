@@ -2,7 +2,9 @@
 //! sequence segment, with the K/V prefix of the earlier segments of the same micro-batch.
 
 use candle_core::Tensor;
-use ops::attention::{AttentionCtx, causal_prefix_attention_backward, causal_prefix_attention_forward};
+use ops::attention::{
+    AttentionCtx, causal_prefix_attention_backward, causal_prefix_attention_forward,
+};
 use ops::gelu::{GeluCtx, gelu_backward, gelu_forward};
 use ops::linear::{LinearCtx, linear_backward, linear_forward};
 use ops::rope::RopeTable;
@@ -46,7 +48,11 @@ pub struct KvPrefix {
 
 impl KvPrefix {
     fn concat(parts: &[Tensor]) -> candle_core::Result<Tensor> {
-        if parts.len() == 1 { Ok(parts[0].clone()) } else { Tensor::cat(parts, 2) }
+        if parts.len() == 1 {
+            Ok(parts[0].clone())
+        } else {
+            Tensor::cat(parts, 2)
+        }
     }
 
     /// Number of key positions held.
@@ -89,20 +95,38 @@ pub struct Block<'a> {
 impl<'a> Block<'a> {
     /// Block `layer` of a model shaped by `cfg`.
     pub fn new(cfg: &ModelConfig, layer: usize, rope: Option<&'a RopeTable>) -> Self {
-        Self { prefix: format!("h.{layer}"), heads: cfg.heads, head_dim: cfg.head_dim(), norm: NormLayer::of(cfg), rope }
+        Self {
+            prefix: format!("h.{layer}"),
+            heads: cfg.heads,
+            head_dim: cfg.head_dim(),
+            norm: NormLayer::of(cfg),
+            rope,
+        }
     }
 
     fn name(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.prefix)
     }
 
-    fn linear_fwd(&self, params: &Params, layer: &str, x: &Tensor) -> Result<(Tensor, LinearCtx), ModelError> {
+    fn linear_fwd(
+        &self,
+        params: &Params,
+        layer: &str,
+        x: &Tensor,
+    ) -> Result<(Tensor, LinearCtx), ModelError> {
         let w = params.get(&self.name(&format!("{layer}.weight")))?;
         let b = params.get(&self.name(&format!("{layer}.bias")))?;
         Ok(linear_forward(x, w, Some(b))?)
     }
 
-    fn linear_bwd(&self, params: &Params, layer: &str, ctx: &LinearCtx, dy: &Tensor, grads: &mut Gradients) -> Result<Tensor, ModelError> {
+    fn linear_bwd(
+        &self,
+        params: &Params,
+        layer: &str,
+        ctx: &LinearCtx,
+        dy: &Tensor,
+        grads: &mut Gradients,
+    ) -> Result<Tensor, ModelError> {
         let w_name = self.name(&format!("{layer}.weight"));
         let (dx, g) = linear_backward(ctx, params.get(&w_name)?, dy, true)?;
         grads.add(&w_name, g.dw)?;
@@ -113,13 +137,17 @@ impl<'a> Block<'a> {
     }
 
     /// `(N, C)` → `(B, H, s, D)`.
-    fn to_heads(&self, x: &Tensor, seg: SegmentShape) -> candle_core::Result<Tensor> {
-        x.reshape((seg.batch, seg.len, self.heads, self.head_dim))?.transpose(1, 2)?.contiguous()
+    fn split_heads(&self, x: &Tensor, seg: SegmentShape) -> candle_core::Result<Tensor> {
+        x.reshape((seg.batch, seg.len, self.heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
     }
 
     /// `(B, H, s, D)` → `(N, C)`.
-    fn from_heads(&self, x: &Tensor, seg: SegmentShape) -> candle_core::Result<Tensor> {
-        x.transpose(1, 2)?.contiguous()?.reshape((seg.tokens(), self.heads * self.head_dim))
+    fn merge_heads(&self, x: &Tensor, seg: SegmentShape) -> candle_core::Result<Tensor> {
+        x.transpose(1, 2)?
+            .contiguous()?
+            .reshape((seg.tokens(), self.heads * self.head_dim))
     }
 
     fn scale(&self) -> f64 {
@@ -128,13 +156,20 @@ impl<'a> Block<'a> {
 
     /// Forward of one segment: `x (N, C)` → `(N, C)`. Appends this segment's K/V to `kv`.
     /// Returns the saved context when `keep_ctx` (training), none for evaluation.
-    pub fn forward(&self, params: &Params, x: &Tensor, seg: SegmentShape, kv: &mut KvPrefix, keep_ctx: bool) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
+    pub fn forward(
+        &self,
+        params: &Params,
+        x: &Tensor,
+        seg: SegmentShape,
+        kv: &mut KvPrefix,
+        keep_ctx: bool,
+    ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
         let c = self.heads * self.head_dim;
         let (h1, ln_1) = self.norm.forward(params, &self.name("ln_1"), x)?; // (N, C)
         let (qkv, c_attn) = self.linear_fwd(params, "attn.c_attn", &h1)?; // (N, 3C)
-        let mut q = self.to_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
-        let mut k = self.to_heads(&qkv.narrow(1, c, c)?, seg)?;
-        let v = self.to_heads(&qkv.narrow(1, 2 * c, c)?, seg)?;
+        let mut q = self.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
+        let mut k = self.split_heads(&qkv.narrow(1, c, c)?, seg)?;
+        let v = self.split_heads(&qkv.narrow(1, 2 * c, c)?, seg)?;
         if let Some(rope) = self.rope {
             q = rope.forward(&q, seg.start)?;
             k = rope.forward(&k, seg.start)?;
@@ -144,7 +179,7 @@ impl<'a> Block<'a> {
         let k_all = KvPrefix::concat(&kv.keys)?; // (B, H, P+s, D)
         let v_all = KvPrefix::concat(&kv.values)?;
         let (y, attn) = causal_prefix_attention_forward(&q, &k_all, &v_all, self.scale())?; // (B, H, s, D)
-        let y = self.from_heads(&y, seg)?; // (N, C)
+        let y = self.merge_heads(&y, seg)?; // (N, C)
         let (a, attn_proj) = self.linear_fwd(params, "attn.c_proj", &y)?;
         let x1 = x.add(&a)?;
         let (h2, ln_2) = self.norm.forward(params, &self.name("ln_2"), &x1)?;
@@ -152,26 +187,49 @@ impl<'a> Block<'a> {
         let (g, gelu) = gelu_forward(&f)?;
         let (m, mlp_proj) = self.linear_fwd(params, "mlp.c_proj", &g)?;
         let out = x1.add(&m)?;
-        let ctx = keep_ctx.then_some(BlockCtx { ln_1, c_attn, attn, attn_proj, ln_2, c_fc, gelu, mlp_proj });
+        let ctx = keep_ctx.then_some(BlockCtx {
+            ln_1,
+            c_attn,
+            attn,
+            attn_proj,
+            ln_2,
+            c_fc,
+            gelu,
+            mlp_proj,
+        });
         Ok((out, ctx))
     }
 
     /// Backward of segment `j` (the last segment in `kv` whose backward has not run): `dy (N, C)` → `dx (N, C)`.
     /// Adds this segment's dK/dV of earlier positions to `kv` for the earlier segments, and removes
     /// segment `j`'s K/V (no later segment needs them any more).
-    pub fn backward(&self, params: &Params, ctx: BlockCtx, dy: &Tensor, seg: SegmentShape, kv: &mut KvPrefix, grads: &mut Gradients) -> Result<Tensor, ModelError> {
+    pub fn backward(
+        &self,
+        params: &Params,
+        ctx: BlockCtx,
+        dy: &Tensor,
+        seg: SegmentShape,
+        kv: &mut KvPrefix,
+        grads: &mut Gradients,
+    ) -> Result<Tensor, ModelError> {
         let j = kv.keys.len() - 1;
         // MLP branch.
         let dg = self.linear_bwd(params, "mlp.c_proj", &ctx.mlp_proj, dy, grads)?;
         let df = gelu_backward(&ctx.gelu, &dg)?;
         let dh2 = self.linear_bwd(params, "mlp.c_fc", &ctx.c_fc, &df, grads)?;
-        let dx1 = dy.add(&self.norm.backward(params, &self.name("ln_2"), &ctx.ln_2, &dh2, grads)?)?;
+        let dx1 =
+            dy.add(
+                &self
+                    .norm
+                    .backward(params, &self.name("ln_2"), &ctx.ln_2, &dh2, grads)?,
+            )?;
         // Attention branch.
         let d_y = self.linear_bwd(params, "attn.c_proj", &ctx.attn_proj, &dx1, grads)?;
-        let d_y = self.to_heads(&d_y, seg)?; // (B, H, s, D)
+        let d_y = self.split_heads(&d_y, seg)?; // (B, H, s, D)
         let k_all = KvPrefix::concat(&kv.keys)?;
         let v_all = KvPrefix::concat(&kv.values)?;
-        let (mut dq, dk_all, dv_all) = causal_prefix_attention_backward(&ctx.attn, &k_all, &v_all, &d_y, self.scale())?;
+        let (mut dq, dk_all, dv_all) =
+            causal_prefix_attention_backward(&ctx.attn, &k_all, &v_all, &d_y, self.scale())?;
         drop((k_all, v_all));
         kv.d_keys.resize(j + 1, None);
         kv.d_values.resize(j + 1, None);
@@ -197,9 +255,20 @@ impl<'a> Block<'a> {
             dq = rope.backward(&dq, seg.start)?;
             dk = rope.backward(&dk, seg.start)?;
         }
-        let dqkv = Tensor::cat(&[self.from_heads(&dq, seg)?, self.from_heads(&dk, seg)?, self.from_heads(&dv, seg)?], 1)?; // (N, 3C)
+        let dqkv = Tensor::cat(
+            &[
+                self.merge_heads(&dq, seg)?,
+                self.merge_heads(&dk, seg)?,
+                self.merge_heads(&dv, seg)?,
+            ],
+            1,
+        )?; // (N, 3C)
         let dh1 = self.linear_bwd(params, "attn.c_attn", &ctx.c_attn, &dqkv, grads)?;
-        Ok(dx1.add(&self.norm.backward(params, &self.name("ln_1"), &ctx.ln_1, &dh1, grads)?)?)
+        Ok(dx1.add(
+            &self
+                .norm
+                .backward(params, &self.name("ln_1"), &ctx.ln_1, &dh1, grads)?,
+        )?)
     }
 }
 

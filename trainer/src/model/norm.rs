@@ -1,7 +1,9 @@
 //! LayerNorm or RMSNorm, chosen by the config, over named parameters.
 
 use candle_core::Tensor;
-use ops::norm::{NormCtx, layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward};
+use ops::norm::{
+    NormCtx, layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward,
+};
 
 use super::config::{ModelConfig, Norm};
 use super::params::{Gradients, Params};
@@ -22,21 +24,38 @@ pub struct NormLayerCtx(NormCtx);
 impl NormLayer {
     /// The norm the model config asks for.
     pub fn of(cfg: &ModelConfig) -> Self {
-        Self { kind: cfg.norm, eps: cfg.norm_eps }
+        Self {
+            kind: cfg.norm,
+            eps: cfg.norm_eps,
+        }
     }
 
     /// `x (N, C)` → normalized `(N, C)`.
-    pub fn forward(&self, params: &Params, prefix: &str, x: &Tensor) -> Result<(Tensor, NormLayerCtx), ModelError> {
+    pub fn forward(
+        &self,
+        params: &Params,
+        prefix: &str,
+        x: &Tensor,
+    ) -> Result<(Tensor, NormLayerCtx), ModelError> {
         let w = params.get(&format!("{prefix}.weight"))?;
         let (y, ctx) = match self.kind {
-            Norm::LayerNorm => layer_norm_forward(x, w, Some(params.get(&format!("{prefix}.bias"))?), self.eps)?,
+            Norm::LayerNorm => {
+                layer_norm_forward(x, w, Some(params.get(&format!("{prefix}.bias"))?), self.eps)?
+            }
             Norm::RmsNorm => rms_norm_forward(x, w, self.eps)?,
         };
         Ok((y, NormLayerCtx(ctx)))
     }
 
     /// `dy (N, C)` → `dx (N, C)`, adding the weight (and bias) gradients to `grads`.
-    pub fn backward(&self, params: &Params, prefix: &str, ctx: &NormLayerCtx, dy: &Tensor, grads: &mut Gradients) -> Result<Tensor, ModelError> {
+    pub fn backward(
+        &self,
+        params: &Params,
+        prefix: &str,
+        ctx: &NormLayerCtx,
+        dy: &Tensor,
+        grads: &mut Gradients,
+    ) -> Result<Tensor, ModelError> {
         let w_name = format!("{prefix}.weight");
         let w = params.get(&w_name)?;
         let (dx, g) = match self.kind {

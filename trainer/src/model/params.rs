@@ -77,26 +77,66 @@ pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpe
     let residual_std = std / (2.0 * cfg.layers as f64).sqrt();
     let mut out = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, init: Init, kind: ParamKind| {
-        out.push(ParamSpec { name, shape, init, kind, component });
+        out.push(ParamSpec {
+            name,
+            shape,
+            init,
+            kind,
+            component,
+        });
     };
     let norm = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind), prefix: &str| {
-        push(format!("{prefix}.weight"), vec![c], Init::Ones, ParamKind::Norm);
+        push(
+            format!("{prefix}.weight"),
+            vec![c],
+            Init::Ones,
+            ParamKind::Norm,
+        );
         if cfg.norm == Norm::LayerNorm {
-            push(format!("{prefix}.bias"), vec![c], Init::Zeros, ParamKind::Norm);
+            push(
+                format!("{prefix}.bias"),
+                vec![c],
+                Init::Zeros,
+                ParamKind::Norm,
+            );
         }
     };
     match component {
         Component::Embeddings => {
-            push("wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), ParamKind::Embedding);
+            push(
+                "wte.weight".into(),
+                vec![cfg.vocab_size, c],
+                Init::Normal(std),
+                ParamKind::Embedding,
+            );
             if cfg.position == Position::Learned {
-                push("wpe.weight".into(), vec![cfg.max_seq_len, c], Init::Normal(std), ParamKind::Embedding);
+                push(
+                    "wpe.weight".into(),
+                    vec![cfg.max_seq_len, c],
+                    Init::Normal(std),
+                    ParamKind::Embedding,
+                );
             }
         }
         Component::Block(i) => {
             let p = format!("h.{i}");
-            let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind), name: &str, out_dim: usize, in_dim: usize, std: f64| {
-                push(format!("{p}.{name}.weight"), vec![out_dim, in_dim], Init::Normal(std), ParamKind::Weight);
-                push(format!("{p}.{name}.bias"), vec![out_dim], Init::Zeros, ParamKind::Bias);
+            let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind),
+                          name: &str,
+                          out_dim: usize,
+                          in_dim: usize,
+                          std: f64| {
+                push(
+                    format!("{p}.{name}.weight"),
+                    vec![out_dim, in_dim],
+                    Init::Normal(std),
+                    ParamKind::Weight,
+                );
+                push(
+                    format!("{p}.{name}.bias"),
+                    vec![out_dim],
+                    Init::Zeros,
+                    ParamKind::Bias,
+                );
             };
             norm(&mut push, &format!("{p}.ln_1"));
             linear(&mut push, "attn.c_attn", 3 * c, c, std);
@@ -107,7 +147,12 @@ pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpe
         }
         Component::Head => {
             norm(&mut push, "ln_f");
-            push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), ParamKind::Weight);
+            push(
+                "lm_head.weight".into(),
+                vec![cfg.vocab_size, c],
+                Init::Normal(std),
+                ParamKind::Weight,
+            );
         }
     }
     out
@@ -115,21 +160,34 @@ pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpe
 
 /// Every parameter of the model, in canonical order (embeddings, blocks, final norm, head).
 pub fn param_specs(cfg: &ModelConfig) -> Vec<ParamSpec> {
-    components(cfg).into_iter().flat_map(|comp| component_params(cfg, comp)).collect()
+    components(cfg)
+        .into_iter()
+        .flat_map(|comp| component_params(cfg, comp))
+        .collect()
 }
 
 /// Total number of parameters.
 pub fn param_count(cfg: &ModelConfig) -> usize {
-    param_specs(cfg).iter().map(|s| s.shape.iter().product::<usize>()).sum()
+    param_specs(cfg)
+        .iter()
+        .map(|s| s.shape.iter().product::<usize>())
+        .sum()
 }
 
 /// FNV-1a of a name: a hash that is stable across platforms and Rust versions.
 fn stable_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The initial value of a parameter: a pure function of (seed, name, shape, init).
-pub fn init_param(spec: &ParamSpec, seed: u64, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+pub fn init_param(
+    spec: &ParamSpec,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let n: usize = spec.shape.iter().product();
     let values: Vec<f64> = match spec.init {
         Init::Zeros => vec![0.0; n],
@@ -176,14 +234,24 @@ impl Params {
 
     /// The tensor of `name`.
     pub fn get(&self, name: &str) -> Result<&Tensor, ModelError> {
-        self.values.get(name).ok_or_else(|| ModelError::MissingParam(name.to_string()))
+        self.values
+            .get(name)
+            .ok_or_else(|| ModelError::MissingParam(name.to_string()))
     }
 
     /// Replaces the value of `name` (same shape required).
     pub fn set(&mut self, name: &str, value: Tensor) -> Result<(), ModelError> {
-        let spec = self.specs.iter().find(|s| s.name == name).ok_or_else(|| ModelError::MissingParam(name.to_string()))?;
+        let spec = self
+            .specs
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| ModelError::MissingParam(name.to_string()))?;
         if value.dims() != spec.shape.as_slice() {
-            return Err(ModelError::Shape { name: name.to_string(), expected: spec.shape.clone(), got: value.dims().to_vec() });
+            return Err(ModelError::Shape {
+                name: name.to_string(),
+                expected: spec.shape.clone(),
+                got: value.dims().to_vec(),
+            });
         }
         self.values.insert(name.to_string(), value);
         Ok(())
@@ -196,7 +264,9 @@ impl Params {
 
     /// `(name, tensor)` pairs in canonical order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.specs.iter().map(|s| (s.name.as_str(), &self.values[&s.name]))
+        self.specs
+            .iter()
+            .map(|s| (s.name.as_str(), &self.values[&s.name]))
     }
 }
 
@@ -234,7 +304,10 @@ mod tests {
 
     #[test]
     fn names_follow_gpt2_and_are_unique() {
-        let cfg = ModelConfig { layers: 2, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            layers: 2,
+            ..ModelConfig::default()
+        };
         let specs = param_specs(&cfg);
         let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names[0], "wte.weight");
@@ -248,22 +321,50 @@ mod tests {
 
     #[test]
     fn rmsnorm_and_rope_drop_biases_and_wpe() {
-        let cfg = ModelConfig { norm: Norm::RmsNorm, position: Position::Rope, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            norm: Norm::RmsNorm,
+            position: Position::Rope,
+            ..ModelConfig::default()
+        };
         let names: Vec<String> = param_specs(&cfg).into_iter().map(|s| s.name).collect();
-        assert!(!names.iter().any(|n| n == "wpe.weight" || n.ends_with("ln_1.bias") || n == "ln_f.bias"));
+        assert!(
+            !names
+                .iter()
+                .any(|n| n == "wpe.weight" || n.ends_with("ln_1.bias") || n == "ln_f.bias")
+        );
     }
 
     #[test]
     fn init_depends_only_on_seed_and_name() {
         let cfg = ModelConfig::default();
-        let spec = &param_specs(&cfg)[2];
+        let specs = param_specs(&cfg);
+        let spec = specs
+            .iter()
+            .find(|s| s.name == "h.0.attn.c_attn.weight")
+            .unwrap();
         let a = init_param(spec, 7, DType::F32, &Device::Cpu).unwrap();
         let b = init_param(spec, 7, DType::F32, &Device::Cpu).unwrap();
         let c = init_param(spec, 8, DType::F32, &Device::Cpu).unwrap();
-        let diff = |x: &Tensor, y: &Tensor| x.sub(y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let diff = |x: &Tensor, y: &Tensor| {
+            x.sub(y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
         assert_eq!(diff(&a, &b), 0.0);
         assert!(diff(&a, &c) > 0.0);
-        let std = a.sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+        let std = a
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt();
         assert!((std - 0.02).abs() < 0.002, "std {std}");
     }
 }

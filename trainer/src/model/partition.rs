@@ -33,7 +33,9 @@ impl StageLayout {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PartitionError {
     /// Every stage needs at least one block.
-    #[error("cannot split {layers} layers into {stages} pipeline stages: every stage needs at least one layer (lower pipeline.stages or raise model.layers)")]
+    #[error(
+        "cannot split {layers} layers into {stages} pipeline stages: every stage needs at least one layer (lower pipeline.stages or raise model.layers)"
+    )]
     TooManyStages { stages: usize, layers: usize },
     /// Zero stages.
     #[error("pipeline.stages must be at least 1")]
@@ -53,16 +55,25 @@ impl Costs {
         let t = seq_len as f64;
         // Forward: QKV, attention output and MLP matmuls (2 FLOPs per multiply-add), attention over
         // on average t/2 keys; backward twice the forward.
-        let block_fwd = 2.0 * (4.0 * c * c + 2.0 * c * cfg.ffn() as f64) + 2.0 * 2.0 * (t / 2.0) * c;
+        let block_fwd =
+            2.0 * (4.0 * c * c + 2.0 * c * cfg.ffn() as f64) + 2.0 * 2.0 * (t / 2.0) * c;
         let head_fwd = 2.0 * c * cfg.vocab_size as f64 + 5.0 * cfg.vocab_size as f64;
-        Self { embeddings: 3.0 * 2.0 * c, block: 3.0 * block_fwd, head: 3.0 * head_fwd }
+        Self {
+            embeddings: 3.0 * 2.0 * c,
+            block: 3.0 * block_fwd,
+            head: 3.0 * head_fwd,
+        }
     }
 }
 
 /// Splits the blocks into `stages` contiguous ranges minimizing the most expensive stage, counting the
 /// embeddings on the first stage and the head (final norm, LM head, loss) on the last.
 /// Deterministic: ties go to the split that gives earlier stages fewer layers.
-pub fn partition_layers(cfg: &ModelConfig, seq_len: usize, stages: usize) -> Result<Vec<StageLayout>, PartitionError> {
+pub fn partition_layers(
+    cfg: &ModelConfig,
+    seq_len: usize,
+    stages: usize,
+) -> Result<Vec<StageLayout>, PartitionError> {
     let layers = cfg.layers;
     if stages == 0 {
         return Err(PartitionError::NoStages);
@@ -103,7 +114,13 @@ pub fn partition_layers(cfg: &ModelConfig, seq_len: usize, stages: usize) -> Res
         bounds.push(l);
     }
     bounds.reverse();
-    Ok((0..stages).map(|r| StageLayout { stage: r, stages, layers: bounds[r]..bounds[r + 1] }).collect())
+    Ok((0..stages)
+        .map(|r| StageLayout {
+            stage: r,
+            stages,
+            layers: bounds[r]..bounds[r + 1],
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -114,7 +131,10 @@ mod tests {
     fn covers_all_layers_contiguously() {
         for layers in 1..10 {
             for stages in 1..=layers {
-                let cfg = ModelConfig { layers, ..ModelConfig::default() };
+                let cfg = ModelConfig {
+                    layers,
+                    ..ModelConfig::default()
+                };
                 let parts = partition_layers(&cfg, 128, stages).unwrap();
                 assert_eq!(parts.len(), stages);
                 assert_eq!(parts[0].layers.start, 0);
@@ -130,15 +150,27 @@ mod tests {
     #[test]
     fn expensive_head_gets_fewer_layers() {
         // A huge vocabulary makes the head cost several blocks: the last stage must hold fewer layers.
-        let cfg = ModelConfig { layers: 8, vocab_size: 16_384, d_model: 64, heads: 4, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            layers: 8,
+            vocab_size: 16_384,
+            d_model: 64,
+            heads: 4,
+            ..ModelConfig::default()
+        };
         let parts = partition_layers(&cfg, 64, 2).unwrap();
         assert!(parts[1].layers.len() < parts[0].layers.len(), "{parts:?}");
     }
 
     #[test]
     fn too_many_stages_is_an_error() {
-        let cfg = ModelConfig { layers: 2, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            layers: 2,
+            ..ModelConfig::default()
+        };
         let err = partition_layers(&cfg, 64, 3).unwrap_err();
-        assert!(err.to_string().contains("every stage needs at least one layer"));
+        assert!(
+            err.to_string()
+                .contains("every stage needs at least one layer")
+        );
     }
 }

@@ -14,7 +14,9 @@ use thiserror::Error;
 use super::block::{Block, BlockCtx, KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Component, Gradients, ParamSpec, Params, component_params, decays, init_param};
+use super::params::{
+    Component, Gradients, ParamSpec, Params, component_params, decays, init_param,
+};
 use super::partition::{PartitionError, StageLayout};
 use crate::schedule::Unit;
 
@@ -47,7 +49,11 @@ pub enum ModelError {
     Input { unit: Unit, reason: String },
     /// A parameter given to the stage has the wrong shape.
     #[error("parameter `{name}` has shape {got:?}, the model expects {expected:?}")]
-    Shape { name: String, expected: Vec<usize>, got: Vec<usize> },
+    Shape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
 }
 
 /// What flows into a stage's forward.
@@ -109,12 +115,23 @@ pub struct Stage {
 
 impl Stage {
     /// Builds the stage with freshly initialized parameters (a function of `(seed, name)` only).
-    pub fn new(cfg: &ModelConfig, layout: StageLayout, segment_lengths: Vec<usize>, seed: u64) -> Result<Self, ModelError> {
+    pub fn new(
+        cfg: &ModelConfig,
+        layout: StageLayout,
+        segment_lengths: Vec<usize>,
+        seed: u64,
+    ) -> Result<Self, ModelError> {
         Self::with_dtype(cfg, layout, segment_lengths, seed, DType::F32)
     }
 
     /// As [`Stage::new`] with another dtype (f64 for gradient checks).
-    pub fn with_dtype(cfg: &ModelConfig, layout: StageLayout, segment_lengths: Vec<usize>, seed: u64, dtype: DType) -> Result<Self, ModelError> {
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        layout: StageLayout,
+        segment_lengths: Vec<usize>,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
         let device = Device::Cpu;
         let mut components = Vec::new();
         if layout.is_first() {
@@ -124,13 +141,22 @@ impl Stage {
         if layout.is_last() {
             components.push(Component::Head);
         }
-        let specs: Vec<ParamSpec> = components.into_iter().flat_map(|c| component_params(cfg, c)).collect();
+        let specs: Vec<ParamSpec> = components
+            .into_iter()
+            .flat_map(|c| component_params(cfg, c))
+            .collect();
         let mut values = HashMap::new();
         for spec in &specs {
             values.insert(spec.name.clone(), init_param(spec, seed, dtype, &device)?);
         }
         let rope = match cfg.position {
-            Position::Rope => Some(RopeTable::new(cfg.max_seq_len, cfg.head_dim(), cfg.rope_base, dtype, &device)?),
+            Position::Rope => Some(RopeTable::new(
+                cfg.max_seq_len,
+                cfg.head_dim(),
+                cfg.rope_base,
+                dtype,
+                &device,
+            )?),
             Position::Learned => None,
         };
         let segment_starts = segment_lengths.iter().scan(0, |acc, len| {
@@ -176,19 +202,42 @@ impl Stage {
     }
 
     fn segment(&self, unit: Unit, batch: usize) -> Result<SegmentShape, ModelError> {
-        let len = *self.segment_lengths.get(unit.segment).ok_or_else(|| ModelError::Input { unit, reason: format!("segment out of range (the step has {} segments)", self.segment_lengths.len()) })?;
-        Ok(SegmentShape { batch, start: self.segment_starts[unit.segment], len })
+        let len = *self
+            .segment_lengths
+            .get(unit.segment)
+            .ok_or_else(|| ModelError::Input {
+                unit,
+                reason: format!(
+                    "segment out of range (the step has {} segments)",
+                    self.segment_lengths.len()
+                ),
+            })?;
+        Ok(SegmentShape {
+            batch,
+            start: self.segment_starts[unit.segment],
+            len,
+        })
     }
 
     /// Forward of one unit. On the last stage `targets (B·s,)` are required; the loss gradient is
     /// scaled by `loss_scale` (1 / tokens of the global batch, so the step's loss is a mean).
-    pub fn forward(&mut self, unit: Unit, input: StageInput, targets: Option<&Tensor>, loss_scale: f64, mode: Mode) -> Result<StageOutput, ModelError> {
+    pub fn forward(
+        &mut self,
+        unit: Unit,
+        input: StageInput,
+        targets: Option<&Tensor>,
+        loss_scale: f64,
+        mode: Mode,
+    ) -> Result<StageOutput, ModelError> {
         let (mut x, seg, token_ids) = match input {
             StageInput::Tokens(tokens) if self.layout.is_first() => {
                 let (batch, len) = tokens.dims2()?;
                 let seg = self.segment(unit, batch)?;
                 if len != seg.len {
-                    return Err(ModelError::Input { unit, reason: format!("got {len} tokens per row, segment has {}", seg.len) });
+                    return Err(ModelError::Input {
+                        unit,
+                        reason: format!("got {len} tokens per row, segment has {}", seg.len),
+                    });
                 }
                 let ids = tokens.flatten_all()?; // (N,)
                 let mut x = embedding_forward(&ids, self.params.get("wte.weight")?)?; // (N, C)
@@ -202,11 +251,22 @@ impl Stage {
                 let (n, c) = x.dims2()?;
                 let len = self.segment(unit, 1)?.len;
                 if c != self.cfg.d_model || n % len != 0 {
-                    return Err(ModelError::Input { unit, reason: format!("hidden states of shape ({n}, {c}) do not fit a segment of {len} tokens × d_model {}", self.cfg.d_model) });
+                    return Err(ModelError::Input {
+                        unit,
+                        reason: format!(
+                            "hidden states of shape ({n}, {c}) do not fit a segment of {len} tokens × d_model {}",
+                            self.cfg.d_model
+                        ),
+                    });
                 }
                 (x, self.segment(unit, n / len)?, None)
             }
-            _ => return Err(ModelError::Input { unit, reason: "tokens go to the first stage, hidden states to the others".into() }),
+            _ => {
+                return Err(ModelError::Input {
+                    unit,
+                    reason: "tokens go to the first stage, hidden states to the others".into(),
+                });
+            }
         };
         let layers = self.layout.layers.clone();
         let state = self.in_flight.entry(unit.micro_batch).or_default();
@@ -215,24 +275,48 @@ impl Stage {
         }
         let done = state.kv.first().map_or(0, |kv| kv.len());
         if done != seg.start {
-            return Err(ModelError::Order { unit, reason: format!("forward needs the K/V of positions 0..{} but {done} are cached (segments must run in order)", seg.start) });
+            return Err(ModelError::Order {
+                unit,
+                reason: format!(
+                    "forward needs the K/V of positions 0..{} but {done} are cached (segments must run in order)",
+                    seg.start
+                ),
+            });
         }
         let mut blocks = Vec::new();
         for (slot, layer) in layers.clone().enumerate() {
             let block = Block::new(&self.cfg, layer, self.rope.as_ref());
-            let (y, ctx) = block.forward(&self.params, &x, seg, &mut state.kv[slot], mode == Mode::Train)?;
+            let (y, ctx) = block.forward(
+                &self.params,
+                &x,
+                seg,
+                &mut state.kv[slot],
+                mode == Mode::Train,
+            )?;
             x = y;
             blocks.extend(ctx);
         }
         let mut head = None;
         let output = if self.layout.is_last() {
-            let targets = targets.ok_or_else(|| ModelError::Input { unit, reason: "the last stage needs the segment's targets".into() })?;
+            let targets = targets.ok_or_else(|| ModelError::Input {
+                unit,
+                reason: "the last stage needs the segment's targets".into(),
+            })?;
             let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, "ln_f", &x)?;
             let (logits, lm_head) = linear_forward(&h, self.params.get("lm_head.weight")?, None)?; // (N, V)
             let loss_sum = match mode {
                 Mode::Train => {
-                    let (loss_sum, d_logits) = cross_entropy_forward_backward(&logits, targets, loss_scale, LOSS_CHUNK_ROWS)?;
-                    head = Some(HeadCtx { norm: norm_ctx, lm_head, d_logits });
+                    let (loss_sum, d_logits) = cross_entropy_forward_backward(
+                        &logits,
+                        targets,
+                        loss_scale,
+                        LOSS_CHUNK_ROWS,
+                    )?;
+                    head = Some(HeadCtx {
+                        norm: norm_ctx,
+                        lm_head,
+                        d_logits,
+                    });
                     loss_sum
                 }
                 Mode::Eval => cross_entropy_loss(&logits, targets, LOSS_CHUNK_ROWS)?,
@@ -243,7 +327,15 @@ impl Stage {
         };
         match mode {
             Mode::Train => {
-                state.units.insert(unit.segment, UnitCtx { seg, token_ids, blocks, head });
+                state.units.insert(
+                    unit.segment,
+                    UnitCtx {
+                        seg,
+                        token_ids,
+                        blocks,
+                        head,
+                    },
+                );
             }
             Mode::Eval => {
                 if unit.segment + 1 == self.segment_lengths.len() {
@@ -256,14 +348,42 @@ impl Stage {
 
     /// Backward of one unit: `d_out (B·s, C)` from the next stage (none on the last stage, which starts
     /// from its loss). Returns the gradient for the previous stage (none on the first stage).
-    pub fn backward(&mut self, unit: Unit, d_out: Option<Tensor>) -> Result<Option<Tensor>, ModelError> {
-        let state = self.in_flight.get_mut(&unit.micro_batch).ok_or_else(|| ModelError::Order { unit, reason: "backward before forward".into() })?;
+    pub fn backward(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let state = self
+            .in_flight
+            .get_mut(&unit.micro_batch)
+            .ok_or_else(|| ModelError::Order {
+                unit,
+                reason: "backward before forward".into(),
+            })?;
         let last_cached = state.kv.first().map_or(0, |kv| kv.len());
-        let ctx = state.units.remove(&unit.segment).ok_or_else(|| ModelError::Order { unit, reason: "backward before forward, or twice".into() })?;
-        if last_cached != ctx.seg.start + ctx.seg.len {
-            return Err(ModelError::Order { unit, reason: "backward must run after the backward of every later segment of the micro-batch".into() });
+        let seg = state
+            .units
+            .get(&unit.segment)
+            .ok_or_else(|| ModelError::Order {
+                unit,
+                reason: "backward before forward, or twice".into(),
+            })?
+            .seg;
+        if last_cached != seg.start + seg.len {
+            return Err(ModelError::Order {
+                unit,
+                reason:
+                    "backward must run after the backward of every later segment of the micro-batch"
+                        .into(),
+            });
         }
-        let UnitCtx { seg, token_ids, blocks, head } = ctx;
+        let ctx = state.units.remove(&unit.segment).expect("checked above");
+        let UnitCtx {
+            seg,
+            token_ids,
+            blocks,
+            head,
+        } = ctx;
         let mut dx = match (head, d_out) {
             (Some(head), None) => {
                 let (dh, g) = linear_backward(&head.lm_head, self.params.get("lm_head.weight")?, &head.d_logits, false)?;
@@ -276,16 +396,29 @@ impl Stage {
         let layers: Vec<usize> = self.layout.layers.clone().collect();
         for (slot, ctx) in blocks.into_iter().enumerate().rev() {
             let block = Block::new(&self.cfg, layers[slot], self.rope.as_ref());
-            dx = block.backward(&self.params, ctx, &dx, seg, &mut state.kv[slot], &mut self.grads)?;
+            dx = block.backward(
+                &self.params,
+                ctx,
+                &dx,
+                seg,
+                &mut state.kv[slot],
+                &mut self.grads,
+            )?;
         }
         if unit.segment == 0 {
             self.in_flight.remove(&unit.micro_batch);
         }
         match token_ids {
             Some(ids) => {
-                self.grads.add("wte.weight", embedding_backward(&ids, &dx, self.cfg.vocab_size)?)?;
+                self.grads.add(
+                    "wte.weight",
+                    embedding_backward(&ids, &dx, self.cfg.vocab_size)?,
+                )?;
                 if self.cfg.position == Position::Learned {
-                    self.grads.add("wpe.weight", embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?)?;
+                    self.grads.add(
+                        "wpe.weight",
+                        embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?,
+                    )?;
                 }
                 Ok(None)
             }
@@ -295,22 +428,48 @@ impl Stage {
 
     /// Per-parameter sums of squared gradients, in canonical order.
     pub fn grad_sums_of_squares(&self) -> Result<Vec<(String, f64)>, ModelError> {
-        self.params.specs().iter().map(|s| {
-            let g = self.grads.get(&s.name).ok_or_else(|| ModelError::NoGradient(s.name.clone()))?;
-            Ok((s.name.clone(), ops::clip::sum_of_squares(g)?))
-        }).collect()
+        self.params
+            .specs()
+            .iter()
+            .map(|s| {
+                let g = self
+                    .grads
+                    .get(&s.name)
+                    .ok_or_else(|| ModelError::NoGradient(s.name.clone()))?;
+                Ok((s.name.clone(), ops::clip::sum_of_squares(g)?))
+            })
+            .collect()
     }
 
     /// Clips (multiplies the gradients by `clip_coefficient`), applies AdamW with learning rate `lr`
     /// and clears the gradients.
-    pub fn apply_update(&mut self, optimizer: &mut AdamW, lr: f64, clip_coefficient: f64, weight_decay: f64, decay_embeddings: bool) -> Result<(), ModelError> {
+    pub fn apply_update(
+        &mut self,
+        optimizer: &mut AdamW,
+        lr: f64,
+        clip_coefficient: f64,
+        weight_decay: f64,
+        decay_embeddings: bool,
+    ) -> Result<(), ModelError> {
         optimizer.begin_step();
         let mut updates = Vec::with_capacity(self.params.specs().len());
         for spec in self.params.specs() {
-            let grad = self.grads.get(&spec.name).ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
-            let grad = if clip_coefficient < 1.0 { grad.affine(clip_coefficient, 0.0)? } else { grad.clone() };
-            let wd = if decays(spec.kind, decay_embeddings) { weight_decay } else { 0.0 };
-            let updated = optimizer.update(&spec.name, self.params.get(&spec.name)?, &grad, lr, wd)?;
+            let grad = self
+                .grads
+                .get(&spec.name)
+                .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
+            let grad = if clip_coefficient < 1.0 {
+                grad.affine(clip_coefficient, 0.0)?
+            } else {
+                grad.clone()
+            };
+            let wd = if decays(spec.kind, decay_embeddings) {
+                weight_decay
+            } else {
+                0.0
+            };
+            let updated =
+                optimizer.update(&spec.name, self.params.get(&spec.name)?, &grad, lr, wd)?;
             updates.push((spec.name.clone(), updated));
         }
         for (name, value) in updates {
@@ -329,6 +488,8 @@ impl Stage {
 
 /// Position ids of a segment for every row: `(B·s,)` U32.
 fn position_ids(seg: SegmentShape) -> candle_core::Result<Tensor> {
-    let ids: Vec<u32> = (0..seg.batch).flat_map(|_| (seg.start..seg.start + seg.len).map(|p| p as u32)).collect();
+    let ids: Vec<u32> = (0..seg.batch)
+        .flat_map(|_| (seg.start..seg.start + seg.len).map(|p| p as u32))
+        .collect();
     Tensor::from_vec(ids, seg.tokens(), &Device::Cpu)
 }
