@@ -5,7 +5,18 @@ mod common;
 use common::{fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args};
 
 fn schedule_json(kind: &str, splits: usize) -> serde_json::Value {
-    let out = run_ok(seqpipe().args(["schedule", "--stages", "4", "--microbatches", "8", "--splits", &splits.to_string(), "--schedule", kind, "--json"]));
+    let out = run_ok(seqpipe().args([
+        "schedule",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--splits",
+        &splits.to_string(),
+        "--schedule",
+        kind,
+        "--json",
+    ]));
     serde_json::from_slice(&out.stdout).expect("schedule --json prints one JSON object")
 }
 
@@ -15,7 +26,10 @@ fn schedule_json_reports_seq1f1b_bubble_and_memory() {
     let seq = schedule_json("seq1f1b", 4);
     let bubble = seq["bubble_fraction"].as_f64().unwrap();
     let ideal = (p - 1.0) / (m * k + p - 1.0);
-    assert!((bubble - ideal).abs() <= 0.01, "seq1f1b bubble {bubble} vs (p-1)/(mk+p-1) = {ideal}");
+    assert!(
+        (bubble - ideal).abs() <= 0.01,
+        "seq1f1b bubble {bubble} vs (p-1)/(mk+p-1) = {ideal}"
+    );
     assert_eq!(seq["segment_lengths"].as_array().unwrap().len(), 4);
     let stages = seq["stages"].as_array().unwrap();
     assert_eq!(stages.len(), 4);
@@ -27,21 +41,48 @@ fn schedule_json_reports_seq1f1b_bubble_and_memory() {
     assert_eq!(stages[0]["actions"][0], "F0.0");
     let one = schedule_json("1f1b", 1);
     let one_bubble = one["bubble_fraction"].as_f64().unwrap();
-    assert!((one_bubble - (p - 1.0) / (m + p - 1.0)).abs() <= 0.01, "1f1b bubble {one_bubble}");
+    assert!(
+        (one_bubble - (p - 1.0) / (m + p - 1.0)).abs() <= 0.01,
+        "1f1b bubble {one_bubble}"
+    );
     let peak = |v: &serde_json::Value| v["stages"][0]["peak_activation_tokens"].as_u64().unwrap();
-    assert!(peak(&seq) < peak(&one), "stage 0 peak activation tokens: seq1f1b {} vs 1f1b {}", peak(&seq), peak(&one));
+    assert!(
+        peak(&seq) < peak(&one),
+        "stage 0 peak activation tokens: seq1f1b {} vs 1f1b {}",
+        peak(&seq),
+        peak(&one)
+    );
 }
 
 #[test]
 fn schedule_text_and_svg() {
     let dir = fresh_dir("svg");
     let svg = dir.join("timeline.svg");
-    let out = run_ok(seqpipe().args(["schedule", "--stages", "4", "--microbatches", "3", "--splits", "2", "--svg"]).arg(&svg));
+    let out = run_ok(
+        seqpipe()
+            .args([
+                "schedule",
+                "--stages",
+                "4",
+                "--microbatches",
+                "3",
+                "--splits",
+                "2",
+                "--svg",
+            ])
+            .arg(&svg),
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1 B0.0 B1.1 B1.0 B2.1 B2.0"), "{text}");
+    assert!(
+        text.contains("F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1 B0.0 B1.1 B1.0 B2.1 B2.0"),
+        "{text}"
+    );
     assert!(text.contains("bubble"), "{text}");
     let picture = std::fs::read_to_string(&svg).unwrap();
-    assert!(picture.starts_with("<svg") || picture.starts_with("<?xml"), "not an SVG");
+    assert!(
+        picture.starts_with("<svg") || picture.starts_with("<?xml"),
+        "not an SVG"
+    );
 }
 
 /// Same data, same math: the three schedules produce the same per-step losses.
@@ -49,7 +90,21 @@ fn schedule_text_and_svg() {
 fn schedules_train_to_the_same_losses() {
     let run = |kind: &str, splits: usize| {
         let dir = fresh_dir(&format!("same-{kind}"));
-        run_ok(seqpipe().args(["train", "-q"]).args(tiny_model_args()).args(["--set", "train.steps=4", "--set", &format!("pipeline.schedule={kind}"), "--set", &format!("pipeline.splits={splits}")]).arg("--set").arg(format!("run.dir={}", dir.display())));
+        run_ok(
+            seqpipe()
+                .args(["train", "-q"])
+                .args(tiny_model_args())
+                .args([
+                    "--set",
+                    "train.steps=4",
+                    "--set",
+                    &format!("pipeline.schedule={kind}"),
+                    "--set",
+                    &format!("pipeline.splits={splits}"),
+                ])
+                .arg("--set")
+                .arg(format!("run.dir={}", dir.display())),
+        );
         losses(&dir)
     };
     let seq = run("seq1f1b", 4);
@@ -59,7 +114,13 @@ fn schedules_train_to_the_same_losses() {
     for i in 0..4 {
         for (name, other) in [("1f1b", one[i]), ("gpipe", gpipe[i])] {
             let rel = ((other - seq[i]) / seq[i]).abs();
-            assert!(rel <= 1e-5, "step {}: seq1f1b loss {} vs {name} {} (rel {rel:e})", i + 1, seq[i], other);
+            assert!(
+                rel <= 1e-5,
+                "step {}: seq1f1b loss {} vs {name} {} (rel {rel:e})",
+                i + 1,
+                seq[i],
+                other
+            );
         }
     }
 }
@@ -68,20 +129,59 @@ fn schedules_train_to_the_same_losses() {
 #[test]
 fn default_training_loss_falls_toward_bound() {
     let dir = fresh_dir("default");
-    let out = run_ok(seqpipe().args(["train", "-q", "--set", "train.steps=30", "--set", "train.eval_every=15"]).arg("--set").arg(format!("run.dir={}", dir.display())));
+    let out = run_ok(
+        seqpipe()
+            .args([
+                "train",
+                "-q",
+                "--set",
+                "train.steps=30",
+                "--set",
+                "train.eval_every=15",
+            ])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.display())),
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let bound: f64 = stderr.split("loss lower bound ").nth(1).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("no bound printed:\n{stderr}"));
-    let records = metrics(&dir);
+    let bound: f64 = stderr
+        .split("loss lower bound ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no bound printed:\n{stderr}"));
+    let records: Vec<_> = metrics(&dir)
+        .into_iter()
+        .filter(|r| r.get("event").is_none())
+        .collect();
     assert_eq!(records.len(), 30);
-    for key in ["step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"] {
-        assert!(records.iter().all(|r| r.get(key).is_some()), "metrics lack `{key}`");
+    for key in [
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "step_time_s",
+        "tokens_per_s",
+    ] {
+        assert!(
+            records.iter().all(|r| r.get(key).is_some()),
+            "metrics lack `{key}`"
+        );
     }
     let first = records[0]["loss"].as_f64().unwrap();
     let last = records[29]["loss"].as_f64().unwrap();
-    let val = records[29]["val_loss"].as_f64().expect("val_loss on the last step");
-    assert!(records[14]["val_loss"].as_f64().is_some(), "val_loss at eval_every");
+    let val = records[29]["val_loss"]
+        .as_f64()
+        .expect("val_loss on the last step");
+    assert!(
+        records[14]["val_loss"].as_f64().is_some(),
+        "val_loss at eval_every"
+    );
     assert!(first > 5.5, "initial loss {first} should be near ln(vocab)");
-    assert!(last < first - 2.0 && last > bound, "loss should fall toward the bound {bound}: {first} -> {last}");
+    assert!(
+        last < first - 2.0 && last > bound,
+        "loss should fall toward the bound {bound}: {first} -> {last}"
+    );
     assert!(val < first - 2.0 && val > bound, "val loss {val}");
     assert!(dir.join("config.resolved.toml").exists());
 }
@@ -89,12 +189,24 @@ fn default_training_loss_falls_toward_bound() {
 #[test]
 fn config_typos_are_named() {
     let err = run_err(seqpipe().args(["train", "--set", "train.stpes=3"]));
-    assert!(err.contains("train.stpes") && err.contains("steps"), "{err}");
+    assert!(
+        err.contains("train.stpes") && err.contains("steps"),
+        "{err}"
+    );
     let err = run_err(seqpipe().args(["train", "--set", "pipeline.schedule=zigzag"]));
     assert!(err.contains("zigzag") && err.contains("seq1f1b"), "{err}");
     let err = run_err(seqpipe().args(["train", "--set", "pipeline.stages=9"]));
-    assert!(err.contains("pipeline.stages") && err.contains("layer"), "{err}");
-    let err = run_err(seqpipe().args(["train", "--set", "pipeline.partition=uniform", "--set", "pipeline.splits=5"]));
+    assert!(
+        err.contains("pipeline.stages") && err.contains("layer"),
+        "{err}"
+    );
+    let err = run_err(seqpipe().args([
+        "train",
+        "--set",
+        "pipeline.partition=uniform",
+        "--set",
+        "pipeline.splits=5",
+    ]));
     assert!(err.contains("pipeline.splits"), "{err}");
     let dir = fresh_dir("badcfg");
     let file = dir.join("bad.toml");
@@ -108,18 +220,46 @@ fn config_typos_are_named() {
 #[test]
 fn missing_and_corrupt_token_files_are_errors() {
     let dir = fresh_dir("data");
-    let err = run_err(seqpipe().arg("train").arg("--set").arg(format!("data.source={}", dir.join("nope").display())));
-    assert!(err.contains("nope") && err.contains("seqpipe data prepare"), "{err}");
+    let err = run_err(
+        seqpipe()
+            .arg("train")
+            .arg("--set")
+            .arg(format!("data.source={}", dir.join("nope").display())),
+    );
+    assert!(
+        err.contains("nope") && err.contains("seqpipe data prepare"),
+        "{err}"
+    );
     // An odd number of bytes cannot be u16 tokens.
     std::fs::write(dir.join("train.bin"), [1u8, 0, 2]).unwrap();
     std::fs::write(dir.join("val.bin"), [1u8, 0, 2, 0]).unwrap();
-    let err = run_err(seqpipe().arg("train").arg("--set").arg(format!("data.source={}", dir.display())));
+    let err = run_err(
+        seqpipe()
+            .arg("train")
+            .arg("--set")
+            .arg(format!("data.source={}", dir.display())),
+    );
     assert!(err.contains("train.bin"), "{err}");
     // Token ids beyond the vocabulary.
-    let tokens: Vec<u8> = (0..4000u16).flat_map(|t| (t % 1000).to_le_bytes()).collect();
+    let tokens: Vec<u8> = (0..4000u16)
+        .flat_map(|t| (t % 1000).to_le_bytes())
+        .collect();
     std::fs::write(dir.join("train.bin"), &tokens).unwrap();
     std::fs::write(dir.join("val.bin"), &tokens).unwrap();
-    let err = run_err(seqpipe().args(["train", "--set", "train.steps=1", "--set", "model.vocab_size=64"]).arg("--set").arg(format!("data.source={}", dir.display())).arg("--set").arg(format!("run.dir={}", dir.join("run").display())));
+    let err = run_err(
+        seqpipe()
+            .args([
+                "train",
+                "--set",
+                "train.steps=1",
+                "--set",
+                "model.vocab_size=64",
+            ])
+            .arg("--set")
+            .arg(format!("data.source={}", dir.display()))
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.join("run").display())),
+    );
     assert!(err.contains("vocab") || err.contains("64"), "{err}");
 }
 
@@ -129,20 +269,71 @@ fn worker_that_cannot_connect_is_an_error() {
     let cfg = dir.join("config.toml");
     std::fs::write(&cfg, "[pipeline]\ntimeout_s = 2.0\n").unwrap();
     // Nothing listens on port 9 of loopback (discard); the connection is refused.
-    let err = run_err(seqpipe().args(["worker", "--control", "127.0.0.1:9", "--stage", "0", "--config"]).arg(&cfg));
+    let err = run_err(
+        seqpipe()
+            .args([
+                "worker",
+                "--control",
+                "127.0.0.1:9",
+                "--stage",
+                "0",
+                "--config",
+            ])
+            .arg(&cfg),
+    );
     assert!(err.contains("127.0.0.1:9"), "{err}");
 }
 
 #[test]
 fn data_prepare_then_train_on_it() {
     let dir = fresh_dir("prepare");
-    let text: String = (0..400).map(|i| format!("The quick brown fox {i} jumps over the lazy dog. ")).collect();
+    let text: String = (0..400)
+        .map(|i| format!("The quick brown fox {i} jumps over the lazy dog. "))
+        .collect();
     std::fs::write(dir.join("a.txt"), &text).unwrap();
     std::fs::write(dir.join("b.jsonl"), "{\"text\": \"hello world, this is the first document of the JSONL file\"}\n{\"text\": \"and a second one with a few more words in it, enough for one sample\"}\n").unwrap();
     let out_dir = dir.join("tok");
-    run_ok(seqpipe().args(["data", "prepare", "--input"]).arg(dir.join("b.jsonl")).arg(dir.join("a.txt")).arg("--out").arg(&out_dir).args(["--val-fraction", "0.34"]));
+    run_ok(
+        seqpipe()
+            .args(["data", "prepare", "--input"])
+            .arg(dir.join("b.jsonl"))
+            .arg(dir.join("a.txt"))
+            .arg("--out")
+            .arg(&out_dir)
+            .args(["--val-fraction", "0.34"]),
+    );
     assert!(out_dir.join("train.bin").exists() && out_dir.join("val.bin").exists());
     let run = dir.join("run");
-    run_ok(seqpipe().args(["train", "-q", "--set", "model.vocab_size=50257", "--set", "model.layers=2", "--set", "model.d_model=32", "--set", "model.heads=2", "--set", "train.seq_len=16", "--set", "model.max_seq_len=16", "--set", "pipeline.stages=2", "--set", "pipeline.splits=2", "--set", "train.steps=2", "--set", "train.eval_batches=1"]).arg("--set").arg(format!("data.source={}", out_dir.display())).arg("--set").arg(format!("run.dir={}", run.display())));
+    run_ok(
+        seqpipe()
+            .args([
+                "train",
+                "-q",
+                "--set",
+                "model.vocab_size=50257",
+                "--set",
+                "model.layers=2",
+                "--set",
+                "model.d_model=32",
+                "--set",
+                "model.heads=2",
+                "--set",
+                "train.seq_len=16",
+                "--set",
+                "model.max_seq_len=16",
+                "--set",
+                "pipeline.stages=2",
+                "--set",
+                "pipeline.splits=2",
+                "--set",
+                "train.steps=2",
+                "--set",
+                "train.eval_batches=1",
+            ])
+            .arg("--set")
+            .arg(format!("data.source={}", out_dir.display()))
+            .arg("--set")
+            .arg(format!("run.dir={}", run.display())),
+    );
     assert_eq!(losses(&run).len(), 2);
 }

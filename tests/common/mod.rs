@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// A `seqpipe` command with one compute thread per process and quiet logs.
 pub fn seqpipe() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_seqpipe"));
-    cmd.env("RAYON_NUM_THREADS", "1").env("CANDLE_NUM_THREADS", "1").env("RUST_LOG", "warn");
+    cmd.env("RAYON_NUM_THREADS", "1")
+        .env("CANDLE_NUM_THREADS", "1")
+        .env("RUST_LOG", "warn");
     cmd
 }
 
@@ -17,7 +19,8 @@ pub fn seqpipe() -> Command {
 pub fn fresh_dir(name: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}-{n}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{name}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -26,7 +29,14 @@ pub fn fresh_dir(name: &str) -> PathBuf {
 /// Runs the command and returns its output; panics with stderr if it failed.
 pub fn run_ok(cmd: &mut Command) -> Output {
     let out = cmd.output().expect("failed to start seqpipe");
-    assert!(out.status.success(), "command {:?} failed ({}):\nstdout:\n{}\nstderr:\n{}", cmd, out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "command {:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        cmd,
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -34,9 +44,20 @@ pub fn run_ok(cmd: &mut Command) -> Output {
 pub fn run_err(cmd: &mut Command) -> String {
     let out = cmd.output().expect("failed to start seqpipe");
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "command {cmd:?} should have failed; stderr:\n{stderr}");
-    assert_eq!(out.status.code(), Some(1), "expected exit code 1 (error), got {:?}; stderr:\n{stderr}", out.status);
-    assert!(!stderr.contains("panicked"), "the binary panicked:\n{stderr}");
+    assert!(
+        !out.status.success(),
+        "command {cmd:?} should have failed; stderr:\n{stderr}"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected exit code 1 (error), got {:?}; stderr:\n{stderr}",
+        out.status
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "the binary panicked:\n{stderr}"
+    );
     assert!(stderr.contains("error:"), "no error message:\n{stderr}");
     stderr
 }
@@ -44,15 +65,32 @@ pub fn run_err(cmd: &mut Command) -> String {
 /// Parses `metrics.jsonl`.
 pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
-    text.lines().map(|l| serde_json::from_str(l).expect("valid JSON line")).collect()
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
 }
 
 /// The per-step losses of a run.
 pub fn losses(run_dir: &Path) -> Vec<f64> {
-    metrics(run_dir).iter().filter_map(|m| m.get("loss").and_then(|l| l.as_f64())).collect()
+    metrics(run_dir)
+        .iter()
+        .filter_map(|m| m.get("loss").and_then(|l| l.as_f64()))
+        .collect()
 }
 
 /// `--set` arguments for a tiny model that trains in a fraction of a second per step.
 pub fn tiny_model_args() -> Vec<String> {
-    ["model.vocab_size=64", "model.layers=4", "model.d_model=32", "model.heads=4", "model.max_seq_len=48", "train.seq_len=48", "train.micro_batch_size=2", "train.eval_every=0"].iter().flat_map(|s| ["--set".to_string(), s.to_string()]).collect()
+    [
+        "model.vocab_size=64",
+        "model.layers=4",
+        "model.d_model=32",
+        "model.heads=4",
+        "model.max_seq_len=48",
+        "train.seq_len=48",
+        "train.micro_batch_size=2",
+        "train.eval_every=0",
+    ]
+    .iter()
+    .flat_map(|s| ["--set".to_string(), s.to_string()])
+    .collect()
 }

@@ -6,13 +6,20 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
+use crate::checkpointing::hf;
+use crate::checkpointing::shard::from_tensor_data;
+use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
 use crate::data::{prepare, synthetic_language};
 use crate::model::params::param_count;
 use crate::model::partition_layers;
-use crate::runtime::launcher::{LaunchOptions, run_training};
+use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
 use crate::runtime::worker::{WorkerArgs, run_worker};
-use crate::schedule::{Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json, segment_lengths, simulate};
+use crate::schedule::{
+    Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
+    segment_lengths, simulate,
+};
+use checkpoint::{CheckpointStore, StoreOptions};
 
 /// seqpipe: a fault-tolerant Seq1F1B pipeline-parallel GPT trainer.
 #[derive(Parser, Debug)]
@@ -26,6 +33,16 @@ struct Cli {
 enum Command {
     /// Train a GPT with one local worker process per pipeline stage.
     Train(TrainArgs),
+    /// Continue a run from its newest committed checkpoint (RUN-DIR or a checkpoint URL).
+    Resume(ResumeArgs),
+    /// Validation loss of a model (from a checkpoint, a Hugging Face directory, or fresh weights).
+    Eval(EvalArgs),
+    /// Inspect, verify and export checkpoints.
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
+    /// Benchmarks that print numbers.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Print a pipeline schedule: action lists, segment lengths, simulated bubble and memory.
     Schedule(ScheduleArgs),
     /// Dataset tools.
@@ -57,12 +74,104 @@ impl ConfigArgs {
 struct TrainArgs {
     #[command(flatten)]
     config: ConfigArgs,
+    /// Resume from the configured checkpoint store: `latest` or a step number.
+    #[arg(long, value_name = "latest|STEP", conflicts_with = "init_from")]
+    resume: Option<String>,
+    /// Start from the weights of a Hugging Face GPT-2 directory (`seqpipe ckpt export` output).
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
     /// Write every step's accumulated gradients (before clipping) to DIR, one safetensors file per stage.
     #[arg(long, value_name = "DIR")]
     dump_grads: Option<PathBuf>,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+}
+
+#[derive(Args, Debug)]
+struct ResumeArgs {
+    /// A run directory (with config.resolved.toml) or a checkpoint URL.
+    target: String,
+    /// Override config keys of the resumed run (e.g. `--set train.steps=200 --set pipeline.stages=2`).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Resume from this step instead of the newest committed one.
+    #[arg(long)]
+    step: Option<u64>,
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args, Debug)]
+struct EvalArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Evaluate a committed checkpoint of the configured store: `latest` or a step number.
+    #[arg(long, value_name = "latest|STEP", conflicts_with = "init_from")]
+    resume: Option<String>,
+    /// Evaluate the weights of a Hugging Face GPT-2 directory.
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum CkptCommand {
+    /// Steps found at a checkpoint URL, their sizes, and whether they are committed.
+    List {
+        /// Checkpoint URL or path.
+        url: String,
+    },
+    /// A checkpoint's manifest: step, topology, shards, tensors.
+    Show {
+        /// Checkpoint URL or path.
+        url: String,
+        /// Step (default: newest committed).
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// Re-hash every shard and tensor; exit status 1 on any mismatch.
+    Verify {
+        /// Checkpoint URL or path.
+        url: String,
+        /// Step (default: newest committed).
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// Consolidate a checkpoint's model into another format.
+    Export {
+        /// Checkpoint URL or path.
+        url: String,
+        /// Step (default: newest committed).
+        #[arg(long)]
+        step: Option<u64>,
+        /// Output format.
+        #[arg(long, value_parser = ["hf-gpt2"])]
+        format: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Checkpoint save/load throughput vs the store's raw write throughput, and the training stall.
+    Checkpoint {
+        /// Checkpoint locations to measure (repeatable): a path, file://, s3://... (S3 endpoint and
+        /// credentials from AWS_* variables). The stall is measured on the first.
+        #[arg(long = "url", required = true)]
+        urls: Vec<String>,
+        /// Stages (shards written concurrently).
+        #[arg(long, default_value_t = 4)]
+        stages: usize,
+        /// Save/load rounds per store.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        /// Training steps of each stall run.
+        #[arg(long, default_value_t = 6)]
+        stall_steps: u64,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -136,7 +245,7 @@ struct WorkerCli {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -145,52 +254,334 @@ pub fn main() -> ExitCode {
 }
 
 fn init_logging(default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Train(args) => train(args),
-        Command::Schedule(args) => schedule(args),
-        Command::Data(DataCommand::Prepare { input, out, val_fraction }) => {
+        Command::Train(args) => {
+            let cfg = args.config.load()?;
+            let start = match (&args.resume, args.init_from) {
+                (Some(point), _) => Start::Resume(parse_resume_point(point)?),
+                (None, Some(dir)) => Start::InitFrom(dir),
+                (None, None) => Start::Fresh,
+            };
+            train(
+                cfg,
+                LaunchOptions {
+                    dump_grads: args.dump_grads,
+                    quiet: args.quiet,
+                    start,
+                },
+            )
+        }
+        Command::Resume(args) => {
+            let cfg = resume_config(&args.target, &args.overrides)?;
+            let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
+            train(
+                cfg,
+                LaunchOptions {
+                    dump_grads: None,
+                    quiet: args.quiet,
+                    start: Start::Resume(point),
+                },
+            )
+        }
+        Command::Eval(args) => {
+            let cfg = args.config.load()?;
+            init_logging(&cfg.run.log);
+            let start = match (&args.resume, args.init_from) {
+                (Some(point), _) => Start::Resume(parse_resume_point(point)?),
+                (None, Some(dir)) => Start::InitFrom(dir),
+                (None, None) => Start::Fresh,
+            };
+            let (step, val_loss) = run_evaluation(&cfg, &start)?;
+            println!(
+                "{}",
+                serde_json::json!({"step": step, "val_loss": val_loss, "batches": cfg.train.eval_batches})
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Ckpt(cmd) => ckpt(cmd),
+        Command::Bench(BenchCommand::Checkpoint {
+            urls,
+            stages,
+            rounds,
+            stall_steps,
+        }) => {
+            init_logging("warn");
+            crate::bench::checkpoint_bench(&urls, stages, rounds, stall_steps)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),
+        Command::Data(DataCommand::Prepare {
+            input,
+            out,
+            val_fraction,
+        }) => {
             init_logging("info");
             let report = prepare(&input, &out, val_fraction)?;
-            println!("wrote {} ({} tokens, {} documents) and {} ({} tokens, {} documents)", report.train_path.display(), report.train_tokens, report.train_documents, report.val_path.display(), report.val_tokens, report.val_documents);
-            println!("train on it with: seqpipe train --set data.source={} --set model.vocab_size=50257", out.display());
-            Ok(())
+            println!(
+                "wrote {} ({} tokens, {} documents) and {} ({} tokens, {} documents)",
+                report.train_path.display(),
+                report.train_tokens,
+                report.train_documents,
+                report.val_path.display(),
+                report.val_tokens,
+                report.val_documents
+            );
+            println!(
+                "train on it with: seqpipe train --set data.source={} --set model.vocab_size=50257",
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Command::Worker(w) => {
             init_logging("info");
             let stage = w.stage;
-            run_worker(WorkerArgs { control: w.control, stage: w.stage, config: w.config, dump_grads: w.dump_grads }).with_context(|| format!("worker of stage {stage}"))
+            run_worker(WorkerArgs {
+                control: w.control,
+                stage: w.stage,
+                config: w.config,
+                dump_grads: w.dump_grads,
+            })
+            .with_context(|| format!("worker of stage {stage}"))?;
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
 
-fn train(args: TrainArgs) -> Result<()> {
-    let cfg = args.config.load()?;
+fn parse_resume_point(s: &str) -> Result<ResumePoint> {
+    match s {
+        "latest" => Ok(ResumePoint::Latest),
+        n => n
+            .parse()
+            .map(ResumePoint::Step)
+            .map_err(|_| anyhow::anyhow!("--resume takes `latest` or a step number, got `{n}`")),
+    }
+}
+
+/// The config of the run to resume: `TARGET/config.resolved.toml` for a run directory, else the
+/// config stored in the newest committed checkpoint at URL `TARGET`; then the overrides.
+fn resume_config(target: &str, overrides: &[String]) -> Result<Config> {
+    let resolved = PathBuf::from(target).join("config.resolved.toml");
+    let cfg = if resolved.is_file() {
+        Config::load(Some(&resolved), &[])?
+    } else {
+        let store = CheckpointStore::open(target, &StoreOptions::default())?;
+        let rt = runtime()?;
+        let step = *rt.block_on(store.committed_steps())?.last().with_context(|| format!("{target} is neither a run directory (no config.resolved.toml) nor a checkpoint location with a committed checkpoint"))?;
+        let manifest = rt.block_on(store.read_manifest(step))?;
+        let state: TrainerState = serde_json::from_value(manifest.state).with_context(|| {
+            format!("reading the trainer state of checkpoint {step} at {target}")
+        })?;
+        let mut cfg = state.config()?;
+        cfg.checkpoint.url = target.to_string();
+        cfg
+    };
+    let cfg = cfg.with_overrides(overrides)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     init_logging(&cfg.run.log);
     let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
     let segments = cfg.segment_lengths()?;
-    eprintln!("seqpipe: GPT with {:.2}M parameters ({} layers, d_model {}, {} heads, vocab {})", param_count(&cfg.model) as f64 / 1e6, cfg.model.layers, cfg.model.d_model, cfg.model.heads, cfg.model.vocab_size);
+    eprintln!(
+        "seqpipe: GPT with {:.2}M parameters ({} layers, d_model {}, {} heads, vocab {})",
+        param_count(&cfg.model) as f64 / 1e6,
+        cfg.model.layers,
+        cfg.model.d_model,
+        cfg.model.heads,
+        cfg.model.vocab_size
+    );
     let ranges: Vec<String> = layouts.iter().map(|l| format!("{:?}", l.layers)).collect();
-    eprintln!("pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {:?}", cfg.pipeline.stages, ranges.join(" "), cfg.pipeline.schedule, cfg.pipeline.microbatches, cfg.pipeline.splits, segments);
+    eprintln!(
+        "pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {:?}",
+        cfg.pipeline.stages,
+        ranges.join(" "),
+        cfg.pipeline.schedule,
+        cfg.pipeline.microbatches,
+        cfg.pipeline.splits,
+        segments
+    );
     let bound = if cfg.data.is_synthetic() {
         let lang = synthetic_language(&cfg.data, cfg.model.vocab_size)?;
         let bound = lang.loss_lower_bound(cfg.train.seq_len);
-        eprintln!("data: synthetic order-{} language, entropy rate {:.4} nats; loss lower bound {bound:.4} (initial ~ ln {} = {:.4})", lang.order(), lang.entropy_rate_nats(), cfg.model.vocab_size, (cfg.model.vocab_size as f64).ln());
+        eprintln!(
+            "data: synthetic order-{} language, entropy rate {:.4} nats; loss lower bound {bound:.4} (initial ~ ln {} = {:.4})",
+            lang.order(),
+            lang.entropy_rate_nats(),
+            cfg.model.vocab_size,
+            (cfg.model.vocab_size as f64).ln()
+        );
         Some(bound)
     } else {
         eprintln!("data: {}", cfg.data.source);
         None
     };
     eprintln!("run directory: {}", cfg.run.dir.display());
-    let summary = run_training(&cfg, &LaunchOptions { dump_grads: args.dump_grads, quiet: args.quiet })?;
-    let val = summary.val_loss.map_or(String::new(), |v| format!(", val loss {v:.4}"));
+    let summary = run_training(&cfg, &opts)?;
+    let val = summary
+        .val_loss
+        .map_or(String::new(), |v| format!(", val loss {v:.4}"));
     let bound = bound.map_or(String::new(), |b| format!(" (lower bound {b:.4})"));
-    eprintln!("done: {} steps in {:.1}s, final loss {:.4}{val}{bound}; metrics in {}", summary.steps, summary.elapsed_s, summary.final_loss, cfg.run.dir.join("metrics.jsonl").display());
-    Ok(())
+    let resumed = summary
+        .resumed_from
+        .map_or(String::new(), |s| format!(" (resumed from step {s})"));
+    eprintln!(
+        "done: step {}/{}{resumed} in {:.1}s, final loss {:.4}{val}{bound}; metrics in {}",
+        summary.last_step,
+        cfg.train.steps,
+        summary.elapsed_s,
+        summary.final_loss,
+        cfg.run.dir.join("metrics.jsonl").display()
+    );
+    eprintln!("checkpoints: {}", cfg.checkpoint.resolved_url(&cfg.run.dir));
+    if let Some(sig) = summary.interrupted_by {
+        eprintln!(
+            "stopped by signal {sig} after step {} with a final checkpoint; continue with: seqpipe resume {}",
+            summary.last_step,
+            cfg.run.dir.display()
+        );
+        return Ok(ExitCode::from(128 + sig as u8));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
+    let rt = runtime()?;
+    let open = |url: &str| CheckpointStore::open(url, &StoreOptions::default());
+    let pick = |store: &CheckpointStore, step: Option<u64>| -> Result<u64> {
+        let committed = rt.block_on(store.committed_steps())?;
+        match step {
+            Some(s) if committed.contains(&s) => Ok(s),
+            Some(s) => bail!(
+                "no committed checkpoint of step {s} at {}; committed steps: {committed:?}",
+                store.url()
+            ),
+            None => committed
+                .last()
+                .copied()
+                .with_context(|| format!("no committed checkpoint at {}", store.url())),
+        }
+    };
+    match cmd {
+        CkptCommand::List { url } => {
+            let store = open(&url)?;
+            let steps = rt.block_on(store.list())?;
+            if steps.is_empty() {
+                println!("no checkpoints at {url}");
+            }
+            for s in steps {
+                println!(
+                    "step {:>8}  {:>12} bytes  {:>3} objects  {}",
+                    s.step,
+                    s.bytes,
+                    s.objects,
+                    if s.committed {
+                        "committed"
+                    } else {
+                        "NOT committed (incomplete upload)"
+                    }
+                );
+            }
+        }
+        CkptCommand::Show { url, step } => {
+            let store = open(&url)?;
+            let step = pick(&store, step)?;
+            let manifest = rt.block_on(store.read_manifest(step))?;
+            println!(
+                "checkpoint {url} step {step}: {} bytes in {} shards, {} tensors",
+                manifest.total_bytes(),
+                manifest.shards.len(),
+                manifest.tensor_names().count()
+            );
+            if let Ok(state) = serde_json::from_value::<TrainerState>(manifest.state.clone()) {
+                let t = &state.topology;
+                println!(
+                    "written by {} after step {} (loss {:.4}, lr {:.3e}); next data step {}",
+                    state.writer, state.step, state.loss, state.lr.last_lr, state.data.next_step
+                );
+                println!(
+                    "topology: {} stages {:?}, schedule {}, {} micro-batches x {} segments",
+                    t.stages, t.layers, t.schedule, t.microbatches, t.splits
+                );
+            }
+            for shard in &manifest.shards {
+                println!(
+                    "shard {} ({} bytes, blake3 {})",
+                    shard.key, shard.size, shard.blake3
+                );
+                for t in &shard.tensors {
+                    println!("  {:<40} {:<4} {:?}", t.name, t.dtype, t.shape);
+                }
+            }
+        }
+        CkptCommand::Verify { url, step } => {
+            let store = open(&url)?;
+            let step = pick(&store, step)?;
+            let manifest = rt.block_on(store.read_manifest(step))?;
+            let report = rt.block_on(store.verify(&manifest))?;
+            if report.is_ok() {
+                println!(
+                    "ok: step {step}, {} shards, {} bytes re-hashed",
+                    report.shards_checked, report.bytes_checked
+                );
+            } else {
+                for problem in &report.problems {
+                    eprintln!("{problem}");
+                }
+                eprintln!(
+                    "error: checkpoint of step {step} at {url} is corrupt ({} problems)",
+                    report.problems.len()
+                );
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        CkptCommand::Export {
+            url,
+            step,
+            format,
+            out,
+        } => {
+            debug_assert_eq!(format, "hf-gpt2");
+            let store = open(&url)?;
+            let step = pick(&store, step)?;
+            let manifest = rt.block_on(store.read_manifest(step))?;
+            let state: TrainerState = serde_json::from_value(manifest.state.clone())
+                .context("reading the checkpoint's trainer state")?;
+            let cfg = state.config()?;
+            let names: Vec<String> = crate::model::params::param_specs(&cfg.model)
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
+            let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
+            let params = tensors
+                .iter()
+                .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+                .collect::<Result<_>>()?;
+            hf::export(&cfg.model, &params, &out)?;
+            println!(
+                "exported step {step} to {} (model.safetensors, config.json)",
+                out.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn schedule(args: ScheduleArgs) -> Result<()> {
@@ -198,27 +589,54 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
     if args.stages == 0 || args.microbatches == 0 || args.splits == 0 {
         bail!("--stages, --microbatches and --splits must all be at least 1");
     }
-    let lengths = segment_lengths(args.partition, args.seq_len, args.splits, &cfg.flops_model())?;
+    let lengths = segment_lengths(
+        args.partition,
+        args.seq_len,
+        args.splits,
+        &cfg.flops_model(),
+    )?;
     let sched = generate(args.schedule, args.stages, args.microbatches, args.splits)?;
     let batch = cfg.train.micro_batch_size;
     let costs = match args.costs.as_str() {
         "flops" => UnitCosts::from_flops(&lengths, batch, &cfg.flops_model()),
-        _ => UnitCosts { tokens: lengths.iter().map(|l| l * batch).collect(), ..UnitCosts::uniform(args.splits, 0) },
+        _ => UnitCosts {
+            tokens: lengths.iter().map(|l| l * batch).collect(),
+            ..UnitCosts::uniform(args.splits, 0)
+        },
     };
     let sim = simulate(&sched, &costs)?;
     if let Some(path) = &args.svg {
-        std::fs::write(path, render_svg(&sched, &sim)).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, render_svg(&sched, &sim))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report_json(&sched, &sim, &lengths))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report_json(&sched, &sim, &lengths))?
+        );
         return Ok(());
     }
-    let (p, m, k) = (args.stages as f64, args.microbatches as f64, args.splits as f64);
-    println!("{} schedule: p={} m={} k={}, segment lengths {:?}", args.schedule, args.stages, args.microbatches, args.splits, lengths);
+    let (p, m, k) = (
+        args.stages as f64,
+        args.microbatches as f64,
+        args.splits as f64,
+    );
+    println!(
+        "{} schedule: p={} m={} k={}, segment lengths {:?}",
+        args.schedule, args.stages, args.microbatches, args.splits, lengths
+    );
     print!("{}", render_text(&sched));
-    println!("simulated bubble fraction: {:.4} (Seq1F1B ideal (p-1)/(mk+p-1) = {:.4}; 1F1B (p-1)/(m+p-1) = {:.4})", sim.bubble_fraction, (p - 1.0) / (m * k + p - 1.0), (p - 1.0) / (m + p - 1.0));
+    println!(
+        "simulated bubble fraction: {:.4} (Seq1F1B ideal (p-1)/(mk+p-1) = {:.4}; 1F1B (p-1)/(m+p-1) = {:.4})",
+        sim.bubble_fraction,
+        (p - 1.0) / (m * k + p - 1.0),
+        (p - 1.0) / (m + p - 1.0)
+    );
     for st in &sim.stages {
-        println!("stage {}: bubble {:.4}, peak in-flight units {}, peak activation tokens {}", st.stage, st.bubble_fraction, st.peak_inflight_units, st.peak_activation_tokens);
+        println!(
+            "stage {}: bubble {:.4}, peak in-flight units {}, peak activation tokens {}",
+            st.stage, st.bubble_fraction, st.peak_inflight_units, st.peak_activation_tokens
+        );
     }
     if let Some(path) = &args.svg {
         println!("timeline written to {}", path.display());

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::checkpointing::CheckpointConfig;
 use crate::data::DataConfig;
 use crate::model::ModelConfig;
 use crate::schedule::{FlopsModel, Partition, ScheduleKind, segment_lengths};
@@ -18,7 +19,10 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/tiny.toml");
 pub enum ConfigError {
     /// The config file could not be read.
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// TOML syntax or type error, or an unknown key in a file.
     #[error("invalid config {origin}: {message}")]
     Parse { origin: String, message: String },
@@ -47,7 +51,11 @@ pub struct RunConfig {
 
 impl Default for RunConfig {
     fn default() -> Self {
-        Self { dir: PathBuf::from("runs/latest"), threads_per_worker: 0, log: "info".into() }
+        Self {
+            dir: PathBuf::from("runs/latest"),
+            threads_per_worker: 0,
+            log: "info".into(),
+        }
     }
 }
 
@@ -69,6 +77,9 @@ pub struct TrainConfig {
     pub min_lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
+    /// Length of the cosine decay in steps (0 = `steps`). Set it when a run will be extended or
+    /// stopped early, so that the learning rate of every step stays the same.
+    pub decay_steps: u64,
     /// AdamW decoupled weight decay (applied to linear weights; embeddings only with `decay_embeddings`).
     pub weight_decay: f64,
     /// Also decay the embedding tables.
@@ -97,6 +108,7 @@ impl Default for TrainConfig {
             lr: 3e-3,
             min_lr: 3e-4,
             warmup_steps: 5,
+            decay_steps: 0,
             weight_decay: 0.1,
             decay_embeddings: false,
             beta1: 0.9,
@@ -129,7 +141,14 @@ pub struct PipelineConfig {
 
 impl Default for PipelineConfig {
     fn default() -> Self {
-        Self { stages: 4, microbatches: 4, splits: 4, schedule: ScheduleKind::Seq1F1B, partition: Partition::Compute, timeout_s: 60.0 }
+        Self {
+            stages: 4,
+            microbatches: 4,
+            splits: 4,
+            schedule: ScheduleKind::Seq1F1B,
+            partition: Partition::Compute,
+            timeout_s: 60.0,
+        }
     }
 }
 
@@ -147,14 +166,25 @@ pub struct Config {
     pub pipeline: PipelineConfig,
     /// `[data]`
     pub data: DataConfig,
+    /// `[checkpoint]`
+    pub checkpoint: CheckpointConfig,
 }
 
 impl Config {
     /// Reads `file` (or the embedded default), applies `--set` overrides and validates.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
         let (text, origin) = match file {
-            Some(path) => (std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?, path.display().to_string()),
-            None => (DEFAULT_CONFIG_TOML.to_string(), "(embedded configs/tiny.toml)".to_string()),
+            Some(path) => (
+                std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?,
+                path.display().to_string(),
+            ),
+            None => (
+                DEFAULT_CONFIG_TOML.to_string(),
+                "(embedded configs/tiny.toml)".to_string(),
+            ),
         };
         let mut cfg = Self::from_toml(&text, &origin)?;
         if !overrides.is_empty() {
@@ -166,7 +196,10 @@ impl Config {
 
     /// Parses TOML text (missing keys take their defaults; unknown keys are errors).
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse { origin: origin.to_string(), message: e.to_string() })
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })
     }
 
     /// The config as TOML (written into the run directory).
@@ -178,21 +211,39 @@ impl Config {
     pub fn with_overrides(&self, overrides: &[String]) -> Result<Self, ConfigError> {
         let mut tree = toml::Table::try_from(self).expect("a Config always serializes");
         for item in overrides {
-            let (key, raw) = item.split_once('=').ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+            let (key, raw) = item
+                .split_once('=')
+                .ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
             let key = key.trim();
-            let (section, field) = key.split_once('.').ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+            let (section, field) = key
+                .split_once('.')
+                .ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
             let sections: Vec<String> = tree.keys().cloned().collect();
-            let table = tree.get_mut(section).and_then(|v| v.as_table_mut()).ok_or_else(|| ConfigError::UnknownKey { key: key.to_string(), hint: format!("sections are: {}", sections.join(", ")) })?;
+            let table = tree
+                .get_mut(section)
+                .and_then(|v| v.as_table_mut())
+                .ok_or_else(|| ConfigError::UnknownKey {
+                    key: key.to_string(),
+                    hint: format!("sections are: {}", sections.join(", ")),
+                })?;
             if !table.contains_key(field) {
                 let mut fields: Vec<&String> = table.keys().collect();
                 fields.sort();
                 let fields: Vec<&str> = fields.into_iter().map(String::as_str).collect();
-                return Err(ConfigError::UnknownKey { key: key.to_string(), hint: format!("keys in [{section}] are: {}", fields.join(", ")) });
+                return Err(ConfigError::UnknownKey {
+                    key: key.to_string(),
+                    hint: format!("keys in [{section}] are: {}", fields.join(", ")),
+                });
             }
             table.insert(field.to_string(), parse_value(raw.trim()));
         }
         let origin = format!("after --set {}", overrides.join(" --set "));
-        toml::Value::Table(tree).try_into().map_err(|e: toml::de::Error| ConfigError::Parse { origin, message: e.to_string() })
+        toml::Value::Table(tree)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                origin,
+                message: e.to_string(),
+            })
     }
 
     /// Tokens in one step's global batch (the loss is the mean over them).
@@ -203,17 +254,34 @@ impl Config {
     /// Model dimensions for the segment-cost formula.
     pub fn flops_model(&self) -> FlopsModel {
         let m = &self.model;
-        FlopsModel { layers: m.layers, hidden: m.d_model, heads: m.heads, head_dim: m.head_dim(), ffn: m.ffn(), vocab: m.vocab_size }
+        FlopsModel {
+            layers: m.layers,
+            hidden: m.d_model,
+            heads: m.heads,
+            head_dim: m.head_dim(),
+            ffn: m.ffn(),
+            vocab: m.vocab_size,
+        }
     }
 
     /// The segment lengths of every micro-batch's sequence.
     pub fn segment_lengths(&self) -> Result<Vec<usize>, ConfigError> {
-        segment_lengths(self.pipeline.partition, self.train.seq_len, self.pipeline.splits, &self.flops_model()).map_err(|e| ConfigError::Invalid { key: "pipeline.splits", message: e.to_string() })
+        segment_lengths(
+            self.pipeline.partition,
+            self.train.seq_len,
+            self.pipeline.splits,
+            &self.flops_model(),
+        )
+        .map_err(|e| ConfigError::Invalid {
+            key: "pipeline.splits",
+            message: e.to_string(),
+        })
     }
 
     /// Checks every value and their consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        let invalid =
+            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
         let (m, t, p) = (&self.model, &self.train, &self.pipeline);
         let positive = [
             ("model.vocab_size", m.vocab_size),
@@ -237,19 +305,43 @@ impl Config {
             return invalid("train.steps", "must be at least 1".into());
         }
         if m.d_model % m.heads != 0 {
-            return invalid("model.heads", format!("d_model {} is not divisible by {} heads", m.d_model, m.heads));
+            return invalid(
+                "model.heads",
+                format!(
+                    "d_model {} is not divisible by {} heads",
+                    m.d_model, m.heads
+                ),
+            );
         }
         if m.position == crate::model::Position::Rope && m.head_dim() % 2 != 0 {
-            return invalid("model.position", format!("rope needs an even head dimension, got {}", m.head_dim()));
+            return invalid(
+                "model.position",
+                format!("rope needs an even head dimension, got {}", m.head_dim()),
+            );
         }
         if t.seq_len > m.max_seq_len {
-            return invalid("train.seq_len", format!("{} exceeds model.max_seq_len {}", t.seq_len, m.max_seq_len));
+            return invalid(
+                "train.seq_len",
+                format!("{} exceeds model.max_seq_len {}", t.seq_len, m.max_seq_len),
+            );
         }
         if p.stages > m.layers {
-            return invalid("pipeline.stages", format!("{} stages for {} layers: every stage needs at least one layer (at most {} stages)", p.stages, m.layers, m.layers));
+            return invalid(
+                "pipeline.stages",
+                format!(
+                    "{} stages for {} layers: every stage needs at least one layer (at most {} stages)",
+                    p.stages, m.layers, m.layers
+                ),
+            );
         }
         if p.splits > t.seq_len {
-            return invalid("pipeline.splits", format!("cannot cut a sequence of {} tokens into {} segments", t.seq_len, p.splits));
+            return invalid(
+                "pipeline.splits",
+                format!(
+                    "cannot cut a sequence of {} tokens into {} segments",
+                    t.seq_len, p.splits
+                ),
+            );
         }
         self.segment_lengths()?;
         for (key, value) in [("train.lr", t.lr), ("train.eps", t.eps)] {
@@ -258,7 +350,13 @@ impl Config {
             }
         }
         if !(0.0..=t.lr).contains(&t.min_lr) {
-            return invalid("train.min_lr", format!("must be between 0 and train.lr ({}), got {}", t.lr, t.min_lr));
+            return invalid(
+                "train.min_lr",
+                format!(
+                    "must be between 0 and train.lr ({}), got {}",
+                    t.lr, t.min_lr
+                ),
+            );
         }
         for (key, value) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
             if !(0.0..1.0).contains(&value) {
@@ -266,21 +364,54 @@ impl Config {
             }
         }
         if t.weight_decay < 0.0 || t.grad_clip < 0.0 {
-            return invalid("train.weight_decay", "weight_decay and grad_clip must not be negative".into());
+            return invalid(
+                "train.weight_decay",
+                "weight_decay and grad_clip must not be negative".into(),
+            );
         }
         if t.eval_every > 0 && t.eval_batches == 0 {
-            return invalid("train.eval_batches", "must be at least 1 when train.eval_every > 0".into());
+            return invalid(
+                "train.eval_batches",
+                "must be at least 1 when train.eval_every > 0".into(),
+            );
         }
         if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
-            return invalid("pipeline.timeout_s", format!("must be a positive number of seconds, got {}", p.timeout_s));
+            return invalid(
+                "pipeline.timeout_s",
+                format!("must be a positive number of seconds, got {}", p.timeout_s),
+            );
+        }
+        let c = &self.checkpoint;
+        if c.keep_last == 0 {
+            return invalid(
+                "checkpoint.keep_last",
+                "must be at least 1 (the newest committed checkpoint is never deleted)".into(),
+            );
+        }
+        if !(c.grace_s > 0.0 && c.grace_s.is_finite()) {
+            return invalid(
+                "checkpoint.grace_s",
+                format!("must be a positive number of seconds, got {}", c.grace_s),
+            );
         }
         Ok(())
+    }
+
+    /// Steps of the learning-rate schedule (warm-up + cosine decay).
+    pub fn lr_schedule_steps(&self) -> u64 {
+        if self.train.decay_steps > 0 {
+            self.train.decay_steps
+        } else {
+            self.train.steps
+        }
     }
 
     /// Compute threads each worker should use.
     pub fn threads_per_worker(&self) -> usize {
         match self.run.threads_per_worker {
-            0 => (std::thread::available_parallelism().map_or(1, |n| n.get()) / self.pipeline.stages).max(1),
+            0 => (std::thread::available_parallelism().map_or(1, |n| n.get())
+                / self.pipeline.stages)
+                .max(1),
             n => n,
         }
     }
@@ -288,7 +419,10 @@ impl Config {
 
 /// A `--set` value: TOML if it parses as TOML, otherwise the raw text as a string.
 fn parse_value(raw: &str) -> toml::Value {
-    toml::from_str::<toml::Table>(&format!("v = {raw}")).ok().and_then(|mut t| t.remove("v")).unwrap_or_else(|| toml::Value::String(raw.to_string()))
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
 #[cfg(test)]
@@ -298,13 +432,24 @@ mod tests {
     #[test]
     fn embedded_default_equals_code_defaults() {
         let parsed = Config::from_toml(DEFAULT_CONFIG_TOML, "tiny.toml").unwrap();
-        assert_eq!(parsed, Config::default(), "configs/tiny.toml and the Default impls disagree");
+        assert_eq!(
+            parsed,
+            Config::default(),
+            "configs/tiny.toml and the Default impls disagree"
+        );
         parsed.validate().unwrap();
     }
 
     #[test]
     fn overrides_apply_with_types() {
-        let cfg = Config::default().with_overrides(&["train.steps=7".into(), "pipeline.schedule=1f1b".into(), "run.dir=/tmp/x".into(), "train.lr=0.5".into()]).unwrap();
+        let cfg = Config::default()
+            .with_overrides(&[
+                "train.steps=7".into(),
+                "pipeline.schedule=1f1b".into(),
+                "run.dir=/tmp/x".into(),
+                "train.lr=0.5".into(),
+            ])
+            .unwrap();
         assert_eq!(cfg.train.steps, 7);
         assert_eq!(cfg.pipeline.schedule, ScheduleKind::OneFOneB);
         assert_eq!(cfg.run.dir, PathBuf::from("/tmp/x"));
@@ -313,21 +458,50 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_named() {
-        let err = Config::default().with_overrides(&["train.stpes=3".into()]).unwrap_err().to_string();
-        assert!(err.contains("train.stpes") && err.contains("steps"), "{err}");
-        let err = Config::from_toml("[train]\nstpes = 3\n", "f.toml").unwrap_err().to_string();
+        let err = Config::default()
+            .with_overrides(&["train.stpes=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.stpes") && err.contains("steps"),
+            "{err}"
+        );
+        let err = Config::from_toml("[train]\nstpes = 3\n", "f.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("stpes"), "{err}");
-        let err = Config::default().with_overrides(&["pipeline.schedule=zigzag".into()]).unwrap_err().to_string();
+        let err = Config::default()
+            .with_overrides(&["pipeline.schedule=zigzag".into()])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
     }
 
     #[test]
     fn invalid_values_say_why() {
-        let err = Config::default().with_overrides(&["pipeline.stages=9".into()]).unwrap().validate().unwrap_err().to_string();
-        assert!(err.contains("pipeline.stages") && err.contains("at least one layer"), "{err}");
-        let err = Config::default().with_overrides(&["pipeline.splits=500".into()]).unwrap().validate().unwrap_err().to_string();
+        let err = Config::default()
+            .with_overrides(&["pipeline.stages=9".into()])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pipeline.stages") && err.contains("at least one layer"),
+            "{err}"
+        );
+        let err = Config::default()
+            .with_overrides(&["pipeline.splits=500".into()])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("pipeline.splits"), "{err}");
-        let err = Config::default().with_overrides(&["model.heads=5".into()]).unwrap().validate().unwrap_err().to_string();
+        let err = Config::default()
+            .with_overrides(&["model.heads=5".into()])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("model.heads"), "{err}");
     }
 }

@@ -2,6 +2,8 @@
 //! the stage runtime that executes a schedule over a [`runtime::transport::Transport`],
 //! data loading, and the `seqpipe` command line.
 
+pub mod bench;
+pub mod checkpointing;
 pub mod cli;
 pub mod config;
 pub mod data;

@@ -1,6 +1,6 @@
 //! Learning-rate schedule: linear warm-up, then cosine decay to the minimum at the last step.
 
-/// The learning rate of step `step` (1-based) out of `total` steps.
+/// The learning rate of step `step` (1-based) of a schedule `total` steps long (later steps stay at `min`).
 pub fn learning_rate(step: u64, total: u64, peak: f64, min: f64, warmup: u64) -> f64 {
     if step <= warmup {
         return peak * step as f64 / warmup as f64;

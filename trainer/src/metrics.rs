@@ -38,7 +38,10 @@ impl MetricsLog {
     /// Opens (creating or appending to) `path`.
     pub fn open(path: &Path) -> io::Result<Self> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
-        Ok(Self { path: path.to_path_buf(), file })
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
     }
 
     /// Appends one record and flushes it.

@@ -2,9 +2,10 @@
 
 use std::io::{self, BufReader, BufWriter};
 use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, read_frame, write_frame};
 
@@ -13,7 +14,11 @@ use super::wire::{Frame, read_frame, write_frame};
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToLauncher {
     /// First message: who the worker is and where its stage-data port listens.
-    Hello { stage: usize, data_addr: String, pid: u32 },
+    Hello {
+        stage: usize,
+        data_addr: String,
+        pid: u32,
+    },
     /// Connected to its neighbours; ready to run steps.
     Ready { stage: usize },
     /// Forward and backward of a step are done.
@@ -29,6 +34,27 @@ pub enum ToLauncher {
     Updated { stage: usize, step: u64 },
     /// An evaluation pass is done.
     EvalDone { stage: usize, loss_sum: Option<f64> },
+    /// This stage's shard of the checkpoint of `step` is uploaded.
+    ShardWritten {
+        stage: usize,
+        step: u64,
+        shard: checkpoint::ShardEntry,
+    },
+    /// This stage's shard of the checkpoint of `step` could not be uploaded.
+    ShardFailed {
+        stage: usize,
+        step: u64,
+        error: String,
+    },
+    /// The stage's state was restored (from a checkpoint of `step`, or initial weights when 0).
+    Restored { stage: usize, step: u64 },
+    /// The stage's state could not be restored; `corrupt` when a hash check failed.
+    RestoreFailed {
+        stage: usize,
+        step: u64,
+        error: String,
+        corrupt: bool,
+    },
     /// The worker hit an error and is exiting.
     Failed { stage: usize, error: String },
 }
@@ -38,33 +64,50 @@ pub enum ToLauncher {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToWorker {
     /// The pipeline: plan generation and the neighbours' data addresses.
-    Topology { generation: u64, prev: Option<String>, next: Option<String> },
+    Topology {
+        generation: u64,
+        prev: Option<String>,
+        next: Option<String>,
+    },
     /// Run forward and backward of step `step` (1-based).
     RunStep { step: u64 },
     /// Clip with `clip_coefficient` and apply AdamW with learning rate `lr`.
-    Apply { step: u64, lr: f64, clip_coefficient: f64 },
+    Apply {
+        step: u64,
+        lr: f64,
+        clip_coefficient: f64,
+    },
     /// Compute the validation loss over `batches` held-out micro-batches.
     Eval { batches: usize },
+    /// Snapshot the state after step `step` and upload it in the background.
+    Checkpoint { step: u64 },
+    /// Load parameters and optimizer state from the committed checkpoint of `step`.
+    Restore { step: u64 },
+    /// Load parameters from a Hugging Face GPT-2 directory (`seqpipe ckpt export` output).
+    InitFrom { dir: std::path::PathBuf },
     /// Exit cleanly.
     Shutdown,
 }
 
-/// A JSON message stream over TCP.
+/// A JSON message stream over TCP (the worker's end of its control connection).
 pub struct ControlStream {
     reader: BufReader<TcpStream>,
-    writer: BufWriter<TcpStream>,
+    sender: ControlSender,
 }
 
 impl ControlStream {
     /// Wraps a connected stream.
     pub fn new(stream: TcpStream) -> io::Result<Self> {
         stream.set_nodelay(true)?;
-        Ok(Self { reader: BufReader::new(stream.try_clone()?), writer: BufWriter::new(stream) })
+        Ok(Self {
+            reader: BufReader::new(stream.try_clone()?),
+            sender: ControlSender::new(stream),
+        })
     }
 
     /// Sends one message.
-    pub fn send(&mut self, msg: &impl Serialize) -> io::Result<()> {
-        write_frame(&mut self.writer, &Frame::new(msg, Vec::new()))
+    pub fn send(&self, msg: &impl Serialize) -> io::Result<()> {
+        self.sender.send(msg)
     }
 
     /// Receives one message (blocking).
@@ -72,4 +115,28 @@ impl ControlStream {
         read_frame(&mut self.reader)?.header()
     }
 
+    /// A handle that other threads (the checkpoint uploader) can send with.
+    pub fn sender(&self) -> ControlSender {
+        self.sender.clone()
+    }
+}
+
+/// The sending half of a control connection, shareable between threads.
+#[derive(Clone)]
+pub struct ControlSender(Arc<Mutex<BufWriter<TcpStream>>>);
+
+impl ControlSender {
+    /// Wraps the stream for sending.
+    pub fn new(stream: TcpStream) -> Self {
+        Self(Arc::new(Mutex::new(BufWriter::new(stream))))
+    }
+
+    /// Sends one message; messages from different threads never interleave.
+    pub fn send(&self, msg: &impl Serialize) -> io::Result<()> {
+        let mut writer = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        write_frame(&mut *writer, &Frame::new(msg, Vec::new()))
+    }
 }

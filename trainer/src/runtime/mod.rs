@@ -2,6 +2,7 @@
 //! [`transport::Transport`], and the launcher that starts them and drives the steps.
 
 pub mod control;
+pub mod driver;
 pub mod launcher;
 pub mod transport;
 pub mod wire;

@@ -52,7 +52,11 @@ pub enum TransportError {
     Timeout { peer: String, timeout: Duration },
     /// Something other than what the schedule expected arrived.
     #[error("protocol error with {peer}: expected {expected}, got {got}")]
-    Unexpected { peer: String, expected: String, got: String },
+    Unexpected {
+        peer: String,
+        expected: String,
+        got: String,
+    },
     /// A tensor could not be (de)serialized.
     #[error("bad tensor from {peer}: {reason}")]
     BadTensor { peer: String, reason: String },
@@ -61,7 +65,13 @@ pub enum TransportError {
 /// Sends and receives tensors tagged with their unit to one neighbouring stage.
 pub trait Transport: Send {
     /// Sends `tensor` (f32) as the `payload` of `unit` in `step`.
-    fn send(&mut self, step: u64, payload: Payload, unit: Unit, tensor: &Tensor) -> Result<(), TransportError>;
+    fn send(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        tensor: &Tensor,
+    ) -> Result<(), TransportError>;
     /// Receives the next message, which must be the `payload` of `unit` in `step`.
     fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError>;
 }
@@ -77,52 +87,120 @@ pub struct TcpLink {
 
 impl TcpLink {
     /// Wraps a connected stream; `peer` names it in errors (e.g. "stage 2").
-    pub fn new(stream: TcpStream, peer: String, generation: u64, timeout: Duration) -> io::Result<Self> {
+    pub fn new(
+        stream: TcpStream,
+        peer: String,
+        generation: u64,
+        timeout: Duration,
+    ) -> io::Result<Self> {
         stream.set_nodelay(true)?;
         let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let (tx, incoming) = channel();
-        std::thread::Builder::new().name(format!("recv-{peer}")).spawn(move || {
-            loop {
-                let frame = read_frame(&mut reader);
-                let stop = frame.is_err();
-                if tx.send(frame).is_err() || stop {
-                    break;
+        std::thread::Builder::new()
+            .name(format!("recv-{peer}"))
+            .spawn(move || {
+                loop {
+                    let frame = read_frame(&mut reader);
+                    let stop = frame.is_err();
+                    if tx.send(frame).is_err() || stop {
+                        break;
+                    }
                 }
-            }
-        })?;
-        Ok(Self { peer, generation, timeout, writer: BufWriter::with_capacity(1 << 20, stream), incoming })
+            })?;
+        Ok(Self {
+            peer,
+            generation,
+            timeout,
+            writer: BufWriter::with_capacity(1 << 20, stream),
+            incoming,
+        })
     }
 
     fn io_error(&self, source: io::Error) -> TransportError {
-        TransportError::Io { peer: self.peer.clone(), source }
+        TransportError::Io {
+            peer: self.peer.clone(),
+            source,
+        }
     }
 }
 
 impl Transport for TcpLink {
-    fn send(&mut self, step: u64, payload: Payload, unit: Unit, tensor: &Tensor) -> Result<(), TransportError> {
-        let bad = |e: candle_core::Error| TransportError::BadTensor { peer: self.peer.clone(), reason: e.to_string() };
-        let values = tensor.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(bad)?;
+    fn send(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        tensor: &Tensor,
+    ) -> Result<(), TransportError> {
+        let bad = |e: candle_core::Error| TransportError::BadTensor {
+            peer: self.peer.clone(),
+            reason: e.to_string(),
+        };
+        let values = tensor
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(bad)?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let header = TensorHeader { generation: self.generation, step, payload, unit, shape: tensor.dims().to_vec() };
+        let header = TensorHeader {
+            generation: self.generation,
+            step,
+            payload,
+            unit,
+            shape: tensor.dims().to_vec(),
+        };
         write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
     }
 
     fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError> {
         let frame = match self.incoming.recv_timeout(self.timeout) {
             Ok(frame) => frame.map_err(|e| self.io_error(e))?,
-            Err(RecvTimeoutError::Timeout) => return Err(TransportError::Timeout { peer: self.peer.clone(), timeout: self.timeout }),
-            Err(RecvTimeoutError::Disconnected) => return Err(self.io_error(io::ErrorKind::UnexpectedEof.into())),
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(TransportError::Timeout {
+                    peer: self.peer.clone(),
+                    timeout: self.timeout,
+                });
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(self.io_error(io::ErrorKind::UnexpectedEof.into()));
+            }
         };
         let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
-        let expected = TensorHeader { generation: self.generation, step, payload, unit, shape: header.shape.clone() };
+        let expected = TensorHeader {
+            generation: self.generation,
+            step,
+            payload,
+            unit,
+            shape: header.shape.clone(),
+        };
         if header != expected {
-            return Err(TransportError::Unexpected { peer: self.peer.clone(), expected: format!("{expected:?}"), got: format!("{header:?}") });
+            return Err(TransportError::Unexpected {
+                peer: self.peer.clone(),
+                expected: format!("{expected:?}"),
+                got: format!("{header:?}"),
+            });
         }
         let n: usize = header.shape.iter().product();
         if frame.payload.len() != 4 * n {
-            return Err(TransportError::BadTensor { peer: self.peer.clone(), reason: format!("shape {:?} needs {} bytes, got {}", header.shape, 4 * n, frame.payload.len()) });
+            return Err(TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: format!(
+                    "shape {:?} needs {} bytes, got {}",
+                    header.shape,
+                    4 * n,
+                    frame.payload.len()
+                ),
+            });
         }
-        let values: Vec<f32> = frame.payload.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-        Tensor::from_vec(values, header.shape, &Device::Cpu).map_err(|e| TransportError::BadTensor { peer: self.peer.clone(), reason: e.to_string() })
+        let values: Vec<f32> = frame
+            .payload
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        Tensor::from_vec(values, header.shape, &Device::Cpu).map_err(|e| {
+            TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: e.to_string(),
+            }
+        })
     }
 }

@@ -14,6 +14,7 @@ const MAX_HEADER: usize = 16 << 20;
 const MAX_PAYLOAD: u64 = 8 << 30;
 
 /// One message on a stream.
+#[derive(Debug)]
 pub struct Frame {
     /// JSON header.
     pub header: Vec<u8>,
@@ -24,12 +25,20 @@ pub struct Frame {
 impl Frame {
     /// A frame whose header is `header` serialized as JSON.
     pub fn new(header: &impl Serialize, payload: Vec<u8>) -> Self {
-        Self { header: serde_json::to_vec(header).expect("headers always serialize"), payload }
+        Self {
+            header: serde_json::to_vec(header).expect("headers always serialize"),
+            payload,
+        }
     }
 
     /// Parses the header.
     pub fn header<T: DeserializeOwned>(&self) -> io::Result<T> {
-        serde_json::from_slice(&self.header).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("malformed message header: {e}")))
+        serde_json::from_slice(&self.header).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("malformed message header: {e}"),
+            )
+        })
     }
 }
 
@@ -50,12 +59,18 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Frame> {
     let mut prefix = [0u8; 16];
     r.read_exact(&mut prefix)?;
     if &prefix[..4] != MAGIC {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a seqpipe peer (bad magic)"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a seqpipe peer (bad magic)",
+        ));
     }
     let header_len = u32::from_le_bytes(prefix[4..8].try_into().expect("4 bytes")) as usize;
     let payload_len = u64::from_le_bytes(prefix[8..].try_into().expect("8 bytes"));
     if header_len > MAX_HEADER || payload_len > MAX_PAYLOAD {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame too large (header {header_len} B, payload {payload_len} B)")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame too large (header {header_len} B, payload {payload_len} B)"),
+        ));
     }
     let mut header = vec![0u8; header_len];
     r.read_exact(&mut header)?;
@@ -71,11 +86,18 @@ mod tests {
     #[test]
     fn round_trip_and_garbage() {
         let mut buf = Vec::new();
-        write_frame(&mut buf, &Frame::new(&serde_json::json!({"a": 1}), vec![1, 2, 3])).unwrap();
+        write_frame(
+            &mut buf,
+            &Frame::new(&serde_json::json!({"a": 1}), vec![1, 2, 3]),
+        )
+        .unwrap();
         let f = read_frame(&mut buf.as_slice()).unwrap();
         assert_eq!(f.header::<serde_json::Value>().unwrap()["a"], 1);
         assert_eq!(f.payload, vec![1, 2, 3]);
         assert!(read_frame(&mut &b"GET / HTTP/1.1\r\n\r\n"[..]).is_err());
-        assert_eq!(read_frame(&mut &buf[..5]).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(
+            read_frame(&mut &buf[..5]).unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
     }
 }

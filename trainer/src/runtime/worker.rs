@@ -4,15 +4,22 @@
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
+use checkpoint::{CheckpointError, CheckpointStore};
 use ops::adamw::{AdamW, AdamWConfig};
 use thiserror::Error;
 use tracing::{debug, info};
 
-use super::control::{ControlStream, ToLauncher, ToWorker};
+use super::control::{ControlSender, ControlStream, ToLauncher, ToWorker};
 use super::transport::{Payload, TcpLink, Transport, TransportError};
+use crate::checkpointing::hf;
+use crate::checkpointing::shard::{
+    from_tensor_data, names_to_restore, restore, snapshot, to_tensor_data,
+};
+use crate::checkpointing::state::TrainerState;
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, Split, TokenSource, micro_batch_tokens, open_source};
 use crate::model::{Mode, ModelError, Stage, StageInput, StageOutput, partition_layers};
@@ -26,7 +33,10 @@ pub enum WorkerError {
     Config(#[from] ConfigError),
     /// The launcher could not be reached or went away.
     #[error("coordinator connection ({addr}): {source}")]
-    Control { addr: String, source: std::io::Error },
+    Control {
+        addr: String,
+        source: std::io::Error,
+    },
     /// A neighbouring stage could not be reached or misbehaved.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -44,10 +54,19 @@ pub enum WorkerError {
     Protocol(String),
     /// A local I/O failure (sockets, gradient dumps).
     #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
     /// A tensor operation failed.
     #[error("tensor operation failed: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The checkpoint store failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A Hugging Face directory could not be used.
+    #[error(transparent)]
+    Hf(#[from] hf::HfError),
 }
 
 /// How a worker is started (`seqpipe worker ...`).
@@ -79,57 +98,216 @@ struct Worker {
     prev: Option<TcpLink>,
     next: Option<TcpLink>,
     dump_grads: Option<PathBuf>,
+    checkpoints: Option<Checkpoints>,
+}
+
+/// The worker's checkpoint store and its background uploader.
+struct Checkpoints {
+    store: CheckpointStore,
+    /// One runtime for all of the worker's store I/O (restores on the main thread, uploads on the
+    /// uploader thread): pooled HTTP connections belong to the runtime that opened them, and a
+    /// multi-threaded runtime keeps driving them between calls.
+    runtime: Arc<tokio::runtime::Runtime>,
+    uploads: std::sync::mpsc::Sender<(u64, Vec<(String, Tensor)>)>,
+}
+
+impl Checkpoints {
+    /// Opens the store and starts the uploader thread, which reports each shard to the launcher.
+    fn start(cfg: &Config, stage: usize, control: ControlSender) -> Result<Self, WorkerError> {
+        let store = CheckpointStore::open(
+            &cfg.checkpoint.resolved_url(&cfg.run.dir),
+            &cfg.checkpoint.store_options(),
+        )?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("checkpoint-io")
+            .enable_all()
+            .build()
+            .map_err(|source| WorkerError::Io {
+                what: "starting the checkpoint I/O runtime".into(),
+                source,
+            })?;
+        let runtime = Arc::new(runtime);
+        let (uploads, jobs) = std::sync::mpsc::channel::<(u64, Vec<(String, Tensor)>)>();
+        let shard_name = format!("stage-{stage}-of-{}", cfg.pipeline.stages);
+        let (uploader_store, uploader_runtime) = (store.clone(), Arc::clone(&runtime));
+        std::thread::Builder::new()
+            .name("checkpoint-upload".into())
+            .spawn(move || {
+                for (step, tensors) in jobs {
+                    let started = Instant::now();
+                    let result = tensors
+                        .iter()
+                        .map(|(n, t)| Ok((n.clone(), to_tensor_data(t)?)))
+                        .collect::<Result<Vec<_>, candle_core::Error>>()
+                        .map_err(|e| e.to_string())
+                        .and_then(|data| {
+                            uploader_runtime
+                                .block_on(uploader_store.write_shard(step, &shard_name, data))
+                                .map_err(|e| e.to_string())
+                        });
+                    let msg = match result {
+                        Ok(shard) => {
+                            info!(
+                                step,
+                                bytes = shard.size,
+                                seconds = started.elapsed().as_secs_f64(),
+                                "checkpoint shard uploaded"
+                            );
+                            ToLauncher::ShardWritten { stage, step, shard }
+                        }
+                        Err(error) => ToLauncher::ShardFailed { stage, step, error },
+                    };
+                    if control.send(&msg).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|source| WorkerError::Io {
+                what: "starting the checkpoint uploader".into(),
+                source,
+            })?;
+        Ok(Self {
+            store,
+            runtime,
+            uploads,
+        })
+    }
 }
 
 /// Runs a worker until the launcher says shut down. Errors are also reported to the launcher.
 pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
-    let control_err = |source| WorkerError::Control { addr: args.control.clone(), source };
-    let cfg = Config::from_toml(&std::fs::read_to_string(&args.config).map_err(|source| ConfigError::Read { path: args.config.clone(), source })?, &args.config.display().to_string())?;
+    let control_err = |source| WorkerError::Control {
+        addr: args.control.clone(),
+        source,
+    };
+    let cfg = Config::from_toml(
+        &std::fs::read_to_string(&args.config).map_err(|source| ConfigError::Read {
+            path: args.config.clone(),
+            source,
+        })?,
+        &args.config.display().to_string(),
+    )?;
     cfg.validate()?;
     let timeout = Duration::from_secs_f64(cfg.pipeline.timeout_s);
     let addr = resolve(&args.control)?;
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| WorkerError::Io { what: "binding the stage data port".into(), source })?;
-        let data_addr = listener.local_addr().map_err(|source| WorkerError::Io { what: "stage data port".into(), source })?.to_string();
-        control.send(&ToLauncher::Hello { stage: args.stage, data_addr, pid: std::process::id() }).map_err(control_err)?;
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| WorkerError::Io {
+            what: "binding the stage data port".into(),
+            source,
+        })?;
+        let data_addr = listener
+            .local_addr()
+            .map_err(|source| WorkerError::Io {
+                what: "stage data port".into(),
+                source,
+            })?
+            .to_string();
+        control
+            .send(&ToLauncher::Hello {
+                stage: args.stage,
+                data_addr,
+                pid: std::process::id(),
+            })
+            .map_err(control_err)?;
         let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
+        worker.checkpoints = Some(Checkpoints::start(
+            &worker.cfg,
+            args.stage,
+            control.sender(),
+        )?);
         match control.recv::<ToWorker>().map_err(control_err)? {
-            ToWorker::Topology { generation, prev, next } => worker.connect(&listener, generation, prev, next, timeout)?,
-            other => return Err(WorkerError::Protocol(format!("expected the topology first, got {other:?}"))),
+            ToWorker::Topology {
+                generation,
+                prev,
+                next,
+            } => worker.connect(&listener, generation, prev, next, timeout)?,
+            other => {
+                return Err(WorkerError::Protocol(format!(
+                    "expected the topology first, got {other:?}"
+                )));
+            }
         }
-        control.send(&ToLauncher::Ready { stage: args.stage }).map_err(control_err)?;
+        control
+            .send(&ToLauncher::Ready { stage: args.stage })
+            .map_err(control_err)?;
         worker.serve(&mut control).map_err(|e| match e {
             WorkerError::Control { source, .. } => control_err(source),
             e => e,
         })
     })();
     if let Err(e) = &result {
-        let _ = control.send(&ToLauncher::Failed { stage: args.stage, error: e.to_string() });
+        let _ = control.send(&ToLauncher::Failed {
+            stage: args.stage,
+            error: e.to_string(),
+        });
     }
     result
 }
 
 fn resolve(addr: &str) -> Result<std::net::SocketAddr, WorkerError> {
     use std::net::ToSocketAddrs;
-    let io = |source| WorkerError::Control { addr: addr.to_string(), source };
-    addr.to_socket_addrs().map_err(io)?.next().ok_or_else(|| io(std::io::Error::new(std::io::ErrorKind::NotFound, "address resolves to nothing")))
+    let io = |source| WorkerError::Control {
+        addr: addr.to_string(),
+        source,
+    };
+    addr.to_socket_addrs().map_err(io)?.next().ok_or_else(|| {
+        io(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "address resolves to nothing",
+        ))
+    })
 }
 
 impl Worker {
-    fn new(cfg: Config, stage_index: usize, dump_grads: Option<PathBuf>) -> Result<Self, WorkerError> {
-        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages).map_err(ModelError::from)?;
-        let layout = layouts.into_iter().nth(stage_index).ok_or_else(|| WorkerError::Protocol(format!("stage {stage_index} does not exist in a {}-stage pipeline", cfg.pipeline.stages)))?;
+    fn new(
+        cfg: Config,
+        stage_index: usize,
+        dump_grads: Option<PathBuf>,
+    ) -> Result<Self, WorkerError> {
+        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)
+            .map_err(ModelError::from)?;
+        let layout = layouts.into_iter().nth(stage_index).ok_or_else(|| {
+            WorkerError::Protocol(format!(
+                "stage {stage_index} does not exist in a {}-stage pipeline",
+                cfg.pipeline.stages
+            ))
+        })?;
         let segment_lengths = cfg.segment_lengths()?;
         let (first, last) = (layout.is_first(), layout.is_last());
         info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
         let stage = Stage::new(&cfg.model, layout, segment_lengths.clone(), cfg.train.seed)?;
-        let data = if first || last { Some(open_source(&cfg.data, cfg.model.vocab_size)?) } else { None };
-        let schedule = generate(cfg.pipeline.schedule, cfg.pipeline.stages, cfg.pipeline.microbatches, cfg.pipeline.splits)?;
+        let data = if first || last {
+            Some(open_source(&cfg.data, cfg.model.vocab_size)?)
+        } else {
+            None
+        };
+        let schedule = generate(
+            cfg.pipeline.schedule,
+            cfg.pipeline.stages,
+            cfg.pipeline.microbatches,
+            cfg.pipeline.splits,
+        )?;
         let t = &cfg.train;
-        let optimizer = AdamW::new(AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps });
-        Ok(Self { cfg, stage, optimizer, data, schedule, segment_lengths, prev: None, next: None, dump_grads })
+        let optimizer = AdamW::new(AdamWConfig {
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+        });
+        Ok(Self {
+            cfg,
+            stage,
+            optimizer,
+            data,
+            schedule,
+            segment_lengths,
+            prev: None,
+            next: None,
+            dump_grads,
+            checkpoints: None,
+        })
     }
 
     fn index(&self) -> usize {
@@ -137,33 +315,64 @@ impl Worker {
     }
 
     /// Accepts the previous stage's connection and connects to the next stage.
-    fn connect(&mut self, listener: &TcpListener, generation: u64, prev: Option<String>, next: Option<String>, timeout: Duration) -> Result<(), WorkerError> {
+    fn connect(
+        &mut self,
+        listener: &TcpListener,
+        generation: u64,
+        prev: Option<String>,
+        next: Option<String>,
+        timeout: Duration,
+    ) -> Result<(), WorkerError> {
         let r = self.index();
-        let io = |what: String| move |source| WorkerError::Io { what: what.clone(), source };
+        let io = |what: String| {
+            move |source| WorkerError::Io {
+                what: what.clone(),
+                source,
+            }
+        };
         if let Some(next) = next {
             let addr = resolve(&next)?;
-            let stream = TcpStream::connect_timeout(&addr, timeout).map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
-            self.next = Some(TcpLink::new(stream, format!("stage {}", r + 1), generation, timeout).map_err(io("next-stage link".into()))?);
+            let stream = TcpStream::connect_timeout(&addr, timeout)
+                .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+            self.next = Some(
+                TcpLink::new(stream, format!("stage {}", r + 1), generation, timeout)
+                    .map_err(io("next-stage link".into()))?,
+            );
         }
         if prev.is_some() {
-            listener.set_nonblocking(true).map_err(io("data port".into()))?;
+            listener
+                .set_nonblocking(true)
+                .map_err(io("data port".into()))?;
             let deadline = Instant::now() + timeout;
             let stream = loop {
                 match listener.accept() {
                     Ok((stream, _)) => break stream,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::WouldBlock
+                            && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
                     Err(e) => return Err(io(format!("waiting for stage {} to connect", r - 1))(e)),
                 }
             };
-            stream.set_nonblocking(false).map_err(io("data port".into()))?;
-            self.prev = Some(TcpLink::new(stream, format!("stage {}", r - 1), generation, timeout).map_err(io("previous-stage link".into()))?);
+            stream
+                .set_nonblocking(false)
+                .map_err(io("data port".into()))?;
+            self.prev = Some(
+                TcpLink::new(stream, format!("stage {}", r - 1), generation, timeout)
+                    .map_err(io("previous-stage link".into()))?,
+            );
         }
         Ok(())
     }
 
     fn serve(&mut self, control: &mut ControlStream) -> Result<(), WorkerError> {
         let r = self.index();
-        let control_err = |source| WorkerError::Control { addr: "launcher".into(), source };
+        let control_err = |source| WorkerError::Control {
+            addr: "launcher".into(),
+            source,
+        };
         loop {
             match control.recv::<ToWorker>().map_err(control_err)? {
                 ToWorker::RunStep { step } => {
@@ -173,22 +382,129 @@ impl Worker {
                     if let Some(dir) = &self.dump_grads {
                         self.dump_gradients(dir, step)?;
                     }
-                    debug!(step, elapsed_s = started.elapsed().as_secs_f64(), "step computed");
-                    control.send(&ToLauncher::StepDone { stage: r, step, sums_of_squares, loss_sum }).map_err(control_err)?;
+                    debug!(
+                        step,
+                        elapsed_s = started.elapsed().as_secs_f64(),
+                        "step computed"
+                    );
+                    control
+                        .send(&ToLauncher::StepDone {
+                            stage: r,
+                            step,
+                            sums_of_squares,
+                            loss_sum,
+                        })
+                        .map_err(control_err)?;
                 }
-                ToWorker::Apply { step, lr, clip_coefficient } => {
+                ToWorker::Apply {
+                    step,
+                    lr,
+                    clip_coefficient,
+                } => {
                     let t = &self.cfg.train;
-                    self.stage.apply_update(&mut self.optimizer, lr, clip_coefficient, t.weight_decay, t.decay_embeddings)?;
-                    control.send(&ToLauncher::Updated { stage: r, step }).map_err(control_err)?;
+                    self.stage.apply_update(
+                        &mut self.optimizer,
+                        lr,
+                        clip_coefficient,
+                        t.weight_decay,
+                        t.decay_embeddings,
+                    )?;
+                    control
+                        .send(&ToLauncher::Updated { stage: r, step })
+                        .map_err(control_err)?;
                 }
                 ToWorker::Eval { batches } => {
                     let loss_sum = self.run_eval(batches)?;
-                    control.send(&ToLauncher::EvalDone { stage: r, loss_sum }).map_err(control_err)?;
+                    control
+                        .send(&ToLauncher::EvalDone { stage: r, loss_sum })
+                        .map_err(control_err)?;
+                }
+                ToWorker::Checkpoint { step } => {
+                    let state = snapshot(&self.stage, &self.optimizer);
+                    let checkpoints = self
+                        .checkpoints
+                        .as_ref()
+                        .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
+                    checkpoints.uploads.send((step, state)).map_err(|_| {
+                        WorkerError::Protocol("the checkpoint uploader stopped".into())
+                    })?;
+                }
+                ToWorker::Restore { step } => {
+                    let reply = match self.restore_checkpoint(step) {
+                        Ok(()) => ToLauncher::Restored { stage: r, step },
+                        Err(e) => ToLauncher::RestoreFailed {
+                            stage: r,
+                            step,
+                            corrupt: matches!(
+                                e,
+                                WorkerError::Checkpoint(CheckpointError::Corrupt { .. })
+                            ),
+                            error: e.to_string(),
+                        },
+                    };
+                    control.send(&reply).map_err(control_err)?;
+                }
+                ToWorker::InitFrom { dir } => {
+                    let reply = match self.init_from(&dir) {
+                        Ok(()) => ToLauncher::Restored { stage: r, step: 0 },
+                        Err(e) => ToLauncher::RestoreFailed {
+                            stage: r,
+                            step: 0,
+                            corrupt: false,
+                            error: e.to_string(),
+                        },
+                    };
+                    control.send(&reply).map_err(control_err)?;
                 }
                 ToWorker::Shutdown => return Ok(()),
-                other @ ToWorker::Topology { .. } => return Err(WorkerError::Protocol(format!("unexpected {other:?} while running"))),
+                other @ ToWorker::Topology { .. } => {
+                    return Err(WorkerError::Protocol(format!(
+                        "unexpected {other:?} while running"
+                    )));
+                }
             }
         }
+    }
+
+    /// Loads this stage's tensors (by name, whatever the partition that wrote them) from the
+    /// committed checkpoint of `step`.
+    fn restore_checkpoint(&mut self, step: u64) -> Result<(), WorkerError> {
+        let ckpt = self
+            .checkpoints
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
+        let manifest = ckpt.runtime.block_on(ckpt.store.read_manifest(step))?;
+        let state: TrainerState = serde_json::from_value(manifest.state.clone()).map_err(|e| {
+            WorkerError::Protocol(format!(
+                "checkpoint {step} has an unreadable trainer state: {e}"
+            ))
+        })?;
+        let names = names_to_restore(&self.stage, state.optimizer_step > 0);
+        let tensors = ckpt
+            .runtime
+            .block_on(ckpt.store.read_tensors(&manifest, &names))?;
+        let tensors = tensors
+            .iter()
+            .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+            .collect::<Result<Vec<_>, candle_core::Error>>()?;
+        restore(
+            &mut self.stage,
+            &mut self.optimizer,
+            tensors,
+            state.optimizer_step,
+        )?;
+        self.stage.reset_step();
+        info!(step, tensors = names.len(), "restored from checkpoint");
+        Ok(())
+    }
+
+    /// Loads initial parameters from a Hugging Face GPT-2 directory (fresh optimizer).
+    fn init_from(&mut self, dir: &Path) -> Result<(), WorkerError> {
+        let names = names_to_restore(&self.stage, false);
+        let tensors = hf::import(&self.cfg.model, dir, &names)?;
+        restore(&mut self.stage, &mut self.optimizer, tensors, 0)?;
+        info!(dir = %dir.display(), "initialized from a Hugging Face directory");
+        Ok(())
     }
 
     /// Executes this stage's actions of one training step.
@@ -199,15 +515,29 @@ impl Worker {
 
     /// Forward-only pass over `batches` held-out micro-batches (the same ones at every evaluation).
     fn run_eval(&mut self, batches: usize) -> Result<Option<f64>, WorkerError> {
-        let schedule = generate_forward_only(self.cfg.pipeline.stages, batches, self.cfg.pipeline.splits)?;
+        let schedule =
+            generate_forward_only(self.cfg.pipeline.stages, batches, self.cfg.pipeline.splits)?;
         self.execute(&schedule, Split::Val, 0, Mode::Eval)
     }
 
-    fn execute(&mut self, schedule: &Schedule, split: Split, step: u64, mode: Mode) -> Result<Option<f64>, WorkerError> {
+    fn execute(
+        &mut self,
+        schedule: &Schedule,
+        split: Split,
+        step: u64,
+        mode: Mode,
+    ) -> Result<Option<f64>, WorkerError> {
         let r = self.index();
-        let (first, last) = (self.stage.layout().is_first(), self.stage.layout().is_last());
-        let loss_scale = 1.0 / (schedule.microbatches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len) as f64;
-        let mut tokens = MicroBatchTokens { tokens: HashMap::new() };
+        let (first, last) = (
+            self.stage.layout().is_first(),
+            self.stage.layout().is_last(),
+        );
+        let loss_scale = 1.0
+            / (schedule.microbatches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len)
+                as f64;
+        let mut tokens = MicroBatchTokens {
+            tokens: HashMap::new(),
+        };
         let mut inbox: HashMap<Unit, Tensor> = HashMap::new();
         let mut outbox: HashMap<Unit, Tensor> = HashMap::new();
         let mut loss_sum = last.then_some(0.0);
@@ -218,64 +548,139 @@ impl Worker {
                     inbox.insert(u, t);
                 }
                 Action::Forward(u) => {
-                    let input = if first { StageInput::Tokens(self.segment_tokens(&mut tokens, split, step, u, 0)?) } else { StageInput::Hidden(take(&mut inbox, u)?) };
-                    let targets = if last { Some(self.segment_tokens(&mut tokens, split, step, u, 1)?.flatten_all()?) } else { None };
+                    let input = if first {
+                        StageInput::Tokens(self.segment_tokens(&mut tokens, split, step, u, 0)?)
+                    } else {
+                        StageInput::Hidden(take(&mut inbox, u)?)
+                    };
+                    let targets = if last {
+                        Some(
+                            self.segment_tokens(&mut tokens, split, step, u, 1)?
+                                .flatten_all()?,
+                        )
+                    } else {
+                        None
+                    };
                     if u.segment + 1 == self.segment_lengths.len() {
                         tokens.tokens.remove(&u.micro_batch);
                     }
-                    match self.stage.forward(u, input, targets.as_ref(), loss_scale, mode)? {
+                    match self
+                        .stage
+                        .forward(u, input, targets.as_ref(), loss_scale, mode)?
+                    {
                         StageOutput::Hidden(h) => {
                             outbox.insert(u, h);
                         }
                         StageOutput::LossSum(l) => *loss_sum.as_mut().expect("last stage") += l,
                     }
                 }
-                Action::SendActivation(u) => link(&mut self.next, "next")?.send(step, Payload::Activation, u, &take(&mut outbox, u)?)?,
+                Action::SendActivation(u) => link(&mut self.next, "next")?.send(
+                    step,
+                    Payload::Activation,
+                    u,
+                    &take(&mut outbox, u)?,
+                )?,
                 Action::RecvGrad(u) => {
                     let t = link(&mut self.next, "next")?.recv(step, Payload::Grad, u)?;
                     inbox.insert(u, t);
                 }
                 Action::Backward(u) => {
-                    let d_out = if last { None } else { Some(take(&mut inbox, u)?) };
+                    let d_out = if last {
+                        None
+                    } else {
+                        Some(take(&mut inbox, u)?)
+                    };
                     if let Some(dx) = self.stage.backward(u, d_out)? {
                         outbox.insert(u, dx);
                     }
                 }
-                Action::SendGrad(u) => link(&mut self.prev, "previous")?.send(step, Payload::Grad, u, &take(&mut outbox, u)?)?,
+                Action::SendGrad(u) => link(&mut self.prev, "previous")?.send(
+                    step,
+                    Payload::Grad,
+                    u,
+                    &take(&mut outbox, u)?,
+                )?,
             }
         }
         Ok(loss_sum)
     }
 
     /// Token ids `(B, s)` of unit `u`'s segment, shifted by `shift` (0 = inputs, 1 = targets).
-    fn segment_tokens(&self, cache: &mut MicroBatchTokens, split: Split, step: u64, u: Unit, shift: usize) -> Result<Tensor, WorkerError> {
+    fn segment_tokens(
+        &self,
+        cache: &mut MicroBatchTokens,
+        split: Split,
+        step: u64,
+        u: Unit,
+        shift: usize,
+    ) -> Result<Tensor, WorkerError> {
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
         let rows = match cache.tokens.entry(u.micro_batch) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let src = self.data.as_deref().expect("first and last stages hold a data source");
-                e.insert(micro_batch_tokens(src, split, self.cfg.train.seed, step, u.micro_batch as u64, batch, seq_len)?)
+                let src = self
+                    .data
+                    .as_deref()
+                    .expect("first and last stages hold a data source");
+                e.insert(micro_batch_tokens(
+                    src,
+                    split,
+                    self.cfg.train.seed,
+                    step,
+                    u.micro_batch as u64,
+                    batch,
+                    seq_len,
+                )?)
             }
         };
         let start: usize = self.segment_lengths[..u.segment].iter().sum();
         let len = self.segment_lengths[u.segment];
-        let ids: Vec<u32> = (0..batch).flat_map(|b| rows[b * (seq_len + 1) + start + shift..][..len].iter().copied()).collect();
+        let ids: Vec<u32> = (0..batch)
+            .flat_map(|b| {
+                rows[b * (seq_len + 1) + start + shift..][..len]
+                    .iter()
+                    .copied()
+            })
+            .collect();
         Ok(Tensor::from_vec(ids, (batch, len), &Device::Cpu)?)
     }
 
     fn dump_gradients(&self, dir: &Path, step: u64) -> Result<(), WorkerError> {
-        let io = |source| WorkerError::Io { what: format!("writing gradients to {}", dir.display()), source };
+        let io = |source| WorkerError::Io {
+            what: format!("writing gradients to {}", dir.display()),
+            source,
+        };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let grads: HashMap<String, Tensor> = self.stage.params().specs().iter().filter_map(|s| self.stage.grads().get(&s.name).map(|g| (s.name.clone(), g.clone()))).collect();
-        candle_core::safetensors::save(&grads, dir.join(format!("step-{step}-stage-{}.safetensors", self.index())))?;
+        let grads: HashMap<String, Tensor> = self
+            .stage
+            .params()
+            .specs()
+            .iter()
+            .filter_map(|s| {
+                self.stage
+                    .grads()
+                    .get(&s.name)
+                    .map(|g| (s.name.clone(), g.clone()))
+            })
+            .collect();
+        candle_core::safetensors::save(
+            &grads,
+            dir.join(format!("step-{step}-stage-{}.safetensors", self.index())),
+        )?;
         Ok(())
     }
 }
 
 fn link<'a>(link: &'a mut Option<TcpLink>, which: &str) -> Result<&'a mut TcpLink, WorkerError> {
-    link.as_mut().ok_or_else(|| WorkerError::Protocol(format!("the schedule talks to the {which} stage, which this stage does not have")))
+    link.as_mut().ok_or_else(|| {
+        WorkerError::Protocol(format!(
+            "the schedule talks to the {which} stage, which this stage does not have"
+        ))
+    })
 }
 
 fn take(map: &mut HashMap<Unit, Tensor>, u: Unit) -> Result<Tensor, WorkerError> {
-    map.remove(&u).ok_or_else(|| WorkerError::Protocol(format!("no tensor for unit {u:?} (schedule out of order)")))
+    map.remove(&u).ok_or_else(|| {
+        WorkerError::Protocol(format!("no tensor for unit {u:?} (schedule out of order)"))
+    })
 }

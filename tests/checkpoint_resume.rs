@@ -1,0 +1,469 @@
+//! Checkpoints end to end with the real binary: bit-exact resume (also onto a different number of
+//! stages), crash consistency under SIGKILL, corruption detection and fallback, SIGTERM, a real S3
+//! server, and the Hugging Face export round trip.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use checkpoint::CheckpointStore;
+use checkpoint::testing::SeaweedFs;
+use common::{fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `train` with the tiny model, eval off, checkpoints every 3 steps, a 12-step LR schedule whatever
+/// `train.steps` says (so runs can be stopped and extended without changing any step), into `run_dir`.
+fn train(run_dir: &Path, extra: &[&str]) -> Command {
+    let mut cmd = seqpipe();
+    cmd.args(["train", "-q"])
+        .args(tiny_model_args())
+        .args([
+            "--set",
+            "checkpoint.every=3",
+            "--set",
+            "train.decay_steps=12",
+        ])
+        .arg("--set")
+        .arg(format!("run.dir={}", run_dir.display()));
+    for s in extra {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+/// Every tensor (parameters and optimizer moments) of the newest committed checkpoint, as raw bytes.
+fn final_state(url: &str) -> (u64, BTreeMap<String, Vec<u8>>) {
+    let store = CheckpointStore::open(url, &Default::default()).unwrap();
+    let rt = rt();
+    let step = *rt
+        .block_on(store.committed_steps())
+        .unwrap()
+        .last()
+        .expect("a committed checkpoint");
+    let manifest = rt.block_on(store.read_manifest(step)).unwrap();
+    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
+    let tensors = rt.block_on(store.read_tensors(&manifest, &names)).unwrap();
+    (
+        step,
+        tensors
+            .into_iter()
+            .map(|(n, d)| (n, d.data.to_vec()))
+            .collect(),
+    )
+}
+
+fn assert_same_state(a: &str, b: &str) {
+    let (sa, ta) = final_state(a);
+    let (sb, tb) = final_state(b);
+    assert_eq!(sa, sb, "final checkpoint steps differ");
+    assert_eq!(
+        ta.keys().collect::<Vec<_>>(),
+        tb.keys().collect::<Vec<_>>(),
+        "different tensor sets"
+    );
+    assert!(
+        ta.keys().any(|k| k.starts_with("optim.m."))
+            && ta.keys().any(|k| k.starts_with("optim.v.")),
+        "optimizer state missing"
+    );
+    for (name, bytes) in &ta {
+        assert!(
+            bytes == &tb[name],
+            "tensor {name} differs between {a} and {b}"
+        );
+    }
+}
+
+fn ckpt_url(run_dir: &Path) -> String {
+    run_dir.join("checkpoints").display().to_string()
+}
+
+#[test]
+fn resume_is_bit_exact_even_onto_other_stage_counts() {
+    let dir = fresh_dir("resume");
+    let straight = dir.join("straight");
+    run_ok(&mut train(&straight, &["train.steps=12"]));
+
+    // 6 steps, stop, resume for 6 more (same pipeline).
+    let split = dir.join("split");
+    run_ok(&mut train(&split, &["train.steps=6"]));
+    run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&split)
+            .args(["--set", "train.steps=12"]),
+    );
+    assert_eq!(
+        losses(&straight),
+        losses(&split),
+        "per-step losses differ after resume"
+    );
+    assert_same_state(&ckpt_url(&straight), &ckpt_url(&split));
+
+    // 4 stages -> 3 -> 2, resuming with `train --resume` and `resume --step`.
+    let reshard = dir.join("reshard");
+    run_ok(&mut train(
+        &reshard,
+        &["train.steps=4", "pipeline.stages=4", "checkpoint.every=2"],
+    ));
+    run_ok(
+        train(
+            &reshard,
+            &["train.steps=8", "pipeline.stages=3", "checkpoint.every=2"],
+        )
+        .args(["--resume", "latest"]),
+    );
+    run_ok(
+        seqpipe()
+            .args(["resume", "-q", "--step", "8"])
+            .arg(&reshard)
+            .args(["--set", "train.steps=12", "--set", "pipeline.stages=2"]),
+    );
+    assert_eq!(
+        losses(&straight),
+        losses(&reshard),
+        "per-step losses differ after resharding"
+    );
+    assert_same_state(&ckpt_url(&straight), &ckpt_url(&reshard));
+    let resumed: Vec<u64> = metrics(&reshard)
+        .iter()
+        .filter(|m| m["event"] == "resumed")
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(resumed, vec![4, 8]);
+}
+
+/// Pids of the direct children of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let text =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    text.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !ready() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn sigkill_during_upload_leaves_no_half_checkpoint() {
+    let dir = fresh_dir("crash");
+    let run = dir.join("run");
+    // Uploads throttled to ~100 KB/s per worker: each ~190 KB shard takes about two seconds.
+    let child = train(
+        &run,
+        &["train.steps=6", "checkpoint.max_upload_bytes_per_s=100000"],
+    )
+    .spawn()
+    .unwrap();
+    let url = ckpt_url(&run);
+    let store = CheckpointStore::open(&url, &Default::default()).unwrap();
+    let rt = rt();
+    wait_for("checkpoint 3 to commit", Duration::from_secs(60), || {
+        rt.block_on(store.committed_steps()).unwrap_or_default() == vec![3]
+    });
+    wait_for("step 6 to finish", Duration::from_secs(60), || {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .contains("\"step\":6,")
+    });
+    // The final checkpoint (step 6) is uploading now: kill one worker in the middle of it.
+    let workers = children(child.id());
+    assert_eq!(workers.len(), 4, "expected 4 worker processes");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        rt.block_on(store.committed_steps()).unwrap(),
+        vec![3],
+        "step 6 committed before the kill: upload too fast for this test"
+    );
+    let status = Command::new("kill")
+        .args(["-KILL", &workers[2].to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        !out.status.success(),
+        "the run must fail when a worker is killed"
+    );
+    // No visible half checkpoint: step 6 is not committed, and readers see only step 3.
+    let listing = rt.block_on(store.list()).unwrap();
+    assert!(
+        listing.iter().all(|s| s.step != 6 || !s.committed),
+        "{:?}",
+        listing
+            .iter()
+            .map(|s| (s.step, s.committed))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(rt.block_on(store.committed_steps()).unwrap(), vec![3]);
+    let list = String::from_utf8(run_ok(seqpipe().args(["ckpt", "list", &url])).stdout).unwrap();
+    assert!(
+        list.contains("committed")
+            && !list
+                .lines()
+                .any(|l| l.contains(" 6 ") && l.ends_with(" committed")),
+        "{list}"
+    );
+    // Resume uses step 3 and reaches the uninterrupted run's exact state.
+    let out = run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&run)
+            .args(["--set", "checkpoint.max_upload_bytes_per_s=0"]),
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resumed from step 3"));
+    let straight = dir.join("straight");
+    run_ok(&mut train(&straight, &["train.steps=6"]));
+    assert_same_state(&ckpt_url(&straight), &url);
+    // The stale upload of the killed attempt was cleaned up after the next commit.
+    let stale = rt.block_on(store.list()).unwrap();
+    assert!(
+        stale.iter().all(|s| s.committed),
+        "stale uploads left: {:?}",
+        stale
+            .iter()
+            .map(|s| (s.step, s.committed))
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Flips one byte in the middle of the first shard of checkpoint `step`.
+fn flip_byte(url: &str, step: u64) -> String {
+    let store = CheckpointStore::open(url, &Default::default()).unwrap();
+    let manifest = rt().block_on(store.read_manifest(step)).unwrap();
+    let shard = &manifest.shards[0];
+    let path = Path::new(url).join(&shard.key);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    shard.key.clone()
+}
+
+#[test]
+fn corrupt_shard_is_caught_by_verify_and_resume_falls_back() {
+    let dir = fresh_dir("corrupt");
+    let run = dir.join("run");
+    run_ok(&mut train(&run, &["train.steps=6"]));
+    let url = ckpt_url(&run);
+    run_ok(seqpipe().args(["ckpt", "verify", &url]));
+    let key = flip_byte(&url, 6);
+    let err = run_err(seqpipe().args(["ckpt", "verify", &url]));
+    assert!(
+        err.contains(&key),
+        "verify must name the corrupt shard {key}:\n{err}"
+    );
+    // Without fallback: an error naming the shard.
+    let err = run_err(seqpipe().args(["resume", "-q"]).arg(&run).args([
+        "--set",
+        "train.steps=9",
+        "--set",
+        "checkpoint.fallback=false",
+    ]));
+    assert!(err.contains(&key) || err.contains("corrupt"), "{err}");
+    // With fallback (the default): a warning, and training continues from step 3.
+    let out = run_ok(seqpipe().args(["resume", "-q"]).arg(&run).args([
+        "--set",
+        "train.steps=9",
+        "--set",
+        "checkpoint.fallback=true",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning")
+            && stderr.contains("corrupt")
+            && stderr.contains("resumed from step 3"),
+        "{stderr}"
+    );
+    let steps: Vec<u64> = metrics(&run)
+        .iter()
+        .filter(|m| m.get("loss").is_some())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=9).collect::<Vec<_>>());
+}
+
+#[test]
+fn sigterm_writes_a_final_checkpoint_then_resume_finishes_the_run() {
+    let dir = fresh_dir("sigterm");
+    let run = dir.join("run");
+    let mut child = train(&run, &["train.steps=400", "checkpoint.every=0"])
+        .spawn()
+        .unwrap();
+    wait_for("a few steps", Duration::from_secs(60), || {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .count()
+            >= 3
+    });
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + 15), "SIGTERM exit status");
+    let (step, _) = final_state(&ckpt_url(&run));
+    assert!((3..400).contains(&step), "final checkpoint at step {step}");
+    assert_eq!(
+        losses(&run).len() as u64,
+        step,
+        "metrics end at the checkpointed step"
+    );
+    run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&run)
+            .args(["--set", &format!("train.steps={}", step + 2)]),
+    );
+    assert_eq!(losses(&run).len() as u64, step + 2);
+}
+
+#[test]
+fn s3_checkpoints_on_a_real_seaweedfs_server() {
+    let s3 = SeaweedFs::start();
+    let dir = fresh_dir("s3");
+    let url = s3.url("runs/tiny");
+    let with_s3 = |cmd: &mut Command| {
+        cmd.envs(s3.env());
+    };
+    let run = dir.join("run");
+    let mut first = train(&run, &["train.steps=6", &format!("checkpoint.url={url}")]);
+    with_s3(&mut first);
+    run_ok(&mut first);
+    let mut resume = seqpipe();
+    resume.args([
+        "resume",
+        "-q",
+        &url,
+        "--set",
+        "train.steps=9",
+        "--set",
+        "pipeline.stages=2",
+    ]);
+    with_s3(&mut resume);
+    run_ok(&mut resume);
+    let mut list = seqpipe();
+    list.args(["ckpt", "list", &url]);
+    with_s3(&mut list);
+    let listing = String::from_utf8(run_ok(&mut list).stdout).unwrap();
+    assert!(
+        listing.contains("       9 ") && listing.contains("committed"),
+        "{listing}"
+    );
+    let mut verify = seqpipe();
+    verify.args(["ckpt", "verify", &url]);
+    with_s3(&mut verify);
+    run_ok(&mut verify);
+    // The same 9 steps on local disk give bit-identical state.
+    let local = dir.join("local");
+    run_ok(&mut train(&local, &["train.steps=9"]));
+    let store_opts = s3.store_options();
+    let store = CheckpointStore::open(&url, &store_opts).unwrap();
+    let rt = rt();
+    let manifest = rt.block_on(store.read_manifest(9)).unwrap();
+    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
+    let remote: BTreeMap<String, Vec<u8>> = rt
+        .block_on(store.read_tensors(&manifest, &names))
+        .unwrap()
+        .into_iter()
+        .map(|(n, d)| (n, d.data.to_vec()))
+        .collect();
+    let (_, local_state) = final_state(&ckpt_url(&local));
+    assert_eq!(
+        remote, local_state,
+        "S3-resumed state differs from the local run"
+    );
+}
+
+#[test]
+fn hf_export_round_trips_through_init_from() {
+    let dir = fresh_dir("hf");
+    let run = dir.join("run");
+    run_ok(&mut train(&run, &["train.steps=3"]));
+    let url = ckpt_url(&run);
+    let out = dir.join("hf");
+    run_ok(
+        seqpipe()
+            .args(["ckpt", "export", &url, "--format", "hf-gpt2", "--out"])
+            .arg(&out),
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["n_layer"], 4);
+    let eval = |extra: &[&str]| -> f64 {
+        let out = run_ok(
+            seqpipe()
+                .args(["eval"])
+                .args(tiny_model_args())
+                .args(["--set", "train.eval_batches=2"])
+                .arg("--set")
+                .arg(format!("run.dir={}", run.display()))
+                .args(extra),
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        line["val_loss"].as_f64().unwrap()
+    };
+    let from_checkpoint = eval(&["--resume", "latest"]);
+    let from_hf = eval(&["--init-from", out.to_str().unwrap()]);
+    let fresh = eval(&[]);
+    assert_eq!(
+        from_checkpoint.to_bits(),
+        from_hf.to_bits(),
+        "exported weights give another loss: {from_checkpoint} vs {from_hf}"
+    );
+    assert_ne!(from_checkpoint, fresh);
+    // A mismatched model is refused with the field named.
+    let err = run_err(
+        seqpipe()
+            .args(["eval"])
+            .args(tiny_model_args())
+            .args([
+                "--set",
+                "model.layers=2",
+                "--set",
+                "pipeline.stages=2",
+                "--init-from",
+                out.to_str().unwrap(),
+            ])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.join("bad").display())),
+    );
+    assert!(err.contains("n_layer"), "{err}");
+}
+
+#[test]
+fn ckpt_show_describes_the_checkpoint() {
+    let dir = fresh_dir("show");
+    let run = dir.join("run");
+    run_ok(&mut train(&run, &["train.steps=3", "pipeline.stages=2"]));
+    let out = String::from_utf8(run_ok(seqpipe().args(["ckpt", "show", &ckpt_url(&run)])).stdout)
+        .unwrap();
+    for needle in [
+        "step 3",
+        "topology: 2 stages",
+        "h.3.attn.c_attn.weight",
+        "optim.m.wte.weight",
+        "stage-1-of-2",
+    ] {
+        assert!(out.contains(needle), "`{needle}` missing from:\n{out}");
+    }
+    let err = run_err(seqpipe().args(["ckpt", "show", &ckpt_url(&run), "--step", "2"]));
+    assert!(err.contains("step 2") && err.contains("[3]"), "{err}");
+}

@@ -1,0 +1,723 @@
+//! The training loop on the launcher: runs the steps through the [`Pipeline`] (global gradient norm
+//! in canonical order, clipping, learning rate), evaluates, writes `metrics.jsonl`, schedules
+//! checkpoints (at most one upload in flight, committed by a manifest written last), resumes from
+//! them, and stops cleanly on SIGINT/SIGTERM.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use checkpoint::{CheckpointStore, Manifest, ShardEntry};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::control::{ToLauncher, ToWorker};
+use super::launcher::{LaunchError, Pipeline};
+use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
+use crate::config::Config;
+use crate::data::open_source;
+use crate::lr::learning_rate;
+use crate::metrics::{MetricsLog, StepMetrics};
+use crate::model::params::param_specs;
+use crate::model::partition_layers;
+
+/// Which checkpoint a run resumes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResumePoint {
+    /// The newest committed checkpoint.
+    Latest,
+    /// The committed checkpoint of this step.
+    Step(u64),
+}
+
+/// How a run's state starts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Start {
+    /// Fresh weights from the seed.
+    #[default]
+    Fresh,
+    /// From a committed checkpoint in the configured store.
+    Resume(ResumePoint),
+    /// Weights from a Hugging Face GPT-2 directory, fresh optimizer.
+    InitFrom(PathBuf),
+}
+
+/// Extra launcher behaviour, from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct LaunchOptions {
+    /// Workers write each step's gradients here (safetensors, one file per stage and step).
+    pub dump_grads: Option<PathBuf>,
+    /// Hide the progress bar.
+    pub quiet: bool,
+    /// Where the state comes from.
+    pub start: Start,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// Loss of the last step run (NaN when no step ran).
+    pub final_loss: f64,
+    /// Last validation loss, if evaluation ran.
+    pub val_loss: Option<f64>,
+    /// The last completed step.
+    pub last_step: u64,
+    /// The checkpoint step the run resumed from.
+    pub resumed_from: Option<u64>,
+    /// The signal that stopped the run early (a final checkpoint was committed first).
+    pub interrupted_by: Option<i32>,
+    /// Wall-clock seconds.
+    pub elapsed_s: f64,
+}
+
+/// Trains `cfg` with one local worker process per stage.
+pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
+    let started = Instant::now();
+    with_pipeline(cfg, &cfg.run.dir, opts.dump_grads.as_deref(), |driver| {
+        let mut summary = driver.run(opts)?;
+        summary.elapsed_s = started.elapsed().as_secs_f64();
+        Ok(summary)
+    })
+}
+
+/// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
+/// Its workers' config and logs go to `<run.dir>/eval/`.
+pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
+    with_pipeline(cfg, &cfg.run.dir.join("eval"), None, |driver| {
+        let step = driver.load(start)?;
+        Ok((step, driver.evaluate()?))
+    })
+}
+
+/// Starts the pipeline (config and logs under `session_dir`), runs `body`, and stops the workers
+/// (killing them if `body` failed).
+fn with_pipeline<T>(
+    cfg: &Config,
+    session_dir: &Path,
+    dump_grads: Option<&Path>,
+    body: impl FnOnce(&mut Driver) -> Result<T, LaunchError>,
+) -> Result<T, LaunchError> {
+    let io = |what: String| {
+        move |source| LaunchError::Io {
+            what: what.clone(),
+            source,
+        }
+    };
+    let logs_dir = session_dir.join("logs");
+    std::fs::create_dir_all(&logs_dir).map_err(io(format!(
+        "creating the run directory {}",
+        session_dir.display()
+    )))?;
+    let config_path = session_dir.join("config.resolved.toml");
+    std::fs::write(&config_path, cfg.to_toml())
+        .map_err(io(format!("writing {}", config_path.display())))?;
+    // Fail early, in the launcher, on an unusable dataset or checkpoint location.
+    open_source(&cfg.data, cfg.model.vocab_size)?;
+    let checkpoints = CheckpointWriter::open(cfg)?;
+    let signal = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
+            .map_err(io("installing signal handlers".into()))?;
+    }
+    let mut pipeline = Pipeline::start(cfg, &config_path, &logs_dir, dump_grads)?;
+    let result = body(&mut Driver {
+        cfg,
+        pipeline: &mut pipeline,
+        checkpoints,
+        metrics: None,
+        signal,
+    });
+    match result {
+        Ok(value) => {
+            pipeline.shutdown();
+            Ok(value)
+        }
+        Err(e) => {
+            pipeline.kill_all();
+            Err(e)
+        }
+    }
+}
+
+struct Driver<'a> {
+    cfg: &'a Config,
+    pipeline: &'a mut Pipeline,
+    checkpoints: CheckpointWriter,
+    metrics: Option<MetricsLog>,
+    signal: Arc<AtomicUsize>,
+}
+
+impl Driver<'_> {
+    fn metrics(&mut self) -> &mut MetricsLog {
+        self.metrics
+            .as_mut()
+            .expect("metrics opened before the first step")
+    }
+
+    fn append(&mut self, record: &impl serde::Serialize) -> Result<(), LaunchError> {
+        let log = self.metrics();
+        log.append(record).map_err(|source| LaunchError::Io {
+            what: format!("writing {}", log.path().display()),
+            source,
+        })
+    }
+
+    /// Loads the workers' state as `start` says; returns the step it belongs to (0 = fresh).
+    fn load(&mut self, start: &Start) -> Result<u64, LaunchError> {
+        match start {
+            Start::Fresh => Ok(0),
+            Start::InitFrom(dir) => {
+                self.pipeline
+                    .broadcast(&ToWorker::InitFrom { dir: dir.clone() })?;
+                self.expect_restored(0)?.map_err(|(error, _)| {
+                    LaunchError::Run(format!("cannot initialize from {}: {error}", dir.display()))
+                })?;
+                Ok(0)
+            }
+            Start::Resume(point) => self.restore(*point),
+        }
+    }
+
+    fn run(&mut self, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
+        let cfg = self.cfg;
+        let t = &cfg.train;
+        let start_step = self.load(&opts.start)?;
+        let resumed_from = matches!(opts.start, Start::Resume(_)).then_some(start_step);
+        if start_step >= t.steps {
+            return Err(LaunchError::Run(format!(
+                "the checkpoint is at step {start_step} and train.steps is {}: nothing to train; raise it, e.g. --set train.steps={}",
+                t.steps,
+                start_step + t.steps.max(1)
+            )));
+        }
+        let metrics_path = cfg.run.dir.join("metrics.jsonl");
+        truncate_metrics(&metrics_path, start_step).map_err(|source| LaunchError::Io {
+            what: format!("rewriting {}", metrics_path.display()),
+            source,
+        })?;
+        self.metrics = Some(
+            MetricsLog::open(&metrics_path).map_err(|source| LaunchError::Io {
+                what: format!("opening {}", metrics_path.display()),
+                source,
+            })?,
+        );
+        if let Some(step) = resumed_from {
+            self.append(&json!({"event": "resumed", "step": step, "stages": cfg.pipeline.stages}))?;
+        }
+
+        let canonical: HashMap<String, usize> = param_specs(&cfg.model)
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s.name, i))
+            .collect();
+        let bar = if opts.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(t.steps)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed}<{eta})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_position(start_step);
+        let (mut final_loss, mut val_loss, mut last_step) = (f64::NAN, None, start_step);
+        let mut interrupted_by = None;
+        for step in start_step + 1..=t.steps {
+            let record = self.train_step(step, &canonical)?;
+            final_loss = record.loss;
+            val_loss = record.val_loss.or(val_loss);
+            last_step = step;
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s",
+                record.loss, record.tokens_per_s
+            ));
+            bar.inc(1);
+            if let Some(v) = record.val_loss {
+                bar.suspend(|| info!(step, loss = record.loss, val_loss = v, "evaluation"));
+            }
+            let sig = self.signal.load(Ordering::SeqCst);
+            if sig != 0 {
+                interrupted_by = Some(sig as i32);
+                bar.suspend(|| {
+                    warn!(
+                        step,
+                        signal = sig,
+                        "stopping on signal: writing a final checkpoint"
+                    )
+                });
+            }
+            if interrupted_by.is_some() || cfg.checkpoint.due(step, t.steps) {
+                let state = self.trainer_state(step, record.lr, record.loss);
+                self.checkpoints.begin(
+                    self.pipeline,
+                    state,
+                    self.metrics.as_mut().expect("metrics"),
+                )?;
+            }
+            self.checkpoints
+                .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
+            if interrupted_by.is_some() {
+                break;
+            }
+        }
+        let grace = Duration::from_secs_f64(if interrupted_by.is_some() {
+            cfg.checkpoint.grace_s
+        } else {
+            cfg.pipeline.timeout_s.max(cfg.checkpoint.grace_s)
+        });
+        self.checkpoints.finish(
+            self.pipeline,
+            self.metrics.as_mut().expect("metrics"),
+            grace,
+        )?;
+        bar.finish();
+        Ok(RunSummary {
+            final_loss,
+            val_loss,
+            last_step,
+            resumed_from,
+            interrupted_by,
+            elapsed_s: 0.0,
+        })
+    }
+
+    fn train_step(
+        &mut self,
+        step: u64,
+        canonical: &HashMap<String, usize>,
+    ) -> Result<StepMetrics, LaunchError> {
+        let (cfg, t) = (self.cfg, &self.cfg.train);
+        let p = self.pipeline.stages();
+        let tokens = cfg.tokens_per_step();
+        let step_started = Instant::now();
+        let lr = learning_rate(
+            step,
+            cfg.lr_schedule_steps(),
+            t.lr,
+            t.min_lr,
+            t.warmup_steps,
+        );
+        self.pipeline.broadcast(&ToWorker::RunStep { step })?;
+        let mut sums = vec![None; canonical.len()];
+        let mut loss_sum = None;
+        for msg in self
+            .pipeline
+            .collect(p, &format!("step {step}'s forward and backward"))?
+        {
+            match msg {
+                ToLauncher::StepDone {
+                    step: s,
+                    sums_of_squares,
+                    loss_sum: l,
+                    ..
+                } if s == step => {
+                    for (name, value) in sums_of_squares {
+                        let index = *canonical.get(&name).ok_or_else(|| {
+                            LaunchError::Protocol(format!("unknown parameter {name}"))
+                        })?;
+                        sums[index] = Some(value);
+                    }
+                    loss_sum = loss_sum.or(l);
+                }
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected step {step} done, got {other:?}"
+                    )));
+                }
+            }
+        }
+        let sums: Vec<f64> = sums
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.ok_or_else(|| {
+                    LaunchError::Protocol(format!("no gradient norm for parameter #{i}"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        // Summed in canonical parameter order: the same number whatever the partition.
+        let grad_norm = ops::clip::global_norm(sums);
+        let clip_coefficient = ops::clip::clip_coefficient(grad_norm, t.grad_clip);
+        self.pipeline.broadcast(&ToWorker::Apply {
+            step,
+            lr,
+            clip_coefficient,
+        })?;
+        self.pipeline
+            .collect(p, &format!("step {step}'s optimizer update"))?;
+        let loss = loss_sum
+            .ok_or_else(|| LaunchError::Protocol("the last stage reported no loss".into()))?
+            / tokens as f64;
+        let step_time_s = step_started.elapsed().as_secs_f64();
+        let eval_due = t.eval_every > 0 && (step.is_multiple_of(t.eval_every) || step == t.steps);
+        let val_loss = if eval_due {
+            Some(self.evaluate()?)
+        } else {
+            None
+        };
+        let record = StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens,
+            step_time_s,
+            tokens_per_s: tokens as f64 / step_time_s,
+            val_loss,
+        };
+        self.append(&record)?;
+        Ok(record)
+    }
+
+    /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.
+    fn evaluate(&mut self) -> Result<f64, LaunchError> {
+        let cfg = self.cfg;
+        let batches = cfg.train.eval_batches;
+        self.pipeline.broadcast(&ToWorker::Eval { batches })?;
+        let mut loss_sum = None;
+        for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
+            match msg {
+                ToLauncher::EvalDone { loss_sum: l, .. } => loss_sum = loss_sum.or(l),
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected evaluation results, got {other:?}"
+                    )));
+                }
+            }
+        }
+        let tokens = batches * cfg.train.micro_batch_size * cfg.train.seq_len;
+        Ok(loss_sum.ok_or_else(|| {
+            LaunchError::Protocol("the last stage reported no validation loss".into())
+        })? / tokens as f64)
+    }
+
+    fn trainer_state(&self, step: u64, lr: f64, loss: f64) -> TrainerState {
+        let cfg = self.cfg;
+        let layers = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)
+            .map(|ls| ls.iter().map(|l| [l.layers.start, l.layers.end]).collect())
+            .unwrap_or_default();
+        TrainerState {
+            step,
+            optimizer_step: step,
+            data: DataCursor {
+                seed: cfg.train.seed,
+                next_step: step + 1,
+            },
+            lr: LrPosition {
+                step,
+                total_steps: cfg.lr_schedule_steps(),
+                last_lr: lr,
+            },
+            loss,
+            topology: Topology {
+                stages: cfg.pipeline.stages,
+                layers,
+                schedule: cfg.pipeline.schedule.to_string(),
+                microbatches: cfg.pipeline.microbatches,
+                splits: cfg.pipeline.splits,
+            },
+            config: cfg.to_toml(),
+            writer: WRITER.to_string(),
+        }
+    }
+
+    /// Waits for every worker's reply to a restore; `Err((error, corrupt))` if any failed.
+    fn expect_restored(&mut self, step: u64) -> Result<Result<(), (String, bool)>, LaunchError> {
+        let mut failure = None;
+        for msg in self.pipeline.collect(
+            self.pipeline.stages(),
+            &format!("the workers to load checkpoint {step}"),
+        )? {
+            match msg {
+                ToLauncher::Restored { .. } => {}
+                ToLauncher::RestoreFailed {
+                    stage,
+                    error,
+                    corrupt,
+                    ..
+                } => failure = Some((format!("stage {stage}: {error}"), corrupt)),
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected a restore reply, got {other:?}"
+                    )));
+                }
+            }
+        }
+        Ok(failure.map_or(Ok(()), Err))
+    }
+
+    /// Loads the chosen committed checkpoint, falling back to older ones when it is corrupt.
+    fn restore(&mut self, point: ResumePoint) -> Result<u64, LaunchError> {
+        let url = self.checkpoints.store.url().to_string();
+        let committed = self.checkpoints.committed_steps()?;
+        let mut candidates: Vec<u64> = committed
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&s| match point {
+                ResumePoint::Latest => true,
+                ResumePoint::Step(n) => s <= n,
+            })
+            .collect();
+        match (point, candidates.first()) {
+            (_, None) => {
+                return Err(LaunchError::Run(format!(
+                    "no committed checkpoint at {url}{}; committed steps: {committed:?}",
+                    if let ResumePoint::Step(n) = point {
+                        format!(" at or before step {n}")
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+            (ResumePoint::Step(n), Some(&first)) if first != n => {
+                return Err(LaunchError::Run(format!(
+                    "no committed checkpoint of step {n} at {url}; committed steps: {committed:?}"
+                )));
+            }
+            _ => {}
+        }
+        if !self.cfg.checkpoint.fallback {
+            candidates.truncate(1);
+        }
+        let mut last_error = String::new();
+        for step in candidates {
+            self.pipeline.broadcast(&ToWorker::Restore { step })?;
+            match self.expect_restored(step)? {
+                Ok(()) => {
+                    info!(step, %url, "resumed from checkpoint");
+                    self.retire_newer_than(step, &committed)?;
+                    return Ok(step);
+                }
+                Err((error, true)) if self.cfg.checkpoint.fallback => {
+                    warn!(step, %error, "checkpoint is corrupt; falling back to the previous committed checkpoint");
+                    eprintln!(
+                        "warning: checkpoint of step {step} is corrupt ({error}); falling back to the previous committed checkpoint"
+                    );
+                    last_error = error;
+                }
+                Err((error, corrupt)) => {
+                    let hint = if corrupt {
+                        " (checkpoint.fallback = false: not trying older checkpoints)"
+                    } else {
+                        ""
+                    };
+                    return Err(LaunchError::Run(format!(
+                        "cannot resume from checkpoint {step} at {url}: {error}{hint}"
+                    )));
+                }
+            }
+        }
+        Err(LaunchError::Run(format!(
+            "every committed checkpoint at {url} is unusable; last error: {last_error}"
+        )))
+    }
+}
+
+impl Driver<'_> {
+    /// The run continues from `step`: committed checkpoints of later steps (corrupt ones that were
+    /// skipped, or ones the user rewound past) describe a history that is about to be rewritten, and
+    /// the rerun will commit those steps again. Each is deleted, manifest first.
+    fn retire_newer_than(&mut self, step: u64, committed: &[u64]) -> Result<(), LaunchError> {
+        for &newer in committed.iter().filter(|&&s| s > step) {
+            warn!(
+                newer,
+                step,
+                "deleting the checkpoint of step {newer}: the run continues from step {step} and will write it again"
+            );
+            eprintln!(
+                "warning: deleting checkpoint of step {newer} (the run continues from step {step} and rewrites it)"
+            );
+            self.checkpoints
+                .runtime
+                .block_on(self.checkpoints.store.delete_step(newer))?;
+        }
+        Ok(())
+    }
+}
+
+/// Keeps the lines of `metrics.jsonl` up to `step` (a resumed run rewrites what came after).
+fn truncate_metrics(path: &Path, step: u64) -> std::io::Result<()> {
+    if step == 0 {
+        return match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+    }
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_none_or(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(path, kept)
+}
+
+/// The launcher's side of checkpointing: schedules shard uploads (at most one checkpoint in flight),
+/// commits the manifest once every shard is in, applies retention and cleans stale uploads.
+struct CheckpointWriter {
+    store: CheckpointStore,
+    runtime: tokio::runtime::Runtime,
+    keep_last: usize,
+    pending: Option<PendingCheckpoint>,
+}
+
+struct PendingCheckpoint {
+    state: TrainerState,
+    started: Instant,
+    shards: BTreeMap<usize, ShardEntry>,
+}
+
+impl CheckpointWriter {
+    fn open(cfg: &Config) -> Result<Self, LaunchError> {
+        let store = CheckpointStore::open(
+            &cfg.checkpoint.resolved_url(&cfg.run.dir),
+            &cfg.checkpoint.store_options(),
+        )?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| LaunchError::Io {
+                what: "starting the checkpoint I/O runtime".into(),
+                source,
+            })?;
+        Ok(Self {
+            store,
+            runtime,
+            keep_last: cfg.checkpoint.keep_last,
+            pending: None,
+        })
+    }
+
+    fn committed_steps(&self) -> Result<Vec<u64>, LaunchError> {
+        Ok(self.runtime.block_on(self.store.committed_steps())?)
+    }
+
+    /// Starts the checkpoint of `state.step`: every worker snapshots its state and uploads it in the
+    /// background. Waits first if the previous checkpoint is still uploading.
+    fn begin(
+        &mut self,
+        pipeline: &mut Pipeline,
+        state: TrainerState,
+        metrics: &mut MetricsLog,
+    ) -> Result<(), LaunchError> {
+        if let Some(prev) = &self.pending {
+            let (prev_step, waited) = (prev.state.step, Instant::now());
+            info!(
+                prev_step,
+                next = state.step,
+                "checkpoint of step {prev_step} is still uploading; training waits for it before starting the next one"
+            );
+            self.finish(pipeline, metrics, Duration::from_secs(3600))?;
+            let _ = metrics.append(&json!({"event": "checkpoint_wait", "step": state.step, "waited_s": waited.elapsed().as_secs_f64()}));
+        }
+        pipeline.broadcast(&ToWorker::Checkpoint { step: state.step })?;
+        self.pending = Some(PendingCheckpoint {
+            state,
+            started: Instant::now(),
+            shards: BTreeMap::new(),
+        });
+        Ok(())
+    }
+
+    /// Handles upload reports that have arrived, committing when complete.
+    fn poll(
+        &mut self,
+        pipeline: &mut Pipeline,
+        metrics: &mut MetricsLog,
+    ) -> Result<(), LaunchError> {
+        for msg in pipeline.take_side_messages() {
+            self.handle(msg, pipeline.stages(), metrics)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the checkpoint in flight (if any) is committed or has failed.
+    fn finish(
+        &mut self,
+        pipeline: &mut Pipeline,
+        metrics: &mut MetricsLog,
+        timeout: Duration,
+    ) -> Result<(), LaunchError> {
+        self.poll(pipeline, metrics)?;
+        let deadline = Instant::now() + timeout;
+        while let Some(pending) = &self.pending {
+            let what = format!("the checkpoint of step {} to upload", pending.state.step);
+            let msg = pipeline
+                .next_side_message(deadline.saturating_duration_since(Instant::now()), &what)?;
+            self.handle(msg, pipeline.stages(), metrics)?;
+        }
+        Ok(())
+    }
+
+    fn handle(
+        &mut self,
+        msg: ToLauncher,
+        stages: usize,
+        metrics: &mut MetricsLog,
+    ) -> Result<(), LaunchError> {
+        let Some(pending) = &mut self.pending else {
+            return Err(LaunchError::Protocol(format!(
+                "unexpected {msg:?}: no checkpoint in flight"
+            )));
+        };
+        match msg {
+            ToLauncher::ShardWritten { stage, step, shard } if step == pending.state.step => {
+                pending.shards.insert(stage, shard);
+            }
+            ToLauncher::ShardFailed { stage, step, error } if step == pending.state.step => {
+                self.pending = None;
+                warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
+                eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
+                let _ = metrics.append(&json!({"event": "checkpoint_failed", "step": step, "stage": stage, "error": error}));
+                return Ok(());
+            }
+            other => {
+                return Err(LaunchError::Protocol(format!(
+                    "unexpected {other:?} while checkpointing step {}",
+                    pending.state.step
+                )));
+            }
+        }
+        if pending.shards.len() < stages {
+            return Ok(());
+        }
+        let pending = self.pending.take().expect("pending checkpoint");
+        let step = pending.state.step;
+        let shards: Vec<ShardEntry> = pending.shards.into_values().collect();
+        let manifest = Manifest::new(
+            step,
+            shards,
+            serde_json::to_value(&pending.state).expect("state serializes"),
+        );
+        self.runtime.block_on(self.store.commit(&manifest))?;
+        let upload_s = pending.started.elapsed().as_secs_f64();
+        info!(
+            step,
+            bytes = manifest.total_bytes(),
+            upload_s,
+            url = self.store.url(),
+            "checkpoint committed"
+        );
+        let _ = metrics.append(&json!({"event": "checkpoint", "step": step, "bytes": manifest.total_bytes(), "upload_s": upload_s}));
+        let deleted = self.runtime.block_on(self.store.retain(self.keep_last))?;
+        let stale = self.runtime.block_on(self.store.clean_stale(step))?;
+        if !deleted.is_empty() || !stale.is_empty() {
+            info!(?deleted, stale_objects = stale.len(), "retention");
+        }
+        Ok(())
+    }
+}
