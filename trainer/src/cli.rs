@@ -166,7 +166,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 4)]
         stages: usize,
         /// Save/load rounds per store.
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = 3)]
         rounds: usize,
         /// Training steps of each stall run.
         #[arg(long, default_value_t = 6)]

@@ -39,6 +39,8 @@ pub enum ToLauncher {
         stage: usize,
         step: u64,
         shard: checkpoint::ShardEntry,
+        /// Seconds the training thread spent taking the snapshot (its only stall).
+        snapshot_s: f64,
     },
     /// This stage's shard of the checkpoint of `step` could not be uploaded.
     ShardFailed {

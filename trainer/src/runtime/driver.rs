@@ -168,8 +168,12 @@ impl Driver<'_> {
     /// Loads the workers' state as `start` says; returns the step it belongs to (0 = fresh).
     fn load(&mut self, start: &Start) -> Result<u64, LaunchError> {
         match start {
-            Start::Fresh => Ok(0),
+            Start::Fresh => {
+                self.clear_previous_run()?;
+                Ok(0)
+            }
             Start::InitFrom(dir) => {
+                self.clear_previous_run()?;
                 self.pipeline
                     .broadcast(&ToWorker::InitFrom { dir: dir.clone() })?;
                 self.expect_restored(0)?.map_err(|(error, _)| {
@@ -521,6 +525,33 @@ impl Driver<'_> {
 }
 
 impl Driver<'_> {
+    /// A fresh run writes its checkpoints from step 1 on. Committed checkpoints of an earlier run at
+    /// the default location (`<run.dir>/checkpoints`) are deleted with a warning, as the rest of the
+    /// run directory is replaced; at an explicitly configured `checkpoint.url` they are never deleted
+    /// implicitly: the run refuses to start.
+    fn clear_previous_run(&mut self) -> Result<(), LaunchError> {
+        let committed = self.checkpoints.committed_steps()?;
+        if committed.is_empty() {
+            return Ok(());
+        }
+        let url = self.checkpoints.store.url().to_string();
+        if !self.cfg.checkpoint.url.is_empty() {
+            return Err(LaunchError::Run(format!(
+                "{url} already holds committed checkpoints {committed:?} of another run: continue it with `--resume latest` (or `seqpipe resume {url}`), or set another checkpoint.url"
+            )));
+        }
+        eprintln!(
+            "warning: starting a fresh run in {}: deleting its previous checkpoints {committed:?} (use `--resume latest` to continue that run instead)",
+            self.cfg.run.dir.display()
+        );
+        for step in committed {
+            self.checkpoints
+                .runtime
+                .block_on(self.checkpoints.store.delete_step(step))?;
+        }
+        Ok(())
+    }
+
     /// The run continues from `step`: committed checkpoints of later steps (corrupt ones that were
     /// skipped, or ones the user rewound past) describe a history that is about to be rewritten, and
     /// the rerun will commit those steps again. Each is deleted, manifest first.
@@ -579,6 +610,8 @@ struct PendingCheckpoint {
     state: TrainerState,
     started: Instant,
     shards: BTreeMap<usize, ShardEntry>,
+    /// The longest time a worker's training thread spent on its snapshot.
+    snapshot_s: f64,
 }
 
 impl CheckpointWriter {
@@ -629,6 +662,7 @@ impl CheckpointWriter {
             state,
             started: Instant::now(),
             shards: BTreeMap::new(),
+            snapshot_s: 0.0,
         });
         Ok(())
     }
@@ -675,8 +709,14 @@ impl CheckpointWriter {
             )));
         };
         match msg {
-            ToLauncher::ShardWritten { stage, step, shard } if step == pending.state.step => {
+            ToLauncher::ShardWritten {
+                stage,
+                step,
+                shard,
+                snapshot_s,
+            } if step == pending.state.step => {
                 pending.shards.insert(stage, shard);
+                pending.snapshot_s = pending.snapshot_s.max(snapshot_s);
             }
             ToLauncher::ShardFailed { stage, step, error } if step == pending.state.step => {
                 self.pending = None;
@@ -712,7 +752,7 @@ impl CheckpointWriter {
             url = self.store.url(),
             "checkpoint committed"
         );
-        let _ = metrics.append(&json!({"event": "checkpoint", "step": step, "bytes": manifest.total_bytes(), "upload_s": upload_s}));
+        let _ = metrics.append(&json!({"event": "checkpoint", "step": step, "bytes": manifest.total_bytes(), "upload_s": upload_s, "snapshot_s": pending.snapshot_s}));
         let deleted = self.runtime.block_on(self.store.retain(self.keep_last))?;
         let stale = self.runtime.block_on(self.store.clean_stale(step))?;
         if !deleted.is_empty() || !stale.is_empty() {

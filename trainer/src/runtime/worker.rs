@@ -101,6 +101,13 @@ struct Worker {
     checkpoints: Option<Checkpoints>,
 }
 
+/// A snapshot waiting for the uploader.
+struct UploadJob {
+    step: u64,
+    tensors: Vec<(String, Tensor)>,
+    snapshot_s: f64,
+}
+
 /// The worker's checkpoint store and its background uploader.
 struct Checkpoints {
     store: CheckpointStore,
@@ -108,7 +115,7 @@ struct Checkpoints {
     /// uploader thread): pooled HTTP connections belong to the runtime that opened them, and a
     /// multi-threaded runtime keeps driving them between calls.
     runtime: Arc<tokio::runtime::Runtime>,
-    uploads: std::sync::mpsc::Sender<(u64, Vec<(String, Tensor)>)>,
+    uploads: std::sync::mpsc::Sender<UploadJob>,
 }
 
 impl Checkpoints {
@@ -128,13 +135,18 @@ impl Checkpoints {
                 source,
             })?;
         let runtime = Arc::new(runtime);
-        let (uploads, jobs) = std::sync::mpsc::channel::<(u64, Vec<(String, Tensor)>)>();
+        let (uploads, jobs) = std::sync::mpsc::channel::<UploadJob>();
         let shard_name = format!("stage-{stage}-of-{}", cfg.pipeline.stages);
         let (uploader_store, uploader_runtime) = (store.clone(), Arc::clone(&runtime));
         std::thread::Builder::new()
             .name("checkpoint-upload".into())
             .spawn(move || {
-                for (step, tensors) in jobs {
+                for UploadJob {
+                    step,
+                    tensors,
+                    snapshot_s,
+                } in jobs
+                {
                     let started = Instant::now();
                     let result = tensors
                         .iter()
@@ -154,7 +166,12 @@ impl Checkpoints {
                                 seconds = started.elapsed().as_secs_f64(),
                                 "checkpoint shard uploaded"
                             );
-                            ToLauncher::ShardWritten { stage, step, shard }
+                            ToLauncher::ShardWritten {
+                                stage,
+                                step,
+                                shard,
+                                snapshot_s,
+                            }
                         }
                         Err(error) => ToLauncher::ShardFailed { stage, step, error },
                     };
@@ -420,14 +437,23 @@ impl Worker {
                         .map_err(control_err)?;
                 }
                 ToWorker::Checkpoint { step } => {
-                    let state = snapshot(&self.stage, &self.optimizer);
+                    let started = Instant::now();
+                    let tensors = snapshot(&self.stage, &self.optimizer);
+                    let snapshot_s = started.elapsed().as_secs_f64();
                     let checkpoints = self
                         .checkpoints
                         .as_ref()
                         .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
-                    checkpoints.uploads.send((step, state)).map_err(|_| {
-                        WorkerError::Protocol("the checkpoint uploader stopped".into())
-                    })?;
+                    checkpoints
+                        .uploads
+                        .send(UploadJob {
+                            step,
+                            tensors,
+                            snapshot_s,
+                        })
+                        .map_err(|_| {
+                            WorkerError::Protocol("the checkpoint uploader stopped".into())
+                        })?;
                 }
                 ToWorker::Restore { step } => {
                     let reply = match self.restore_checkpoint(step) {
