@@ -1,0 +1,124 @@
+//! `[elastic]`: how many nodes a run needs and how quickly it gives up on one.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ElasticError;
+
+/// The `[elastic]` config section, embedded by the trainer's config tree.
+///
+/// Times are in seconds (`f64`) in the file and [`Duration`]s in code: use the accessors
+/// ([`ElasticConfig::heartbeat`], ...) after [`ElasticConfig::validate`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ElasticConfig {
+    /// Fewest nodes that may train; with fewer the run waits up to `join_timeout_s`, then fails.
+    pub min_nodes: usize,
+    /// Most nodes admitted into a plan; 0 = unlimited. Further joiners stay spares.
+    pub max_nodes: usize,
+    /// Seconds between two heartbeats of a node's agent.
+    pub heartbeat_s: f64,
+    /// A node silent for more than this many seconds is declared dead; must exceed `heartbeat_s`.
+    pub dead_after_s: f64,
+    /// Seconds to wait for enough nodes (at start, or after losing some) before failing the run.
+    pub join_timeout_s: f64,
+    /// Recoveries from lost nodes allowed in one run before it fails (joins and leaves don't count).
+    pub max_restarts: usize,
+    /// Seconds a node with a preemption notice keeps running; it leaves at the next step boundary,
+    /// and is treated as lost if no boundary came within this grace.
+    pub grace_s: f64,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        Self {
+            min_nodes: 1,
+            max_nodes: 0,
+            heartbeat_s: 1.0,
+            dead_after_s: 5.0,
+            join_timeout_s: 30.0,
+            max_restarts: 10,
+            grace_s: 30.0,
+        }
+    }
+}
+
+impl ElasticConfig {
+    /// Checks every value and their consistency; the error names the key and the reason.
+    pub fn validate(&self) -> Result<(), ElasticError> {
+        let invalid =
+            |key: &'static str, message: String| Err(ElasticError::InvalidConfig { key, message });
+        if self.min_nodes == 0 {
+            return invalid(
+                "elastic.min_nodes",
+                "must be at least 1: a plan needs a node to run on".into(),
+            );
+        }
+        if self.max_nodes != 0 && self.max_nodes < self.min_nodes {
+            return invalid(
+                "elastic.max_nodes",
+                format!(
+                    "{} is below elastic.min_nodes {}; use 0 for unlimited or at least {}",
+                    self.max_nodes, self.min_nodes, self.min_nodes
+                ),
+            );
+        }
+        let seconds = [
+            ("elastic.heartbeat_s", self.heartbeat_s, false),
+            ("elastic.dead_after_s", self.dead_after_s, false),
+            ("elastic.join_timeout_s", self.join_timeout_s, true),
+            ("elastic.grace_s", self.grace_s, true),
+        ];
+        for (key, value, zero_ok) in seconds {
+            if !value.is_finite() || value < 0.0 || (value == 0.0 && !zero_ok) {
+                let wanted = if zero_ok { "0 or more" } else { "more than 0" };
+                return invalid(
+                    key,
+                    format!("{value} is not a usable number of seconds; use a finite {wanted}"),
+                );
+            }
+        }
+        if self.dead_after_s <= self.heartbeat_s {
+            return invalid(
+                "elastic.dead_after_s",
+                format!(
+                    "{} s must exceed elastic.heartbeat_s ({} s), or healthy nodes are declared \
+                     dead between two heartbeats",
+                    self.dead_after_s, self.heartbeat_s
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// `heartbeat_s` as a [`Duration`].
+    pub fn heartbeat(&self) -> Duration {
+        seconds(self.heartbeat_s)
+    }
+
+    /// `dead_after_s` as a [`Duration`].
+    pub fn dead_after(&self) -> Duration {
+        seconds(self.dead_after_s)
+    }
+
+    /// `join_timeout_s` as a [`Duration`].
+    pub fn join_timeout(&self) -> Duration {
+        seconds(self.join_timeout_s)
+    }
+
+    /// `grace_s` as a [`Duration`].
+    pub fn grace(&self) -> Duration {
+        seconds(self.grace_s)
+    }
+}
+
+/// Seconds to a [`Duration`] without panicking on values `validate` refuses:
+/// negative or NaN saturate to zero, too large ones to [`Duration::MAX`].
+fn seconds(s: f64) -> Duration {
+    if s.is_nan() || s <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+    }
+}

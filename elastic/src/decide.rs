@@ -1,0 +1,643 @@
+//! The pure decision: given the clock, the cluster's state and the config, what happens next
+//! and why (after torchft's `quorum_compute`). Nothing here reads a clock or does I/O; the
+//! caller acts on the decision and records it with [`ClusterState::apply`].
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use crate::config::ElasticConfig;
+use crate::membership::{Membership, NodeId, NodeInfo, NodeStatus};
+use crate::plan::{Plan, plan_for};
+
+/// Everything [`decide()`] looks at. Plain data: the caller updates it as events arrive
+/// (joins, heartbeats, failures, step boundaries) and with [`ClusterState::apply`].
+#[derive(Clone, Debug)]
+pub struct ClusterState {
+    /// Who joined, who is alive, who is admitted.
+    pub membership: Membership,
+    /// The adopted plan; `None` before the first one.
+    pub current: Option<Plan>,
+    /// The step being run, or about to start when `at_step_boundary`.
+    pub step: u64,
+    /// Whether the pipeline is between two steps (the previous step's update is done and the
+    /// next has not started): the only moment joiners are admitted and leavers let go.
+    pub at_step_boundary: bool,
+    /// Most stages a plan may have: the model's layer count.
+    pub max_stages: usize,
+    /// Recoveries from lost nodes so far in this run.
+    pub restarts: usize,
+    /// When the current shortfall (fewer than `min_nodes` nodes) began; `None` when there is none.
+    pub waiting_since: Option<Instant>,
+}
+
+impl ClusterState {
+    /// No nodes, no plan, step 0 at a boundary.
+    pub fn new(max_stages: usize) -> Self {
+        Self {
+            membership: Membership::new(),
+            current: None,
+            step: 0,
+            at_step_boundary: true,
+            max_stages,
+            restarts: 0,
+            waiting_since: None,
+        }
+    }
+
+    /// Records that the caller carried out `decision` at `now`.
+    ///
+    /// A new plan (`Recover`, `Grow`, `Shrink`) is adopted: its nodes become admitted, a leaving
+    /// node not in it has left (it becomes dead, so its late messages are refused), the step is
+    /// the plan's and at a boundary (the plan starts at the beginning of its step), and a
+    /// `Recover` counts as a restart. `Wait` starts the shortfall clock if it is not running;
+    /// any other decision but `Fail` stops it.
+    pub fn apply(&mut self, decision: &Decision, now: Instant) {
+        match decision {
+            Decision::Continue => self.waiting_since = None,
+            Decision::Wait { .. } => self.waiting_since = Some(self.waiting_since.unwrap_or(now)),
+            Decision::Fail { .. } => {}
+            Decision::Recover { plan, .. }
+            | Decision::Grow { plan, .. }
+            | Decision::Shrink { plan, .. } => {
+                if matches!(decision, Decision::Recover { .. }) {
+                    self.restarts += 1;
+                }
+                let gone: Vec<NodeId> = self
+                    .membership
+                    .members()
+                    .filter(|m| m.status == NodeStatus::Leaving && !plan.contains(&m.info.id))
+                    .map(|m| m.info.id.clone())
+                    .collect();
+                for id in gone {
+                    let reason = format!("left the plan at generation {}", plan.generation);
+                    // The id comes from the membership itself, so it is known.
+                    let _ = self.membership.report_failure(&id, reason, now);
+                }
+                self.membership.admit(plan);
+                self.step = plan.step;
+                self.at_step_boundary = true;
+                self.current = Some(plan.clone());
+                self.waiting_since = None;
+            }
+        }
+    }
+}
+
+/// What the coordinator does next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Keep running the current plan.
+    Continue,
+    /// Nodes of the current plan were lost: stop the step now and restart it under `plan`
+    /// (generation + 1). The plan has the survivors plus waiting joiners where stages or
+    /// `min_nodes` need them: a recovery restarts the interrupted step from its beginning, so
+    /// it is a step boundary. A leaving node stays until the next boundary.
+    Recover {
+        /// The new plan.
+        plan: Plan,
+        /// Nodes of the old plan that were lost, sorted by id.
+        lost: Vec<NodeId>,
+        /// Joiners admitted by the recovery, in the order they joined.
+        joined: Vec<NodeId>,
+    },
+    /// Admit joiners at this step boundary (also the first plan of a run).
+    Grow {
+        /// The new plan (generation + 1).
+        plan: Plan,
+        /// The admitted joiners, in the order they joined.
+        joined: Vec<NodeId>,
+    },
+    /// Let leaving nodes go at this step boundary (joiners may take their place).
+    Shrink {
+        /// The new plan (generation + 1).
+        plan: Plan,
+        /// The nodes that leave, sorted by id.
+        left: Vec<NodeId>,
+        /// Joiners admitted at the same boundary, in the order they joined.
+        joined: Vec<NodeId>,
+    },
+    /// Too few nodes to train: wait for joiners until `until`.
+    Wait {
+        /// Nodes that a plan could use now.
+        alive: usize,
+        /// `min_nodes`.
+        needed: usize,
+        /// When the wait gives up (shortfall start + `join_timeout`).
+        until: Instant,
+    },
+    /// Stop the run; committed checkpoints stay intact for `seqpipe resume`.
+    Fail {
+        /// Why, for the operator.
+        reason: String,
+    },
+}
+
+impl Decision {
+    /// The new plan of a `Recover`, `Grow` or `Shrink`.
+    pub fn plan(&self) -> Option<&Plan> {
+        match self {
+            Self::Recover { plan, .. } | Self::Grow { plan, .. } | Self::Shrink { plan, .. } => {
+                Some(plan)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The next decision and a human-readable reason.
+///
+/// The reason depends only on what the decision depends on, never on how time passes while
+/// nothing changes (no countdowns), so a caller can log it whenever it differs from the last.
+/// Rules, in order:
+/// 1. a node of the current plan is dead, restarted, or leaving past its grace mid-step
+///    → `Recover` immediately (or `Fail` once `max_restarts` recoveries were made);
+/// 2. a new plan would have fewer than `min_nodes` nodes → `Wait` until `join_timeout` after
+///    the shortfall began, then `Fail`;
+/// 3. at a step boundary, leaving nodes → `Shrink`, else joiners that add stages (or are
+///    needed for `min_nodes`), up to `max_nodes` → `Grow`; other joiners stay spares;
+/// 4. otherwise `Continue`.
+pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decision, String) {
+    if state.max_stages == 0 {
+        return fail("the model has no layers to place (max_stages is 0)".into());
+    }
+    if cfg.min_nodes > state.max_stages {
+        return fail(format!(
+            "elastic.min_nodes is {} but the model splits into at most {} stages, and every node \
+             of a plan runs a stage; lower elastic.min_nodes",
+            cfg.min_nodes, state.max_stages
+        ));
+    }
+    let joiners = state.membership.pending_joiners();
+    let Some(plan) = &state.current else {
+        let admitted = admit_joiners(Vec::new(), &joiners, cfg, state.max_stages);
+        if admitted.len() < cfg.min_nodes {
+            return wait_or_fail(now, state, cfg, admitted.len(), "");
+        }
+        let new = new_plan(&admitted, state, 1);
+        let reason = format!("first plan at step {}: {}", state.step, layout(&new));
+        let joined = ids(&admitted);
+        return (Decision::Grow { plan: new, joined }, reason);
+    };
+
+    let lost = lost_nodes(now, state, plan, cfg);
+    if !lost.is_empty() {
+        return recover(now, state, cfg, plan, &lost, &joiners);
+    }
+
+    let member_info = |id: &NodeId| state.membership.get(id).map(|m| &m.info);
+    let leaving: Vec<NodeId> = plan
+        .nodes
+        .iter()
+        .filter(|id| state.membership.status(id) == Some(&NodeStatus::Leaving))
+        .cloned()
+        .collect();
+    let staying: Vec<&NodeInfo> = plan
+        .nodes
+        .iter()
+        .filter(|id| !leaving.contains(id))
+        .filter_map(member_info)
+        .collect();
+    let admitted = admit_joiners(staying, &joiners, cfg, state.max_stages);
+    let joined: Vec<NodeId> = ids(&admitted)
+        .into_iter()
+        .filter(|id| !plan.contains(id))
+        .collect();
+    let spares = spare_note(&joiners, &admitted, cfg, state.max_stages);
+    let generation = plan.generation + 1;
+
+    if !leaving.is_empty() {
+        if admitted.len() < cfg.min_nodes {
+            let (them, they) = if leaving.len() == 1 {
+                ("it", "it stays")
+            } else {
+                ("them", "they stay")
+            };
+            let reason = format!(
+                "{} leaving, but without {them} only {} would remain, {} needed \
+                 (elastic.min_nodes); {they} in the plan until the {} s grace ends",
+                is(&leaving),
+                count(admitted.len(), "node"),
+                cfg.min_nodes,
+                cfg.grace_s
+            );
+            return (Decision::Continue, with(reason, spares));
+        }
+        if !state.at_step_boundary {
+            let reason = format!(
+                "{} leaving; it leaves the plan at the next step boundary",
+                is(&leaving)
+            );
+            let reason = with(with(reason, waits_note(&joined)), spares);
+            return (Decision::Continue, reason);
+        }
+        let new = new_plan(&admitted, state, generation);
+        let mut reason = format!("{} left at step {}", named(&leaving), state.step);
+        if !joined.is_empty() {
+            reason = format!("{reason}; {} joined", named(&joined));
+        }
+        let reason = with(format!("{reason}; plan: {}", layout(&new)), spares);
+        let left = leaving;
+        return (
+            Decision::Shrink {
+                plan: new,
+                left,
+                joined,
+            },
+            reason,
+        );
+    }
+
+    if !joined.is_empty() {
+        if !state.at_step_boundary {
+            let reason = with(waits_note(&joined), spares);
+            return (Decision::Continue, reason);
+        }
+        let new = new_plan(&admitted, state, generation);
+        let reason = format!(
+            "{} joined at step {}; plan: {}",
+            named(&joined),
+            state.step,
+            layout(&new)
+        );
+        return (Decision::Grow { plan: new, joined }, with(reason, spares));
+    }
+
+    let reason = format!(
+        "plan generation {} unchanged: {} alive",
+        plan.generation,
+        count(plan.nodes.len(), "node")
+    );
+    (Decision::Continue, with(reason, spares))
+}
+
+/// Rule 1: the current plan lost nodes.
+fn recover(
+    now: Instant,
+    state: &ClusterState,
+    cfg: &ElasticConfig,
+    plan: &Plan,
+    lost: &[(NodeId, String)],
+    joiners: &[&NodeInfo],
+) -> (Decision, String) {
+    let lost_text = lost
+        .iter()
+        .map(|(id, why)| format!("node {id} lost ({why})"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if state.restarts >= cfg.max_restarts {
+        return fail(format!(
+            "{lost_text}, but no recovery is left: the run already recovered {} and \
+             elastic.max_restarts is {}; {RESUME_HINT}",
+            count(state.restarts, "time"),
+            cfg.max_restarts
+        ));
+    }
+    let survivors: Vec<&NodeInfo> = plan
+        .nodes
+        .iter()
+        .filter(|id| !lost.iter().any(|(l, _)| l == *id))
+        .filter_map(|id| state.membership.get(id).map(|m| &m.info))
+        .collect();
+    let num_survivors = survivors.len();
+    let admitted = admit_joiners(survivors, joiners, cfg, state.max_stages);
+    if admitted.len() < cfg.min_nodes {
+        return wait_or_fail(now, state, cfg, admitted.len(), &format!("{lost_text}; "));
+    }
+    let joined: Vec<NodeId> = admitted[num_survivors..]
+        .iter()
+        .map(|n| n.id.clone())
+        .collect();
+    let new = new_plan(&admitted, state, plan.generation + 1);
+    let mut reason = format!(
+        "{lost_text}; {num_survivors} of {} alive",
+        count(plan.nodes.len(), "node")
+    );
+    if !joined.is_empty() {
+        reason = format!("{reason}; {} joined", named(&joined));
+    }
+    let reason = format!("{reason}; plan: {}", layout(&new));
+    let mut lost: Vec<NodeId> = lost.iter().map(|(id, _)| id.clone()).collect();
+    lost.sort();
+    (
+        Decision::Recover {
+            plan: new,
+            lost,
+            joined,
+        },
+        reason,
+    )
+}
+
+/// Rule 2: fewer than `min_nodes` nodes; `prefix` says what caused it.
+fn wait_or_fail(
+    now: Instant,
+    state: &ClusterState,
+    cfg: &ElasticConfig,
+    alive: usize,
+    prefix: &str,
+) -> (Decision, String) {
+    let needed = cfg.min_nodes;
+    let until = later(state.waiting_since.unwrap_or(now), cfg.join_timeout());
+    if now >= until {
+        return fail(format!(
+            "{prefix}only {} alive, {needed} needed (elastic.min_nodes), after waiting {} s \
+             (elastic.join_timeout_s); {RESUME_HINT}",
+            count(alive, "node"),
+            cfg.join_timeout_s
+        ));
+    }
+    let reason = format!(
+        "{prefix}{} alive, {needed} needed (elastic.min_nodes); waiting up to {} s \
+         (elastic.join_timeout_s) for more to join",
+        count(alive, "node"),
+        cfg.join_timeout_s
+    );
+    let decision = Decision::Wait {
+        alive,
+        needed,
+        until,
+    };
+    (decision, reason)
+}
+
+/// What every `Fail` tells the operator.
+const RESUME_HINT: &str = "committed checkpoints are intact: run `seqpipe resume` to continue \
+                           from the latest once enough nodes are available";
+
+fn fail(reason: String) -> (Decision, String) {
+    (
+        Decision::Fail {
+            reason: reason.clone(),
+        },
+        reason,
+    )
+}
+
+/// The current plan's nodes that are gone, with why, in plan (id) order.
+fn lost_nodes(
+    now: Instant,
+    state: &ClusterState,
+    plan: &Plan,
+    cfg: &ElasticConfig,
+) -> Vec<(NodeId, String)> {
+    let mut lost = Vec::new();
+    for id in &plan.nodes {
+        let why = match state.membership.get(id) {
+            None => Some("unknown to the coordinator".to_string()),
+            Some(m) => match &m.status {
+                NodeStatus::Dead { reason } => Some(reason.clone()),
+                _ if !m.admitted => Some(format!(
+                    "its agent restarted and joined again as incarnation {}",
+                    m.incarnation
+                )),
+                NodeStatus::Leaving
+                    if !state.at_step_boundary
+                        && now.saturating_duration_since(m.status_since) >= cfg.grace() =>
+                {
+                    Some(format!(
+                        "its {} s preemption grace ran out before a step boundary",
+                        cfg.grace_s
+                    ))
+                }
+                _ => None,
+            },
+        };
+        if let Some(why) = why {
+            lost.push((id.clone(), why));
+        }
+    }
+    lost
+}
+
+/// `base` plus joiners in join order, while one is useful (a plan still has fewer than
+/// `min_nodes` nodes or fewer slots than `max_stages`) and there is room (below `max_nodes`,
+/// and fewer nodes than stages, so that every node gets one).
+fn admit_joiners<'a>(
+    base: Vec<&'a NodeInfo>,
+    joiners: &[&'a NodeInfo],
+    cfg: &ElasticConfig,
+    max_stages: usize,
+) -> Vec<&'a NodeInfo> {
+    let mut nodes = base;
+    let mut slots: usize = nodes.iter().map(|n| n.slots).sum();
+    for &joiner in joiners {
+        if !has_room(nodes.len(), cfg, max_stages)
+            || (nodes.len() >= cfg.min_nodes && slots >= max_stages)
+        {
+            break;
+        }
+        slots += joiner.slots;
+        nodes.push(joiner);
+    }
+    nodes
+}
+
+fn has_room(nodes: usize, cfg: &ElasticConfig, max_stages: usize) -> bool {
+    (cfg.max_nodes == 0 || nodes < cfg.max_nodes) && nodes < max_stages
+}
+
+/// Says why joiners that were not admitted stay spares (empty when there are none).
+fn spare_note(
+    joiners: &[&NodeInfo],
+    admitted: &[&NodeInfo],
+    cfg: &ElasticConfig,
+    max_stages: usize,
+) -> String {
+    let spares: Vec<NodeId> = joiners
+        .iter()
+        .filter(|j| !admitted.iter().any(|a| a.id == j.id))
+        .map(|j| j.id.clone())
+        .collect();
+    if spares.is_empty() {
+        return String::new();
+    }
+    let why = if cfg.max_nodes != 0 && admitted.len() >= cfg.max_nodes {
+        format!("elastic.max_nodes = {} reached", cfg.max_nodes)
+    } else {
+        format!("all {max_stages} stages are placed")
+    };
+    let verb = if spares.len() == 1 { "stays" } else { "stay" };
+    format!("{} {verb} spare: {why}", named(&spares))
+}
+
+fn waits_note(joined: &[NodeId]) -> String {
+    if joined.is_empty() {
+        return String::new();
+    }
+    let verb = if joined.len() == 1 { "waits" } else { "wait" };
+    format!(
+        "{} {verb} for the next step boundary to join",
+        named(joined)
+    )
+}
+
+fn new_plan(nodes: &[&NodeInfo], state: &ClusterState, generation: u64) -> Plan {
+    let infos: Vec<NodeInfo> = nodes.iter().map(|&n| n.clone()).collect();
+    // `nodes` is non-empty (min_nodes >= 1) with slots >= 1 each, and max_stages >= 1.
+    plan_for(&infos, state.max_stages, generation, state.step)
+        .expect("a non-empty set of nodes with slots always has a plan")
+}
+
+fn ids(nodes: &[&NodeInfo]) -> Vec<NodeId> {
+    nodes.iter().map(|n| n.id.clone()).collect()
+}
+
+/// `node a` or `nodes a, b`.
+fn named(ids: &[NodeId]) -> String {
+    let list = ids
+        .iter()
+        .map(NodeId::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if ids.len() == 1 {
+        format!("node {list}")
+    } else {
+        format!("nodes {list}")
+    }
+}
+
+/// `node a is` or `nodes a, b are`.
+fn is(ids: &[NodeId]) -> String {
+    let verb = if ids.len() == 1 { "is" } else { "are" };
+    format!("{} {verb}", named(ids))
+}
+
+/// `1 node`, `3 nodes`.
+fn count(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
+/// `4 stages on a, b (generation 3)`.
+fn layout(plan: &Plan) -> String {
+    let nodes = plan.nodes.iter().map(NodeId::as_str).collect::<Vec<_>>();
+    format!(
+        "{} on {} (generation {})",
+        count(plan.num_stages(), "stage"),
+        nodes.join(", "),
+        plan.generation
+    )
+}
+
+/// `a; b`, dropping empty parts.
+fn with(reason: String, note: String) -> String {
+    if note.is_empty() {
+        reason
+    } else {
+        format!("{reason}; {note}")
+    }
+}
+
+/// `t + d`, or as far as an `Instant` reaches when that overflows.
+fn later(t: Instant, d: Duration) -> Instant {
+    let mut d = d;
+    loop {
+        if let Some(u) = t.checked_add(d) {
+            return u;
+        }
+        d /= 2;
+    }
+}
+
+/// Where an interrupted step's lost state is restored from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// From the in-memory snapshots of the previous step held by surviving buddies: redo only
+    /// the interrupted step.
+    PeerSnapshot,
+    /// From the last committed checkpoint in the object store: redo every step since.
+    Checkpoint,
+}
+
+/// Which tier restores the state of `lost` nodes when `interrupted_step` was cut short.
+///
+/// `PeerSnapshot` when the peer snapshots are of `interrupted_step - 1` and every lost node's
+/// snapshot holder (`buddy_of`) is in `alive`; `Checkpoint` otherwise (no snapshot yet, a stale
+/// one, a lost node without buddy, or a node lost together with its buddy). The reason names
+/// what decided it.
+pub fn recovery_tier(
+    lost: &[NodeId],
+    buddy_of: &BTreeMap<NodeId, NodeId>,
+    alive: &[NodeId],
+    snapshot_step: Option<u64>,
+    interrupted_step: u64,
+) -> (Tier, String) {
+    let checkpoint = |why: String| {
+        (
+            Tier::Checkpoint,
+            format!("{why}; restore the last checkpoint"),
+        )
+    };
+    let Some(needed) = interrupted_step.checked_sub(1) else {
+        return checkpoint(
+            "step 0 was interrupted, so there is no earlier step to snapshot".into(),
+        );
+    };
+    match snapshot_step {
+        None => return checkpoint("no peer snapshot was taken yet".into()),
+        Some(s) if s != needed => {
+            return checkpoint(format!(
+                "the peer snapshots are of step {s}, but redoing step {interrupted_step} needs \
+                 step {needed}'s"
+            ));
+        }
+        Some(_) => {}
+    }
+    let mut lost_sorted = lost.to_vec();
+    lost_sorted.sort();
+    lost_sorted.dedup();
+    let mut held = Vec::new();
+    for id in &lost_sorted {
+        match buddy_of.get(id) {
+            None => {
+                return checkpoint(format!(
+                    "node {id} had no buddy (no other node), so its state was only on itself"
+                ));
+            }
+            Some(holder) if lost_sorted.contains(holder) => {
+                return checkpoint(format!(
+                    "node {id} and node {holder}, which held its snapshot, were both lost"
+                ));
+            }
+            Some(holder) if !alive.contains(holder) => {
+                return checkpoint(format!(
+                    "node {holder}, which held node {id}'s snapshot, is not alive"
+                ));
+            }
+            Some(holder) => held.push(format!("node {id}'s on node {holder}")),
+        }
+    }
+    let reason = if held.is_empty() {
+        format!("no node lost; redo step {interrupted_step} from the snapshots of step {needed}")
+    } else {
+        format!(
+            "the snapshots of step {needed} survive ({}); redo step {interrupted_step} from them",
+            held.join(", ")
+        )
+    };
+    (Tier::PeerSnapshot, reason)
+}
+
+/// Who holds whose peer snapshot: each node's state is copied to the node of the next stage
+/// after its last one that is on a different node, wrapping around (`a → b → c → a` for stages
+/// `[a, a, b, c]`). A plan with a single node has no buddies.
+pub fn buddies(plan: &Plan) -> BTreeMap<NodeId, NodeId> {
+    let n = plan.stages.len();
+    let mut last_stage: BTreeMap<&NodeId, usize> = BTreeMap::new();
+    for (r, id) in plan.stages.iter().enumerate() {
+        last_stage.insert(id, r);
+    }
+    let mut buddy_of = BTreeMap::new();
+    for (id, last) in last_stage {
+        let next = (1..n)
+            .map(|k| &plan.stages[(last + k) % n])
+            .find(|other| *other != id);
+        if let Some(other) = next {
+            buddy_of.insert(id.clone(), other.clone());
+        }
+    }
+    buddy_of
+}
