@@ -166,7 +166,12 @@ fn sigkill_during_upload_leaves_no_half_checkpoint() {
     // Uploads throttled to ~100 KB/s per worker: each ~190 KB shard takes about two seconds.
     let child = train(
         &run,
-        &["train.steps=6", "checkpoint.max_upload_bytes_per_s=100000"],
+        &[
+            "train.steps=6",
+            "checkpoint.max_upload_bytes_per_s=100000",
+            // No elastic recovery: this test is about what a crash leaves in the store.
+            "elastic.max_restarts=0",
+        ],
     )
     .spawn()
     .unwrap();

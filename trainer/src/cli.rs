@@ -14,7 +14,7 @@ use crate::data::{prepare, synthetic_language};
 use crate::model::params::param_count;
 use crate::model::partition_layers;
 use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
-use crate::runtime::worker::{WorkerArgs, run_worker};
+use crate::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
 use crate::schedule::{
     Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
     segment_lengths, simulate,
@@ -70,16 +70,33 @@ impl ConfigArgs {
     }
 }
 
+/// Where the model's state comes from, shared by `train` and `eval`.
+#[derive(Args, Debug)]
+struct StartArgs {
+    /// Load a committed checkpoint of the configured store: `latest` or a step number.
+    #[arg(long, value_name = "latest|STEP", conflicts_with = "init_from")]
+    resume: Option<String>,
+    /// Load the weights of a Hugging Face GPT-2 directory (`seqpipe ckpt export` output).
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
+}
+
+impl StartArgs {
+    fn start(self) -> Result<Start> {
+        Ok(match (self.resume, self.init_from) {
+            (Some(point), _) => Start::Resume(parse_resume_point(&point)?),
+            (None, Some(dir)) => Start::InitFrom(dir),
+            (None, None) => Start::Fresh,
+        })
+    }
+}
+
 #[derive(Args, Debug)]
 struct TrainArgs {
     #[command(flatten)]
     config: ConfigArgs,
-    /// Resume from the configured checkpoint store: `latest` or a step number.
-    #[arg(long, value_name = "latest|STEP", conflicts_with = "init_from")]
-    resume: Option<String>,
-    /// Start from the weights of a Hugging Face GPT-2 directory (`seqpipe ckpt export` output).
-    #[arg(long, value_name = "DIR")]
-    init_from: Option<PathBuf>,
+    #[command(flatten)]
+    start: StartArgs,
     /// Write every step's accumulated gradients (before clipping) to DIR, one safetensors file per stage.
     #[arg(long, value_name = "DIR")]
     dump_grads: Option<PathBuf>,
@@ -107,12 +124,8 @@ struct ResumeArgs {
 struct EvalArgs {
     #[command(flatten)]
     config: ConfigArgs,
-    /// Evaluate a committed checkpoint of the configured store: `latest` or a step number.
-    #[arg(long, value_name = "latest|STEP", conflicts_with = "init_from")]
-    resume: Option<String>,
-    /// Evaluate the weights of a Hugging Face GPT-2 directory.
-    #[arg(long, value_name = "DIR")]
-    init_from: Option<PathBuf>,
+    #[command(flatten)]
+    start: StartArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -172,6 +185,18 @@ enum BenchCommand {
         #[arg(long, default_value_t = 6)]
         stall_steps: u64,
     },
+    /// Recovery from a SIGKILLed worker: detection time, time to the next completed step, work lost.
+    Recovery(RecoveryBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct RecoveryBenchArgs {
+    /// Trials (each kills one worker of a fresh run).
+    #[arg(long, default_value_t = 7)]
+    trials: usize,
+    /// Checkpoint interval of the runs, in steps.
+    #[arg(long, default_value_t = 2)]
+    every: u64,
 }
 
 #[derive(Args, Debug)]
@@ -267,11 +292,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(args) => {
             let cfg = args.config.load()?;
-            let start = match (&args.resume, args.init_from) {
-                (Some(point), _) => Start::Resume(parse_resume_point(point)?),
-                (None, Some(dir)) => Start::InitFrom(dir),
-                (None, None) => Start::Fresh,
-            };
+            let start = args.start.start()?;
             train(
                 cfg,
                 LaunchOptions {
@@ -296,11 +317,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Eval(args) => {
             let cfg = args.config.load()?;
             init_logging(&cfg.run.log);
-            let start = match (&args.resume, args.init_from) {
-                (Some(point), _) => Start::Resume(parse_resume_point(point)?),
-                (None, Some(dir)) => Start::InitFrom(dir),
-                (None, None) => Start::Fresh,
-            };
+            let start = args.start.start()?;
             let (step, val_loss) = run_evaluation(&cfg, &start)?;
             println!(
                 "{}",
@@ -309,6 +326,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Ckpt(cmd) => ckpt(cmd),
+        Command::Bench(BenchCommand::Recovery(args)) => {
+            init_logging("warn");
+            crate::bench::recovery_bench(args.trials, args.every)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench(BenchCommand::Checkpoint {
             urls,
             stages,
@@ -345,14 +367,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Worker(w) => {
             init_logging("info");
             let stage = w.stage;
-            run_worker(WorkerArgs {
+            match run_worker(WorkerArgs {
                 control: w.control,
                 stage: w.stage,
                 config: w.config,
                 dump_grads: w.dump_grads,
-            })
-            .with_context(|| format!("worker of stage {stage}"))?;
-            Ok(ExitCode::SUCCESS)
+            }) {
+                Ok(()) => Ok(ExitCode::SUCCESS),
+                // This node is healthy; a neighbour is not. The launcher tells the two apart by this code.
+                Err(e @ WorkerError::Transport(_)) => {
+                    eprintln!("error: worker of stage {stage}: {e}");
+                    Ok(ExitCode::from(PEER_FAILURE_EXIT_CODE))
+                }
+                Err(e) => Err(anyhow::Error::new(e).context(format!("worker of stage {stage}"))),
+            }
         }
     }
 }

@@ -32,6 +32,9 @@ pub enum ConfigError {
     /// `--set` was not of the form `section.key=value`.
     #[error("--set expects `section.key=value`, got `{0}`")]
     BadOverride(String),
+    /// An `[elastic]` value is invalid (the message names the key).
+    #[error(transparent)]
+    Elastic(#[from] elastic::ElasticError),
     /// A value is out of range or inconsistent with another.
     #[error("invalid value for `{key}`: {message}")]
     Invalid { key: &'static str, message: String },
@@ -168,6 +171,8 @@ pub struct Config {
     pub data: DataConfig,
     /// `[checkpoint]`
     pub checkpoint: CheckpointConfig,
+    /// `[elastic]`
+    pub elastic: elastic::ElasticConfig,
 }
 
 impl Config {
@@ -381,6 +386,7 @@ impl Config {
                 format!("must be a positive number of seconds, got {}", p.timeout_s),
             );
         }
+        self.elastic.validate()?;
         let c = &self.checkpoint;
         if c.keep_last == 0 {
             return invalid(

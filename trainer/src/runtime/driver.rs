@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use checkpoint::{CheckpointStore, Manifest, ShardEntry};
+use elastic::{ClusterState, Decision, NodeId, NodeInfo, Plan, decide};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tracing::{info, warn};
@@ -73,20 +74,207 @@ pub struct RunSummary {
     pub elapsed_s: f64,
 }
 
-/// Trains `cfg` with one local worker process per stage.
+/// Trains `cfg` with one local worker process per stage. Each worker stands for a node: when one
+/// dies, the run goes on without it (see [`recover`]) until `elastic.min_nodes` or
+/// `elastic.max_restarts` says stop.
 pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
-    with_pipeline(cfg, &cfg.run.dir, opts.dump_grads.as_deref(), |driver| {
-        let mut summary = driver.run(opts)?;
-        summary.elapsed_s = started.elapsed().as_secs_f64();
-        Ok(summary)
-    })
+    let mut cluster = LocalCluster::new(cfg.clone(), opts.start.clone())?;
+    loop {
+        let (cfg, start, generation) = (
+            cluster.cfg.clone(),
+            cluster.start.clone(),
+            cluster.generation(),
+        );
+        let recovery = cluster.recovery.take();
+        let result = with_pipeline(
+            &cfg,
+            generation,
+            &cfg.run.dir,
+            opts.dump_grads.as_deref(),
+            |driver| {
+                driver.recovery = recovery;
+                driver.run(&LaunchOptions {
+                    start,
+                    ..opts.clone()
+                })
+            },
+        );
+        match result {
+            Ok(mut summary) => {
+                summary.elapsed_s = started.elapsed().as_secs_f64();
+                return Ok(summary);
+            }
+            Err(LaunchError::NodesLost { lost, cause }) => cluster.recover(&lost, &cause)?,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The nodes of a local run (one worker process each, `local-000`, `local-001`, …), the elastic
+/// core's view of them, and what the next pipeline starts from.
+struct LocalCluster {
+    cfg: Config,
+    start: Start,
+    state: ClusterState,
+    recovery: Option<Recovery>,
+}
+
+/// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
+pub(crate) struct Recovery {
+    failed_at: Instant,
+    failed_step: u64,
+    stages_before: usize,
+    /// `node_lost` and `plan` events, written once the metrics file is rewritten for the resume.
+    events: Vec<serde_json::Value>,
+}
+
+impl LocalCluster {
+    /// Every local node joins; the elastic core makes the first plan.
+    fn new(cfg: Config, start: Start) -> Result<Self, LaunchError> {
+        let now = Instant::now();
+        let mut state = ClusterState::new(cfg.model.layers);
+        for i in 0..cfg.pipeline.stages {
+            state
+                .membership
+                .join(NodeInfo::new(format!("local-{i:03}"), 1, "127.0.0.1"), now)
+                .map_err(|e| LaunchError::Run(e.to_string()))?;
+        }
+        let (decision, reason) = decide(now, &state, &cfg.elastic);
+        if decision.plan().is_none() {
+            return Err(LaunchError::Run(format!(
+                "cannot plan the pipeline: {reason}"
+            )));
+        }
+        state.apply(&decision, now);
+        Ok(Self {
+            cfg,
+            start,
+            state,
+            recovery: None,
+        })
+    }
+
+    fn plan(&self) -> &Plan {
+        self.state
+            .current
+            .as_ref()
+            .expect("a plan is adopted at start")
+    }
+
+    fn generation(&self) -> u64 {
+        self.plan().generation
+    }
+
+    /// The workers of `lost` stages died: the elastic core plans the pipeline on the survivors
+    /// (layers re-partitioned by cost, generation + 1, the old one fenced), and the run resumes from
+    /// the newest committed checkpoint — or fails with the core's reason.
+    fn recover(&mut self, lost: &[usize], cause: &str) -> Result<(), LaunchError> {
+        let failed_at = Instant::now();
+        let detected_at_unix_s = unix_time_s();
+        let failed_step = last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")) + 1;
+        let before = self.plan().clone();
+        let lost_nodes: Vec<NodeId> = lost.iter().map(|&s| before.stages[s].clone()).collect();
+        warn!(?lost_nodes, failed_step, %cause, "node(s) lost");
+        eprintln!(
+            "warning: lost node(s) {} during step {failed_step}: {cause}",
+            lost_nodes
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for node in &lost_nodes {
+            self.state
+                .membership
+                .report_failure(node, cause.to_string(), failed_at)
+                .map_err(|e| LaunchError::Protocol(e.to_string()))?;
+        }
+        self.state.step = failed_step;
+        self.state.at_step_boundary = false;
+        let plan = loop {
+            let now = Instant::now();
+            let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
+            self.state.apply(&decision, now);
+            match decision {
+                Decision::Recover { plan, .. }
+                | Decision::Grow { plan, .. }
+                | Decision::Shrink { plan, .. } => {
+                    info!(%reason, "new plan");
+                    break plan;
+                }
+                Decision::Wait { until, .. } => {
+                    warn!(%reason, "waiting for nodes");
+                    std::thread::sleep(
+                        until
+                            .saturating_duration_since(now)
+                            .min(Duration::from_millis(200)),
+                    );
+                }
+                Decision::Fail { reason } => {
+                    return Err(LaunchError::Run(format!(
+                        "{reason} (run directory {})",
+                        self.cfg.run.dir.display()
+                    )));
+                }
+                Decision::Continue => {
+                    return Err(LaunchError::Protocol(format!(
+                        "lost {lost_nodes:?} but the elastic core kept the plan: {reason}"
+                    )));
+                }
+            }
+        };
+        self.cfg.pipeline.stages = plan.stages.len();
+        let url = self.cfg.checkpoint.resolved_url(&self.cfg.run.dir);
+        let store = checkpoint::CheckpointStore::open(&url, &self.cfg.checkpoint.store_options())?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| LaunchError::Io {
+                what: "starting the checkpoint I/O runtime".into(),
+                source,
+            })?;
+        let committed = runtime.block_on(store.committed_steps())?;
+        self.start = if committed.is_empty() {
+            Start::Fresh
+        } else {
+            Start::Resume(ResumePoint::Latest)
+        };
+        let mut events: Vec<serde_json::Value> = lost_nodes.iter().map(|n| json!({"event": "node_lost", "node": n, "failed_step": failed_step, "reason": cause, "detected_at_unix_s": detected_at_unix_s})).collect();
+        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.stages.len(), "nodes": plan.stages, "resume_from": committed.last()}));
+        self.recovery = Some(Recovery {
+            failed_at,
+            failed_step,
+            stages_before: before.stages.len(),
+            events,
+        });
+        Ok(())
+    }
+}
+
+/// Wall-clock time, for events that outside observers (the recovery benchmark) line up with theirs.
+pub fn unix_time_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The last step recorded in `metrics.jsonl` (0 if none).
+fn last_metrics_step(path: &Path) -> u64 {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .filter_map(|v| v.get("step").and_then(|s| s.as_u64()))
+        .max()
+        .unwrap_or(0)
 }
 
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
 /// Its workers' config and logs go to `<run.dir>/eval/`.
 pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
-    with_pipeline(cfg, &cfg.run.dir.join("eval"), None, |driver| {
+    with_pipeline(cfg, 0, &cfg.run.dir.join("eval"), None, |driver| {
         let step = driver.load(start)?;
         Ok((step, driver.evaluate()?))
     })
@@ -96,6 +284,7 @@ pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchE
 /// (killing them if `body` failed).
 fn with_pipeline<T>(
     cfg: &Config,
+    generation: u64,
     session_dir: &Path,
     dump_grads: Option<&Path>,
     body: impl FnOnce(&mut Driver) -> Result<T, LaunchError>,
@@ -117,23 +306,35 @@ fn with_pipeline<T>(
     // Fail early, in the launcher, on an unusable dataset or checkpoint location.
     open_source(&cfg.data, cfg.model.vocab_size)?;
     let checkpoints = CheckpointWriter::open(cfg)?;
-    let signal = Arc::new(AtomicUsize::new(0));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
-            .map_err(io("installing signal handlers".into()))?;
-    }
-    let mut pipeline = Pipeline::start(cfg, &config_path, &logs_dir, dump_grads)?;
+    let signal = stop_signal().map_err(io("installing signal handlers".into()))?;
+    let mut pipeline = Pipeline::start(cfg, generation, &config_path, &logs_dir, dump_grads)?;
     let result = body(&mut Driver {
         cfg,
         pipeline: &mut pipeline,
         checkpoints,
         metrics: None,
         signal,
+        recovery: None,
     });
     match result {
         Ok(value) => {
             pipeline.shutdown();
             Ok(value)
+        }
+        Err(
+            e @ (LaunchError::WorkerFailed { .. }
+            | LaunchError::WorkerExited { .. }
+            | LaunchError::Timeout { .. }),
+        ) => {
+            let lost = pipeline.stop_after_failure(Duration::from_secs(2));
+            if lost.is_empty() {
+                Err(e)
+            } else {
+                Err(LaunchError::NodesLost {
+                    lost,
+                    cause: e.to_string(),
+                })
+            }
         }
         Err(e) => {
             pipeline.kill_all();
@@ -142,12 +343,27 @@ fn with_pipeline<T>(
     }
 }
 
+/// The SIGINT/SIGTERM flag (the signal number, 0 while none came), installed once per process.
+fn stop_signal() -> std::io::Result<Arc<AtomicUsize>> {
+    static SIGNAL: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
+    if let Some(flag) = SIGNAL.get() {
+        return Ok(Arc::clone(flag));
+    }
+    let flag = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, Arc::clone(&flag), sig as usize)?;
+    }
+    Ok(Arc::clone(SIGNAL.get_or_init(|| flag)))
+}
+
 struct Driver<'a> {
     cfg: &'a Config,
     pipeline: &'a mut Pipeline,
     checkpoints: CheckpointWriter,
     metrics: Option<MetricsLog>,
     signal: Arc<AtomicUsize>,
+    /// Set when this pipeline replaces one that lost nodes.
+    recovery: Option<Recovery>,
 }
 
 impl Driver<'_> {
@@ -211,6 +427,14 @@ impl Driver<'_> {
         if let Some(step) = resumed_from {
             self.append(&json!({"event": "resumed", "step": step, "stages": cfg.pipeline.stages}))?;
         }
+        let recovery_events = self
+            .recovery
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.events))
+            .unwrap_or_default();
+        for event in &recovery_events {
+            self.append(event)?;
+        }
 
         let canonical: HashMap<String, usize> = param_specs(&cfg.model)
             .into_iter()
@@ -234,6 +458,17 @@ impl Driver<'_> {
         let mut interrupted_by = None;
         for step in start_step + 1..=t.steps {
             let record = self.train_step(step, &canonical)?;
+            if let Some(r) = self.recovery.take() {
+                let recovery_s = r.failed_at.elapsed().as_secs_f64();
+                let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
+                let tier = if resumed_from.is_some() {
+                    "checkpoint"
+                } else {
+                    "restart"
+                };
+                bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
+                self.append(&json!({"event": "recovered", "step": step, "recovery_s": recovery_s, "lost_steps": lost_steps, "tier": tier, "stages_before": r.stages_before, "stages_after": cfg.pipeline.stages, "at_unix_s": unix_time_s()}))?;
+            }
             final_loss = record.loss;
             val_loss = record.val_loss.or(val_loss);
             last_step = step;

@@ -16,6 +16,7 @@ use tracing::info;
 
 use super::control::{ControlSender, ToLauncher, ToWorker};
 use super::wire::read_frame;
+use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 use crate::data::DataError;
 
@@ -56,6 +57,10 @@ pub enum LaunchError {
     /// A worker broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// Nodes were lost: their workers died. The surviving nodes are healthy and the run can go on
+    /// without the lost ones.
+    #[error("lost the node(s) of stage(s) {lost:?}: {cause}")]
+    NodesLost { lost: Vec<usize>, cause: String },
     /// Checkpoint store failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
@@ -94,6 +99,7 @@ impl Pipeline {
     /// pipeline is connected.
     pub fn start(
         cfg: &Config,
+        generation: u64,
         config_path: &Path,
         logs_dir: &Path,
         dump_grads: Option<&Path>,
@@ -190,7 +196,7 @@ impl Pipeline {
             pipeline.send(
                 stage,
                 &ToWorker::Topology {
-                    generation: 0,
+                    generation,
                     prev,
                     next,
                 },
@@ -315,7 +321,7 @@ impl Pipeline {
                 Ok(Event::Message(_, msg)) => return Ok(msg),
                 Ok(Event::Closed(conn, reason)) => {
                     // Give the process a moment to exit so the error can show its status and log.
-                    std::thread::sleep(Duration::from_millis(200));
+                    std::thread::sleep(Duration::from_millis(100));
                     self.check_children()?;
                     let stage = self.stage_of.get(&conn).copied().unwrap_or(conn);
                     return Err(LaunchError::WorkerFailed {
@@ -391,12 +397,54 @@ impl Pipeline {
         self.kill_all();
     }
 
+    /// After a failure: waits up to `grace` for the workers to stop by themselves, then kills the
+    /// rest. Returns the stages whose worker is lost (killed by a signal, or failed by itself), as
+    /// opposed to workers that stopped only because a neighbour failed (exit code
+    /// [`PEER_FAILURE_EXIT_CODE`]) or were still running: those nodes are healthy.
+    pub fn stop_after_failure(&mut self, grace: Duration) -> Vec<usize> {
+        // Workers next to a dead one exit at once (broken link); the others wait for the launcher
+        // and never exit by themselves. Stop waiting once nothing has changed for a short while.
+        const QUIET: Duration = Duration::from_millis(150);
+        let deadline = Instant::now() + grace;
+        let mut last_change = Instant::now();
+        let mut statuses: Vec<Option<std::process::ExitStatus>> = vec![None; self.procs.len()];
+        while Instant::now() < deadline
+            && last_change.elapsed() < QUIET
+            && statuses.iter().any(Option::is_none)
+        {
+            for (stage, proc) in self.procs.iter_mut().enumerate() {
+                if statuses[stage].is_none() {
+                    statuses[stage] = proc.child.try_wait().ok().flatten();
+                    if statuses[stage].is_some() {
+                        last_change = Instant::now();
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.kill_all();
+        let peer_failure = i32::from(PEER_FAILURE_EXIT_CODE);
+        statuses
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_some_and(|s| s.code() != Some(peer_failure)))
+            .map(|(stage, _)| stage)
+            .collect()
+    }
+
     /// Kills every worker (after an error).
     pub fn kill_all(&mut self) {
         for proc in &mut self.procs {
             let _ = proc.child.kill();
             let _ = proc.child.wait();
         }
+    }
+}
+
+impl Drop for Pipeline {
+    /// No worker outlives its pipeline, whatever path dropped it.
+    fn drop(&mut self) {
+        self.kill_all();
     }
 }
 
