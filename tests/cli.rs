@@ -337,3 +337,38 @@ fn data_prepare_then_train_on_it() {
     );
     assert_eq!(losses(&run).len(), 2);
 }
+
+/// The test plays the coordinator: a real worker must answer the challenge with the job's token
+/// before anything else; with another token it is refused.
+#[test]
+fn workers_authenticate_with_the_job_token() {
+    use std::net::TcpListener;
+    for (worker_token, accepted) in [("s3cret", true), ("wrong", false)] {
+        let dir = fresh_dir("auth");
+        let cfg = dir.join("config.toml");
+        std::fs::write(&cfg, "[pipeline]\ntimeout_s = 5.0\n").unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let child = seqpipe()
+            .args(["worker", "--control", &addr, "--stage", "0", "--config"])
+            .arg(&cfg)
+            .env("SEQPIPE_JOB_TOKEN", worker_token)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (mut stream, _) = listener.accept().unwrap();
+        let verdict = trainer::runtime::auth::challenge(&mut stream, "s3cret", "control");
+        assert_eq!(verdict.is_ok(), accepted, "{worker_token}: {verdict:?}");
+        if accepted {
+            let hello = trainer::runtime::wire::read_frame(&mut stream).unwrap();
+            let hello: serde_json::Value = hello.header().unwrap();
+            assert_eq!(hello["type"], "hello", "{hello}");
+        }
+        drop(stream);
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            !out.status.success(),
+            "the worker must stop once the coordinator is gone"
+        );
+    }
+}

@@ -12,8 +12,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
-use tracing::info;
+use tracing::{info, warn};
 
+use super::auth;
 use super::control::{ControlSender, ToLauncher, ToWorker};
 use super::wire::read_frame;
 use super::worker::PEER_FAILURE_EXIT_CODE;
@@ -89,6 +90,8 @@ pub struct Pipeline {
     stage_of: HashMap<usize, usize>,
     /// Connections in the order their hello arrived.
     hellos: Vec<usize>,
+    /// The job's shared secret; every connection must prove it knows it.
+    token: String,
     events: Receiver<Event>,
     timeout: Duration,
     logs_dir: PathBuf,
@@ -120,6 +123,7 @@ impl Pipeline {
             .to_string();
         let exe = std::env::current_exe().map_err(io("locating the seqpipe executable"))?;
         let threads = cfg.threads_per_worker().to_string();
+        let token = auth::job_token();
         let mut procs = Vec::new();
         for stage in 0..p {
             let log = logs_dir.join(format!("stage-{stage}.log"));
@@ -137,7 +141,8 @@ impl Pipeline {
                 cmd.arg("--dump-grads").arg(dir);
             }
             cmd.env("RAYON_NUM_THREADS", &threads)
-                .env("CANDLE_NUM_THREADS", &threads);
+                .env("CANDLE_NUM_THREADS", &threads)
+                .env(auth::TOKEN_ENV, &token);
             if std::env::var_os("RUST_LOG").is_none() {
                 cmd.env("RUST_LOG", &cfg.run.log);
             }
@@ -160,6 +165,7 @@ impl Pipeline {
             side: VecDeque::new(),
             stage_of: HashMap::new(),
             hellos: Vec::new(),
+            token,
             events,
             timeout: Duration::from_secs_f64(cfg.pipeline.timeout_s),
             logs_dir: logs_dir.to_path_buf(),
@@ -220,9 +226,13 @@ impl Pipeline {
         let deadline = Instant::now() + self.timeout;
         while self.writers.len() < self.procs.len() {
             match listener.accept() {
-                Ok((stream, _)) => {
+                Ok((mut stream, peer)) => {
                     stream.set_nonblocking(false).map_err(io)?;
                     stream.set_nodelay(true).map_err(io)?;
+                    if let Err(e) = auth::challenge(&mut stream, &self.token, "control") {
+                        warn!(%peer, error = %e, "closed an unauthenticated connection to the coordinator port");
+                        continue;
+                    }
                     let conn = self.writers.len();
                     let mut reader = BufReader::new(stream.try_clone().map_err(io)?);
                     let tx = tx.clone();

@@ -1,6 +1,7 @@
 //! The stage runtime: worker processes that execute their stage's action list over a
 //! [`transport::Transport`], and the launcher that starts them and drives the steps.
 
+pub mod auth;
 pub mod control;
 pub mod driver;
 pub mod launcher;

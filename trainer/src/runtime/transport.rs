@@ -204,3 +204,48 @@ impl Transport for TcpLink {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    fn pair(gen_a: u64, gen_b: u64) -> (TcpLink, TcpLink) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        let timeout = Duration::from_secs(5);
+        (
+            TcpLink::new(a, "a".into(), gen_a, timeout).unwrap(),
+            TcpLink::new(b, "b".into(), gen_b, timeout).unwrap(),
+        )
+    }
+
+    #[test]
+    fn tensors_round_trip_and_other_generations_are_refused() {
+        let unit = Unit {
+            micro_batch: 1,
+            segment: 2,
+        };
+        let t = Tensor::arange(0f32, 6.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let (mut a, mut b) = pair(3, 3);
+        a.send(7, Payload::Activation, unit, &t).unwrap();
+        let got = b.recv(7, Payload::Activation, unit).unwrap();
+        assert_eq!(got.to_vec2::<f32>().unwrap(), t.to_vec2::<f32>().unwrap());
+        // A unit other than the schedule's next one is a protocol error.
+        a.send(7, Payload::Grad, unit, &t).unwrap();
+        assert!(matches!(
+            b.recv(7, Payload::Activation, unit),
+            Err(TransportError::Unexpected { .. })
+        ));
+        // Fencing: a peer still on an older plan generation is refused.
+        let (mut stale, mut current) = pair(2, 3);
+        stale.send(7, Payload::Activation, unit, &t).unwrap();
+        let err = current.recv(7, Payload::Activation, unit).unwrap_err();
+        assert!(err.to_string().contains("generation: 2"), "{err}");
+    }
+}

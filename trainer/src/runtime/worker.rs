@@ -11,8 +11,9 @@ use candle_core::{Device, Tensor};
 use checkpoint::{CheckpointError, CheckpointStore};
 use ops::adamw::{AdamW, AdamWConfig};
 use thiserror::Error;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
+use super::auth;
 use super::control::{ControlSender, ControlStream, ToLauncher, ToWorker};
 use super::transport::{Payload, TcpLink, Transport, TransportError};
 use crate::checkpointing::hf;
@@ -102,6 +103,8 @@ struct Worker {
     next: Option<TcpLink>,
     dump_grads: Option<PathBuf>,
     checkpoints: Option<Checkpoints>,
+    /// The job's shared secret (from the launcher).
+    token: String,
 }
 
 /// A snapshot waiting for the uploader.
@@ -211,7 +214,9 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     cfg.validate()?;
     let timeout = Duration::from_secs_f64(cfg.pipeline.timeout_s);
     let addr = resolve(&args.control)?;
-    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(control_err)?;
+    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(control_err)?;
+    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    auth::respond(&mut stream, &token, "control").map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
         let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| WorkerError::Io {
@@ -233,6 +238,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
             })
             .map_err(control_err)?;
         let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
+        worker.token = token.clone();
         worker.checkpoints = Some(Checkpoints::start(
             &worker.cfg,
             args.stage,
@@ -327,6 +333,7 @@ impl Worker {
             next: None,
             dump_grads,
             checkpoints: None,
+            token: String::new(),
         })
     }
 
@@ -352,8 +359,10 @@ impl Worker {
         };
         if let Some(next) = next {
             let addr = resolve(&next)?;
-            let stream = TcpStream::connect_timeout(&addr, timeout)
+            let mut stream = TcpStream::connect_timeout(&addr, timeout)
                 .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+            auth::respond(&mut stream, &self.token, "data")
+                .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
             self.next = Some(
                 TcpLink::new(stream, format!("stage {}", r + 1), generation, timeout)
                     .map_err(io("next-stage link".into()))?,
@@ -366,7 +375,17 @@ impl Worker {
             let deadline = Instant::now() + timeout;
             let stream = loop {
                 match listener.accept() {
-                    Ok((stream, _)) => break stream,
+                    Ok((mut stream, peer)) => {
+                        stream
+                            .set_nonblocking(false)
+                            .map_err(io("data port".into()))?;
+                        match auth::challenge(&mut stream, &self.token, "data") {
+                            Ok(()) => break stream,
+                            Err(e) => {
+                                warn!(%peer, error = %e, "closed an unauthenticated connection to the data port")
+                            }
+                        }
+                    }
                     Err(e)
                         if e.kind() == std::io::ErrorKind::WouldBlock
                             && Instant::now() < deadline =>
