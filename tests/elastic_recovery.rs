@@ -216,3 +216,55 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
     run_ok(seqpipe().args(["resume", "-q"]).arg(&run));
     assert_eq!(final_state(&run).0, STEPS);
 }
+
+/// A preemption notice (SIGTERM to a node's worker): the node leaves at the next step boundary with
+/// a checkpoint of that boundary, the run goes on without it, and no work is lost.
+#[test]
+fn preemption_notice_hands_over_at_the_step_boundary() {
+    let dir = fresh_dir("preempt");
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&reference_dir);
+    let run = dir.join("run");
+    let child = job(&run, &[]).spawn().unwrap();
+    let started = Instant::now();
+    while steps_done(&run) < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = workers_of(child.id())[2];
+    Command::new("kill")
+        .args(["-TERM", &victim.to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let (step, state) = final_state(&run);
+    assert_eq!(step, STEPS);
+    assert!(
+        state == reference,
+        "final state differs from the uninterrupted run"
+    );
+    let events: Vec<_> = metrics(&run)
+        .into_iter()
+        .filter(|m| m.get("event").is_some())
+        .collect();
+    assert!(
+        events.iter().any(|e| e["event"] == "node_left"),
+        "{events:?}"
+    );
+    let r = events
+        .iter()
+        .find(|e| e["event"] == "recovered")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(r["tier"], "handover", "{r}");
+    assert_eq!(r["lost_steps"], 0, "{r}");
+    assert_eq!(
+        (r["stages_before"].as_u64(), r["stages_after"].as_u64()),
+        (Some(4), Some(3)),
+        "{r}"
+    );
+}

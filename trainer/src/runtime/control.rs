@@ -29,6 +29,8 @@ pub enum ToLauncher {
         sums_of_squares: Vec<(String, f64)>,
         /// Last stage: the sum of the step's token losses.
         loss_sum: Option<f64>,
+        /// The node got a preemption notice (SIGTERM) and will leave at this step's boundary.
+        leaving: bool,
     },
     /// The optimizer update of a step is applied.
     Updated { stage: usize, step: u64 },

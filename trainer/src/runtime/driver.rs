@@ -106,6 +106,7 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
                 return Ok(summary);
             }
             Err(LaunchError::NodesLost { lost, cause }) => cluster.recover(&lost, &cause)?,
+            Err(LaunchError::NodesLeaving { stages, step }) => cluster.release(&stages, step)?,
             Err(e) => return Err(e),
         }
     }
@@ -125,6 +126,9 @@ pub(crate) struct Recovery {
     failed_at: Instant,
     failed_step: u64,
     stages_before: usize,
+    /// How the state was carried over: `checkpoint` (newest committed one after a loss) or
+    /// `handover` (a checkpoint of the boundary where a node left).
+    tier: &'static str,
     /// `node_lost` and `plan` events, written once the metrics file is rewritten for the resume.
     events: Vec<serde_json::Value>,
 }
@@ -192,6 +196,48 @@ impl LocalCluster {
         }
         self.state.step = failed_step;
         self.state.at_step_boundary = false;
+        let mut events: Vec<serde_json::Value> = lost_nodes.iter().map(|n| json!({"event": "node_lost", "node": n, "failed_step": failed_step, "reason": cause, "detected_at_unix_s": detected_at_unix_s})).collect();
+        self.replan(&mut events)?;
+        self.recovery = Some(Recovery {
+            failed_at,
+            failed_step,
+            stages_before: before.stages.len(),
+            tier: "checkpoint",
+            events,
+        });
+        Ok(())
+    }
+
+    /// Nodes of `stages` got a preemption notice and the launcher committed a checkpoint of `step`,
+    /// the step boundary they leave at: plan without them and resume from there (no work lost).
+    fn release(&mut self, stages: &[usize], step: u64) -> Result<(), LaunchError> {
+        let now = Instant::now();
+        let before = self.plan().clone();
+        let leaving: Vec<NodeId> = stages.iter().map(|&s| before.stages[s].clone()).collect();
+        for node in &leaving {
+            self.state
+                .membership
+                .leave(node, now)
+                .map_err(|e| LaunchError::Protocol(e.to_string()))?;
+        }
+        info!(?leaving, step, "node(s) leaving on a preemption notice");
+        self.state.step = step + 1;
+        self.state.at_step_boundary = true;
+        let mut events: Vec<serde_json::Value> = leaving.iter().map(|n| json!({"event": "node_left", "node": n, "step": step, "reason": "preemption notice (SIGTERM)"})).collect();
+        self.replan(&mut events)?;
+        self.recovery = Some(Recovery {
+            failed_at: now,
+            failed_step: step + 1,
+            stages_before: before.stages.len(),
+            tier: "handover",
+            events,
+        });
+        Ok(())
+    }
+
+    /// Asks the elastic core for the next plan (waiting while it says wait), adopts it, and points
+    /// the next pipeline at the newest committed checkpoint; adds the `plan` event.
+    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<(), LaunchError> {
         let plan = loop {
             let now = Instant::now();
             let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
@@ -219,7 +265,7 @@ impl LocalCluster {
                 }
                 Decision::Continue => {
                     return Err(LaunchError::Protocol(format!(
-                        "lost {lost_nodes:?} but the elastic core kept the plan: {reason}"
+                        "nodes went away but the elastic core kept the plan: {reason}"
                     )));
                 }
             }
@@ -240,14 +286,7 @@ impl LocalCluster {
         } else {
             Start::Resume(ResumePoint::Latest)
         };
-        let mut events: Vec<serde_json::Value> = lost_nodes.iter().map(|n| json!({"event": "node_lost", "node": n, "failed_step": failed_step, "reason": cause, "detected_at_unix_s": detected_at_unix_s})).collect();
         events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.stages.len(), "nodes": plan.stages, "resume_from": committed.last()}));
-        self.recovery = Some(Recovery {
-            failed_at,
-            failed_step,
-            stages_before: before.stages.len(),
-            events,
-        });
         Ok(())
     }
 }
@@ -315,11 +354,16 @@ fn with_pipeline<T>(
         metrics: None,
         signal,
         recovery: None,
+        leaving: Vec::new(),
     });
     match result {
         Ok(value) => {
             pipeline.shutdown();
             Ok(value)
+        }
+        Err(e @ LaunchError::NodesLeaving { .. }) => {
+            pipeline.shutdown();
+            Err(e)
         }
         Err(
             e @ (LaunchError::WorkerFailed { .. }
@@ -364,6 +408,8 @@ struct Driver<'a> {
     signal: Arc<AtomicUsize>,
     /// Set when this pipeline replaces one that lost nodes.
     recovery: Option<Recovery>,
+    /// Stages whose node announced it is leaving (preemption notice) during the current step.
+    leaving: Vec<usize>,
 }
 
 impl Driver<'_> {
@@ -462,7 +508,7 @@ impl Driver<'_> {
                 let recovery_s = r.failed_at.elapsed().as_secs_f64();
                 let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
                 let tier = if resumed_from.is_some() {
-                    "checkpoint"
+                    r.tier
                 } else {
                     "restart"
                 };
@@ -491,7 +537,9 @@ impl Driver<'_> {
                     )
                 });
             }
-            if interrupted_by.is_some() || cfg.checkpoint.due(step, t.steps) {
+            // Nodes with a preemption notice leave at this boundary (unless the run ends here).
+            let leaving = !self.leaving.is_empty() && step < t.steps;
+            if interrupted_by.is_some() || leaving || cfg.checkpoint.due(step, t.steps) {
                 let state = self.trainer_state(step, record.lr, record.loss);
                 self.checkpoints.begin(
                     self.pipeline,
@@ -503,6 +551,19 @@ impl Driver<'_> {
                 .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
             if interrupted_by.is_some() {
                 break;
+            }
+            if leaving {
+                let grace = Duration::from_secs_f64(cfg.elastic.grace_s);
+                self.checkpoints.finish(
+                    self.pipeline,
+                    self.metrics.as_mut().expect("metrics"),
+                    grace,
+                )?;
+                bar.finish_and_clear();
+                return Err(LaunchError::NodesLeaving {
+                    stages: std::mem::take(&mut self.leaving),
+                    step,
+                });
             }
         }
         let grace = Duration::from_secs_f64(if interrupted_by.is_some() {
@@ -551,11 +612,15 @@ impl Driver<'_> {
         {
             match msg {
                 ToLauncher::StepDone {
+                    stage,
                     step: s,
                     sums_of_squares,
                     loss_sum: l,
-                    ..
+                    leaving,
                 } if s == step => {
+                    if leaving {
+                        self.leaving.push(stage);
+                    }
                     for (name, value) in sums_of_squares {
                         let index = *canonical.get(&name).ok_or_else(|| {
                             LaunchError::Protocol(format!("unknown parameter {name}"))

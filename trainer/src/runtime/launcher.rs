@@ -62,6 +62,10 @@ pub enum LaunchError {
     /// without the lost ones.
     #[error("lost the node(s) of stage(s) {lost:?}: {cause}")]
     NodesLost { lost: Vec<usize>, cause: String },
+    /// Nodes announced they are leaving (preemption notice); a checkpoint of `step`, the boundary
+    /// they leave at, is committed.
+    #[error("the node(s) of stage(s) {stages:?} leave after step {step} (preemption notice)")]
+    NodesLeaving { stages: Vec<usize>, step: u64 },
     /// Checkpoint store failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -105,6 +106,8 @@ struct Worker {
     checkpoints: Option<Checkpoints>,
     /// The job's shared secret (from the launcher).
     token: String,
+    /// Set by SIGTERM: a preemption notice for this node.
+    leaving: Arc<AtomicBool>,
 }
 
 /// A snapshot waiting for the uploader.
@@ -239,6 +242,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
             .map_err(control_err)?;
         let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
         worker.token = token.clone();
+        worker.watch_for_preemption()?;
         worker.checkpoints = Some(Checkpoints::start(
             &worker.cfg,
             args.stage,
@@ -334,7 +338,42 @@ impl Worker {
             dump_grads,
             checkpoints: None,
             token: String::new(),
+            leaving: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// SIGTERM is a preemption notice: the worker keeps running and reports it with its next step,
+    /// so the node leaves at that step's boundary; if that takes longer than `elastic.grace_s`, the
+    /// process exits (and the node counts as lost).
+    fn watch_for_preemption(&self) -> Result<(), WorkerError> {
+        let io = |source| WorkerError::Io {
+            what: "installing the SIGTERM handler".into(),
+            source,
+        };
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&self.leaving))
+            .map_err(io)?;
+        let (leaving, grace, stage) = (
+            Arc::clone(&self.leaving),
+            self.cfg.elastic.grace(),
+            self.index(),
+        );
+        std::thread::Builder::new()
+            .name("preemption-grace".into())
+            .spawn(move || {
+                while !leaving.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                warn!(
+                    stage,
+                    grace_s = grace.as_secs_f64(),
+                    "preemption notice: leaving at the next step boundary"
+                );
+                std::thread::sleep(grace);
+                warn!(stage, "grace period over before a step boundary; exiting");
+                std::process::exit(128 + signal_hook::consts::SIGTERM);
+            })
+            .map_err(io)?;
+        Ok(())
     }
 
     fn index(&self) -> usize {
@@ -432,6 +471,7 @@ impl Worker {
                             step,
                             sums_of_squares,
                             loss_sum,
+                            leaving: self.leaving.load(Ordering::SeqCst),
                         })
                         .map_err(control_err)?;
                 }
