@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use checkpoint::CheckpointStore;
 use checkpoint::testing::SeaweedFs;
-use common::{fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args};
+use common::{
+    ckpt_url, final_state, fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args,
+};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -40,27 +42,6 @@ fn train(run_dir: &Path, extra: &[&str]) -> Command {
     cmd
 }
 
-/// Every tensor (parameters and optimizer moments) of the newest committed checkpoint, as raw bytes.
-fn final_state(url: &str) -> (u64, BTreeMap<String, Vec<u8>>) {
-    let store = CheckpointStore::open(url, &Default::default()).unwrap();
-    let rt = rt();
-    let step = *rt
-        .block_on(store.committed_steps())
-        .unwrap()
-        .last()
-        .expect("a committed checkpoint");
-    let manifest = rt.block_on(store.read_manifest(step)).unwrap();
-    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
-    let tensors = rt.block_on(store.read_tensors(&manifest, &names)).unwrap();
-    (
-        step,
-        tensors
-            .into_iter()
-            .map(|(n, d)| (n, d.data.to_vec()))
-            .collect(),
-    )
-}
-
 fn assert_same_state(a: &str, b: &str) {
     let (sa, ta) = final_state(a);
     let (sb, tb) = final_state(b);
@@ -81,10 +62,6 @@ fn assert_same_state(a: &str, b: &str) {
             "tensor {name} differs between {a} and {b}"
         );
     }
-}
-
-fn ckpt_url(run_dir: &Path) -> String {
-    run_dir.join("checkpoints").display().to_string()
 }
 
 #[test]

@@ -9,8 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use checkpoint::CheckpointStore;
-use common::{fresh_dir, metrics, run_ok, seqpipe};
+use common::{ckpt_url, final_state, fresh_dir, metrics, run_ok, seqpipe};
 use rand::{Rng, SeedableRng};
 
 const STEPS: u64 = 24;
@@ -37,34 +36,6 @@ fn job(run_dir: &Path, extra: &[&str]) -> Command {
         cmd.args(["--set", s]);
     }
     cmd
-}
-
-/// Every tensor of the newest committed checkpoint, as raw bytes.
-fn final_state(run_dir: &Path) -> (u64, BTreeMap<String, Vec<u8>>) {
-    let store = CheckpointStore::open(
-        &run_dir.join("checkpoints").display().to_string(),
-        &Default::default(),
-    )
-    .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let step = *rt
-        .block_on(store.committed_steps())
-        .unwrap()
-        .last()
-        .expect("a committed checkpoint");
-    let manifest = rt.block_on(store.read_manifest(step)).unwrap();
-    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
-    (
-        step,
-        rt.block_on(store.read_tensors(&manifest, &names))
-            .unwrap()
-            .into_iter()
-            .map(|(n, d)| (n, d.data.to_vec()))
-            .collect(),
-    )
 }
 
 fn workers_of(pid: u32) -> Vec<u32> {
@@ -118,7 +89,7 @@ fn trial(
         "trial in {} did not finish after killing {victims:?} ({status}); stage-0 log:\n{log}",
         dir.display()
     );
-    let (step, state) = final_state(dir);
+    let (step, state) = final_state(&ckpt_url(dir));
     assert_eq!(step, STEPS);
     assert_eq!(state.len(), reference.len());
     for (name, bytes) in reference {
@@ -139,7 +110,7 @@ fn chaos_sigkill_random_workers_bit_exact() {
     let dir = fresh_dir("chaos");
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
-    let (_, reference) = final_state(&reference_dir);
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
     let trials: usize = std::env::var("SEQPIPE_CHAOS_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -214,7 +185,7 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
     );
     // The committed checkpoints are intact: resume finishes the run with 4 fresh local workers.
     run_ok(seqpipe().args(["resume", "-q"]).arg(&run));
-    assert_eq!(final_state(&run).0, STEPS);
+    assert_eq!(final_state(&ckpt_url(&run)).0, STEPS);
 }
 
 /// A preemption notice (SIGTERM to a node's worker): the node leaves at the next step boundary with
@@ -224,7 +195,7 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
     let dir = fresh_dir("preempt");
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
-    let (_, reference) = final_state(&reference_dir);
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
     let run = dir.join("run");
     let child = job(&run, &[]).spawn().unwrap();
     let started = Instant::now();
@@ -242,7 +213,7 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
-    let (step, state) = final_state(&run);
+    let (step, state) = final_state(&ckpt_url(&run));
     assert_eq!(step, STEPS);
     assert!(
         state == reference,

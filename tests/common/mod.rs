@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -93,4 +94,34 @@ pub fn tiny_model_args() -> Vec<String> {
     .iter()
     .flat_map(|s| ["--set".to_string(), s.to_string()])
     .collect()
+}
+
+/// Every tensor (parameters and optimizer moments) of the newest committed checkpoint at `url`, as
+/// raw bytes, with its step.
+pub fn final_state(url: &str) -> (u64, BTreeMap<String, Vec<u8>>) {
+    let store = checkpoint::CheckpointStore::open(url, &Default::default()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let step = *rt
+        .block_on(store.committed_steps())
+        .unwrap()
+        .last()
+        .expect("a committed checkpoint");
+    let manifest = rt.block_on(store.read_manifest(step)).unwrap();
+    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
+    let tensors = rt.block_on(store.read_tensors(&manifest, &names)).unwrap();
+    (
+        step,
+        tensors
+            .into_iter()
+            .map(|(n, d)| (n, d.data.to_vec()))
+            .collect(),
+    )
+}
+
+/// The default checkpoint location of a run directory.
+pub fn ckpt_url(run_dir: &Path) -> String {
+    run_dir.join("checkpoints").display().to_string()
 }

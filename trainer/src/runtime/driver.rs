@@ -271,16 +271,7 @@ impl LocalCluster {
             }
         };
         self.cfg.pipeline.stages = plan.stages.len();
-        let url = self.cfg.checkpoint.resolved_url(&self.cfg.run.dir);
-        let store = checkpoint::CheckpointStore::open(&url, &self.cfg.checkpoint.store_options())?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| LaunchError::Io {
-                what: "starting the checkpoint I/O runtime".into(),
-                source,
-            })?;
-        let committed = runtime.block_on(store.committed_steps())?;
+        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
         self.start = if committed.is_empty() {
             Start::Fresh
         } else {
