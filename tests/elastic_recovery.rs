@@ -239,3 +239,51 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
         "{r}"
     );
 }
+
+/// A hung node (alive, connections open, silent — here SIGSTOPped) is detected by its neighbours'
+/// timeouts, not waited on forever: it is declared lost and the run recovers bit-exactly.
+#[test]
+fn hung_worker_is_detected_by_timeouts_and_replaced() {
+    let dir = fresh_dir("hung");
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let run = dir.join("run");
+    let child = job(&run, &["pipeline.timeout_s=1.5"]).spawn().unwrap();
+    let started = Instant::now();
+    while steps_done(&run) < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = workers_of(child.id())[1];
+    Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert_eq!(step, STEPS);
+    assert!(
+        state == reference,
+        "final state differs from the uninterrupted run"
+    );
+    let events: Vec<_> = metrics(&run)
+        .into_iter()
+        .filter(|m| m.get("event").is_some())
+        .collect();
+    let lost = events
+        .iter()
+        .find(|e| e["event"] == "node_lost")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(lost["node"], "local-001", "{lost}");
+    assert!(
+        lost["reason"].as_str().unwrap().contains("no message"),
+        "{lost}"
+    );
+    // Detected within a few timeouts, not hung forever.
+    assert!(started.elapsed() < Duration::from_secs(60));
+}

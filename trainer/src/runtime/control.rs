@@ -60,7 +60,12 @@ pub enum ToLauncher {
         corrupt: bool,
     },
     /// The worker hit an error and is exiting.
-    Failed { stage: usize, error: String },
+    Failed {
+        stage: usize,
+        error: String,
+        /// A neighbouring stage that stayed silent past the timeout (alive but hung, or cut off).
+        suspect: Option<usize>,
+    },
 }
 
 /// Launcher → worker.

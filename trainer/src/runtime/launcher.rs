@@ -96,6 +96,8 @@ pub struct Pipeline {
     hellos: Vec<usize>,
     /// The job's shared secret; every connection must prove it knows it.
     token: String,
+    /// Stages a worker found silent past the timeout (hung or cut off).
+    suspects: std::collections::BTreeSet<usize>,
     events: Receiver<Event>,
     timeout: Duration,
     logs_dir: PathBuf,
@@ -170,8 +172,11 @@ impl Pipeline {
             stage_of: HashMap::new(),
             hellos: Vec::new(),
             token,
+            suspects: Default::default(),
             events,
-            timeout: Duration::from_secs_f64(cfg.pipeline.timeout_s),
+            // Longer than the workers' per-message timeout: a worker that waits on a silent
+            // neighbour gives up first and names it.
+            timeout: Duration::from_secs_f64(2.0 * cfg.pipeline.timeout_s + 1.0),
             logs_dir: logs_dir.to_path_buf(),
         };
         pipeline.accept_workers(&listener, &tx)?;
@@ -320,7 +325,15 @@ impl Pipeline {
     fn next_message(&mut self, deadline: Instant, what: &str) -> Result<ToLauncher, LaunchError> {
         loop {
             match self.events.recv_timeout(Duration::from_millis(50)) {
-                Ok(Event::Message(_, ToLauncher::Failed { stage, error })) => {
+                Ok(Event::Message(
+                    _,
+                    ToLauncher::Failed {
+                        stage,
+                        error,
+                        suspect,
+                    },
+                )) => {
+                    self.suspects.extend(suspect);
                     let log = self
                         .procs
                         .get(stage)
@@ -436,13 +449,27 @@ impl Pipeline {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        while let Ok(event) = self.events.try_recv() {
+            if let Event::Message(_, ToLauncher::Failed { suspect, .. }) = event {
+                self.suspects.extend(suspect);
+            }
+        }
         self.kill_all();
         let peer_failure = i32::from(PEER_FAILURE_EXIT_CODE);
-        statuses
+        let died: Vec<usize> = statuses
             .iter()
             .enumerate()
             .filter(|(_, s)| s.is_some_and(|s| s.code() != Some(peer_failure)))
             .map(|(stage, _)| stage)
+            .collect();
+        if !died.is_empty() {
+            return died;
+        }
+        // Nobody died: the silent stages that were still running are hung (or cut off).
+        self.suspects
+            .iter()
+            .copied()
+            .filter(|&s| statuses.get(s).is_some_and(Option::is_none))
             .collect()
     }
 

@@ -49,7 +49,12 @@ pub enum TransportError {
     Io { peer: String, source: io::Error },
     /// Nothing arrived in time.
     #[error("no message from {peer} within {timeout:?} (is it hung or dead?)")]
-    Timeout { peer: String, timeout: Duration },
+    Timeout {
+        peer: String,
+        /// The silent stage: alive (its connection is open) but not sending.
+        peer_stage: usize,
+        timeout: Duration,
+    },
     /// Something other than what the schedule expected arrived.
     #[error("protocol error with {peer}: expected {expected}, got {got}")]
     Unexpected {
@@ -79,6 +84,7 @@ pub trait Transport: Send {
 /// A [`Transport`] over one TCP connection.
 pub struct TcpLink {
     peer: String,
+    peer_stage: usize,
     generation: u64,
     timeout: Duration,
     writer: BufWriter<TcpStream>,
@@ -86,13 +92,14 @@ pub struct TcpLink {
 }
 
 impl TcpLink {
-    /// Wraps a connected stream; `peer` names it in errors (e.g. "stage 2").
+    /// Wraps a connected stream to stage `peer_stage`.
     pub fn new(
         stream: TcpStream,
-        peer: String,
+        peer_stage: usize,
         generation: u64,
         timeout: Duration,
     ) -> io::Result<Self> {
+        let peer = format!("stage {peer_stage}");
         stream.set_nodelay(true)?;
         let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let (tx, incoming) = channel();
@@ -109,6 +116,7 @@ impl TcpLink {
             })?;
         Ok(Self {
             peer,
+            peer_stage,
             generation,
             timeout,
             writer: BufWriter::with_capacity(1 << 20, stream),
@@ -157,6 +165,7 @@ impl Transport for TcpLink {
             Err(RecvTimeoutError::Timeout) => {
                 return Err(TransportError::Timeout {
                     peer: self.peer.clone(),
+                    peer_stage: self.peer_stage,
                     timeout: self.timeout,
                 });
             }
@@ -217,8 +226,8 @@ mod tests {
         let (b, _) = listener.accept().unwrap();
         let timeout = Duration::from_secs(5);
         (
-            TcpLink::new(a, "a".into(), gen_a, timeout).unwrap(),
-            TcpLink::new(b, "b".into(), gen_b, timeout).unwrap(),
+            TcpLink::new(a, 1, gen_a, timeout).unwrap(),
+            TcpLink::new(b, 0, gen_b, timeout).unwrap(),
         )
     }
 

@@ -269,9 +269,14 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
         })
     })();
     if let Err(e) = &result {
+        let suspect = match e {
+            WorkerError::Transport(TransportError::Timeout { peer_stage, .. }) => Some(*peer_stage),
+            _ => None,
+        };
         let _ = control.send(&ToLauncher::Failed {
             stage: args.stage,
             error: e.to_string(),
+            suspect,
         });
     }
     result
@@ -403,7 +408,7 @@ impl Worker {
             auth::respond(&mut stream, &self.token, "data")
                 .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
             self.next = Some(
-                TcpLink::new(stream, format!("stage {}", r + 1), generation, timeout)
+                TcpLink::new(stream, r + 1, generation, timeout)
                     .map_err(io("next-stage link".into()))?,
             );
         }
@@ -438,7 +443,7 @@ impl Worker {
                 .set_nonblocking(false)
                 .map_err(io("data port".into()))?;
             self.prev = Some(
-                TcpLink::new(stream, format!("stage {}", r - 1), generation, timeout)
+                TcpLink::new(stream, r - 1, generation, timeout)
                     .map_err(io("previous-stage link".into()))?,
             );
         }
