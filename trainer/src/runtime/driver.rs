@@ -3,18 +3,18 @@
 //! checkpoints (at most one upload in flight, committed by a manifest written last), resumes from
 //! them, and stops cleanly on SIGINT/SIGTERM.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use checkpoint::{CheckpointStore, Manifest, ShardEntry};
-use elastic::{ClusterState, Decision, NodeId, NodeInfo, Plan, decide};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tracing::{info, warn};
 
+use super::checkpoints::CheckpointWriter;
+use super::cluster::{LocalCluster, Recovery};
 use super::control::{ToLauncher, ToWorker};
 use super::launcher::{LaunchError, Pipeline};
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
@@ -75,7 +75,7 @@ pub struct RunSummary {
 }
 
 /// Trains `cfg` with one local worker process per stage. Each worker stands for a node: when one
-/// dies, the run goes on without it (see [`recover`]) until `elastic.min_nodes` or
+/// dies, the run goes on without it (see [`LocalCluster::recover`]) until `elastic.min_nodes` or
 /// `elastic.max_restarts` says stop.
 pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
@@ -112,193 +112,11 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
     }
 }
 
-/// The nodes of a local run (one worker process each, `local-000`, `local-001`, …), the elastic
-/// core's view of them, and what the next pipeline starts from.
-struct LocalCluster {
-    cfg: Config,
-    start: Start,
-    state: ClusterState,
-    recovery: Option<Recovery>,
-}
-
-/// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
-pub(crate) struct Recovery {
-    failed_at: Instant,
-    failed_step: u64,
-    stages_before: usize,
-    /// How the state was carried over: `checkpoint` (newest committed one after a loss) or
-    /// `handover` (a checkpoint of the boundary where a node left).
-    tier: &'static str,
-    /// `node_lost` and `plan` events, written once the metrics file is rewritten for the resume.
-    events: Vec<serde_json::Value>,
-}
-
-impl LocalCluster {
-    /// Every local node joins; the elastic core makes the first plan.
-    fn new(cfg: Config, start: Start) -> Result<Self, LaunchError> {
-        let now = Instant::now();
-        let mut state = ClusterState::new(cfg.model.layers);
-        for i in 0..cfg.pipeline.stages {
-            state
-                .membership
-                .join(NodeInfo::new(format!("local-{i:03}"), 1, "127.0.0.1"), now)
-                .map_err(|e| LaunchError::Run(e.to_string()))?;
-        }
-        let (decision, reason) = decide(now, &state, &cfg.elastic);
-        if decision.plan().is_none() {
-            return Err(LaunchError::Run(format!(
-                "cannot plan the pipeline: {reason}"
-            )));
-        }
-        state.apply(&decision, now);
-        Ok(Self {
-            cfg,
-            start,
-            state,
-            recovery: None,
-        })
-    }
-
-    fn plan(&self) -> &Plan {
-        self.state
-            .current
-            .as_ref()
-            .expect("a plan is adopted at start")
-    }
-
-    fn generation(&self) -> u64 {
-        self.plan().generation
-    }
-
-    /// The workers of `lost` stages died: the elastic core plans the pipeline on the survivors
-    /// (layers re-partitioned by cost, generation + 1, the old one fenced), and the run resumes from
-    /// the newest committed checkpoint — or fails with the core's reason.
-    fn recover(&mut self, lost: &[usize], cause: &str) -> Result<(), LaunchError> {
-        let failed_at = Instant::now();
-        let detected_at_unix_s = unix_time_s();
-        let failed_step = last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")) + 1;
-        let before = self.plan().clone();
-        let lost_nodes: Vec<NodeId> = lost.iter().map(|&s| before.stages[s].clone()).collect();
-        warn!(?lost_nodes, failed_step, %cause, "node(s) lost");
-        eprintln!(
-            "warning: lost node(s) {} during step {failed_step}: {cause}",
-            lost_nodes
-                .iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        for node in &lost_nodes {
-            self.state
-                .membership
-                .report_failure(node, cause.to_string(), failed_at)
-                .map_err(|e| LaunchError::Protocol(e.to_string()))?;
-        }
-        self.state.step = failed_step;
-        self.state.at_step_boundary = false;
-        let mut events: Vec<serde_json::Value> = lost_nodes.iter().map(|n| json!({"event": "node_lost", "node": n, "failed_step": failed_step, "reason": cause, "detected_at_unix_s": detected_at_unix_s})).collect();
-        self.replan(&mut events)?;
-        self.recovery = Some(Recovery {
-            failed_at,
-            failed_step,
-            stages_before: before.stages.len(),
-            tier: "checkpoint",
-            events,
-        });
-        Ok(())
-    }
-
-    /// Nodes of `stages` got a preemption notice and the launcher committed a checkpoint of `step`,
-    /// the step boundary they leave at: plan without them and resume from there (no work lost).
-    fn release(&mut self, stages: &[usize], step: u64) -> Result<(), LaunchError> {
-        let now = Instant::now();
-        let before = self.plan().clone();
-        let leaving: Vec<NodeId> = stages.iter().map(|&s| before.stages[s].clone()).collect();
-        for node in &leaving {
-            self.state
-                .membership
-                .leave(node, now)
-                .map_err(|e| LaunchError::Protocol(e.to_string()))?;
-        }
-        info!(?leaving, step, "node(s) leaving on a preemption notice");
-        self.state.step = step + 1;
-        self.state.at_step_boundary = true;
-        let mut events: Vec<serde_json::Value> = leaving.iter().map(|n| json!({"event": "node_left", "node": n, "step": step, "reason": "preemption notice (SIGTERM)"})).collect();
-        self.replan(&mut events)?;
-        self.recovery = Some(Recovery {
-            failed_at: now,
-            failed_step: step + 1,
-            stages_before: before.stages.len(),
-            tier: "handover",
-            events,
-        });
-        Ok(())
-    }
-
-    /// Asks the elastic core for the next plan (waiting while it says wait), adopts it, and points
-    /// the next pipeline at the newest committed checkpoint; adds the `plan` event.
-    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<(), LaunchError> {
-        let plan = loop {
-            let now = Instant::now();
-            let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
-            self.state.apply(&decision, now);
-            match decision {
-                Decision::Recover { plan, .. }
-                | Decision::Grow { plan, .. }
-                | Decision::Shrink { plan, .. } => {
-                    info!(%reason, "new plan");
-                    break plan;
-                }
-                Decision::Wait { until, .. } => {
-                    warn!(%reason, "waiting for nodes");
-                    std::thread::sleep(
-                        until
-                            .saturating_duration_since(now)
-                            .min(Duration::from_millis(200)),
-                    );
-                }
-                Decision::Fail { reason } => {
-                    return Err(LaunchError::Run(format!(
-                        "{reason} (run directory {})",
-                        self.cfg.run.dir.display()
-                    )));
-                }
-                Decision::Continue => {
-                    return Err(LaunchError::Protocol(format!(
-                        "nodes went away but the elastic core kept the plan: {reason}"
-                    )));
-                }
-            }
-        };
-        self.cfg.pipeline.stages = plan.stages.len();
-        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
-        self.start = if committed.is_empty() {
-            Start::Fresh
-        } else {
-            Start::Resume(ResumePoint::Latest)
-        };
-        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.stages.len(), "nodes": plan.stages, "resume_from": committed.last()}));
-        Ok(())
-    }
-}
-
 /// Wall-clock time, for events that outside observers (the recovery benchmark) line up with theirs.
 pub fn unix_time_s() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The last step recorded in `metrics.jsonl` (0 if none).
-fn last_metrics_step(path: &Path) -> u64 {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("loss").is_some())
-        .filter_map(|v| v.get("step").and_then(|s| s.as_u64()))
-        .max()
-        .unwrap_or(0)
 }
 
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
@@ -886,169 +704,4 @@ fn truncate_metrics(path: &Path, step: u64) -> std::io::Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(path, kept)
-}
-
-/// The launcher's side of checkpointing: schedules shard uploads (at most one checkpoint in flight),
-/// commits the manifest once every shard is in, applies retention and cleans stale uploads.
-struct CheckpointWriter {
-    store: CheckpointStore,
-    runtime: tokio::runtime::Runtime,
-    keep_last: usize,
-    pending: Option<PendingCheckpoint>,
-}
-
-struct PendingCheckpoint {
-    state: TrainerState,
-    started: Instant,
-    shards: BTreeMap<usize, ShardEntry>,
-    /// The longest time a worker's training thread spent on its snapshot.
-    snapshot_s: f64,
-}
-
-impl CheckpointWriter {
-    fn open(cfg: &Config) -> Result<Self, LaunchError> {
-        let store = CheckpointStore::open(
-            &cfg.checkpoint.resolved_url(&cfg.run.dir),
-            &cfg.checkpoint.store_options(),
-        )?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| LaunchError::Io {
-                what: "starting the checkpoint I/O runtime".into(),
-                source,
-            })?;
-        Ok(Self {
-            store,
-            runtime,
-            keep_last: cfg.checkpoint.keep_last,
-            pending: None,
-        })
-    }
-
-    fn committed_steps(&self) -> Result<Vec<u64>, LaunchError> {
-        Ok(self.runtime.block_on(self.store.committed_steps())?)
-    }
-
-    /// Starts the checkpoint of `state.step`: every worker snapshots its state and uploads it in the
-    /// background. Waits first if the previous checkpoint is still uploading.
-    fn begin(
-        &mut self,
-        pipeline: &mut Pipeline,
-        state: TrainerState,
-        metrics: &mut MetricsLog,
-    ) -> Result<(), LaunchError> {
-        if let Some(prev) = &self.pending {
-            let (prev_step, waited) = (prev.state.step, Instant::now());
-            info!(
-                prev_step,
-                next = state.step,
-                "checkpoint of step {prev_step} is still uploading; training waits for it before starting the next one"
-            );
-            self.finish(pipeline, metrics, Duration::from_secs(3600))?;
-            let _ = metrics.append(&json!({"event": "checkpoint_wait", "step": state.step, "waited_s": waited.elapsed().as_secs_f64()}));
-        }
-        pipeline.broadcast(&ToWorker::Checkpoint { step: state.step })?;
-        self.pending = Some(PendingCheckpoint {
-            state,
-            started: Instant::now(),
-            shards: BTreeMap::new(),
-            snapshot_s: 0.0,
-        });
-        Ok(())
-    }
-
-    /// Handles upload reports that have arrived, committing when complete.
-    fn poll(
-        &mut self,
-        pipeline: &mut Pipeline,
-        metrics: &mut MetricsLog,
-    ) -> Result<(), LaunchError> {
-        for msg in pipeline.take_side_messages() {
-            self.handle(msg, pipeline.stages(), metrics)?;
-        }
-        Ok(())
-    }
-
-    /// Waits until the checkpoint in flight (if any) is committed or has failed.
-    fn finish(
-        &mut self,
-        pipeline: &mut Pipeline,
-        metrics: &mut MetricsLog,
-        timeout: Duration,
-    ) -> Result<(), LaunchError> {
-        self.poll(pipeline, metrics)?;
-        let deadline = Instant::now() + timeout;
-        while let Some(pending) = &self.pending {
-            let what = format!("the checkpoint of step {} to upload", pending.state.step);
-            let msg = pipeline
-                .next_side_message(deadline.saturating_duration_since(Instant::now()), &what)?;
-            self.handle(msg, pipeline.stages(), metrics)?;
-        }
-        Ok(())
-    }
-
-    fn handle(
-        &mut self,
-        msg: ToLauncher,
-        stages: usize,
-        metrics: &mut MetricsLog,
-    ) -> Result<(), LaunchError> {
-        let Some(pending) = &mut self.pending else {
-            return Err(LaunchError::Protocol(format!(
-                "unexpected {msg:?}: no checkpoint in flight"
-            )));
-        };
-        match msg {
-            ToLauncher::ShardWritten {
-                stage,
-                step,
-                shard,
-                snapshot_s,
-            } if step == pending.state.step => {
-                pending.shards.insert(stage, shard);
-                pending.snapshot_s = pending.snapshot_s.max(snapshot_s);
-            }
-            ToLauncher::ShardFailed { stage, step, error } if step == pending.state.step => {
-                self.pending = None;
-                warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
-                eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
-                let _ = metrics.append(&json!({"event": "checkpoint_failed", "step": step, "stage": stage, "error": error}));
-                return Ok(());
-            }
-            other => {
-                return Err(LaunchError::Protocol(format!(
-                    "unexpected {other:?} while checkpointing step {}",
-                    pending.state.step
-                )));
-            }
-        }
-        if pending.shards.len() < stages {
-            return Ok(());
-        }
-        let pending = self.pending.take().expect("pending checkpoint");
-        let step = pending.state.step;
-        let shards: Vec<ShardEntry> = pending.shards.into_values().collect();
-        let manifest = Manifest::new(
-            step,
-            shards,
-            serde_json::to_value(&pending.state).expect("state serializes"),
-        );
-        self.runtime.block_on(self.store.commit(&manifest))?;
-        let upload_s = pending.started.elapsed().as_secs_f64();
-        info!(
-            step,
-            bytes = manifest.total_bytes(),
-            upload_s,
-            url = self.store.url(),
-            "checkpoint committed"
-        );
-        let _ = metrics.append(&json!({"event": "checkpoint", "step": step, "bytes": manifest.total_bytes(), "upload_s": upload_s, "snapshot_s": pending.snapshot_s}));
-        let deleted = self.runtime.block_on(self.store.retain(self.keep_last))?;
-        let stale = self.runtime.block_on(self.store.clean_stale(step))?;
-        if !deleted.is_empty() || !stale.is_empty() {
-            info!(?deleted, stale_objects = stale.len(), "retention");
-        }
-        Ok(())
-    }
 }

@@ -2,6 +2,8 @@
 //! [`transport::Transport`], and the launcher that starts them and drives the steps.
 
 pub mod auth;
+mod checkpoints;
+mod cluster;
 pub mod control;
 pub mod driver;
 pub mod launcher;
