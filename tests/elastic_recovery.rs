@@ -54,6 +54,52 @@ fn steps_done(run_dir: &Path) -> usize {
         .count()
 }
 
+/// Waits until the run at `run_dir` has completed `steps` steps (at most a minute).
+fn wait_for_steps(run_dir: &Path, steps: usize) {
+    let started = Instant::now();
+    while steps_done(run_dir) < steps {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Runs the job uninterrupted and again with `signal` sent to worker `worker` after step 5; the
+/// second run must finish bit-identical to the first. Returns its events.
+fn signal_worker_mid_run(
+    name: &str,
+    signal: &str,
+    worker: usize,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
+    let dir = fresh_dir(name);
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let run = dir.join("run");
+    let child = job(&run, extra).spawn().unwrap();
+    wait_for_steps(&run, 5);
+    let victim = workers_of(child.id())[worker];
+    Command::new("kill")
+        .args([signal, &victim.to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert_eq!(step, STEPS);
+    assert!(
+        state == reference,
+        "final state differs from the uninterrupted run"
+    );
+    metrics(&run)
+        .into_iter()
+        .filter(|m| m.get("event").is_some())
+        .collect()
+}
+
 /// One trial: start the job, wait `delay` after its first step, SIGKILL `kills` random workers.
 /// Returns the run's events.
 fn trial(
@@ -63,14 +109,7 @@ fn trial(
     reference: &BTreeMap<String, Vec<u8>>,
 ) -> Vec<serde_json::Value> {
     let mut child = job(dir, &[]).spawn().unwrap();
-    let started = Instant::now();
-    while steps_done(dir) < 1 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_steps(dir, 1);
     std::thread::sleep(Duration::from_millis(rng.random_range(0..900)));
     let mut workers = workers_of(child.id());
     let mut victims = Vec::new();
@@ -163,14 +202,7 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while steps_done(&run) < 3 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_steps(&run, 3);
     let victim = workers_of(child.id())[1];
     Command::new("kill")
         .args(["-KILL", &victim.to_string()])
@@ -192,37 +224,7 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
 /// a checkpoint of that boundary, the run goes on without it, and no work is lost.
 #[test]
 fn preemption_notice_hands_over_at_the_step_boundary() {
-    let dir = fresh_dir("preempt");
-    let reference_dir = dir.join("reference");
-    run_ok(&mut job(&reference_dir, &[]));
-    let (_, reference) = final_state(&ckpt_url(&reference_dir));
-    let run = dir.join("run");
-    let child = job(&run, &[]).spawn().unwrap();
-    let started = Instant::now();
-    while steps_done(&run) < 5 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let victim = workers_of(child.id())[2];
-    Command::new("kill")
-        .args(["-TERM", &victim.to_string()])
-        .status()
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{:?}", out.status);
-    let (step, state) = final_state(&ckpt_url(&run));
-    assert_eq!(step, STEPS);
-    assert!(
-        state == reference,
-        "final state differs from the uninterrupted run"
-    );
-    let events: Vec<_> = metrics(&run)
-        .into_iter()
-        .filter(|m| m.get("event").is_some())
-        .collect();
+    let events = signal_worker_mid_run("preempt", "-TERM", 2, &[]);
     assert!(
         events.iter().any(|e| e["event"] == "node_left"),
         "{events:?}"
@@ -244,37 +246,8 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
 /// timeouts, not waited on forever: it is declared lost and the run recovers bit-exactly.
 #[test]
 fn hung_worker_is_detected_by_timeouts_and_replaced() {
-    let dir = fresh_dir("hung");
-    let reference_dir = dir.join("reference");
-    run_ok(&mut job(&reference_dir, &[]));
-    let (_, reference) = final_state(&ckpt_url(&reference_dir));
-    let run = dir.join("run");
-    let child = job(&run, &["pipeline.timeout_s=1.5"]).spawn().unwrap();
     let started = Instant::now();
-    while steps_done(&run) < 5 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let victim = workers_of(child.id())[1];
-    Command::new("kill")
-        .args(["-STOP", &victim.to_string()])
-        .status()
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{:?}", out.status);
-    let (step, state) = final_state(&ckpt_url(&run));
-    assert_eq!(step, STEPS);
-    assert!(
-        state == reference,
-        "final state differs from the uninterrupted run"
-    );
-    let events: Vec<_> = metrics(&run)
-        .into_iter()
-        .filter(|m| m.get("event").is_some())
-        .collect();
+    let events = signal_worker_mid_run("hung", "-STOP", 1, &["pipeline.timeout_s=1.5"]);
     let lost = events
         .iter()
         .find(|e| e["event"] == "node_lost")
