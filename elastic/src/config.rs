@@ -28,6 +28,12 @@ pub struct ElasticConfig {
     /// Seconds a node with a preemption notice keeps running; it leaves at the next step boundary,
     /// and is treated as lost if no boundary came within this grace.
     pub grace_s: f64,
+    /// Where the coordinator listens for node agents and stage workers (`host:port`; port 0 picks
+    /// a free one). For a multi-host run, an address the other hosts reach, e.g. `0.0.0.0:29400`.
+    pub listen: String,
+    /// Whether `seqpipe train` starts its own agents on this machine (one node per pipeline stage,
+    /// the default). `false`: it waits for agents started with `seqpipe agent --join`.
+    pub local_agents: bool,
 }
 
 impl Default for ElasticConfig {
@@ -40,6 +46,8 @@ impl Default for ElasticConfig {
             join_timeout_s: 30.0,
             max_restarts: 10,
             grace_s: 30.0,
+            listen: "127.0.0.1:0".into(),
+            local_agents: true,
         }
     }
 }

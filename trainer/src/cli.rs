@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::data::{prepare, synthetic_language};
 use crate::model::params::param_count;
 use crate::model::partition_layers;
+use crate::runtime::agent::{AgentArgs, run_agent};
 use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
 use crate::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
 use crate::schedule::{
@@ -48,7 +49,9 @@ enum Command {
     /// Dataset tools.
     #[command(subcommand)]
     Data(DataCommand),
-    /// Run one pipeline stage (started by `train`; not for direct use).
+    /// Join a run as a node: start and watch this node's stage workers (multi-host runs).
+    Agent(AgentCli),
+    /// Run one pipeline stage (started by an agent; not for direct use).
     #[command(hide = true)]
     Worker(WorkerCli),
 }
@@ -251,13 +254,42 @@ enum DataCommand {
 }
 
 #[derive(Args, Debug)]
+struct AgentCli {
+    /// The coordinator's address (`host:port`, its `elastic.listen`).
+    #[arg(long, value_name = "HOST:PORT")]
+    join: String,
+    /// This node's name, unique in the run (default: the host name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Stage workers this node can run (e.g. its GPUs).
+    #[arg(long, default_value_t = 1)]
+    slots: usize,
+    /// The address this node's workers listen on for their neighbours (default: the local address
+    /// that reaches the coordinator).
+    #[arg(long)]
+    host: Option<String>,
+    /// Directory for the workers' configs and logs.
+    #[arg(long, default_value = "seqpipe-agent")]
+    dir: PathBuf,
+    /// Seconds to keep trying to reach the coordinator.
+    #[arg(long, default_value_t = 60.0)]
+    connect_timeout_s: f64,
+}
+
+#[derive(Args, Debug)]
 struct WorkerCli {
-    /// Launcher's control address.
+    /// Coordinator's control address.
     #[arg(long)]
     control: String,
     /// Stage index.
     #[arg(long)]
     stage: usize,
+    /// Plan generation.
+    #[arg(long, default_value_t = 0)]
+    generation: u64,
+    /// Address the stage data port listens on.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: String,
     /// Resolved config file.
     #[arg(long)]
     config: PathBuf,
@@ -364,12 +396,35 @@ fn run(cli: Cli) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        Command::Agent(a) => {
+            init_logging("info");
+            let name = match a.name {
+                Some(n) => n,
+                None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .context("reading the host name; name the node with --name")?,
+            };
+            if !a.connect_timeout_s.is_finite() || a.connect_timeout_s < 0.0 {
+                bail!("--connect-timeout-s must be a finite number of seconds ≥ 0, got {}", a.connect_timeout_s);
+            }
+            run_agent(&AgentArgs {
+                join: a.join,
+                name,
+                slots: a.slots,
+                host: a.host,
+                dir: a.dir,
+                connect_timeout: std::time::Duration::from_secs_f64(a.connect_timeout_s),
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Worker(w) => {
             init_logging("info");
             let stage = w.stage;
             match run_worker(WorkerArgs {
                 control: w.control,
                 stage: w.stage,
+                generation: w.generation,
+                bind: w.bind,
                 config: w.config,
                 dump_grads: w.dump_grads,
             }) {

@@ -60,7 +60,7 @@ impl CheckpointWriter {
     /// background. Waits first if the previous checkpoint is still uploading.
     pub(super) fn begin(
         &mut self,
-        pipeline: &mut Pipeline,
+        pipeline: &mut Pipeline<'_>,
         state: TrainerState,
         metrics: &mut MetricsLog,
     ) -> Result<(), LaunchError> {
@@ -87,7 +87,7 @@ impl CheckpointWriter {
     /// Handles upload reports that have arrived, committing when complete.
     pub(super) fn poll(
         &mut self,
-        pipeline: &mut Pipeline,
+        pipeline: &mut Pipeline<'_>,
         metrics: &mut MetricsLog,
     ) -> Result<(), LaunchError> {
         for msg in pipeline.take_side_messages() {
@@ -99,7 +99,7 @@ impl CheckpointWriter {
     /// Waits until the checkpoint in flight (if any) is committed or has failed.
     pub(super) fn finish(
         &mut self,
-        pipeline: &mut Pipeline,
+        pipeline: &mut Pipeline<'_>,
         metrics: &mut MetricsLog,
         timeout: Duration,
     ) -> Result<(), LaunchError> {

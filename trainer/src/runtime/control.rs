@@ -1,4 +1,5 @@
-//! Messages between the launcher (coordinator) and the stage workers.
+//! Messages on the coordinator's control port: between the coordinator and the stage workers, and
+//! between the coordinator and the node agents.
 
 use std::io::{self, BufReader, BufWriter};
 use std::net::TcpStream;
@@ -16,6 +17,8 @@ pub enum ToLauncher {
     /// First message: who the worker is and where its stage-data port listens.
     Hello {
         stage: usize,
+        /// The plan generation the worker was started for.
+        generation: u64,
         data_addr: String,
         pid: u32,
     },
@@ -98,6 +101,69 @@ pub enum ToWorker {
     Shutdown,
 }
 
+/// Agent → coordinator.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum FromAgent {
+    /// First message: the node and what it offers (`node.addr` is the host its workers bind to).
+    Join { node: elastic::NodeInfo, pid: u32 },
+    /// The node is alive (every `elastic.heartbeat_s`).
+    Heartbeat,
+    /// A worker this agent started exited by itself.
+    WorkerExited {
+        generation: u64,
+        stage: usize,
+        /// Exit code, or `None` when a signal ended it.
+        code: Option<i32>,
+        /// How it ended, for people (`exit status: 1`, `signal: 9 (SIGKILL)`).
+        status: String,
+        /// The last lines of its log.
+        log_tail: String,
+        /// Where its log is, on the agent's host.
+        log: String,
+    },
+    /// The workers of `generation` are stopped (answer to [`ToAgent::StopWorkers`]).
+    WorkersStopped { generation: u64 },
+    /// The node got a preemption notice (SIGTERM): it leaves at the next step boundary.
+    Leaving,
+}
+
+/// Coordinator → agent.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToAgent {
+    /// The join is recorded; heartbeat every `heartbeat_s`.
+    Welcome { incarnation: u64, heartbeat_s: f64 },
+    /// Start one worker per stage of `stages` for plan `generation`.
+    StartWorkers {
+        generation: u64,
+        stages: Vec<usize>,
+        /// The resolved config (TOML) the workers run.
+        config: String,
+        /// Sub-directory of the agent's directory for this pipeline's config and logs.
+        session: String,
+        /// Workers dump each step's gradients here (tests).
+        dump_grads: Option<std::path::PathBuf>,
+    },
+    /// Stop (kill) the workers of `generation` and every older one; answer with `WorkersStopped`.
+    StopWorkers { generation: u64 },
+    /// The coordinator declared this node dead (fenced): its workers are stopped and it must
+    /// join again as a new incarnation.
+    Refused { reason: String },
+    /// The run is over: stop the workers and exit.
+    Shutdown,
+}
+
+/// The first message on a control connection says who is connecting.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Opening {
+    /// A stage worker (its `Hello`).
+    Worker(ToLauncher),
+    /// A node agent (its `Join`).
+    Agent(FromAgent),
+}
+
 /// A JSON message stream over TCP (the worker's end of its control connection).
 pub struct ControlStream {
     reader: BufReader<TcpStream>,
@@ -122,6 +188,11 @@ impl ControlStream {
     /// Receives one message (blocking).
     pub fn recv<T: DeserializeOwned>(&mut self) -> io::Result<T> {
         read_frame(&mut self.reader)?.header()
+    }
+
+    /// This end's address (the interface that reaches the peer).
+    pub fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.reader.get_ref().local_addr()
     }
 
     /// A handle that other threads (the checkpoint uploader) can send with.

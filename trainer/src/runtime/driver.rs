@@ -14,8 +14,8 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::checkpoints::CheckpointWriter;
-use super::cluster::{LocalCluster, Recovery};
 use super::control::{ToLauncher, ToWorker};
+use super::coordinator::{Coordinator, Recovery};
 use super::launcher::{LaunchError, Pipeline};
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
 use crate::config::Config;
@@ -74,23 +74,19 @@ pub struct RunSummary {
     pub elapsed_s: f64,
 }
 
-/// Trains `cfg` with one local worker process per stage. Each worker stands for a node: when one
-/// dies, the run goes on without it (see [`LocalCluster::recover`]) until `elastic.min_nodes` or
+/// Trains `cfg`: an embedded coordinator plans the pipeline on the nodes that join it (by default
+/// one local agent per stage, each standing for a node). When nodes die, leave or join, the run goes
+/// on under a new plan (see [`Coordinator::recover`]) until `elastic.min_nodes` or
 /// `elastic.max_restarts` says stop.
 pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
-    let mut cluster = LocalCluster::new(cfg.clone(), opts.start.clone())?;
+    let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
     loop {
-        let (cfg, start, generation) = (
-            cluster.cfg.clone(),
-            cluster.start.clone(),
-            cluster.generation(),
-        );
-        let recovery = cluster.recovery.take();
+        let (cfg, start) = (coordinator.cfg.clone(), coordinator.start.clone());
+        let recovery = coordinator.recovery.take();
         let result = with_pipeline(
+            &mut coordinator,
             &cfg,
-            generation,
-            &cfg.run.dir,
             opts.dump_grads.as_deref(),
             |driver| {
                 driver.recovery = recovery;
@@ -102,11 +98,14 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
         );
         match result {
             Ok(mut summary) => {
+                coordinator.shutdown();
                 summary.elapsed_s = started.elapsed().as_secs_f64();
                 return Ok(summary);
             }
-            Err(LaunchError::NodesLost { lost, cause }) => cluster.recover(&lost, &cause)?,
-            Err(LaunchError::NodesLeaving { stages, step }) => cluster.release(&stages, step)?,
+            Err(LaunchError::NodesLost { lost, .. }) => coordinator.recover(&lost)?,
+            Err(LaunchError::PlanChanged { step, .. }) => {
+                coordinator.change_plan_at_boundary(step)?
+            }
             Err(e) => return Err(e),
         }
     }
@@ -122,18 +121,21 @@ pub fn unix_time_s() -> f64 {
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
 /// Its workers' config and logs go to `<run.dir>/eval/`.
 pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
-    with_pipeline(cfg, 0, &cfg.run.dir.join("eval"), None, |driver| {
+    let mut coordinator = Coordinator::start(cfg.clone(), start.clone(), "eval")?;
+    let cfg = coordinator.cfg.clone();
+    let result = with_pipeline(&mut coordinator, &cfg, None, |driver| {
         let step = driver.load(start)?;
         Ok((step, driver.evaluate()?))
-    })
+    });
+    coordinator.shutdown();
+    result
 }
 
-/// Starts the pipeline (config and logs under `session_dir`), runs `body`, and stops the workers
-/// (killing them if `body` failed).
+/// Starts the pipeline of the coordinator's plan, runs `body`, and stops the workers. A failure
+/// that cost nodes becomes [`LaunchError::NodesLost`] naming them.
 fn with_pipeline<T>(
+    coordinator: &mut Coordinator,
     cfg: &Config,
-    generation: u64,
-    session_dir: &Path,
     dump_grads: Option<&Path>,
     body: impl FnOnce(&mut Driver) -> Result<T, LaunchError>,
 ) -> Result<T, LaunchError> {
@@ -143,8 +145,8 @@ fn with_pipeline<T>(
             source,
         }
     };
-    let logs_dir = session_dir.join("logs");
-    std::fs::create_dir_all(&logs_dir).map_err(io(format!(
+    let session_dir = coordinator.session_dir();
+    std::fs::create_dir_all(&session_dir).map_err(io(format!(
         "creating the run directory {}",
         session_dir.display()
     )))?;
@@ -155,7 +157,13 @@ fn with_pipeline<T>(
     open_source(&cfg.data, cfg.model.vocab_size)?;
     let checkpoints = CheckpointWriter::open(cfg)?;
     let signal = stop_signal().map_err(io("installing signal handlers".into()))?;
-    let mut pipeline = Pipeline::start(cfg, generation, &config_path, &logs_dir, dump_grads)?;
+    let mut pipeline = match Pipeline::start(coordinator, cfg, dump_grads) {
+        Ok(pipeline) => pipeline,
+        Err(e) => {
+            coordinator.stop_workers(Duration::from_secs(5));
+            return Err(e);
+        }
+    };
     let result = body(&mut Driver {
         cfg,
         pipeline: &mut pipeline,
@@ -163,34 +171,32 @@ fn with_pipeline<T>(
         metrics: None,
         signal,
         recovery: None,
-        leaving: Vec::new(),
     });
     match result {
         Ok(value) => {
             pipeline.shutdown();
             Ok(value)
         }
-        Err(e @ LaunchError::NodesLeaving { .. }) => {
+        Err(e @ LaunchError::PlanChanged { .. }) => {
             pipeline.shutdown();
             Err(e)
         }
         Err(
             e @ (LaunchError::WorkerFailed { .. }
             | LaunchError::WorkerExited { .. }
-            | LaunchError::Timeout { .. }),
+            | LaunchError::Timeout { .. }
+            | LaunchError::NodesLost { .. }),
         ) => {
-            let lost = pipeline.stop_after_failure(Duration::from_secs(2));
+            let cause = e.to_string();
+            let lost = pipeline.stop_after_failure(&cause, Duration::from_secs(2));
             if lost.is_empty() {
                 Err(e)
             } else {
-                Err(LaunchError::NodesLost {
-                    lost,
-                    cause: e.to_string(),
-                })
+                Err(LaunchError::NodesLost { lost, cause })
             }
         }
         Err(e) => {
-            pipeline.kill_all();
+            pipeline.shutdown();
             Err(e)
         }
     }
@@ -209,19 +215,17 @@ fn stop_signal() -> std::io::Result<Arc<AtomicUsize>> {
     Ok(Arc::clone(SIGNAL.get_or_init(|| flag)))
 }
 
-struct Driver<'a> {
+struct Driver<'a, 'c> {
     cfg: &'a Config,
-    pipeline: &'a mut Pipeline,
+    pipeline: &'a mut Pipeline<'c>,
     checkpoints: CheckpointWriter,
     metrics: Option<MetricsLog>,
     signal: Arc<AtomicUsize>,
-    /// Set when this pipeline replaces one that lost nodes.
+    /// Set when this pipeline replaces one that lost nodes or changed plan.
     recovery: Option<Recovery>,
-    /// Stages whose node announced it is leaving (preemption notice) during the current step.
-    leaving: Vec<usize>,
 }
 
-impl Driver<'_> {
+impl Driver<'_, '_> {
     fn metrics(&mut self) -> &mut MetricsLog {
         self.metrics
             .as_mut()
@@ -346,9 +350,17 @@ impl Driver<'_> {
                     )
                 });
             }
-            // Nodes with a preemption notice leave at this boundary (unless the run ends here).
-            let leaving = !self.leaving.is_empty() && step < t.steps;
-            if interrupted_by.is_some() || leaving || cfg.checkpoint.due(step, t.steps) {
+            // Nodes with a preemption notice leave, and joiners are admitted, at this boundary
+            // (unless the run ends here).
+            let plan_change = if step < t.steps && interrupted_by.is_none() {
+                self.pipeline.coordinator().at_step_boundary(step)
+            } else {
+                None
+            };
+            if interrupted_by.is_some()
+                || plan_change.is_some()
+                || cfg.checkpoint.due(step, t.steps)
+            {
                 let state = self.trainer_state(step, record.lr, record.loss);
                 self.checkpoints.begin(
                     self.pipeline,
@@ -361,7 +373,7 @@ impl Driver<'_> {
             if interrupted_by.is_some() {
                 break;
             }
-            if leaving {
+            if let Some(reason) = plan_change {
                 let grace = Duration::from_secs_f64(cfg.elastic.grace_s);
                 self.checkpoints.finish(
                     self.pipeline,
@@ -369,10 +381,7 @@ impl Driver<'_> {
                     grace,
                 )?;
                 bar.finish_and_clear();
-                return Err(LaunchError::NodesLeaving {
-                    stages: std::mem::take(&mut self.leaving),
-                    step,
-                });
+                return Err(LaunchError::PlanChanged { step, reason });
             }
         }
         let grace = Duration::from_secs_f64(if interrupted_by.is_some() {
@@ -428,7 +437,7 @@ impl Driver<'_> {
                     leaving,
                 } if s == step => {
                     if leaving {
-                        self.leaving.push(stage);
+                        self.pipeline.coordinator().node_leaving(stage);
                     }
                     for (name, value) in sums_of_squares {
                         let index = *canonical.get(&name).ok_or_else(|| {
@@ -633,7 +642,7 @@ impl Driver<'_> {
     }
 }
 
-impl Driver<'_> {
+impl Driver<'_, '_> {
     /// A fresh run writes its checkpoints from step 1 on. Committed checkpoints of an earlier run at
     /// the default location (`<run.dir>/checkpoints`) are deleted with a warning, as the rest of the
     /// run directory is replaced; at an explicitly configured `checkpoint.url` they are never deleted

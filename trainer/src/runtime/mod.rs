@@ -1,10 +1,12 @@
 //! The stage runtime: worker processes that execute their stage's action list over a
-//! [`transport::Transport`], and the launcher that starts them and drives the steps.
+//! [`transport::Transport`], the node agents that start and watch them, and the coordinator that
+//! plans the pipeline and drives the steps.
 
+pub mod agent;
 pub mod auth;
 mod checkpoints;
-mod cluster;
 pub mod control;
+pub mod coordinator;
 pub mod driver;
 pub mod launcher;
 pub mod transport;

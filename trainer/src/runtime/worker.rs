@@ -81,6 +81,10 @@ pub struct WorkerArgs {
     pub control: String,
     /// This worker's stage index.
     pub stage: usize,
+    /// The plan generation it runs under.
+    pub generation: u64,
+    /// The address its data port listens on (its neighbours connect there).
+    pub bind: String,
     /// The resolved config file.
     pub config: PathBuf,
     /// Write each step's accumulated gradients here before the update (debugging and tests).
@@ -222,8 +226,8 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     auth::respond(&mut stream, &token, "control").map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|source| WorkerError::Io {
-            what: "binding the stage data port".into(),
+        let listener = TcpListener::bind((args.bind.as_str(), 0)).map_err(|source| WorkerError::Io {
+            what: format!("binding the stage data port on {}", args.bind),
             source,
         })?;
         let data_addr = listener
@@ -236,6 +240,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
         control
             .send(&ToLauncher::Hello {
                 stage: args.stage,
+                generation: args.generation,
                 data_addr,
                 pid: std::process::id(),
             })

@@ -1,0 +1,392 @@
+//! A node agent (`seqpipe agent --join HOST:PORT`): the one process per node that joins the
+//! coordinator, heartbeats, starts and watches the node's stage workers, reports how they exit,
+//! and turns a preemption notice (SIGTERM) into a graceful leave.
+//!
+//! An agent outlives its workers' failures: a killed worker is reported and the node stays in the
+//! run. When the coordinator declares the node dead (fenced), the agent stops its workers and
+//! joins again as a new incarnation; when the coordinator goes away, the agent stops its workers
+//! and exits.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+use elastic::NodeInfo;
+use thiserror::Error;
+use tracing::{info, warn};
+
+use super::auth;
+use super::control::{ControlStream, FromAgent, ToAgent};
+use crate::config::Config;
+
+/// How an agent is started.
+#[derive(Clone, Debug)]
+pub struct AgentArgs {
+    /// The coordinator's control address (`host:port`).
+    pub join: String,
+    /// The node's name (unique in the run).
+    pub name: String,
+    /// Stage workers this node runs at most.
+    pub slots: usize,
+    /// The address its workers listen on for their neighbours; default: the local address of the
+    /// connection to the coordinator.
+    pub host: Option<String>,
+    /// Where worker configs and logs go.
+    pub dir: PathBuf,
+    /// How long to keep trying to reach the coordinator.
+    pub connect_timeout: Duration,
+}
+
+/// Why an agent stopped.
+#[derive(Debug, Error)]
+pub enum AgentError {
+    /// The coordinator could not be reached, or refused the job token.
+    #[error(
+        "cannot join the coordinator at {addr}: {source} (is `seqpipe train` running there, and is {} the same on both hosts?)",
+        auth::TOKEN_ENV
+    )]
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
+    /// The coordinator went away.
+    #[error("the coordinator at {addr} went away: {reason}")]
+    CoordinatorGone { addr: String, reason: String },
+    /// The coordinator refused the join.
+    #[error("the coordinator at {addr} refused node {node}: {reason}")]
+    Refused {
+        addr: String,
+        node: String,
+        reason: String,
+    },
+    /// A local failure (files, processes).
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    /// The coordinator sent a config this binary cannot use.
+    #[error("the coordinator's config: {0}")]
+    Config(#[from] crate::config::ConfigError),
+}
+
+/// A worker this agent started.
+struct RunningWorker {
+    generation: u64,
+    stage: usize,
+    child: Child,
+    log: PathBuf,
+}
+
+/// How one incarnation ended.
+enum Ended {
+    /// The coordinator said the run is over.
+    Shutdown,
+    /// The coordinator fenced this node: join again.
+    Fenced,
+}
+
+/// Runs the agent until the coordinator shuts the run down (or goes away).
+pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
+    let leaving = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving)).map_err(
+        |source| AgentError::Io {
+            what: "installing the SIGTERM handler".into(),
+            source,
+        },
+    )?;
+    loop {
+        match run_incarnation(args, &leaving)? {
+            Ended::Shutdown => return Ok(()),
+            Ended::Fenced if leaving.load(Ordering::SeqCst) => {
+                info!("left the run after a preemption notice");
+                return Ok(());
+            }
+            Ended::Fenced => {
+                warn!(node = %args.name, "declared dead by the coordinator; joining again");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
+    let err = |source| AgentError::Connect {
+        addr: args.join.clone(),
+        source,
+    };
+    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let deadline = Instant::now() + args.connect_timeout;
+    let mut stream = loop {
+        match std::net::TcpStream::connect(&args.join) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                warn!(addr = %args.join, error = %e, "coordinator not reachable yet; retrying");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(e) => return Err(err(e)),
+        }
+    };
+    auth::respond(&mut stream, &token, "control").map_err(err)?;
+    ControlStream::new(stream).map_err(err)
+}
+
+fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, AgentError> {
+    let gone = |reason: String| AgentError::CoordinatorGone {
+        addr: args.join.clone(),
+        reason,
+    };
+    let mut control = connect(args)?;
+    let host = match &args.host {
+        Some(h) => h.clone(),
+        None => control
+            .local_addr()
+            .map_err(|e| gone(e.to_string()))?
+            .ip()
+            .to_string(),
+    };
+    let node = NodeInfo::new(args.name.clone(), args.slots, host.clone());
+    control
+        .send(&FromAgent::Join {
+            node,
+            pid: std::process::id(),
+        })
+        .map_err(|e| gone(e.to_string()))?;
+    let heartbeat = match control.recv::<ToAgent>().map_err(|e| gone(e.to_string()))? {
+        ToAgent::Welcome {
+            incarnation,
+            heartbeat_s,
+        } => {
+            info!(node = %args.name, incarnation, %host, "joined the run");
+            Duration::from_secs_f64(heartbeat_s)
+        }
+        ToAgent::Refused { reason } => {
+            return Err(AgentError::Refused {
+                addr: args.join.clone(),
+                node: args.name.clone(),
+                reason,
+            });
+        }
+        other => return Err(gone(format!("expected a welcome, got {other:?}"))),
+    };
+    let sender = control.sender();
+    let (tx, messages) = channel();
+    std::thread::spawn(move || {
+        loop {
+            let msg = control.recv::<ToAgent>();
+            let closed = msg.is_err();
+            if tx.send(msg).is_err() || closed {
+                return;
+            }
+        }
+    });
+    let mut workers: Vec<RunningWorker> = Vec::new();
+    let mut last_heartbeat = Instant::now();
+    let mut announced_leave = false;
+    let result = loop {
+        if last_heartbeat.elapsed() >= heartbeat {
+            last_heartbeat = Instant::now();
+            if let Err(e) = sender.send(&FromAgent::Heartbeat) {
+                break Err(gone(e.to_string()));
+            }
+        }
+        if leaving.load(Ordering::SeqCst) && !announced_leave {
+            announced_leave = true;
+            warn!("preemption notice: leaving at the next step boundary");
+            for w in &workers {
+                signal(&w.child, libc::SIGTERM);
+            }
+            let _ = sender.send(&FromAgent::Leaving);
+        }
+        for exit in reap(&mut workers) {
+            // A failed send shows up as a closed connection below.
+            let _ = sender.send(&exit);
+        }
+        match messages.recv_timeout(Duration::from_millis(20)) {
+            Ok(Ok(ToAgent::StartWorkers {
+                generation,
+                stages,
+                config,
+                session,
+                dump_grads,
+            })) => {
+                stop(&mut workers, u64::MAX);
+                for stage in stages {
+                    match spawn_worker(
+                        args,
+                        &host,
+                        generation,
+                        stage,
+                        &config,
+                        &session,
+                        dump_grads.as_deref(),
+                    ) {
+                        Ok(w) => workers.push(w),
+                        Err(e) => {
+                            warn!(stage, error = %e, "cannot start a worker");
+                            let _ = sender.send(&FromAgent::WorkerExited {
+                                generation,
+                                stage,
+                                code: Some(1),
+                                status: "not started".into(),
+                                log_tail: e.to_string(),
+                                log: String::new(),
+                            });
+                        }
+                    }
+                }
+            }
+            Ok(Ok(ToAgent::StopWorkers { generation })) => {
+                stop(&mut workers, generation);
+                let _ = sender.send(&FromAgent::WorkersStopped { generation });
+            }
+            Ok(Ok(ToAgent::Refused { reason })) => {
+                warn!(%reason, "the coordinator fenced this node");
+                break Ok(Ended::Fenced);
+            }
+            Ok(Ok(ToAgent::Shutdown)) => break Ok(Ended::Shutdown),
+            Ok(Ok(ToAgent::Welcome { .. })) => {}
+            Ok(Err(e)) => break Err(gone(e.to_string())),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break Err(gone("connection closed".into())),
+        }
+    };
+    stop(&mut workers, u64::MAX);
+    result
+}
+
+/// Workers that exited by themselves since the last call, as reports (and forgets them).
+fn reap(workers: &mut Vec<RunningWorker>) -> Vec<FromAgent> {
+    let mut exits = Vec::new();
+    workers.retain_mut(|w| match w.child.try_wait() {
+        Ok(Some(status)) => {
+            info!(stage = w.stage, %status, "worker exited");
+            exits.push(FromAgent::WorkerExited {
+                generation: w.generation,
+                stage: w.stage,
+                code: status.code(),
+                status: status.to_string(),
+                log_tail: log_tail(&w.log, 15),
+                log: w.log.display().to_string(),
+            });
+            false
+        }
+        _ => true,
+    });
+    exits
+}
+
+/// Kills the workers of `generation` and older ones, and waits for them.
+fn stop(workers: &mut Vec<RunningWorker>, generation: u64) {
+    workers.retain_mut(|w| {
+        if w.generation > generation {
+            return true;
+        }
+        let _ = w.child.kill();
+        let _ = w.child.wait();
+        false
+    });
+}
+
+fn signal(child: &Child, sig: i32) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) on a child's pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+fn spawn_worker(
+    args: &AgentArgs,
+    host: &str,
+    generation: u64,
+    stage: usize,
+    config: &str,
+    session: &str,
+    dump_grads: Option<&Path>,
+) -> Result<RunningWorker, AgentError> {
+    let io = |what: String| {
+        move |source| AgentError::Io {
+            what: what.clone(),
+            source,
+        }
+    };
+    let cfg = Config::from_toml(config, "the coordinator's config")?;
+    let logs = args.dir.join(session).join("logs");
+    std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
+    let config_path = logs.join(format!("{}.config.toml", args.name));
+    std::fs::write(&config_path, config)
+        .map_err(io(format!("writing {}", config_path.display())))?;
+    let log = logs.join(format!("stage-{stage}.log"));
+    let file = std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+    let exe = std::env::current_exe().map_err(io("locating the seqpipe executable".into()))?;
+    let threads = cfg.threads_per_worker().to_string();
+    let mut cmd = Command::new(exe);
+    cmd.arg("worker")
+        .args(["--control", &args.join])
+        .args(["--stage", &stage.to_string()])
+        .args(["--generation", &generation.to_string()])
+        .args(["--bind", host])
+        .arg("--config")
+        .arg(&config_path);
+    if let Some(dir) = dump_grads {
+        cmd.arg("--dump-grads").arg(dir);
+    }
+    cmd.env("RAYON_NUM_THREADS", &threads)
+        .env("CANDLE_NUM_THREADS", &threads);
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", &cfg.run.log);
+    }
+    let stderr = file.try_clone().map_err(io("log file".into()))?;
+    // Own process group: a SIGTERM to the agent reaches a worker only through the agent, which
+    // forwards it as a preemption notice.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    die_with_parent(&mut cmd);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(file))
+        .stderr(Stdio::from(stderr));
+    let child = cmd
+        .spawn()
+        .map_err(io(format!("starting the worker of stage {stage}")))?;
+    info!(stage, generation, pid = child.id(), "worker started");
+    Ok(RunningWorker {
+        generation,
+        stage,
+        child,
+        log,
+    })
+}
+
+/// The child gets SIGKILL when its parent dies: no worker outlives its agent, no agent its
+/// launcher, whatever killed the parent.
+pub(super) fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: the closure runs between fork and exec and calls only prctl(2) and getppid(2),
+    // which are async-signal-safe.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before prctl: then we were re-parented already.
+            if libc::getppid() == 1 {
+                return Err(std::io::Error::other("the parent process already exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The last `lines` lines of a log file, indented.
+fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..]
+        .iter()
+        .map(|l| format!("  | {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}

@@ -1,0 +1,892 @@
+//! The coordinator: the control port that node agents and stage workers connect to, and the elastic
+//! core's view of the nodes. It admits agents (job token first), records their heartbeats, leaves
+//! and exits, asks [`elastic::decide`] for plans, and tells agents which workers to start. The
+//! pipeline of one plan is in [`super::launcher`]; the training loop in [`super::driver`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::BufReader;
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::time::{Duration, Instant};
+
+use elastic::{ClusterState, Decision, NodeId, NodeStatus, Plan, decide};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::auth;
+use super::checkpoints::CheckpointWriter;
+use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
+use super::driver::{ResumePoint, Start, unix_time_s};
+use super::launcher::LaunchError;
+use super::wire::read_frame;
+use crate::config::Config;
+
+/// What arrived on the control port.
+enum Event {
+    /// A connection passed the job-token check and said who it is.
+    Opened(u64, Opening, ControlSender),
+    /// A message from an agent.
+    Agent(u64, FromAgent),
+    /// A message from a worker.
+    Worker(u64, ToLauncher),
+    /// A connection closed (or sent garbage).
+    Closed(u64, String),
+}
+
+/// What the pipeline of the current plan hears from the coordinator.
+pub(super) enum Incoming {
+    /// A worker's first message, on connection `conn`.
+    Hello(u64, ToLauncher),
+    /// Any later worker message.
+    Worker(u64, ToLauncher),
+    /// A worker connection closed.
+    WorkerClosed(u64, String),
+    /// An agent reports that a worker of the current generation exited by itself.
+    WorkerExited {
+        stage: usize,
+        status: String,
+        log: String,
+        log_tail: String,
+    },
+    /// A node of the current plan is gone (its agent disconnected or stopped heartbeating).
+    NodeLost(NodeId, String),
+}
+
+/// A worker exit an agent reported, kept until the failure is classified.
+#[derive(Clone, Debug)]
+pub(super) struct Exit {
+    pub(super) code: Option<i32>,
+}
+
+/// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
+pub(super) struct Recovery {
+    pub(super) failed_at: Instant,
+    pub(super) failed_step: u64,
+    pub(super) stages_before: usize,
+    /// How the state was carried over: `checkpoint` (newest committed one after a loss) or
+    /// `handover` (a checkpoint of the boundary where the plan changed).
+    pub(super) tier: &'static str,
+    /// `node_lost`, `node_left`, `node_joined` and `plan` events, written once the metrics file is
+    /// rewritten for the resume.
+    pub(super) events: Vec<serde_json::Value>,
+}
+
+/// A node lost in a failure, and whether its agent survived (its worker died or hung): such a node
+/// joins again at once as a new incarnation, so the pipeline keeps its size.
+#[derive(Clone, Debug)]
+pub struct Lost {
+    /// The node.
+    pub node: NodeId,
+    /// What happened, for people.
+    pub reason: String,
+    /// Whether the node's agent is still connected (only its worker was lost).
+    pub agent_alive: bool,
+}
+
+/// The coordinator of one run.
+pub struct Coordinator {
+    /// The run's config; `pipeline.stages` follows the adopted plan.
+    pub(super) cfg: Config,
+    /// Where the next pipeline's state comes from.
+    pub(super) start: Start,
+    /// Sub-directory of the run directory (and of each agent's directory) for configs and logs.
+    session: String,
+    /// Set while a pipeline replaces one that lost nodes or changed plan.
+    pub(super) recovery: Option<Recovery>,
+    state: ClusterState,
+    addr: String,
+    token: String,
+    events: Receiver<Event>,
+    /// Agent connections: conn → (node, sender).
+    agents: BTreeMap<u64, (NodeId, ControlSender)>,
+    /// Worker connections: conn → sender.
+    workers: HashMap<u64, ControlSender>,
+    /// Worker exits reported for the current generation, by stage.
+    pub(super) exits: BTreeMap<usize, Exit>,
+    local_agents: Vec<Child>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Coordinator {
+    /// Binds the control port (`elastic.listen`) and starts accepting connections. With
+    /// `elastic.local_agents`, starts one agent per pipeline stage on this machine. Configs and
+    /// logs go to `session` under the run directory (and under each agent's directory).
+    pub fn start(cfg: Config, start: Start, session: &str) -> Result<Self, LaunchError> {
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |source| LaunchError::Io {
+                what: what.clone(),
+                source,
+            }
+        };
+        let listen = cfg.elastic.listen.clone();
+        let listener = TcpListener::bind(&listen)
+            .map_err(io(&format!("binding the coordinator port {listen} (elastic.listen)")))?;
+        let local = listener.local_addr().map_err(io("coordinator port"))?;
+        let addr = if local.ip().is_unspecified() {
+            format!("127.0.0.1:{}", local.port())
+        } else {
+            local.to_string()
+        };
+        let token = auth::job_token();
+        if !cfg.elastic.local_agents && std::env::var(auth::TOKEN_ENV).is_err() {
+            return Err(LaunchError::Run(format!(
+                "a multi-host run needs the job's shared secret: set {} to the same value on the coordinator and every agent",
+                auth::TOKEN_ENV
+            )));
+        }
+        let (tx, events) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        accept_loop(listener, token.clone(), tx, Arc::clone(&stop))
+            .map_err(io("starting the coordinator"))?;
+        info!(%addr, "coordinator listening");
+        let mut coordinator = Self {
+            state: ClusterState::new(cfg.model.layers),
+            cfg,
+            start,
+            session: session.to_string(),
+            recovery: None,
+            addr,
+            token,
+            events,
+            agents: BTreeMap::new(),
+            workers: HashMap::new(),
+            exits: BTreeMap::new(),
+            local_agents: Vec::new(),
+            stop,
+        };
+        if coordinator.cfg.elastic.local_agents {
+            for i in 0..coordinator.cfg.pipeline.stages {
+                coordinator.spawn_local_agent(&format!("local-{i:03}"))?;
+            }
+        }
+        coordinator.first_plan()?;
+        Ok(coordinator)
+    }
+
+    fn spawn_local_agent(&mut self, name: &str) -> Result<(), LaunchError> {
+        let exe = std::env::current_exe().map_err(|source| LaunchError::Io {
+            what: "locating the seqpipe executable".into(),
+            source,
+        })?;
+        let logs = self.cfg.run.dir.join(&self.session).join("logs");
+        let io = |what: String| {
+            move |source| LaunchError::Io {
+                what: what.clone(),
+                source,
+            }
+        };
+        std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
+        let log = logs.join(format!("agent-{name}.log"));
+        let file = std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+        let stderr = file.try_clone().map_err(io("agent log".into()))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["agent", "--join", &self.addr, "--name", name, "--slots", "1"])
+            .arg("--dir")
+            .arg(&self.cfg.run.dir)
+            .env(auth::TOKEN_ENV, &self.token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(file))
+            .stderr(Stdio::from(stderr));
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", &self.cfg.run.log);
+        }
+        // Own process group (a Ctrl-C reaches only the launcher, which stops the run cleanly), and
+        // no agent outlives the launcher.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        super::agent::die_with_parent(&mut cmd);
+        let child = cmd.spawn().map_err(|source| LaunchError::Io {
+            what: format!("starting local agent {name}"),
+            source,
+        })?;
+        self.local_agents.push(child);
+        Ok(())
+    }
+
+    /// The address agents and workers connect to.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Where this session's configs and logs go on the coordinator's machine.
+    pub(super) fn session_dir(&self) -> std::path::PathBuf {
+        self.cfg.run.dir.join(&self.session)
+    }
+
+    /// The adopted plan.
+    pub(super) fn plan(&self) -> &Plan {
+        self.state
+            .current
+            .as_ref()
+            .expect("a plan is adopted at start")
+    }
+
+    /// Waits for the nodes of the first plan: every local agent, or (multi-host) `pipeline.stages`
+    /// agents — fewer once `elastic.join_timeout_s` passes, as long as `elastic.min_nodes` joined.
+    fn first_plan(&mut self) -> Result<(), LaunchError> {
+        let wanted = self.cfg.pipeline.stages;
+        let deadline = Instant::now() + self.cfg.elastic.join_timeout();
+        let mut announced = 0;
+        loop {
+            let alive = self.state.membership.alive().len();
+            if alive >= wanted || (Instant::now() >= deadline && alive >= self.cfg.elastic.min_nodes)
+            {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(LaunchError::Run(format!(
+                    "only {alive} node(s) joined the coordinator at {} within {} s (elastic.join_timeout_s), {} needed (elastic.min_nodes); start agents with `seqpipe agent --join {}`",
+                    self.addr, self.cfg.elastic.join_timeout_s, self.cfg.elastic.min_nodes, self.addr
+                )));
+            }
+            if !self.cfg.elastic.local_agents && alive != announced {
+                announced = alive;
+                eprintln!("{alive} of {wanted} node(s) joined; waiting for more at {}", self.addr);
+            }
+            self.check_local_agents()?;
+            if let Some(incoming) = self.poll(Instant::now() + Duration::from_millis(50))? {
+                self.unexpected(incoming);
+            }
+        }
+        let now = Instant::now();
+        let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
+        let Some(plan) = decision.plan().cloned() else {
+            return Err(LaunchError::Run(format!(
+                "cannot plan the pipeline: {reason}"
+            )));
+        };
+        self.state.apply(&decision, now);
+        self.cfg.pipeline.stages = plan.num_stages();
+        info!(%reason, "first plan");
+        Ok(())
+    }
+
+    /// A local agent that exited before joining is an error with its status.
+    fn check_local_agents(&mut self) -> Result<(), LaunchError> {
+        for child in &mut self.local_agents {
+            if let Ok(Some(status)) = child.try_wait()
+                && self.state.current.is_none()
+            {
+                return Err(LaunchError::Run(format!(
+                    "a local agent exited before the run started ({status}); see the logs in {}",
+                    self.cfg.run.dir.join("logs").display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn unexpected(&mut self, incoming: Incoming) {
+        match incoming {
+            Incoming::Hello(conn, msg) | Incoming::Worker(conn, msg) => {
+                warn!(conn, ?msg, "refused a message from a worker of no current pipeline");
+                self.workers.remove(&conn);
+            }
+            _ => {}
+        }
+    }
+
+    /// Tells every agent of the plan to start its workers with `config`; logs and config go to the
+    /// session's directory under each agent's directory.
+    pub(super) fn start_workers(
+        &mut self,
+        config: &str,
+        dump_grads: Option<&std::path::Path>,
+    ) -> Result<(), LaunchError> {
+        self.exits.clear();
+        let plan = self.plan().clone();
+        for node in &plan.nodes {
+            let msg = ToAgent::StartWorkers {
+                generation: plan.generation,
+                stages: plan.stages_of(node),
+                config: config.to_string(),
+                session: self.session.clone(),
+                dump_grads: dump_grads.map(|d| d.to_path_buf()),
+            };
+            self.send_to_node(node, &msg)?;
+        }
+        Ok(())
+    }
+
+    fn send_to_node(&mut self, node: &NodeId, msg: &ToAgent) -> Result<(), LaunchError> {
+        let lost = |reason: String| LaunchError::NodesLost {
+            lost: vec![Lost {
+                node: node.clone(),
+                reason: reason.clone(),
+                agent_alive: false,
+            }],
+            cause: reason,
+        };
+        let sender = self
+            .agents
+            .values()
+            .find(|(n, _)| n == node)
+            .map(|(_, s)| s.clone())
+            .ok_or_else(|| lost(format!("node {node} has no agent connection")))?;
+        sender
+            .send(msg)
+            .map_err(|e| lost(format!("sending to the agent of node {node}: {e}")))
+    }
+
+    /// Sends to worker connection `conn`.
+    pub(super) fn send_to_worker(
+        &self,
+        conn: u64,
+        msg: &super::control::ToWorker,
+    ) -> std::io::Result<()> {
+        match self.workers.get(&conn) {
+            Some(sender) => sender.send(msg),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                format!("worker connection {conn} is closed"),
+            )),
+        }
+    }
+
+    /// Closes worker connection `conn` (its worker is refused).
+    pub(super) fn drop_worker(&mut self, conn: u64) {
+        self.workers.remove(&conn);
+    }
+
+    /// Stops the workers of the current plan on every live agent and waits (up to `timeout`) for
+    /// the agents to confirm.
+    pub(super) fn stop_workers(&mut self, timeout: Duration) {
+        let generation = self.plan().generation;
+        let mut waiting: Vec<NodeId> = Vec::new();
+        let agents: Vec<(NodeId, ControlSender)> = self.agents.values().cloned().collect();
+        for (node, sender) in agents {
+            if sender.send(&ToAgent::StopWorkers { generation }).is_ok() {
+                waiting.push(node);
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        while !waiting.is_empty() && Instant::now() < deadline {
+            match self.events.recv_timeout(Duration::from_millis(20)) {
+                Ok(Event::Agent(conn, FromAgent::WorkersStopped { generation: g }))
+                    if g == generation =>
+                {
+                    if let Some((node, _)) = self.agents.get(&conn) {
+                        let node = node.clone();
+                        waiting.retain(|n| *n != node);
+                    }
+                }
+                Ok(Event::Closed(conn, reason)) => {
+                    if let Some((node, _)) = self.agents.get(&conn).cloned() {
+                        waiting.retain(|n| *n != node);
+                    }
+                    self.closed(conn, reason);
+                }
+                Ok(event) => {
+                    if let Some(incoming) = self.handle(event)
+                        && let Incoming::Hello(conn, _) | Incoming::Worker(conn, _) = incoming
+                    {
+                        self.workers.remove(&conn);
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+        self.workers.clear();
+        if !waiting.is_empty() {
+            warn!(?waiting, "agents did not confirm that their workers stopped");
+        }
+    }
+
+    /// The next event of interest to the pipeline, handling agent bookkeeping (joins, heartbeats,
+    /// leaves) on the way; `None` at `deadline`. Heartbeat expiry is checked on every call.
+    pub(super) fn poll(&mut self, deadline: Instant) -> Result<Option<Incoming>, LaunchError> {
+        loop {
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(50));
+            match self.events.recv_timeout(wait) {
+                Ok(event) => {
+                    if let Some(incoming) = self.handle(event) {
+                        return Ok(Some(incoming));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    // Every queued heartbeat is counted by now: silence is real.
+                    if let Some(lost) = self.expire_silent_nodes() {
+                        return Ok(Some(lost));
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(LaunchError::Protocol(
+                        "the coordinator's listener stopped".into(),
+                    ));
+                }
+            }
+        }
+    }
+
+    fn expire_silent_nodes(&mut self) -> Option<Incoming> {
+        let now = Instant::now();
+        let dead = self
+            .state
+            .membership
+            .expire(now, self.cfg.elastic.dead_after());
+        let mut first = None;
+        for node in dead {
+            let reason = self.fence(&node, now);
+            warn!(%node, %reason, "node declared dead");
+            if first.is_none() && self.in_plan(&node) {
+                first = Some(Incoming::NodeLost(node, reason));
+            }
+        }
+        first
+    }
+
+    fn in_plan(&self, node: &NodeId) -> bool {
+        self.state.current.as_ref().is_some_and(|p| p.contains(node))
+    }
+
+    /// A dead node's agent connection is closed with a refusal: whatever it still sends is ignored
+    /// until it joins again. Returns the reason it was declared dead.
+    fn fence(&mut self, node: &NodeId, now: Instant) -> String {
+        let reason = match self.state.membership.status(node) {
+            Some(NodeStatus::Dead { reason }) => reason.clone(),
+            _ => "declared dead".to_string(),
+        };
+        let _ = self.state.membership.report_failure(node, &reason, now);
+        let conns: Vec<u64> = self
+            .agents
+            .iter()
+            .filter(|(_, (n, _))| n == node)
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in conns {
+            if let Some((_, sender)) = self.agents.remove(&conn) {
+                let _ = sender.send(&ToAgent::Refused {
+                    reason: reason.clone(),
+                });
+            }
+        }
+        reason
+    }
+
+    fn handle(&mut self, event: Event) -> Option<Incoming> {
+        let now = Instant::now();
+        match event {
+            Event::Opened(conn, Opening::Agent(FromAgent::Join { node, pid }), sender) => {
+                let id = node.id.clone();
+                // A new incarnation replaces the old one's connection.
+                let old: Vec<u64> = self
+                    .agents
+                    .iter()
+                    .filter(|(_, (n, _))| *n == id)
+                    .map(|(c, _)| *c)
+                    .collect();
+                for c in old {
+                    self.agents.remove(&c);
+                }
+                match self.state.membership.join(node, now) {
+                    Ok(incarnation) => {
+                        info!(node = %id, incarnation, pid, "node joined");
+                        let _ = sender.send(&ToAgent::Welcome {
+                            incarnation,
+                            heartbeat_s: self.cfg.elastic.heartbeat_s,
+                        });
+                        self.agents.insert(conn, (id.clone(), sender));
+                        if incarnation > 1 && self.in_plan(&id) {
+                            return Some(Incoming::NodeLost(
+                                id.clone(),
+                                format!("its agent restarted and joined again as incarnation {incarnation}"),
+                            ));
+                        }
+                    }
+                    Err(e) => {
+                        warn!(node = %id, error = %e, "refused a join");
+                        let _ = sender.send(&ToAgent::Refused {
+                            reason: e.to_string(),
+                        });
+                    }
+                }
+                None
+            }
+            Event::Opened(conn, Opening::Worker(hello), sender) => {
+                self.workers.insert(conn, sender);
+                Some(Incoming::Hello(conn, hello))
+            }
+            Event::Opened(conn, Opening::Agent(other), _) => {
+                warn!(conn, ?other, "refused an agent connection that did not start with a join");
+                None
+            }
+            Event::Agent(conn, msg) => {
+                let Some((node, _)) = self.agents.get(&conn).cloned() else {
+                    warn!(conn, ?msg, "refused a message from a fenced agent");
+                    return None;
+                };
+                match msg {
+                    FromAgent::Heartbeat => {
+                        if let Err(e) = self.state.membership.heartbeat(&node, now) {
+                            warn!(%node, error = %e, "refused a heartbeat");
+                        }
+                        None
+                    }
+                    FromAgent::Leaving => {
+                        info!(%node, "preemption notice: the node leaves at the next step boundary");
+                        let _ = self.state.membership.leave(&node, now);
+                        None
+                    }
+                    FromAgent::WorkerExited {
+                        generation,
+                        stage,
+                        code,
+                        status,
+                        log_tail,
+                        log,
+                    } => {
+                        if self.state.current.as_ref().map(|p| p.generation) != Some(generation) {
+                            return None;
+                        }
+                        self.exits.insert(stage, Exit { code });
+                        Some(Incoming::WorkerExited {
+                            stage,
+                            status,
+                            log,
+                            log_tail,
+                        })
+                    }
+                    FromAgent::WorkersStopped { .. } => None,
+                    FromAgent::Join { .. } => {
+                        warn!(%node, "ignored a second join on one connection");
+                        None
+                    }
+                }
+            }
+            Event::Worker(conn, msg) => {
+                if self.workers.contains_key(&conn) {
+                    Some(Incoming::Worker(conn, msg))
+                } else {
+                    None
+                }
+            }
+            Event::Closed(conn, reason) => self.closed(conn, reason),
+        }
+    }
+
+    fn closed(&mut self, conn: u64, reason: String) -> Option<Incoming> {
+        if self.workers.remove(&conn).is_some() {
+            return Some(Incoming::WorkerClosed(conn, reason));
+        }
+        let (node, _) = self.agents.remove(&conn)?;
+        let reason = format!("its agent's connection closed ({reason})");
+        let _ = self
+            .state
+            .membership
+            .report_failure(&node, &reason, Instant::now());
+        warn!(%node, %reason, "node lost");
+        self.in_plan(&node)
+            .then_some(Incoming::NodeLost(node, reason))
+    }
+
+    /// The node that runs `stage` under the current plan.
+    pub(super) fn node_of(&self, stage: usize) -> NodeId {
+        self.plan().stages[stage].clone()
+    }
+
+    /// Whether the agent of `node` is connected and not fenced.
+    pub(super) fn agent_alive(&self, node: &NodeId) -> bool {
+        self.agents.values().any(|(n, _)| n == node)
+            && !self
+                .state
+                .membership
+                .status(node)
+                .is_some_and(NodeStatus::is_dead)
+    }
+
+    /// A worker reported a preemption notice for its node.
+    pub(super) fn node_leaving(&mut self, stage: usize) {
+        let node = self.node_of(stage);
+        let _ = self.state.membership.leave(&node, Instant::now());
+    }
+
+    /// Nodes were lost during the step after the last one in `metrics.jsonl`: the elastic core plans the pipeline on the
+    /// survivors (nodes whose agent survived join again at once), and the run resumes from the
+    /// newest committed checkpoint, or fails with the core's reason.
+    pub(super) fn recover(&mut self, lost: &[Lost]) -> Result<(), LaunchError> {
+        let failed_at = Instant::now();
+        let failed_step = last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")) + 1;
+        let detected_at_unix_s = unix_time_s();
+        let stages_before = self.plan().num_stages();
+        let mut events = Vec::new();
+        for l in lost {
+            warn!(node = %l.node, failed_step, reason = %l.reason, "node lost");
+            eprintln!(
+                "warning: lost node {} during step {failed_step}: {}",
+                l.node, l.reason
+            );
+            events.push(json!({"event": "node_lost", "node": l.node, "failed_step": failed_step, "reason": l.reason, "detected_at_unix_s": detected_at_unix_s, "agent_alive": l.agent_alive}));
+            let _ = self
+                .state
+                .membership
+                .report_failure(&l.node, l.reason.clone(), failed_at);
+            if l.agent_alive
+                && let Some(info) = self.state.membership.get(&l.node).map(|m| m.info.clone())
+            {
+                // The node itself is fine: it comes back at once with fresh workers.
+                let _ = self.state.membership.join(info, failed_at);
+            }
+        }
+        self.state.step = failed_step;
+        self.state.at_step_boundary = false;
+        self.replan(&mut events)?;
+        self.recovery = Some(Recovery {
+            failed_at,
+            failed_step,
+            stages_before,
+            tier: "checkpoint",
+            events,
+        });
+        Ok(())
+    }
+
+    /// Step `step` is complete and its checkpoint scheduled: nodes leave or join here, if any want
+    /// to. Returns the decision's reason when the plan changes (the caller commits a checkpoint of
+    /// `step` and restarts the pipeline under the new plan).
+    pub(super) fn at_step_boundary(&mut self, step: u64) -> Option<String> {
+        let now = Instant::now();
+        self.state.step = step + 1;
+        self.state.at_step_boundary = true;
+        let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
+        matches!(decision, Decision::Grow { .. } | Decision::Shrink { .. }).then_some(reason)
+    }
+
+    /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of
+    /// `step` was committed.
+    pub(super) fn change_plan_at_boundary(&mut self, step: u64) -> Result<(), LaunchError> {
+        let now = Instant::now();
+        let stages_before = self.plan().num_stages();
+        let before = self.plan().clone();
+        let mut events: Vec<serde_json::Value> = Vec::new();
+        for id in &before.nodes {
+            if self.state.membership.status(id) == Some(&NodeStatus::Leaving) {
+                events.push(json!({"event": "node_left", "node": id, "step": step, "reason": "preemption notice (SIGTERM)"}));
+            }
+        }
+        for joiner in self.state.membership.pending_joiners() {
+            events.push(json!({"event": "node_joined", "node": joiner.id, "step": step}));
+        }
+        self.replan(&mut events)?;
+        // Joiners the plan did not take stay spares: no event for them.
+        let plan = self.plan().clone();
+        events.retain(|e| {
+            e["event"] != "node_joined"
+                || plan
+                    .nodes
+                    .iter()
+                    .any(|n| e["node"].as_str() == Some(n.as_str()))
+        });
+        self.recovery = Some(Recovery {
+            failed_at: now,
+            failed_step: step + 1,
+            stages_before,
+            tier: "handover",
+            events,
+        });
+        Ok(())
+    }
+
+    /// Asks the elastic core for the next plan (waiting while it says wait), adopts it, and points
+    /// the next pipeline at the newest committed checkpoint; adds the `plan` event.
+    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<(), LaunchError> {
+        let plan = loop {
+            let now = Instant::now();
+            let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
+            self.state.apply(&decision, now);
+            match decision {
+                Decision::Recover { plan, .. }
+                | Decision::Grow { plan, .. }
+                | Decision::Shrink { plan, .. } => {
+                    info!(%reason, "new plan");
+                    break plan;
+                }
+                Decision::Wait { until, .. } => {
+                    warn!(%reason, "waiting for nodes");
+                    let deadline = until.min(now + Duration::from_millis(200));
+                    if let Some(incoming) = self.poll(deadline)? {
+                        self.unexpected(incoming);
+                    }
+                }
+                Decision::Fail { reason } => {
+                    return Err(LaunchError::Run(format!(
+                        "{reason} (run directory {})",
+                        self.cfg.run.dir.display()
+                    )));
+                }
+                Decision::Continue => {
+                    return Err(LaunchError::Protocol(format!(
+                        "the plan was to change but the elastic core kept it: {reason}"
+                    )));
+                }
+            }
+        };
+        for stale in self.stale_agents() {
+            let reason = format!("left the plan at generation {}", plan.generation);
+            if let Some((_, sender)) = self.agents.remove(&stale) {
+                let _ = sender.send(&ToAgent::Refused { reason });
+            }
+        }
+        self.cfg.pipeline.stages = plan.num_stages();
+        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
+        self.start = if committed.is_empty() {
+            Start::Fresh
+        } else {
+            Start::Resume(ResumePoint::Latest)
+        };
+        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages, "resume_from": committed.last()}));
+        Ok(())
+    }
+
+    /// Connections of agents whose node is dead (it left, or was declared dead).
+    fn stale_agents(&self) -> Vec<u64> {
+        self.agents
+            .iter()
+            .filter(|(_, (n, _))| {
+                self.state
+                    .membership
+                    .status(n)
+                    .is_none_or(NodeStatus::is_dead)
+            })
+            .map(|(c, _)| *c)
+            .collect()
+    }
+
+    /// Ends the run: every agent stops its workers and exits.
+    pub fn shutdown(&mut self) {
+        for (_, sender) in self.agents.values() {
+            let _ = sender.send(&ToAgent::Shutdown);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for child in &mut self.local_agents {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        self.kill_local_agents();
+    }
+
+    fn kill_local_agents(&mut self) {
+        for child in &mut self.local_agents {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Coordinator {
+    /// No local agent (and so no worker) outlives the coordinator.
+    fn drop(&mut self) {
+        for (_, sender) in self.agents.values() {
+            let _ = sender.send(&ToAgent::Shutdown);
+        }
+        self.kill_local_agents();
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The last step recorded in `metrics.jsonl` (0 if none).
+fn last_metrics_step(path: &std::path::Path) -> u64 {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .filter_map(|v| v.get("step").and_then(|s| s.as_u64()))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Accepts connections until `stop`: each gets its own thread, which checks the job token, reads the
+/// opening message, then forwards every message as an [`Event`].
+fn accept_loop(
+    listener: TcpListener,
+    token: String,
+    tx: Sender<Event>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    std::thread::Builder::new()
+        .name("coordinator-accept".into())
+        .spawn(move || {
+            let mut next_conn = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, peer)) => {
+                        next_conn += 1;
+                        let (conn, token, tx) = (next_conn, token.clone(), tx.clone());
+                        std::thread::spawn(move || serve_connection(conn, stream, peer, &token, tx));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "accepting a control connection failed");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn serve_connection(
+    conn: u64,
+    mut stream: TcpStream,
+    peer: std::net::SocketAddr,
+    token: &str,
+    tx: Sender<Event>,
+) {
+    let setup = (|| {
+        stream.set_nonblocking(false)?;
+        stream.set_nodelay(true)?;
+        auth::challenge(&mut stream, token, "control")?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let opening: Opening = read_frame(&mut reader)?.header()?;
+        Ok::<_, std::io::Error>((reader, opening))
+    })();
+    let (mut reader, opening) = match setup {
+        Ok(ok) => ok,
+        Err(e) => {
+            warn!(%peer, error = %e, "closed an unauthenticated or malformed connection to the coordinator port");
+            return;
+        }
+    };
+    let is_agent = matches!(opening, Opening::Agent(_));
+    if tx
+        .send(Event::Opened(conn, opening, ControlSender::new(stream)))
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        let event = read_frame(&mut reader).and_then(|frame| {
+            if is_agent {
+                frame.header::<FromAgent>().map(|m| Event::Agent(conn, m))
+            } else {
+                frame.header::<ToLauncher>().map(|m| Event::Worker(conn, m))
+            }
+        });
+        match event {
+            Ok(event) => {
+                if tx.send(event).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(Event::Closed(conn, e.to_string()));
+                return;
+            }
+        }
+    }
+}
