@@ -1,6 +1,7 @@
-//! Losing nodes: seeded chaos trials SIGKILL random workers (each local worker is a node) of a real
-//! run at random moments; every trial must finish its steps on the survivors, and its final
-//! parameters and optimizer state must be bit-for-bit those of an uninterrupted run.
+//! Losing nodes: seeded chaos trials SIGKILL, at random moments of a real run, a random worker (its
+//! node's agent lives on and restarts it) or a whole node (its agent and its worker; the pipeline
+//! shrinks). Every trial must finish its steps, and its final parameters and optimizer state must be
+//! bit-for-bit those of an uninterrupted run.
 
 mod common;
 
@@ -38,12 +39,48 @@ fn job(run_dir: &Path, extra: &[&str]) -> Command {
     cmd
 }
 
-fn workers_of(pid: u32) -> Vec<u32> {
+fn children_of(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .unwrap_or_default()
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
+}
+
+/// A local run's nodes: (agent, its workers) per node, in start order.
+fn nodes_of(launcher: u32) -> Vec<(u32, Vec<u32>)> {
+    children_of(launcher)
+        .into_iter()
+        .map(|agent| (agent, children_of(agent)))
+        .collect()
+}
+
+/// What a chaos trial kills.
+#[derive(Clone, Copy, Debug)]
+enum Victim {
+    /// One stage worker; its agent survives.
+    Worker,
+    /// A whole node: its agent and its workers.
+    Node,
+}
+
+/// SIGKILLs `count` distinct random nodes' worker or whole node; returns the pids killed.
+fn kill_random(launcher: u32, rng: &mut impl Rng, count: usize, victim: Victim) -> Vec<u32> {
+    let mut nodes = nodes_of(launcher);
+    let mut killed = Vec::new();
+    for _ in 0..count.min(nodes.len()) {
+        let (agent, workers) = nodes.remove(rng.random_range(0..nodes.len()));
+        killed.extend(workers);
+        if matches!(victim, Victim::Node) {
+            killed.push(agent);
+        }
+    }
+    for pid in &killed {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    killed
 }
 
 fn steps_done(run_dir: &Path) -> usize {
@@ -66,12 +103,14 @@ fn wait_for_steps(run_dir: &Path, steps: usize) {
     }
 }
 
-/// Runs the job uninterrupted and again with `signal` sent to worker `worker` after step 5; the
-/// second run must finish bit-identical to the first. Returns its events.
-fn signal_worker_mid_run(
+/// Runs the job uninterrupted and again with `signal` sent to node `node`'s agent (`Victim::Node`)
+/// or worker after step 5; the second run must finish bit-identical to the first. Returns its
+/// events.
+fn signal_mid_run(
     name: &str,
     signal: &str,
-    worker: usize,
+    node: usize,
+    victim: Victim,
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
     let dir = fresh_dir(name);
@@ -81,9 +120,13 @@ fn signal_worker_mid_run(
     let run = dir.join("run");
     let child = job(&run, extra).spawn().unwrap();
     wait_for_steps(&run, 5);
-    let victim = workers_of(child.id())[worker];
+    let (agent, workers) = nodes_of(child.id())[node].clone();
+    let pid = match victim {
+        Victim::Node => agent,
+        Victim::Worker => workers[0],
+    };
     Command::new("kill")
-        .args([signal, &victim.to_string()])
+        .args([signal, &pid.to_string()])
         .status()
         .unwrap();
     let out = child.wait_with_output().unwrap();
@@ -100,27 +143,19 @@ fn signal_worker_mid_run(
         .collect()
 }
 
-/// One trial: start the job, wait `delay` after its first step, SIGKILL `kills` random workers.
-/// Returns the run's events.
+/// One trial: start the job, wait a random delay after its first step, SIGKILL `kills` random
+/// nodes' workers or whole nodes. Returns the run's events.
 fn trial(
     dir: &Path,
     rng: &mut impl Rng,
     kills: usize,
+    victim: Victim,
     reference: &BTreeMap<String, Vec<u8>>,
 ) -> Vec<serde_json::Value> {
     let mut child = job(dir, &[]).spawn().unwrap();
     wait_for_steps(dir, 1);
     std::thread::sleep(Duration::from_millis(rng.random_range(0..900)));
-    let mut workers = workers_of(child.id());
-    let mut victims = Vec::new();
-    for _ in 0..kills.min(workers.len()) {
-        victims.push(workers.remove(rng.random_range(0..workers.len())));
-    }
-    for v in &victims {
-        let _ = Command::new("kill")
-            .args(["-KILL", &v.to_string()])
-            .status();
-    }
+    let victims = kill_random(child.id(), rng, kills, victim);
     let status = child.wait().unwrap();
     let log = std::fs::read_to_string(dir.join("logs/stage-0.log")).unwrap_or_default();
     assert!(
@@ -157,9 +192,20 @@ fn chaos_sigkill_random_workers_bit_exact() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20261122);
     let mut recovered = 0;
     for i in 0..trials {
-        // Every fifth trial loses two nodes at once.
+        // Every fifth trial loses two at once; odd trials kill whole nodes, even ones workers.
         let kills = if i % 5 == 4 { 2 } else { 1 };
-        let events = trial(&dir.join(format!("trial-{i}")), &mut rng, kills, &reference);
+        let victim = if i % 2 == 1 {
+            Victim::Node
+        } else {
+            Victim::Worker
+        };
+        let events = trial(
+            &dir.join(format!("trial-{i}")),
+            &mut rng,
+            kills,
+            victim,
+            &reference,
+        );
         let lost = events.iter().filter(|e| e["event"] == "node_lost").count();
         if lost > 0 {
             recovered += 1;
@@ -169,10 +215,15 @@ fn chaos_sigkill_random_workers_bit_exact() {
                 .unwrap_or_else(|| panic!("trial {i}: no recovered event in {events:?}"));
             // From the newest committed checkpoint, or from scratch when none was committed yet.
             assert!(r["tier"] == "checkpoint" || r["tier"] == "restart", "{r}");
-            assert!(
-                r["stages_after"].as_u64().unwrap() < r["stages_before"].as_u64().unwrap(),
-                "{r}"
+            // A lost node shrinks the pipeline; a node whose agent lives restarts its worker.
+            let (before, after) = (
+                r["stages_before"].as_u64().unwrap(),
+                r["stages_after"].as_u64().unwrap(),
             );
+            match victim {
+                Victim::Node => assert!(after < before, "trial {i}: {r}"),
+                Victim::Worker => assert_eq!(after, before, "trial {i}: {r}"),
+            }
             // Checkpoints every 2 steps with at most one in flight: the one before the newest begun
             // is committed, so at most 2·2 − 1 completed steps are redone.
             assert!(
@@ -203,11 +254,13 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
         .spawn()
         .unwrap();
     wait_for_steps(&run, 3);
-    let victim = workers_of(child.id())[1];
-    Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap();
+    let (agent, workers) = nodes_of(child.id())[1].clone();
+    for pid in workers.into_iter().chain([agent]) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
@@ -220,11 +273,11 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
     assert_eq!(final_state(&ckpt_url(&run)).0, STEPS);
 }
 
-/// A preemption notice (SIGTERM to a node's worker): the node leaves at the next step boundary with
+/// A preemption notice (SIGTERM to a node's agent): the node leaves at the next step boundary with
 /// a checkpoint of that boundary, the run goes on without it, and no work is lost.
 #[test]
 fn preemption_notice_hands_over_at_the_step_boundary() {
-    let events = signal_worker_mid_run("preempt", "-TERM", 2, &[]);
+    let events = signal_mid_run("preempt", "-TERM", 2, Victim::Node, &[]);
     assert!(
         events.iter().any(|e| e["event"] == "node_left"),
         "{events:?}"
@@ -242,12 +295,19 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
     );
 }
 
-/// A hung node (alive, connections open, silent — here SIGSTOPped) is detected by its neighbours'
-/// timeouts, not waited on forever: it is declared lost and the run recovers bit-exactly.
+/// A hung worker (alive, connections open, silent — here SIGSTOPped) is detected by its neighbours'
+/// timeouts, not waited on forever: its node is declared lost, its agent replaces it, and the run
+/// recovers bit-exactly.
 #[test]
 fn hung_worker_is_detected_by_timeouts_and_replaced() {
     let started = Instant::now();
-    let events = signal_worker_mid_run("hung", "-STOP", 1, &["pipeline.timeout_s=1.5"]);
+    let events = signal_mid_run(
+        "hung",
+        "-STOP",
+        1,
+        Victim::Worker,
+        &["pipeline.timeout_s=1.5"],
+    );
     let lost = events
         .iter()
         .find(|e| e["event"] == "node_lost")
@@ -259,4 +319,89 @@ fn hung_worker_is_detected_by_timeouts_and_replaced() {
     );
     // Detected within a few timeouts, not hung forever.
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+/// A free loopback port for a coordinator.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A whole node is killed and a new node joins (`seqpipe agent --join`): the pipeline shrinks to 3
+/// stages, then grows back to 4 at the next step boundary after the join, and the run still ends
+/// bit-identical to an uninterrupted one. An agent with the wrong job token is refused.
+#[test]
+fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
+    let dir = fresh_dir("join");
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let run = dir.join("run");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let token = "join-test-secret";
+    let listen = format!("elastic.listen={addr}");
+    let child = job(&run, &[&listen])
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .spawn()
+        .unwrap();
+    wait_for_steps(&run, 3);
+    let (agent, workers) = nodes_of(child.id())[2].clone();
+    for pid in workers.into_iter().chain([agent]) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    // An intruder without the token is refused and changes nothing.
+    let intruder = seqpipe()
+        .args(["agent", "--join", &addr, "--name", "intruder"])
+        .args(["--connect-timeout-s", "0"])
+        .arg("--dir")
+        .arg(dir.join("intruder"))
+        .env("SEQPIPE_JOB_TOKEN", "wrong")
+        .output()
+        .unwrap();
+    assert!(!intruder.status.success());
+    let stderr = String::from_utf8_lossy(&intruder.stderr);
+    assert!(stderr.contains("SEQPIPE_JOB_TOKEN"), "{stderr}");
+    // A fresh node joins once the pipeline has shrunk.
+    let started = Instant::now();
+    while !metrics(&run).iter().any(|e| e["event"] == "recovered") {
+        assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut spare = seqpipe()
+        .args(["agent", "--join", &addr, "--name", "spare-1"])
+        .arg("--dir")
+        .arg(dir.join("spare"))
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .spawn()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    assert!(
+        spare.wait().unwrap().success(),
+        "the joined agent exits with the run"
+    );
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert_eq!(step, STEPS);
+    assert!(
+        state == reference,
+        "final state differs from the uninterrupted run"
+    );
+    let events = metrics(&run);
+    let joined = events
+        .iter()
+        .find(|e| e["event"] == "node_joined")
+        .unwrap_or_else(|| panic!("no node_joined event: {events:?}"));
+    assert_eq!(joined["node"], "spare-1", "{joined}");
+    let stages: Vec<u64> = events
+        .iter()
+        .filter(|e| e["event"] == "plan")
+        .map(|e| e["stages"].as_u64().unwrap())
+        .collect();
+    assert_eq!(stages, [3, 4], "{events:?}");
 }

@@ -405,7 +405,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     .context("reading the host name; name the node with --name")?,
             };
             if !a.connect_timeout_s.is_finite() || a.connect_timeout_s < 0.0 {
-                bail!("--connect-timeout-s must be a finite number of seconds ≥ 0, got {}", a.connect_timeout_s);
+                bail!(
+                    "--connect-timeout-s must be a finite number of seconds ≥ 0, got {}",
+                    a.connect_timeout_s
+                );
             }
             run_agent(&AgentArgs {
                 join: a.join,

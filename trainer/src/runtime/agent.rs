@@ -155,7 +155,14 @@ fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, Agen
             pid: std::process::id(),
         })
         .map_err(|e| gone(e.to_string()))?;
-    let heartbeat = match control.recv::<ToAgent>().map_err(|e| gone(e.to_string()))? {
+    // The coordinator closes a connection whose token proof is wrong without a word.
+    let welcome = control
+        .recv::<ToAgent>()
+        .map_err(|source| AgentError::Connect {
+            addr: args.join.clone(),
+            source,
+        })?;
+    let heartbeat = match welcome {
         ToAgent::Welcome {
             incarnation,
             heartbeat_s,

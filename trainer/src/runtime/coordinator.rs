@@ -123,8 +123,9 @@ impl Coordinator {
             }
         };
         let listen = cfg.elastic.listen.clone();
-        let listener = TcpListener::bind(&listen)
-            .map_err(io(&format!("binding the coordinator port {listen} (elastic.listen)")))?;
+        let listener = TcpListener::bind(&listen).map_err(io(&format!(
+            "binding the coordinator port {listen} (elastic.listen)"
+        )))?;
         let local = listener.local_addr().map_err(io("coordinator port"))?;
         let addr = if local.ip().is_unspecified() {
             format!("127.0.0.1:{}", local.port())
@@ -181,16 +182,19 @@ impl Coordinator {
         };
         std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
         let log = logs.join(format!("agent-{name}.log"));
-        let file = std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+        let file =
+            std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
         let stderr = file.try_clone().map_err(io("agent log".into()))?;
         let mut cmd = Command::new(exe);
-        cmd.args(["agent", "--join", &self.addr, "--name", name, "--slots", "1"])
-            .arg("--dir")
-            .arg(&self.cfg.run.dir)
-            .env(auth::TOKEN_ENV, &self.token)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(file))
-            .stderr(Stdio::from(stderr));
+        cmd.args([
+            "agent", "--join", &self.addr, "--name", name, "--slots", "1",
+        ])
+        .arg("--dir")
+        .arg(&self.cfg.run.dir)
+        .env(auth::TOKEN_ENV, &self.token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(file))
+        .stderr(Stdio::from(stderr));
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", &self.cfg.run.log);
         }
@@ -232,19 +236,26 @@ impl Coordinator {
         let mut announced = 0;
         loop {
             let alive = self.state.membership.alive().len();
-            if alive >= wanted || (Instant::now() >= deadline && alive >= self.cfg.elastic.min_nodes)
+            if alive >= wanted
+                || (Instant::now() >= deadline && alive >= self.cfg.elastic.min_nodes)
             {
                 break;
             }
             if Instant::now() >= deadline {
                 return Err(LaunchError::Run(format!(
                     "only {alive} node(s) joined the coordinator at {} within {} s (elastic.join_timeout_s), {} needed (elastic.min_nodes); start agents with `seqpipe agent --join {}`",
-                    self.addr, self.cfg.elastic.join_timeout_s, self.cfg.elastic.min_nodes, self.addr
+                    self.addr,
+                    self.cfg.elastic.join_timeout_s,
+                    self.cfg.elastic.min_nodes,
+                    self.addr
                 )));
             }
             if !self.cfg.elastic.local_agents && alive != announced {
                 announced = alive;
-                eprintln!("{alive} of {wanted} node(s) joined; waiting for more at {}", self.addr);
+                eprintln!(
+                    "{alive} of {wanted} node(s) joined; waiting for more at {}",
+                    self.addr
+                );
             }
             self.check_local_agents()?;
             if let Some(incoming) = self.poll(Instant::now() + Duration::from_millis(50))? {
@@ -282,7 +293,11 @@ impl Coordinator {
     fn unexpected(&mut self, incoming: Incoming) {
         match incoming {
             Incoming::Hello(conn, msg) | Incoming::Worker(conn, msg) => {
-                warn!(conn, ?msg, "refused a message from a worker of no current pipeline");
+                warn!(
+                    conn,
+                    ?msg,
+                    "refused a message from a worker of no current pipeline"
+                );
                 self.workers.remove(&conn);
             }
             _ => {}
@@ -391,7 +406,10 @@ impl Coordinator {
         }
         self.workers.clear();
         if !waiting.is_empty() {
-            warn!(?waiting, "agents did not confirm that their workers stopped");
+            warn!(
+                ?waiting,
+                "agents did not confirm that their workers stopped"
+            );
         }
     }
 
@@ -444,7 +462,10 @@ impl Coordinator {
     }
 
     fn in_plan(&self, node: &NodeId) -> bool {
-        self.state.current.as_ref().is_some_and(|p| p.contains(node))
+        self.state
+            .current
+            .as_ref()
+            .is_some_and(|p| p.contains(node))
     }
 
     /// A dead node's agent connection is closed with a refusal: whatever it still sends is ignored
@@ -497,7 +518,9 @@ impl Coordinator {
                         if incarnation > 1 && self.in_plan(&id) {
                             return Some(Incoming::NodeLost(
                                 id.clone(),
-                                format!("its agent restarted and joined again as incarnation {incarnation}"),
+                                format!(
+                                    "its agent restarted and joined again as incarnation {incarnation}"
+                                ),
                             ));
                         }
                     }
@@ -515,7 +538,11 @@ impl Coordinator {
                 Some(Incoming::Hello(conn, hello))
             }
             Event::Opened(conn, Opening::Agent(other), _) => {
-                warn!(conn, ?other, "refused an agent connection that did not start with a join");
+                warn!(
+                    conn,
+                    ?other,
+                    "refused an agent connection that did not start with a join"
+                );
                 None
             }
             Event::Agent(conn, msg) => {
@@ -825,7 +852,9 @@ fn accept_loop(
                     Ok((stream, peer)) => {
                         next_conn += 1;
                         let (conn, token, tx) = (next_conn, token.clone(), tx.clone());
-                        std::thread::spawn(move || serve_connection(conn, stream, peer, &token, tx));
+                        std::thread::spawn(move || {
+                            serve_connection(conn, stream, peer, &token, tx)
+                        });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(5));

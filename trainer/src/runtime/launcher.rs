@@ -10,8 +10,8 @@ use elastic::NodeId;
 use thiserror::Error;
 use tracing::{info, warn};
 
-pub use super::coordinator::Lost;
 use super::control::{ToLauncher, ToWorker};
+pub use super::coordinator::Lost;
 use super::coordinator::{Coordinator, Incoming};
 use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
@@ -131,13 +131,19 @@ impl<'c> Pipeline<'c> {
                     data_addrs[stage] = data_addr;
                 }
                 Incoming::Hello(conn, msg) => {
-                    warn!(?msg, generation, "refused a worker that is not of the current plan");
+                    warn!(
+                        ?msg,
+                        generation, "refused a worker that is not of the current plan"
+                    );
                     pipeline.coordinator.drop_worker(conn);
                 }
                 other => pipeline.fail_on(other)?,
             }
         }
-        pipeline.conns = conns.into_iter().map(|c| c.expect("every stage said hello")).collect();
+        pipeline.conns = conns
+            .into_iter()
+            .map(|c| c.expect("every stage said hello"))
+            .collect();
         for stage in 0..p {
             let prev = (stage > 0).then(|| data_addrs[stage - 1].clone());
             let next = data_addrs.get(stage + 1).cloned();
@@ -255,7 +261,11 @@ impl<'c> Pipeline<'c> {
                 })
             }
             Incoming::Hello(conn, msg) | Incoming::Worker(conn, msg) => {
-                warn!(conn, ?msg, "ignored a message from a worker of another pipeline");
+                warn!(
+                    conn,
+                    ?msg,
+                    "ignored a message from a worker of another pipeline"
+                );
                 Ok(())
             }
         }
@@ -332,7 +342,10 @@ impl<'c> Pipeline<'c> {
         let deadline = Instant::now() + grace;
         let mut quiet_since = Instant::now();
         while Instant::now() < deadline && quiet_since.elapsed() < QUIET {
-            match self.coordinator.poll(Instant::now() + Duration::from_millis(20)) {
+            match self
+                .coordinator
+                .poll(Instant::now() + Duration::from_millis(20))
+            {
                 Ok(Some(incoming)) => {
                     quiet_since = Instant::now();
                     let _ = self.fail_on(incoming);
@@ -350,20 +363,26 @@ impl<'c> Pipeline<'c> {
             }
         };
         for (node, reason) in std::mem::take(&mut self.lost) {
-            add(&mut lost, Lost {
-                node,
-                reason,
-                agent_alive: false,
-            });
+            add(
+                &mut lost,
+                Lost {
+                    node,
+                    reason,
+                    agent_alive: false,
+                },
+            );
         }
         let plan_nodes = self.coordinator.plan().nodes.clone();
         for node in plan_nodes {
             if !self.coordinator.agent_alive(&node) {
-                add(&mut lost, Lost {
-                    node: node.clone(),
-                    reason: format!("the agent of node {node} is gone ({cause})"),
-                    agent_alive: false,
-                });
+                add(
+                    &mut lost,
+                    Lost {
+                        node: node.clone(),
+                        reason: format!("the agent of node {node} is gone ({cause})"),
+                        agent_alive: false,
+                    },
+                );
             }
         }
         let exits: Vec<(usize, Option<i32>)> = self
@@ -376,11 +395,14 @@ impl<'c> Pipeline<'c> {
             if code != Some(peer_failure) {
                 let node = self.coordinator.node_of(stage);
                 let alive = self.coordinator.agent_alive(&node);
-                add(&mut lost, Lost {
-                    node,
-                    reason: cause.to_string(),
-                    agent_alive: alive,
-                });
+                add(
+                    &mut lost,
+                    Lost {
+                        node,
+                        reason: cause.to_string(),
+                        agent_alive: alive,
+                    },
+                );
             }
         }
         if lost.is_empty() {
@@ -389,11 +411,14 @@ impl<'c> Pipeline<'c> {
                 if stage < self.conns.len() && !self.coordinator.exits.contains_key(&stage) {
                     let node = self.coordinator.node_of(stage);
                     let alive = self.coordinator.agent_alive(&node);
-                    add(&mut lost, Lost {
-                        node,
-                        reason: cause.to_string(),
-                        agent_alive: alive,
-                    });
+                    add(
+                        &mut lost,
+                        Lost {
+                            node,
+                            reason: cause.to_string(),
+                            agent_alive: alive,
+                        },
+                    );
                 }
             }
         }

@@ -226,10 +226,11 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     auth::respond(&mut stream, &token, "control").map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
-        let listener = TcpListener::bind((args.bind.as_str(), 0)).map_err(|source| WorkerError::Io {
-            what: format!("binding the stage data port on {}", args.bind),
-            source,
-        })?;
+        let listener =
+            TcpListener::bind((args.bind.as_str(), 0)).map_err(|source| WorkerError::Io {
+                what: format!("binding the stage data port on {}", args.bind),
+                source,
+            })?;
         let data_addr = listener
             .local_addr()
             .map_err(|source| WorkerError::Io {
