@@ -6,10 +6,11 @@
 //!
 //! The crate is a pure core, in the manner of torchft's `quorum_compute` and raft-rs: no I/O,
 //! no async, no clock reads. Time is always passed in as an [`std::time::Instant`], so tests
-//! move it by hand. The async shell around it (the trainer) feeds events into a
-//! [`ClusterState`], calls [`decide()`], acts on the [`Decision`] (publishes the plan, stops the
-//! step, restores state from the [`Tier`] that [`recovery_tier`] picks) and records it with
-//! [`ClusterState::apply`]:
+//! move it by hand. (The one I/O part is the [`etcd`] module, a rendezvous that keeps
+//! membership, leadership and the plan generation in etcd; the core does not use it.) The async
+//! shell around it (the trainer) feeds events into a [`ClusterState`], calls [`decide()`], acts
+//! on the [`Decision`] (publishes the plan, stops the step, restores state from the [`Tier`]
+//! that [`recovery_tier`] picks) and records it with [`ClusterState::apply`]:
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -41,6 +42,7 @@
 pub mod config;
 pub mod decide;
 pub mod error;
+pub mod etcd;
 pub mod membership;
 pub mod plan;
 
