@@ -34,6 +34,10 @@ pub struct ElasticConfig {
     /// Whether `seqpipe train` starts its own agents on this machine (one node per pipeline stage,
     /// the default). `false`: it waits for agents started with `seqpipe agent --join`.
     pub local_agents: bool,
+    /// Whether each worker copies its state into the memory of its own and its buddy node's agent
+    /// after every step (tier-1 recovery: only the interrupted step is redone). Off: recoveries
+    /// restore from the newest committed checkpoint.
+    pub peer_snapshots: bool,
 }
 
 impl Default for ElasticConfig {
@@ -48,6 +52,7 @@ impl Default for ElasticConfig {
             grace_s: 30.0,
             listen: "127.0.0.1:0".into(),
             local_agents: true,
+            peer_snapshots: true,
         }
     }
 }

@@ -260,14 +260,16 @@ struct RecoveryTrial {
     tier: String,
 }
 
-/// Starts a real run, SIGKILLs one worker (a node) after `kill_after_step` steps plus a random
-/// delay, and reads the launcher's `node_lost` / `recovered` events.
+/// Starts a real run, SIGKILLs one node (its agent; its worker dies with it) after
+/// `kill_after_step` steps plus a delay, and reads the coordinator's `node_lost` / `recovered`
+/// events. `peer` turns tier-1 peer snapshots on.
 fn recovery_trial(
     dir: &std::path::Path,
     kill_after_step: usize,
     delay_ms: u64,
     victim: usize,
     every: u64,
+    peer: bool,
 ) -> Result<RecoveryTrial> {
     let _ = std::fs::remove_dir_all(dir);
     let exe = std::env::current_exe()?;
@@ -285,7 +287,9 @@ fn recovery_trial(
         .arg("--set")
         .arg(format!("run.dir={}", dir.display()))
         .arg("--set")
-        .arg(format!("checkpoint.every={every}"));
+        .arg(format!("checkpoint.every={every}"))
+        .arg("--set")
+        .arg(format!("elastic.peer_snapshots={peer}"));
     for s in sets {
         cmd.args(["--set", s]);
     }
@@ -311,14 +315,14 @@ fn recovery_trial(
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-    let workers: Vec<u32> =
+    let agents: Vec<u32> =
         std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))?
             .split_whitespace()
             .filter_map(|p| p.parse().ok())
             .collect();
-    let pid = workers
-        .get(victim % workers.len().max(1))
-        .context("no worker to kill")?;
+    let pid = agents
+        .get(victim % agents.len().max(1))
+        .context("no node to kill")?;
     let killed_at = crate::runtime::driver::unix_time_s();
     std::process::Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -349,44 +353,53 @@ fn recovery_trial(
     })
 }
 
-/// `seqpipe bench recovery`: kills a worker of a real 4-stage run `trials` times and prints the
-/// detection time, the time from SIGKILL to the first completed step after recovery, and the steps
-/// of work lost, for checkpoints every `every` steps.
+/// `seqpipe bench recovery`: kills a node of a real 4-stage run `trials` times for each recovery
+/// tier (peer snapshots on, then off) and prints the detection time, the time from SIGKILL to the
+/// first completed step after recovery, and the steps of work lost, for checkpoints every `every`
+/// steps.
 pub fn recovery_bench(trials: usize, every: u64) -> Result<()> {
     let base = std::env::temp_dir().join(format!("seqpipe-bench-recovery-{}", std::process::id()));
-    let mut results = Vec::new();
-    for i in 0..trials {
-        let r = recovery_trial(
-            &base.join(format!("trial-{i}")),
-            4 + i % 5,
-            (i as u64 * 37) % 200,
-            i,
-            every,
-        )?;
-        println!(
-            "trial {}: detection {:.3}s, SIGKILL -> first step after recovery {:.3}s, lost {} steps, tier {}",
-            i + 1,
-            r.detection_s,
-            r.recovery_s,
-            r.lost_steps,
-            r.tier
-        );
-        results.push(r);
-    }
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!(
-        "median over {trials} trials (tier checkpoint, every {every} steps): detection {:.3}s, recovery {:.3}s, lost steps {} (max {})",
-        median(results.iter().map(|r| r.detection_s).collect()),
-        median(results.iter().map(|r| r.recovery_s).collect()),
-        median(results.iter().map(|r| r.lost_steps as f64).collect()),
-        results.iter().map(|r| r.lost_steps).max().unwrap_or(0)
-    );
-    println!(
-        "tier 1 (peer snapshots) is not implemented yet: every recovery restores the newest committed checkpoint"
-    );
+    for (label, peer) in [
+        ("tier 1, peer snapshots", true),
+        ("tier 2, checkpoint", false),
+    ] {
+        println!("{label} (elastic.peer_snapshots = {peer}, checkpoint.every = {every}):");
+        let mut results = Vec::new();
+        for i in 0..trials {
+            let r = recovery_trial(
+                &base.join(format!("trial-{peer}-{i}")),
+                4 + i % 5,
+                (i as u64 * 37) % 200,
+                i,
+                every,
+                peer,
+            )?;
+            println!(
+                "  trial {}: detection {:.3}s, SIGKILL -> first step after recovery {:.3}s, lost {} steps, tier {}",
+                i + 1,
+                r.detection_s,
+                r.recovery_s,
+                r.lost_steps,
+                r.tier
+            );
+            results.push(r);
+        }
+        println!(
+            "  median over {trials} trials: detection {:.3}s, recovery {:.3}s, lost steps {} (max {}); tiers used: {:?}",
+            median(results.iter().map(|r| r.detection_s).collect()),
+            median(results.iter().map(|r| r.recovery_s).collect()),
+            median(results.iter().map(|r| r.lost_steps as f64).collect()),
+            results.iter().map(|r| r.lost_steps).max().unwrap_or(0),
+            results
+                .iter()
+                .map(|r| r.tier.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+        );
+    }
     let _ = std::fs::remove_dir_all(&base);
     Ok(())
 }

@@ -188,13 +188,13 @@ enum BenchCommand {
         #[arg(long, default_value_t = 6)]
         stall_steps: u64,
     },
-    /// Recovery from a SIGKILLed worker: detection time, time to the next completed step, work lost.
+    /// Recovery from a SIGKILLed node, per tier: detection time, time to the next completed step, work lost.
     Recovery(RecoveryBenchArgs),
 }
 
 #[derive(Args, Debug)]
 struct RecoveryBenchArgs {
-    /// Trials (each kills one worker of a fresh run).
+    /// Trials per tier (each kills one node of a fresh run).
     #[arg(long, default_value_t = 7)]
     trials: usize,
     /// Checkpoint interval of the runs, in steps.
@@ -296,6 +296,9 @@ struct WorkerCli {
     /// Gradient dump directory.
     #[arg(long)]
     dump_grads: Option<PathBuf>,
+    /// Agent snapshot address to copy the state to after every step (repeatable).
+    #[arg(long)]
+    snapshot_to: Vec<String>,
 }
 
 /// Entry point of the `seqpipe` binary: runs the command, prints errors with their causes.
@@ -428,6 +431,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 stage: w.stage,
                 generation: w.generation,
                 bind: w.bind,
+                snapshot_to: w.snapshot_to,
                 config: w.config,
                 dump_grads: w.dump_grads,
             }) {

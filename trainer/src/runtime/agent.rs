@@ -9,9 +9,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use elastic::NodeInfo;
@@ -19,7 +19,8 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use super::auth;
-use super::control::{ControlStream, FromAgent, ToAgent};
+use super::control::{ControlSender, ControlStream, FromAgent, ToAgent};
+use super::peer_snapshots::{SnapshotStore, serve};
 use crate::config::Config;
 
 /// How an agent is started.
@@ -89,6 +90,55 @@ enum Ended {
     Fenced,
 }
 
+/// The node's peer-snapshot service: the copies its workers and its buddy's workers send after
+/// every step, kept across incarnations (they are this process's memory).
+struct Snapshots {
+    store: Arc<Mutex<SnapshotStore>>,
+    port: u16,
+    /// Where to report stored copies: the current incarnation's coordinator connection.
+    report_to: Arc<Mutex<Option<ControlSender>>>,
+}
+
+impl Snapshots {
+    fn start(args: &AgentArgs) -> Result<Self, AgentError> {
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |source| AgentError::Io {
+                what: what.clone(),
+                source,
+            }
+        };
+        let bind = args.host.as_deref().unwrap_or("0.0.0.0");
+        let listener = std::net::TcpListener::bind((bind, 0))
+            .map_err(io(&format!("binding the snapshot port on {bind}")))?;
+        let port = listener.local_addr().map_err(io("snapshot port"))?.port();
+        let store = Arc::new(Mutex::new(SnapshotStore::default()));
+        let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
+        let reporter = Arc::clone(&report_to);
+        let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+        serve(listener, token, Arc::clone(&store), move |step, names| {
+            if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
+            }
+        })
+        .map_err(io("starting the snapshot service"))?;
+        Ok(Self {
+            store,
+            port,
+            report_to,
+        })
+    }
+
+    /// Reports to `sender` from now on, starting with everything held.
+    fn report_to(&self, sender: ControlSender) {
+        let held = self.store.lock().unwrap_or_else(|p| p.into_inner()).held();
+        for (step, names) in held {
+            let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
+        }
+        *self.report_to.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender);
+    }
+}
+
 /// Runs the agent until the coordinator shuts the run down (or goes away).
 pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
     let leaving = Arc::new(AtomicBool::new(false));
@@ -98,8 +148,9 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
             source,
         },
     )?;
+    let snapshots = Snapshots::start(args)?;
     loop {
-        match run_incarnation(args, &leaving)? {
+        match run_incarnation(args, &leaving, &snapshots)? {
             Ended::Shutdown => return Ok(()),
             Ended::Fenced if leaving.load(Ordering::SeqCst) => {
                 info!("left the run after a preemption notice");
@@ -134,7 +185,11 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
     ControlStream::new(stream).map_err(err)
 }
 
-fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, AgentError> {
+fn run_incarnation(
+    args: &AgentArgs,
+    leaving: &AtomicBool,
+    snapshots: &Snapshots,
+) -> Result<Ended, AgentError> {
     let gone = |reason: String| AgentError::CoordinatorGone {
         addr: args.join.clone(),
         reason,
@@ -148,7 +203,11 @@ fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, Agen
             .ip()
             .to_string(),
     };
-    let node = NodeInfo::new(args.name.clone(), args.slots, host.clone());
+    let node = NodeInfo::new(
+        args.name.clone(),
+        args.slots,
+        format!("{host}:{}", snapshots.port),
+    );
     control
         .send(&FromAgent::Join {
             node,
@@ -180,6 +239,7 @@ fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, Agen
         other => return Err(gone(format!("expected a welcome, got {other:?}"))),
     };
     let sender = control.sender();
+    snapshots.report_to(sender.clone());
     let (tx, messages) = channel();
     std::thread::spawn(move || {
         loop {
@@ -217,20 +277,22 @@ fn run_incarnation(args: &AgentArgs, leaving: &AtomicBool) -> Result<Ended, Agen
                 generation,
                 stages,
                 config,
+                snapshot_to,
                 session,
                 dump_grads,
             })) => {
                 stop(&mut workers, u64::MAX);
                 for stage in stages {
-                    match spawn_worker(
-                        args,
-                        &host,
+                    let spec = WorkerSpec {
+                        host: &host,
                         generation,
                         stage,
-                        &config,
-                        &session,
-                        dump_grads.as_deref(),
-                    ) {
+                        config: &config,
+                        snapshot_to: &snapshot_to,
+                        session: &session,
+                        dump_grads: dump_grads.as_deref(),
+                    };
+                    match spawn_worker(args, &spec) {
                         Ok(w) => workers.push(w),
                         Err(e) => {
                             warn!(stage, error = %e, "cannot start a worker");
@@ -307,15 +369,27 @@ fn signal(child: &Child, sig: i32) {
     }
 }
 
-fn spawn_worker(
-    args: &AgentArgs,
-    host: &str,
+/// What one worker is started with.
+struct WorkerSpec<'a> {
+    host: &'a str,
     generation: u64,
     stage: usize,
-    config: &str,
-    session: &str,
-    dump_grads: Option<&Path>,
-) -> Result<RunningWorker, AgentError> {
+    config: &'a str,
+    snapshot_to: &'a [String],
+    session: &'a str,
+    dump_grads: Option<&'a Path>,
+}
+
+fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, AgentError> {
+    let WorkerSpec {
+        host,
+        generation,
+        stage,
+        config,
+        snapshot_to,
+        session,
+        dump_grads,
+    } = *spec;
     let io = |what: String| {
         move |source| AgentError::Io {
             what: what.clone(),
@@ -342,6 +416,9 @@ fn spawn_worker(
         .arg(&config_path);
     if let Some(dir) = dump_grads {
         cmd.arg("--dump-grads").arg(dir);
+    }
+    for addr in snapshot_to {
+        cmd.args(["--snapshot-to", addr]);
     }
     cmd.env("RAYON_NUM_THREADS", &threads)
         .env("CANDLE_NUM_THREADS", &threads);

@@ -95,6 +95,8 @@ pub enum ToWorker {
     Checkpoint { step: u64 },
     /// Load parameters and optimizer state from the committed checkpoint of `step`.
     Restore { step: u64 },
+    /// Load the state after `step` from the peer snapshots held by the agents at `sources`.
+    RestorePeers { step: u64, sources: Vec<String> },
     /// Load parameters from a Hugging Face GPT-2 directory (`seqpipe ckpt export` output).
     InitFrom { dir: std::path::PathBuf },
     /// Exit cleanly.
@@ -126,6 +128,8 @@ pub enum FromAgent {
     WorkersStopped { generation: u64 },
     /// The node got a preemption notice (SIGTERM): it leaves at the next step boundary.
     Leaving,
+    /// The agent holds a peer snapshot of these tensors of the state after `step`.
+    SnapshotHeld { step: u64, names: Vec<String> },
 }
 
 /// Coordinator → agent.
@@ -140,6 +144,9 @@ pub enum ToAgent {
         stages: Vec<usize>,
         /// The resolved config (TOML) the workers run.
         config: String,
+        /// Agents' snapshot addresses the workers copy their state to after every step (their own
+        /// node's and its buddy's); empty when peer snapshots are off.
+        snapshot_to: Vec<String>,
         /// Sub-directory of the agent's directory for this pipeline's config and logs.
         session: String,
         /// Workers dump each step's gradients here (tests).

@@ -3,7 +3,7 @@
 //! and exits, asks [`elastic::decide`] for plans, and tells agents which workers to start. The
 //! pipeline of one plan is in [`super::launcher`]; the training loop in [`super::driver`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -106,6 +106,8 @@ pub struct Coordinator {
     workers: HashMap<u64, ControlSender>,
     /// Worker exits reported for the current generation, by stage.
     pub(super) exits: BTreeMap<usize, Exit>,
+    /// Peer snapshots the agents hold: step → node → tensor names.
+    held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
     local_agents: Vec<Child>,
     stop: Arc<AtomicBool>,
 }
@@ -156,6 +158,7 @@ impl Coordinator {
             agents: BTreeMap::new(),
             workers: HashMap::new(),
             exits: BTreeMap::new(),
+            held: BTreeMap::new(),
             local_agents: Vec::new(),
             stop,
         };
@@ -313,11 +316,21 @@ impl Coordinator {
     ) -> Result<(), LaunchError> {
         self.exits.clear();
         let plan = self.plan().clone();
+        let buddies = elastic::buddies(&plan);
         for node in &plan.nodes {
+            let snapshot_to: Vec<String> = if self.cfg.elastic.peer_snapshots {
+                std::iter::once(node)
+                    .chain(buddies.get(node))
+                    .filter_map(|n| self.state.membership.get(n).map(|m| m.info.addr.clone()))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             let msg = ToAgent::StartWorkers {
                 generation: plan.generation,
                 stages: plan.stages_of(node),
                 config: config.to_string(),
+                snapshot_to,
                 session: self.session.clone(),
                 dump_grads: dump_grads.map(|d| d.to_path_buf()),
             };
@@ -582,6 +595,18 @@ impl Coordinator {
                         })
                     }
                     FromAgent::WorkersStopped { .. } => None,
+                    FromAgent::SnapshotHeld { step, names } => {
+                        self.held
+                            .entry(step)
+                            .or_default()
+                            .entry(node)
+                            .or_default()
+                            .extend(names);
+                        while self.held.len() > 3 {
+                            self.held.pop_first();
+                        }
+                        None
+                    }
                     FromAgent::Join { .. } => {
                         warn!(%node, "ignored a second join on one connection");
                         None
@@ -664,12 +689,12 @@ impl Coordinator {
         }
         self.state.step = failed_step;
         self.state.at_step_boundary = false;
-        self.replan(&mut events)?;
+        let tier = self.replan(&mut events)?;
         self.recovery = Some(Recovery {
             failed_at,
             failed_step,
             stages_before,
-            tier: "checkpoint",
+            tier,
             events,
         });
         Ok(())
@@ -722,8 +747,10 @@ impl Coordinator {
     }
 
     /// Asks the elastic core for the next plan (waiting while it says wait), adopts it, and points
-    /// the next pipeline at the newest committed checkpoint; adds the `plan` event.
-    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<(), LaunchError> {
+    /// the next pipeline at the newest state: the agents' peer snapshots when they cover the model
+    /// and are not older than the newest committed checkpoint, else that checkpoint. Adds the `plan`
+    /// event and returns the tier (`peer` or `checkpoint`).
+    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<&'static str, LaunchError> {
         let plan = loop {
             let now = Instant::now();
             let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
@@ -763,13 +790,59 @@ impl Coordinator {
         }
         self.cfg.pipeline.stages = plan.num_stages();
         let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
-        self.start = if committed.is_empty() {
-            Start::Fresh
-        } else {
-            Start::Resume(ResumePoint::Latest)
+        let latest = committed.last().copied();
+        let peers = self
+            .peer_coverage()
+            .filter(|(step, _)| latest.is_none_or(|c| *step >= c));
+        let (tier, resume_from) = match peers {
+            Some((step, sources)) => {
+                self.start = Start::Peers { step, sources };
+                ("peer", Some(step))
+            }
+            None if latest.is_some() => {
+                self.start = Start::Resume(ResumePoint::Latest);
+                ("checkpoint", latest)
+            }
+            None => {
+                self.start = Start::Fresh;
+                ("checkpoint", None)
+            }
         };
-        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages, "resume_from": committed.last()}));
-        Ok(())
+        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages, "resume_from": resume_from, "tier": tier}));
+        Ok(tier)
+    }
+
+    /// The newest step whose peer snapshots, on the agents still alive, cover the whole model
+    /// (parameters and AdamW moments), with the agents that hold it.
+    fn peer_coverage(&self) -> Option<(u64, Vec<String>)> {
+        if !self.cfg.elastic.peer_snapshots {
+            return None;
+        }
+        let params: Vec<String> = crate::model::params::param_specs(&self.cfg.model)
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        for (&step, holders) in self.held.iter().rev() {
+            let alive: Vec<(&NodeId, &BTreeSet<String>)> = holders
+                .iter()
+                .filter(|(node, _)| self.agent_alive(node))
+                .collect();
+            let covered = |name: &String| alive.iter().any(|(_, names)| names.contains(name));
+            let complete = params.iter().all(|p| {
+                covered(p)
+                    && (step == 0
+                        || (covered(&crate::checkpointing::shard::m_name(p))
+                            && covered(&crate::checkpointing::shard::v_name(p))))
+            });
+            if complete {
+                let sources = alive
+                    .iter()
+                    .filter_map(|(n, _)| self.state.membership.get(n).map(|m| m.info.addr.clone()))
+                    .collect();
+                return Some((step, sources));
+            }
+        }
+        None
     }
 
     /// Connections of agents whose node is dead (it left, or was declared dead).

@@ -42,6 +42,13 @@ pub enum Start {
     Fresh,
     /// From a committed checkpoint in the configured store.
     Resume(ResumePoint),
+    /// From the peer snapshots of the state after `step` held by the agents at `sources`.
+    Peers {
+        /// The step the snapshots are of.
+        step: u64,
+        /// The agents' snapshot addresses.
+        sources: Vec<String>,
+    },
     /// Weights from a Hugging Face GPT-2 directory, fresh optimizer.
     InitFrom(PathBuf),
 }
@@ -257,6 +264,26 @@ impl Driver<'_, '_> {
                 Ok(0)
             }
             Start::Resume(point) => self.restore(*point),
+            Start::Peers { step, sources } => {
+                self.pipeline.broadcast(&ToWorker::RestorePeers {
+                    step: *step,
+                    sources: sources.clone(),
+                })?;
+                match self.expect_restored(*step)? {
+                    Ok(()) => {
+                        info!(step, "resumed from peer snapshots");
+                        Ok(*step)
+                    }
+                    Err((error, _)) if self.checkpoints.committed_steps()?.is_empty() => {
+                        warn!(step, %error, "peer snapshots unusable and no checkpoint: starting over");
+                        Ok(0)
+                    }
+                    Err((error, _)) => {
+                        warn!(step, %error, "peer snapshots unusable: resuming from the newest checkpoint");
+                        self.restore(ResumePoint::Latest)
+                    }
+                }
+            }
         }
     }
 
@@ -264,7 +291,8 @@ impl Driver<'_, '_> {
         let cfg = self.cfg;
         let t = &cfg.train;
         let start_step = self.load(&opts.start)?;
-        let resumed_from = matches!(opts.start, Start::Resume(_)).then_some(start_step);
+        let resumed_from =
+            matches!(opts.start, Start::Resume(_) | Start::Peers { .. }).then_some(start_step);
         if start_step >= t.steps {
             return Err(LaunchError::Run(format!(
                 "the checkpoint is at step {start_step} and train.steps is {}: nothing to train; raise it, e.g. --set train.steps={}",

@@ -9,6 +9,7 @@ pub mod control;
 pub mod coordinator;
 pub mod driver;
 pub mod launcher;
+pub mod peer_snapshots;
 pub mod transport;
 pub mod wire;
 pub mod worker;

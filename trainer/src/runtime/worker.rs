@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 
 use super::auth;
 use super::control::{ControlSender, ControlStream, ToLauncher, ToWorker};
+use super::peer_snapshots::{self, PeerCopier};
 use super::transport::{Payload, TcpLink, Transport, TransportError};
 use crate::checkpointing::hf;
 use crate::checkpointing::shard::{
@@ -89,6 +90,8 @@ pub struct WorkerArgs {
     pub config: PathBuf,
     /// Write each step's accumulated gradients here before the update (debugging and tests).
     pub dump_grads: Option<PathBuf>,
+    /// Agents' snapshot addresses to copy the state to after every step.
+    pub snapshot_to: Vec<String>,
 }
 
 /// The tokens of the micro-batches in flight: `rows × (seq_len + 1)`.
@@ -112,6 +115,8 @@ struct Worker {
     token: String,
     /// Set by SIGTERM: a preemption notice for this node.
     leaving: Arc<AtomicBool>,
+    /// Sends the state after every step to the agents' memory (tier-1 recovery).
+    peer_copier: Option<PeerCopier>,
 }
 
 /// A snapshot waiting for the uploader.
@@ -248,6 +253,16 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
             .map_err(control_err)?;
         let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
         worker.token = token.clone();
+        if !args.snapshot_to.is_empty() {
+            worker.peer_copier = Some(
+                PeerCopier::start(args.snapshot_to.clone(), token.clone(), timeout).map_err(
+                    |source| WorkerError::Io {
+                        what: "starting the peer-snapshot sender".into(),
+                        source,
+                    },
+                )?,
+            );
+        }
         worker.watch_for_preemption()?;
         worker.checkpoints = Some(Checkpoints::start(
             &worker.cfg,
@@ -350,6 +365,7 @@ impl Worker {
             checkpoints: None,
             token: String::new(),
             leaving: Arc::new(AtomicBool::new(false)),
+            peer_copier: None,
         })
     }
 
@@ -502,6 +518,9 @@ impl Worker {
                     control
                         .send(&ToLauncher::Updated { stage: r, step })
                         .map_err(control_err)?;
+                    if let Some(copier) = &self.peer_copier {
+                        copier.copy(step, snapshot(&self.stage, &self.optimizer));
+                    }
                 }
                 ToWorker::Eval { batches } => {
                     let loss_sum = self.run_eval(batches)?;
@@ -538,6 +557,18 @@ impl Worker {
                                 e,
                                 WorkerError::Checkpoint(CheckpointError::Corrupt { .. })
                             ),
+                            error: e.to_string(),
+                        },
+                    };
+                    control.send(&reply).map_err(control_err)?;
+                }
+                ToWorker::RestorePeers { step, sources } => {
+                    let reply = match self.restore_from_peers(step, &sources) {
+                        Ok(()) => ToLauncher::Restored { stage: r, step },
+                        Err(e) => ToLauncher::RestoreFailed {
+                            stage: r,
+                            step,
+                            corrupt: false,
                             error: e.to_string(),
                         },
                     };
@@ -594,6 +625,22 @@ impl Worker {
         )?;
         self.stage.reset_step();
         info!(step, tensors = names.len(), "restored from checkpoint");
+        Ok(())
+    }
+
+    /// Loads this stage's tensors of the state after `step` from the agents' peer snapshots.
+    fn restore_from_peers(&mut self, step: u64, sources: &[String]) -> Result<(), WorkerError> {
+        let names = names_to_restore(&self.stage, step > 0);
+        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        let tensors = peer_snapshots::fetch(sources, step, &names, &self.token, timeout)
+            .map_err(WorkerError::Protocol)?;
+        let tensors = tensors
+            .iter()
+            .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+            .collect::<Result<Vec<_>, candle_core::Error>>()?;
+        restore(&mut self.stage, &mut self.optimizer, tensors, step)?;
+        self.stage.reset_step();
+        info!(step, tensors = names.len(), "restored from peer snapshots");
         Ok(())
     }
 

@@ -1,0 +1,432 @@
+//! Tier-1 recovery state: after every step each worker copies its stage's state (parameters and
+//! AdamW moments, under their global names) into the memory of two agents — its own node's and its
+//! buddy node's — off the critical path. When nodes are lost, the new pipeline's workers fetch their
+//! layers' state from the surviving agents instead of the object store, and only the interrupted
+//! step is redone.
+//!
+//! Agents keep the copies of the two newest steps (the newest may be incomplete when a failure
+//! strikes during the copy) and report what they hold to the coordinator, which restores from the
+//! newest step that the live agents cover completely.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufReader, BufWriter};
+use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use checkpoint::{Dtype, TensorData};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use super::auth;
+use super::wire::{Frame, read_frame, write_frame};
+use crate::checkpointing::shard::to_tensor_data;
+
+/// How many steps an agent keeps.
+const KEPT_STEPS: usize = 2;
+
+/// One tensor in a frame's payload.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct TensorMeta {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+/// Worker → agent.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Request {
+    /// Keep these tensors (the payload) as the state after `step`.
+    Put { step: u64, tensors: Vec<TensorMeta> },
+    /// Send the tensors of `step` among `names` that you hold.
+    Get { step: u64, names: Vec<String> },
+}
+
+/// Agent → worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Reply {
+    /// The put is stored.
+    Stored,
+    /// The requested tensors this agent holds (the payload).
+    Tensors { tensors: Vec<TensorMeta> },
+}
+
+fn pack(tensors: &[(String, TensorData)]) -> (Vec<TensorMeta>, Vec<u8>) {
+    let mut payload = Vec::with_capacity(tensors.iter().map(|(_, t)| t.data.len()).sum());
+    let metas = tensors
+        .iter()
+        .map(|(name, t)| {
+            payload.extend_from_slice(&t.data);
+            TensorMeta {
+                name: name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                len: t.data.len(),
+            }
+        })
+        .collect();
+    (metas, payload)
+}
+
+fn unpack(metas: Vec<TensorMeta>, payload: Vec<u8>) -> std::io::Result<Vec<(String, TensorData)>> {
+    let payload = bytes::Bytes::from(payload);
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(metas.len());
+    for m in metas {
+        let end = offset + m.len;
+        if end > payload.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("snapshot payload too short for tensor {}", m.name),
+            ));
+        }
+        out.push((
+            m.name,
+            TensorData::new(m.dtype, m.shape, payload.slice(offset..end)),
+        ));
+        offset = end;
+    }
+    Ok(out)
+}
+
+/// The copies an agent holds: step → name → tensor.
+#[derive(Default)]
+pub struct SnapshotStore {
+    steps: BTreeMap<u64, BTreeMap<String, TensorData>>,
+}
+
+impl SnapshotStore {
+    fn put(&mut self, step: u64, tensors: Vec<(String, TensorData)>) {
+        self.steps.entry(step).or_default().extend(tensors);
+        while self.steps.len() > KEPT_STEPS {
+            self.steps.pop_first();
+        }
+    }
+
+    /// What is held: step → names.
+    pub fn held(&self) -> Vec<(u64, Vec<String>)> {
+        self.steps
+            .iter()
+            .map(|(step, tensors)| (*step, tensors.keys().cloned().collect()))
+            .collect()
+    }
+
+    /// Bytes held, for the log.
+    fn bytes(&self) -> usize {
+        self.steps
+            .values()
+            .flat_map(|t| t.values())
+            .map(|t| t.data.len())
+            .sum()
+    }
+}
+
+/// Serves an agent's snapshot port: authenticated workers put and get copies. `on_stored` is told
+/// the step and names of every completed put (the agent reports them to the coordinator).
+pub fn serve(
+    listener: TcpListener,
+    token: String,
+    store: Arc<Mutex<SnapshotStore>>,
+    on_stored: impl Fn(u64, Vec<String>) + Send + Sync + 'static,
+) -> std::io::Result<()> {
+    let on_stored = Arc::new(on_stored);
+    std::thread::Builder::new()
+        .name("snapshot-accept".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let (token, store, on_stored) =
+                    (token.clone(), Arc::clone(&store), Arc::clone(&on_stored));
+                std::thread::spawn(move || {
+                    if let Err(e) = auth::challenge(&mut stream, &token, "snapshot") {
+                        warn!(error = %e, "closed an unauthenticated connection to the snapshot port");
+                        return;
+                    }
+                    if let Err(e) = serve_connection(stream, &store, &*on_stored) {
+                        debug!(error = %e, "snapshot connection ended");
+                    }
+                });
+            }
+        })?;
+    Ok(())
+}
+
+fn serve_connection(
+    stream: TcpStream,
+    store: &Mutex<SnapshotStore>,
+    on_stored: &dyn Fn(u64, Vec<String>),
+) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = BufWriter::new(stream);
+    loop {
+        let frame = read_frame(&mut reader)?;
+        match frame.header::<Request>()? {
+            Request::Put { step, tensors } => {
+                let tensors = unpack(tensors, frame.payload)?;
+                let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
+                let bytes = {
+                    let mut store = store.lock().unwrap_or_else(|p| p.into_inner());
+                    store.put(step, tensors);
+                    store.bytes()
+                };
+                debug!(
+                    step,
+                    tensors = names.len(),
+                    held_bytes = bytes,
+                    "peer snapshot stored"
+                );
+                write_frame(&mut writer, &Frame::new(&Reply::Stored, Vec::new()))?;
+                on_stored(step, names);
+            }
+            Request::Get { step, names } => {
+                let found: Vec<(String, TensorData)> = {
+                    let store = store.lock().unwrap_or_else(|p| p.into_inner());
+                    store
+                        .steps
+                        .get(&step)
+                        .map(|held| {
+                            names
+                                .iter()
+                                .filter_map(|n| held.get(n).map(|t| (n.clone(), t.clone())))
+                                .collect()
+                        })
+                        .unwrap_or_default()
+                };
+                let (tensors, payload) = pack(&found);
+                write_frame(
+                    &mut writer,
+                    &Frame::new(&Reply::Tensors { tensors }, payload),
+                )?;
+            }
+        }
+    }
+}
+
+/// An authenticated connection to an agent's snapshot port.
+struct Peer {
+    addr: String,
+    reader: BufReader<TcpStream>,
+    writer: BufWriter<TcpStream>,
+}
+
+impl Peer {
+    fn connect(addr: &str, token: &str, timeout: Duration) -> std::io::Result<Self> {
+        use std::net::ToSocketAddrs;
+        let sock = addr
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| std::io::Error::other(format!("{addr} resolves to nothing")))?;
+        let mut stream = TcpStream::connect_timeout(&sock, timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_nodelay(true)?;
+        auth::respond(&mut stream, token, "snapshot")?;
+        Ok(Self {
+            addr: addr.to_string(),
+            reader: BufReader::new(stream.try_clone()?),
+            writer: BufWriter::new(stream),
+        })
+    }
+
+    fn call(&mut self, request: &Request, payload: Vec<u8>) -> std::io::Result<(Reply, Vec<u8>)> {
+        write_frame(&mut self.writer, &Frame::new(request, payload))?;
+        let frame = read_frame(&mut self.reader)?;
+        Ok((frame.header()?, frame.payload))
+    }
+}
+
+/// A copy of a stage's state waiting to be sent.
+struct CopyJob {
+    step: u64,
+    tensors: Vec<(String, Tensor)>,
+}
+
+/// The worker's background sender of peer snapshots.
+pub struct PeerCopier {
+    jobs: Sender<CopyJob>,
+}
+
+impl PeerCopier {
+    /// Starts the sender thread for `destinations` (agents' snapshot addresses).
+    pub fn start(
+        destinations: Vec<String>,
+        token: String,
+        timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let (jobs, queue) = channel::<CopyJob>();
+        std::thread::Builder::new()
+            .name("peer-copy".into())
+            .spawn(move || {
+                let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
+                for CopyJob { step, tensors } in queue {
+                    let started = Instant::now();
+                    let data: Result<Vec<_>, _> = tensors
+                        .iter()
+                        .map(|(n, t)| Ok::<_, candle_core::Error>((n.clone(), to_tensor_data(t)?)))
+                        .collect();
+                    let Ok(data) = data else {
+                        warn!(step, "cannot read the state for a peer snapshot");
+                        continue;
+                    };
+                    let (metas, payload) = pack(&data);
+                    let request = Request::Put {
+                        step,
+                        tensors: metas,
+                    };
+                    for addr in &destinations {
+                        let result = match peers.remove(addr) {
+                            Some(p) => Ok(p),
+                            None => Peer::connect(addr, &token, timeout),
+                        }
+                        .and_then(|mut p| p.call(&request, payload.clone()).map(|r| (p, r)));
+                        match result {
+                            Ok((peer, (Reply::Stored, _))) => {
+                                peers.insert(addr.clone(), peer);
+                            }
+                            Ok((_, (other, _))) => {
+                                warn!(%addr, ?other, "unexpected answer to a peer snapshot")
+                            }
+                            Err(e) => warn!(%addr, step, error = %e, "peer snapshot not stored"),
+                        }
+                    }
+                    debug!(
+                        step,
+                        bytes = payload.len(),
+                        seconds = started.elapsed().as_secs_f64(),
+                        "peer snapshots sent"
+                    );
+                }
+            })?;
+        Ok(Self { jobs })
+    }
+
+    /// Queues the state after `step` (the tensors are immutable: nothing is copied here).
+    pub fn copy(&self, step: u64, tensors: Vec<(String, Tensor)>) {
+        if self.jobs.send(CopyJob { step, tensors }).is_err() {
+            warn!(
+                step,
+                "the peer-copy thread stopped; no peer snapshot of this step"
+            );
+        }
+    }
+}
+
+/// Fetches the tensors `names` of `step` from the agents at `sources` (in order, each asked for
+/// what is still missing). Errors name what could not be found.
+pub fn fetch(
+    sources: &[String],
+    step: u64,
+    names: &[String],
+    token: &str,
+    timeout: Duration,
+) -> Result<Vec<(String, TensorData)>, String> {
+    let mut missing: BTreeSet<String> = names.iter().cloned().collect();
+    let mut found = Vec::with_capacity(names.len());
+    for addr in sources {
+        if missing.is_empty() {
+            break;
+        }
+        let request = Request::Get {
+            step,
+            names: missing.iter().cloned().collect(),
+        };
+        let reply = Peer::connect(addr, token, timeout).and_then(|mut p| {
+            let (reply, payload) = p.call(&request, Vec::new())?;
+            Ok((p.addr, reply, payload))
+        });
+        match reply {
+            Ok((addr, Reply::Tensors { tensors }, payload)) => {
+                let tensors = unpack(tensors, payload).map_err(|e| format!("{addr}: {e}"))?;
+                info!(%addr, step, tensors = tensors.len(), "fetched peer snapshot tensors");
+                for (name, t) in tensors {
+                    if missing.remove(&name) {
+                        found.push((name, t));
+                    }
+                }
+            }
+            Ok((addr, other, _)) => warn!(%addr, ?other, "unexpected answer to a snapshot fetch"),
+            Err(e) => warn!(%addr, error = %e, "cannot fetch from this agent"),
+        }
+    }
+    if missing.is_empty() {
+        Ok(found)
+    } else {
+        Err(format!(
+            "the agents {sources:?} do not hold {} tensor(s) of step {step}, e.g. {}",
+            missing.len(),
+            missing.iter().next().expect("not empty")
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(values: &[f32]) -> TensorData {
+        TensorData::new(
+            Dtype::F32,
+            vec![values.len()],
+            values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    #[test]
+    fn agents_keep_the_two_newest_steps_and_serve_what_they_hold() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let store = Arc::new(Mutex::new(SnapshotStore::default()));
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&reports);
+        serve(
+            listener,
+            "secret".into(),
+            Arc::clone(&store),
+            move |step, names| seen.lock().unwrap().push((step, names.len())),
+        )
+        .unwrap();
+        let timeout = Duration::from_secs(5);
+        let mut peer = Peer::connect(&addr, "secret", timeout).unwrap();
+        for step in 1..=3u64 {
+            let (metas, payload) = pack(&[
+                ("a".into(), tensor(&[step as f32, 1.0])),
+                ("b".into(), tensor(&[2.0])),
+            ]);
+            let (reply, _) = peer
+                .call(
+                    &Request::Put {
+                        step,
+                        tensors: metas,
+                    },
+                    payload,
+                )
+                .unwrap();
+            assert!(matches!(reply, Reply::Stored));
+        }
+        let held: Vec<u64> = store
+            .lock()
+            .unwrap()
+            .held()
+            .iter()
+            .map(|(s, _)| *s)
+            .collect();
+        assert_eq!(held, [2, 3]);
+        assert_eq!(*reports.lock().unwrap(), [(1, 2), (2, 2), (3, 2)]);
+        let names = vec!["a".to_string(), "b".to_string()];
+        let got = fetch(&[addr.clone()], 3, &names, "secret", timeout).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].1.data, tensor(&[3.0, 1.0]).data);
+        let err = fetch(&[addr.clone()], 1, &names, "secret", timeout).unwrap_err();
+        assert!(err.contains("do not hold 2 tensor(s) of step 1"), "{err}");
+        // The wrong token gets nothing.
+        assert!(fetch(&[addr], 3, &names, "wrong", timeout).is_err());
+    }
+}
