@@ -38,6 +38,10 @@ pub struct ElasticConfig {
     /// after every step (tier-1 recovery: only the interrupted step is redone). Off: recoveries
     /// restore from the newest committed checkpoint.
     pub peer_snapshots: bool,
+    /// Where membership, leadership and the plan generation live: empty for the coordinator's own
+    /// memory (the default), or `etcd://HOST:PORT/PREFIX`, so that another node takes over when
+    /// the coordinator's node is lost (nodes then run `seqpipe agent --rendezvous URL`).
+    pub rendezvous: String,
 }
 
 impl Default for ElasticConfig {
@@ -53,6 +57,7 @@ impl Default for ElasticConfig {
             listen: "127.0.0.1:0".into(),
             local_agents: true,
             peer_snapshots: true,
+            rendezvous: String::new(),
         }
     }
 }
@@ -91,6 +96,14 @@ impl ElasticConfig {
                     format!("{value} is not a usable number of seconds; use a finite {wanted}"),
                 );
             }
+        }
+        if !self.rendezvous.is_empty() {
+            crate::etcd::EtcdUrl::parse(&self.rendezvous).map_err(|e| {
+                ElasticError::InvalidConfig {
+                    key: "elastic.rendezvous",
+                    message: e.to_string(),
+                }
+            })?;
         }
         if self.dead_after_s <= self.heartbeat_s {
             return invalid(

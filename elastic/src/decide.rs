@@ -28,6 +28,9 @@ pub struct ClusterState {
     pub restarts: usize,
     /// When the current shortfall (fewer than `min_nodes` nodes) began; `None` when there is none.
     pub waiting_since: Option<Instant>,
+    /// The highest generation a previous coordinator of this job used (0 for a new job): the
+    /// first plan continues above it, so its workers' messages stay fenced.
+    pub generation_floor: u64,
 }
 
 impl ClusterState {
@@ -41,6 +44,7 @@ impl ClusterState {
             max_stages,
             restarts: 0,
             waiting_since: None,
+            generation_floor: 0,
         }
     }
 
@@ -173,7 +177,7 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
         if admitted.len() < cfg.min_nodes {
             return wait_or_fail(now, state, cfg, admitted.len(), "");
         }
-        let new = new_plan(&admitted, state, 1);
+        let new = new_plan(&admitted, state, state.generation_floor + 1);
         let reason = format!("first plan at step {}: {}", state.step, layout(&new));
         let joined = ids(&admitted);
         return (Decision::Grow { plan: new, joined }, reason);

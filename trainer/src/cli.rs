@@ -256,8 +256,20 @@ enum DataCommand {
 #[derive(Args, Debug)]
 struct AgentCli {
     /// The coordinator's address (`host:port`, its `elastic.listen`).
-    #[arg(long, value_name = "HOST:PORT")]
-    join: String,
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        required_unless_present = "rendezvous",
+        conflicts_with = "rendezvous"
+    )]
+    join: Option<String>,
+    /// Join through an etcd rendezvous (`etcd://HOST:PORT/PREFIX`) instead: the node also runs the
+    /// job's coordinator when it wins the leadership. Every node needs the same job config.
+    #[arg(long, value_name = "URL")]
+    rendezvous: Option<String>,
+    /// The job's config, with an etcd rendezvous.
+    #[command(flatten)]
+    config: ConfigArgs,
     /// This node's name, unique in the run (default: the host name).
     #[arg(long)]
     name: Option<String>,
@@ -413,8 +425,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     a.connect_timeout_s
                 );
             }
+            let job = match &a.rendezvous {
+                Some(url) => {
+                    let mut cfg = a.config.load()?;
+                    cfg.elastic.rendezvous = url.clone();
+                    cfg.validate()?;
+                    Some(Box::new(cfg))
+                }
+                None => None,
+            };
             run_agent(&AgentArgs {
-                join: a.join,
+                join: a.join.unwrap_or_default(),
+                job,
                 name,
                 slots: a.slots,
                 host: a.host,

@@ -39,6 +39,9 @@ pub struct AgentArgs {
     pub dir: PathBuf,
     /// How long to keep trying to reach the coordinator.
     pub connect_timeout: Duration,
+    /// With an etcd rendezvous: the job's config, which this node runs as coordinator if it wins
+    /// the leadership (then `join` is found in etcd, not given).
+    pub job: Option<Box<Config>>,
 }
 
 /// Why an agent stopped.
@@ -72,6 +75,15 @@ pub enum AgentError {
     /// The coordinator sent a config this binary cannot use.
     #[error("the coordinator's config: {0}")]
     Config(#[from] crate::config::ConfigError),
+    /// The etcd rendezvous failed.
+    #[error("etcd rendezvous {url}: {source}")]
+    Etcd {
+        url: String,
+        source: elastic::etcd::EtcdError,
+    },
+    /// This node's coordinator (it led the job) failed.
+    #[error("the coordinator this node ran exited ({status}); see {log}")]
+    CoordinatorFailed { status: String, log: String },
 }
 
 /// A worker this agent started.
@@ -149,6 +161,9 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
         },
     )?;
     let snapshots = Snapshots::start(args)?;
+    if let Some(job) = &args.job {
+        return run_with_etcd(args, job, &leaving, &snapshots);
+    }
     loop {
         match run_incarnation(args, &leaving, &snapshots)? {
             Ended::Shutdown => return Ok(()),
@@ -162,6 +177,169 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
             }
         }
     }
+}
+
+/// The agent of an etcd-rendezvous job: registers the node under a lease, follows the leader (the
+/// node that runs the coordinator) and, when there is none, campaigns to become it and starts the
+/// coordinator itself. When the leader's node is lost its lease expires, another agent wins the
+/// next campaign and resumes the job from the newest committed checkpoint.
+fn run_with_etcd(
+    args: &AgentArgs,
+    job: &Config,
+    leaving: &AtomicBool,
+    snapshots: &Snapshots,
+) -> Result<(), AgentError> {
+    use elastic::etcd::{EtcdUrl, Rendezvous};
+    let url = job.elastic.rendezvous.clone();
+    let etcd = |source| AgentError::Etcd {
+        url: url.clone(),
+        source,
+    };
+    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let parsed = EtcdUrl::parse(&url).map_err(etcd)?;
+    let rendezvous =
+        Arc::new(Rendezvous::connect(&parsed, &auth::fingerprint(&token)).map_err(etcd)?);
+    let host = match &args.host {
+        Some(h) => h.clone(),
+        None => std::net::TcpStream::connect(parsed.endpoint())
+            .and_then(|s| s.local_addr())
+            .map_err(|source| AgentError::Io {
+                what: format!("reaching etcd at {}", parsed.endpoint()),
+                source,
+            })?
+            .ip()
+            .to_string(),
+    };
+    let lease = rendezvous.grant(job.elastic.dead_after()).map_err(etcd)?;
+    let node = NodeInfo::new(
+        args.name.clone(),
+        args.slots,
+        format!("{host}:{}", snapshots.port),
+    );
+    rendezvous.register(&node, lease.id).map_err(etcd)?;
+    let lease_lost = Arc::new(AtomicBool::new(false));
+    {
+        let (rendezvous, lost) = (Arc::clone(&rendezvous), Arc::clone(&lease_lost));
+        std::thread::spawn(move || {
+            while !lost.load(Ordering::SeqCst) {
+                std::thread::sleep(lease.ttl / 3);
+                if let Err(e) = rendezvous.keep_alive(lease.id) {
+                    warn!(error = %e, "lost the etcd lease: this node is out of the job");
+                    lost.store(true, Ordering::SeqCst);
+                }
+            }
+        });
+    }
+    let mut coordinator: Option<(Child, PathBuf)> = None;
+    let result = loop {
+        if lease_lost.load(Ordering::SeqCst) {
+            break Err(AgentError::Refused {
+                addr: url.clone(),
+                node: args.name.clone(),
+                reason: "its etcd lease expired (partitioned from etcd?)".into(),
+            });
+        }
+        if let Some((child, log)) = &mut coordinator
+            && let Ok(Some(status)) = child.try_wait()
+            && !status.success()
+        {
+            break Err(AgentError::CoordinatorFailed {
+                status: status.to_string(),
+                log: log.display().to_string(),
+            });
+        }
+        let leader = match rendezvous.leader().map_err(etcd)? {
+            Some(leader) => leader,
+            None => {
+                let addr = free_address(&host)?;
+                if rendezvous
+                    .campaign(&args.name, &addr, lease.id)
+                    .map_err(etcd)?
+                {
+                    info!(%addr, "won the leadership: starting the coordinator");
+                    coordinator = Some(spawn_coordinator(args, job, &addr)?);
+                }
+                continue;
+            }
+        };
+        let follow = AgentArgs {
+            join: leader.addr.clone(),
+            connect_timeout: Duration::from_secs(1),
+            ..args.clone()
+        };
+        match run_incarnation(&follow, leaving, snapshots) {
+            Ok(Ended::Shutdown) => break Ok(()),
+            Ok(Ended::Fenced) if leaving.load(Ordering::SeqCst) => break Ok(()),
+            Ok(Ended::Fenced) => {}
+            Err(e @ (AgentError::CoordinatorGone { .. } | AgentError::Connect { .. })) => {
+                warn!(leader = %leader.candidate, error = %e, "lost the coordinator; following the next leader");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    if let Some((mut child, _)) = coordinator {
+        // The coordinator ends the run after telling the agents; give it time to exit cleanly.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    lease_lost.store(true, Ordering::SeqCst);
+    let _ = rendezvous.resign(lease.id);
+    let _ = rendezvous.revoke(lease.id);
+    result
+}
+
+/// A free port on `host`, as `host:port`.
+fn free_address(host: &str) -> Result<String, AgentError> {
+    let listener = std::net::TcpListener::bind((host, 0)).map_err(|source| AgentError::Io {
+        what: format!("finding a free port on {host}"),
+        source,
+    })?;
+    let port = listener
+        .local_addr()
+        .map_err(|source| AgentError::Io {
+            what: "finding a free port".into(),
+            source,
+        })?
+        .port();
+    Ok(format!("{host}:{port}"))
+}
+
+/// Starts the job's coordinator (`seqpipe train`) on this node, listening on `addr`, waiting for
+/// agents rather than starting its own. Its log is `<dir>/coordinator.log`.
+fn spawn_coordinator(
+    args: &AgentArgs,
+    job: &Config,
+    addr: &str,
+) -> Result<(Child, PathBuf), AgentError> {
+    let io = |what: String| {
+        move |source| AgentError::Io {
+            what: what.clone(),
+            source,
+        }
+    };
+    std::fs::create_dir_all(&args.dir).map_err(io(format!("creating {}", args.dir.display())))?;
+    let config = args.dir.join("job.toml");
+    std::fs::write(&config, job.to_toml()).map_err(io(format!("writing {}", config.display())))?;
+    let log = args.dir.join("coordinator.log");
+    let file = std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+    let stderr = file.try_clone().map_err(io("coordinator log".into()))?;
+    let exe = std::env::current_exe().map_err(io("locating the seqpipe executable".into()))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["train", "-q", "--config"])
+        .arg(&config)
+        .args(["--set", "elastic.local_agents=false"])
+        .args(["--set", &format!("elastic.listen={addr}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(file))
+        .stderr(Stdio::from(stderr));
+    die_with_parent(&mut cmd);
+    let child = cmd.spawn().map_err(io("starting the coordinator".into()))?;
+    Ok((child, log))
 }
 
 fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {

@@ -25,6 +25,14 @@ pub fn job_token() -> String {
         .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()))
 }
 
+/// A public fingerprint of the job token (BLAKE3 of a domain-separated token): the etcd
+/// rendezvous stores it so that nodes of another job are refused, without storing the token.
+pub fn fingerprint(token: &str) -> String {
+    blake3::keyed_hash(&key(token), b"seqpipe job fingerprint")
+        .to_hex()
+        .to_string()
+}
+
 fn key(token: &str) -> [u8; 32] {
     *blake3::hash(token.as_bytes()).as_bytes()
 }

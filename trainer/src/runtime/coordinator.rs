@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
+use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
 use elastic::{ClusterState, Decision, NodeId, NodeStatus, Plan, decide};
 use serde_json::json;
 use tracing::{info, warn};
@@ -106,10 +107,14 @@ pub struct Coordinator {
     workers: HashMap<u64, ControlSender>,
     /// Worker exits reported for the current generation, by stage.
     pub(super) exits: BTreeMap<usize, Exit>,
+    /// When the current failure was first seen (Unix seconds), for the `node_lost` events.
+    failure_seen_at: Option<f64>,
     /// Peer snapshots the agents hold: step → node → tensor names.
     held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
     local_agents: Vec<Child>,
     stop: Arc<AtomicBool>,
+    /// The etcd rendezvous (`elastic.rendezvous`), where the generation and plan are published.
+    rendezvous: Option<Rendezvous>,
 }
 
 impl Coordinator {
@@ -159,16 +164,84 @@ impl Coordinator {
             workers: HashMap::new(),
             exits: BTreeMap::new(),
             held: BTreeMap::new(),
+            failure_seen_at: None,
             local_agents: Vec::new(),
             stop,
+            rendezvous: None,
         };
+        let mut wanted = coordinator.cfg.pipeline.stages;
+        if !coordinator.cfg.elastic.rendezvous.is_empty() {
+            let token = coordinator.token.clone();
+            wanted = coordinator.connect_rendezvous(&token)?.unwrap_or(wanted);
+        }
         if coordinator.cfg.elastic.local_agents {
             for i in 0..coordinator.cfg.pipeline.stages {
                 coordinator.spawn_local_agent(&format!("local-{i:03}"))?;
             }
         }
-        coordinator.first_plan()?;
+        coordinator.first_plan(wanted)?;
         Ok(coordinator)
+    }
+
+    /// Connects to the etcd rendezvous and continues the job's generations. When a previous
+    /// coordinator of the job existed (it was lost), this one takes over: it waits for the nodes
+    /// registered in etcd (returned) and resumes from the newest committed checkpoint.
+    fn connect_rendezvous(&mut self, token: &str) -> Result<Option<usize>, LaunchError> {
+        let etcd = |e: EtcdError| LaunchError::Run(format!("etcd rendezvous: {e}"));
+        let url = EtcdUrl::parse(&self.cfg.elastic.rendezvous).map_err(etcd)?;
+        let rendezvous = Rendezvous::connect(&url, &auth::fingerprint(token)).map_err(etcd)?;
+        let floor = rendezvous.generation().map_err(etcd)?;
+        let registered = rendezvous.nodes().map_err(etcd)?.len();
+        let previous_plan = rendezvous.plan().map_err(etcd)?;
+        self.rendezvous = Some(rendezvous);
+        self.state.generation_floor = floor;
+        if floor == 0 {
+            return Ok(None);
+        }
+        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
+        let latest = committed.last().copied();
+        warn!(
+            generation = floor,
+            ?latest,
+            "taking over the job from a lost coordinator"
+        );
+        eprintln!(
+            "warning: taking over as coordinator after generation {floor}; resuming from {}",
+            latest.map_or("the start".to_string(), |s| format!("checkpoint {s}"))
+        );
+        if self.start == Start::Fresh && latest.is_some() {
+            self.start = Start::Resume(ResumePoint::Latest);
+        }
+        // The lost coordinator's metrics, when the run directory is shared, say how far it got.
+        let failed_step =
+            last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")).max(latest.unwrap_or(0)) + 1;
+        self.recovery = Some(Recovery {
+            failed_at: Instant::now(),
+            failed_step,
+            stages_before: previous_plan.map_or(0, |p| p.num_stages()),
+            tier: "checkpoint",
+            events: vec![
+                json!({"event": "coordinator_takeover", "after_generation": floor, "resume_from": latest, "at_unix_s": unix_time_s()}),
+            ],
+        });
+        Ok(Some(registered.max(self.cfg.elastic.min_nodes)))
+    }
+
+    /// Records an adopted plan in etcd (generation first, as a compare-and-swap): a coordinator
+    /// that lost the race to another one stops.
+    fn publish(&self, plan: &Plan) -> Result<(), LaunchError> {
+        let Some(rendezvous) = &self.rendezvous else {
+            return Ok(());
+        };
+        let etcd = |e: EtcdError| {
+            LaunchError::Run(format!(
+                "etcd rendezvous: {e}; another coordinator took over the job, this one stops"
+            ))
+        };
+        rendezvous
+            .bump_generation(plan.generation - 1)
+            .map_err(etcd)?;
+        rendezvous.publish_plan(plan).map_err(etcd)
     }
 
     fn spawn_local_agent(&mut self, name: &str) -> Result<(), LaunchError> {
@@ -233,8 +306,7 @@ impl Coordinator {
 
     /// Waits for the nodes of the first plan: every local agent, or (multi-host) `pipeline.stages`
     /// agents — fewer once `elastic.join_timeout_s` passes, as long as `elastic.min_nodes` joined.
-    fn first_plan(&mut self) -> Result<(), LaunchError> {
-        let wanted = self.cfg.pipeline.stages;
+    fn first_plan(&mut self, wanted: usize) -> Result<(), LaunchError> {
         let deadline = Instant::now() + self.cfg.elastic.join_timeout();
         let mut announced = 0;
         loop {
@@ -273,8 +345,12 @@ impl Coordinator {
             )));
         };
         self.state.apply(&decision, now);
+        self.publish(&plan)?;
         self.cfg.pipeline.stages = plan.num_stages();
         info!(%reason, "first plan");
+        if let Some(r) = &mut self.recovery {
+            r.events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages}));
+        }
         Ok(())
     }
 
@@ -654,6 +730,11 @@ impl Coordinator {
                 .is_some_and(NodeStatus::is_dead)
     }
 
+    /// Records that a failure was just seen (before its extent is known).
+    pub(super) fn failure_seen(&mut self) {
+        self.failure_seen_at.get_or_insert_with(unix_time_s);
+    }
+
     /// A worker reported a preemption notice for its node.
     pub(super) fn node_leaving(&mut self, stage: usize) {
         let node = self.node_of(stage);
@@ -666,7 +747,7 @@ impl Coordinator {
     pub(super) fn recover(&mut self, lost: &[Lost]) -> Result<(), LaunchError> {
         let failed_at = Instant::now();
         let failed_step = last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")) + 1;
-        let detected_at_unix_s = unix_time_s();
+        let detected_at_unix_s = self.failure_seen_at.take().unwrap_or_else(unix_time_s);
         let stages_before = self.plan().num_stages();
         let mut events = Vec::new();
         for l in lost {
@@ -782,6 +863,7 @@ impl Coordinator {
                 }
             }
         };
+        self.publish(&plan)?;
         for stale in self.stale_agents() {
             let reason = format!("left the plan at generation {}", plan.generation);
             if let Some((_, sender)) = self.agents.remove(&stale) {

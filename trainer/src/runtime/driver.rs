@@ -194,6 +194,7 @@ fn with_pipeline<T>(
             | LaunchError::Timeout { .. }
             | LaunchError::NodesLost { .. }),
         ) => {
+            pipeline.coordinator().failure_seen();
             let cause = e.to_string();
             let lost = pipeline.stop_after_failure(&cause, Duration::from_secs(2));
             if lost.is_empty() {

@@ -1,0 +1,182 @@
+//! The coordinator's node is lost, with the etcd rendezvous: every node runs `seqpipe agent
+//! --rendezvous etcd://…`, one wins the leadership and runs the coordinator; when its node is
+//! SIGKILLed (agent, coordinator and worker), its lease expires, another node takes over and the
+//! job still ends bit-identical to an uninterrupted run. A real etcd server is started here.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use common::{ckpt_url, final_state, fresh_dir, metrics, run_ok, seqpipe};
+use elastic::etcd::testing::EtcdServer;
+
+const STEPS: u64 = 24;
+
+fn job_sets(run_dir: &Path) -> Vec<String> {
+    [
+        "model.vocab_size=128",
+        "model.layers=4",
+        "model.d_model=64",
+        "model.heads=4",
+        "model.max_seq_len=64",
+        "train.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.eval_every=0",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=2",
+        "pipeline.stages=3",
+        "elastic.min_nodes=2",
+        "elastic.heartbeat_s=0.5",
+        "elastic.dead_after_s=2",
+        "elastic.join_timeout_s=30",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        format!("train.steps={STEPS}"),
+        format!("run.dir={}", run_dir.display()),
+    ])
+    .flat_map(|s| ["--set".to_string(), s])
+    .collect()
+}
+
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn is_coordinator(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| c.split(|&b| b == 0).any(|arg| arg == b"train"))
+        .unwrap_or(false)
+}
+
+fn kill(pid: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}
+
+/// Agents killed at the end, whatever happened.
+struct Agents(Vec<Child>);
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        for a in &mut self.0 {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+}
+
+#[test]
+fn losing_the_coordinators_node_is_survivable_with_etcd() {
+    let etcd = EtcdServer::start();
+    let dir = fresh_dir("etcd-failover");
+    let reference_dir = dir.join("reference");
+    run_ok(
+        seqpipe()
+            .args(["train", "-q"])
+            .args(job_sets(&reference_dir)),
+    );
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+
+    let run = dir.join("run");
+    let url = format!("etcd://{}/seqpipe/failover-test", etcd.endpoint());
+    let mut agents = Agents(Vec::new());
+    for name in ["node-a", "node-b", "node-c"] {
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        agents.0.push(
+            seqpipe()
+                .args(["agent", "--rendezvous", &url, "--name", name])
+                .arg("--dir")
+                .arg(dir.join(name))
+                .args(job_sets(&run))
+                .env("SEQPIPE_JOB_TOKEN", "failover-secret")
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+    }
+    let steps_done = || {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"loss\""))
+            .count()
+    };
+    let started = Instant::now();
+    while steps_done() < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the job did not start; see the logs in {}",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The leader is the agent whose child is the coordinator (`seqpipe train`).
+    let leader = agents
+        .0
+        .iter()
+        .position(|a| children_of(a.id()).into_iter().any(is_coordinator))
+        .expect("one agent runs the coordinator");
+    let victim = agents.0[leader].id();
+    let mut doomed = vec![victim];
+    for child in children_of(victim) {
+        doomed.extend(children_of(child));
+        doomed.push(child);
+    }
+    for pid in doomed {
+        kill(pid);
+    }
+    let _ = agents.0[leader].wait();
+    // The survivors finish the job and exit cleanly.
+    for (i, agent) in agents.0.iter_mut().enumerate() {
+        if i == leader {
+            continue;
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let status = loop {
+            if let Some(status) = agent.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent {i} did not finish; see the logs in {}",
+                dir.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success(),
+            "agent {i} failed ({status}); see {}",
+            dir.display()
+        );
+    }
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert_eq!(step, STEPS);
+    assert!(
+        state == reference,
+        "final state differs from the uninterrupted run"
+    );
+    let events = metrics(&run);
+    let takeover = events
+        .iter()
+        .find(|e| e["event"] == "coordinator_takeover")
+        .unwrap_or_else(|| panic!("no coordinator_takeover event: {events:?}"));
+    assert!(
+        takeover["after_generation"].as_u64().unwrap() >= 1,
+        "{takeover}"
+    );
+    let plans: Vec<u64> = events
+        .iter()
+        .filter(|e| e["event"] == "plan")
+        .map(|e| e["stages"].as_u64().unwrap())
+        .collect();
+    assert_eq!(plans.last(), Some(&2), "{events:?}");
+}
