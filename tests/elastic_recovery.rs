@@ -150,17 +150,20 @@ fn trial(
     rng: &mut impl Rng,
     kills: usize,
     victim: Victim,
+    extra: &[&str],
     reference: &BTreeMap<String, Vec<u8>>,
 ) -> Vec<serde_json::Value> {
-    let mut child = job(dir, &[]).spawn().unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let log = std::fs::File::create(dir.join("launcher.log")).unwrap();
+    let mut child = job(dir, extra).stderr(log).spawn().unwrap();
     wait_for_steps(dir, 1);
     std::thread::sleep(Duration::from_millis(rng.random_range(0..900)));
     let victims = kill_random(child.id(), rng, kills, victim);
     let status = child.wait().unwrap();
-    let log = std::fs::read_to_string(dir.join("logs/stage-0.log")).unwrap_or_default();
+    let log = std::fs::read_to_string(dir.join("launcher.log")).unwrap_or_default();
     assert!(
         status.success(),
-        "trial in {} did not finish after killing {victims:?} ({status}); stage-0 log:\n{log}",
+        "trial in {} did not finish after killing {victims:?} ({status}); launcher log:\n{log}",
         dir.display()
     );
     let (step, state) = final_state(&ckpt_url(dir));
@@ -179,9 +182,40 @@ fn trial(
         .collect()
 }
 
-#[test]
-fn chaos_sigkill_random_workers_bit_exact() {
-    let dir = fresh_dir("chaos");
+/// One chaos trial's setup and its run's events.
+struct ChaosTrial {
+    index: usize,
+    kills: usize,
+    victim: Victim,
+    events: Vec<serde_json::Value>,
+}
+
+impl ChaosTrial {
+    /// The first `recovered` event, if a node was lost (a kill may land after the last step).
+    fn recovered(&self) -> Option<&serde_json::Value> {
+        if !self.events.iter().any(|e| e["event"] == "node_lost") {
+            return None;
+        }
+        Some(
+            self.events
+                .iter()
+                .find(|e| e["event"] == "recovered")
+                .unwrap_or_else(|| {
+                    panic!(
+                        "trial {}: no recovered event in {:?}",
+                        self.index, self.events
+                    )
+                }),
+        )
+    }
+}
+
+/// Seeded chaos: `SEQPIPE_CHAOS_TRIALS` (default 20) runs of the job with `extra` settings, each
+/// SIGKILLing at a random moment one random worker (even trials) or whole node (odd trials), two
+/// at once every fifth trial. Every trial must end bit-identical to an uninterrupted run; nearly
+/// all must have recovered from a loss.
+fn chaos(name: &str, extra: &[&str]) -> Vec<ChaosTrial> {
+    let dir = fresh_dir(name);
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
     let (_, reference) = final_state(&ckpt_url(&reference_dir));
@@ -190,69 +224,122 @@ fn chaos_sigkill_random_workers_bit_exact() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20261122);
-    let (mut recovered, mut peer_recoveries) = (0, 0);
-    for i in 0..trials {
-        // Every fifth trial loses two at once; odd trials kill whole nodes, even ones workers.
-        let kills = if i % 5 == 4 { 2 } else { 1 };
-        let victim = if i % 2 == 1 {
+    let mut out = Vec::new();
+    for index in 0..trials {
+        let kills = if index % 5 == 4 { 2 } else { 1 };
+        let victim = if index % 2 == 1 {
             Victim::Node
         } else {
             Victim::Worker
         };
-        let events = trial(
-            &dir.join(format!("trial-{i}")),
-            &mut rng,
+        let trial_dir = dir.join(format!("trial-{index}"));
+        let events = trial(&trial_dir, &mut rng, kills, victim, extra, &reference);
+        let _ = std::fs::remove_dir_all(&trial_dir);
+        out.push(ChaosTrial {
+            index,
             kills,
             victim,
-            &reference,
-        );
-        let lost = events.iter().filter(|e| e["event"] == "node_lost").count();
-        if lost > 0 {
-            recovered += 1;
-            let r = events
-                .iter()
-                .find(|e| e["event"] == "recovered")
-                .unwrap_or_else(|| panic!("trial {i}: no recovered event in {events:?}"));
-            let lost_steps = r["lost_steps"].as_u64().unwrap();
-            let whole_nodes = matches!(victim, Victim::Node);
-            if kills == 1 || !whole_nodes {
-                // Every node's state is in two agents' memory (its own and its buddy's): tier 1,
-                // only the interrupted step is redone — or one more when the kill landed while
-                // the last step's copy was still in flight.
-                assert_eq!(r["tier"], "peer", "trial {i}: {r}");
-                assert!(lost_steps <= 1, "trial {i}: {r}");
-                peer_recoveries += 1;
-            } else {
-                // A node and its buddy may both be gone: then the newest committed checkpoint.
-                // Checkpoints every 2 steps with at most one in flight: the one before the newest
-                // begun is committed, so at most 2·2 − 1 completed steps are redone.
-                assert!(r["tier"] == "peer" || r["tier"] == "checkpoint", "{r}");
-                assert!(lost_steps <= 3, "checkpoints every 2 steps: {r}");
-            }
-            // A lost node shrinks the pipeline; a node whose agent lives restarts its worker.
-            let (before, after) = (
-                r["stages_before"].as_u64().unwrap(),
-                r["stages_after"].as_u64().unwrap(),
-            );
-            if whole_nodes {
-                assert!(after < before, "trial {i}: {r}");
-            } else {
-                assert_eq!(after, before, "trial {i}: {r}");
-            }
-            assert!(
-                events
-                    .iter()
-                    .any(|e| e["event"] == "plan" && e["generation"].as_u64().unwrap() >= 1)
-            );
-        }
-        let _ = std::fs::remove_dir_all(dir.join(format!("trial-{i}")));
+            events,
+        });
     }
-    assert!(peer_recoveries > 0);
+    let recovered = out.iter().filter(|t| t.recovered().is_some()).count();
     // Kills land while the job runs (after its first step, within its run time): nearly all recover.
     assert!(
         recovered * 10 >= trials * 8,
         "only {recovered} of {trials} trials lost a node"
     );
+    for t in &out {
+        let Some(r) = t.recovered() else { continue };
+        // A lost node shrinks the pipeline (at once, or at the end of a step repaired mid-step);
+        // a node whose agent lives gets a fresh worker and keeps its place.
+        let stages: Vec<u64> = t
+            .events
+            .iter()
+            .filter(|e| e["event"] == "recovered")
+            .map(|e| e["stages_after"].as_u64().unwrap())
+            .collect();
+        let before = r["stages_before"].as_u64().unwrap();
+        match t.victim {
+            Victim::Node => assert!(
+                stages.iter().any(|&s| s < before),
+                "trial {}: {:?}",
+                t.index,
+                t.events
+            ),
+            Victim::Worker => assert!(
+                stages.iter().all(|&s| s == before),
+                "trial {}: {:?}",
+                t.index,
+                t.events
+            ),
+        }
+    }
+    out
+}
+
+#[test]
+fn chaos_sigkill_random_workers_bit_exact() {
+    let trials = chaos("chaos", &[]);
+    let mut peer_recoveries = 0;
+    for t in &trials {
+        let Some(r) = t.recovered() else { continue };
+        let lost_steps = r["lost_steps"].as_u64().unwrap();
+        if t.kills == 1 || matches!(t.victim, Victim::Worker) {
+            // Every node's state is in two agents' memory (its own and its buddy's): tier 1,
+            // only the interrupted step is redone — or one more when the kill landed while the
+            // last step's copy was still in flight.
+            assert_eq!(r["tier"], "peer", "trial {}: {r}", t.index);
+            assert!(lost_steps <= 1, "trial {}: {r}", t.index);
+            peer_recoveries += 1;
+        } else {
+            // A node and its buddy may both be gone: then the newest committed checkpoint.
+            // Checkpoints every 2 steps with at most one in flight: the one before the newest
+            // begun is committed, so at most 2·2 − 1 completed steps are redone.
+            assert!(r["tier"] == "peer" || r["tier"] == "checkpoint", "{r}");
+            assert!(lost_steps <= 3, "checkpoints every 2 steps: {r}");
+        }
+    }
+    assert!(peer_recoveries > 0);
+}
+
+/// The chaos trials with mid-step recovery on: a single lost stage is replaced in the middle of
+/// the step and replays only its own completed units (the other stages redo nothing); a lost node
+/// leaves the plan at the end of that step. Still bit-exact.
+#[test]
+fn chaos_with_mid_step_recovery_bit_exact() {
+    let trials = chaos("chaos-mid-step", &["elastic.mid_step=true"]);
+    let (mut mid_step, mut partial, mut single) = (0, 0, 0);
+    // Units per step on a stage: micro-batches × splits × (forward + backward).
+    let units_per_step = 4 * 4 * 2;
+    for t in &trials {
+        let Some(r) = t.recovered() else { continue };
+        if t.kills > 1 {
+            continue;
+        }
+        single += 1;
+        // A kill outside a step's forward and backward (update, evaluation, checkpoint) is
+        // recovered from the peer snapshots instead.
+        assert!(
+            r["tier"] == "mid_step" || r["tier"] == "peer",
+            "trial {}: {r}",
+            t.index
+        );
+        assert_eq!(r["lost_steps"], 0, "trial {}: {r}", t.index);
+        if r["tier"] == "mid_step" {
+            mid_step += 1;
+            let redone = r["redone_units"].as_u64().unwrap();
+            assert!(redone <= units_per_step, "trial {}: {r}", t.index);
+            // Killed in the middle of the step: some of the stage's units were done, not all.
+            if redone > 0 && redone < units_per_step {
+                partial += 1;
+            }
+        }
+    }
+    assert!(
+        mid_step * 2 >= single,
+        "only {mid_step} of {single} single losses were repaired mid-step"
+    );
+    assert!(partial > 0, "no kill landed in the middle of a step");
 }
 
 #[test]

@@ -42,6 +42,11 @@ pub struct ElasticConfig {
     /// memory (the default), or `etcd://HOST:PORT/PREFIX`, so that another node takes over when
     /// the coordinator's node is lost (nodes then run `seqpipe agent --rendezvous URL`).
     pub rendezvous: String,
+    /// Mid-step recovery: when one stage is lost in the middle of a step, its replacement rebuilds
+    /// the stage from its peer snapshot and the neighbours' kept boundary tensors, and the step
+    /// goes on from where every other stage stood (they redo nothing). Off: the step is redone
+    /// from the peer snapshots.
+    pub mid_step: bool,
 }
 
 impl Default for ElasticConfig {
@@ -58,6 +63,7 @@ impl Default for ElasticConfig {
             local_agents: true,
             peer_snapshots: true,
             rendezvous: String::new(),
+            mid_step: false,
         }
     }
 }

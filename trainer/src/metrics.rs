@@ -11,6 +11,8 @@ use serde::Serialize;
 pub struct StepMetrics {
     /// Completed optimizer steps (1-based).
     pub step: u64,
+    /// Bytes of boundary tensors the stages kept during the step for mid-step recovery.
+    pub retained_bytes: u64,
     /// Mean token loss of the step's global batch.
     pub loss: f64,
     /// Learning rate used.

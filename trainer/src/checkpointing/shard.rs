@@ -38,17 +38,20 @@ pub fn snapshot(stage: &Stage, optimizer: &AdamW) -> Vec<(String, Tensor)> {
 
 /// Every tensor name a stage must read to restore itself (parameters, and moments when the
 /// optimizer has taken a step).
-pub fn names_to_restore(stage: &Stage, with_moments: bool) -> Vec<String> {
+pub fn names_to_restore(stage: &Stage, with_moments_too: bool) -> Vec<String> {
     let params: Vec<String> = stage.params().iter().map(|(n, _)| n.to_string()).collect();
-    let moments: Vec<String> = if with_moments {
-        params.iter().flat_map(|n| [m_name(n), v_name(n)]).collect()
-    } else {
-        Vec::new()
-    };
-    params.into_iter().chain(moments).collect()
+    with_moments(&params, with_moments_too)
 }
 
-/// A candle tensor as little-endian bytes.
+/// `params`, followed by their AdamW moments' names when `moments`.
+pub fn with_moments(params: &[String], moments: bool) -> Vec<String> {
+    let mut names = params.to_vec();
+    if moments {
+        names.extend(params.iter().flat_map(|n| [m_name(n), v_name(n)]));
+    }
+    names
+}
+
 pub fn to_tensor_data(t: &Tensor) -> candle_core::Result<TensorData> {
     let flat = t.flatten_all()?;
     let (dtype, data): (Dtype, Vec<u8>) = match t.dtype() {

@@ -5,6 +5,7 @@ use std::ops::Range;
 use thiserror::Error;
 
 use super::config::ModelConfig;
+use super::params::{Component, component_params};
 
 /// A stage's share of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +27,28 @@ impl StageLayout {
     /// The last stage owns the final norm, the LM head and the loss.
     pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
+    }
+
+    /// The model components this stage holds, in canonical order.
+    pub fn components(&self) -> Vec<Component> {
+        let mut components = Vec::new();
+        if self.is_first() {
+            components.push(Component::Embeddings);
+        }
+        components.extend(self.layers.clone().map(Component::Block));
+        if self.is_last() {
+            components.push(Component::Head);
+        }
+        components
+    }
+
+    /// The global names of this stage's parameters, in canonical order.
+    pub fn param_names(&self, cfg: &ModelConfig) -> Vec<String> {
+        self.components()
+            .into_iter()
+            .flat_map(|c| component_params(cfg, c))
+            .map(|spec| spec.name)
+            .collect()
     }
 }
 

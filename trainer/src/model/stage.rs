@@ -14,9 +14,7 @@ use thiserror::Error;
 use super::block::{Block, BlockCtx, KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{
-    Component, Gradients, ParamSpec, Params, component_params, decays, init_param,
-};
+use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param};
 use super::partition::{PartitionError, StageLayout};
 use crate::schedule::Unit;
 
@@ -133,15 +131,8 @@ impl Stage {
         dtype: DType,
     ) -> Result<Self, ModelError> {
         let device = Device::Cpu;
-        let mut components = Vec::new();
-        if layout.is_first() {
-            components.push(Component::Embeddings);
-        }
-        components.extend(layout.layers.clone().map(Component::Block));
-        if layout.is_last() {
-            components.push(Component::Head);
-        }
-        let specs: Vec<ParamSpec> = components
+        let specs: Vec<ParamSpec> = layout
+            .components()
             .into_iter()
             .flat_map(|c| component_params(cfg, c))
             .collect();

@@ -458,8 +458,11 @@ fn run_incarnation(
                 snapshot_to,
                 session,
                 dump_grads,
+                keep_running,
             })) => {
-                stop(&mut workers, u64::MAX);
+                if !keep_running {
+                    stop(&mut workers, u64::MAX);
+                }
                 for stage in stages {
                     let spec = WorkerSpec {
                         host: &host,

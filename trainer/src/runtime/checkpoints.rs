@@ -96,6 +96,15 @@ impl CheckpointWriter {
         Ok(())
     }
 
+    /// The step of the checkpoint in flight if `stage`'s shard of it has not arrived (its worker
+    /// was lost: a replacement must upload it).
+    pub(super) fn missing_shard(&self, stage: usize) -> Option<u64> {
+        self.pending
+            .as_ref()
+            .filter(|p| !p.shards.contains_key(&stage))
+            .map(|p| p.state.step)
+    }
+
     /// Waits until the checkpoint in flight (if any) is committed or has failed.
     pub(super) fn finish(
         &mut self,

@@ -34,6 +34,20 @@ pub enum ToLauncher {
         loss_sum: Option<f64>,
         /// The node got a preemption notice (SIGTERM) and will leave at this step's boundary.
         leaving: bool,
+        /// What the step cost this stage (compute, retained boundary tensors, work redone).
+        #[serde(default)]
+        cost: StepCost,
+    },
+    /// A link to a neighbouring stage broke in the middle of step `step` (mid-step recovery): the
+    /// worker keeps its state and waits for [`ToWorker::Relink`].
+    LinkDown {
+        stage: usize,
+        step: u64,
+        /// The neighbour on the broken link.
+        peer: usize,
+        error: String,
+        /// Forward and backward units this stage has completed in the step (its progress record).
+        done_units: usize,
     },
     /// The optimizer update of a step is applied.
     Updated { stage: usize, step: u64 },
@@ -71,6 +85,30 @@ pub enum ToLauncher {
     },
 }
 
+/// What one step cost a stage.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepCost {
+    /// Seconds spent in forward and backward units.
+    pub compute_s: f64,
+    /// Bytes of boundary tensors (activations sent down, gradients sent up) kept for mid-step
+    /// recovery until the step's update.
+    pub retained_bytes: u64,
+    /// Units of a replaced stage computed again (a replacement's replay), and their seconds.
+    pub redone_units: usize,
+    /// Seconds of those units.
+    pub redone_s: f64,
+}
+
+/// Which neighbour link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Side {
+    /// The link to stage r−1 (this stage accepts it).
+    Prev,
+    /// The link to stage r+1 (this stage connects to it).
+    Next,
+}
+
 /// Launcher → worker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -80,7 +118,22 @@ pub enum ToWorker {
         generation: u64,
         prev: Option<String>,
         next: Option<String>,
+        /// This worker replaces a lost stage in the middle of a step: its neighbours first say
+        /// which of its outputs they already have.
+        #[serde(default)]
+        replacement: bool,
     },
+    /// Mid-step recovery: rebuild the broken link on `side` (to a replacement of the lost
+    /// neighbour, under link generation `generation`): accept it (`Prev`) or connect to `addr`
+    /// (`Next`), tell it what this side already received, and send it again every tensor this
+    /// side sent on that link during the step.
+    Relink {
+        generation: u64,
+        side: Side,
+        addr: Option<String>,
+    },
+    /// Mid-step recovery is not possible: stop (the run recovers from a snapshot instead).
+    Abort,
     /// Run forward and backward of step `step` (1-based).
     RunStep { step: u64 },
     /// Clip with `clip_coefficient` and apply AdamW with learning rate `lr`.
@@ -151,6 +204,10 @@ pub enum ToAgent {
         session: String,
         /// Workers dump each step's gradients here (tests).
         dump_grads: Option<std::path::PathBuf>,
+        /// Keep the node's running workers (a replacement stage added mid-step); otherwise they
+        /// are stopped first.
+        #[serde(default)]
+        keep_running: bool,
     },
     /// Stop (kill) the workers of `generation` and every older one; answer with `WorkersStopped`.
     StopWorkers { generation: u64 },

@@ -392,27 +392,73 @@ impl Coordinator {
     ) -> Result<(), LaunchError> {
         self.exits.clear();
         let plan = self.plan().clone();
-        let buddies = elastic::buddies(&plan);
         for node in &plan.nodes {
-            let snapshot_to: Vec<String> = if self.cfg.elastic.peer_snapshots {
-                std::iter::once(node)
-                    .chain(buddies.get(node))
-                    .filter_map(|n| self.state.membership.get(n).map(|m| m.info.addr.clone()))
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            let msg = ToAgent::StartWorkers {
-                generation: plan.generation,
-                stages: plan.stages_of(node),
-                config: config.to_string(),
-                snapshot_to,
-                session: self.session.clone(),
-                dump_grads: dump_grads.map(|d| d.to_path_buf()),
-            };
+            let msg = self.start_message(node, plan.stages_of(node), config, dump_grads, false);
             self.send_to_node(node, &msg)?;
         }
         Ok(())
+    }
+
+    /// Mid-step recovery: has the agent of `node` start a worker for `stage` beside the ones it
+    /// runs.
+    pub(super) fn start_replacement(
+        &mut self,
+        node: &NodeId,
+        stage: usize,
+        config: &str,
+        dump_grads: Option<&std::path::Path>,
+    ) -> Result<(), LaunchError> {
+        self.exits.remove(&stage);
+        let msg = self.start_message(node, vec![stage], config, dump_grads, true);
+        self.send_to_node(node, &msg)
+    }
+
+    fn start_message(
+        &self,
+        node: &NodeId,
+        stages: Vec<usize>,
+        config: &str,
+        dump_grads: Option<&std::path::Path>,
+        keep_running: bool,
+    ) -> ToAgent {
+        let plan = self.plan();
+        let snapshot_to: Vec<String> = if self.cfg.elastic.peer_snapshots {
+            let buddies = elastic::buddies(plan);
+            std::iter::once(node)
+                .chain(buddies.get(node))
+                .filter_map(|n| self.state.membership.get(n).map(|m| m.info.addr.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        ToAgent::StartWorkers {
+            generation: plan.generation,
+            stages,
+            config: config.to_string(),
+            snapshot_to,
+            session: self.session.clone(),
+            dump_grads: dump_grads.map(|d| d.to_path_buf()),
+            keep_running,
+        }
+    }
+
+    /// The agents holding a peer snapshot of every name in `names` for `step` (live agents only),
+    /// or `None` if they do not cover them all.
+    pub(super) fn peer_sources(&self, step: u64, names: &[String]) -> Option<Vec<String>> {
+        let holders = self.held.get(&step)?;
+        let alive: Vec<(&NodeId, &BTreeSet<String>)> = holders
+            .iter()
+            .filter(|(node, _)| self.agent_alive(node))
+            .collect();
+        names
+            .iter()
+            .all(|n| alive.iter().any(|(_, held)| held.contains(n)))
+            .then(|| {
+                alive
+                    .iter()
+                    .filter_map(|(n, _)| self.state.membership.get(n).map(|m| m.info.addr.clone()))
+                    .collect()
+            })
     }
 
     fn send_to_node(&mut self, node: &NodeId, msg: &ToAgent) -> Result<(), LaunchError> {
@@ -789,7 +835,13 @@ impl Coordinator {
         self.state.step = step + 1;
         self.state.at_step_boundary = true;
         let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
-        matches!(decision, Decision::Grow { .. } | Decision::Shrink { .. }).then_some(reason)
+        // A node lost mid-step (its stage was replaced for the rest of the step) leaves the plan
+        // here too.
+        matches!(
+            decision,
+            Decision::Grow { .. } | Decision::Shrink { .. } | Decision::Recover { .. }
+        )
+        .then_some(reason)
     }
 
     /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of
@@ -904,27 +956,11 @@ impl Coordinator {
             .into_iter()
             .map(|s| s.name)
             .collect();
-        for (&step, holders) in self.held.iter().rev() {
-            let alive: Vec<(&NodeId, &BTreeSet<String>)> = holders
-                .iter()
-                .filter(|(node, _)| self.agent_alive(node))
-                .collect();
-            let covered = |name: &String| alive.iter().any(|(_, names)| names.contains(name));
-            let complete = params.iter().all(|p| {
-                covered(p)
-                    && (step == 0
-                        || (covered(&crate::checkpointing::shard::m_name(p))
-                            && covered(&crate::checkpointing::shard::v_name(p))))
-            });
-            if complete {
-                let sources = alive
-                    .iter()
-                    .filter_map(|(n, _)| self.state.membership.get(n).map(|m| m.info.addr.clone()))
-                    .collect();
-                return Some((step, sources));
-            }
-        }
-        None
+        self.held.keys().rev().find_map(|&step| {
+            let names = crate::checkpointing::shard::with_moments(&params, step > 0);
+            self.peer_sources(step, &names)
+                .map(|sources| (step, sources))
+        })
     }
 
     /// Connections of agents whose node is dead (it left, or was declared dead).

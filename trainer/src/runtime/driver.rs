@@ -3,7 +3,7 @@
 //! checkpoints (at most one upload in flight, committed by a manifest written last), resumes from
 //! them, and stops cleanly on SIGINT/SIGTERM.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,9 +14,10 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::checkpoints::CheckpointWriter;
-use super::control::{ToLauncher, ToWorker};
+use super::control::{StepCost, ToLauncher, ToWorker};
 use super::coordinator::{Coordinator, Recovery};
-use super::launcher::{LaunchError, Pipeline};
+use super::launcher::{LaunchError, Pipeline, Replacement};
+use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
 use crate::config::Config;
 use crate::data::open_source;
@@ -178,6 +179,8 @@ fn with_pipeline<T>(
         metrics: None,
         signal,
         recovery: None,
+        loaded: Start::Fresh,
+        loaded_step: 0,
     });
     match result {
         Ok(value) => {
@@ -231,6 +234,9 @@ struct Driver<'a, 'c> {
     signal: Arc<AtomicUsize>,
     /// Set when this pipeline replaces one that lost nodes or changed plan.
     recovery: Option<Recovery>,
+    /// How the workers' state was loaded, and the step it belongs to.
+    loaded: Start,
+    loaded_step: u64,
 }
 
 impl Driver<'_, '_> {
@@ -292,6 +298,8 @@ impl Driver<'_, '_> {
         let cfg = self.cfg;
         let t = &cfg.train;
         let start_step = self.load(&opts.start)?;
+        self.loaded = opts.start.clone();
+        self.loaded_step = start_step;
         let resumed_from =
             matches!(opts.start, Start::Resume(_) | Start::Peers { .. }).then_some(start_step);
         if start_step >= t.steps {
@@ -453,10 +461,21 @@ impl Driver<'_, '_> {
         self.pipeline.broadcast(&ToWorker::RunStep { step })?;
         let mut sums = vec![None; canonical.len()];
         let mut loss_sum = None;
-        for msg in self
-            .pipeline
-            .collect(p, &format!("step {step}'s forward and backward"))?
-        {
+        let mut finished = BTreeSet::new();
+        let mut retained_bytes = 0;
+        let mut replaced = Vec::new();
+        while finished.len() < p {
+            let msg = match self
+                .pipeline
+                .next_reply(&format!("step {step}'s forward and backward"))
+            {
+                Ok(msg) => msg,
+                Err(e) if cfg.elastic.mid_step => {
+                    replaced.push(self.replace_lost_stage(step, e, &finished)?);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             match msg {
                 ToLauncher::StepDone {
                     stage,
@@ -464,6 +483,7 @@ impl Driver<'_, '_> {
                     sums_of_squares,
                     loss_sum: l,
                     leaving,
+                    cost,
                 } if s == step => {
                     if leaving {
                         self.pipeline.coordinator().node_leaving(stage);
@@ -475,6 +495,25 @@ impl Driver<'_, '_> {
                         sums[index] = Some(value);
                     }
                     loss_sum = loss_sum.or(l);
+                    retained_bytes += cost.retained_bytes;
+                    if let Some((_, redone)) = replaced
+                        .iter_mut()
+                        .find(|(r, _): &&mut (Replacement, _)| r.stage == stage)
+                    {
+                        *redone = Some(cost);
+                    }
+                    finished.insert(stage);
+                }
+                ToLauncher::LinkDown {
+                    stage,
+                    peer,
+                    done_units,
+                    ..
+                } => {
+                    info!(
+                        step,
+                        stage, peer, done_units, "a stage lost its link to a neighbour mid-step"
+                    );
                 }
                 other => {
                     return Err(LaunchError::Protocol(format!(
@@ -482,6 +521,10 @@ impl Driver<'_, '_> {
                     )));
                 }
             }
+        }
+        for (r, cost) in replaced {
+            let cost = cost.unwrap_or_default();
+            self.append(&json!({"event": "recovered", "step": step, "tier": "mid_step", "stage": r.stage, "node": r.lost.node, "host": r.host, "lost_steps": 0, "redone_units": cost.redone_units, "redone_s": cost.redone_s, "recovery_s": step_started.elapsed().as_secs_f64(), "stages_before": p, "stages_after": p, "at_unix_s": unix_time_s()}))?;
         }
         let sums: Vec<f64> = sums
             .into_iter()
@@ -514,6 +557,7 @@ impl Driver<'_, '_> {
         };
         let record = StepMetrics {
             step,
+            retained_bytes,
             loss,
             lr,
             grad_norm,
@@ -524,6 +568,73 @@ impl Driver<'_, '_> {
         };
         self.append(&record)?;
         Ok(record)
+    }
+
+    /// Mid-step recovery of one lost stage during step `step` (see [`Pipeline::replace_stage`]).
+    /// Fails with `failure` when it cannot help; the run then recovers from snapshots.
+    fn replace_lost_stage(
+        &mut self,
+        step: u64,
+        failure: LaunchError,
+        finished: &BTreeSet<usize>,
+    ) -> Result<(Replacement, Option<StepCost>), LaunchError> {
+        let Some((stage, lost)) = self.pipeline.lost_stage(&failure, finished) else {
+            return Err(failure);
+        };
+        let Some(restore) = self.step_start_state(step, stage) else {
+            warn!(
+                step,
+                stage, "no step-start state for the lost stage: recovering from snapshots"
+            );
+            return Err(failure);
+        };
+        self.append(&json!({"event": "node_lost", "node": lost.node, "failed_step": step, "stage": stage, "reason": lost.reason, "agent_alive": lost.agent_alive, "mid_step": true, "detected_at_unix_s": unix_time_s()}))?;
+        eprintln!(
+            "warning: lost stage {stage} (node {}) during step {step}: replacing it mid-step",
+            lost.node
+        );
+        // The lost worker's shard of the checkpoint in flight (of step − 1) is the replacement's
+        // to upload, from the same restored state.
+        self.checkpoints
+            .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
+        let checkpoint = self
+            .checkpoints
+            .missing_shard(stage)
+            .filter(|&c| c + 1 == step);
+        match self
+            .pipeline
+            .replace_stage(stage, lost, step, restore, checkpoint)
+        {
+            Ok(replacement) => Ok((replacement, None)),
+            Err(e) => {
+                warn!(step, stage, error = %e, "mid-step recovery failed; recovering from snapshots");
+                Err(failure)
+            }
+        }
+    }
+
+    /// How a replacement of `stage` gets the state it had at the start of `step`: from the peer
+    /// snapshots of step − 1, from the checkpoint or initial weights the pipeline started from,
+    /// or not at all (`None`).
+    fn step_start_state(&mut self, step: u64, stage: usize) -> Option<Option<ToWorker>> {
+        let cfg = self.cfg;
+        let before = step - 1;
+        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages).ok()?;
+        let params = layouts.get(stage)?.param_names(&cfg.model);
+        let names = with_moments(&params, before > 0);
+        if let Some(sources) = self.pipeline.coordinator().peer_sources(before, &names) {
+            return Some(Some(ToWorker::RestorePeers {
+                step: before,
+                sources,
+            }));
+        }
+        match (&self.loaded, before == self.loaded_step) {
+            (_, false) => None,
+            (Start::Fresh, true) => Some(None),
+            (Start::InitFrom(dir), true) => Some(Some(ToWorker::InitFrom { dir: dir.clone() })),
+            (Start::Resume(_), true) => Some(Some(ToWorker::Restore { step: before })),
+            (Start::Peers { .. }, true) => None,
+        }
     }
 
     /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.

@@ -2,7 +2,7 @@
 //! per stage, wires the workers to their neighbours, and exchanges control messages with them. The
 //! training loop that uses it is in [`super::driver`].
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use elastic::NodeId;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::control::{ToLauncher, ToWorker};
+use super::control::{Side, ToLauncher, ToWorker};
 pub use super::coordinator::Lost;
 use super::coordinator::{Coordinator, Incoming};
 use super::worker::PEER_FAILURE_EXIT_CODE;
@@ -84,6 +84,26 @@ pub struct Pipeline<'c> {
     lost: Vec<(NodeId, String)>,
     timeout: Duration,
     logs_dir: PathBuf,
+    /// Stage → its worker's data address.
+    data_addrs: Vec<String>,
+    /// The workers' config (TOML), for a replacement.
+    worker_config: String,
+    dump_grads: Option<PathBuf>,
+    /// Worker replies that arrived while a lost stage was being replaced.
+    pending: VecDeque<ToLauncher>,
+    /// The generation of links rebuilt mid-step (above the plan's, so a stale worker is refused).
+    link_generation: u64,
+}
+
+/// A stage replaced in the middle of a step.
+#[derive(Clone, Debug)]
+pub struct Replacement {
+    /// The replaced stage.
+    pub stage: usize,
+    /// The node that ran it.
+    pub lost: Lost,
+    /// The node that runs the replacement.
+    pub host: NodeId,
 }
 
 impl<'c> Pipeline<'c> {
@@ -99,7 +119,8 @@ impl<'c> Pipeline<'c> {
         // Workers may run on other hosts: give them the checkpoint location in full.
         let mut worker_cfg = cfg.clone();
         worker_cfg.checkpoint.url = cfg.checkpoint.resolved_url(&cfg.run.dir);
-        coordinator.start_workers(&worker_cfg.to_toml(), dump_grads)?;
+        let worker_config = worker_cfg.to_toml();
+        coordinator.start_workers(&worker_config, dump_grads)?;
         let logs_dir = coordinator.session_dir().join("logs");
         let mut pipeline = Self {
             coordinator,
@@ -111,6 +132,11 @@ impl<'c> Pipeline<'c> {
             // neighbour gives up first and names it.
             timeout: Duration::from_secs_f64(2.0 * cfg.pipeline.timeout_s + 1.0),
             logs_dir,
+            data_addrs: Vec::new(),
+            worker_config,
+            dump_grads: dump_grads.map(Path::to_path_buf),
+            pending: VecDeque::new(),
+            link_generation: generation,
         };
         // Hello from everyone, then the topology, then ready from everyone.
         let mut conns: Vec<Option<u64>> = vec![None; p];
@@ -153,9 +179,11 @@ impl<'c> Pipeline<'c> {
                     generation,
                     prev,
                     next,
+                    replacement: false,
                 },
             )?;
         }
+        pipeline.data_addrs = data_addrs;
         pipeline.collect(p, "the workers to connect to their neighbours")?;
         info!(stages = p, generation, "pipeline connected");
         Ok(pipeline)
@@ -292,7 +320,7 @@ impl<'c> Pipeline<'c> {
         let deadline = Instant::now() + self.timeout;
         let mut got = Vec::new();
         while got.len() < count {
-            match self.next_message(deadline, what)? {
+            match self.next_reply_before(deadline, what)? {
                 msg @ (ToLauncher::ShardWritten { .. } | ToLauncher::ShardFailed { .. }) => {
                     self.side.push_back(msg)
                 }
@@ -300,6 +328,243 @@ impl<'c> Pipeline<'c> {
             }
         }
         Ok(got)
+    }
+
+    /// The next worker reply (checkpoint-upload messages are set aside), waiting up to the
+    /// pipeline's timeout.
+    pub fn next_reply(&mut self, what: &str) -> Result<ToLauncher, LaunchError> {
+        self.next_reply_before(Instant::now() + self.timeout, what)
+    }
+
+    fn next_reply_before(
+        &mut self,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<ToLauncher, LaunchError> {
+        if let Some(msg) = self.pending.pop_front() {
+            return Ok(msg);
+        }
+        loop {
+            match self.next_message(deadline, what)? {
+                msg @ (ToLauncher::ShardWritten { .. } | ToLauncher::ShardFailed { .. }) => {
+                    self.side.push_back(msg)
+                }
+                msg => return Ok(msg),
+            }
+        }
+    }
+
+    /// Mid-step recovery, step 1: after `failure` in step `step`, finds the one stage that was lost
+    /// (waiting briefly for every report). `None` when mid-step recovery cannot help: several stages
+    /// or a stage and its neighbour were lost, a worker failed by itself or hung, or the lost stage
+    /// had already finished the step (`finished`).
+    pub fn lost_stage(
+        &mut self,
+        failure: &LaunchError,
+        finished: &BTreeSet<usize>,
+    ) -> Option<(usize, Lost)> {
+        let mut lost: BTreeMap<usize, Lost> = BTreeMap::new();
+        let mut hopeless = false;
+        let mut note = |pipeline: &mut Self, e: &LaunchError| match e {
+            LaunchError::WorkerExited { stage, .. } => {
+                let node = pipeline.coordinator.node_of(*stage);
+                let agent_alive = pipeline.coordinator.agent_alive(&node);
+                lost.entry(*stage).or_insert(Lost {
+                    node,
+                    reason: e.to_string(),
+                    agent_alive,
+                });
+            }
+            LaunchError::WorkerFailed { stage, error, .. }
+                if error.starts_with("connection closed") =>
+            {
+                let node = pipeline.coordinator.node_of(*stage);
+                let agent_alive = pipeline.coordinator.agent_alive(&node);
+                lost.entry(*stage).or_insert(Lost {
+                    node,
+                    reason: e.to_string(),
+                    agent_alive,
+                });
+            }
+            LaunchError::NodesLost { lost: nodes, .. } => {
+                for l in nodes {
+                    for stage in pipeline.coordinator.plan().stages_of(&l.node) {
+                        lost.insert(stage, l.clone());
+                    }
+                }
+            }
+            _ => hopeless = true,
+        };
+        note(self, failure);
+        const QUIET: Duration = Duration::from_millis(300);
+        let mut quiet_since = Instant::now();
+        while quiet_since.elapsed() < QUIET {
+            match self
+                .coordinator
+                .poll(Instant::now() + Duration::from_millis(20))
+            {
+                Ok(Some(incoming)) => {
+                    quiet_since = Instant::now();
+                    match incoming {
+                        Incoming::Worker(conn, msg)
+                            if self.stage_of(conn).is_some()
+                                && !matches!(msg, ToLauncher::Failed { .. }) =>
+                        {
+                            self.keep(msg)
+                        }
+                        other => {
+                            if let Err(e) = self.fail_on(other) {
+                                note(self, &e);
+                            }
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => return None,
+            }
+        }
+        // The exits an agent reported as "a peer failed" are survivors, not losses; with
+        // mid-step recovery on, survivors wait instead of exiting, so any exit is a loss.
+        if hopeless || lost.len() != 1 {
+            return None;
+        }
+        let (stage, l) = lost.into_iter().next().expect("one");
+        (!finished.contains(&stage)).then_some((stage, l))
+    }
+
+    /// Mid-step recovery, step 2: starts a replacement for `stage` (on its own node if the agent
+    /// lives, else on a neighbour's node), loads its step-start state with `restore` (none: the
+    /// initial weights), rebuilds its links to the neighbours — which tell it what they already
+    /// have and send again what they sent it — and has it run step `step`, replaying only its own
+    /// completed units. With `checkpoint`, the replacement first uploads its shard of that
+    /// checkpoint in flight (the state it restored), which the lost worker could not finish.
+    pub fn replace_stage(
+        &mut self,
+        stage: usize,
+        lost: Lost,
+        step: u64,
+        restore: Option<ToWorker>,
+        checkpoint: Option<u64>,
+    ) -> Result<Replacement, LaunchError> {
+        let p = self.conns.len();
+        let candidates = std::iter::once(stage)
+            .chain(stage.checked_sub(1))
+            .chain((stage + 1 < p).then_some(stage + 1));
+        let host = candidates
+            .map(|s| self.coordinator.node_of(s))
+            .find(|n| self.coordinator.agent_alive(n))
+            .ok_or_else(|| LaunchError::Run("no live node to host a replacement".into()))?;
+        info!(stage, step, %host, "replacing a lost stage mid-step");
+        let (config, dump) = (self.worker_config.clone(), self.dump_grads.clone());
+        self.coordinator
+            .start_replacement(&host, stage, &config, dump.as_deref())?;
+        let generation = self.coordinator.plan().generation;
+        let deadline = Instant::now() + self.timeout;
+        let conn = loop {
+            match self.next_incoming(deadline, "the replacement to say hello")? {
+                Incoming::Hello(
+                    conn,
+                    ToLauncher::Hello {
+                        stage: s,
+                        generation: g,
+                        data_addr,
+                        ..
+                    },
+                ) if s == stage && g == generation => {
+                    self.data_addrs[stage] = data_addr;
+                    break conn;
+                }
+                Incoming::Worker(conn, msg)
+                    if self.stage_of(conn).is_some()
+                        && !matches!(msg, ToLauncher::Failed { .. }) =>
+                {
+                    self.keep(msg)
+                }
+                other => self.fail_on(other)?,
+            }
+        };
+        self.conns[stage] = conn;
+        self.link_generation += 1;
+        let link_generation = self.link_generation;
+        if stage > 0 {
+            self.send(
+                stage - 1,
+                &ToWorker::Relink {
+                    generation: link_generation,
+                    side: Side::Next,
+                    addr: Some(self.data_addrs[stage].clone()),
+                },
+            )?;
+        }
+        if stage + 1 < p {
+            self.send(
+                stage + 1,
+                &ToWorker::Relink {
+                    generation: link_generation,
+                    side: Side::Prev,
+                    addr: None,
+                },
+            )?;
+        }
+        let topology = ToWorker::Topology {
+            generation: link_generation,
+            prev: (stage > 0).then(|| self.data_addrs[stage - 1].clone()),
+            next: self.data_addrs.get(stage + 1).cloned(),
+            replacement: true,
+        };
+        self.send(stage, &topology)?;
+        self.await_reply_of(stage, "the replacement to connect", |m| {
+            matches!(m, ToLauncher::Ready { .. })
+        })?;
+        if let Some(restore) = restore {
+            self.send(stage, &restore)?;
+            match self.await_reply_of(stage, "the replacement to load its state", |m| {
+                matches!(
+                    m,
+                    ToLauncher::Restored { .. } | ToLauncher::RestoreFailed { .. }
+                )
+            })? {
+                ToLauncher::RestoreFailed { error, .. } => {
+                    return Err(LaunchError::Run(format!(
+                        "the replacement of stage {stage} cannot load its step-start state: {error}"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        if let Some(c) = checkpoint {
+            self.send(stage, &ToWorker::Checkpoint { step: c })?;
+        }
+        self.send(stage, &ToWorker::RunStep { step })?;
+        Ok(Replacement { stage, lost, host })
+    }
+
+    /// Keeps a reply that arrived while something else was awaited: upload reports for the
+    /// checkpoint writer, the rest for [`Pipeline::next_reply`].
+    fn keep(&mut self, msg: ToLauncher) {
+        match msg {
+            ToLauncher::ShardWritten { .. } | ToLauncher::ShardFailed { .. } => {
+                self.side.push_back(msg)
+            }
+            msg => self.pending.push_back(msg),
+        }
+    }
+
+    /// Waits for the reply of `stage` that `wanted` accepts, keeping other replies for later.
+    fn await_reply_of(
+        &mut self,
+        stage: usize,
+        what: &str,
+        wanted: impl Fn(&ToLauncher) -> bool,
+    ) -> Result<ToLauncher, LaunchError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let msg = self.next_message(deadline, what)?;
+            if wanted(&msg) && reply_stage(&msg) == Some(stage) {
+                return Ok(msg);
+            }
+            self.keep(msg);
+        }
     }
 
     /// Checkpoint-upload messages that have arrived so far, without waiting.
@@ -423,5 +688,22 @@ impl<'c> Pipeline<'c> {
             }
         }
         lost
+    }
+}
+
+/// The stage a reply comes from.
+fn reply_stage(msg: &ToLauncher) -> Option<usize> {
+    match msg {
+        ToLauncher::Hello { stage, .. }
+        | ToLauncher::Ready { stage }
+        | ToLauncher::StepDone { stage, .. }
+        | ToLauncher::LinkDown { stage, .. }
+        | ToLauncher::Updated { stage, .. }
+        | ToLauncher::EvalDone { stage, .. }
+        | ToLauncher::ShardWritten { stage, .. }
+        | ToLauncher::ShardFailed { stage, .. }
+        | ToLauncher::Restored { stage, .. }
+        | ToLauncher::RestoreFailed { stage, .. }
+        | ToLauncher::Failed { stage, .. } => Some(*stage),
     }
 }

@@ -17,7 +17,7 @@ use super::wire::{Frame, read_frame, write_frame};
 use crate::schedule::Unit;
 
 /// What a tensor message carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Payload {
     /// Hidden states flowing forward.
@@ -42,6 +42,16 @@ pub struct TensorHeader {
 }
 
 /// Transport failures, naming the peer.
+/// The first frame on a link rebuilt in the middle of a step: which units of `payload` the
+/// surviving side already received from the stage that is being replaced (it need not send them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct HaveHeader {
+    generation: u64,
+    step: u64,
+    have: Payload,
+    units: Vec<Unit>,
+}
+
 #[derive(Debug, Error)]
 pub enum TransportError {
     /// The connection broke (the peer died or closed it).
@@ -124,6 +134,51 @@ impl TcpLink {
         })
     }
 
+    /// Tells the peer (a replacement stage) which `payload` units of `step` this side already has.
+    pub fn send_have(
+        &mut self,
+        step: u64,
+        have: Payload,
+        units: &[Unit],
+    ) -> Result<(), TransportError> {
+        let header = HaveHeader {
+            generation: self.generation,
+            step,
+            have,
+            units: units.to_vec(),
+        };
+        write_frame(&mut self.writer, &Frame::new(&header, Vec::new()))
+            .map_err(|e| self.io_error(e))
+    }
+
+    /// Reads the peer's [`TcpLink::send_have`]: the step and the units it already has.
+    pub fn recv_have(&mut self, have: Payload) -> Result<(u64, Vec<Unit>), TransportError> {
+        let frame = self.next_frame()?;
+        let header: HaveHeader = frame.header().map_err(|e| self.io_error(e))?;
+        if header.generation != self.generation || header.have != have {
+            return Err(TransportError::Unexpected {
+                peer: self.peer.clone(),
+                expected: format!("the {have:?} units it has, generation {}", self.generation),
+                got: format!("{header:?}"),
+            });
+        }
+        Ok((header.step, header.units))
+    }
+
+    fn next_frame(&mut self) -> Result<Frame, TransportError> {
+        match self.incoming.recv_timeout(self.timeout) {
+            Ok(frame) => frame.map_err(|e| self.io_error(e)),
+            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout {
+                peer: self.peer.clone(),
+                peer_stage: self.peer_stage,
+                timeout: self.timeout,
+            }),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(self.io_error(io::ErrorKind::UnexpectedEof.into()))
+            }
+        }
+    }
+
     fn io_error(&self, source: io::Error) -> TransportError {
         TransportError::Io {
             peer: self.peer.clone(),
@@ -160,19 +215,7 @@ impl Transport for TcpLink {
     }
 
     fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError> {
-        let frame = match self.incoming.recv_timeout(self.timeout) {
-            Ok(frame) => frame.map_err(|e| self.io_error(e))?,
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(TransportError::Timeout {
-                    peer: self.peer.clone(),
-                    peer_stage: self.peer_stage,
-                    timeout: self.timeout,
-                });
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(self.io_error(io::ErrorKind::UnexpectedEof.into()));
-            }
-        };
+        let frame = self.next_frame()?;
         let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
         let expected = TensorHeader {
             generation: self.generation,

@@ -1,7 +1,7 @@
 //! A stage worker: one OS process per pipeline stage. It connects to the launcher, wires itself to its
 //! neighbours, then executes its stage's action list for every step it is told to run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use super::auth;
-use super::control::{ControlSender, ControlStream, ToLauncher, ToWorker};
+use super::control::{ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker};
 use super::peer_snapshots::{self, PeerCopier};
 use super::transport::{Payload, TcpLink, Transport, TransportError};
 use crate::checkpointing::hf;
@@ -117,6 +117,50 @@ struct Worker {
     leaving: Arc<AtomicBool>,
     /// Sends the state after every step to the agents' memory (tier-1 recovery).
     peer_copier: Option<PeerCopier>,
+    /// The data port, kept to accept a relink from a replacement of the previous stage.
+    listener: Option<TcpListener>,
+    /// What this worker did in the current step (mid-step recovery).
+    record: StepRecord,
+    /// A replacement's neighbours' outputs of the lost stage, for its first step.
+    replay_skip: HashSet<(Payload, Unit)>,
+}
+
+/// What a worker did in the current training step: the boundary tensors it sent (kept until the
+/// step's update, so a replacement of a neighbour can have them again), what it received, and
+/// its costs. A replacement also knows which of its outputs the neighbours already have.
+#[derive(Default)]
+struct StepRecord {
+    step: u64,
+    sent: Vec<(Payload, Unit, Tensor)>,
+    received: Vec<(Payload, Unit)>,
+    done_units: usize,
+    cost: StepCost,
+    skip: HashSet<(Payload, Unit)>,
+}
+
+impl StepRecord {
+    fn retain(&mut self, payload: Payload, u: Unit, t: &Tensor) {
+        self.cost.retained_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        self.sent.push((payload, u, t.clone()));
+    }
+
+    fn computed(&mut self, seconds: f64, redone: bool) {
+        self.done_units += 1;
+        self.cost.compute_s += seconds;
+        if redone {
+            self.cost.redone_units += 1;
+            self.cost.redone_s += seconds;
+        }
+    }
+}
+
+/// The per-call state of [`Worker::execute`].
+struct ExecState {
+    tokens: MicroBatchTokens,
+    inbox: HashMap<Unit, Tensor>,
+    outbox: HashMap<Unit, Tensor>,
+    loss_sum: Option<f64>,
+    loss_scale: f64,
 }
 
 /// A snapshot waiting for the uploader.
@@ -274,7 +318,8 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
                 generation,
                 prev,
                 next,
-            } => worker.connect(&listener, generation, prev, next, timeout)?,
+                replacement,
+            } => worker.connect(listener, generation, prev, next, replacement)?,
             other => {
                 return Err(WorkerError::Protocol(format!(
                     "expected the topology first, got {other:?}"
@@ -366,6 +411,9 @@ impl Worker {
             token: String::new(),
             leaving: Arc::new(AtomicBool::new(false)),
             peer_copier: None,
+            listener: None,
+            record: StepRecord::default(),
+            replay_skip: HashSet::new(),
         })
     }
 
@@ -407,13 +455,47 @@ impl Worker {
         self.stage.layout().stage
     }
 
-    /// Accepts the previous stage's connection and connects to the next stage.
+    /// Connects to the next stage and accepts the previous stage's connection (the data port is
+    /// kept for a relink). A replacement of a lost stage then reads what its neighbours already have.
     fn connect(
         &mut self,
-        listener: &TcpListener,
+        listener: TcpListener,
         generation: u64,
         prev: Option<String>,
         next: Option<String>,
+        replacement: bool,
+    ) -> Result<(), WorkerError> {
+        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        if let Some(next) = next {
+            self.connect_next(&next, generation, timeout)?;
+        }
+        if prev.is_some() {
+            self.accept_prev(&listener, generation, timeout)?;
+        }
+        self.listener = Some(listener);
+        if replacement {
+            let mut skip = HashSet::new();
+            if let Some(next) = &mut self.next {
+                let (_, units) = next.recv_have(Payload::Activation)?;
+                skip.extend(units.into_iter().map(|u| (Payload::Activation, u)));
+            }
+            if let Some(prev) = &mut self.prev {
+                let (_, units) = prev.recv_have(Payload::Grad)?;
+                skip.extend(units.into_iter().map(|u| (Payload::Grad, u)));
+            }
+            info!(
+                outputs_the_neighbours_have = skip.len(),
+                "replacing a lost stage mid-step"
+            );
+            self.replay_skip = skip;
+        }
+        Ok(())
+    }
+
+    fn connect_next(
+        &mut self,
+        next: &str,
+        generation: u64,
         timeout: Duration,
     ) -> Result<(), WorkerError> {
         let r = self.index();
@@ -423,52 +505,60 @@ impl Worker {
                 source,
             }
         };
-        if let Some(next) = next {
-            let addr = resolve(&next)?;
-            let mut stream = TcpStream::connect_timeout(&addr, timeout)
-                .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
-            auth::respond(&mut stream, &self.token, "data")
-                .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
-            self.next = Some(
-                TcpLink::new(stream, r + 1, generation, timeout)
-                    .map_err(io("next-stage link".into()))?,
-            );
-        }
-        if prev.is_some() {
-            listener
-                .set_nonblocking(true)
-                .map_err(io("data port".into()))?;
-            let deadline = Instant::now() + timeout;
-            let stream = loop {
-                match listener.accept() {
-                    Ok((mut stream, peer)) => {
-                        stream
-                            .set_nonblocking(false)
-                            .map_err(io("data port".into()))?;
-                        match auth::challenge(&mut stream, &self.token, "data") {
-                            Ok(()) => break stream,
-                            Err(e) => {
-                                warn!(%peer, error = %e, "closed an unauthenticated connection to the data port")
-                            }
+        let addr = resolve(next)?;
+        let mut stream = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+        auth::respond(&mut stream, &self.token, "data")
+            .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
+        self.next = Some(
+            TcpLink::new(stream, r + 1, generation, timeout)
+                .map_err(io("next-stage link".into()))?,
+        );
+        Ok(())
+    }
+
+    fn accept_prev(
+        &mut self,
+        listener: &TcpListener,
+        generation: u64,
+        timeout: Duration,
+    ) -> Result<(), WorkerError> {
+        let r = self.index();
+        let io = |what: String| {
+            move |source| WorkerError::Io {
+                what: what.clone(),
+                source,
+            }
+        };
+        listener
+            .set_nonblocking(true)
+            .map_err(io("data port".into()))?;
+        let deadline = Instant::now() + timeout;
+        let stream = loop {
+            match listener.accept() {
+                Ok((mut stream, peer)) => {
+                    stream
+                        .set_nonblocking(false)
+                        .map_err(io("data port".into()))?;
+                    match auth::challenge(&mut stream, &self.token, "data") {
+                        Ok(()) => break stream,
+                        Err(e) => {
+                            warn!(%peer, error = %e, "closed an unauthenticated connection to the data port")
                         }
                     }
-                    Err(e)
-                        if e.kind() == std::io::ErrorKind::WouldBlock
-                            && Instant::now() < deadline =>
-                    {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Err(e) => return Err(io(format!("waiting for stage {} to connect", r - 1))(e)),
                 }
-            };
-            stream
-                .set_nonblocking(false)
-                .map_err(io("data port".into()))?;
-            self.prev = Some(
-                TcpLink::new(stream, r - 1, generation, timeout)
-                    .map_err(io("previous-stage link".into()))?,
-            );
-        }
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => return Err(io(format!("waiting for stage {} to connect", r - 1))(e)),
+            }
+        };
+        self.prev = Some(
+            TcpLink::new(stream, r - 1, generation, timeout)
+                .map_err(io("previous-stage link".into()))?,
+        );
         Ok(())
     }
 
@@ -482,7 +572,7 @@ impl Worker {
             match control.recv::<ToWorker>().map_err(control_err)? {
                 ToWorker::RunStep { step } => {
                     let started = Instant::now();
-                    let loss_sum = self.run_step(step)?;
+                    let loss_sum = self.run_step(step, control)?;
                     let sums_of_squares = self.stage.grad_sums_of_squares()?;
                     if let Some(dir) = &self.dump_grads {
                         self.dump_gradients(dir, step)?;
@@ -499,9 +589,17 @@ impl Worker {
                             sums_of_squares,
                             loss_sum,
                             leaving: self.leaving.load(Ordering::SeqCst),
+                            cost: self.record.cost.clone(),
                         })
                         .map_err(control_err)?;
                 }
+                // A neighbour was replaced after this stage had finished its part of the step.
+                ToWorker::Relink {
+                    generation,
+                    side,
+                    addr,
+                } => self.relink(generation, side, addr)?,
+                ToWorker::Abort => {}
                 ToWorker::Apply {
                     step,
                     lr,
@@ -654,16 +752,25 @@ impl Worker {
     }
 
     /// Executes this stage's actions of one training step.
-    fn run_step(&mut self, step: u64) -> Result<Option<f64>, WorkerError> {
+    fn run_step(
+        &mut self,
+        step: u64,
+        control: &mut ControlStream,
+    ) -> Result<Option<f64>, WorkerError> {
+        self.record = StepRecord {
+            step,
+            skip: std::mem::take(&mut self.replay_skip),
+            ..StepRecord::default()
+        };
         let schedule = self.schedule.clone();
-        self.execute(&schedule, Split::Train, step, Mode::Train)
+        self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))
     }
 
     /// Forward-only pass over `batches` held-out micro-batches (the same ones at every evaluation).
     fn run_eval(&mut self, batches: usize) -> Result<Option<f64>, WorkerError> {
         let schedule =
             generate_forward_only(self.cfg.pipeline.stages, batches, self.cfg.pipeline.splits)?;
-        self.execute(&schedule, Split::Val, 0, Mode::Eval)
+        self.execute(&schedule, Split::Val, 0, Mode::Eval, None)
     }
 
     fn execute(
@@ -672,83 +779,264 @@ impl Worker {
         split: Split,
         step: u64,
         mode: Mode,
+        mut control: Option<&mut ControlStream>,
     ) -> Result<Option<f64>, WorkerError> {
         let r = self.index();
+        let last = self.stage.layout().is_last();
+        let mut state = ExecState {
+            tokens: MicroBatchTokens {
+                tokens: HashMap::new(),
+            },
+            inbox: HashMap::new(),
+            outbox: HashMap::new(),
+            loss_sum: last.then_some(0.0),
+            loss_scale: 1.0
+                / (schedule.microbatches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len)
+                    as f64,
+        };
+        let actions = &schedule.actions[r];
+        let mut pc = 0;
+        while pc < actions.len() {
+            let action = actions[pc];
+            match self.run_action(action, &mut state, split, step, mode) {
+                Ok(()) => pc += 1,
+                // A neighbour died mid-step: keep everything, have the link rebuilt to its
+                // replacement, and go on where this stage stood.
+                Err(WorkerError::Transport(TransportError::Io { peer, source }))
+                    if mode == Mode::Train && self.cfg.elastic.mid_step && control.is_some() =>
+                {
+                    let side = match action {
+                        Action::RecvActivation(_) | Action::SendGrad(_) => Side::Prev,
+                        _ => Side::Next,
+                    };
+                    let control = control.as_deref_mut().expect("checked above");
+                    self.await_relink(control, step, side, &format!("{peer}: {source}"))?;
+                    // A send that failed is in the record and went out again with the catch-up.
+                    if matches!(action, Action::SendActivation(_) | Action::SendGrad(_)) {
+                        pc += 1;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(state.loss_sum)
+    }
+
+    fn run_action(
+        &mut self,
+        action: Action,
+        state: &mut ExecState,
+        split: Split,
+        step: u64,
+        mode: Mode,
+    ) -> Result<(), WorkerError> {
         let (first, last) = (
             self.stage.layout().is_first(),
             self.stage.layout().is_last(),
         );
-        let loss_scale = 1.0
-            / (schedule.microbatches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len)
-                as f64;
-        let mut tokens = MicroBatchTokens {
-            tokens: HashMap::new(),
-        };
-        let mut inbox: HashMap<Unit, Tensor> = HashMap::new();
-        let mut outbox: HashMap<Unit, Tensor> = HashMap::new();
-        let mut loss_sum = last.then_some(0.0);
-        for action in &schedule.actions[r] {
-            match *action {
-                Action::RecvActivation(u) => {
-                    let t = link(&mut self.prev, "previous")?.recv(step, Payload::Activation, u)?;
-                    inbox.insert(u, t);
+        let train = mode == Mode::Train;
+        match action {
+            Action::RecvActivation(u) => {
+                let t = link(&mut self.prev, "previous")?.recv(step, Payload::Activation, u)?;
+                state.inbox.insert(u, t);
+                if train {
+                    self.record.received.push((Payload::Activation, u));
                 }
-                Action::Forward(u) => {
-                    let input = if first {
-                        StageInput::Tokens(self.segment_tokens(&mut tokens, split, step, u, 0)?)
-                    } else {
-                        StageInput::Hidden(take(&mut inbox, u)?)
-                    };
-                    let targets = if last {
-                        Some(
-                            self.segment_tokens(&mut tokens, split, step, u, 1)?
-                                .flatten_all()?,
-                        )
-                    } else {
-                        None
-                    };
-                    if u.segment + 1 == self.segment_lengths.len() {
-                        tokens.tokens.remove(&u.micro_batch);
+            }
+            Action::Forward(u) => {
+                let started = Instant::now();
+                let input = if first {
+                    StageInput::Tokens(self.segment_tokens(&mut state.tokens, split, step, u, 0)?)
+                } else {
+                    StageInput::Hidden(take(&mut state.inbox, u)?)
+                };
+                let targets = if last {
+                    Some(
+                        self.segment_tokens(&mut state.tokens, split, step, u, 1)?
+                            .flatten_all()?,
+                    )
+                } else {
+                    None
+                };
+                if u.segment + 1 == self.segment_lengths.len() {
+                    state.tokens.tokens.remove(&u.micro_batch);
+                }
+                match self
+                    .stage
+                    .forward(u, input, targets.as_ref(), state.loss_scale, mode)?
+                {
+                    StageOutput::Hidden(h) => {
+                        state.outbox.insert(u, h);
                     }
-                    match self
-                        .stage
-                        .forward(u, input, targets.as_ref(), loss_scale, mode)?
-                    {
-                        StageOutput::Hidden(h) => {
-                            outbox.insert(u, h);
-                        }
-                        StageOutput::LossSum(l) => *loss_sum.as_mut().expect("last stage") += l,
-                    }
+                    StageOutput::LossSum(l) => *state.loss_sum.as_mut().expect("last stage") += l,
                 }
-                Action::SendActivation(u) => link(&mut self.next, "next")?.send(
-                    step,
-                    Payload::Activation,
-                    u,
-                    &take(&mut outbox, u)?,
-                )?,
-                Action::RecvGrad(u) => {
-                    let t = link(&mut self.next, "next")?.recv(step, Payload::Grad, u)?;
-                    inbox.insert(u, t);
+                if train {
+                    // Proven redone: a neighbour has this unit's output (or its backward's).
+                    let redone = self.record.skip.contains(&(Payload::Activation, u))
+                        || self.record.skip.contains(&(Payload::Grad, u));
+                    self.record
+                        .computed(started.elapsed().as_secs_f64(), redone);
                 }
-                Action::Backward(u) => {
-                    let d_out = if last {
-                        None
-                    } else {
-                        Some(take(&mut inbox, u)?)
-                    };
-                    if let Some(dx) = self.stage.backward(u, d_out)? {
-                        outbox.insert(u, dx);
-                    }
+            }
+            Action::SendActivation(u) => {
+                let t = take(&mut state.outbox, u)?;
+                self.send_boundary(train, step, Payload::Activation, u, t)?;
+            }
+            Action::RecvGrad(u) => {
+                let t = link(&mut self.next, "next")?.recv(step, Payload::Grad, u)?;
+                state.inbox.insert(u, t);
+                if train {
+                    self.record.received.push((Payload::Grad, u));
                 }
-                Action::SendGrad(u) => link(&mut self.prev, "previous")?.send(
-                    step,
-                    Payload::Grad,
-                    u,
-                    &take(&mut outbox, u)?,
-                )?,
+            }
+            Action::Backward(u) => {
+                let started = Instant::now();
+                let d_out = if last {
+                    None
+                } else {
+                    Some(take(&mut state.inbox, u)?)
+                };
+                if let Some(dx) = self.stage.backward(u, d_out)? {
+                    state.outbox.insert(u, dx);
+                }
+                let redone = self.record.skip.contains(&(Payload::Grad, u));
+                self.record
+                    .computed(started.elapsed().as_secs_f64(), redone);
+            }
+            Action::SendGrad(u) => {
+                let t = take(&mut state.outbox, u)?;
+                self.send_boundary(train, step, Payload::Grad, u, t)?;
             }
         }
-        Ok(loss_sum)
+        Ok(())
+    }
+
+    /// Sends a boundary tensor to its neighbour; in training it is kept until the step's update
+    /// (first, so that a send that fails is still in the record), and a replacement does not send
+    /// what the neighbour already has.
+    fn send_boundary(
+        &mut self,
+        train: bool,
+        step: u64,
+        payload: Payload,
+        u: Unit,
+        t: Tensor,
+    ) -> Result<(), WorkerError> {
+        if train {
+            self.record.retain(payload, u, &t);
+            if self.record.skip.contains(&(payload, u)) {
+                return Ok(());
+            }
+        }
+        let (side, which) = match payload {
+            Payload::Activation => (&mut self.next, "next"),
+            Payload::Grad => (&mut self.prev, "previous"),
+        };
+        link(side, which)?.send(step, payload, u, &t)?;
+        Ok(())
+    }
+
+    /// A link broke mid-step: report it with this stage's progress, and wait for the coordinator
+    /// to rebuild it (or to give up on mid-step recovery).
+    fn await_relink(
+        &mut self,
+        control: &mut ControlStream,
+        step: u64,
+        side: Side,
+        error: &str,
+    ) -> Result<(), WorkerError> {
+        let r = self.index();
+        let peer = match side {
+            Side::Prev => r - 1,
+            Side::Next => r + 1,
+        };
+        warn!(step, peer, %error, "link to a neighbour broke mid-step; waiting for its replacement");
+        let control_err = |source| WorkerError::Control {
+            addr: "coordinator".into(),
+            source,
+        };
+        control
+            .send(&ToLauncher::LinkDown {
+                stage: r,
+                step,
+                peer,
+                error: error.to_string(),
+                done_units: self.record.done_units,
+            })
+            .map_err(control_err)?;
+        match control.recv::<ToWorker>().map_err(control_err)? {
+            ToWorker::Relink {
+                generation,
+                side: s,
+                addr,
+            } if s == side => self.relink(generation, side, addr),
+            ToWorker::Abort => Err(WorkerError::Transport(TransportError::Io {
+                peer: format!("stage {peer}"),
+                source: std::io::Error::other(format!(
+                    "{error}; mid-step recovery abandoned by the coordinator"
+                )),
+            })),
+            other => Err(WorkerError::Protocol(format!(
+                "expected the relink of the {side:?} link, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Rebuilds the link on `side` to a replacement stage: tells it which of its outputs this side
+    /// already received, then sends again every tensor this side sent on the link in the step.
+    fn relink(
+        &mut self,
+        generation: u64,
+        side: Side,
+        addr: Option<String>,
+    ) -> Result<(), WorkerError> {
+        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        let step = self.record.step;
+        match side {
+            Side::Prev => {
+                let listener = self.listener.take().ok_or_else(|| {
+                    WorkerError::Protocol("the data port is gone; cannot relink".into())
+                })?;
+                let result = self.accept_prev(&listener, generation, timeout);
+                self.listener = Some(listener);
+                result?;
+            }
+            Side::Next => {
+                let addr = addr.ok_or_else(|| {
+                    WorkerError::Protocol("a relink of the next link needs an address".into())
+                })?;
+                self.connect_next(&addr, generation, timeout)?;
+            }
+        }
+        let (received, resend) = match side {
+            Side::Prev => (Payload::Activation, Payload::Grad),
+            Side::Next => (Payload::Grad, Payload::Activation),
+        };
+        let have: Vec<Unit> = self
+            .record
+            .received
+            .iter()
+            .filter(|(p, _)| *p == received)
+            .map(|(_, u)| *u)
+            .collect();
+        let link = match side {
+            Side::Prev => link(&mut self.prev, "previous")?,
+            Side::Next => link(&mut self.next, "next")?,
+        };
+        link.send_have(step, received, &have)?;
+        let mut resent = 0;
+        for (payload, u, t) in self.record.sent.iter().filter(|(p, ..)| *p == resend) {
+            link.send(step, *payload, *u, t)?;
+            resent += 1;
+        }
+        info!(
+            step,
+            ?side,
+            have = have.len(),
+            resent,
+            "relinked to a replacement stage"
+        );
+        Ok(())
     }
 
     /// Token ids `(B, s)` of unit `u`'s segment, shifted by `shift` (0 = inputs, 1 = targets).
