@@ -23,6 +23,7 @@ use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
 use super::driver::{ResumePoint, Start, unix_time_s};
 use super::launcher::LaunchError;
 use super::wire::read_frame;
+use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 
 /// What arrived on the control port.
@@ -779,6 +780,56 @@ impl Coordinator {
     /// Records that a failure was just seen (before its extent is known).
     pub(super) fn failure_seen(&mut self) {
         self.failure_seen_at.get_or_insert_with(unix_time_s);
+    }
+
+    /// After a failure (`cause`) and once the workers are stopped: the nodes lost — those declared
+    /// lost (`reported`) or whose agent is gone, and those whose worker died by itself (killed, or
+    /// failed) rather than because a neighbour failed (exit code [`PEER_FAILURE_EXIT_CODE`]). When
+    /// nothing died, the `suspects` (stages a neighbour found silent) are the lost ones: hung or
+    /// cut off.
+    pub(super) fn losses(
+        &self,
+        cause: &str,
+        reported: Vec<(NodeId, String)>,
+        suspects: &BTreeSet<usize>,
+    ) -> Vec<Lost> {
+        fn add(lost: &mut Vec<Lost>, node: NodeId, reason: String, agent_alive: bool) {
+            if !lost.iter().any(|x| x.node == node) {
+                lost.push(Lost {
+                    node,
+                    reason,
+                    agent_alive,
+                });
+            }
+        }
+        let mut lost: Vec<Lost> = Vec::new();
+        for (node, reason) in reported {
+            add(&mut lost, node, reason, false);
+        }
+        for node in &self.plan().nodes {
+            if !self.agent_alive(node) {
+                let reason = format!("the agent of node {node} is gone ({cause})");
+                add(&mut lost, node.clone(), reason, false);
+            }
+        }
+        let peer_failure = i32::from(PEER_FAILURE_EXIT_CODE);
+        for (&stage, exit) in &self.exits {
+            if exit.code != Some(peer_failure) {
+                let node = self.node_of(stage);
+                let alive = self.agent_alive(&node);
+                add(&mut lost, node, cause.to_string(), alive);
+            }
+        }
+        if lost.is_empty() {
+            for &stage in suspects {
+                if stage < self.plan().num_stages() && !self.exits.contains_key(&stage) {
+                    let node = self.node_of(stage);
+                    let alive = self.agent_alive(&node);
+                    add(&mut lost, node, cause.to_string(), alive);
+                }
+            }
+        }
+        lost
     }
 
     /// A worker reported a preemption notice for its node.

@@ -168,8 +168,27 @@ fn with_pipeline<T>(
     let mut pipeline = match Pipeline::start(coordinator, cfg, dump_grads) {
         Ok(pipeline) => pipeline,
         Err(e) => {
+            // A node that fails while the pipeline starts is lost like one that fails later.
             coordinator.stop_workers(Duration::from_secs(5));
-            return Err(e);
+            let recoverable = matches!(
+                e,
+                LaunchError::WorkerFailed { .. }
+                    | LaunchError::WorkerExited { .. }
+                    | LaunchError::NodesLost { .. }
+            );
+            let lost = if recoverable {
+                coordinator.losses(&e.to_string(), Vec::new(), &Default::default())
+            } else {
+                Vec::new()
+            };
+            return Err(if lost.is_empty() {
+                e
+            } else {
+                LaunchError::NodesLost {
+                    cause: e.to_string(),
+                    lost,
+                }
+            });
         }
     };
     let result = body(&mut Driver {

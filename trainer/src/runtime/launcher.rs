@@ -13,7 +13,6 @@ use tracing::{info, warn};
 use super::control::{Side, ToLauncher, ToWorker};
 pub use super::coordinator::Lost;
 use super::coordinator::{Coordinator, Incoming};
-use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 use crate::data::DataError;
 
@@ -620,74 +619,8 @@ impl<'c> Pipeline<'c> {
             }
         }
         self.coordinator.stop_workers(Duration::from_secs(5));
-        let peer_failure = i32::from(PEER_FAILURE_EXIT_CODE);
-        let mut lost: Vec<Lost> = Vec::new();
-        let add = |lost: &mut Vec<Lost>, l: Lost| {
-            if !lost.iter().any(|x| x.node == l.node) {
-                lost.push(l);
-            }
-        };
-        for (node, reason) in std::mem::take(&mut self.lost) {
-            add(
-                &mut lost,
-                Lost {
-                    node,
-                    reason,
-                    agent_alive: false,
-                },
-            );
-        }
-        let plan_nodes = self.coordinator.plan().nodes.clone();
-        for node in plan_nodes {
-            if !self.coordinator.agent_alive(&node) {
-                add(
-                    &mut lost,
-                    Lost {
-                        node: node.clone(),
-                        reason: format!("the agent of node {node} is gone ({cause})"),
-                        agent_alive: false,
-                    },
-                );
-            }
-        }
-        let exits: Vec<(usize, Option<i32>)> = self
-            .coordinator
-            .exits
-            .iter()
-            .map(|(&stage, exit)| (stage, exit.code))
-            .collect();
-        for (stage, code) in exits {
-            if code != Some(peer_failure) {
-                let node = self.coordinator.node_of(stage);
-                let alive = self.coordinator.agent_alive(&node);
-                add(
-                    &mut lost,
-                    Lost {
-                        node,
-                        reason: cause.to_string(),
-                        agent_alive: alive,
-                    },
-                );
-            }
-        }
-        if lost.is_empty() {
-            // Nobody died: the silent stages that were still running are hung (or cut off).
-            for &stage in &self.suspects {
-                if stage < self.conns.len() && !self.coordinator.exits.contains_key(&stage) {
-                    let node = self.coordinator.node_of(stage);
-                    let alive = self.coordinator.agent_alive(&node);
-                    add(
-                        &mut lost,
-                        Lost {
-                            node,
-                            reason: cause.to_string(),
-                            agent_alive: alive,
-                        },
-                    );
-                }
-            }
-        }
-        lost
+        let reported = std::mem::take(&mut self.lost);
+        self.coordinator.losses(cause, reported, &self.suspects)
     }
 }
 

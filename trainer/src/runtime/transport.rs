@@ -7,7 +7,7 @@
 use std::io::{self, BufReader, BufWriter};
 use std::net::TcpStream;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -42,6 +42,31 @@ pub struct TensorHeader {
 }
 
 /// Transport failures, naming the peer.
+/// Connects to `addr`, retrying while the peer refuses or cannot be reached (it is still
+/// starting, or a route is coming back after a network partition) until `timeout` has passed.
+pub fn connect_retrying(addr: &std::net::SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(addr, left.max(Duration::from_millis(100))) {
+            Ok(stream) => return Ok(stream),
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionRefused
+                            | io::ErrorKind::HostUnreachable
+                            | io::ErrorKind::NetworkUnreachable
+                            | io::ErrorKind::TimedOut
+                    ) =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// The first frame on a link rebuilt in the middle of a step: which units of `payload` the
 /// surviving side already received from the stage that is being replaced (it need not send them).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

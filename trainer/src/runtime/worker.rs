@@ -2,7 +2,7 @@
 //! neighbours, then executes its stage's action list for every step it is told to run.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 use super::auth;
 use super::control::{ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker};
 use super::peer_snapshots::{self, PeerCopier};
-use super::transport::{Payload, TcpLink, Transport, TransportError};
+use super::transport::{Payload, TcpLink, Transport, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::checkpointing::shard::{
     from_tensor_data, names_to_restore, restore, snapshot, to_tensor_data,
@@ -270,7 +270,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     cfg.validate()?;
     let timeout = Duration::from_secs_f64(cfg.pipeline.timeout_s);
     let addr = resolve(&args.control)?;
-    let mut stream = TcpStream::connect_timeout(&addr, timeout).map_err(control_err)?;
+    let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
     let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
     auth::respond(&mut stream, &token, "control").map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
@@ -506,7 +506,7 @@ impl Worker {
             }
         };
         let addr = resolve(next)?;
-        let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        let mut stream = connect_retrying(&addr, timeout)
             .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
         auth::respond(&mut stream, &self.token, "data")
             .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
