@@ -6,13 +6,23 @@
 //! attends keys `0..=P+t`, i.e. the causal mask is aligned to the bottom-right corner of the
 //! `(s, P+s)` score matrix. With `P = 0` this is ordinary causal self-attention.
 //!
-//! The backward pass recomputes the probabilities from `q`, `k` and the saved log-sum-exp
-//! (flash-attention style), so the `(s, P+s)` probability matrix is never stored between passes.
+//! Both passes run over blocks of [`Q_BLOCK`] queries: a block's scores against the keys it may see
+//! (`0..P+t1` for queries `t0..t1`: the causal triangle's far side is skipped) are computed into a
+//! `(Q_BLOCK, P+t1)` buffer with one gemm, softmaxed row by row in place, and multiplied by the
+//! values; the `(s, P+s)` score matrix never exists in full. The backward recomputes each block's
+//! probabilities from `q`, `k` and the saved log-sum-exp (flash-attention style) and accumulates
+//! dK/dV over the query blocks in order. Forward blocks run in parallel; the backward runs the
+//! (batch, head) pairs in parallel; either way the arithmetic does not depend on the thread count.
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::Tensor;
+use rayon::prelude::*;
 
+use crate::cpu::{Float, Mat, Threads, View, contiguous, dispatch_float, matmul, tensor};
 use crate::error::Result;
 use crate::util::{dims4, expect_float, shape_err};
+
+/// Queries per block.
+const Q_BLOCK: usize = 64;
 
 /// Saved state of [`causal_prefix_attention_forward`]. `k` and `v` are not stored: the caller
 /// keeps them (they are its key/value cache) and passes them to the backward.
@@ -53,25 +63,6 @@ fn check(
     Ok((b, h, s, l - s, d))
 }
 
-/// Additive mask: 0 where key `j <= p + t`, `-inf` elsewhere. // (s, P+s)
-fn causal_mask(s: usize, p: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let l = p + s;
-    let data: Vec<f32> = (0..s)
-        .flat_map(|t| (0..l).map(move |j| if j <= p + t { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Ok(Tensor::from_vec(data, (s, l), device)?.to_dtype(dtype)?)
-}
-
-/// Scaled, masked scores `scale * q k^T + mask`. // (B, H, s, P+s)
-fn masked_scores(q: &Tensor, k: &Tensor, s: usize, p: usize, scale: f64) -> Result<Tensor> {
-    let scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?; // (B, H, s, P+s)
-    if s == 0 {
-        return Ok(scores);
-    }
-    let mask = causal_mask(s, p, q.dtype(), q.device())?; // (s, P+s)
-    Ok(scores.broadcast_add(&mask)?)
-}
-
 /// Forward of causal prefix attention: `out = softmax(scale * q k^T + mask) v`.
 ///
 /// `q` `(B, H, s, D)`, `k`/`v` `(B, H, P+s, D)`; returns `out` `(B, H, s, D)` and the context.
@@ -81,24 +72,116 @@ pub fn causal_prefix_attention_forward(
     v: &Tensor,
     scale: f64,
 ) -> Result<(Tensor, AttentionCtx)> {
-    let (_b, _h, s, p, _d) = check(q, k, v, "causal_prefix_attention_forward")?;
-    // Batched matmul needs uniform batch strides; this is a no-op for contiguous inputs.
-    let (q, k, v) = (&q.contiguous()?, &k.contiguous()?, &v.contiguous()?);
-    let scores = masked_scores(q, k, s, p, scale)?; // (B, H, s, L)
-    let max = scores.max_keepdim(D::Minus1)?; // (B, H, s, 1)
-    let exp = scores.broadcast_sub(&max)?.exp()?; // (B, H, s, L)
-    let sum = exp.sum_keepdim(D::Minus1)?; // (B, H, s, 1)
-    let lse = (max + sum.log()?)?; // (B, H, s, 1)
-    let probs = exp.broadcast_div(&sum)?; // (B, H, s, L)
-    let out = probs.matmul(v)?; // (B, H, s, D)
-    Ok((
-        out.clone(),
-        AttentionCtx {
-            q: q.clone(),
-            out,
-            lse,
-        },
-    ))
+    const OP: &str = "causal_prefix_attention_forward";
+    let (b, h, s, p, d) = check(q, k, v, OP)?;
+    let dtype = q.dtype();
+    let (q, k, v) = (
+        contiguous(q, dtype, OP, "q")?,
+        contiguous(k, dtype, OP, "k")?,
+        contiguous(v, dtype, OP, "v")?,
+    );
+    let shape = Shape { b, h, s, p, d };
+    let (out, lse) = dispatch_float!(dtype, OP, forward(&q, &k, &v, scale, shape))?;
+    Ok((out.clone(), AttentionCtx { q, out, lse }))
+}
+
+/// `(B, H, s, P, D)` of one call.
+#[derive(Clone, Copy)]
+struct Shape {
+    b: usize,
+    h: usize,
+    s: usize,
+    p: usize,
+    d: usize,
+}
+
+impl Shape {
+    /// Keys per (batch, head): `P + s`.
+    fn l(&self) -> usize {
+        self.p + self.s
+    }
+}
+
+/// Query block `t0..t1` of a segment with prefix `p`: keys `0..p + t1` are visible to some query.
+fn block(t0: usize, s: usize, p: usize) -> (usize, usize, usize) {
+    let t1 = (t0 + Q_BLOCK).min(s);
+    (t0, t1, p + t1)
+}
+
+/// Scores of queries `q_blk` `(nb, D)` against keys `k` `(lk, D)` into `scores` `(nb, lk)`.
+fn block_scores<T: Float>(scores: &mut [T], q_blk: &[T], k: &[T], nb: usize, lk: usize, d: usize) {
+    matmul(
+        scores,
+        lk,
+        false,
+        Mat::rows(q_blk, nb, d, d),
+        Mat::transposed(k, d, lk, d),
+        Threads::One,
+    );
+}
+
+fn forward<T: Float>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    sh: Shape,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "causal_prefix_attention_forward";
+    let Shape { b, h, s, p, d } = sh;
+    let l = sh.l();
+    let (qv, kv, vv) = (View::new(q, OP)?, View::new(k, OP)?, View::new(v, OP)?);
+    let (qs, ks, vs) = (qv.slice::<T>()?, kv.slice::<T>()?, vv.slice::<T>()?);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); b * h * s * d]; // (B, H, s, D)
+    let mut lse = vec![T::zero(); b * h * s]; // (B, H, s)
+    if s > 0 {
+        out.par_chunks_mut(s * d)
+            .zip(lse.par_chunks_mut(s))
+            .enumerate()
+            .for_each(|(bh, (out, lse))| {
+                let (q, k, v) = (
+                    &qs[bh * s * d..(bh + 1) * s * d],
+                    &ks[bh * l * d..(bh + 1) * l * d],
+                    &vs[bh * l * d..(bh + 1) * l * d],
+                );
+                out.par_chunks_mut(Q_BLOCK * d)
+                    .zip(lse.par_chunks_mut(Q_BLOCK))
+                    .enumerate()
+                    .for_each(|(blk, (out, lse))| {
+                        let (t0, t1, lk) = block(blk * Q_BLOCK, s, p);
+                        let nb = t1 - t0;
+                        let mut probs = vec![T::zero(); nb * lk]; // (nb, lk)
+                        block_scores(&mut probs, &q[t0 * d..t1 * d], k, nb, lk, d);
+                        for (i, row) in probs.chunks_mut(lk).enumerate() {
+                            let visible = p + t0 + i + 1;
+                            let (seen, masked) = row.split_at_mut(visible);
+                            let max = seen
+                                .iter()
+                                .fold(T::neg_infinity(), |m, &x| num_traits::Float::max(m, x))
+                                * scale;
+                            let mut sum = T::zero();
+                            for x in seen.iter_mut() {
+                                *x = (*x * scale - max).exp_fast();
+                                sum += *x;
+                            }
+                            let inv = T::one() / sum;
+                            seen.iter_mut().for_each(|x| *x *= inv);
+                            masked.fill(T::zero());
+                            lse[i] = max + sum.ln();
+                        }
+                        matmul(
+                            out,
+                            d,
+                            false,
+                            Mat::rows(&probs, nb, lk, lk),
+                            Mat::rows(v, lk, d, d),
+                            Threads::One,
+                        );
+                    });
+            });
+    }
+    Ok((tensor(out, &[b, h, s, d])?, tensor(lse, &[b, h, s, 1])?))
 }
 
 /// Backward of [`causal_prefix_attention_forward`].
@@ -118,7 +201,13 @@ pub fn causal_prefix_attention_backward(
     const OP: &str = "causal_prefix_attention_backward";
     let q = &ctx.q;
     let (b, h, s, p, d) = check(q, k, v, OP)?;
-    let (k, v, d_out) = (&k.contiguous()?, &v.contiguous()?, &d_out.contiguous()?);
+    let dtype = q.dtype();
+    let (q, k, v, d_out) = (
+        &contiguous(q, dtype, OP, "ctx.q")?,
+        &contiguous(k, dtype, OP, "k")?,
+        &contiguous(v, dtype, OP, "v")?,
+        &contiguous(d_out, dtype, OP, "d_out")?,
+    );
     if d_out.dims() != [b, h, s, d] || ctx.out.dims() != [b, h, s, d] {
         return shape_err(format!(
             "{OP}: d_out {:?} and ctx.out {:?} must have the shape of q {:?}",
@@ -133,13 +222,137 @@ pub fn causal_prefix_attention_backward(
             ctx.lse.dims()
         ));
     }
-    let scores = masked_scores(q, k, s, p, scale)?; // (B, H, s, L)
-    let probs = scores.broadcast_sub(&ctx.lse)?.exp()?; // (B, H, s, L)
-    let dv = probs.t()?.matmul(d_out)?; // (B, H, L, D)
-    let dprobs = d_out.matmul(&v.t()?)?; // (B, H, s, L)
-    let delta = (d_out * &ctx.out)?.sum_keepdim(D::Minus1)?; // (B, H, s, 1)
-    let ds = (probs * dprobs.broadcast_sub(&delta)?)?; // (B, H, s, L)
-    let dq = ds.matmul(k)?.affine(scale, 0.0)?; // (B, H, s, D)
-    let dk = ds.t()?.matmul(q)?.affine(scale, 0.0)?; // (B, H, L, D)
-    Ok((dq, dk, dv))
+    let out = contiguous(&ctx.out, dtype, OP, "ctx.out")?;
+    let lse = contiguous(&ctx.lse, dtype, OP, "ctx.lse")?;
+    let shape = Shape { b, h, s, p, d };
+    dispatch_float!(
+        dtype,
+        OP,
+        backward(q, k, v, &out, &lse, d_out, scale, shape)
+    )
+}
+
+/// Tensors the backward reads, as slices of one (batch, head).
+struct HeadInputs<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: &'a [T],
+    lse: &'a [T],
+    d_out: &'a [T],
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Float>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+    scale: f64,
+    sh: Shape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "causal_prefix_attention_backward";
+    let Shape { b, h, s, d, .. } = sh;
+    let l = sh.l();
+    let views = [q, k, v, out, lse, d_out]
+        .into_iter()
+        .map(|t| View::new(t, OP))
+        .collect::<Result<Vec<_>>>()?;
+    let [qs, ks, vs, outs, lses, d_outs] = [0, 1, 2, 3, 4, 5].map(|i| views[i].slice::<T>());
+    let (qs, ks, vs, outs, lses, d_outs) = (qs?, ks?, vs?, outs?, lses?, d_outs?);
+    let mut dq = vec![T::zero(); b * h * s * d]; // (B, H, s, D)
+    let mut dk = vec![T::zero(); b * h * l * d]; // (B, H, L, D)
+    let mut dv = vec![T::zero(); b * h * l * d]; // (B, H, L, D)
+    if s > 0 {
+        dq.par_chunks_mut(s * d)
+            .zip(dk.par_chunks_mut(l * d))
+            .zip(dv.par_chunks_mut(l * d))
+            .enumerate()
+            .for_each(|(bh, ((dq, dk), dv))| {
+                let (sd, ld) = (bh * s * d..(bh + 1) * s * d, bh * l * d..(bh + 1) * l * d);
+                let inputs = HeadInputs {
+                    q: &qs[sd.clone()],
+                    k: &ks[ld.clone()],
+                    v: &vs[ld],
+                    out: &outs[sd.clone()],
+                    lse: &lses[bh * s..(bh + 1) * s],
+                    d_out: &d_outs[sd],
+                };
+                head_backward(&inputs, dq, dk, dv, T::from_f64(scale), sh);
+            });
+    }
+    Ok((
+        tensor(dq, &[b, h, s, d])?,
+        tensor(dk, &[b, h, l, d])?,
+        tensor(dv, &[b, h, l, d])?,
+    ))
+}
+
+/// Backward of one (batch, head), query blocks in order, accumulating `dk` and `dv`.
+fn head_backward<T: Float>(
+    x: &HeadInputs<'_, T>,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    scale: T,
+    sh: Shape,
+) {
+    let Shape { s, p, d, .. } = sh;
+    for t0 in (0..s).step_by(Q_BLOCK) {
+        let (t0, t1, lk) = block(t0, s, p);
+        let nb = t1 - t0;
+        let (q_blk, d_out_blk) = (&x.q[t0 * d..t1 * d], &x.d_out[t0 * d..t1 * d]);
+        // probs = exp(scale * q k^T - lse) on the visible keys, 0 elsewhere. // (nb, lk)
+        let mut probs = vec![T::zero(); nb * lk];
+        block_scores(&mut probs, q_blk, x.k, nb, lk, d);
+        for (i, row) in probs.chunks_mut(lk).enumerate() {
+            let (seen, masked) = row.split_at_mut(p + t0 + i + 1);
+            let lse = x.lse[t0 + i];
+            seen.iter_mut()
+                .for_each(|z| *z = (*z * scale - lse).exp_fast());
+            masked.fill(T::zero());
+        }
+        // dv += probs^T d_out
+        matmul(
+            &mut dv[..lk * d],
+            d,
+            true,
+            Mat::transposed(&probs, lk, nb, lk),
+            Mat::rows(d_out_blk, nb, d, d),
+            Threads::One,
+        );
+        // dprobs = d_out v^T, then ds = scale * probs * (dprobs - sum(d_out * out)). // (nb, lk)
+        let mut ds = vec![T::zero(); nb * lk];
+        block_scores(&mut ds, d_out_blk, x.v, nb, lk, d);
+        for (i, (ds, probs)) in ds.chunks_mut(lk).zip(probs.chunks(lk)).enumerate() {
+            let t = t0 + i;
+            let delta: T = d_out_blk[i * d..(i + 1) * d]
+                .iter()
+                .zip(&x.out[t * d..(t + 1) * d])
+                .map(|(&a, &b)| a * b)
+                .sum();
+            ds.iter_mut()
+                .zip(probs)
+                .for_each(|(g, &pr)| *g = scale * pr * (*g - delta));
+        }
+        // dq = ds k, dk += ds^T q
+        matmul(
+            &mut dq[t0 * d..t1 * d],
+            d,
+            false,
+            Mat::rows(&ds, nb, lk, lk),
+            Mat::rows(x.k, lk, d, d),
+            Threads::One,
+        );
+        matmul(
+            &mut dk[..lk * d],
+            d,
+            true,
+            Mat::transposed(&ds, lk, nb, lk),
+            Mat::rows(q_blk, nb, d, d),
+            Threads::One,
+        );
+    }
 }

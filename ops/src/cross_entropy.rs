@@ -1,19 +1,68 @@
-//! Softmax cross-entropy over a vocabulary, processed in row chunks so that the `(rows, V)`
-//! temporaries stay small for large vocabularies.
+//! Softmax cross-entropy over a vocabulary, one fused pass per row: the row maximum, the
+//! exponentials and their sum, the loss, and the gradient written over the row in place.
+//! [`crate::lm_head`] runs the same rows on chunks of logits it computes from the hidden states.
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
+use rayon::prelude::*;
 
+use crate::cpu::{Float, View, contiguous, dispatch_float, tensor};
 use crate::error::Result;
 use crate::util::{check_indices, dims2, expect_float, shape_err};
 
-/// Per-chunk results of the shared forward computation.
-struct ChunkStats {
-    /// `exp(logits - max)`. // (rows, V)
-    exp: Tensor,
-    /// `sum(exp(logits - max))`. // (rows, 1)
-    sum: Tensor,
-    /// `-log softmax(logits)[target]` per row. // (rows, 1)
-    row_loss: Tensor,
+/// The largest logit of a row.
+#[inline]
+fn row_max<T: Float>(row: &[T]) -> T {
+    row.iter()
+        .copied()
+        .fold(T::neg_infinity(), num_traits::Float::max)
+}
+
+/// `-log softmax(row)[target] = log(sum) - (row[target] - max)`.
+#[inline]
+fn row_loss<T: Float>(target_logit: T, max: T, sum: T) -> T {
+    sum.ln() - (target_logit - max)
+}
+
+/// Per-row losses of `logits` `(rows, V)` (row-major); with `grad_scale`, overwrites every row with
+/// `grad_scale * (softmax(row) - onehot(target))`. The losses are identical with and without the
+/// gradient. Rows run in parallel; every row is computed by one thread.
+pub(crate) fn rows_loss<T: Float>(
+    logits: &mut [T],
+    v: usize,
+    targets: &[u32],
+    grad_scale: Option<T>,
+) -> Vec<f64> {
+    let mut losses = vec![0.0f64; targets.len()];
+    if v == 0 {
+        return losses;
+    }
+    logits
+        .par_chunks_mut(v)
+        .zip(losses.par_iter_mut())
+        .zip(targets.par_iter())
+        .for_each(|((row, loss), &target)| {
+            let target = target as usize;
+            let target_logit = row[target];
+            let max = row_max(row);
+            let Some(scale) = grad_scale else {
+                let sum = row.iter().map(|&l| (l - max).exp_fast()).sum();
+                *loss = row_loss(target_logit, max, sum).to_f64();
+                return;
+            };
+            // The same sum as without the gradient, keeping the exponentials.
+            row.iter_mut().for_each(|l| *l = (*l - max).exp_fast());
+            let sum: T = row.iter().copied().sum();
+            *loss = row_loss(target_logit, max, sum).to_f64();
+            let factor = scale / sum;
+            row.iter_mut().for_each(|e| *e *= factor);
+            row[target] -= scale;
+        });
+    losses
+}
+
+/// Adds per-row losses in row order, in f64.
+pub(crate) fn sum_in_order(losses: &[f64]) -> f64 {
+    losses.iter().fold(0.0, |acc, &l| acc + l)
 }
 
 fn validate(logits: &Tensor, targets: &Tensor, op: &str) -> Result<(usize, usize)> {
@@ -28,105 +77,45 @@ fn validate(logits: &Tensor, targets: &Tensor, op: &str) -> Result<(usize, usize
     Ok((n, v))
 }
 
-/// Rows per chunk; `0` means "all rows in one chunk".
-fn effective_chunk(chunk_rows: usize, n: usize) -> usize {
-    if chunk_rows == 0 {
-        n.max(1)
-    } else {
-        chunk_rows
-    }
-}
-
-fn chunk_stats(logits: &Tensor, targets: &Tensor) -> Result<ChunkStats> {
-    let max = logits.max_keepdim(D::Minus1)?; // (rows, 1)
-    let shifted = logits.broadcast_sub(&max)?; // (rows, V)
-    let exp = shifted.exp()?; // (rows, V)
-    let sum = exp.sum_keepdim(D::Minus1)?; // (rows, 1)
-    let target_shifted = shifted.gather(&targets.unsqueeze(1)?, 1)?; // (rows, 1)
-    // -log softmax[target] = log(sum) - (logit[target] - max)
-    let row_loss = (sum.log()? - target_shifted)?; // (rows, 1)
-    Ok(ChunkStats { exp, sum, row_loss })
-}
-
-/// Adds the per-row losses to `total` in row order, in f64.
-fn accumulate_loss(total: &mut f64, row_loss: &Tensor) -> Result<()> {
-    for l in row_loss
-        .flatten_all()?
-        .to_dtype(candle_core::DType::F64)?
-        .to_vec1::<f64>()?
-    {
-        *total += l;
-    }
-    Ok(())
-}
-
 /// Cross-entropy of `logits` `(N, V)` against `targets` `(N,)` (U32) and its gradient.
 ///
 /// Returns `(sum over rows of -log softmax(logits)[target], dlogits)` where
 /// `dlogits = grad_scale * (softmax(logits) - onehot(targets))` has the shape and dtype of
-/// `logits`. The loss is accumulated in f64 in row order, so it does not depend on
-/// `chunk_rows` (`0` means a single chunk). Targets must be `< V`.
+/// `logits`. The loss is accumulated in f64 in row order. Targets must be `< V`.
 pub fn cross_entropy_forward_backward(
     logits: &Tensor,
     targets: &Tensor,
     grad_scale: f64,
-    chunk_rows: usize,
 ) -> Result<(f64, Tensor)> {
     const OP: &str = "cross_entropy_forward_backward";
-    let (n, v) = validate(logits, targets, OP)?;
-    let chunk = effective_chunk(chunk_rows, n);
-    let mut total = 0.0f64;
-    // Only allocate a separate (N, V) output when there is more than one chunk.
-    let out = if n > chunk {
-        Some(Tensor::zeros((n, v), logits.dtype(), logits.device())?)
-    } else {
-        None
-    };
-    let mut single = None;
-    let mut start = 0;
-    while start < n {
-        let rows = chunk.min(n - start);
-        let lg = logits.narrow(0, start, rows)?; // (rows, V)
-        let tg = targets.narrow(0, start, rows)?; // (rows,)
-        let stats = chunk_stats(&lg, &tg)?;
-        accumulate_loss(&mut total, &stats.row_loss)?;
-        // grad_scale * softmax = exp * (grad_scale / sum)
-        let factor = stats.sum.recip()?.affine(grad_scale, 0.0)?; // (rows, 1)
-        let grad = stats.exp.broadcast_mul(&factor)?; // (rows, V)
-        let minus =
-            Tensor::full(-grad_scale, (rows, 1), logits.device())?.to_dtype(logits.dtype())?; // (rows, 1)
-        grad.scatter_add_set(&tg.unsqueeze(1)?, &minus, 1)?;
-        match &out {
-            Some(out) => out.slice_set(&grad, 0, start)?,
-            None => single = Some(grad),
-        }
-        start += rows;
-    }
-    let dlogits = match (out, single) {
-        (Some(out), _) => out,
-        (None, Some(g)) => g,
-        // n == 0: empty gradient of the right shape.
-        (None, None) => Tensor::zeros((n, v), logits.dtype(), logits.device())?,
-    };
-    Ok((total, dlogits))
+    validate(logits, targets, OP)?;
+    dispatch_float!(
+        logits.dtype(),
+        OP,
+        logits_loss(logits, targets, Some(grad_scale))
+    )
+    .map(|(loss, d)| (loss, d.expect("asked for the gradient")))
 }
 
-/// Forward-only cross-entropy: the sum over rows of `-log softmax(logits)[target]`
-/// (accumulated in f64 in row order, independent of `chunk_rows`; `0` means a single chunk).
-pub fn cross_entropy_loss(logits: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<f64> {
+/// Forward-only cross-entropy: the sum over rows of `-log softmax(logits)[target]`, accumulated in
+/// f64 in row order (bit-identical to the loss of [`cross_entropy_forward_backward`]).
+pub fn cross_entropy_loss(logits: &Tensor, targets: &Tensor) -> Result<f64> {
     const OP: &str = "cross_entropy_loss";
-    let (n, _v) = validate(logits, targets, OP)?;
-    let chunk = effective_chunk(chunk_rows, n);
-    let mut total = 0.0f64;
-    let mut start = 0;
-    while start < n {
-        let rows = chunk.min(n - start);
-        let stats = chunk_stats(
-            &logits.narrow(0, start, rows)?,
-            &targets.narrow(0, start, rows)?,
-        )?;
-        accumulate_loss(&mut total, &stats.row_loss)?;
-        start += rows;
-    }
-    Ok(total)
+    validate(logits, targets, OP)?;
+    dispatch_float!(logits.dtype(), OP, logits_loss(logits, targets, None)).map(|(loss, _)| loss)
+}
+
+fn logits_loss<T: Float>(
+    logits: &Tensor,
+    targets: &Tensor,
+    grad_scale: Option<f64>,
+) -> Result<(f64, Option<Tensor>)> {
+    const OP: &str = "cross_entropy";
+    let (n, v) = logits.dims2()?;
+    let logits = contiguous(logits, logits.dtype(), OP, "logits")?;
+    let mut rows = View::new(&logits, OP)?.slice::<T>()?.to_vec(); // (N, V)
+    let targets = targets.to_vec1::<u32>()?;
+    let losses = rows_loss(&mut rows, v, &targets, grad_scale.map(T::from_f64));
+    let grad = grad_scale.map(|_| tensor(rows, &[n, v])).transpose()?;
+    Ok((sum_in_order(&losses), grad))
 }

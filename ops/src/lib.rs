@@ -13,11 +13,13 @@
 pub mod adamw;
 pub mod attention;
 pub mod clip;
+mod cpu;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod error;
 pub mod gelu;
 pub mod linear;
+pub mod lm_head;
 pub mod norm;
 pub mod rope;
 pub mod softmax;
@@ -33,6 +35,7 @@ pub use embedding::{embedding_backward, embedding_forward};
 pub use error::{OpsError, Result};
 pub use gelu::{GeluCtx, gelu_backward, gelu_forward};
 pub use linear::{LinearCtx, LinearGrads, linear_backward, linear_forward};
+pub use lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
 pub use norm::{
     NormCtx, NormGrads, layer_norm_backward, layer_norm_forward, rms_norm_backward,
     rms_norm_forward,

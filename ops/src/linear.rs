@@ -2,6 +2,9 @@
 
 use candle_core::Tensor;
 
+use crate::cpu::{
+    Float, Mat, Threads, View, add_assign, contiguous, dispatch_float, matmul, sum_rows, tensor,
+};
 use crate::error::Result;
 use crate::util::{dims2, expect_shape, shape_err};
 
@@ -32,15 +35,35 @@ pub fn linear_forward(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Ten
     if w_in != d_in {
         return shape_err(format!("{OP}: x is (N, {d_in}) but w is ({d_out}, {w_in})"));
     }
-    let y = x.matmul(&w.t()?)?; // (N, out)
-    let y = match b {
-        Some(b) => {
-            expect_shape(b, &[d_out], OP, "b")?;
-            y.broadcast_add(b)? // (N, out)
-        }
-        None => y,
+    if let Some(b) = b {
+        expect_shape(b, &[d_out], OP, "b")?;
+    }
+    let x = contiguous(x, x.dtype(), OP, "x")?;
+    let w = contiguous(w, x.dtype(), OP, "w")?;
+    let b = b.map(|b| contiguous(b, x.dtype(), OP, "b")).transpose()?;
+    let y = dispatch_float!(x.dtype(), OP, forward(&x, &w, b.as_ref()))?; // (N, out)
+    Ok((y, LinearCtx { x }))
+}
+
+/// `x (N, in) · w^T (in, out) + b` in one gemm whose destination starts as the broadcast bias.
+fn forward<T: Float>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    const OP: &str = "linear_forward";
+    let (n, d_in) = x.dims2()?;
+    let d_out = w.dim(0)?;
+    let (xv, wv) = (View::new(x, OP)?, View::new(w, OP)?);
+    let mut y = match b {
+        Some(b) => View::new(b, OP)?.slice::<T>()?.repeat(n),
+        None => vec![T::zero(); n * d_out],
     };
-    Ok((y, LinearCtx { x: x.clone() }))
+    matmul(
+        &mut y,
+        d_out,
+        b.is_some(),
+        Mat::rows(xv.slice::<T>()?, n, d_in, d_in),
+        Mat::transposed(wv.slice::<T>()?, d_in, d_out, d_in),
+        Threads::Pool,
+    );
+    tensor(y, &[n, d_out])
 }
 
 /// Backward of [`linear_forward`].
@@ -58,12 +81,55 @@ pub fn linear_backward(
     let (d_out, _) = dims2(w, OP, "w")?;
     expect_shape(w, &[d_out, d_in], OP, "w")?;
     expect_shape(dy, &[n, d_out], OP, "dy")?;
-    let dx = dy.matmul(w)?; // (N, in)
-    let dw = dy.t()?.matmul(&ctx.x)?; // (out, in)
-    let db = if has_bias {
-        Some(dy.sum(0)?) // (out,)
-    } else {
-        None
-    };
-    Ok((dx, LinearGrads { dw, db }))
+    let dtype = ctx.x.dtype();
+    let w = contiguous(w, dtype, OP, "w")?;
+    let dy = contiguous(dy, dtype, OP, "dy")?;
+    dispatch_float!(dtype, OP, backward(&ctx.x, &w, &dy, has_bias))
+}
+
+/// `dx = dy · w`, `dw = dy^T · x` (two gemms), `db` = column sums of `dy`.
+fn backward<T: Float>(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    has_bias: bool,
+) -> Result<(Tensor, LinearGrads)> {
+    const OP: &str = "linear_backward";
+    let (n, d_in) = x.dims2()?;
+    let d_out = w.dim(0)?;
+    let (xv, wv, dyv) = (View::new(x, OP)?, View::new(w, OP)?, View::new(dy, OP)?);
+    let (xs, ws, dys) = (xv.slice::<T>()?, wv.slice::<T>()?, dyv.slice::<T>()?);
+    let mut dx = vec![T::zero(); n * d_in]; // (N, in)
+    matmul(
+        &mut dx,
+        d_in,
+        false,
+        Mat::rows(dys, n, d_out, d_out),
+        Mat::rows(ws, d_out, d_in, d_in),
+        Threads::Pool,
+    );
+    let mut dw = vec![T::zero(); d_out * d_in]; // (out, in)
+    matmul(
+        &mut dw,
+        d_in,
+        false,
+        Mat::transposed(dys, d_out, n, d_out),
+        Mat::rows(xs, n, d_in, d_in),
+        Threads::Pool,
+    );
+    let db = has_bias
+        .then(|| {
+            let sums = sum_rows(n, d_out, d_out, |r, acc: &mut [T]| {
+                add_assign(acc, &dys[r * d_out..(r + 1) * d_out]);
+            });
+            tensor(sums, &[d_out]) // (out,)
+        })
+        .transpose()?;
+    Ok((
+        tensor(dx, &[n, d_in])?,
+        LinearGrads {
+            dw: tensor(dw, &[d_out, d_in])?,
+            db,
+        },
+    ))
 }

@@ -1,5 +1,8 @@
 //! `seqpipe bench checkpoint`: checkpoint save and load throughput against the raw throughput of the
 //! same store measured in the same run, and the training stall that asynchronous checkpoints cause.
+//! `seqpipe bench step` (training step time and memory) lives in [`step`].
+
+pub mod step;
 
 use std::time::Instant;
 

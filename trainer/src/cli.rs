@@ -190,6 +190,8 @@ enum BenchCommand {
     },
     /// Recovery from a SIGKILLed node, per tier: detection time, time to the next completed step, work lost.
     Recovery(RecoveryBenchArgs),
+    /// Training step time, throughput and peak memory of a whole model in one process.
+    Step(crate::bench::step::StepBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -386,6 +388,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }) => {
             init_logging("warn");
             crate::bench::checkpoint_bench(&urls, stages, rounds, stall_steps)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(BenchCommand::Step(args)) => {
+            init_logging("warn");
+            crate::bench::step::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),

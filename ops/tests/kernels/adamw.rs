@@ -28,14 +28,16 @@ fn hand_computed_two_steps() {
     let mut opt = AdamW::new(AdamWConfig::default());
     let p0 = scalar(1.0);
     opt.begin_step();
-    let p1 = opt.update("w", &p0, &scalar(0.5), 0.1, 0.01).unwrap();
+    let p1 = opt.update("w", &p0, &scalar(0.5), 1.0, 0.1, 0.01).unwrap();
     let v1 = vals(&p1)[0];
     assert!((v1 - 0.899_000_002).abs() < 1e-15, "{v1}");
     let mom = &opt.moments["w"];
     assert!((vals(&mom.m)[0] - 0.05).abs() < 1e-16);
     assert!((vals(&mom.v)[0] - 0.0125).abs() < 1e-16);
     opt.begin_step();
-    let p2 = opt.update("w", &p1, &scalar(-0.25), 0.1, 0.01).unwrap();
+    let p2 = opt
+        .update("w", &p1, &scalar(-0.25), 1.0, 0.1, 0.01)
+        .unwrap();
     let v2 = vals(&p2)[0];
     assert!((v2 - 0.871_264_057_873_827_4).abs() < 1e-15, "{v2}");
     let mom = &opt.moments["w"];
@@ -62,8 +64,8 @@ fn matches_naive_reference_over_several_steps() {
         let g = rand_t(&mut r, &[3, 4]);
         let gq = rand_t(&mut r, &[5]);
         opt.begin_step();
-        p = opt.update("p", &p, &g, lr, wd).unwrap();
-        q = opt.update("q", &q, &gq, lr, 0.0).unwrap();
+        p = opt.update("p", &p, &g, 1.0, lr, wd).unwrap();
+        q = opt.update("q", &q, &gq, 1.0, lr, 0.0).unwrap();
         for (i, gi) in vals(&g).into_iter().enumerate() {
             pn[i] -= lr * wd * pn[i];
             m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * gi;
@@ -86,9 +88,9 @@ fn f32_params_and_determinism() {
     let run = || {
         let mut opt = AdamW::new(AdamWConfig::default());
         opt.begin_step();
-        let p1 = opt.update("p", &p, &g, 1e-3, 0.1).unwrap();
+        let p1 = opt.update("p", &p, &g, 1.0, 1e-3, 0.1).unwrap();
         opt.begin_step();
-        opt.update("p", &p1, &g, 1e-3, 0.1).unwrap()
+        opt.update("p", &p1, &g, 1.0, 1e-3, 0.1).unwrap()
     };
     let a = run();
     assert_eq!(a.dtype(), DType::F32);
@@ -99,14 +101,37 @@ fn f32_params_and_determinism() {
 fn rejects_misuse() {
     let mut opt = AdamW::new(AdamWConfig::default());
     assert!(
-        opt.update("p", &scalar(1.0), &scalar(1.0), 0.1, 0.0)
+        opt.update("p", &scalar(1.0), &scalar(1.0), 1.0, 0.1, 0.0)
             .is_err(),
         "update before begin_step"
     );
     opt.begin_step();
     let p = Tensor::zeros(3, DType::F64, &Device::Cpu).unwrap();
     let g2 = Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
-    assert!(opt.update("p", &p, &g2, 0.1, 0.0).is_err(), "grad shape");
-    opt.update("p", &p, &p, 0.1, 0.0).unwrap();
-    assert!(opt.update("p", &g2, &g2, 0.1, 0.0).is_err(), "moment shape");
+    assert!(
+        opt.update("p", &p, &g2, 1.0, 0.1, 0.0).is_err(),
+        "grad shape"
+    );
+    opt.update("p", &p, &p, 1.0, 0.1, 0.0).unwrap();
+    assert!(
+        opt.update("p", &g2, &g2, 1.0, 0.1, 0.0).is_err(),
+        "moment shape"
+    );
+}
+
+/// The gradient scale (the clipping coefficient) is applied inside the update.
+#[test]
+fn grad_scale_equals_a_scaled_gradient() {
+    let mut r = rng(83);
+    let (p, g) = (rand_t(&mut r, &[4, 3]), rand_t(&mut r, &[4, 3]));
+    let mut fused = AdamW::new(AdamWConfig::default());
+    let mut plain = AdamW::new(AdamWConfig::default());
+    fused.begin_step();
+    plain.begin_step();
+    let a = fused.update("p", &p, &g, 0.25, 1e-2, 0.1).unwrap();
+    let b = plain
+        .update("p", &p, &g.affine(0.25, 0.0).unwrap(), 1.0, 1e-2, 0.1)
+        .unwrap();
+    assert_bit_identical(&a, &b, "param");
+    assert_bit_identical(&fused.moments["p"].v, &plain.moments["p"].v, "v");
 }

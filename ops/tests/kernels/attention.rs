@@ -54,9 +54,9 @@ fn forward_matches_naive() {
     }
 }
 
-fn grad_check(p: usize, seed: u64) {
+fn grad_check(b: usize, h: usize, s: usize, p: usize, seed: u64) {
     let mut r = rng(seed);
-    let (b, h, s, d) = (2, 2, 3, 4);
+    let d = 4;
     let inputs = [
         rand_scaled(&mut r, &[b, h, s, d], 1.5),
         rand_scaled(&mut r, &[b, h, p + s, d], 1.5),
@@ -83,12 +83,41 @@ fn grad_check(p: usize, seed: u64) {
 
 #[test]
 fn backward_matches_finite_differences_without_prefix() {
-    grad_check(0, 91);
+    grad_check(2, 2, 3, 0, 91);
 }
 
 #[test]
 fn backward_matches_finite_differences_with_prefix() {
-    grad_check(2, 92);
+    grad_check(2, 2, 3, 2, 92);
+}
+
+/// More queries than one block of the blocked kernel (64), with and without a prefix: the
+/// causal skipping of keys per block and the dK/dV accumulation over blocks.
+#[test]
+fn backward_matches_finite_differences_over_several_query_blocks() {
+    grad_check(1, 1, 70, 0, 94);
+    grad_check(1, 1, 66, 5, 95);
+}
+
+#[test]
+fn forward_matches_naive_over_several_query_blocks() {
+    let mut r = rng(96);
+    for (s, p) in [(130, 0), (64, 1), (65, 70)] {
+        let d = 3;
+        let q = rand_t(&mut r, &[1, 2, s, d]);
+        let k = rand_t(&mut r, &[1, 2, p + s, d]);
+        let v = rand_t(&mut r, &[1, 2, p + s, d]);
+        let (out, ctx) = causal_prefix_attention_forward(&q, &k, &v, 0.6).unwrap();
+        let (out_ref, lse_ref) = naive_attention(&q, &k, &v, 0.6);
+        assert_close(&out, &out_ref, 1e-12, 1e-14, &format!("out s={s} P={p}"));
+        assert_close(
+            &ctx.lse,
+            &lse_ref,
+            1e-12,
+            1e-14,
+            &format!("lse s={s} P={p}"),
+        );
+    }
 }
 
 #[test]

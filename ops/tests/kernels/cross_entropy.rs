@@ -22,12 +22,12 @@ fn forward_matches_references() {
     let logits = rand_scaled(&mut r, &[6, 11], 4.0);
     let targets = rand_ids(&mut r, 6, 11);
     let expected = naive_loss(&logits, &targets);
-    let loss = cross_entropy_loss(&logits, &targets, 4).unwrap();
+    let loss = cross_entropy_loss(&logits, &targets).unwrap();
     assert!(
         (loss - expected).abs() <= 1e-13 * expected.abs(),
         "{loss} vs {expected}"
     );
-    let (loss2, dl) = cross_entropy_forward_backward(&logits, &targets, 1.0, 4).unwrap();
+    let (loss2, dl) = cross_entropy_forward_backward(&logits, &targets, 1.0).unwrap();
     assert_eq!(loss.to_bits(), loss2.to_bits());
     assert_eq!(dl.dims(), &[6, 11]);
     let mean = candle_nn::loss::cross_entropy(&logits, &targets)
@@ -43,8 +43,8 @@ fn gradient_matches_finite_differences() {
     let inputs = [rand_scaled(&mut r, &[5, 7], 3.0)];
     let targets = rand_ids(&mut r, 5, 7);
     let scale = 0.37;
-    let f = |a: &[Tensor]| scale * cross_entropy_loss(&a[0], &targets, 2).unwrap();
-    let (_, dl) = cross_entropy_forward_backward(&inputs[0], &targets, scale, 2).unwrap();
+    let f = |a: &[Tensor]| scale * cross_entropy_loss(&a[0], &targets).unwrap();
+    let (_, dl) = cross_entropy_forward_backward(&inputs[0], &targets, scale).unwrap();
     check_grad(&f, &inputs, 0, &dl, "dlogits");
     // The gradient is grad_scale * (softmax - onehot): each row sums to zero.
     for row in vals(&dl).chunks(7) {
@@ -53,32 +53,12 @@ fn gradient_matches_finite_differences() {
 }
 
 #[test]
-fn chunked_equals_unchunked_bitwise() {
-    let mut r = rng(62);
-    let logits = f32t(&rand_scaled(&mut r, &[10, 13], 5.0));
-    let targets = rand_ids(&mut r, 10, 13);
-    let (l_ref, d_ref) = cross_entropy_forward_backward(&logits, &targets, 0.1, 0).unwrap();
-    assert_eq!(d_ref.dtype(), DType::F32);
-    for chunk in [1, 3, 4, 10, 64] {
-        let (l, d) = cross_entropy_forward_backward(&logits, &targets, 0.1, chunk).unwrap();
-        assert_eq!(l.to_bits(), l_ref.to_bits(), "loss with chunk {chunk}");
-        assert_bit_identical(&d, &d_ref, &format!("dlogits with chunk {chunk}"));
-        let l_only = cross_entropy_loss(&logits, &targets, chunk).unwrap();
-        assert_eq!(
-            l_only.to_bits(),
-            l_ref.to_bits(),
-            "loss-only with chunk {chunk}"
-        );
-    }
-}
-
-#[test]
 fn f32_matches_f64_and_is_stable() {
     let mut r = rng(63);
     let logits = rand_scaled(&mut r, &[4, 9], 3.0);
     let targets = rand_ids(&mut r, 4, 9);
-    let (l64, d64) = cross_entropy_forward_backward(&logits, &targets, 0.5, 3).unwrap();
-    let (l32, d32) = cross_entropy_forward_backward(&f32t(&logits), &targets, 0.5, 3).unwrap();
+    let (l64, d64) = cross_entropy_forward_backward(&logits, &targets, 0.5).unwrap();
+    let (l32, d32) = cross_entropy_forward_backward(&f32t(&logits), &targets, 0.5).unwrap();
     assert!((l32 - l64).abs() < 1e-5 * l64.abs());
     assert_close(&d32, &d64, 1e-5, 1e-6, "dlogits f32");
     // Huge logits: no overflow.
@@ -88,7 +68,7 @@ fn f32_matches_f64_and_is_stable() {
     )
     .unwrap();
     let t = Tensor::new(&[2u32, 0], &Device::Cpu).unwrap();
-    let (l, d) = cross_entropy_forward_backward(&big, &t, 1.0, 1).unwrap();
+    let (l, d) = cross_entropy_forward_backward(&big, &t, 1.0).unwrap();
     assert!((l - (2000.0 + 2f64.ln())).abs() < 1e-3, "{l}");
     assert!(vals(&d).iter().all(|v| v.is_finite()));
 }
@@ -97,9 +77,9 @@ fn f32_matches_f64_and_is_stable() {
 fn rejects_bad_targets() {
     let logits = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
     let bad = Tensor::new(&[0u32, 3], &Device::Cpu).unwrap();
-    assert!(cross_entropy_loss(&logits, &bad, 1).is_err());
+    assert!(cross_entropy_loss(&logits, &bad).is_err());
     let short = Tensor::new(&[0u32], &Device::Cpu).unwrap();
-    assert!(cross_entropy_forward_backward(&logits, &short, 1.0, 1).is_err());
+    assert!(cross_entropy_forward_backward(&logits, &short, 1.0).is_err());
     let wrong_dtype = Tensor::new(&[0i64, 1], &Device::Cpu).unwrap();
-    assert!(cross_entropy_loss(&logits, &wrong_dtype, 1).is_err());
+    assert!(cross_entropy_loss(&logits, &wrong_dtype).is_err());
 }

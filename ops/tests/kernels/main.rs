@@ -9,6 +9,7 @@ mod cross_entropy;
 mod embedding;
 mod gelu;
 mod linear;
+mod lm_head;
 mod norm;
 mod rope;
 mod softmax;

@@ -108,27 +108,34 @@ impl<'a> Block<'a> {
         format!("{}.{suffix}", self.prefix)
     }
 
+    /// `x W^T`, plus the layer's bias when `with_bias` (the MLP's first layer leaves its bias to
+    /// the fused bias + GELU).
     fn linear_fwd(
         &self,
         params: &Params,
         layer: &str,
         x: &Tensor,
+        with_bias: bool,
     ) -> Result<(Tensor, LinearCtx), ModelError> {
         let w = params.get(&self.name(&format!("{layer}.weight")))?;
-        let b = params.get(&self.name(&format!("{layer}.bias")))?;
-        Ok(linear_forward(x, w, Some(b))?)
+        let b = with_bias
+            .then(|| params.get(&self.name(&format!("{layer}.bias"))))
+            .transpose()?;
+        Ok(linear_forward(x, w, b)?)
     }
 
+    /// Backward of [`Block::linear_fwd`] with the same `with_bias`.
     fn linear_bwd(
         &self,
         params: &Params,
         layer: &str,
         ctx: &LinearCtx,
         dy: &Tensor,
+        with_bias: bool,
         grads: &mut Gradients,
     ) -> Result<Tensor, ModelError> {
         let w_name = self.name(&format!("{layer}.weight"));
-        let (dx, g) = linear_backward(ctx, params.get(&w_name)?, dy, true)?;
+        let (dx, g) = linear_backward(ctx, params.get(&w_name)?, dy, with_bias)?;
         grads.add(&w_name, g.dw)?;
         if let Some(db) = g.db {
             grads.add(&self.name(&format!("{layer}.bias")), db)?;
@@ -166,7 +173,7 @@ impl<'a> Block<'a> {
     ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
         let c = self.heads * self.head_dim;
         let (h1, ln_1) = self.norm.forward(params, &self.name("ln_1"), x)?; // (N, C)
-        let (qkv, c_attn) = self.linear_fwd(params, "attn.c_attn", &h1)?; // (N, 3C)
+        let (qkv, c_attn) = self.linear_fwd(params, "attn.c_attn", &h1, true)?; // (N, 3C)
         let mut q = self.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
         let mut k = self.split_heads(&qkv.narrow(1, c, c)?, seg)?;
         let v = self.split_heads(&qkv.narrow(1, 2 * c, c)?, seg)?;
@@ -180,12 +187,12 @@ impl<'a> Block<'a> {
         let v_all = KvPrefix::concat(&kv.values)?;
         let (y, attn) = causal_prefix_attention_forward(&q, &k_all, &v_all, self.scale())?; // (B, H, s, D)
         let y = self.merge_heads(&y, seg)?; // (N, C)
-        let (a, attn_proj) = self.linear_fwd(params, "attn.c_proj", &y)?;
+        let (a, attn_proj) = self.linear_fwd(params, "attn.c_proj", &y, true)?;
         let x1 = x.add(&a)?;
         let (h2, ln_2) = self.norm.forward(params, &self.name("ln_2"), &x1)?;
-        let (f, c_fc) = self.linear_fwd(params, "mlp.c_fc", &h2)?; // (N, 4C)
-        let (g, gelu) = gelu_forward(&f)?;
-        let (m, mlp_proj) = self.linear_fwd(params, "mlp.c_proj", &g)?;
+        let (f, c_fc) = self.linear_fwd(params, "mlp.c_fc", &h2, false)?; // (N, 4C)
+        let (g, gelu) = gelu_forward(&f, Some(params.get(&self.name("mlp.c_fc.bias"))?))?;
+        let (m, mlp_proj) = self.linear_fwd(params, "mlp.c_proj", &g, true)?;
         let out = x1.add(&m)?;
         let ctx = keep_ctx.then_some(BlockCtx {
             ln_1,
@@ -214,9 +221,12 @@ impl<'a> Block<'a> {
     ) -> Result<Tensor, ModelError> {
         let j = kv.keys.len() - 1;
         // MLP branch.
-        let dg = self.linear_bwd(params, "mlp.c_proj", &ctx.mlp_proj, dy, grads)?;
-        let df = gelu_backward(&ctx.gelu, &dg)?;
-        let dh2 = self.linear_bwd(params, "mlp.c_fc", &ctx.c_fc, &df, grads)?;
+        let dg = self.linear_bwd(params, "mlp.c_proj", &ctx.mlp_proj, dy, true, grads)?;
+        let (df, d_fc_bias) = gelu_backward(&ctx.gelu, &dg)?;
+        if let Some(db) = d_fc_bias {
+            grads.add(&self.name("mlp.c_fc.bias"), db)?;
+        }
+        let dh2 = self.linear_bwd(params, "mlp.c_fc", &ctx.c_fc, &df, false, grads)?;
         let dx1 =
             dy.add(
                 &self
@@ -224,7 +234,7 @@ impl<'a> Block<'a> {
                     .backward(params, &self.name("ln_2"), &ctx.ln_2, &dh2, grads)?,
             )?;
         // Attention branch.
-        let d_y = self.linear_bwd(params, "attn.c_proj", &ctx.attn_proj, &dx1, grads)?;
+        let d_y = self.linear_bwd(params, "attn.c_proj", &ctx.attn_proj, &dx1, true, grads)?;
         let d_y = self.split_heads(&d_y, seg)?; // (B, H, s, D)
         let k_all = KvPrefix::concat(&kv.keys)?;
         let v_all = KvPrefix::concat(&kv.values)?;
@@ -263,7 +273,7 @@ impl<'a> Block<'a> {
             ],
             1,
         )?; // (N, 3C)
-        let dh1 = self.linear_bwd(params, "attn.c_attn", &ctx.c_attn, &dqkv, grads)?;
+        let dh1 = self.linear_bwd(params, "attn.c_attn", &ctx.c_attn, &dqkv, true, grads)?;
         Ok(dx1.add(
             &self
                 .norm

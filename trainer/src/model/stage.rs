@@ -5,9 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Device, Tensor};
 use ops::adamw::AdamW;
-use ops::cross_entropy::{cross_entropy_forward_backward, cross_entropy_loss};
 use ops::embedding::{embedding_backward, embedding_forward};
-use ops::linear::{LinearCtx, linear_backward, linear_forward};
+use ops::lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
 use ops::rope::RopeTable;
 use thiserror::Error;
 
@@ -18,7 +17,7 @@ use super::params::{Gradients, ParamSpec, Params, component_params, decays, init
 use super::partition::{PartitionError, StageLayout};
 use crate::schedule::Unit;
 
-/// Rows of the logits processed at once by the fused softmax cross-entropy.
+/// Rows of the logits that exist at once in the fused LM head + softmax cross-entropy.
 const LOSS_CHUNK_ROWS: usize = 256;
 
 /// What went wrong inside a stage.
@@ -81,8 +80,8 @@ pub enum Mode {
 
 struct HeadCtx {
     norm: NormLayerCtx,
-    lm_head: LinearCtx,
-    d_logits: Tensor, // (N, V), already scaled
+    /// Gradients of the head, computed with the loss (already scaled).
+    lm_head: LmHeadGrads,
 }
 
 struct UnitCtx {
@@ -293,24 +292,19 @@ impl Stage {
                 unit,
                 reason: "the last stage needs the segment's targets".into(),
             })?;
-            let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, "ln_f", &x)?;
-            let (logits, lm_head) = linear_forward(&h, self.params.get("lm_head.weight")?, None)?; // (N, V)
+            let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, "ln_f", &x)?; // (N, C)
+            let w = self.params.get("lm_head.weight")?; // (V, C)
             let loss_sum = match mode {
                 Mode::Train => {
-                    let (loss_sum, d_logits) = cross_entropy_forward_backward(
-                        &logits,
-                        targets,
-                        loss_scale,
-                        LOSS_CHUNK_ROWS,
-                    )?;
+                    let (loss_sum, lm_head) =
+                        lm_head_loss_forward_backward(&h, w, targets, loss_scale, LOSS_CHUNK_ROWS)?;
                     head = Some(HeadCtx {
                         norm: norm_ctx,
                         lm_head,
-                        d_logits,
                     });
                     loss_sum
                 }
-                Mode::Eval => cross_entropy_loss(&logits, targets, LOSS_CHUNK_ROWS)?,
+                Mode::Eval => lm_head_loss(&h, w, targets, LOSS_CHUNK_ROWS)?,
             };
             StageOutput::LossSum(loss_sum)
         } else {
@@ -377,9 +371,8 @@ impl Stage {
         } = ctx;
         let mut dx = match (head, d_out) {
             (Some(head), None) => {
-                let (dh, g) = linear_backward(&head.lm_head, self.params.get("lm_head.weight")?, &head.d_logits, false)?;
-                self.grads.add("lm_head.weight", g.dw)?;
-                NormLayer::of(&self.cfg).backward(&self.params, "ln_f", &head.norm, &dh, &mut self.grads)?
+                self.grads.add("lm_head.weight", head.lm_head.dw)?;
+                NormLayer::of(&self.cfg).backward(&self.params, "ln_f", &head.norm, &head.lm_head.dh, &mut self.grads)?
             }
             (None, Some(d)) => d,
             _ => return Err(ModelError::Input { unit, reason: "the last stage starts backward from its loss, the others from the next stage's gradient".into() }),
@@ -449,18 +442,19 @@ impl Stage {
                 .grads
                 .get(&spec.name)
                 .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
-            let grad = if clip_coefficient < 1.0 {
-                grad.affine(clip_coefficient, 0.0)?
-            } else {
-                grad.clone()
-            };
             let wd = if decays(spec.kind, decay_embeddings) {
                 weight_decay
             } else {
                 0.0
             };
-            let updated =
-                optimizer.update(&spec.name, self.params.get(&spec.name)?, &grad, lr, wd)?;
+            let updated = optimizer.update(
+                &spec.name,
+                self.params.get(&spec.name)?,
+                grad,
+                clip_coefficient.min(1.0),
+                lr,
+                wd,
+            )?;
             updates.push((spec.name.clone(), updated));
         }
         for (name, value) in updates {
