@@ -121,6 +121,27 @@ pub enum ScheduleError {
         found_action: Action,
     },
 
+    /// A message still in its channel when every stage has finished: sent, never received.
+    #[error("stage {from}'s {action} is never received by stage {to}")]
+    Undelivered {
+        /// The sending stage.
+        from: usize,
+        /// The stage the message is for.
+        to: usize,
+        /// The send that put it in the channel.
+        action: Action,
+    },
+
+    /// A claimed mid-step progress (how many actions each stage has done) that no execution of
+    /// the schedule reaches.
+    #[error("progress {done:?} (actions done per stage) is not reachable: {reason}")]
+    UnreachableProgress {
+        /// The claimed progress, the lost stage's entry replaced by what its neighbours prove.
+        done: Vec<usize>,
+        /// Which stage cannot have done what it claims, and why.
+        reason: String,
+    },
+
     /// No stage can progress and some have actions left.
     #[error("deadlock after {steps} steps: no stage can progress ({blocked})\n{grid}")]
     Deadlock {

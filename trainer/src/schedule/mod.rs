@@ -3,7 +3,9 @@
 //! A step's work is m·k *units* — micro-batch i, sequence segment j. A [`Schedule`] is one
 //! ordered [`Action`] list per stage (compute and communication), which can be printed
 //! ([`render_text`]), saved and loaded (serde, actions as strings like `"RF0.1"`), dry-run
-//! ([`validate`]), timed ([`simulate`]) and drawn ([`render_svg`], [`report_json`]).
+//! ([`validate`]), timed ([`simulate`]) and drawn ([`render_svg`], [`report_json`]). When a stage
+//! is lost mid-step, [`resume_after_loss`] gives the rest of the step (the recovery protocol as
+//! data) and [`validate_resumed`] dry-runs it from the state the loss left.
 //!
 //! Invariant kept by every generator: on every stage the backward units run in the same order —
 //! micro-batch ascending, segment descending — whatever the kind and the stage count, so the
@@ -24,6 +26,7 @@ mod action;
 mod error;
 mod generate;
 mod render;
+mod resume;
 pub mod segments;
 mod simulate;
 mod validate;
@@ -32,6 +35,7 @@ pub use action::{Action, ScheduleKind, Unit};
 pub use error::ScheduleError;
 pub use generate::{Schedule, generate, generate_forward_only};
 pub use render::{render_svg, render_text, report_json};
+pub use resume::{ResumedStep, resume_after_loss, validate_resumed};
 pub use segments::{
     FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
 };

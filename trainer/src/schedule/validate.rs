@@ -13,7 +13,11 @@
 //! 5. cross-stage execution: all stages run in lock-step with one FIFO channel per neighbour pair
 //!    and direction. Sends never block; a receive waits for a message and must find exactly its
 //!    unit at the head of the channel. No stage able to progress is a deadlock, reported with a
-//!    step × stage grid of what ran.
+//!    step × stage grid of what ran. Every message sent must be received by the end.
+//!
+//! Steps 2–5 are shared with [`super::validate_resumed`], which checks the rest of a step after a
+//! stage loss: there each stage starts with a done prefix (counted for completeness and local
+//! order) and the channels start with the messages in flight.
 
 use std::collections::{HashSet, VecDeque};
 use std::fmt::Write as _;
@@ -41,16 +45,17 @@ pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
         check_allowed(s, r)?;
     }
     for r in 0..s.stages {
-        check_counts(s, r)?;
+        check_counts(s, r, &[], true)?;
     }
     for r in 0..s.stages {
-        check_local_order(s, r)?;
+        check_local_order(s, r, &[])?;
     }
-    dry_run(s)
+    let left = dry_run(s, Channels::new(s.stages))?;
+    check_delivered(&left)
 }
 
 /// Step 2: units in range, communication only with existing neighbours, forward-only purity.
-fn check_allowed(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+pub(super) fn check_allowed(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
     let (m, k, p) = (s.microbatches, s.splits, s.stages);
     for (position, &action) in s.actions[r].iter().enumerate() {
         let u = action.unit();
@@ -101,8 +106,16 @@ fn kind_index(a: Action) -> usize {
     }
 }
 
-/// Step 3: exactly one of each expected action per unit, none of the others.
-fn check_counts(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+/// Step 3: exactly one of each expected action per unit, none of the others, counting stage r's
+/// `done` actions followed by `s.actions[r]`. With `sends` false the two send kinds are not
+/// counted (a resumed step sends some messages twice and some not at all; the dry run checks that
+/// what is received is sent).
+pub(super) fn check_counts(
+    s: &Schedule,
+    r: usize,
+    done: &[Action],
+    sends: bool,
+) -> Result<(), ScheduleError> {
     const NAMES: [&str; 6] = [
         "forward (F)",
         "backward (B)",
@@ -116,14 +129,15 @@ fn check_counts(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
     let (first, last) = (r == 0, r + 1 == p);
     let expected = [true, train, !first, !last, train && !last, train && !first].map(usize::from);
     let mut counts = vec![[0usize; 6]; m * k];
-    for &a in &s.actions[r] {
+    for &a in done.iter().chain(&s.actions[r]) {
         let u = a.unit();
         counts[u.micro_batch * k + u.segment][kind_index(a)] += 1;
     }
+    let checked = |t: usize| sends || !matches!(t, 3 | 5);
     for i in 0..m {
         for j in 0..k {
             let c = &counts[i * k + j];
-            for t in 0..6 {
+            for t in (0..6).filter(|&t| checked(t)) {
                 if c[t] != expected[t] {
                     return Err(ScheduleError::Incomplete {
                         stage: r,
@@ -139,10 +153,15 @@ fn check_counts(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
-/// Step 4: dependencies and communication pairing within one stage.
-fn check_local_order(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
+/// Step 4: dependencies and communication pairing within one stage, for `s.actions[r]` run after
+/// the stage's `done` actions (assumed in order themselves; positions are in `s.actions[r]`).
+pub(super) fn check_local_order(
+    s: &Schedule,
+    r: usize,
+    done: &[Action],
+) -> Result<(), ScheduleError> {
     let (k, p) = (s.splits, s.stages);
-    let mut done: HashSet<Action> = HashSet::with_capacity(s.actions[r].len());
+    let mut done: HashSet<Action> = done.iter().copied().collect();
     for (position, &action) in s.actions[r].iter().enumerate() {
         let u = action.unit();
         let (i, j) = (u.micro_batch, u.segment);
@@ -221,25 +240,43 @@ fn check_local_order(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
-/// A message in flight: the unit and the send action's position on the sender.
-type Msg = (Unit, Action);
+/// A message in flight: the unit and the send action that put it in the channel.
+pub(super) type Msg = (Unit, Action);
 
-/// Step 5: lock-step execution with FIFO channels.
+/// The messages in flight between neighbouring stages, one FIFO channel per pair and direction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Channels {
+    /// `act[r]`: activations from stage r to stage r+1.
+    pub(super) act: Vec<VecDeque<Msg>>,
+    /// `grad[r]`: gradients from stage r+1 to stage r.
+    pub(super) grad: Vec<VecDeque<Msg>>,
+}
+
+impl Channels {
+    /// Empty channels for `stages` stages.
+    pub(super) fn new(stages: usize) -> Self {
+        let none = vec![VecDeque::new(); stages.saturating_sub(1)];
+        Channels {
+            act: none.clone(),
+            grad: none,
+        }
+    }
+}
+
+/// Step 5: lock-step execution with FIFO channels, starting with the messages in `channels`;
+/// returns the messages still in flight when every stage has run its whole list.
 ///
 /// Each step, every stage that has actions left tries its next one; messages sent during a step
 /// are delivered at its end. A receive on an empty channel waits; a receive that finds another
 /// unit at the head is a [`ScheduleError::ChannelMismatch`].
-fn dry_run(s: &Schedule) -> Result<(), ScheduleError> {
+pub(super) fn dry_run(s: &Schedule, channels: Channels) -> Result<Channels, ScheduleError> {
     let p = s.stages;
-    // act[r]: stage r → r+1; grad[r]: stage r+1 → r.
-    let mut act: Vec<VecDeque<Msg>> = vec![VecDeque::new(); p.saturating_sub(1)];
-    let mut grad: Vec<VecDeque<Msg>> = vec![VecDeque::new(); p.saturating_sub(1)];
+    let Channels { mut act, mut grad } = channels;
     let mut pc = vec![0usize; p];
     let mut grid: Vec<Vec<Option<Action>>> = Vec::new();
     loop {
         if (0..p).all(|r| pc[r] == s.actions[r].len()) {
-            debug_assert!(act.iter().chain(&grad).all(VecDeque::is_empty));
-            return Ok(());
+            return Ok(Channels { act, grad });
         }
         let mut row: Vec<Option<Action>> = vec![None; p];
         let mut sent_act: Vec<(usize, Msg)> = Vec::new();
@@ -277,6 +314,19 @@ fn dry_run(s: &Schedule) -> Result<(), ScheduleError> {
             grad[c].push_back(msg);
         }
         grid.push(row);
+    }
+}
+
+/// The end of step 5: a message still in a channel was sent and never received.
+pub(super) fn check_delivered(left: &Channels) -> Result<(), ScheduleError> {
+    let down = left.act.iter().enumerate().map(|(c, q)| (c, c + 1, q));
+    let up = left.grad.iter().enumerate().map(|(c, q)| (c + 1, c, q));
+    match down
+        .chain(up)
+        .find_map(|(from, to, q)| q.front().map(|&(_, action)| (from, to, action)))
+    {
+        Some((from, to, action)) => Err(ScheduleError::Undelivered { from, to, action }),
+        None => Ok(()),
     }
 }
 

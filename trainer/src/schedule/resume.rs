@@ -1,0 +1,313 @@
+//! Mid-step recovery as data: the rest of a step after one stage is lost and replaced.
+//!
+//! This is the formal model of the runtime's mid-step recovery protocol. Stage f dies in the
+//! middle of a step; every other stage r has completed the first `done[r]` actions of its list
+//! and keeps its state.
+//!
+//! * Every stage keeps every boundary tensor it sent in the step (activations to r+1, gradients
+//!   to r−1).
+//! * Stage f−1 (if any) rebuilds its link to the replacement, tells it which of f's gradients it
+//!   has received (its completed `RecvGrad` actions), sends again *all* the activations it sent
+//!   to f in the step, in their original order, and goes on with its own list where it stood. A
+//!   `SendActivation` to f it was stopped on counts as done (the tensor was kept, so it is part
+//!   of the re-send): the caller counts it in `done[f−1]`.
+//! * Stage f+1 (if any) likewise tells the replacement which of f's activations it has
+//!   received, sends again all the gradients it sent to f, and goes on where it stood.
+//! * The replacement starts from f's step-start state and runs f's *whole* list in order, but
+//!   skips each `SendActivation(u)` whose unit f+1 already has and each `SendGrad(u)` whose unit
+//!   f−1 already has. It still computes those units: that is the replay of f's lost work.
+//! * The other stages are untouched, and so are the messages in flight between them. Messages
+//!   in flight to or from f are lost with its links; the re-sends and the replacement's sends
+//!   make up for them.
+//!
+//! [`resume_after_loss`] turns a schedule, the lost stage and the survivors' progress into the
+//! rest of the step as a [`Schedule`] (the re-sends are ordinary send actions at the head of the
+//! neighbours' lists), after checking that the progress is one an execution can reach.
+//! [`validate_resumed`] dry-runs that rest from the state the loss left: done prefixes and
+//! messages in flight.
+//!
+//! Progress is taken when the replacement starts. The runtime relinks a neighbour when it next
+//! touches the broken link (or at once if it has finished its part of the step) and starts the
+//! replacement once both neighbours have relinked; until then a neighbour receives nothing more
+//! from f and sends on the new link only what the model counts as re-sends, so the model sends
+//! the replacement the same messages in the same order.
+
+use std::collections::HashSet;
+
+use super::validate::{
+    Channels, check_allowed, check_counts, check_delivered, check_local_order, dry_run,
+};
+use super::{Action, Schedule, ScheduleError, Unit, validate};
+
+/// The rest of a step after stage `lost` was lost and replaced mid-step ([`resume_after_loss`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResumedStep {
+    /// The lost stage f.
+    pub lost: usize,
+    /// `done[r]`: how many actions of the original list stage r had completed. For a survivor,
+    /// the progress it reported; for f, the least progress that explains what its neighbours
+    /// received from it (f's real progress is unknown, and its replacement starts over anyway).
+    pub done: Vec<usize>,
+    /// `resent[r]`: how many actions at the head of `rest.actions[r]` are re-sends to the
+    /// replacement (non-zero only on f−1 and f+1).
+    pub resent: Vec<usize>,
+    /// What every stage runs from now to the end of the step: for a survivor r, its re-sends
+    /// (if a neighbour of f) followed by its original actions from `done[r]` on; for f, its
+    /// whole original list minus the sends whose message the neighbour already has. Not a whole
+    /// step's schedule: check it with [`validate_resumed`], not [`validate`].
+    pub rest: Schedule,
+    /// The compute actions of f, in f's order, that its replacement redoes and that a neighbour
+    /// proves had been done: `Forward(u)` when f+1 has u's activation or f−1 has u's input
+    /// gradient (f sends that only after its forward of u), `Backward(u)` when f−1 has u's input
+    /// gradient. This is the runtime's count of redone units; f may have done more before it died.
+    pub replayed: Vec<Action>,
+}
+
+/// The rest of the step after stage `lost` died, given the survivors' progress: `done[r]` is how
+/// many of stage r's actions in `s` have completed (a prefix; `done[lost]` is ignored).
+///
+/// Returns the survivors' remaining actions (f−1 and f+1 first re-send everything they sent to f
+/// in the step), the replacement's list (f's whole list minus the sends whose message a neighbour
+/// already received) and the replayed compute (see [`ResumedStep`] and the module docs).
+///
+/// Errors: [`validate`]'s errors for `s`; [`ScheduleError::InvalidParameters`] when `lost` is not
+/// a stage or `done` does not have one entry per stage; [`ScheduleError::UnreachableProgress`]
+/// when no execution of `s` reaches the claimed progress (a stage claims more actions than it
+/// has, or a receive of a message its sender cannot have sent by then).
+pub fn resume_after_loss(
+    s: &Schedule,
+    lost: usize,
+    done: &[usize],
+) -> Result<ResumedStep, ScheduleError> {
+    validate(s)?;
+    let p = s.stages;
+    check_shape(p, lost, done)?;
+    let claimed: Vec<usize> = (0..p)
+        .map(|r| if r == lost { 0 } else { done[r] })
+        .collect();
+    check_lengths(s, &claimed)?;
+    let (have_act, have_grad) = neighbours_have(s, lost, &claimed);
+    let lost_list = &s.actions[lost];
+    let lost_done = lost_list
+        .iter()
+        .rposition(|a| match *a {
+            Action::SendActivation(u) => have_act.contains(&u),
+            Action::SendGrad(u) => have_grad.contains(&u),
+            _ => false,
+        })
+        .map_or(0, |i| i + 1);
+    let done: Vec<usize> = (0..p)
+        .map(|r| if r == lost { lost_done } else { done[r] })
+        .collect();
+    // Only the check matters here: the in-flight messages are `validate_resumed`'s business.
+    reach(s, lost, &done)?;
+
+    let mut resent = vec![0; p];
+    let actions = (0..p)
+        .map(|r| {
+            let list = &s.actions[r];
+            if r == lost {
+                return lost_list
+                    .iter()
+                    .copied()
+                    .filter(|a| match *a {
+                        Action::SendActivation(u) => !have_act.contains(&u),
+                        Action::SendGrad(u) => !have_grad.contains(&u),
+                        _ => true,
+                    })
+                    .collect();
+            }
+            let to_lost = |a: &&Action| match a {
+                Action::SendActivation(_) => r + 1 == lost,
+                Action::SendGrad(_) => r == lost + 1,
+                _ => false,
+            };
+            let again: Vec<Action> = list[..done[r]].iter().filter(to_lost).copied().collect();
+            resent[r] = again.len();
+            again
+                .into_iter()
+                .chain(list[done[r]..].iter().copied())
+                .collect()
+        })
+        .collect();
+    let replayed = s
+        .compute_actions(lost)
+        .filter(|a| match *a {
+            Action::Forward(u) => have_act.contains(&u) || have_grad.contains(&u),
+            Action::Backward(u) => have_grad.contains(&u),
+            _ => false,
+        })
+        .collect();
+    Ok(ResumedStep {
+        lost,
+        done,
+        resent,
+        rest: Schedule {
+            actions,
+            ..without_actions(s)
+        },
+        replayed,
+    })
+}
+
+/// Validates the rest of a step after a stage loss, as [`validate`] does a whole step, but from
+/// the state the loss left.
+///
+/// The starting state: each survivor r has run the first `resumed.done[r]` actions of `s`; the
+/// replacement of f has run nothing; the channels between survivors hold what was sent on them
+/// and not yet received; the rebuilt channels to and from f start empty. Then:
+///
+/// 1. `resumed.rest` has the parameters of `s` and every action in it is allowed where it is;
+/// 2. completeness, counting the done prefix and the rest: every stage forwards and (training)
+///    backwards every unit exactly once and receives each of its inputs exactly once;
+/// 3. local order of the rest after the done prefix (dependencies, communication pairing);
+/// 4. a FIFO dry run of the rest from the starting channels: every receive finds its unit, no
+///    deadlock, and no message is left unreceived at the end, so each message received after the
+///    loss was sent exactly once on its channel.
+///
+/// Errors: [`validate`]'s errors for `s`, [`ScheduleError::UnreachableProgress`] when
+/// `resumed.done` cannot be reached, and the first problem of the rest as a [`ScheduleError`]
+/// (positions are in `resumed.rest`'s lists).
+pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), ScheduleError> {
+    validate(s)?;
+    let (p, lost, rest) = (s.stages, resumed.lost, &resumed.rest);
+    check_shape(p, lost, &resumed.done)?;
+    if without_actions(rest) != without_actions(s) || rest.actions.len() != p {
+        let describe = |x: &Schedule| {
+            format!(
+                "{} stages, {} micro-batches, {} segments, forward-only {}, {} action lists",
+                x.stages,
+                x.microbatches,
+                x.splits,
+                x.forward_only,
+                x.actions.len()
+            )
+        };
+        return Err(ScheduleError::InvalidParameters(format!(
+            "the rest of the step ({}) does not fit the schedule ({})",
+            describe(rest),
+            describe(s)
+        )));
+    }
+    check_lengths(s, &resumed.done)?;
+    let mut channels = reach(s, lost, &resumed.done)?;
+    // The links to the lost stage are rebuilt: what was in flight on them is gone.
+    for c in [lost.checked_sub(1), (lost + 1 < p).then_some(lost)]
+        .into_iter()
+        .flatten()
+    {
+        channels.act[c].clear();
+        channels.grad[c].clear();
+    }
+    let done = |r: usize| {
+        if r == lost {
+            &[][..]
+        } else {
+            &s.actions[r][..resumed.done[r]]
+        }
+    };
+    for r in 0..p {
+        check_allowed(rest, r)?;
+    }
+    for r in 0..p {
+        check_counts(rest, r, done(r), false)?;
+    }
+    for r in 0..p {
+        check_local_order(rest, r, done(r))?;
+    }
+    let left = dry_run(rest, channels)?;
+    check_delivered(&left)
+}
+
+/// `s`'s parameters with no actions.
+fn without_actions(s: &Schedule) -> Schedule {
+    Schedule {
+        actions: Vec::new(),
+        ..*s
+    }
+}
+
+/// `lost` is a stage and `done` has one entry per stage.
+fn check_shape(p: usize, lost: usize, done: &[usize]) -> Result<(), ScheduleError> {
+    let mut bad = Vec::new();
+    if lost >= p {
+        bad.push(format!("lost stage {lost} is not one of the {p} stages"));
+    }
+    if done.len() != p {
+        bad.push(format!(
+            "progress has {} entries, the schedule has {p} stages",
+            done.len()
+        ));
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(ScheduleError::InvalidParameters(bad.join("; ")))
+    }
+}
+
+/// No stage claims more actions done than it has.
+fn check_lengths(s: &Schedule, done: &[usize]) -> Result<(), ScheduleError> {
+    match (0..s.stages).find(|&r| done[r] > s.actions[r].len()) {
+        Some(r) => Err(ScheduleError::UnreachableProgress {
+            done: done.to_vec(),
+            reason: format!(
+                "stage {r} claims {} actions done but has only {}",
+                done[r],
+                s.actions[r].len()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The units of the lost stage's outputs that its neighbours have received, given each
+/// survivor's progress: (activations at f+1, input gradients at f−1).
+fn neighbours_have(s: &Schedule, lost: usize, done: &[usize]) -> (HashSet<Unit>, HashSet<Unit>) {
+    let received = |r: Option<usize>, pick: fn(Action) -> Option<Unit>| -> HashSet<Unit> {
+        r.filter(|&r| r < s.stages)
+            .map(|r| {
+                s.actions[r][..done[r]]
+                    .iter()
+                    .filter_map(|&a| pick(a))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let act = received(Some(lost + 1), |a| match a {
+        Action::RecvActivation(u) => Some(u),
+        _ => None,
+    });
+    let grad = received(lost.checked_sub(1), |a| match a {
+        Action::RecvGrad(u) => Some(u),
+        _ => None,
+    });
+    (act, grad)
+}
+
+/// Runs every stage r of `s` through its first `done[r]` actions (the lost stage through the
+/// `done[lost]` its neighbours prove; all within their lists) and returns the messages then in
+/// flight, or [`ScheduleError::UnreachableProgress`] when no execution gets every stage that far.
+///
+/// Sends never block and a receive only waits, so running every stage greedily up to its bound
+/// gets each one there exactly when some execution does.
+fn reach(s: &Schedule, lost: usize, done: &[usize]) -> Result<Channels, ScheduleError> {
+    let prefixes = Schedule {
+        actions: (0..s.stages)
+            .map(|r| s.actions[r][..done[r]].to_vec())
+            .collect(),
+        ..without_actions(s)
+    };
+    dry_run(&prefixes, Channels::new(s.stages)).map_err(|e| match e {
+        ScheduleError::Deadlock { blocked, .. } => ScheduleError::UnreachableProgress {
+            done: done.to_vec(),
+            reason: format!(
+                "no execution runs every stage through its done actions: {blocked} (never sent \
+                 within the sender's done actions; the lost stage {lost} is counted as having \
+                 done the {} actions its neighbours' receipts prove)",
+                done[lost]
+            ),
+        },
+        other => other,
+    })
+}
