@@ -144,7 +144,7 @@ fn signal_mid_run(
 }
 
 /// One trial: start the job, wait a random delay after its first step, SIGKILL `kills` random
-/// nodes' workers or whole nodes. Returns the run's events.
+/// nodes' workers or whole nodes. Returns the run's metrics lines.
 fn trial(
     dir: &Path,
     rng: &mut impl Rng,
@@ -177,12 +177,9 @@ fn trial(
         );
     }
     metrics(dir)
-        .into_iter()
-        .filter(|m| m.get("event").is_some())
-        .collect()
 }
 
-/// One chaos trial's setup and its run's events.
+/// One chaos trial's setup and its run's metrics (events and step records).
 struct ChaosTrial {
     index: usize,
     kills: usize,
@@ -279,7 +276,7 @@ fn chaos(name: &str, extra: &[&str]) -> Vec<ChaosTrial> {
 
 #[test]
 fn chaos_sigkill_random_workers_bit_exact() {
-    let trials = chaos("chaos", &[]);
+    let trials = chaos("chaos", &["elastic.mid_step=false"]);
     let mut peer_recoveries = 0;
     for t in &trials {
         let Some(r) = t.recovered() else { continue };
@@ -324,9 +321,25 @@ fn chaos_with_mid_step_recovery_bit_exact() {
             "trial {}: {r}",
             t.index
         );
-        assert_eq!(r["lost_steps"], 0, "trial {}: {r}", t.index);
+        // (Peer snapshots: one more step when the kill landed during the last step's copy.)
+        let lost_steps = r["lost_steps"].as_u64().unwrap();
+        assert!(lost_steps <= 1, "trial {}: {r}", t.index);
         if r["tier"] == "mid_step" {
+            assert_eq!(lost_steps, 0, "trial {}: {r}", t.index);
             mid_step += 1;
+            // No survivor recomputed anything: the stages computed exactly one step's units
+            // each (the replacement's replay included).
+            let repaired = t
+                .events
+                .iter()
+                .find(|e| e["step"] == r["step"] && e.get("loss").is_some())
+                .unwrap_or_else(|| panic!("trial {}: no record of step {}", t.index, r["step"]));
+            assert_eq!(
+                repaired["units"],
+                4 * units_per_step,
+                "trial {}: {repaired}",
+                t.index
+            );
             let redone = r["redone_units"].as_u64().unwrap();
             assert!(redone <= units_per_step, "trial {}: {r}", t.index);
             // Killed in the middle of the step: some of the stage's units were done, not all.
@@ -335,6 +348,9 @@ fn chaos_with_mid_step_recovery_bit_exact() {
             }
         }
     }
+    eprintln!(
+        "mid-step repairs: {mid_step} of {single} single losses, {partial} in the middle of a step"
+    );
     assert!(
         mid_step * 2 >= single,
         "only {mid_step} of {single} single losses were repaired mid-step"
@@ -464,9 +480,9 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
     assert!(!intruder.status.success());
     let stderr = String::from_utf8_lossy(&intruder.stderr);
     assert!(stderr.contains("SEQPIPE_JOB_TOKEN"), "{stderr}");
-    // A fresh node joins once the pipeline has shrunk.
+    // A fresh node joins once the pipeline has shrunk (its new plan is in the metrics).
     let started = Instant::now();
-    while !metrics(&run).iter().any(|e| e["event"] == "recovered") {
+    while !metrics(&run).iter().any(|e| e["event"] == "plan") {
         assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -45,7 +45,8 @@ pub struct ElasticConfig {
     /// Mid-step recovery: when one stage is lost in the middle of a step, its replacement rebuilds
     /// the stage from its peer snapshot and the neighbours' kept boundary tensors, and the step
     /// goes on from where every other stage stood (they redo nothing). Off: the step is redone
-    /// from the peer snapshots.
+    /// from the peer snapshots. Only for a stage whose death is certain (its process or its
+    /// node's agent is gone); a node that went silent is fenced and the step redone.
     pub mid_step: bool,
 }
 
@@ -63,7 +64,7 @@ impl Default for ElasticConfig {
             local_agents: true,
             peer_snapshots: true,
             rendezvous: String::new(),
-            mid_step: false,
+            mid_step: true,
         }
     }
 }

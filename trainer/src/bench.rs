@@ -261,18 +261,41 @@ struct RecoveryTrial {
     recovery_s: f64,
     lost_steps: u64,
     tier: String,
+    /// Compute seconds (all stages) done again because of the failure.
+    redone_s: f64,
+    /// What a step-start (peer-snapshot) recovery would have redone at the same moment: the
+    /// interrupted step's compute up to the failure.
+    step_start_redone_s: f64,
 }
 
-/// Starts a real run, SIGKILLs one node (its agent; its worker dies with it) after
-/// `kill_after_step` steps plus a delay, and reads the coordinator's `node_lost` / `recovered`
-/// events. `peer` turns tier-1 peer snapshots on.
+/// The ways of recovering that `seqpipe bench recovery` compares.
+const RECOVERY_TIERS: [(&str, &[&str]); 3] = [
+    (
+        "tier 2: persistent checkpoint",
+        &["elastic.peer_snapshots=false", "elastic.mid_step=false"],
+    ),
+    (
+        "tier 1: peer snapshot (step start)",
+        &["elastic.peer_snapshots=true", "elastic.mid_step=false"],
+    ),
+    (
+        "mid-step",
+        &["elastic.peer_snapshots=true", "elastic.mid_step=true"],
+    ),
+];
+
+/// Starts a real run with `extra` settings, SIGKILLs one node (its agent; its worker dies with it)
+/// `delay_ms` after its step `kill_after_step` ends, and reads the coordinator's events. Work
+/// redone is measured for a mid-step recovery (the replacement's replayed units) and estimated
+/// otherwise: the completed steps redone plus the interrupted step's share done before the kill,
+/// at the run's median compute per step (all stages).
 fn recovery_trial(
     dir: &std::path::Path,
     kill_after_step: usize,
     delay_ms: u64,
     victim: usize,
     every: u64,
-    peer: bool,
+    extra: &[&str],
 ) -> Result<RecoveryTrial> {
     let _ = std::fs::remove_dir_all(dir);
     let exe = std::env::current_exe()?;
@@ -290,10 +313,8 @@ fn recovery_trial(
         .arg("--set")
         .arg(format!("run.dir={}", dir.display()))
         .arg("--set")
-        .arg(format!("checkpoint.every={every}"))
-        .arg("--set")
-        .arg(format!("elastic.peer_snapshots={peer}"));
-    for s in sets {
+        .arg(format!("checkpoint.every={every}"));
+    for s in sets.iter().chain(extra) {
         cmd.args(["--set", s]);
     }
     let mut child = cmd
@@ -336,6 +357,17 @@ fn recovery_trial(
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
+    let steps: Vec<&serde_json::Value> =
+        events.iter().filter(|e| e.get("loss").is_some()).collect();
+    let median_of = |key: &str| {
+        let mut v: Vec<f64> = steps.iter().filter_map(|e| e[key].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (step_compute_s, step_time_s) = (median_of("compute_s"), median_of("step_time_s"));
+    // The share of the interrupted step done when the kill landed.
+    let done_share = (delay_ms as f64 / 1000.0 / step_time_s.max(1e-9)).min(1.0);
+    let step_start_redone_s = done_share * step_compute_s;
     let lost = events
         .iter()
         .find(|e| e["event"] == "node_lost")
@@ -348,61 +380,78 @@ fn recovery_trial(
         v[k].as_f64()
             .with_context(|| format!("event without {k}: {v}"))
     };
+    let lost_steps = recovered["lost_steps"].as_u64().unwrap_or_default();
+    let tier = recovered["tier"].as_str().unwrap_or_default().to_string();
+    let redone_s = if tier == "mid_step" {
+        number(recovered, "redone_s")?
+    } else {
+        lost_steps as f64 * step_compute_s + step_start_redone_s
+    };
     Ok(RecoveryTrial {
         detection_s: number(lost, "detected_at_unix_s")? - killed_at,
         recovery_s: number(recovered, "at_unix_s")? - killed_at,
-        lost_steps: recovered["lost_steps"].as_u64().unwrap_or_default(),
-        tier: recovered["tier"].as_str().unwrap_or_default().to_string(),
+        lost_steps,
+        tier,
+        redone_s,
+        step_start_redone_s,
     })
 }
 
-/// `seqpipe bench recovery`: kills a node of a real 4-stage run `trials` times for each recovery
-/// tier (peer snapshots on, then off) and prints the detection time, the time from SIGKILL to the
-/// first completed step after recovery, and the steps of work lost, for checkpoints every `every`
-/// steps.
+/// `seqpipe bench recovery`: for each way of recovering (persistent checkpoint, peer snapshot,
+/// mid-step), kills a node of a real 4-stage run `trials` times and prints the detection time, the
+/// time from SIGKILL to the first completed step after recovery, the steps of work lost and the
+/// compute redone, for checkpoints every `every` steps.
 pub fn recovery_bench(trials: usize, every: u64) -> Result<()> {
     let base = std::env::temp_dir().join(format!("seqpipe-bench-recovery-{}", std::process::id()));
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    for (label, peer) in [
-        ("tier 1, peer snapshots", true),
-        ("tier 2, checkpoint", false),
-    ] {
-        println!("{label} (elastic.peer_snapshots = {peer}, checkpoint.every = {every}):");
+    println!(
+        "4 stages, 4 micro-batches x 4 segments, checkpoint every {every} steps; each trial kills one node"
+    );
+    for (t, (label, extra)) in RECOVERY_TIERS.iter().enumerate() {
+        println!("{label} ({}):", extra.join(", "));
         let mut results = Vec::new();
         for i in 0..trials {
             let r = recovery_trial(
-                &base.join(format!("trial-{peer}-{i}")),
+                &base.join(format!("tier-{t}-trial-{i}")),
                 4 + i % 5,
                 (i as u64 * 37) % 200,
                 i,
                 every,
-                peer,
+                extra,
             )?;
             println!(
-                "  trial {}: detection {:.3}s, SIGKILL -> first step after recovery {:.3}s, lost {} steps, tier {}",
+                "  trial {}: detection {:.3}s, SIGKILL -> first step after recovery {:.3}s, lost {} steps, compute redone {:.3}s (step-start recovery would redo {:.3}s), tier {}",
                 i + 1,
                 r.detection_s,
                 r.recovery_s,
                 r.lost_steps,
+                r.redone_s,
+                r.step_start_redone_s,
                 r.tier
             );
             results.push(r);
         }
+        let redone = median(results.iter().map(|r| r.redone_s).collect());
+        let step_start = median(results.iter().map(|r| r.step_start_redone_s).collect());
         println!(
-            "  median over {trials} trials: detection {:.3}s, recovery {:.3}s, lost steps {} (max {}); tiers used: {:?}",
+            "  median over {trials} trials: detection {:.3}s, recovery {:.3}s, lost steps {} (max {}), compute redone {redone:.3}s = {:.2} x a step-start recovery's at the same moments; tiers used: {:?}",
             median(results.iter().map(|r| r.detection_s).collect()),
             median(results.iter().map(|r| r.recovery_s).collect()),
             median(results.iter().map(|r| r.lost_steps as f64).collect()),
             results.iter().map(|r| r.lost_steps).max().unwrap_or(0),
+            redone / step_start.max(1e-9),
             results
                 .iter()
                 .map(|r| r.tier.as_str())
                 .collect::<std::collections::BTreeSet<_>>()
         );
     }
+    println!(
+        "(compute redone: measured for mid-step, estimated for the others as the redone steps plus the share of the interrupted step done before the kill)"
+    );
     let _ = std::fs::remove_dir_all(&base);
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! The `seqpipe` command line: `train`, `schedule`, `data prepare`, and the internal `worker`.
+//! The `seqpipe` command line: `train`, `schedule`, `plot`, `data prepare`, and the internal `worker`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::data::{prepare, synthetic_language};
 use crate::model::params::param_count;
 use crate::model::partition_layers;
+use crate::plot::{read_metrics, render_plot};
 use crate::runtime::agent::{AgentArgs, run_agent};
 use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
 use crate::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
@@ -46,6 +47,8 @@ enum Command {
     Bench(BenchCommand),
     /// Print a pipeline schedule: action lists, segment lengths, simulated bubble and memory.
     Schedule(ScheduleArgs),
+    /// Draw a run's loss and throughput (from its metrics.jsonl) as an SVG picture.
+    Plot(PlotArgs),
     /// Dataset tools.
     #[command(subcommand)]
     Data(DataCommand),
@@ -103,6 +106,9 @@ struct TrainArgs {
     /// Write every step's accumulated gradients (before clipping) to DIR, one safetensors file per stage.
     #[arg(long, value_name = "DIR")]
     dump_grads: Option<PathBuf>,
+    /// Write a Chrome/Perfetto trace (JSON) of when every stage computed every unit to FILE.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -239,6 +245,15 @@ struct ScheduleArgs {
     svg: Option<PathBuf>,
 }
 
+#[derive(Args, Debug)]
+struct PlotArgs {
+    /// A run's metrics.jsonl (or its run directory).
+    metrics: PathBuf,
+    /// The SVG file to write.
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+}
+
 #[derive(Subcommand, Debug)]
 enum DataCommand {
     /// Tokenize text (.txt) or JSONL (.jsonl, field "text") with the GPT-2 BPE into train.bin/val.bin.
@@ -348,6 +363,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     dump_grads: args.dump_grads,
                     quiet: args.quiet,
                     start,
+                    trace: args.trace,
                 },
             )
         }
@@ -360,6 +376,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     dump_grads: None,
                     quiet: args.quiet,
                     start: Start::Resume(point),
+                    trace: None,
                 },
             )
         }
@@ -396,6 +413,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),
+        Command::Plot(args) => plot(args).map(|()| ExitCode::SUCCESS),
         Command::Data(DataCommand::Prepare {
             input,
             out,
@@ -701,6 +719,29 @@ fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn plot(args: PlotArgs) -> Result<()> {
+    let path = if args.metrics.is_dir() {
+        args.metrics.join("metrics.jsonl")
+    } else {
+        args.metrics
+    };
+    let m = read_metrics(&path)?;
+    let absolute = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
+    let run_dir = absolute.parent().unwrap_or(&absolute);
+    std::fs::write(
+        &args.out,
+        render_plot(&m, &format!("seqpipe {}", run_dir.display())),
+    )
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote {} ({} steps, {} events)",
+        args.out.display(),
+        m.steps.len(),
+        m.events.len()
+    );
+    Ok(())
 }
 
 fn schedule(args: ScheduleArgs) -> Result<()> {

@@ -10,5 +10,6 @@ pub mod data;
 pub mod lr;
 pub mod metrics;
 pub mod model;
+pub mod plot;
 pub mod runtime;
 pub mod schedule;

@@ -13,6 +13,12 @@ pub struct StepMetrics {
     pub step: u64,
     /// Bytes of boundary tensors the stages kept during the step for mid-step recovery.
     pub retained_bytes: u64,
+    /// Forward and backward units the stages computed (a replacement's replay included).
+    pub units: usize,
+    /// Seconds the stages spent computing them, summed.
+    pub compute_s: f64,
+    /// When the step ended (Unix seconds).
+    pub end_unix_s: f64,
     /// Mean token loss of the step's global batch.
     pub loss: f64,
     /// Learning rate used.

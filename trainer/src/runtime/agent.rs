@@ -79,7 +79,7 @@ pub enum AgentError {
     #[error("etcd rendezvous {url}: {source}")]
     Etcd {
         url: String,
-        source: elastic::etcd::EtcdError,
+        source: Box<elastic::etcd::EtcdError>,
     },
     /// This node's coordinator (it led the job) failed.
     #[error("the coordinator this node ran exited ({status}); see {log}")]
@@ -193,7 +193,7 @@ fn run_with_etcd(
     let url = job.elastic.rendezvous.clone();
     let etcd = |source| AgentError::Etcd {
         url: url.clone(),
-        source,
+        source: Box::new(source),
     };
     let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
     let parsed = EtcdUrl::parse(&url).map_err(etcd)?;

@@ -88,6 +88,8 @@ pub enum ToLauncher {
 /// What one step cost a stage.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepCost {
+    /// Forward and backward units computed.
+    pub units: usize,
     /// Seconds spent in forward and backward units.
     pub compute_s: f64,
     /// Bytes of boundary tensors (activations sent down, gradients sent up) kept for mid-step
@@ -97,6 +99,24 @@ pub struct StepCost {
     pub redone_units: usize,
     /// Seconds of those units.
     pub redone_s: f64,
+    /// When each unit ran (only when the step was run with `trace`), in the order computed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_times: Vec<UnitTime>,
+}
+
+/// When one forward or backward unit ran on a stage, for `seqpipe train --trace`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitTime {
+    /// The unit computed.
+    pub unit: crate::schedule::Unit,
+    /// A backward (else a forward).
+    pub backward: bool,
+    /// Start, in microseconds since the Unix epoch (wall clock, so that stages line up).
+    pub start_us: u64,
+    /// Duration in microseconds.
+    pub dur_us: u64,
+    /// A replacement's replay of a unit a neighbour already had the output of.
+    pub redone: bool,
 }
 
 /// Which neighbour link.
@@ -134,8 +154,13 @@ pub enum ToWorker {
     },
     /// Mid-step recovery is not possible: stop (the run recovers from a snapshot instead).
     Abort,
-    /// Run forward and backward of step `step` (1-based).
-    RunStep { step: u64 },
+    /// Run forward and backward of step `step` (1-based); with `trace`, report when each unit
+    /// ran ([`StepCost::unit_times`]).
+    RunStep {
+        step: u64,
+        #[serde(default)]
+        trace: bool,
+    },
     /// Clip with `clip_coefficient` and apply AdamW with learning rate `lr`.
     Apply {
         step: u64,

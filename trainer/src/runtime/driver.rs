@@ -17,6 +17,7 @@ use super::checkpoints::CheckpointWriter;
 use super::control::{StepCost, ToLauncher, ToWorker};
 use super::coordinator::{Coordinator, Recovery};
 use super::launcher::{LaunchError, Pipeline, Replacement};
+use super::trace::{TraceLog, unix_time_us};
 use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
 use crate::config::Config;
@@ -63,6 +64,8 @@ pub struct LaunchOptions {
     pub quiet: bool,
     /// Where the state comes from.
     pub start: Start,
+    /// Write a Chrome trace of every step's units here (see [`super::trace`]).
+    pub trace: Option<PathBuf>,
 }
 
 /// What a finished run reports.
@@ -87,6 +90,32 @@ pub struct RunSummary {
 /// on under a new plan (see [`Coordinator::recover`]) until `elastic.min_nodes` or
 /// `elastic.max_restarts` says stop.
 pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
+    let mut trace = opts
+        .trace
+        .clone()
+        .map(|path| TraceLog::new(path, format!("seqpipe {}", cfg.run.dir.display())));
+    let result = train_pipelines(cfg, opts, &mut trace);
+    if let Some(trace) = trace {
+        let written = trace.write().map_err(|source| LaunchError::Io {
+            what: format!("writing the trace {}", trace.path().display()),
+            source,
+        });
+        match (&result, written) {
+            (Ok(_), Err(e)) => return Err(e),
+            (Err(_), Err(e)) => warn!(error = %e, "the trace of the failed run is lost"),
+            (_, Ok(())) => {}
+        }
+    }
+    result
+}
+
+/// The pipelines of [`run_training`], one after another as nodes come and go; `trace` collects
+/// their steps.
+fn train_pipelines(
+    cfg: &Config,
+    opts: &LaunchOptions,
+    trace: &mut Option<TraceLog>,
+) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
     let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
     loop {
@@ -98,10 +127,13 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
             opts.dump_grads.as_deref(),
             |driver| {
                 driver.recovery = recovery;
-                driver.run(&LaunchOptions {
+                driver.trace = trace.take();
+                let result = driver.run(&LaunchOptions {
                     start,
                     ..opts.clone()
-                })
+                });
+                *trace = driver.trace.take();
+                result
             },
         );
         match result {
@@ -200,6 +232,7 @@ fn with_pipeline<T>(
         recovery: None,
         loaded: Start::Fresh,
         loaded_step: 0,
+        trace: None,
     });
     match result {
         Ok(value) => {
@@ -256,6 +289,8 @@ struct Driver<'a, 'c> {
     /// How the workers' state was loaded, and the step it belongs to.
     loaded: Start,
     loaded_step: u64,
+    /// The run's trace, when `--trace` asked for one.
+    trace: Option<TraceLog>,
 }
 
 impl Driver<'_, '_> {
@@ -470,6 +505,7 @@ impl Driver<'_, '_> {
         let p = self.pipeline.stages();
         let tokens = cfg.tokens_per_step();
         let step_started = Instant::now();
+        let step_started_us = unix_time_us();
         let lr = learning_rate(
             step,
             cfg.lr_schedule_steps(),
@@ -477,11 +513,14 @@ impl Driver<'_, '_> {
             t.min_lr,
             t.warmup_steps,
         );
-        self.pipeline.broadcast(&ToWorker::RunStep { step })?;
+        self.pipeline.broadcast(&ToWorker::RunStep {
+            step,
+            trace: self.trace.is_some(),
+        })?;
         let mut sums = vec![None; canonical.len()];
         let mut loss_sum = None;
         let mut finished = BTreeSet::new();
-        let mut retained_bytes = 0;
+        let (mut retained_bytes, mut units, mut compute_s) = (0, 0, 0.0);
         let mut replaced = Vec::new();
         while finished.len() < p {
             let msg = match self
@@ -490,7 +529,7 @@ impl Driver<'_, '_> {
             {
                 Ok(msg) => msg,
                 Err(e) if cfg.elastic.mid_step => {
-                    replaced.push(self.replace_lost_stage(step, e, &finished)?);
+                    replaced.push(self.replace_lost_stage(step, e, &finished, unix_time_s())?);
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -515,6 +554,11 @@ impl Driver<'_, '_> {
                     }
                     loss_sum = loss_sum.or(l);
                     retained_bytes += cost.retained_bytes;
+                    units += cost.units;
+                    compute_s += cost.compute_s;
+                    if let Some(trace) = &mut self.trace {
+                        trace.units(stage, step, &cost.unit_times);
+                    }
                     if let Some((_, redone)) = replaced
                         .iter_mut()
                         .find(|(r, _): &&mut (Replacement, _)| r.stage == stage)
@@ -569,14 +613,38 @@ impl Driver<'_, '_> {
             / tokens as f64;
         let step_time_s = step_started.elapsed().as_secs_f64();
         let eval_due = t.eval_every > 0 && (step.is_multiple_of(t.eval_every) || step == t.steps);
+        let eval_started_us = unix_time_us();
         let val_loss = if eval_due {
             Some(self.evaluate()?)
         } else {
             None
         };
+        if let Some(trace) = &mut self.trace {
+            let step_us = (step_time_s * 1e6) as u64;
+            trace.coordinator(
+                &format!("step {step}"),
+                step,
+                step_started_us,
+                step_us,
+                json!({"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens as f64 / step_time_s}),
+            );
+            if let Some(v) = val_loss {
+                let eval_us = unix_time_us().saturating_sub(eval_started_us);
+                trace.coordinator(
+                    "eval",
+                    step,
+                    eval_started_us,
+                    eval_us,
+                    json!({"val_loss": v}),
+                );
+            }
+        }
         let record = StepMetrics {
             step,
             retained_bytes,
+            units,
+            compute_s,
+            end_unix_s: unix_time_s(),
             loss,
             lr,
             grad_norm,
@@ -589,13 +657,15 @@ impl Driver<'_, '_> {
         Ok(record)
     }
 
-    /// Mid-step recovery of one lost stage during step `step` (see [`Pipeline::replace_stage`]).
+    /// Mid-step recovery of one lost stage during step `step`, whose loss was seen at
+    /// `detected_at_unix_s` (see [`Pipeline::replace_stage`]).
     /// Fails with `failure` when it cannot help; the run then recovers from snapshots.
     fn replace_lost_stage(
         &mut self,
         step: u64,
         failure: LaunchError,
         finished: &BTreeSet<usize>,
+        detected_at_unix_s: f64,
     ) -> Result<(Replacement, Option<StepCost>), LaunchError> {
         let Some((stage, lost)) = self.pipeline.lost_stage(&failure, finished) else {
             return Err(failure);
@@ -607,7 +677,7 @@ impl Driver<'_, '_> {
             );
             return Err(failure);
         };
-        self.append(&json!({"event": "node_lost", "node": lost.node, "failed_step": step, "stage": stage, "reason": lost.reason, "agent_alive": lost.agent_alive, "mid_step": true, "detected_at_unix_s": unix_time_s()}))?;
+        self.append(&json!({"event": "node_lost", "node": lost.node, "failed_step": step, "stage": stage, "reason": lost.reason, "agent_alive": lost.agent_alive, "mid_step": true, "detected_at_unix_s": detected_at_unix_s}))?;
         eprintln!(
             "warning: lost stage {stage} (node {}) during step {step}: replacing it mid-step",
             lost.node
@@ -620,10 +690,14 @@ impl Driver<'_, '_> {
             .checkpoints
             .missing_shard(stage)
             .filter(|&c| c + 1 == step);
-        match self
-            .pipeline
-            .replace_stage(stage, lost, step, restore, checkpoint)
-        {
+        match self.pipeline.replace_stage(
+            stage,
+            lost,
+            step,
+            restore,
+            checkpoint,
+            self.trace.is_some(),
+        ) {
             Ok(replacement) => Ok((replacement, None)),
             Err(e) => {
                 warn!(step, stage, error = %e, "mid-step recovery failed; recovering from snapshots");

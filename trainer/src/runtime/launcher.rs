@@ -385,6 +385,13 @@ impl<'c> Pipeline<'c> {
                     agent_alive,
                 });
             }
+            // A node that went silent may be alive behind a partition: fencing it and restarting
+            // from snapshots is the safe way. Only a closed connection proves a death.
+            LaunchError::NodesLost { lost: nodes, .. }
+                if nodes.iter().any(|l| l.reason.starts_with(SILENT_NODE)) =>
+            {
+                hopeless = true
+            }
             LaunchError::NodesLost { lost: nodes, .. } => {
                 for l in nodes {
                     for stage in pipeline.coordinator.plan().stages_of(&l.node) {
@@ -437,6 +444,7 @@ impl<'c> Pipeline<'c> {
     /// have and send again what they sent it — and has it run step `step`, replaying only its own
     /// completed units. With `checkpoint`, the replacement first uploads its shard of that
     /// checkpoint in flight (the state it restored), which the lost worker could not finish.
+    /// With `trace`, it reports when each unit ran.
     pub fn replace_stage(
         &mut self,
         stage: usize,
@@ -444,6 +452,7 @@ impl<'c> Pipeline<'c> {
         step: u64,
         restore: Option<ToWorker>,
         checkpoint: Option<u64>,
+        trace: bool,
     ) -> Result<Replacement, LaunchError> {
         let p = self.conns.len();
         let candidates = std::iter::once(stage)
@@ -517,24 +526,22 @@ impl<'c> Pipeline<'c> {
         })?;
         if let Some(restore) = restore {
             self.send(stage, &restore)?;
-            match self.await_reply_of(stage, "the replacement to load its state", |m| {
+            let reply = self.await_reply_of(stage, "the replacement to load its state", |m| {
                 matches!(
                     m,
                     ToLauncher::Restored { .. } | ToLauncher::RestoreFailed { .. }
                 )
-            })? {
-                ToLauncher::RestoreFailed { error, .. } => {
-                    return Err(LaunchError::Run(format!(
-                        "the replacement of stage {stage} cannot load its step-start state: {error}"
-                    )));
-                }
-                _ => {}
+            })?;
+            if let ToLauncher::RestoreFailed { error, .. } = reply {
+                return Err(LaunchError::Run(format!(
+                    "the replacement of stage {stage} cannot load its step-start state: {error}"
+                )));
             }
         }
         if let Some(c) = checkpoint {
             self.send(stage, &ToWorker::Checkpoint { step: c })?;
         }
-        self.send(stage, &ToWorker::RunStep { step })?;
+        self.send(stage, &ToWorker::RunStep { step, trace })?;
         Ok(Replacement { stage, lost, host })
     }
 
@@ -623,6 +630,9 @@ impl<'c> Pipeline<'c> {
         self.coordinator.losses(cause, reported, &self.suspects)
     }
 }
+
+/// How the reason of a node declared dead for silence begins (see `Membership::expire`).
+const SILENT_NODE: &str = "missed heartbeats";
 
 /// The stage a reply comes from.
 fn reply_stage(msg: &ToLauncher) -> Option<usize> {

@@ -10,6 +10,7 @@ pub mod coordinator;
 pub mod driver;
 pub mod launcher;
 pub mod peer_snapshots;
+pub mod trace;
 pub mod transport;
 pub mod wire;
 pub mod worker;

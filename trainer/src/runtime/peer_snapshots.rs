@@ -421,10 +421,10 @@ mod tests {
         assert_eq!(held, [2, 3]);
         assert_eq!(*reports.lock().unwrap(), [(1, 2), (2, 2), (3, 2)]);
         let names = vec!["a".to_string(), "b".to_string()];
-        let got = fetch(&[addr.clone()], 3, &names, "secret", timeout).unwrap();
+        let got = fetch(std::slice::from_ref(&addr), 3, &names, "secret", timeout).unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].1.data, tensor(&[3.0, 1.0]).data);
-        let err = fetch(&[addr.clone()], 1, &names, "secret", timeout).unwrap_err();
+        let err = fetch(std::slice::from_ref(&addr), 1, &names, "secret", timeout).unwrap_err();
         assert!(err.contains("do not hold 2 tensor(s) of step 1"), "{err}");
         // The wrong token gets nothing.
         assert!(fetch(&[addr], 3, &names, "wrong", timeout).is_err());

@@ -15,8 +15,11 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use super::auth;
-use super::control::{ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker};
+use super::control::{
+    ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker, UnitTime,
+};
 use super::peer_snapshots::{self, PeerCopier};
+use super::trace::unix_time_us;
 use super::transport::{Payload, TcpLink, Transport, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::checkpointing::shard::{
@@ -136,6 +139,9 @@ struct StepRecord {
     done_units: usize,
     cost: StepCost,
     skip: HashSet<(Payload, Unit)>,
+    /// When tracing: the step's start on the monotonic clock and on the wall clock (Unix µs), so
+    /// units are placed on the wall clock without ever overlapping.
+    trace_epoch: Option<(Instant, u64)>,
 }
 
 impl StepRecord {
@@ -144,8 +150,21 @@ impl StepRecord {
         self.sent.push((payload, u, t.clone()));
     }
 
-    fn computed(&mut self, seconds: f64, redone: bool) {
+    /// Counts a forward or backward unit that started at `started` and just ended.
+    fn computed(&mut self, action: Action, started: Instant, redone: bool) {
+        let elapsed = started.elapsed();
+        let seconds = elapsed.as_secs_f64();
+        if let Some((epoch, epoch_us)) = self.trace_epoch {
+            self.cost.unit_times.push(UnitTime {
+                unit: action.unit(),
+                backward: matches!(action, Action::Backward(_)),
+                start_us: epoch_us + started.saturating_duration_since(epoch).as_micros() as u64,
+                dur_us: elapsed.as_micros() as u64,
+                redone,
+            });
+        }
         self.done_units += 1;
+        self.cost.units += 1;
         self.cost.compute_s += seconds;
         if redone {
             self.cost.redone_units += 1;
@@ -570,9 +589,9 @@ impl Worker {
         };
         loop {
             match control.recv::<ToWorker>().map_err(control_err)? {
-                ToWorker::RunStep { step } => {
+                ToWorker::RunStep { step, trace } => {
                     let started = Instant::now();
-                    let loss_sum = self.run_step(step, control)?;
+                    let loss_sum = self.run_step(step, trace, control)?;
                     let sums_of_squares = self.stage.grad_sums_of_squares()?;
                     if let Some(dir) = &self.dump_grads {
                         self.dump_gradients(dir, step)?;
@@ -751,15 +770,17 @@ impl Worker {
         Ok(())
     }
 
-    /// Executes this stage's actions of one training step.
+    /// Executes this stage's actions of one training step; with `trace`, records when each unit ran.
     fn run_step(
         &mut self,
         step: u64,
+        trace: bool,
         control: &mut ControlStream,
     ) -> Result<Option<f64>, WorkerError> {
         self.record = StepRecord {
             step,
             skip: std::mem::take(&mut self.replay_skip),
+            trace_epoch: trace.then(|| (Instant::now(), unix_time_us())),
             ..StepRecord::default()
         };
         let schedule = self.schedule.clone();
@@ -874,8 +895,7 @@ impl Worker {
                     // Proven redone: a neighbour has this unit's output (or its backward's).
                     let redone = self.record.skip.contains(&(Payload::Activation, u))
                         || self.record.skip.contains(&(Payload::Grad, u));
-                    self.record
-                        .computed(started.elapsed().as_secs_f64(), redone);
+                    self.record.computed(action, started, redone);
                 }
             }
             Action::SendActivation(u) => {
@@ -900,8 +920,7 @@ impl Worker {
                     state.outbox.insert(u, dx);
                 }
                 let redone = self.record.skip.contains(&(Payload::Grad, u));
-                self.record
-                    .computed(started.elapsed().as_secs_f64(), redone);
+                self.record.computed(action, started, redone);
             }
             Action::SendGrad(u) => {
                 let t = take(&mut state.outbox, u)?;

@@ -1,0 +1,166 @@
+//! `seqpipe train --trace FILE`: when every compute unit of every stage ran, as a Chrome trace
+//! (`chrome://tracing`, <https://ui.perfetto.dev>).
+//!
+//! The file is one JSON object `{"traceEvents": [...], "displayTimeUnit": "ms"}`. All events
+//! belong to process `pid` 1, named after the run directory. Thread (track) 0 is the coordinator,
+//! with one complete slice per step (`step N`: forward, backward and update) and one per
+//! evaluation (`eval`); thread `r + 1` is stage `r`, with one complete slice per forward or
+//! backward unit, named `F0.1` / `B0.1` (micro-batch.segment). Slices are `"ph": "X"` events with
+//! `ts` (microseconds since the Unix epoch, so that the stages' processes line up) and `dur`
+//! (microseconds), and `args` holding at least the `step`. `"ph": "M"` metadata events name the
+//! process and the threads and order the tracks.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use super::control::UnitTime;
+
+/// The trace's only process id.
+const PID: u32 = 1;
+/// The coordinator's thread id; stage `r` is thread `r + 1`.
+const COORDINATOR_TID: usize = 0;
+
+/// Microseconds since the Unix epoch (wall clock).
+pub fn unix_time_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The slices of a run, collected as its steps finish and written once at the end.
+#[derive(Debug)]
+pub struct TraceLog {
+    path: PathBuf,
+    title: String,
+    stages: BTreeSet<usize>,
+    slices: Vec<Value>,
+}
+
+impl TraceLog {
+    /// An empty trace to be written to `path`, its process named `title`.
+    pub fn new(path: PathBuf, title: String) -> Self {
+        Self {
+            path,
+            title,
+            stages: BTreeSet::new(),
+            slices: Vec::new(),
+        }
+    }
+
+    /// The file the trace is written to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Adds the units stage `stage` computed in step `step`.
+    pub fn units(&mut self, stage: usize, step: u64, times: &[UnitTime]) {
+        self.stages.insert(stage);
+        for t in times {
+            let (kind, cat) = if t.backward {
+                ('B', "backward")
+            } else {
+                ('F', "forward")
+            };
+            let mut args = json!({"step": step});
+            if t.redone {
+                args["redone"] = json!(true);
+            }
+            self.slices.push(json!({
+                "name": format!("{kind}{}", t.unit),
+                "cat": cat,
+                "ph": "X",
+                "ts": t.start_us,
+                "dur": t.dur_us,
+                "pid": PID,
+                "tid": stage + 1,
+                "args": args,
+            }));
+        }
+    }
+
+    /// Adds a slice of the coordinator's track: `name` from `start_us` for `dur_us`, with `args`
+    /// (an object; `step` is added).
+    pub fn coordinator(&mut self, name: &str, step: u64, start_us: u64, dur_us: u64, args: Value) {
+        let mut args = args;
+        args["step"] = json!(step);
+        self.slices.push(json!({
+            "name": name,
+            "cat": "coordinator",
+            "ph": "X",
+            "ts": start_us,
+            "dur": dur_us,
+            "pid": PID,
+            "tid": COORDINATOR_TID,
+            "args": args,
+        }));
+    }
+
+    /// The trace as one JSON object (see the module documentation).
+    pub fn to_json(&self) -> Value {
+        let thread = |tid: usize, name: String| {
+            [
+                json!({"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": {"name": name}}),
+                json!({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}}),
+            ]
+        };
+        let mut events = vec![
+            json!({"ph": "M", "name": "process_name", "pid": PID, "tid": COORDINATOR_TID, "args": {"name": self.title}}),
+        ];
+        events.extend(thread(COORDINATOR_TID, "coordinator".into()));
+        for &r in &self.stages {
+            events.extend(thread(r + 1, format!("stage {r}")));
+        }
+        events.extend(self.slices.iter().cloned());
+        json!({"traceEvents": events, "displayTimeUnit": "ms"})
+    }
+
+    /// Writes the trace to its file.
+    pub fn write(&self) -> io::Result<()> {
+        let text = serde_json::to_vec(&self.to_json()).map_err(io::Error::other)?;
+        std::fs::write(&self.path, text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::Unit;
+
+    #[test]
+    fn units_become_named_slices_on_their_stage_track() {
+        let mut trace = TraceLog::new(PathBuf::from("t.json"), "seqpipe runs/x".into());
+        let unit = |mb, seg, backward, start_us, redone| UnitTime {
+            unit: Unit::new(mb, seg),
+            backward,
+            start_us,
+            dur_us: 5,
+            redone,
+        };
+        trace.units(
+            1,
+            3,
+            &[unit(0, 1, false, 100, false), unit(0, 1, true, 110, true)],
+        );
+        trace.coordinator("step 3", 3, 90, 40, json!({"loss": 2.5}));
+        let v = trace.to_json();
+        let events = v["traceEvents"].as_array().unwrap();
+        let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+        assert_eq!(slices.len(), 3);
+        assert_eq!(slices[0]["name"], "F0.1");
+        assert_eq!(slices[0]["tid"], 2);
+        assert_eq!(slices[0]["args"], json!({"step": 3}));
+        assert_eq!(slices[1]["name"], "B0.1");
+        assert_eq!(slices[1]["args"]["redone"], true);
+        assert_eq!(slices[2]["tid"], 0);
+        assert_eq!(slices[2]["args"], json!({"step": 3, "loss": 2.5}));
+        let names: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["name"] == "thread_name")
+            .map(|e| &e["args"]["name"])
+            .collect();
+        assert_eq!(names, [&json!("coordinator"), &json!("stage 1")]);
+    }
+}
