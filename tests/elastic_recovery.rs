@@ -10,41 +10,22 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ckpt_url, final_state, fresh_dir, metrics, run_ok, seqpipe};
+use common::{
+    children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics, run_ok, seqpipe,
+};
 use rand::{Rng, SeedableRng};
 
 const STEPS: u64 = 24;
 
-/// A run big enough that steps take tens of milliseconds, so kills land mid-run.
+/// The elastic tests' job, with `extra` settings.
 fn job(run_dir: &Path, extra: &[&str]) -> Command {
     let mut cmd = seqpipe();
     cmd.args(["train", "-q"]);
-    let sets = [
-        "model.vocab_size=128".to_string(),
-        "model.layers=4".into(),
-        "model.d_model=64".into(),
-        "model.heads=4".into(),
-        "model.max_seq_len=64".into(),
-        "train.seq_len=64".into(),
-        "train.micro_batch_size=4".into(),
-        "train.eval_every=0".into(),
-        format!("train.steps={STEPS}"),
-        "checkpoint.every=2".into(),
-        "checkpoint.keep_last=2".into(),
-        format!("run.dir={}", run_dir.display()),
-    ];
+    let sets = elastic_job_sets(run_dir, STEPS);
     for s in sets.iter().map(String::as_str).chain(extra.iter().copied()) {
         cmd.args(["--set", s]);
     }
     cmd
-}
-
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
 }
 
 /// A local run's nodes: (agent, its workers) per node, in start order.

@@ -9,44 +9,27 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use common::{ckpt_url, final_state, fresh_dir, metrics, run_ok, seqpipe};
+use common::{
+    children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics, run_ok, seqpipe,
+};
 use elastic::etcd::testing::EtcdServer;
 
 const STEPS: u64 = 24;
 
 fn job_sets(run_dir: &Path) -> Vec<String> {
-    [
-        "model.vocab_size=128",
-        "model.layers=4",
-        "model.d_model=64",
-        "model.heads=4",
-        "model.max_seq_len=64",
-        "train.seq_len=64",
-        "train.micro_batch_size=4",
-        "train.eval_every=0",
-        "checkpoint.every=2",
-        "checkpoint.keep_last=2",
-        "pipeline.stages=3",
-        "elastic.min_nodes=2",
-        "elastic.heartbeat_s=0.5",
-        "elastic.dead_after_s=2",
-        "elastic.join_timeout_s=30",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
-        format!("train.steps={STEPS}"),
-        format!("run.dir={}", run_dir.display()),
-    ])
-    .flat_map(|s| ["--set".to_string(), s])
-    .collect()
-}
-
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
+    elastic_job_sets(run_dir, STEPS)
+        .into_iter()
+        .chain(
+            [
+                "pipeline.stages=3",
+                "elastic.min_nodes=2",
+                "elastic.heartbeat_s=0.5",
+                "elastic.dead_after_s=2",
+                "elastic.join_timeout_s=30",
+            ]
+            .map(String::from),
+        )
+        .flat_map(|s| ["--set".to_string(), s])
         .collect()
 }
 

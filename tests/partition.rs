@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ckpt_url, final_state, fresh_dir, seqpipe};
+use common::{ckpt_url, elastic_job_sets, final_state, fresh_dir, seqpipe};
 
 /// Long enough that, after the cut and the recovery, the run goes on for several seconds: the
 /// cut-off agent's queued messages arrive (TCP retransmits them with back-off once the link is
@@ -31,22 +31,9 @@ const CUT: usize = 1;
 
 /// The job's `--set` values, shared by the reference run and the partitioned one.
 fn job_sets(run_dir: &Path) -> Vec<String> {
-    vec![
-        "model.vocab_size=128".to_string(),
-        "model.layers=4".into(),
-        "model.d_model=64".into(),
-        "model.heads=4".into(),
-        "model.max_seq_len=64".into(),
-        "train.seq_len=64".into(),
-        "train.micro_batch_size=4".into(),
-        "train.eval_every=0".into(),
-        format!("train.steps={STEPS}"),
-        "checkpoint.every=2".into(),
-        "checkpoint.keep_last=2".into(),
-        "pipeline.stages=3".into(),
-        "pipeline.timeout_s=2".into(),
-        format!("run.dir={}", run_dir.display()),
-    ]
+    let mut sets = elastic_job_sets(run_dir, STEPS);
+    sets.extend(["pipeline.stages=3", "pipeline.timeout_s=2"].map(String::from));
+    sets
 }
 
 fn job(run_dir: &Path, extra: &[String]) -> Command {

@@ -121,6 +121,39 @@ pub fn final_state(url: &str) -> (u64, BTreeMap<String, Vec<u8>>) {
     )
 }
 
+/// The settings (`section.key=value`) of the elastic tests' job: a model big enough that steps take
+/// tens of milliseconds (so kills land mid-run), checkpoints every 2 steps, no evaluation.
+pub fn elastic_job_sets(run_dir: &Path, steps: u64) -> Vec<String> {
+    [
+        "model.vocab_size=128",
+        "model.layers=4",
+        "model.d_model=64",
+        "model.heads=4",
+        "model.max_seq_len=64",
+        "train.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.eval_every=0",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        format!("train.steps={steps}"),
+        format!("run.dir={}", run_dir.display()),
+    ])
+    .collect()
+}
+
+/// The pids of a process's children.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
 /// The default checkpoint location of a run directory.
 pub fn ckpt_url(run_dir: &Path) -> String {
     run_dir.join("checkpoints").display().to_string()

@@ -105,6 +105,17 @@ impl CheckpointWriter {
             .map(|p| p.state.step)
     }
 
+    /// Gives up the checkpoint in flight (a lost worker's shard of it cannot be written any more);
+    /// the previous committed checkpoint stays valid, the uploaded shards are cleaned later.
+    pub(super) fn abandon(&mut self, metrics: &mut MetricsLog, why: &str) {
+        if let Some(pending) = self.pending.take() {
+            let step = pending.state.step;
+            warn!(step, %why, "checkpoint abandoned; the previous committed one stays valid");
+            let _ =
+                metrics.append(&json!({"event": "checkpoint_failed", "step": step, "error": why}));
+        }
+    }
+
     /// Waits until the checkpoint in flight (if any) is committed or has failed.
     pub(super) fn finish(
         &mut self,
@@ -130,9 +141,9 @@ impl CheckpointWriter {
         metrics: &mut MetricsLog,
     ) -> Result<(), LaunchError> {
         let Some(pending) = &mut self.pending else {
-            return Err(LaunchError::Protocol(format!(
-                "unexpected {msg:?}: no checkpoint in flight"
-            )));
+            // A late report of an abandoned checkpoint.
+            info!(?msg, "ignored an upload report: no checkpoint in flight");
+            return Ok(());
         };
         match msg {
             ToLauncher::ShardWritten {
@@ -149,6 +160,12 @@ impl CheckpointWriter {
                 warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
                 eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
                 let _ = metrics.append(&json!({"event": "checkpoint_failed", "step": step, "stage": stage, "error": error}));
+                return Ok(());
+            }
+            ToLauncher::ShardWritten { step, .. } | ToLauncher::ShardFailed { step, .. }
+                if step < pending.state.step =>
+            {
+                info!(step, "ignored an upload report of an abandoned checkpoint");
                 return Ok(());
             }
             other => {

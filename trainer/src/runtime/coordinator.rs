@@ -887,12 +887,8 @@ impl Coordinator {
         self.state.at_step_boundary = true;
         let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
         // A node lost mid-step (its stage was replaced for the rest of the step) leaves the plan
-        // here too.
-        matches!(
-            decision,
-            Decision::Grow { .. } | Decision::Shrink { .. } | Decision::Recover { .. }
-        )
-        .then_some(reason)
+        // here too — or, with too few nodes left, the run waits for joiners or stops.
+        (decision != Decision::Continue).then_some(reason)
     }
 
     /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of

@@ -682,14 +682,18 @@ impl Driver<'_, '_> {
             "warning: lost stage {stage} (node {}) during step {step}: replacing it mid-step",
             lost.node
         );
-        // The lost worker's shard of the checkpoint in flight (of step − 1) is the replacement's
-        // to upload, from the same restored state.
+        // The lost worker's shard of the checkpoint in flight, if it is of step − 1, is the
+        // replacement's to upload, from the same restored state.
         self.checkpoints
             .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
-        let checkpoint = self
-            .checkpoints
-            .missing_shard(stage)
-            .filter(|&c| c + 1 == step);
+        let mut checkpoint = self.checkpoints.missing_shard(stage);
+        if let Some(c) = checkpoint.filter(|&c| c + 1 != step) {
+            // An older checkpoint: the replacement starts from a later state.
+            let why = format!("stage {stage} was lost before uploading its shard of step {c}");
+            self.checkpoints
+                .abandon(self.metrics.as_mut().expect("metrics"), &why);
+            checkpoint = None;
+        }
         match self.pipeline.replace_stage(
             stage,
             lost,

@@ -367,6 +367,14 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     result
 }
 
+/// Maps an I/O error to [`WorkerError::Io`] saying what was being done.
+fn io_error(what: String) -> impl Fn(std::io::Error) -> WorkerError {
+    move |source| WorkerError::Io {
+        what: what.clone(),
+        source,
+    }
+}
+
 fn resolve(addr: &str) -> Result<std::net::SocketAddr, WorkerError> {
     use std::net::ToSocketAddrs;
     let io = |source| WorkerError::Control {
@@ -518,12 +526,7 @@ impl Worker {
         timeout: Duration,
     ) -> Result<(), WorkerError> {
         let r = self.index();
-        let io = |what: String| {
-            move |source| WorkerError::Io {
-                what: what.clone(),
-                source,
-            }
-        };
+        let io = io_error;
         let addr = resolve(next)?;
         let mut stream = connect_retrying(&addr, timeout)
             .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
@@ -543,12 +546,7 @@ impl Worker {
         timeout: Duration,
     ) -> Result<(), WorkerError> {
         let r = self.index();
-        let io = |what: String| {
-            move |source| WorkerError::Io {
-                what: what.clone(),
-                source,
-            }
-        };
+        let io = io_error;
         listener
             .set_nonblocking(true)
             .map_err(io("data port".into()))?;
