@@ -11,7 +11,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics, run_ok, seqpipe,
+    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics,
+    run_ok, seqpipe,
 };
 use rand::{Rng, SeedableRng};
 
@@ -112,12 +113,7 @@ fn signal_mid_run(
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
-    let (step, state) = final_state(&ckpt_url(&run));
-    assert_eq!(step, STEPS);
-    assert!(
-        state == reference,
-        "final state differs from the uninterrupted run"
-    );
+    assert_final_state(&run, STEPS, &reference);
     metrics(&run)
         .into_iter()
         .filter(|m| m.get("event").is_some())
@@ -480,12 +476,7 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
         spare.wait().unwrap().success(),
         "the joined agent exits with the run"
     );
-    let (step, state) = final_state(&ckpt_url(&run));
-    assert_eq!(step, STEPS);
-    assert!(
-        state == reference,
-        "final state differs from the uninterrupted run"
-    );
+    assert_final_state(&run, STEPS, &reference);
     let events = metrics(&run);
     let joined = events
         .iter()

@@ -10,7 +10,8 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics, run_ok, seqpipe,
+    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics,
+    run_ok, seqpipe,
 };
 use elastic::etcd::testing::EtcdServer;
 
@@ -141,12 +142,7 @@ fn losing_the_coordinators_node_is_survivable_with_etcd() {
             dir.display()
         );
     }
-    let (step, state) = final_state(&ckpt_url(&run));
-    assert_eq!(step, STEPS);
-    assert!(
-        state == reference,
-        "final state differs from the uninterrupted run"
-    );
+    assert_final_state(&run, STEPS, &reference);
     let events = metrics(&run);
     let takeover = events
         .iter()

@@ -154,6 +154,18 @@ pub fn children_of(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Asserts that the run at `run_dir` committed its final step `steps` and that its state (every
+/// parameter and optimizer tensor) is bit-identical to `reference`.
+pub fn assert_final_state(run_dir: &Path, steps: u64, reference: &BTreeMap<String, Vec<u8>>) {
+    let (step, state) = final_state(&ckpt_url(run_dir));
+    assert_eq!(step, steps);
+    assert!(
+        &state == reference,
+        "{}: final state differs from the uninterrupted run",
+        run_dir.display()
+    );
+}
+
 /// The default checkpoint location of a run directory.
 pub fn ckpt_url(run_dir: &Path) -> String {
     run_dir.join("checkpoints").display().to_string()

@@ -13,3 +13,4 @@ pub mod model;
 pub mod plot;
 pub mod runtime;
 pub mod schedule;
+pub mod svg;

@@ -252,14 +252,7 @@ pub fn render_plot(m: &RunMetrics, title: &str) -> String {
     ];
 
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="monospace">"#
-    );
-    let _ = writeln!(
-        out,
-        r#"<rect x="0" y="0" width="{width:.0}" height="{height:.0}" fill="white"/>"#
-    );
+    crate::svg::open(&mut out, width, height);
     let final_loss = m
         .steps
         .last()

@@ -181,8 +181,9 @@ fn serve_connection(
                     held_bytes = bytes,
                     "peer snapshot stored"
                 );
-                write_frame(&mut writer, &Frame::new(&Reply::Stored, Vec::new()))?;
+                // Reported before the answer: once a worker hears "stored", so does the coordinator.
                 on_stored(step, names);
+                write_frame(&mut writer, &Frame::new(&Reply::Stored, Vec::new()))?;
             }
             Request::Get { step, names } => {
                 let found: Vec<(String, TensorData)> = {

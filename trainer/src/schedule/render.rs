@@ -39,14 +39,7 @@ pub fn render_svg(s: &Schedule, sim: &Simulation) -> String {
     let width = LEFT + PLOT_WIDTH + RIGHT;
     let height = TOP + p as f64 * (ROW + GAP) + BOTTOM;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="monospace">"#
-    );
-    let _ = writeln!(
-        out,
-        r#"<rect x="0" y="0" width="{width:.0}" height="{height:.0}" fill="white"/>"#
-    );
+    crate::svg::open(&mut out, width, height);
     let _ = writeln!(
         out,
         r#"<text x="{LEFT}" y="20" font-size="13">{}{} p={} m={} k={}: step time {:.2}, bubble {:.1}%</text>"#,
