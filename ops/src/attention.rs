@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{Float, Mat, Threads, View, contiguous, dispatch_float, matmul, tensor};
 use crate::error::Result;
+use crate::memory::SavedTensors;
 use crate::util::{dims4, expect_float, shape_err};
 
 /// Queries per block.
@@ -34,6 +35,14 @@ pub struct AttentionCtx {
     pub out: Tensor,
     /// Log-sum-exp over keys of the scaled, masked scores of each query. // (B, H, s, 1)
     pub lse: Tensor,
+}
+
+impl SavedTensors for AttentionCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        f(&self.q);
+        f(&self.out);
+        f(&self.lse);
+    }
 }
 
 /// Checks the shapes and returns `(b, h, s, p, d)`.

@@ -7,6 +7,7 @@ use crate::cpu::{
     Float, View, add_assign, contiguous, dispatch_float, for_each_row, for_each_row_summing, tensor,
 };
 use crate::error::Result;
+use crate::memory::SavedTensors;
 use crate::util::{expect_float, expect_shape, shape_err};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -19,6 +20,12 @@ pub struct GeluCtx {
     pub x: Tensor,
     /// The bias added to `x`. // (C,)
     pub bias: Option<Tensor>,
+}
+
+impl SavedTensors for GeluCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        f(&self.x); // not the bias: a parameter, not an activation
+    }
 }
 
 /// `tanh(sqrt(2/pi) (u + 0.044715 u^3))`.

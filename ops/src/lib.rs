@@ -20,6 +20,7 @@ pub mod error;
 pub mod gelu;
 pub mod linear;
 pub mod lm_head;
+pub mod memory;
 pub mod norm;
 pub mod rope;
 pub mod softmax;
@@ -36,6 +37,7 @@ pub use error::{OpsError, Result};
 pub use gelu::{GeluCtx, gelu_backward, gelu_forward};
 pub use linear::{LinearCtx, LinearGrads, linear_backward, linear_forward};
 pub use lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
+pub use memory::{SavedTensors, TensorBytes};
 pub use norm::{
     NormCtx, NormGrads, layer_norm_backward, layer_norm_forward, rms_norm_backward,
     rms_norm_forward,

@@ -6,6 +6,7 @@ use crate::cpu::{
     Float, Mat, Threads, View, add_assign, contiguous, dispatch_float, matmul, sum_rows, tensor,
 };
 use crate::error::Result;
+use crate::memory::SavedTensors;
 use crate::util::{dims2, expect_shape, shape_err};
 
 /// Saved activations of [`linear_forward`] needed by [`linear_backward`].
@@ -13,6 +14,12 @@ use crate::util::{dims2, expect_shape, shape_err};
 pub struct LinearCtx {
     /// The layer input. // (N, in)
     pub x: Tensor,
+}
+
+impl SavedTensors for LinearCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        f(&self.x);
+    }
 }
 
 /// Parameter gradients returned by [`linear_backward`].

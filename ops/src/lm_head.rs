@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use crate::cpu::{Float, Mat, Threads, View, contiguous, dispatch_float, matmul, tensor};
 use crate::cross_entropy::{rows_loss, sum_in_order};
 use crate::error::Result;
+use crate::memory::SavedTensors;
 use crate::util::{check_indices, dims2, expect_float, shape_err};
 
 /// Gradients of [`lm_head_loss_forward_backward`].
@@ -17,6 +18,13 @@ pub struct LmHeadGrads {
     pub dh: Tensor,
     /// Gradient of the head's weight. // (V, C)
     pub dw: Tensor,
+}
+
+impl SavedTensors for LmHeadGrads {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        f(&self.dh);
+        f(&self.dw);
+    }
 }
 
 fn validate(h: &Tensor, w: &Tensor, targets: &Tensor, op: &str) -> Result<(usize, usize, usize)> {

@@ -7,6 +7,7 @@ use crate::cpu::{
     Float, View, contiguous, dispatch_float, for_each_row, for_each_row_summing, tensor,
 };
 use crate::error::Result;
+use crate::memory::SavedTensors;
 use crate::util::{dims2, expect_float, expect_shape};
 
 /// Saved activations of a normalization forward pass.
@@ -18,6 +19,14 @@ pub struct NormCtx {
     pub mean: Option<Tensor>,
     /// Reciprocal standard deviation (LayerNorm) or reciprocal RMS (RMSNorm) of each row. // (N,)
     pub rstd: Tensor,
+}
+
+impl SavedTensors for NormCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        f(&self.x);
+        self.mean.for_each_tensor(f);
+        f(&self.rstd);
+    }
 }
 
 /// Parameter gradients of a normalization layer.

@@ -1,7 +1,9 @@
 //! `seqpipe bench checkpoint`: checkpoint save and load throughput against the raw throughput of the
 //! same store measured in the same run, and the training stall that asynchronous checkpoints cause.
-//! `seqpipe bench step` (training step time and memory) lives in [`step`].
+//! `seqpipe bench step` (training step time and memory) lives in [`step`], `seqpipe bench
+//! schedule` (the schedules on real pipeline runs) in [`schedule`].
 
+pub mod schedule;
 pub mod step;
 
 use std::time::Instant;

@@ -198,6 +198,9 @@ enum BenchCommand {
     Recovery(RecoveryBenchArgs),
     /// Training step time, throughput and peak memory of a whole model in one process.
     Step(crate::bench::step::StepBenchArgs),
+    /// GPipe, 1F1B and Seq1F1B on real pipeline runs: peak activation bytes per stage, and step
+    /// time and bubble replayed from the measured unit times.
+    Schedule(crate::bench::schedule::ScheduleBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -410,6 +413,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench(BenchCommand::Step(args)) => {
             init_logging("warn");
             crate::bench::step::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(BenchCommand::Schedule(args)) => {
+            init_logging("warn");
+            crate::bench::schedule::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),

@@ -99,6 +99,17 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Held-out micro-batches per evaluation.
     pub eval_batches: usize,
+    /// Bytes each stage may hold: its parameters, gradients and AdamW moments plus its live
+    /// activations (measured after every forward; a stage over it stops the run with an error
+    /// that names the stage, the unit and the bytes). 0 = no limit.
+    pub memory_budget_bytes: u64,
+}
+
+impl TrainConfig {
+    /// The per-stage memory budget, if one is set.
+    pub fn memory_budget(&self) -> Option<usize> {
+        (self.memory_budget_bytes > 0).then_some(self.memory_budget_bytes as usize)
+    }
 }
 
 impl Default for TrainConfig {
@@ -120,6 +131,7 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             eval_every: 20,
             eval_batches: 4,
+            memory_budget_bytes: 0,
         }
     }
 }
@@ -138,6 +150,10 @@ pub struct PipelineConfig {
     pub schedule: ScheduleKind,
     /// Segment lengths: `uniform` or `compute` (equal FLOPs under causal attention).
     pub partition: Partition,
+    /// For `partition = "compute"`: the time of an attention FLOP relative to a dense (matmul)
+    /// FLOP, γ. 1 = the paper's pure FLOPs count; `seqpipe bench schedule` measures γ for this
+    /// machine's kernels, so that the segments take equal time.
+    pub attention_cost: f64,
     /// Seconds to wait for a peer (connection or message) before declaring it failed.
     pub timeout_s: f64,
 }
@@ -150,6 +166,7 @@ impl Default for PipelineConfig {
             splits: 4,
             schedule: ScheduleKind::Seq1F1B,
             partition: Partition::Compute,
+            attention_cost: 1.0,
             timeout_s: 60.0,
         }
     }
@@ -266,6 +283,7 @@ impl Config {
             head_dim: m.head_dim(),
             ffn: m.ffn(),
             vocab: m.vocab_size,
+            attention_cost: self.pipeline.attention_cost,
         }
     }
 
@@ -378,6 +396,15 @@ impl Config {
             return invalid(
                 "train.eval_batches",
                 "must be at least 1 when train.eval_every > 0".into(),
+            );
+        }
+        if !(p.attention_cost > 0.0 && p.attention_cost.is_finite()) {
+            return invalid(
+                "pipeline.attention_cost",
+                format!(
+                    "must be a positive number (1 = count attention FLOPs like matmul FLOPs), got {}",
+                    p.attention_cost
+                ),
             );
         }
         if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {

@@ -13,6 +13,13 @@ pub struct StepMetrics {
     pub step: u64,
     /// Bytes of boundary tensors the stages kept during the step for mid-step recovery.
     pub retained_bytes: u64,
+    /// Per stage: the most bytes of live activations it held during the step.
+    #[serde(default)]
+    pub peak_activation_bytes: Vec<u64>,
+    /// Per stage: bytes of its parameters, gradients and AdamW moments (what
+    /// `train.memory_budget_bytes` counts besides the activations).
+    #[serde(default)]
+    pub state_bytes: Vec<u64>,
     /// Forward and backward units the stages computed (a replacement's replay included).
     pub units: usize,
     /// Seconds the stages spent computing them, summed.

@@ -1161,3 +1161,80 @@ fn out_of_order_units_are_refused() -> Result<()> {
     );
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// Activation memory and the memory budget
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn activation_bytes_follow_the_units_in_flight_and_the_budget_is_enforced() -> Result<()> {
+    let cfg = config(Position::Learned, Norm::LayerNorm, 2);
+    let segments = [SEQ / 2, SEQ / 2];
+    let batch = Batch::new(2, 5);
+    let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F32)?;
+    ensure!(stage.activation_bytes() == 0);
+    let mut held = vec![0];
+    for step in steps("F0.0 F0.1 F1.0 F1.1") {
+        run_chain(
+            std::slice::from_mut(&mut stage),
+            &batch,
+            &segments,
+            &[step],
+            Mode::Train,
+        )?;
+        held.push(stage.activation_bytes());
+    }
+    // Every forward adds its context (and K/V); two micro-batches of the same shapes hold
+    // exactly twice one.
+    ensure!(held.windows(2).all(|w| w[1] > w[0]), "{held:?}");
+    ensure!(held[4] == 2 * held[2], "{held:?}");
+    // About 17·d floats per token per layer are saved for backward (norm inputs, attention
+    // q/out/K/V, the MLP's 4d hidden twice, ...), plus the head's (V, C) gradient per unit.
+    let per_token_layer = (held[2] - 2 * VOCAB * D_MODEL * 4) as f64 / (BATCH * SEQ * 2) as f64;
+    ensure!(
+        (14.0..=20.0).contains(&(per_token_layer / (D_MODEL * 4) as f64)),
+        "{per_token_layer} bytes per token and layer"
+    );
+    for step in steps("B0.1 B0.0 B1.1 B1.0") {
+        let before = stage.activation_bytes();
+        run_chain(
+            std::slice::from_mut(&mut stage),
+            &batch,
+            &segments,
+            &[step],
+            Mode::Train,
+        )?;
+        ensure!(stage.activation_bytes() < before, "{step:?} freed nothing");
+    }
+    ensure!(
+        stage.activation_bytes() == 0,
+        "a finished step holds activations"
+    );
+    ensure!(stage.take_peak_activation_bytes() == held[4]);
+    ensure!(stage.take_peak_activation_bytes() == 0);
+
+    // The budget counts the state too: one micro-batch in flight fits, a second does not.
+    stage.reset_step();
+    stage.set_memory_budget(Some(stage.state_bytes() + held[2]));
+    run_chain(
+        std::slice::from_mut(&mut stage),
+        &batch,
+        &segments,
+        &steps("F0.0 F0.1"),
+        Mode::Train,
+    )?;
+    let err = run_chain(
+        std::slice::from_mut(&mut stage),
+        &batch,
+        &segments,
+        &steps("F1.0"),
+        Mode::Train,
+    )
+    .unwrap_err();
+    let msg = format!("{err:#}");
+    ensure!(
+        msg.contains("memory budget exceeded: after the forward of micro-batch 1 segment 0"),
+        "{msg}"
+    );
+    Ok(())
+}

@@ -7,6 +7,7 @@ use ops::attention::{
 };
 use ops::gelu::{GeluCtx, gelu_backward, gelu_forward};
 use ops::linear::{LinearCtx, linear_backward, linear_forward};
+use ops::memory::SavedTensors;
 use ops::rope::RopeTable;
 
 use super::config::ModelConfig;
@@ -66,6 +67,15 @@ impl KvPrefix {
     }
 }
 
+impl SavedTensors for KvPrefix {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.keys.for_each_tensor(f);
+        self.values.for_each_tensor(f);
+        self.d_keys.for_each_tensor(f);
+        self.d_values.for_each_tensor(f);
+    }
+}
+
 /// Activations a block's backward needs for one segment.
 pub struct BlockCtx {
     ln_1: NormLayerCtx,
@@ -76,6 +86,19 @@ pub struct BlockCtx {
     c_fc: LinearCtx,
     gelu: GeluCtx,
     mlp_proj: LinearCtx,
+}
+
+impl SavedTensors for BlockCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.ln_1.for_each_tensor(f);
+        self.c_attn.for_each_tensor(f);
+        self.attn.for_each_tensor(f);
+        self.attn_proj.for_each_tensor(f);
+        self.ln_2.for_each_tensor(f);
+        self.c_fc.for_each_tensor(f);
+        self.gelu.for_each_tensor(f);
+        self.mlp_proj.for_each_tensor(f);
+    }
 }
 
 /// A transformer block's static description: its name prefix and the model's shape.

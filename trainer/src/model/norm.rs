@@ -1,6 +1,7 @@
 //! LayerNorm or RMSNorm, chosen by the config, over named parameters.
 
 use candle_core::Tensor;
+use ops::memory::SavedTensors;
 use ops::norm::{
     NormCtx, layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward,
 };
@@ -20,6 +21,12 @@ pub struct NormLayer {
 
 /// What a norm's backward needs.
 pub struct NormLayerCtx(NormCtx);
+
+impl SavedTensors for NormLayerCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.0.for_each_tensor(f)
+    }
+}
 
 impl NormLayer {
     /// The norm the model config asks for.

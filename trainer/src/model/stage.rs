@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use ops::adamw::AdamW;
 use ops::embedding::{embedding_backward, embedding_forward};
 use ops::lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
+use ops::memory::{SavedTensors, TensorBytes};
 use ops::rope::RopeTable;
 use thiserror::Error;
 
@@ -51,6 +52,24 @@ pub enum ModelError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
+    /// The stage holds more than its memory budget (`train.memory_budget_bytes`).
+    #[error(
+        "memory budget exceeded: after the forward of micro-batch {} segment {} the stage holds {} (parameters, gradients and AdamW moments {} + live activations {}), over train.memory_budget_bytes = {}; use pipeline.schedule = \"seq1f1b\" with more pipeline.splits, a smaller train.micro_batch_size or more pipeline.stages, or raise the budget",
+        unit.micro_batch, unit.segment, mib(*state + *activations), mib(*state), mib(*activations), mib(*budget)
+    )]
+    OverBudget {
+        unit: Unit,
+        state: usize,
+        activations: usize,
+        budget: usize,
+    },
+}
+
+fn mib(bytes: usize) -> String {
+    format!(
+        "{bytes} bytes ({:.1} MiB)",
+        bytes as f64 / (1u64 << 20) as f64
+    )
 }
 
 /// What flows into a stage's forward.
@@ -84,6 +103,13 @@ struct HeadCtx {
     lm_head: LmHeadGrads,
 }
 
+impl SavedTensors for HeadCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.norm.for_each_tensor(f);
+        self.lm_head.for_each_tensor(f);
+    }
+}
+
 struct UnitCtx {
     seg: SegmentShape,
     token_ids: Option<Tensor>, // (N,) on the first stage
@@ -91,11 +117,26 @@ struct UnitCtx {
     head: Option<HeadCtx>,
 }
 
+impl SavedTensors for UnitCtx {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.token_ids.for_each_tensor(f);
+        self.blocks.for_each_tensor(f);
+        self.head.for_each_tensor(f);
+    }
+}
+
 /// A micro-batch whose units are in flight on this stage.
 #[derive(Default)]
 struct MicroBatchState {
     kv: Vec<KvPrefix>, // one per held block
     units: BTreeMap<usize, UnitCtx>,
+}
+
+impl SavedTensors for MicroBatchState {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.kv.for_each_tensor(f);
+        self.units.values().for_each(|u| u.for_each_tensor(f));
+    }
 }
 
 /// One pipeline stage's parameters, gradients and in-flight units.
@@ -108,6 +149,10 @@ pub struct Stage {
     grads: Gradients,
     rope: Option<RopeTable>,
     in_flight: BTreeMap<usize, MicroBatchState>,
+    /// Most bytes of live activations held since [`Stage::take_peak_activation_bytes`].
+    peak_activation_bytes: usize,
+    /// Bytes the stage may hold in all (see [`Stage::set_memory_budget`]).
+    memory_budget: Option<usize>,
 }
 
 impl Stage {
@@ -163,6 +208,8 @@ impl Stage {
             grads: Gradients::default(),
             rope,
             in_flight: BTreeMap::new(),
+            peak_activation_bytes: 0,
+            memory_budget: None,
         })
     }
 
@@ -189,6 +236,56 @@ impl Stage {
     /// Number of micro-batches with live activations or K/V.
     pub fn in_flight_micro_batches(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// Bytes of the activations held for backward now: every in-flight unit's saved context, the
+    /// K/V prefixes and the dK/dV accumulated for them (each buffer counted once).
+    pub fn activation_bytes(&self) -> usize {
+        let mut bytes = TensorBytes::default();
+        self.in_flight.values().for_each(|mb| bytes.add(mb));
+        bytes.total()
+    }
+
+    /// The most bytes of live activations held (measured after every forward and backward) since
+    /// the last call; starts the next measurement from what is held now.
+    pub fn take_peak_activation_bytes(&mut self) -> usize {
+        let now = self.activation_bytes();
+        std::mem::replace(&mut self.peak_activation_bytes, now)
+    }
+
+    /// Bytes of the stage's training state: parameters, their gradients and AdamW's two moments
+    /// (four copies of the parameters).
+    pub fn state_bytes(&self) -> usize {
+        4 * self
+            .params
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum::<usize>()
+    }
+
+    /// Limits what the stage may hold — [`Stage::state_bytes`] plus live activations — to
+    /// `bytes`: a forward that ends above it fails with [`ModelError::OverBudget`]. `None` lifts
+    /// the limit.
+    pub fn set_memory_budget(&mut self, bytes: Option<usize>) {
+        self.memory_budget = bytes;
+    }
+
+    /// Records the activations held now in the peak; after a forward, enforces the budget.
+    fn measure_activations(&mut self, after_forward_of: Option<Unit>) -> Result<(), ModelError> {
+        let activations = self.activation_bytes();
+        self.peak_activation_bytes = self.peak_activation_bytes.max(activations);
+        if let (Some(unit), Some(budget)) = (after_forward_of, self.memory_budget) {
+            let state = self.state_bytes();
+            if state + activations > budget {
+                return Err(ModelError::OverBudget {
+                    unit,
+                    state,
+                    activations,
+                    budget,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn segment(&self, unit: Unit, batch: usize) -> Result<SegmentShape, ModelError> {
@@ -328,6 +425,7 @@ impl Stage {
                 }
             }
         }
+        self.measure_activations(Some(unit))?;
         Ok(output)
     }
 
@@ -392,6 +490,7 @@ impl Stage {
         if unit.segment == 0 {
             self.in_flight.remove(&unit.micro_batch);
         }
+        self.measure_activations(None)?;
         match token_ids {
             Some(ids) => {
                 self.grads.add(

@@ -82,6 +82,10 @@ pub enum ToLauncher {
         error: String,
         /// A neighbouring stage that stayed silent past the timeout (alive but hung, or cut off).
         suspect: Option<usize>,
+        /// The stage went over its memory budget: that would recur on any node, so the run must
+        /// stop rather than recover.
+        #[serde(default)]
+        over_budget: bool,
     },
 }
 
@@ -99,6 +103,14 @@ pub struct StepCost {
     pub redone_units: usize,
     /// Seconds of those units.
     pub redone_s: f64,
+    /// Most bytes of live activations the stage held during the step (see
+    /// [`crate::model::Stage::activation_bytes`]).
+    #[serde(default)]
+    pub peak_activation_bytes: u64,
+    /// Bytes of the stage's parameters, gradients and AdamW moments
+    /// ([`crate::model::Stage::state_bytes`]).
+    #[serde(default)]
+    pub state_bytes: u64,
     /// When each unit ran (only when the step was run with `trace`), in the order computed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unit_times: Vec<UnitTime>,
@@ -115,6 +127,10 @@ pub struct UnitTime {
     pub start_us: u64,
     /// Duration in microseconds.
     pub dur_us: u64,
+    /// CPU time of the worker process during the unit, in microseconds: the unit's compute
+    /// time without the time it waited for a core.
+    #[serde(default)]
+    pub cpu_us: u64,
     /// A replacement's replay of a unit a neighbour already had the output of.
     pub redone: bool,
 }

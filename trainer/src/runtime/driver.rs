@@ -521,6 +521,7 @@ impl Driver<'_, '_> {
         let mut loss_sum = None;
         let mut finished = BTreeSet::new();
         let (mut retained_bytes, mut units, mut compute_s) = (0, 0, 0.0);
+        let (mut peak_activation_bytes, mut state_bytes) = (vec![0; p], vec![0; p]);
         let mut replaced = Vec::new();
         while finished.len() < p {
             let msg = match self
@@ -556,6 +557,10 @@ impl Driver<'_, '_> {
                     retained_bytes += cost.retained_bytes;
                     units += cost.units;
                     compute_s += cost.compute_s;
+                    if let Some(peak) = peak_activation_bytes.get_mut(stage) {
+                        *peak = (*peak).max(cost.peak_activation_bytes);
+                        state_bytes[stage] = cost.state_bytes;
+                    }
                     if let Some(trace) = &mut self.trace {
                         trace.units(stage, step, &cost.unit_times);
                     }
@@ -642,6 +647,8 @@ impl Driver<'_, '_> {
         let record = StepMetrics {
             step,
             retained_bytes,
+            peak_activation_bytes,
+            state_bytes,
             units,
             compute_s,
             end_unix_s: unix_time_s(),

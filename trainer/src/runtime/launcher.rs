@@ -67,6 +67,10 @@ pub enum LaunchError {
     /// The run cannot start or continue as asked.
     #[error("{0}")]
     Run(String),
+    /// A stage holds more than `train.memory_budget_bytes` (the same would happen on any node,
+    /// so the run stops instead of recovering).
+    #[error("stage {stage}: {error}")]
+    OverBudget { stage: usize, error: String },
 }
 
 /// The running pipeline of the coordinator's current plan: one worker per stage, started by the
@@ -247,8 +251,12 @@ impl<'c> Pipeline<'c> {
                     stage,
                     error,
                     suspect,
+                    over_budget,
                 },
             ) if self.stage_of(conn).is_some() => {
+                if over_budget {
+                    return Err(LaunchError::OverBudget { stage, error });
+                }
                 self.suspects.extend(suspect);
                 Err(LaunchError::WorkerFailed {
                     stage,

@@ -7,7 +7,8 @@
 //! evaluation (`eval`); thread `r + 1` is stage `r`, with one complete slice per forward or
 //! backward unit, named `F0.1` / `B0.1` (micro-batch.segment). Slices are `"ph": "X"` events with
 //! `ts` (microseconds since the Unix epoch, so that the stages' processes line up) and `dur`
-//! (microseconds), and `args` holding at least the `step`. `"ph": "M"` metadata events name the
+//! (microseconds), and `args` holding at least the `step` (units also `cpu_us`, the worker
+//! process's CPU time during the unit). `"ph": "M"` metadata events name the
 //! process and the threads and order the tracks.
 
 use std::collections::BTreeSet;
@@ -64,7 +65,7 @@ impl TraceLog {
             } else {
                 ('F', "forward")
             };
-            let mut args = json!({"step": step});
+            let mut args = json!({"step": step, "cpu_us": t.cpu_us});
             if t.redone {
                 args["redone"] = json!(true);
             }
@@ -137,6 +138,7 @@ mod tests {
             backward,
             start_us,
             dur_us: 5,
+            cpu_us: 4,
             redone,
         };
         trace.units(
@@ -151,7 +153,7 @@ mod tests {
         assert_eq!(slices.len(), 3);
         assert_eq!(slices[0]["name"], "F0.1");
         assert_eq!(slices[0]["tid"], 2);
-        assert_eq!(slices[0]["args"], json!({"step": 3}));
+        assert_eq!(slices[0]["args"], json!({"step": 3, "cpu_us": 4}));
         assert_eq!(slices[1]["name"], "B0.1");
         assert_eq!(slices[1]["args"]["redone"], true);
         assert_eq!(slices[2]["tid"], 0);

@@ -151,15 +151,17 @@ impl StepRecord {
     }
 
     /// Counts a forward or backward unit that started at `started` and just ended.
-    fn computed(&mut self, action: Action, started: Instant, redone: bool) {
-        let elapsed = started.elapsed();
+    fn computed(&mut self, action: Action, started: UnitStart, redone: bool) {
+        let elapsed = started.wall.elapsed();
         let seconds = elapsed.as_secs_f64();
         if let Some((epoch, epoch_us)) = self.trace_epoch {
             self.cost.unit_times.push(UnitTime {
                 unit: action.unit(),
                 backward: matches!(action, Action::Backward(_)),
-                start_us: epoch_us + started.saturating_duration_since(epoch).as_micros() as u64,
+                start_us: epoch_us
+                    + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,
+                cpu_us: process_cpu_time().saturating_sub(started.cpu).as_micros() as u64,
                 redone,
             });
         }
@@ -171,6 +173,37 @@ impl StepRecord {
             self.cost.redone_s += seconds;
         }
     }
+}
+
+/// When a unit started: on the monotonic clock and in the process's CPU time.
+#[derive(Clone, Copy)]
+struct UnitStart {
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl UnitStart {
+    fn now() -> Self {
+        Self {
+            wall: Instant::now(),
+            cpu: process_cpu_time(),
+        }
+    }
+}
+
+/// CPU time used by this process so far, all threads (`CLOCK_PROCESS_CPUTIME_ID`). A worker
+/// computes on one thread (plus its rayon pool), so across a unit it is the unit's compute time
+/// without the time the process waited for a core.
+fn process_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, exclusively borrowed timespec.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// The per-call state of [`Worker::execute`].
@@ -362,6 +395,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
             stage: args.stage,
             error: e.to_string(),
             suspect,
+            over_budget: matches!(e, WorkerError::Model(ModelError::OverBudget { .. })),
         });
     }
     result
@@ -406,7 +440,8 @@ impl Worker {
         let segment_lengths = cfg.segment_lengths()?;
         let (first, last) = (layout.is_first(), layout.is_last());
         info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
-        let stage = Stage::new(&cfg.model, layout, segment_lengths.clone(), cfg.train.seed)?;
+        let mut stage = Stage::new(&cfg.model, layout, segment_lengths.clone(), cfg.train.seed)?;
+        stage.set_memory_budget(cfg.train.memory_budget());
         let data = if first || last {
             Some(open_source(&cfg.data, cfg.model.vocab_size)?)
         } else {
@@ -781,8 +816,12 @@ impl Worker {
             trace_epoch: trace.then(|| (Instant::now(), unix_time_us())),
             ..StepRecord::default()
         };
+        self.stage.take_peak_activation_bytes();
         let schedule = self.schedule.clone();
-        self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))
+        let loss_sum = self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))?;
+        self.record.cost.peak_activation_bytes = self.stage.take_peak_activation_bytes() as u64;
+        self.record.cost.state_bytes = self.stage.state_bytes() as u64;
+        Ok(loss_sum)
     }
 
     /// Forward-only pass over `batches` held-out micro-batches (the same ones at every evaluation).
@@ -863,7 +902,7 @@ impl Worker {
                 }
             }
             Action::Forward(u) => {
-                let started = Instant::now();
+                let started = UnitStart::now();
                 let input = if first {
                     StageInput::Tokens(self.segment_tokens(&mut state.tokens, split, step, u, 0)?)
                 } else {
@@ -908,7 +947,7 @@ impl Worker {
                 }
             }
             Action::Backward(u) => {
-                let started = Instant::now();
+                let started = UnitStart::now();
                 let d_out = if last {
                     None
                 } else {

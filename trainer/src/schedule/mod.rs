@@ -3,7 +3,7 @@
 //! A step's work is m·k *units* — micro-batch i, sequence segment j. A [`Schedule`] is one
 //! ordered [`Action`] list per stage (compute and communication), which can be printed
 //! ([`render_text`]), saved and loaded (serde, actions as strings like `"RF0.1"`), dry-run
-//! ([`validate`]), timed ([`simulate`]) and drawn ([`render_svg`], [`report_json`]). When a stage
+//! ([`validate`]), timed ([`simulate`], or [`replay`] with measured unit times) and drawn ([`render_svg`], [`report_json`]). When a stage
 //! is lost mid-step, [`resume_after_loss`] gives the rest of the step (the recovery protocol as
 //! data) and [`validate_resumed`] dry-runs it from the state the loss left.
 //!
@@ -39,5 +39,5 @@ pub use resume::{ResumedStep, resume_after_loss, validate_resumed};
 pub use segments::{
     FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
 };
-pub use simulate::{Simulation, Slot, StageStats, UnitCosts, simulate};
+pub use simulate::{MeasuredCosts, Simulation, Slot, StageStats, UnitCosts, replay, simulate};
 pub use validate::validate;

@@ -10,7 +10,11 @@
 //! ```
 //!
 //! for a segment of length s ending at position P (L layers, h heads of dimension d, hidden H,
-//! FFN F, vocabulary V). The model is additive: `flops(b−a, b) = C(b) − C(a)` with
+//! FFN F, vocabulary V). The terms of the attention proper (those with P and s²) can be weighted
+//! by γ = [`FlopsModel::attention_cost`], the time of an attention FLOP relative to a dense
+//! (matmul) FLOP on the hardware at hand: γ = 1 is the paper's pure FLOPs count;
+//! `seqpipe bench schedule` fits γ from measured segment times, so that the compute partition
+//! balances time, not FLOPs. The model is additive: `flops(b−a, b) = C(b) − C(a)` with
 //! `C(x) = flops(x, x)`, so a partition into k segments of cost `C(T)/k` each exists, with later
 //! segments shorter.
 
@@ -78,7 +82,7 @@ impl From<Partition> for String {
 }
 
 /// Model dimensions for the FLOPs formula (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FlopsModel {
     /// Transformer layers L.
     pub layers: usize,
@@ -92,11 +96,13 @@ pub struct FlopsModel {
     pub ffn: usize,
     /// Vocabulary size V.
     pub vocab: usize,
+    /// γ: weight of the attention terms (1 = FLOPs as in the paper).
+    pub attention_cost: f64,
 }
 
 impl FlopsModel {
-    /// `(α, β)` with `flops(s, P) = α(P)·s − β·s²`: α = 4HV + L(P(4d+3)h + 8Hhd + 4HF),
-    /// β = L(4d+3)h/2.
+    /// `(α, β)` with `flops(s, P) = α(P)·s − β·s²`: α = 4HV + L(γP(4d+3)h + 8Hhd + 4HF),
+    /// β = γL(4d+3)h/2.
     fn coefficients(&self, end: f64) -> (f64, f64) {
         let l = self.layers as f64;
         let hid = self.hidden as f64;
@@ -104,9 +110,10 @@ impl FlopsModel {
         let d = self.head_dim as f64;
         let ff = self.ffn as f64;
         let v = self.vocab as f64;
-        let alpha =
-            4.0 * hid * v + l * (end * (4.0 * d + 3.0) * h + 8.0 * hid * h * d + 4.0 * hid * ff);
-        let beta = l * (4.0 * d + 3.0) * h / 2.0;
+        let g = self.attention_cost;
+        let alpha = 4.0 * hid * v
+            + l * (g * end * (4.0 * d + 3.0) * h + 8.0 * hid * h * d + 4.0 * hid * ff);
+        let beta = g * l * (4.0 * d + 3.0) * h / 2.0;
         (alpha, beta)
     }
 
@@ -270,6 +277,7 @@ mod tests {
             head_dim: 128,
             ffn: 16384,
             vocab: 32000,
+            attention_cost: 1.0,
         }
     }
 
@@ -281,6 +289,7 @@ mod tests {
             head_dim: 16,
             ffn: 256,
             vocab: 256,
+            attention_cost: 1.0,
         }
     }
 
@@ -340,6 +349,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn attention_cost_weights_the_attention_terms() {
+        // γ scales exactly the P- and s²-terms: the difference from γ = 1 is linear in γ.
+        let base = tiny_model();
+        let with = |g: f64| FlopsModel {
+            attention_cost: g,
+            ..base
+        };
+        let (dense, all) = (
+            segment_flops(96, 32, &with(0.0)),
+            segment_flops(96, 32, &with(1.0)),
+        );
+        assert!(dense > 0.0 && all > dense);
+        let three = segment_flops(96, 32, &with(3.0));
+        assert!((three - (dense + 3.0 * (all - dense))).abs() < 1e-6 * three);
+        // Costlier attention makes later segments (longer prefixes) costlier: the first segment
+        // grows, the last shrinks, and the segments still balance under the weighted model.
+        let (cheap, costly) = (
+            solve_compute_partition(1024, 4, &with(1.0)),
+            solve_compute_partition(1024, 4, &with(3.0)),
+        );
+        assert!(
+            costly[0] > cheap[0] && costly[3] < cheap[3],
+            "{cheap:?} {costly:?}"
+        );
+        let mut start = 0;
+        let costs: Vec<f64> = costly
+            .iter()
+            .map(|&len| {
+                start += len;
+                segment_flops(start - len, len, &with(3.0))
+            })
+            .collect();
+        let (max, min) = (
+            costs.iter().copied().fold(0.0, f64::max),
+            costs.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+        assert!(max / min < 1.02, "{costs:?}");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //! of `B(i,j)`; in a forward-only schedule until the end of the micro-batch's last segment's
 //! forward (its K/V prefix is kept for the later segments).
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::segments::{FlopsModel, segment_flops};
@@ -100,6 +102,16 @@ pub struct Simulation {
     pub timeline: Vec<Vec<Slot>>,
 }
 
+/// Measured compute time of every forward and backward of one step, per stage (from a real
+/// run), for [`replay`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MeasuredCosts {
+    /// `durations[r][action]`: stage r's time for the compute action.
+    pub durations: Vec<HashMap<Action, f64>>,
+    /// Activation tokens a unit of segment j keeps alive (for the token peaks).
+    pub tokens: Vec<usize>,
+}
+
 /// Simulates `s` under `costs` (see the module docs for the model).
 ///
 /// Validates the schedule first; errors with [`ScheduleError::InvalidCosts`] when a cost vector's
@@ -107,6 +119,48 @@ pub struct Simulation {
 pub fn simulate(s: &Schedule, costs: &UnitCosts) -> Result<Simulation, ScheduleError> {
     validate(s)?;
     check_costs(costs, s.splits)?;
+    place(s, &costs.tokens, |_, a| match a {
+        Action::Forward(u) => costs.forward[u.segment],
+        _ => costs.backward[a.unit().segment],
+    })
+}
+
+/// Replays `s` with measured per-stage unit times: what the step would take, and how idle each
+/// stage would be, on `s.stages` dedicated devices with free communication.
+///
+/// Errors with [`ScheduleError::InvalidCosts`] when a compute action of the schedule has no
+/// measured time, a time is negative or not finite, or `costs` has the wrong number of stages
+/// or segments.
+pub fn replay(s: &Schedule, costs: &MeasuredCosts) -> Result<Simulation, ScheduleError> {
+    validate(s)?;
+    let invalid = |why: String| Err(ScheduleError::InvalidCosts(why));
+    if costs.durations.len() != s.stages || costs.tokens.len() != s.splits {
+        return invalid(format!(
+            "measured costs for {} stages and {} segments, the schedule has {} and {}",
+            costs.durations.len(),
+            costs.tokens.len(),
+            s.stages,
+            s.splits
+        ));
+    }
+    for r in 0..s.stages {
+        for a in s.compute_actions(r) {
+            match costs.durations[r].get(&a) {
+                Some(t) if t.is_finite() && *t >= 0.0 => {}
+                Some(t) => return invalid(format!("stage {r}: {a} took {t}")),
+                None => return invalid(format!("stage {r}: no measured time for {a}")),
+            }
+        }
+    }
+    place(s, &costs.tokens, |r, a| costs.durations[r][&a])
+}
+
+/// Places every compute action in time (`duration(stage, action)`), then derives the stats.
+fn place(
+    s: &Schedule,
+    tokens: &[usize],
+    duration: impl Fn(usize, Action) -> f64,
+) -> Result<Simulation, ScheduleError> {
     let (p, k) = (s.stages, s.splits);
     let n = s.microbatches * k;
     let idx = |a: Action| a.unit().micro_batch * k + a.unit().segment;
@@ -121,29 +175,14 @@ pub fn simulate(s: &Schedule, costs: &UnitCosts) -> Result<Simulation, ScheduleE
         let mut progressed = false;
         for r in 0..p {
             while let Some(&a) = compute[r].get(next[r]) {
-                let u = a.unit();
-                let (ready, cost) = match a {
-                    Action::Forward(_) => (
-                        if r > 0 {
-                            fwd_end[r - 1][idx(a)]
-                        } else {
-                            Some(0.0)
-                        },
-                        costs.forward[u.segment],
-                    ),
-                    Action::Backward(_) => (
-                        if r + 1 < p {
-                            bwd_end[r + 1][idx(a)]
-                        } else {
-                            Some(0.0)
-                        },
-                        costs.backward[u.segment],
-                    ),
-                    _ => unreachable!("compute actions only"),
+                let ready = match a {
+                    Action::Forward(_) if r > 0 => fwd_end[r - 1][idx(a)],
+                    Action::Backward(_) if r + 1 < p => bwd_end[r + 1][idx(a)],
+                    _ => Some(0.0),
                 };
                 let Some(ready) = ready else { break };
                 let start = free[r].max(ready);
-                let end = start + cost;
+                let end = start + duration(r, a);
                 match a {
                     Action::Forward(_) => fwd_end[r][idx(a)] = Some(end),
                     _ => bwd_end[r][idx(a)] = Some(end),
@@ -186,7 +225,8 @@ pub fn simulate(s: &Schedule, costs: &UnitCosts) -> Result<Simulation, ScheduleE
     let stages: Vec<StageStats> = (0..p)
         .map(|r| {
             let busy: f64 = timeline[r].iter().map(|sl| sl.end - sl.start).sum();
-            let (peak_activation_tokens, peak_inflight_units) = peak_memory(s, costs, &timeline[r]);
+            let (peak_activation_tokens, peak_inflight_units) =
+                peak_memory(s, tokens, &timeline[r]);
             StageStats {
                 stage: r,
                 busy,
@@ -237,7 +277,7 @@ fn check_costs(costs: &UnitCosts, splits: usize) -> Result<(), ScheduleError> {
 }
 
 /// Peak (tokens, units) alive on one stage, from its timeline.
-fn peak_memory(s: &Schedule, costs: &UnitCosts, slots: &[Slot]) -> (usize, usize) {
+fn peak_memory(s: &Schedule, tokens: &[usize], slots: &[Slot]) -> (usize, usize) {
     let k = s.splits;
     // (time, release-before-allocate at equal times, sequence, token delta, unit delta)
     let mut events: Vec<(f64, u8, usize, i64, i64)> = Vec::new();
@@ -251,7 +291,7 @@ fn peak_memory(s: &Schedule, costs: &UnitCosts, slots: &[Slot]) -> (usize, usize
     }
     for (seq, sl) in slots.iter().enumerate() {
         let u = sl.action.unit();
-        let tok = costs.tokens[u.segment] as i64;
+        let tok = tokens[u.segment] as i64;
         match sl.action {
             Action::Forward(_) => {
                 events.push((sl.start, 1, seq, tok, 1));
@@ -276,7 +316,7 @@ fn peak_memory(s: &Schedule, costs: &UnitCosts, slots: &[Slot]) -> (usize, usize
 
 #[cfg(test)]
 mod tests {
-    use super::super::{ScheduleKind, generate, generate_forward_only};
+    use super::super::{ScheduleKind, Unit, generate, generate_forward_only};
     use super::*;
 
     fn bubble(kind: ScheduleKind, p: usize, m: usize, k: usize) -> f64 {
@@ -405,6 +445,61 @@ mod tests {
     }
 
     #[test]
+    fn replay_of_uniform_times_is_the_simulation() {
+        let s = generate(ScheduleKind::Seq1F1B, 4, 4, 2).unwrap();
+        let costs = UnitCosts {
+            forward: vec![1.0, 1.5],
+            backward: vec![2.0, 3.0],
+            tokens: vec![8, 8],
+        };
+        let durations = (0..4)
+            .map(|r| {
+                s.compute_actions(r)
+                    .map(|a| match a {
+                        Action::Forward(u) => (a, costs.forward[u.segment]),
+                        _ => (a, costs.backward[a.unit().segment]),
+                    })
+                    .collect()
+            })
+            .collect();
+        let measured = MeasuredCosts {
+            durations,
+            tokens: costs.tokens.clone(),
+        };
+        assert_eq!(
+            replay(&s, &measured).unwrap(),
+            simulate(&s, &costs).unwrap()
+        );
+    }
+
+    #[test]
+    fn replay_follows_the_slowest_stage() {
+        // Stage 1 takes twice as long for everything: the step is bound by it and the other
+        // stages idle; every measured action must be present.
+        let s = generate(ScheduleKind::OneFOneB, 3, 6, 1).unwrap();
+        let mut measured = MeasuredCosts {
+            durations: (0..3)
+                .map(|r| {
+                    let scale = if r == 1 { 2.0 } else { 1.0 };
+                    s.compute_actions(r)
+                        .map(|a| (a, scale * if a.is_backward_pass() { 2.0 } else { 1.0 }))
+                        .collect()
+                })
+                .collect(),
+            tokens: vec![4],
+        };
+        let sim = replay(&s, &measured).unwrap();
+        assert!(sim.step_time >= 6.0 * 6.0, "{}", sim.step_time);
+        assert!(sim.stages[1].bubble_fraction < sim.stages[0].bubble_fraction);
+        measured.durations[2].remove(&Action::Backward(Unit::new(5, 0)));
+        let e = replay(&s, &measured).unwrap_err();
+        assert!(
+            e.to_string().contains("stage 2: no measured time for B5.0"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn flops_costs_are_normalised() {
         let m = FlopsModel {
             layers: 2,
@@ -413,6 +508,7 @@ mod tests {
             head_dim: 16,
             ffn: 256,
             vocab: 100,
+            attention_cost: 1.0,
         };
         let c = UnitCosts::from_flops(&[64, 64], 2, &m);
         assert!((c.forward.iter().sum::<f64>() - 2.0).abs() < 1e-12);

@@ -1,0 +1,225 @@
+//! Activation memory measured by the stages (`peak_activation_bytes` in `metrics.jsonl`) and
+//! `train.memory_budget_bytes`, end to end: Seq1F1B with k = 4 keeps at most half of 1F1B's
+//! activations on the first stage, and a budget between the two stops a 1F1B run with a clear
+//! error (no recovery attempt) while the Seq1F1B run trains.
+
+mod common;
+
+use std::path::Path;
+
+use common::{fresh_dir, metrics, run_err, run_ok, seqpipe};
+use serde_json::Value;
+
+const STAGES: usize = 4;
+const STEPS: u64 = 2;
+
+/// A 4-stage run of a small model on 256-token sequences with `schedule` and `splits`.
+fn train_args(run_dir: &Path, schedule: &str, splits: usize, budget: u64) -> Vec<String> {
+    [
+        "model.vocab_size=64".to_string(),
+        "model.layers=4".into(),
+        "model.d_model=32".into(),
+        "model.heads=2".into(),
+        "model.max_seq_len=256".into(),
+        "train.seq_len=256".into(),
+        "train.micro_batch_size=2".into(),
+        "train.eval_every=0".into(),
+        format!("train.steps={STEPS}"),
+        format!("train.memory_budget_bytes={budget}"),
+        format!("pipeline.stages={STAGES}"),
+        "pipeline.microbatches=4".into(),
+        format!("pipeline.schedule={schedule}"),
+        format!("pipeline.splits={splits}"),
+        "pipeline.partition=uniform".into(),
+        format!("run.dir={}", run_dir.display()),
+    ]
+    .into_iter()
+    .flat_map(|s| ["--set".to_string(), s])
+    .collect()
+}
+
+/// Per stage `(peak activation bytes, state bytes)` of every step record.
+fn memory(run_dir: &Path) -> Vec<Vec<(u64, u64)>> {
+    let stage_values = |m: &Value, key: &str| -> Vec<u64> {
+        m[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key} in {m}"))
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    metrics(run_dir)
+        .iter()
+        .filter(|m| m.get("loss").is_some())
+        .map(|m| {
+            let peaks = stage_values(m, "peak_activation_bytes");
+            let state = stage_values(m, "state_bytes");
+            assert_eq!(peaks.len(), STAGES, "{m}");
+            assert_eq!(state.len(), STAGES, "{m}");
+            peaks.into_iter().zip(state).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
+    let dir = fresh_dir("memory-budget");
+    let (one_dir, seq_dir) = (dir.join("1f1b"), dir.join("seq1f1b"));
+    run_ok(
+        seqpipe()
+            .args(["train", "-q"])
+            .args(train_args(&one_dir, "1f1b", 1, 0)),
+    );
+    run_ok(
+        seqpipe()
+            .args(["train", "-q"])
+            .args(train_args(&seq_dir, "seq1f1b", 4, 0)),
+    );
+    let (one, seq) = (memory(&one_dir), memory(&seq_dir));
+    assert_eq!((one.len(), seq.len()), (STEPS as usize, STEPS as usize));
+    // Every step holds the same shapes: the measurement repeats exactly.
+    assert_eq!(one[0], one[1]);
+    assert_eq!(seq[0], seq[1]);
+    let (one, seq) = (&one[0], &seq[0]);
+    // The same model and partition: the same state on every stage.
+    assert_eq!(
+        one.iter().map(|s| s.1).collect::<Vec<_>>(),
+        seq.iter().map(|s| s.1).collect::<Vec<_>>()
+    );
+    // 1F1B: stage r keeps p − r micro-batches in flight, so the first stage holds about p times
+    // what the last one holds (which also keeps its head's gradients per unit).
+    assert!(
+        one[0].0 > 3 * one[STAGES - 1].0 && one[1].0 > one[2].0,
+        "1F1B peaks {one:?}"
+    );
+    // Seq1F1B, k = 4: (k + p − 1)/k = 1.75 micro-batches instead of p = 4 on the first stage
+    // (0.44×; the dK/dV of earlier segments come on top).
+    let ratio = seq[0].0 as f64 / one[0].0 as f64;
+    assert!(
+        (0.40..=0.50).contains(&ratio),
+        "stage-0 peak: seq1f1b {} vs 1f1b {} bytes ({ratio:.3})",
+        seq[0].0,
+        one[0].0
+    );
+
+    // A budget halfway between the two first stages' totals.
+    let (state, one_total, seq_total) = (one[0].1, one[0].0 + one[0].1, seq[0].0 + seq[0].1);
+    let budget = (one_total + seq_total) / 2;
+    let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
+        &dir.join("1f1b-budget"),
+        "1f1b",
+        1,
+        budget,
+    )));
+    for want in [
+        "stage 0: memory budget exceeded",
+        &format!("parameters, gradients and AdamW moments {state} bytes"),
+        &format!("train.memory_budget_bytes = {budget} bytes"),
+        "pipeline.schedule = \"seq1f1b\"",
+    ] {
+        assert!(stderr.contains(want), "missing {want:?} in:\n{stderr}");
+    }
+    assert!(
+        !stderr.contains("recover") && !stderr.contains("lost stage"),
+        "an over-budget stage must stop the run, not trigger recovery:\n{stderr}"
+    );
+    let budget_dir = dir.join("seq1f1b-budget");
+    run_ok(
+        seqpipe()
+            .args(["train", "-q"])
+            .args(train_args(&budget_dir, "seq1f1b", 4, budget)),
+    );
+    assert_eq!(memory(&budget_dir)[0], *seq);
+}
+
+#[test]
+fn bench_schedule_measures_every_configuration() {
+    let dir = fresh_dir("bench-schedule");
+    let json = dir.join("runs.json");
+    let out = run_ok(
+        seqpipe()
+            .args(["bench", "schedule", "--seq-lens", "128", "--schedules"])
+            .args([
+                "1f1b,seq1f1b",
+                "--splits",
+                "2,4",
+                "--partitions",
+                "uniform,compute",
+            ])
+            .args(["--set", "model.d_model=32", "--set", "model.vocab_size=64"])
+            .arg("--json")
+            .arg(&json),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let runs: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("--json written")).unwrap();
+    let configs: Vec<(String, u64, String)> = runs
+        .iter()
+        .map(|r| {
+            (
+                r["schedule"].as_str().unwrap().to_string(),
+                r["splits"].as_u64().unwrap(),
+                r["partition"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, u64, String)> = [
+        ("1f1b", 1, "uniform"),
+        ("seq1f1b", 2, "uniform"),
+        ("seq1f1b", 2, "compute"),
+        ("seq1f1b", 4, "uniform"),
+        ("seq1f1b", 4, "compute"),
+    ]
+    .iter()
+    .map(|(s, k, p)| (s.to_string(), *k, p.to_string()))
+    .collect();
+    assert_eq!(configs, want);
+    for r in &runs {
+        let peaks = r["peak_activation_bytes"].as_array().unwrap();
+        assert_eq!(peaks.len(), STAGES, "{r}");
+        assert!(peaks.iter().all(|b| b.as_u64().unwrap() > 0), "{r}");
+        let (bubble, formula) = (
+            r["replayed_bubble"].as_f64().unwrap(),
+            r["formula_bubble"].as_f64().unwrap(),
+        );
+        assert!(
+            (0.0..1.0).contains(&bubble) && bubble > 0.5 * formula,
+            "{r}"
+        );
+        assert!(r["replayed_step_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for line in [
+        "seq 128: stage-0 peak activations, seq1f1b k=4 compute / 1f1b = ",
+        "attention cost γ fitted over 12 segments",
+        "seq1f1b k=4 uniform seq 128: replayed bubble",
+    ] {
+        assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
+    }
+
+    // With a budget that only Seq1F1B's first stage fits into, 1F1B's row says so.
+    let one = &runs[0];
+    let seq = &runs[3];
+    let peak0 = |r: &Value| r["peak_activation_bytes"][0].as_u64().unwrap();
+    let out = run_ok(
+        seqpipe()
+            .args(["bench", "schedule", "--seq-lens", "128", "--schedules"])
+            .args(["1f1b,seq1f1b", "--splits", "4", "--partitions", "uniform"])
+            .args(["--set", "model.d_model=32", "--set", "model.vocab_size=64"])
+            .arg("--set")
+            .arg(format!(
+                "train.memory_budget_bytes={}",
+                // Stage 0's state is far below the gap between the two peaks at this size.
+                (peak0(one) + peak0(seq)) / 2 + 400_000
+            )),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("1f1b  1   uniform    128 | does not fit train.memory_budget_bytes"),
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.matches("does not fit").count(),
+        1,
+        "only 1F1B is over the budget:\n{stdout}"
+    );
+}

@@ -1,0 +1,463 @@
+//! `seqpipe bench schedule`: GPipe, 1F1B and Seq1F1B measured on real pipeline runs.
+//!
+//! Each configuration (schedule, k, partition, sequence length) trains a few steps of the same
+//! model and batch through the real runtime (one worker process per stage, one compute thread
+//! each, real TCP) with a trace. From the steps after the first it reads each stage's peak bytes
+//! of live activations (measured by the stages from their saved contexts and K/V prefixes) and
+//! every unit's compute time (the worker's CPU time during the unit), and replays those times through
+//! the schedule's dependency graph ([`replay`]): the step time and bubble that `p` dedicated
+//! devices would see. The machine's wall-clock step time is printed beside it; with fewer cores
+//! than stages the stages share cores, so wall clock is not what a pipeline of devices would do.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::Config;
+use crate::runtime::driver::{LaunchOptions, run_training};
+use crate::runtime::launcher::LaunchError;
+use crate::schedule::{
+    Action, FlopsModel, MeasuredCosts, Partition, ScheduleKind, generate, replay, segment_flops,
+};
+
+/// Flags of `seqpipe bench schedule`.
+#[derive(Args, Debug)]
+pub struct ScheduleBenchArgs {
+    /// Sequence lengths to run (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
+    seq_lens: Vec<usize>,
+    /// Schedules to run (comma-separated): gpipe, 1f1b, seq1f1b.
+    #[arg(long, value_delimiter = ',', default_value = "gpipe,1f1b,seq1f1b")]
+    schedules: Vec<ScheduleKind>,
+    /// Seq1F1B's segments per micro-batch (comma-separated; GPipe and 1F1B run whole sequences).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    splits: Vec<usize>,
+    /// Seq1F1B's segment partitions (comma-separated): uniform, compute.
+    #[arg(long, value_delimiter = ',', default_value = "uniform,compute")]
+    partitions: Vec<Partition>,
+    /// Steps per run; all but the first (the warm-up) are measured.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Override a config key of every run (repeatable), after the benchmark's own settings
+    /// (4 stages × 1 layer, d_model 128, 2 heads, vocab 512, 4 micro-batches of 1 sequence).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Also write every run's numbers as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// The model and batch of every run (before `--set`).
+const BASE: [&str; 12] = [
+    "model.layers=4",
+    "model.d_model=128",
+    "model.heads=2",
+    "model.vocab_size=512",
+    "train.micro_batch_size=1",
+    "train.eval_every=0",
+    "pipeline.stages=4",
+    "pipeline.microbatches=4",
+    "checkpoint.every=0",
+    "elastic.peer_snapshots=false",
+    "run.threads_per_worker=1",
+    "run.log=warn",
+];
+
+/// One configuration's numbers.
+#[derive(Clone, Debug, Serialize)]
+pub struct ScheduleRun {
+    /// Schedule kind.
+    pub schedule: ScheduleKind,
+    /// Segments per micro-batch.
+    pub splits: usize,
+    /// Segment partition.
+    pub partition: Partition,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Segment lengths used.
+    pub segment_lengths: Vec<usize>,
+    /// Per stage: peak bytes of live activations in the measured step.
+    pub peak_activation_bytes: Vec<u64>,
+    /// Replayed step time on dedicated devices (seconds).
+    pub replayed_step_s: f64,
+    /// Replayed bubble fraction.
+    pub replayed_bubble: f64,
+    /// Per stage: replayed compute time of the step (seconds).
+    pub stage_busy_s: Vec<f64>,
+    /// `(p−1)/(units per stage + p−1)`, units = m·k (Seq1F1B) or m.
+    pub formula_bubble: f64,
+    /// Wall-clock time of the measured step on this machine (seconds).
+    pub wall_step_s: f64,
+    /// Per segment j: mean forward time of a unit of segment j, summed over the stages.
+    pub segment_forward_s: Vec<f64>,
+    /// Per segment j: mean backward time of a unit of segment j, summed over the stages.
+    pub segment_backward_s: Vec<f64>,
+    /// Per segment j: the FLOPs model's dense part (γ = 0) of a micro-batch's segment j.
+    pub segment_dense_flops: Vec<f64>,
+    /// Per segment j: the FLOPs model's attention part (the terms γ weights).
+    pub segment_attention_flops: Vec<f64>,
+}
+
+impl ScheduleRun {
+    /// Per segment j: mean forward + backward time of a unit of segment j, summed over the stages.
+    pub fn segment_unit_s(&self) -> Vec<f64> {
+        self.segment_forward_s
+            .iter()
+            .zip(&self.segment_backward_s)
+            .map(|(f, b)| f + b)
+            .collect()
+    }
+
+    /// Slowest over fastest segment time (1 with one segment).
+    pub fn segment_imbalance(&self) -> f64 {
+        let unit = self.segment_unit_s();
+        let max = unit.iter().copied().fold(0.0, f64::max);
+        let min = unit.iter().copied().fold(f64::INFINITY, f64::min);
+        if min > 0.0 { max / min } else { f64::NAN }
+    }
+}
+
+/// Runs the benchmark and prints one line per configuration and the comparisons the schedules
+/// are judged by.
+pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let dir = std::env::temp_dir().join(format!("seqpipe-bench-schedule-{}", std::process::id()));
+    let mut runs = Vec::new();
+    let mut header = true;
+    for &seq_len in &args.seq_lens {
+        for &schedule in &args.schedules {
+            let variants: Vec<(usize, Partition)> = match schedule {
+                ScheduleKind::Seq1F1B => args
+                    .splits
+                    .iter()
+                    .flat_map(|&k| args.partitions.iter().map(move |&p| (k, p)))
+                    .collect(),
+                _ => vec![(1, Partition::Uniform)],
+            };
+            for (splits, partition) in variants {
+                let cfg = run_config(args, &dir, seq_len, schedule, splits, partition)?;
+                if header {
+                    print_header(&cfg);
+                    header = false;
+                }
+                match measure(&cfg, &dir) {
+                    Ok(run) => {
+                        print_run(&run);
+                        runs.push(run);
+                    }
+                    Err(e) => match e.downcast_ref::<LaunchError>() {
+                        Some(LaunchError::OverBudget { stage, .. }) => println!(
+                            "{:>8} {:>2} {:>9} {:>6} | does not fit train.memory_budget_bytes = {} (stage {stage} went over it)",
+                            schedule.to_string(),
+                            splits,
+                            partition.to_string(),
+                            seq_len,
+                            cfg.train.memory_budget_bytes
+                        ),
+                        _ => {
+                            return Err(e.context(format!(
+                                "running {schedule} k={splits} {partition} at sequence length {seq_len}"
+                            )));
+                        }
+                    },
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    print_comparisons(&runs);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&runs)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn run_config(
+    args: &ScheduleBenchArgs,
+    dir: &Path,
+    seq_len: usize,
+    schedule: ScheduleKind,
+    splits: usize,
+    partition: Partition,
+) -> Result<Config> {
+    let mut overrides: Vec<String> = BASE.iter().map(|s| s.to_string()).collect();
+    overrides.extend([
+        format!("model.max_seq_len={seq_len}"),
+        format!("train.seq_len={seq_len}"),
+        format!("train.steps={}", args.steps),
+        format!("pipeline.schedule={schedule}"),
+        format!("pipeline.splits={splits}"),
+        format!("pipeline.partition={partition}"),
+        format!("run.dir={}", dir.join("run").display()),
+    ]);
+    overrides.extend(args.overrides.iter().cloned());
+    Ok(Config::default().with_overrides(&overrides)?)
+}
+
+fn print_header(cfg: &Config) {
+    let m = &cfg.model;
+    println!(
+        "model: {} layers over {} stages, d_model {}, {} heads, vocab {}; {} micro-batches of {} sequence(s); one compute thread per stage",
+        m.layers,
+        cfg.pipeline.stages,
+        m.d_model,
+        m.heads,
+        m.vocab_size,
+        cfg.pipeline.microbatches,
+        cfg.train.micro_batch_size
+    );
+    if let Some(budget) = cfg.train.memory_budget() {
+        println!(
+            "memory budget: {budget} bytes ({:.1} MiB) per stage for parameters, gradients, AdamW moments and live activations",
+            budget as f64 / (1u64 << 20) as f64
+        );
+    }
+    println!(
+        "replayed = the measured unit times (worker CPU time) replayed through the schedule's dependencies: what {} dedicated devices would take; this machine has {} cores, so its wall clock is not that",
+        cfg.pipeline.stages,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9} {:>8} {:>8} | {:>8} | {:>9}",
+        "schedule",
+        "k",
+        "partition",
+        "seq",
+        "peak activations per stage (MiB)",
+        "replay s",
+        "bubble",
+        "formula",
+        "wall s",
+        "seg max/min"
+    );
+}
+
+fn print_run(r: &ScheduleRun) {
+    let peaks: Vec<String> = r
+        .peak_activation_bytes
+        .iter()
+        .map(|&b| format!("{:.1}", b as f64 / (1u64 << 20) as f64))
+        .collect();
+    println!(
+        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9.3} {:>7.1}% {:>7.1}% | {:>8.3} | {:>9.3}",
+        r.schedule.to_string(),
+        r.splits,
+        r.partition.to_string(),
+        r.seq_len,
+        peaks.join(" "),
+        r.replayed_step_s,
+        100.0 * r.replayed_bubble,
+        100.0 * r.formula_bubble,
+        r.wall_step_s,
+        r.segment_imbalance()
+    );
+}
+
+/// The comparisons: Seq1F1B k=4 vs 1F1B on stage 0's peak; replayed vs formula bubble; the
+/// compute partition's segment balance.
+fn print_comparisons(runs: &[ScheduleRun]) {
+    let find = |kind: ScheduleKind, k: usize, part: Partition, seq: usize| {
+        runs.iter().find(|r| {
+            r.schedule == kind
+                && r.splits == k
+                && (kind != ScheduleKind::Seq1F1B || r.partition == part)
+                && r.seq_len == seq
+        })
+    };
+    let mut seqs: Vec<usize> = runs.iter().map(|r| r.seq_len).collect();
+    seqs.dedup();
+    for seq in seqs {
+        let one = find(ScheduleKind::OneFOneB, 1, Partition::Uniform, seq);
+        for part in [Partition::Compute, Partition::Uniform] {
+            if let (Some(one), Some(s4)) = (one, find(ScheduleKind::Seq1F1B, 4, part, seq)) {
+                println!(
+                    "seq {seq}: stage-0 peak activations, seq1f1b k=4 {part} / 1f1b = {:.3}",
+                    s4.peak_activation_bytes[0] as f64 / one.peak_activation_bytes[0] as f64
+                );
+            }
+        }
+    }
+    if let Some((gamma, segments)) = fit_attention_cost(runs) {
+        println!(
+            "attention cost γ fitted over {segments} segments: {gamma:.2} (time of an attention FLOP / a matmul FLOP; set pipeline.attention_cost = {gamma:.2} for a compute partition of equal time)"
+        );
+    }
+    for r in runs {
+        println!(
+            "{} k={} {} seq {}: replayed bubble {:.1}% vs formula {:.1}% ({:+.1} points); slowest/fastest segment {:.3}",
+            r.schedule,
+            r.splits,
+            r.partition,
+            r.seq_len,
+            100.0 * r.replayed_bubble,
+            100.0 * r.formula_bubble,
+            100.0 * (r.replayed_bubble - r.formula_bubble),
+            r.segment_imbalance()
+        );
+    }
+}
+
+/// Fits `time ≈ a·dense + b·attention` over every segment of the runs with more than one
+/// segment (least squares on relative errors) and returns `(γ = b/a, segments used)`; `None`
+/// when there is nothing to fit or the fit is degenerate.
+fn fit_attention_cost(runs: &[ScheduleRun]) -> Option<(f64, usize)> {
+    let (mut dd, mut da, mut aa, mut dt, mut at, mut n) = (0.0, 0.0, 0.0, 0.0, 0.0, 0);
+    for r in runs.iter().filter(|r| r.splits > 1) {
+        for ((&t, &d), &a) in r
+            .segment_unit_s()
+            .iter()
+            .zip(&r.segment_dense_flops)
+            .zip(&r.segment_attention_flops)
+        {
+            if t <= 0.0 {
+                continue;
+            }
+            let (d, a) = (d / t, a / t); // relative: each segment's residual divided by t
+            dd += d * d;
+            da += d * a;
+            aa += a * a;
+            dt += d;
+            at += a;
+            n += 1;
+        }
+    }
+    let det = dd * aa - da * da;
+    if n < 2 || det.abs() <= f64::EPSILON * dd * aa {
+        return None;
+    }
+    let a = (dt * aa - at * da) / det;
+    let b = (dd * at - da * dt) / det;
+    (a > 0.0 && b > 0.0).then_some((b / a, n))
+}
+
+/// Trains `cfg` with a trace and reads the numbers of every step after the first (the warm-up):
+/// per unit its least compute time over those steps (contention on a shared machine only ever
+/// slows a unit down), per stage its largest peak of activations, and the median wall-clock step.
+fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let trace = dir.join("trace.json");
+    run_training(
+        cfg,
+        &LaunchOptions {
+            quiet: true,
+            trace: Some(trace.clone()),
+            ..LaunchOptions::default()
+        },
+    )?;
+    let first = if cfg.train.steps > 1 { 2 } else { 1 };
+    let metrics = std::fs::read_to_string(cfg.run.dir.join("metrics.jsonl"))?;
+    let records: Vec<Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("loss").is_some() && v["step"].as_u64().is_some_and(|s| s >= first))
+        .collect();
+    if records.is_empty() {
+        bail!("no metrics record of step {first} or later");
+    }
+    let mut peak_activation_bytes = vec![0u64; cfg.pipeline.stages];
+    for v in &records {
+        let peaks: Vec<u64> = serde_json::from_value(v["peak_activation_bytes"].clone())?;
+        for (max, peak) in peak_activation_bytes.iter_mut().zip(peaks) {
+            *max = (*max).max(peak);
+        }
+    }
+    let mut walls: Vec<f64> = records
+        .iter()
+        .filter_map(|v| v["step_time_s"].as_f64())
+        .collect();
+    walls.sort_by(f64::total_cmp);
+    let wall_step_s = walls.get(walls.len() / 2).copied().unwrap_or(f64::NAN);
+
+    let (p, k) = (cfg.pipeline.stages, cfg.pipeline.splits);
+    let durations = unit_cpu_times(&std::fs::read(&trace)?, first, p)?;
+    let segment_lengths = cfg.segment_lengths()?;
+    let costs = MeasuredCosts {
+        durations,
+        tokens: segment_lengths
+            .iter()
+            .map(|l| l * cfg.train.micro_batch_size)
+            .collect(),
+    };
+    let schedule = generate(cfg.pipeline.schedule, p, cfg.pipeline.microbatches, k)?;
+    let sim = replay(&schedule, &costs)?;
+    let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
+    for (action, t) in costs.durations.iter().flatten() {
+        let sum = match action {
+            Action::Forward(_) => &mut segment_forward_s,
+            _ => &mut segment_backward_s,
+        };
+        sum[action.unit().segment] += t / cfg.pipeline.microbatches as f64;
+    }
+    let flops = |attention_cost: f64| {
+        let m = FlopsModel {
+            attention_cost,
+            ..cfg.flops_model()
+        };
+        let starts = segment_lengths.iter().scan(0, |at, &len| {
+            *at += len;
+            Some(*at - len)
+        });
+        starts
+            .zip(&segment_lengths)
+            .map(|(start, &len)| segment_flops(start, len, &m) * cfg.train.micro_batch_size as f64)
+            .collect::<Vec<f64>>()
+    };
+    let segment_dense_flops = flops(0.0);
+    let segment_attention_flops: Vec<f64> = flops(1.0)
+        .iter()
+        .zip(&segment_dense_flops)
+        .map(|(all, dense)| all - dense)
+        .collect();
+    Ok(ScheduleRun {
+        schedule: cfg.pipeline.schedule,
+        splits: k,
+        partition: cfg.pipeline.partition,
+        seq_len: cfg.train.seq_len,
+        segment_lengths,
+        peak_activation_bytes,
+        replayed_step_s: sim.step_time,
+        replayed_bubble: sim.bubble_fraction,
+        stage_busy_s: sim.stages.iter().map(|st| st.busy).collect(),
+        formula_bubble: (p - 1) as f64 / (schedule.microbatches * k + p - 1) as f64,
+        wall_step_s,
+        segment_forward_s,
+        segment_backward_s,
+        segment_dense_flops,
+        segment_attention_flops,
+    })
+}
+
+/// Per stage, each forward/backward unit's least CPU seconds over the steps from `first` on, from
+/// a `--trace` file (see [`crate::runtime::trace`]).
+fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap<Action, f64>>> {
+    let trace: Value = serde_json::from_slice(trace).context("reading the trace")?;
+    let mut durations = vec![HashMap::new(); stages];
+    for e in trace["traceEvents"].as_array().into_iter().flatten() {
+        let tid = e["tid"].as_u64().unwrap_or(0) as usize;
+        if e["ph"] != "X" || tid == 0 || e["args"]["step"].as_u64().is_none_or(|s| s < first) {
+            continue;
+        }
+        let name = e["name"].as_str().unwrap_or_default();
+        let action: Action = name.parse()?;
+        let cpu_us = e["args"]["cpu_us"]
+            .as_u64()
+            .with_context(|| format!("trace slice {name} has no cpu_us"))?;
+        let stage: &mut HashMap<Action, f64> = durations
+            .get_mut(tid - 1)
+            .with_context(|| format!("trace track {tid} is not a stage of {stages}"))?;
+        let seconds = cpu_us as f64 * 1e-6;
+        stage
+            .entry(action)
+            .and_modify(|t| *t = f64::min(*t, seconds))
+            .or_insert(seconds);
+    }
+    Ok(durations)
+}
