@@ -474,6 +474,24 @@ mod tests {
     }
 
     #[test]
+    fn shipped_configs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let cfg = Config::from_toml(&text, &path.display().to_string())
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                cfg.validate()
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(seen >= 2, "configs/ holds tiny.toml and long-seq.toml");
+    }
+
+    #[test]
     fn overrides_apply_with_types() {
         let cfg = Config::default()
             .with_overrides(&[

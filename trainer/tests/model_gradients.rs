@@ -1172,16 +1172,19 @@ fn activation_bytes_follow_the_units_in_flight_and_the_budget_is_enforced() -> R
     let segments = [SEQ / 2, SEQ / 2];
     let batch = Batch::new(2, 5);
     let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F32)?;
-    ensure!(stage.activation_bytes() == 0);
-    let mut held = vec![0];
-    for step in steps("F0.0 F0.1 F1.0 F1.1") {
+    let run = |stage: &mut Stage, order: &str| {
         run_chain(
-            std::slice::from_mut(&mut stage),
+            std::slice::from_mut(stage),
             &batch,
             &segments,
-            &[step],
+            &steps(order),
             Mode::Train,
-        )?;
+        )
+    };
+    ensure!(stage.activation_bytes() == 0);
+    let mut held = vec![0];
+    for step in ["F0.0", "F0.1", "F1.0", "F1.1"] {
+        run(&mut stage, step)?;
         held.push(stage.activation_bytes());
     }
     // Every forward adds its context (and K/V); two micro-batches of the same shapes hold
@@ -1195,16 +1198,10 @@ fn activation_bytes_follow_the_units_in_flight_and_the_budget_is_enforced() -> R
         (14.0..=20.0).contains(&(per_token_layer / (D_MODEL * 4) as f64)),
         "{per_token_layer} bytes per token and layer"
     );
-    for step in steps("B0.1 B0.0 B1.1 B1.0") {
+    for step in ["B0.1", "B0.0", "B1.1", "B1.0"] {
         let before = stage.activation_bytes();
-        run_chain(
-            std::slice::from_mut(&mut stage),
-            &batch,
-            &segments,
-            &[step],
-            Mode::Train,
-        )?;
-        ensure!(stage.activation_bytes() < before, "{step:?} freed nothing");
+        run(&mut stage, step)?;
+        ensure!(stage.activation_bytes() < before, "{step} freed nothing");
     }
     ensure!(
         stage.activation_bytes() == 0,
@@ -1216,21 +1213,8 @@ fn activation_bytes_follow_the_units_in_flight_and_the_budget_is_enforced() -> R
     // The budget counts the state too: one micro-batch in flight fits, a second does not.
     stage.reset_step();
     stage.set_memory_budget(Some(stage.state_bytes() + held[2]));
-    run_chain(
-        std::slice::from_mut(&mut stage),
-        &batch,
-        &segments,
-        &steps("F0.0 F0.1"),
-        Mode::Train,
-    )?;
-    let err = run_chain(
-        std::slice::from_mut(&mut stage),
-        &batch,
-        &segments,
-        &steps("F1.0"),
-        Mode::Train,
-    )
-    .unwrap_err();
+    run(&mut stage, "F0.0 F0.1")?;
+    let err = run(&mut stage, "F1.0").unwrap_err();
     let msg = format!("{err:#}");
     ensure!(
         msg.contains("memory budget exceeded: after the forward of micro-batch 1 segment 0"),

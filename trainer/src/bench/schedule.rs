@@ -86,6 +86,10 @@ pub struct ScheduleRun {
     pub replayed_step_s: f64,
     /// Replayed bubble fraction.
     pub replayed_bubble: f64,
+    /// Replayed bubble fraction with every unit's time averaged over the stages: balanced stages,
+    /// as the formula assumes (the first stage's embedding and the last one's head and loss make
+    /// the real stages unequal).
+    pub balanced_bubble: f64,
     /// Per stage: replayed compute time of the step (seconds).
     pub stage_busy_s: Vec<f64>,
     /// `(p−1)/(units per stage + p−1)`, units = m·k (Seq1F1B) or m.
@@ -225,7 +229,7 @@ fn print_header(cfg: &Config) {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9} {:>8} {:>8} | {:>8} | {:>9}",
+        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9} {:>8} {:>8} {:>8} | {:>8} | {:>9}",
         "schedule",
         "k",
         "partition",
@@ -233,6 +237,7 @@ fn print_header(cfg: &Config) {
         "peak activations per stage (MiB)",
         "replay s",
         "bubble",
+        "balanced",
         "formula",
         "wall s",
         "seg max/min"
@@ -246,7 +251,7 @@ fn print_run(r: &ScheduleRun) {
         .map(|&b| format!("{:.1}", b as f64 / (1u64 << 20) as f64))
         .collect();
     println!(
-        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9.3} {:>7.1}% {:>7.1}% | {:>8.3} | {:>9.3}",
+        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9.3} {:>7.1}% {:>7.1}% {:>7.1}% | {:>8.3} | {:>9.3}",
         r.schedule.to_string(),
         r.splits,
         r.partition.to_string(),
@@ -254,6 +259,7 @@ fn print_run(r: &ScheduleRun) {
         peaks.join(" "),
         r.replayed_step_s,
         100.0 * r.replayed_bubble,
+        100.0 * r.balanced_bubble,
         100.0 * r.formula_bubble,
         r.wall_step_s,
         r.segment_imbalance()
@@ -291,14 +297,16 @@ fn print_comparisons(runs: &[ScheduleRun]) {
     }
     for r in runs {
         println!(
-            "{} k={} {} seq {}: replayed bubble {:.1}% vs formula {:.1}% ({:+.1} points); slowest/fastest segment {:.3}",
+            "{} k={} {} seq {}: replayed bubble {:.1}% ({:+.1} points vs the formula's {:.1}%); with balanced stages {:.1}% ({:+.1} points); slowest/fastest segment {:.3}",
             r.schedule,
             r.splits,
             r.partition,
             r.seq_len,
             100.0 * r.replayed_bubble,
-            100.0 * r.formula_bubble,
             100.0 * (r.replayed_bubble - r.formula_bubble),
+            100.0 * r.formula_bubble,
+            100.0 * r.balanced_bubble,
+            100.0 * (r.balanced_bubble - r.formula_bubble),
             r.segment_imbalance()
         );
     }
@@ -388,6 +396,11 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
     };
     let schedule = generate(cfg.pipeline.schedule, p, cfg.pipeline.microbatches, k)?;
     let sim = replay(&schedule, &costs)?;
+    let balanced = MeasuredCosts {
+        durations: vec![averaged_over_stages(&costs.durations); p],
+        tokens: costs.tokens.clone(),
+    };
+    let balanced_bubble = replay(&schedule, &balanced)?.bubble_fraction;
     let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
     for (action, t) in costs.durations.iter().flatten() {
         let sum = match action {
@@ -425,6 +438,7 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         peak_activation_bytes,
         replayed_step_s: sim.step_time,
         replayed_bubble: sim.bubble_fraction,
+        balanced_bubble,
         stage_busy_s: sim.stages.iter().map(|st| st.busy).collect(),
         formula_bubble: (p - 1) as f64 / (schedule.microbatches * k + p - 1) as f64,
         wall_step_s,
@@ -433,6 +447,15 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         segment_dense_flops,
         segment_attention_flops,
     })
+}
+
+/// Each action's mean time over the stages.
+fn averaged_over_stages(durations: &[HashMap<Action, f64>]) -> HashMap<Action, f64> {
+    let mut mean: HashMap<Action, f64> = HashMap::new();
+    for (action, t) in durations.iter().flatten() {
+        *mean.entry(*action).or_default() += t / durations.len() as f64;
+    }
+    mean
 }
 
 /// Per stage, each forward/backward unit's least CPU seconds over the steps from `first` on, from
