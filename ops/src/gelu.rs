@@ -1,6 +1,8 @@
 //! GELU, GPT-2 tanh approximation: `0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3)))`, optionally of
 //! `u = x + bias` (the bias of the preceding linear layer), forward and backward one pass each.
 
+use std::borrow::Cow;
+
 use candle_core::Tensor;
 
 use crate::cpu::{
@@ -64,25 +66,26 @@ fn row_width(x: &Tensor) -> usize {
     x.dims().last().copied().unwrap_or(1)
 }
 
+/// The bias's elements, or `c` zeros without a bias.
+fn bias_or_zeros<'a, T: Float>(bias: Option<&'a View<'_>>, c: usize) -> Result<Cow<'a, [T]>> {
+    Ok(match bias {
+        Some(b) => Cow::Borrowed(b.slice::<T>()?),
+        None => Cow::Owned(vec![T::zero(); c]),
+    })
+}
+
 fn forward<T: Float>(x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     const OP: &str = "gelu_forward";
     let xv = View::new(x, OP)?;
     let xs = xv.slice::<T>()?;
     let c = row_width(x);
     let bv = bias.map(|b| View::new(b, OP)).transpose()?;
-    let zeros;
-    let bs = match &bv {
-        Some(b) => b.slice::<T>()?,
-        None => {
-            zeros = vec![T::zero(); c];
-            &zeros
-        }
-    };
+    let bs = bias_or_zeros::<T>(bv.as_ref(), c)?;
     let half = T::from_f64(0.5);
     let mut y = vec![T::zero(); xs.len()];
     for_each_row(&mut y, c, |r, out| {
         let row = &xs[r * c..(r + 1) * c];
-        for ((o, &v), &b) in out.iter_mut().zip(row).zip(bs) {
+        for ((o, &v), &b) in out.iter_mut().zip(row).zip(bs.iter()) {
             let u = v + b;
             *o = half * u * (T::one() + inner_tanh(u));
         }
@@ -113,20 +116,13 @@ fn backward<T: Float>(ctx: &GeluCtx, dy: &Tensor) -> Result<(Tensor, Option<Tens
     let (xs, dys) = (xv.slice::<T>()?, dyv.slice::<T>()?);
     let c = row_width(&ctx.x);
     let bv = ctx.bias.as_ref().map(|b| View::new(b, OP)).transpose()?;
-    let zeros;
-    let bs = match &bv {
-        Some(b) => b.slice::<T>()?,
-        None => {
-            zeros = vec![T::zero(); c];
-            &zeros
-        }
-    };
+    let bs = bias_or_zeros::<T>(bv.as_ref(), c)?;
     let half = T::from_f64(0.5);
     let k0 = T::from_f64(SQRT_2_OVER_PI);
     let k1 = T::from_f64(3.0 * SQRT_2_OVER_PI * COEF);
     let row = |r: usize, out: &mut [T]| {
         let (x, g) = (&xs[r * c..(r + 1) * c], &dys[r * c..(r + 1) * c]);
-        for (((o, &x), &g), &b) in out.iter_mut().zip(x).zip(g).zip(bs) {
+        for (((o, &x), &g), &b) in out.iter_mut().zip(x).zip(g).zip(bs.iter()) {
             let u = x + b;
             let t = inner_tanh(u);
             let du = k0 + k1 * u * u;

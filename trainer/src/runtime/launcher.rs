@@ -210,13 +210,15 @@ impl<'c> Pipeline<'c> {
         self.coordinator
     }
 
+    /// Sends `msg` to stage `stage`'s worker. A failed send means its connection is gone (the
+    /// worker died, e.g. between two steps): the same failure as a closed connection.
     fn send(&mut self, stage: usize, msg: &ToWorker) -> Result<(), LaunchError> {
-        self.coordinator
-            .send_to_worker(self.conns[stage], msg)
-            .map_err(|source| LaunchError::Io {
-                what: format!("sending to stage {stage}"),
-                source,
-            })
+        let sent = self.coordinator.send_to_worker(self.conns[stage], msg);
+        sent.map_err(|source| LaunchError::WorkerFailed {
+            stage,
+            error: format!("connection closed: sending to the worker failed: {source}"),
+            log: self.log_of(stage),
+        })
     }
 
     /// Sends `msg` to every worker.
