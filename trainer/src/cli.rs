@@ -52,6 +52,9 @@ enum Command {
     /// Dataset tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// CUDA kernels: check them against the CPU oracle, train a GPT on one GPU.
+    #[command(subcommand)]
+    Gpu(crate::cuda::GpuCommand),
     /// Join a run as a node: start and watch this node's stage workers (multi-host runs).
     Agent(AgentCli),
     /// Run one pipeline stage (started by an agent; not for direct use).
@@ -359,6 +362,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(args) => {
             let cfg = args.config.load()?;
+            crate::cuda::require_runnable_device(&cfg.model)?;
             let start = args.start.start()?;
             train(
                 cfg,
@@ -372,6 +376,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Resume(args) => {
             let cfg = resume_config(&args.target, &args.overrides)?;
+            crate::cuda::require_runnable_device(&cfg.model)?;
             let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
             train(
                 cfg,
@@ -385,6 +390,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Eval(args) => {
             let cfg = args.config.load()?;
+            crate::cuda::require_runnable_device(&cfg.model)?;
             init_logging(&cfg.run.log);
             let start = args.start.start()?;
             let (step, val_loss) = run_evaluation(&cfg, &start)?;
@@ -419,6 +425,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             init_logging("warn");
             crate::bench::schedule::run(&args)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Gpu(cmd) => {
+            init_logging("warn");
+            crate::cuda::run(cmd).map(|()| ExitCode::SUCCESS)
         }
         Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),
         Command::Plot(args) => plot(args).map(|()| ExitCode::SUCCESS),

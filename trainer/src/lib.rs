@@ -6,6 +6,7 @@ pub mod bench;
 pub mod checkpointing;
 pub mod cli;
 pub mod config;
+pub mod cuda;
 pub mod data;
 pub mod lr;
 pub mod metrics;

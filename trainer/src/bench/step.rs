@@ -32,15 +32,18 @@ pub enum Preset {
     B,
     /// Long sequences where attention dominates: vocab 4096, d 128, 2 layers, 2 heads, seq 4096, batch 1.
     Long,
+    /// GPT-2 small (124M): vocab 50257, d 768, 12 layers, 12 heads, seq 1024, batch 8.
+    Gpt2,
 }
 
 impl Preset {
     /// The model and `(batch, seq_len)` of the preset (GPT-2 style: learned positions, LayerNorm).
-    fn shape(self) -> (ModelConfig, usize, usize) {
+    pub(crate) fn shape(self) -> (ModelConfig, usize, usize) {
         let (vocab_size, d_model, layers, heads, seq, batch) = match self {
             Preset::A => (4096, 256, 4, 4, 256, 8),
             Preset::B => (8192, 512, 6, 8, 512, 4),
             Preset::Long => (4096, 128, 2, 2, 4096, 1),
+            Preset::Gpt2 => (50257, 768, 12, 12, 1024, 8),
         };
         let model = ModelConfig {
             vocab_size,
@@ -231,7 +234,7 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
 }
 
 /// Uniform random token rows: inputs `(B, T)` and the next-token targets `(B·T,)`, both U32.
-fn random_batch(
+pub(crate) fn random_batch(
     model: &ModelConfig,
     batch: usize,
     seq_len: usize,
@@ -295,7 +298,7 @@ fn dump(
         .with_context(|| format!("writing {}", path.display()))
 }
 
-fn median(xs: &[f64]) -> f64 {
+pub(crate) fn median(xs: &[f64]) -> f64 {
     let mut sorted = xs.to_vec();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {

@@ -22,6 +22,29 @@ pub enum Norm {
     RmsNorm,
 }
 
+/// Where a stage's kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU kernels of `ops` (the oracle).
+    Cpu,
+    /// The CUDA kernels of the `gpu` crate (a worker's GPU is its slot on the node); needs a
+    /// binary built with `--features cuda`.
+    Cuda,
+}
+
+/// How a CUDA stage's matrix products compute (the CPU is always FP32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionKind {
+    /// FP32 throughout.
+    Fp32,
+    /// TF32 tensor cores for matrix products.
+    Tf32,
+    /// BF16 tensor cores for matrix products; FP32 master weights, gradients and AdamW state.
+    Bf16,
+}
+
 /// `[model]`: a GPT-2 style decoder (pre-LN blocks, fused QKV, GELU MLP, untied LM head).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -48,6 +71,10 @@ pub struct ModelConfig {
     pub norm_eps: f64,
     /// Standard deviation of the normal weight init (residual projections are scaled by 1/sqrt(2·layers)).
     pub init_std: f64,
+    /// `cpu` or `cuda`.
+    pub device: DeviceKind,
+    /// `fp32`, `tf32` or `bf16` (CUDA only).
+    pub precision: PrecisionKind,
 }
 
 impl Default for ModelConfig {
@@ -64,6 +91,8 @@ impl Default for ModelConfig {
             rope_base: 10_000.0,
             norm_eps: 1e-5,
             init_std: 0.02,
+            device: DeviceKind::Cpu,
+            precision: PrecisionKind::Fp32,
         }
     }
 }

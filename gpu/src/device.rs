@@ -1,0 +1,409 @@
+//! One GPU opened for a stage: the CUDA context and stream, the compiled kernels, a cuBLAS handle,
+//! device buffers, and the launch and matrix-product primitives every kernel wrapper uses.
+//!
+//! All work goes to one stream, in order, so no buffer needs event tracking (it is switched off:
+//! it would add two events per launch). Buffers are plain `cuMemAlloc` allocations.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+
+use crate::compile;
+use crate::error::{DriverContext, GpuError, Result, shape};
+
+/// How matrix products compute (element-wise kernels and attention are FP32 in every mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// FP32 inputs and arithmetic (cuBLAS `COMPUTE_32F`).
+    Fp32,
+    /// FP32 inputs, TF32 tensor cores (`COMPUTE_32F_FAST_TF32`).
+    Tf32,
+    /// FP32 inputs rounded to BF16 for the tensor cores, FP32 accumulation
+    /// (`COMPUTE_32F_FAST_16BF`); master weights, gradients and AdamW state stay FP32.
+    Bf16,
+}
+
+impl Precision {
+    /// Every precision, in the order reports list them.
+    pub const ALL: [Precision; 3] = [Precision::Fp32, Precision::Tf32, Precision::Bf16];
+
+    /// `fp32`, `tf32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    fn compute_type(self) -> blas::cublasComputeType_t {
+        match self {
+            Precision::Fp32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Precision::Tf32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            Precision::Bf16 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown precision `{s}`: expected fp32, tf32 or bf16"))
+    }
+}
+
+/// Whether the driver, NVRTC and cuBLAS libraries can all be loaded; `Err` names the first that
+/// cannot and what to do. cudarc panics on a missing library, so this runs before any CUDA call.
+pub fn libraries_present() -> Result<()> {
+    // SAFETY: each only tries to dlopen its library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(GpuError::MissingLibrary {
+            what: "driver",
+            names: "libcuda.so, libcuda.so.1",
+            hint: "this machine has no NVIDIA driver: run on a machine with an NVIDIA GPU, or use model.device = \"cpu\"",
+        });
+    }
+    if !compile::nvrtc_present() {
+        return Err(GpuError::MissingLibrary {
+            what: "NVRTC",
+            names: "libnvrtc.so.13",
+            hint: "install CUDA 13's NVRTC (e.g. the nvidia-cuda-nvrtc wheel) and put its lib/ directory on LD_LIBRARY_PATH",
+        });
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(GpuError::MissingLibrary {
+            what: "cuBLAS",
+            names: "libcublas.so.13",
+            hint: "install CUDA 13's cuBLAS (e.g. the nvidia-cublas wheel) and put its lib/ directory on LD_LIBRARY_PATH",
+        });
+    }
+    Ok(())
+}
+
+/// A device buffer of `T` with its raw address (kernels take raw addresses; offsets are plain
+/// pointer arithmetic in elements through [`Buf::at`]).
+pub struct Buf<T> {
+    slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+impl<T> Buf<T> {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// Device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Device address of element `i` (which must be at most `len`).
+    pub fn at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len());
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// One argument of a kernel launch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device address.
+    P(u64),
+    /// An `int`.
+    I(i32),
+    /// A `long long`.
+    L(i64),
+    /// A `float`.
+    F(f32),
+}
+
+/// `n` as a kernel's `int`, or a shape error naming `what`.
+pub(crate) fn int(n: usize, op: &'static str, what: &str) -> Result<i32> {
+    i32::try_from(n).or_else(|_| shape(op, format!("{what} = {n} does not fit a 32-bit int")))
+}
+
+/// An opened GPU.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    blas: blas::cublasHandle_t,
+    precision: Precision,
+    name: String,
+    arch: &'static str,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by `open` and is destroyed once.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.blas) };
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: checks the libraries, creates the context and stream, compiles (or
+    /// loads from the cache) the kernels for its compute capability and creates a cuBLAS handle.
+    pub fn open(ordinal: usize, precision: Precision) -> Result<Gpu> {
+        libraries_present()?;
+        let count = CudaContext::device_count().during(|| "counting devices".into())?;
+        if ordinal as i64 >= count as i64 {
+            return Err(GpuError::NoDevice { count, ordinal });
+        }
+        let ctx = CudaContext::new(ordinal)
+            .during(|| format!("creating a context on device {ordinal}"))?;
+        // SAFETY: one stream does all the work, in order (module comment).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx
+            .compute_capability()
+            .during(|| "reading the compute capability".into())?;
+        let arch = compile::arch_for(major, minor);
+        let module = ctx
+            .load_module(compile::cached_ptx(arch)?)
+            .during(|| format!("loading the kernels compiled for {arch}"))?;
+        let mut functions = HashMap::new();
+        let names = compile::KERNELS
+            .iter()
+            .map(|s| s.to_string())
+            .chain(compile::attention_kernels());
+        for name in names {
+            let f = module
+                .load_function(&name)
+                .during(|| format!("loading kernel {name}"))?;
+            functions.insert(name, f);
+        }
+        let handle = cudarc::cublas::result::create_handle().map_err(|source| GpuError::Blas {
+            during: "creating a handle".into(),
+            source,
+        })?;
+        // SAFETY: the handle is live and the stream belongs to this context.
+        unsafe { cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _) }.map_err(
+            |source| GpuError::Blas {
+                during: "binding the stream".into(),
+                source,
+            },
+        )?;
+        let name = ctx.name().during(|| "reading the device name".into())?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            functions,
+            blas: handle,
+            precision,
+            name,
+            arch,
+        })
+    }
+
+    /// The device's name (e.g. `NVIDIA H100 80GB HBM3`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The architecture the kernels were compiled for.
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// How matrix products compute.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Changes how matrix products compute.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().during(|| "reading memory".into())
+    }
+
+    /// Waits for all queued work; reports an error any earlier launch left.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().during(|| "synchronizing".into())
+    }
+
+    /// A zeroed buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<Buf<T>> {
+        let slice = self
+            .stream
+            .alloc_zeros::<T>(n.max(1))
+            .during(|| format!("allocating {n} elements"))?;
+        Ok(self.wrap(slice))
+    }
+
+    /// A buffer holding a copy of `host`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<Buf<T>> {
+        if host.is_empty() {
+            return shape("upload", "nothing to upload");
+        }
+        let slice = self
+            .stream
+            .clone_htod(host)
+            .during(|| format!("copying {} elements to the device", host.len()))?;
+        Ok(self.wrap(slice))
+    }
+
+    /// Overwrites `dst` (from its start) with `host`.
+    pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
+        if host.len() > dst.len() {
+            return shape(
+                "write",
+                format!("{} elements into a buffer of {}", host.len(), dst.len()),
+            );
+        }
+        self.stream
+            .memcpy_htod(host, &mut dst.slice)
+            .during(|| format!("copying {} elements to the device", host.len()))
+    }
+
+    /// A host copy of the buffer.
+    pub fn download<T: DeviceRepr>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
+        self.stream
+            .clone_dtoh(&buf.slice)
+            .during(|| format!("copying {} elements to the host", buf.len()))
+    }
+
+    /// Sets every element to zero.
+    pub fn clear<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        buf: &mut Buf<T>,
+    ) -> Result<()> {
+        self.stream
+            .memset_zeros(&mut buf.slice)
+            .during(|| "clearing a buffer".into())
+    }
+
+    fn wrap<T>(&self, slice: CudaSlice<T>) -> Buf<T> {
+        let ptr = slice.device_ptr(&self.stream).0;
+        Buf { slice, ptr }
+    }
+
+    /// Launches kernel `name` on `grid` × `block` threads with `args`.
+    pub(crate) fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let f = self.functions.get(name).ok_or_else(|| GpuError::Shape {
+            op: "launch",
+            reason: format!("no kernel named {name}"),
+        })?;
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Each argument's bytes live in `storage`; the driver reads them through `params`.
+        let mut storage: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut b = [0u8; 8];
+                match *a {
+                    Arg::P(p) => b.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::L(l) => b.copy_from_slice(&l.to_ne_bytes()),
+                    Arg::I(i) => b[..4].copy_from_slice(&i.to_ne_bytes()),
+                    Arg::F(x) => b[..4].copy_from_slice(&x.to_ne_bytes()),
+                }
+                b
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = storage
+            .iter_mut()
+            .map(|b| b.as_mut_ptr() as *mut c_void)
+            .collect();
+        // SAFETY: the parameters match the kernel's signature (each wrapper passes them in the
+        // order and types of kernels.cu), and every address points into a live buffer.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .during(|| format!("launching {name}"))
+    }
+
+    /// Row-major `C (m, n) = alpha · op(A) op(B) + beta · C` with `op(A)` `(m, k)` and `op(B)`
+    /// `(k, n)`; `ta`/`tb` say that `A` is stored `(k, m)` / `B` is stored `(n, k)`. Leading
+    /// dimensions are the stored row widths. FP32 in and out; the arithmetic follows the precision.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        beta: f32,
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        let (mi, ni, ki) = (int(m, OP, "m")?, int(n, OP, "n")?, int(k, OP, "k")?);
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        // Row-major C = A B is column-major C^T = B^T A^T: cuBLAS's "A" is our B.
+        let op = |t: bool| {
+            if t {
+                blas::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let ldb = if tb { ki } else { ni };
+        let lda = if ta { mi } else { ki };
+        let alpha = 1.0f32;
+        // SAFETY: the addresses point to buffers of at least the sizes the shapes imply (each
+        // caller checks them), and the handle is bound to this GPU's stream.
+        let status = unsafe {
+            blas::cublasGemmEx(
+                self.blas,
+                op(tb),
+                op(ta),
+                ni,
+                mi,
+                ki,
+                &alpha as *const f32 as *const c_void,
+                b as *const c_void,
+                blas::cudaDataType_t::CUDA_R_32F,
+                ldb,
+                a as *const c_void,
+                blas::cudaDataType_t::CUDA_R_32F,
+                lda,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                blas::cudaDataType_t::CUDA_R_32F,
+                ni,
+                self.precision.compute_type(),
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        status.result().map_err(|source| GpuError::Blas {
+            during: format!("gemm ({m} x {k}) · ({k} x {n})"),
+            source,
+        })
+    }
+}

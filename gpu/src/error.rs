@@ -1,0 +1,87 @@
+//! What can go wrong on the GPU path, with what to do about it.
+
+use thiserror::Error;
+
+/// Errors of the CUDA path.
+#[derive(Debug, Error)]
+pub enum GpuError {
+    /// A CUDA library could not be loaded (no driver, or a toolkit library not on the library path).
+    #[error("the CUDA {what} library could not be loaded ({names}); {hint}")]
+    MissingLibrary {
+        /// Which library.
+        what: &'static str,
+        /// The file names that were tried.
+        names: &'static str,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// The driver has no GPU to offer.
+    #[error(
+        "no CUDA GPU is visible (device count {count}, asked for device {ordinal}): run on a machine with an NVIDIA GPU, check CUDA_VISIBLE_DEVICES, or use model.device = \"cpu\""
+    )]
+    NoDevice {
+        /// Devices the driver reports.
+        count: i32,
+        /// Device asked for.
+        ordinal: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call failed during {during}: {source}")]
+    Driver {
+        /// What was being done.
+        during: String,
+        /// The driver's error.
+        source: cudarc::driver::DriverError,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS failed during {during}: {source:?}")]
+    Blas {
+        /// What was being done.
+        during: String,
+        /// cuBLAS's error.
+        source: cudarc::cublas::result::CublasError,
+    },
+    /// NVRTC could not compile the kernels.
+    #[error("NVRTC could not compile kernels.cu for {arch}: {log}")]
+    Compile {
+        /// Target architecture.
+        arch: String,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// Inputs of a kernel do not fit together.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The kernel.
+        op: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+    /// A CPU oracle kernel failed.
+    #[error("CPU oracle: {0}")]
+    Oracle(String),
+}
+
+/// Result of the GPU path.
+pub type Result<T, E = GpuError> = std::result::Result<T, E>;
+
+/// Attaches a description to driver errors.
+pub(crate) trait DriverContext<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> DriverContext<T> for std::result::Result<T, cudarc::driver::DriverError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| GpuError::Driver {
+            during: what(),
+            source,
+        })
+    }
+}
+
+pub(crate) fn shape<T>(op: &'static str, reason: impl Into<String>) -> Result<T> {
+    Err(GpuError::Shape {
+        op,
+        reason: reason.into(),
+    })
+}

@@ -1,0 +1,601 @@
+// seqpipe's CUDA kernels: the GPU counterparts of the CPU kernels in `ops/` (which stay the oracle
+// they are tested against). Compiled at run time by NVRTC for the device's compute capability
+// (gpu/src/compile.rs); every kernel is `extern "C"` so its name is its symbol.
+//
+// Determinism: no kernel uses atomics. Every reduction runs in a fixed order that depends only on
+// the shapes (a block reduces in a fixed tree; column sums go through per-chunk partials summed in
+// chunk order), so the same inputs give bit-identical outputs on the same GPU type.
+//
+// Layouts (row-major): activations (N, C) with N = B*T tokens; the attention reads queries, keys
+// and values from rows with a given stride, so the fused QKV buffer (N, 3C) is used in place.
+
+#define WARP 32
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024) in a fixed tree; every thread gets
+// the result. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < warps ? scratch[lane] : 0.0f;
+    r = warp_sum(r);
+    return r;
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < warps ? scratch[lane] : -INFINITY;
+    r = warp_max(r);
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embeddings.
+
+// out[i, :] = wte[ids[i], :] + (wpe ? wpe[pos0 + i % t, :] : 0)          out (N, C)
+extern "C" __global__ void embed_forward(float* out, const unsigned int* ids, const float* wte,
+                                         const float* wpe, int n, int c, int t, int pos0) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const float* row = wte + (size_t)ids[i] * c;
+    const float* prow = wpe ? wpe + (size_t)(pos0 + i % t) * c : nullptr;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        out[(size_t)i * c + j] = row[j] + (prow ? prow[j] : 0.0f);
+    }
+}
+
+// Token-table gradient without atomics: the host sorts the token positions by id (`order`, with
+// `starts[u]..starts[u+1]` the positions of unique id `uniq[u]`); one block per unique id sums its
+// rows of dy in position order and adds the sum to dwte[id].
+extern "C" __global__ void embed_backward_tokens(float* dwte, const float* dy, const unsigned int* order,
+                                                 const unsigned int* starts, const unsigned int* uniq,
+                                                 int c) {
+    int u = blockIdx.x;
+    unsigned int s0 = starts[u], s1 = starts[u + 1];
+    float* dst = dwte + (size_t)uniq[u] * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float acc = 0.0f;
+        for (unsigned int s = s0; s < s1; ++s) acc += dy[(size_t)order[s] * c + j];
+        dst[j] += acc;
+    }
+}
+
+// Position-table gradient: dwpe[pos0 + p, :] += sum over rows b of dy[b * t + p, :] (b in order).
+extern "C" __global__ void embed_backward_positions(float* dwpe, const float* dy, int b, int t, int c,
+                                                    int pos0) {
+    int p = blockIdx.x;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int r = 0; r < b; ++r) acc += dy[((size_t)r * t + p) * c + j];
+        dwpe[(size_t)(pos0 + p) * c + j] += acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Column sums (bias and norm-parameter gradients) in two deterministic passes.
+
+// partial[k, j] = sum of x[r, j] over rows r of chunk k (rows k*rows_per_chunk .. in order).
+// grid (ceil(c / blockDim.x), chunks)
+extern "C" __global__ void column_sum_partial(float* partial, const float* x, int n, int c,
+                                              int rows_per_chunk) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int k = blockIdx.y;
+    if (j >= c) return;
+    int r0 = k * rows_per_chunk, r1 = min(n, r0 + rows_per_chunk);
+    float acc = 0.0f;
+    for (int r = r0; r < r1; ++r) acc += x[(size_t)r * c + j];
+    partial[(size_t)k * c + j] = acc;
+}
+
+// out[j] (+)= sum over chunks k of partial[k, j], k in order.
+extern "C" __global__ void column_sum_finish(float* out, const float* partial, int chunks, int c,
+                                             int accumulate) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    float acc = 0.0f;
+    for (int k = 0; k < chunks; ++k) acc += partial[(size_t)k * c + j];
+    out[j] = accumulate ? out[j] + acc : acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise.
+
+// y[i, j] += b[j]            y (N, C)
+extern "C" __global__ void add_bias(float* y, const float* b, long long total, int c) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) y[i] += b[i % c];
+}
+
+// out = a + b
+extern "C" __global__ void add(float* out, const float* a, const float* b, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) out[i] = a[i] + b[i];
+}
+
+// out += a
+extern "C" __global__ void add_assign(float* out, const float* a, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) out[i] += a[i];
+}
+
+#define GELU_K0 0.7978845608028654f
+#define GELU_K1 0.044715f
+
+// u = x + b (saved for the backward, written over x), y = gelu_tanh(u).
+extern "C" __global__ void bias_gelu_forward(float* y, float* x, const float* b, long long total, int c) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float u = x[i] + (b ? b[i % c] : 0.0f);
+    x[i] = u;
+    float t = tanhf(GELU_K0 * (u + GELU_K1 * u * u * u));
+    y[i] = 0.5f * u * (1.0f + t);
+}
+
+// du = dy * gelu'(u)
+extern "C" __global__ void gelu_backward(float* du, const float* dy, const float* u, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float x = u[i];
+    float inner = GELU_K0 * (x + GELU_K1 * x * x * x);
+    float t = tanhf(inner);
+    float dinner = GELU_K0 * (1.0f + 3.0f * GELU_K1 * x * x);
+    du[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm and RMS norm: one block of 128 threads per row.
+
+// y = (x - mean) * rstd * w + b; saves mean and rstd per row. `b` null and rms = 1: RMS norm
+// (mean 0, rstd = 1 / sqrt(mean(x^2) + eps)).
+extern "C" __global__ void norm_forward(float* y, float* mean_out, float* rstd_out, const float* x,
+                                        const float* w, const float* b, int c, float eps, int rms) {
+    __shared__ float scratch[32];
+    int i = blockIdx.x;
+    const float* xr = x + (size_t)i * c;
+    float mean = 0.0f;
+    if (!rms) {
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < c; j += blockDim.x) s += xr[j];
+        mean = block_sum(s, scratch) / c;
+    }
+    float s2 = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float d = xr[j] - mean;
+        s2 += d * d;
+    }
+    float var = block_sum(s2, scratch) / c;
+    float rstd = rsqrtf(var + eps);
+    float* yr = y + (size_t)i * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float v = (xr[j] - mean) * rstd * w[j];
+        yr[j] = b ? v + b[j] : v;
+    }
+    if (threadIdx.x == 0) {
+        mean_out[i] = mean;
+        rstd_out[i] = rstd;
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (layer norm);
+// dx = rstd * (g - xhat * mean(g * xhat)) (RMS norm).
+extern "C" __global__ void norm_backward_input(float* dx, const float* dy, const float* x, const float* mean_in,
+                                               const float* rstd_in, const float* w, int c, int rms) {
+    __shared__ float scratch[32];
+    int i = blockIdx.x;
+    const float* xr = x + (size_t)i * c;
+    const float* dyr = dy + (size_t)i * c;
+    float mean = mean_in[i], rstd = rstd_in[i];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float g = dyr[j] * w[j];
+        float xhat = (xr[j] - mean) * rstd;
+        sg += g;
+        sgx += g * xhat;
+    }
+    float mg = rms ? 0.0f : block_sum(sg, scratch) / c;
+    float mgx = block_sum(sgx, scratch) / c;
+    float* dxr = dx + (size_t)i * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float g = dyr[j] * w[j];
+        float xhat = (xr[j] - mean) * rstd;
+        dxr[j] = rstd * (g - mg - xhat * mgx);
+    }
+}
+
+// Partial parameter gradients of a chunk of rows: pw[k, j] = sum dy * xhat, pb[k, j] = sum dy.
+// grid (ceil(c / blockDim.x), chunks); `pb` null for RMS norm.
+extern "C" __global__ void norm_backward_params_partial(float* pw, float* pb, const float* dy, const float* x,
+                                                        const float* mean_in, const float* rstd_in, int n,
+                                                        int c, int rows_per_chunk) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    int k = blockIdx.y;
+    if (j >= c) return;
+    int r0 = k * rows_per_chunk, r1 = min(n, r0 + rows_per_chunk);
+    float aw = 0.0f, ab = 0.0f;
+    for (int r = r0; r < r1; ++r) {
+        float d = dy[(size_t)r * c + j];
+        aw += d * (x[(size_t)r * c + j] - mean_in[r]) * rstd_in[r];
+        ab += d;
+    }
+    pw[(size_t)k * c + j] = aw;
+    if (pb) pb[(size_t)k * c + j] = ab;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary position embedding on (rows of) heads: x (B, s, H, D) with row stride `stride` floats,
+// position of row t = offset + t; pairs (i, i + D/2) rotated by cos/sin tables (max_len, D/2).
+// `inverse` rotates back (the backward).
+extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t, int b, int s, int h, int d,
+                                int stride, int offset, int inverse) {
+    int half = d / 2;
+    long long total = (long long)b * s * h * half;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total) return;
+    int i = idx % half;
+    long long rest = idx / half;
+    int head = rest % h;
+    long long row = rest / h;  // b * s + t
+    int t = row % s;
+    float* p = x + row * stride + head * d;
+    float co = cos_t[(size_t)(offset + t) * half + i];
+    float si = sin_t[(size_t)(offset + t) * half + i];
+    if (inverse) si = -si;
+    float x1 = p[i], x2 = p[i + half];
+    p[i] = x1 * co - x2 * si;
+    p[i + half] = x1 * si + x2 * co;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal attention of a query segment over a key/value prefix (flash-attention 2 style, FP32).
+//
+// Queries: positions P..P+s of each sequence; element (b, t, h, e) of q at
+// q[(b*s + t) * q_stride + h*D + e]. Keys/values: positions 0..L = P+s, element (b, l, h, e) at
+// k[(b*L + l) * kv_stride + h*D + e]. Query t sees keys 0..=P+t. Output y (B*s, H*D) row-major,
+// lse (B, H, s): log-sum-exp of the scaled, masked scores (saved for the backward).
+//
+// One thread owns one query row (its q and accumulator live in registers); a block of BR threads
+// walks the visible keys in tiles of BC held in shared memory, with an online softmax.
+
+#define BR 64
+#define BC 32
+
+template <int D>
+__device__ void attn_forward(float* y, float* lse, const float* q, const float* k, const float* v,
+                             int b_count, int h_count, int s, int p, int q_stride, int kv_stride,
+                             float scale) {
+    __shared__ float ks[BC][D];
+    __shared__ float vs[BC][D];
+    int bh = blockIdx.y;
+    int b = bh / h_count, h = bh % h_count;
+    int t = blockIdx.x * BR + threadIdx.x;
+    int L = p + s;
+    bool active = t < s;
+    float qr[D], acc[D];
+    const float* qrow = q + ((size_t)b * s + (active ? t : 0)) * q_stride + h * D;
+    #pragma unroll
+    for (int e = 0; e < D; ++e) {
+        qr[e] = active ? qrow[e] * scale : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    int t_last = min(s, (int)(blockIdx.x + 1) * BR) - 1;
+    int keys = p + t_last + 1;  // keys some query of this block sees
+    int visible = active ? p + t + 1 : 0;
+    for (int k0 = 0; k0 < keys; k0 += BC) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
+            int r = idx / D, e = idx % D;
+            int l_idx = k0 + r;
+            bool ok = l_idx < keys;
+            size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
+            ks[r][e] = ok ? k[off] : 0.0f;
+            vs[r][e] = ok ? v[off] : 0.0f;
+        }
+        __syncthreads();
+        int n_here = min(BC, visible - k0);
+        if (n_here <= 0) continue;
+        float sc[BC];
+        float tile_max = -INFINITY;
+        #pragma unroll
+        for (int r = 0; r < BC; ++r) {
+            if (r < n_here) {
+                float dot = 0.0f;
+                #pragma unroll
+                for (int e = 0; e < D; ++e) dot += qr[e] * ks[r][e];
+                sc[r] = dot;
+                tile_max = fmaxf(tile_max, dot);
+            }
+        }
+        float m_new = fmaxf(m, tile_max);
+        float corr = expf(m - m_new);
+        l *= corr;
+        #pragma unroll
+        for (int e = 0; e < D; ++e) acc[e] *= corr;
+        #pragma unroll
+        for (int r = 0; r < BC; ++r) {
+            if (r < n_here) {
+                float pr = expf(sc[r] - m_new);
+                l += pr;
+                #pragma unroll
+                for (int e = 0; e < D; ++e) acc[e] += pr * vs[r][e];
+            }
+        }
+        m = m_new;
+    }
+    if (active) {
+        float inv = 1.0f / l;
+        float* yrow = y + ((size_t)b * s + t) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int e = 0; e < D; ++e) yrow[e] = acc[e] * inv;
+        lse[((size_t)b * h_count + h) * s + t] = m + logf(l);
+    }
+}
+
+// delta[b, h, t] = sum_e dy[row, h*D + e] * y[row, h*D + e]    (rows of (B*s, H*D))
+extern "C" __global__ void attn_backward_delta(float* delta, const float* dy, const float* y, int b_count,
+                                               int h_count, int s, int d) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)b_count * h_count * s;
+    if (idx >= total) return;
+    int t = idx % s;
+    int h = (idx / s) % h_count;
+    int b = idx / ((long long)s * h_count);
+    const float* a = dy + ((size_t)b * s + t) * (h_count * d) + h * d;
+    const float* c = y + ((size_t)b * s + t) * (h_count * d) + h * d;
+    float acc = 0.0f;
+    for (int e = 0; e < d; ++e) acc += a[e] * c[e];
+    delta[idx] = acc;
+}
+
+// dQ: one thread per query; walks the visible keys like the forward.
+// dq (B*s, H*D) row-major, written (not accumulated).
+template <int D>
+__device__ void attn_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
+                                 const float* lse, const float* delta, int b_count, int h_count, int s, int p,
+                                 int q_stride, int kv_stride, float scale) {
+    __shared__ float ks[BC][D];
+    __shared__ float vs[BC][D];
+    int bh = blockIdx.y;
+    int b = bh / h_count, h = bh % h_count;
+    int t = blockIdx.x * BR + threadIdx.x;
+    int L = p + s;
+    bool active = t < s;
+    int tt = active ? t : 0;
+    float qr[D], dor[D], acc[D];
+    const float* qrow = q + ((size_t)b * s + tt) * q_stride + h * D;
+    const float* drow = dy + ((size_t)b * s + tt) * (h_count * D) + h * D;
+    #pragma unroll
+    for (int e = 0; e < D; ++e) {
+        qr[e] = qrow[e] * scale;
+        dor[e] = drow[e];
+        acc[e] = 0.0f;
+    }
+    size_t stat = ((size_t)b * h_count + h) * s + tt;
+    float my_lse = lse[stat], my_delta = delta[stat];
+    int t_last = min(s, (int)(blockIdx.x + 1) * BR) - 1;
+    int keys = p + t_last + 1;
+    int visible = active ? p + t + 1 : 0;
+    for (int k0 = 0; k0 < keys; k0 += BC) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
+            int r = idx / D, e = idx % D;
+            int l_idx = k0 + r;
+            bool ok = l_idx < keys;
+            size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
+            ks[r][e] = ok ? k[off] : 0.0f;
+            vs[r][e] = ok ? v[off] : 0.0f;
+        }
+        __syncthreads();
+        int n_here = min(BC, visible - k0);
+        for (int r = 0; r < n_here; ++r) {
+            float dot = 0.0f, dp = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < D; ++e) {
+                dot += qr[e] * ks[r][e];
+                dp += dor[e] * vs[r][e];
+            }
+            float pr = expf(dot - my_lse);
+            float ds = pr * (dp - my_delta);
+            #pragma unroll
+            for (int e = 0; e < D; ++e) acc[e] += ds * ks[r][e];
+        }
+    }
+    if (active) {
+        float* out = dq + ((size_t)b * s + t) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int e = 0; e < D; ++e) out[e] = acc[e] * scale;
+    }
+}
+
+// dK, dV: one thread per key position l of 0..L; walks the queries that see it (t >= l - P) in
+// tiles of BC held in shared memory. dk, dv (B*L, H*D) row-major, written (not accumulated).
+template <int D>
+__device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
+                                   const float* dy, const float* lse, const float* delta, int b_count,
+                                   int h_count, int s, int p, int q_stride, int kv_stride, float scale) {
+    __shared__ float qs[BC][D];
+    __shared__ float ds_[BC][D];
+    __shared__ float ls[BC];
+    __shared__ float dl[BC];
+    int bh = blockIdx.y;
+    int b = bh / h_count, h = bh % h_count;
+    int L = p + s;
+    int l = blockIdx.x * BR + threadIdx.x;
+    bool active = l < L;
+    int ll = active ? l : 0;
+    float kr[D], vr[D], adk[D], adv[D];
+    const float* krow = k + ((size_t)b * L + ll) * kv_stride + h * D;
+    const float* vrow = v + ((size_t)b * L + ll) * kv_stride + h * D;
+    #pragma unroll
+    for (int e = 0; e < D; ++e) {
+        kr[e] = krow[e];
+        vr[e] = vrow[e];
+        adk[e] = 0.0f;
+        adv[e] = 0.0f;
+    }
+    // First query any key of this block is seen by: t = l_first - P (at least 0).
+    int l_first = blockIdx.x * BR;
+    int t_start = max(0, l_first - p);
+    int my_first = active ? max(0, l - p) : s;
+    for (int t0 = t_start; t0 < s; t0 += BC) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
+            int r = idx / D, e = idx % D;
+            int t = t0 + r;
+            bool ok = t < s;
+            size_t row = (size_t)b * s + (ok ? t : 0);
+            qs[r][e] = ok ? q[row * q_stride + h * D + e] * scale : 0.0f;
+            ds_[r][e] = ok ? dy[row * (h_count * D) + h * D + e] : 0.0f;
+        }
+        for (int r = threadIdx.x; r < BC; r += BR) {
+            int t = t0 + r;
+            bool ok = t < s;
+            size_t stat = ((size_t)b * h_count + h) * s + (ok ? t : 0);
+            ls[r] = ok ? lse[stat] : 0.0f;
+            dl[r] = ok ? delta[stat] : 0.0f;
+        }
+        __syncthreads();
+        int r0 = max(0, my_first - t0);
+        int r1 = min(BC, s - t0);
+        for (int r = r0; r < r1; ++r) {
+            float dot = 0.0f, dp = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < D; ++e) {
+                dot += qs[r][e] * kr[e];
+                dp += ds_[r][e] * vr[e];
+            }
+            float pr = expf(dot - ls[r]);
+            float dsc = pr * (dp - dl[r]);
+            #pragma unroll
+            for (int e = 0; e < D; ++e) {
+                adv[e] += pr * ds_[r][e];
+                adk[e] += dsc * qs[r][e];  // qs already holds scale * q
+            }
+        }
+    }
+    if (active) {
+        float* ok_ = dk + ((size_t)b * L + l) * (h_count * D) + h * D;
+        float* ov = dv + ((size_t)b * L + l) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int e = 0; e < D; ++e) {
+            ok_[e] = adk[e];
+            ov[e] = adv[e];
+        }
+    }
+}
+
+#define ATTN_INSTANCES(D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BR) attn_forward_d##D(                                   \
+        float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
+        int q_stride, int kv_stride, float scale) {                                                        \
+        attn_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, scale);                          \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(BR) attn_backward_dq_d##D(                               \
+        float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
+        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, float scale) {        \
+        attn_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, scale);          \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(BR) attn_backward_dkdv_d##D(                             \
+        float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
+        const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
+        float scale) {                                                                                     \
+        attn_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, scale);    \
+    }
+
+ATTN_INSTANCES(16)
+ATTN_INSTANCES(32)
+ATTN_INSTANCES(64)
+ATTN_INSTANCES(128)
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy over a chunk of logits, in place: one block per row. logits (R, V) become
+// grad_scale * (softmax - onehot(target)); loss[r] = logsumexp - logit[target].
+extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, const unsigned int* targets, int v,
+                                                 float grad_scale, int want_grad) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    float* row = logits + (size_t)r * v;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, row[j]);
+    mx = block_max(mx, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) sum += expf(row[j] - mx);
+    sum = block_sum(sum, scratch);
+    float lse = mx + logf(sum);
+    unsigned int tgt = targets[r];
+    if (threadIdx.x == 0) loss[r] = lse - row[tgt];
+    __syncthreads();
+    if (!want_grad) return;
+    float inv = 1.0f / sum;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float pr = expf(row[j] - mx) * inv;
+        row[j] = grad_scale * (pr - (j == (int)tgt ? 1.0f : 0.0f));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer and gradient norm.
+
+// AdamW, one pass (ops/src/adamw.rs): g = grad * grad_scale; m, v updated; p = p * decay - lr_bc1 * m /
+// (sqrt(v * inv_bc2) + eps).
+extern "C" __global__ void adamw(float* p, float* m, float* v, const float* grad, long long n, float grad_scale,
+                                 float beta1, float beta2, float eps, float inv_bc2, float lr_bc1, float decay) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = grad[i] * grad_scale;
+    float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    float vi = beta2 * v[i] + (1.0f - beta2) * (g * g);
+    float upd = mi * lr_bc1 / (sqrtf(vi * inv_bc2) + eps);
+    p[i] = p[i] * decay - upd;
+    m[i] = mi;
+    v[i] = vi;
+}
+
+// Sum of squares in two passes, in double: partial[blk] over a grid-stride loop of a fixed grid
+// size, then one block sums the partials in a fixed tree.
+extern "C" __global__ void sum_squares_partial(double* partial, const float* x, long long n) {
+    __shared__ double sh[256];
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        double xi = x[i];
+        acc += xi * xi;
+    }
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+
+extern "C" __global__ void sum_squares_finish(double* out, const double* partial, int count) {
+    __shared__ double sh[256];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = sh[0];
+}

@@ -1,0 +1,679 @@
+//! Safe-shaped wrappers of the kernels in `kernels.cu`: one method per kernel (or per kernel
+//! pair), taking device addresses and shapes; every shape is checked to fit the kernel's `int`s.
+//! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
+
+use crate::device::{Arg, Buf, Gpu, int};
+use crate::error::{Result, shape};
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+/// Rows per chunk of the two-pass column sums (bias and norm-parameter gradients).
+pub(crate) const ROWS_PER_CHUNK: usize = 64;
+/// Blocks of the first pass of a sum of squares (fixed: the result must not depend on the size).
+const SUMSQ_BLOCKS: usize = 256;
+
+fn blocks(total: usize) -> u32 {
+    total.div_ceil(THREADS as usize) as u32
+}
+
+/// Shape of one attention call: `b` sequences, `h` heads of width `d`, `s` queries over a prefix
+/// of `p` keys (so `p + s` keys), with the row strides (in floats) of the query and key/value rows.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    /// Sequences B.
+    pub b: usize,
+    /// Heads H.
+    pub h: usize,
+    /// Head width D.
+    pub d: usize,
+    /// Queries per sequence (the segment length).
+    pub s: usize,
+    /// Keys before the segment (its prefix).
+    pub p: usize,
+    /// Floats between consecutive query rows.
+    pub q_stride: usize,
+    /// Floats between consecutive key (and value) rows.
+    pub kv_stride: usize,
+}
+
+impl AttnShape {
+    fn args(&self, op: &'static str) -> Result<[Arg; 6]> {
+        if !crate::compile::HEAD_DIMS.contains(&self.d) {
+            return shape(
+                op,
+                format!(
+                    "head width {} has no kernel (have {:?})",
+                    self.d,
+                    crate::compile::HEAD_DIMS
+                ),
+            );
+        }
+        Ok([
+            Arg::I(int(self.b, op, "batch")?),
+            Arg::I(int(self.h, op, "heads")?),
+            Arg::I(int(self.s, op, "queries")?),
+            Arg::I(int(self.p, op, "prefix")?),
+            Arg::I(int(self.q_stride, op, "q stride")?),
+            Arg::I(int(self.kv_stride, op, "kv stride")?),
+        ])
+    }
+}
+
+/// Threads per attention block (one query or key row each): `BR` of kernels.cu.
+const ATTN_ROWS: usize = 64;
+
+impl Gpu {
+    /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_forward(
+        &self,
+        out: u64,
+        ids: u64,
+        wte: u64,
+        wpe: u64,
+        n: usize,
+        c: usize,
+        t: usize,
+        pos0: usize,
+    ) -> Result<()> {
+        const OP: &str = "embed_forward";
+        self.launch(
+            OP,
+            (int(n, OP, "tokens")? as u32, 1, 1),
+            128,
+            &[
+                Arg::P(out),
+                Arg::P(ids),
+                Arg::P(wte),
+                Arg::P(wpe),
+                Arg::I(int(n, OP, "n")?),
+                Arg::I(int(c, OP, "c")?),
+                Arg::I(int(t, OP, "t")?),
+                Arg::I(int(pos0, OP, "pos0")?),
+            ],
+        )
+    }
+
+    /// `dwte[ids[i]] += dy[i]` with each table row's sum taken in position order (no atomics):
+    /// `ids` is the host copy of the token ids.
+    pub fn embed_backward_tokens(&self, dwte: u64, dy: u64, ids: &[u32], c: usize) -> Result<()> {
+        const OP: &str = "embed_backward_tokens";
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&i| (ids[i as usize], i));
+        let mut uniq = Vec::new();
+        let mut starts = Vec::new();
+        for (s, &i) in order.iter().enumerate() {
+            let id = ids[i as usize];
+            if uniq.last() != Some(&id) {
+                uniq.push(id);
+                starts.push(s as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        if uniq.is_empty() {
+            return Ok(());
+        }
+        let (order_d, starts_d, uniq_d) = (
+            self.upload(&order)?,
+            self.upload(&starts)?,
+            self.upload(&uniq)?,
+        );
+        self.launch(
+            OP,
+            (uniq.len() as u32, 1, 1),
+            128,
+            &[
+                Arg::P(dwte),
+                Arg::P(dy),
+                Arg::P(order_d.ptr()),
+                Arg::P(starts_d.ptr()),
+                Arg::P(uniq_d.ptr()),
+                Arg::I(int(c, OP, "c")?),
+            ],
+        )?;
+        // The index buffers must outlive the launch.
+        self.sync()
+    }
+
+    /// `dwpe[pos0 + p] += sum_b dy[b * t + p]`.
+    pub fn embed_backward_positions(
+        &self,
+        dwpe: u64,
+        dy: u64,
+        b: usize,
+        t: usize,
+        c: usize,
+        pos0: usize,
+    ) -> Result<()> {
+        const OP: &str = "embed_backward_positions";
+        self.launch(
+            OP,
+            (int(t, OP, "t")? as u32, 1, 1),
+            128,
+            &[
+                Arg::P(dwpe),
+                Arg::P(dy),
+                Arg::I(int(b, OP, "b")?),
+                Arg::I(int(t, OP, "t")?),
+                Arg::I(int(c, OP, "c")?),
+                Arg::I(int(pos0, OP, "pos0")?),
+            ],
+        )
+    }
+
+    /// `out (c,) (+)= column sums of x (n, c)`, deterministic; `scratch` holds at least
+    /// [`Gpu::column_scratch_len`] floats.
+    pub fn column_sum(
+        &self,
+        out: u64,
+        x: u64,
+        n: usize,
+        c: usize,
+        accumulate: bool,
+        scratch: &Buf<f32>,
+    ) -> Result<()> {
+        const OP: &str = "column_sum";
+        let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
+        if scratch.len() < chunks * c {
+            return shape(
+                OP,
+                format!("scratch of {} floats, need {}", scratch.len(), chunks * c),
+            );
+        }
+        let (ni, ci) = (int(n, OP, "n")?, int(c, OP, "c")?);
+        self.launch(
+            "column_sum_partial",
+            (blocks(c), chunks as u32, 1),
+            THREADS,
+            &[
+                Arg::P(scratch.ptr()),
+                Arg::P(x),
+                Arg::I(ni),
+                Arg::I(ci),
+                Arg::I(ROWS_PER_CHUNK as i32),
+            ],
+        )?;
+        self.launch(
+            "column_sum_finish",
+            (blocks(c), 1, 1),
+            THREADS,
+            &[
+                Arg::P(out),
+                Arg::P(scratch.ptr()),
+                Arg::I(chunks as i32),
+                Arg::I(ci),
+                Arg::I(accumulate as i32),
+            ],
+        )
+    }
+
+    /// Floats of scratch a column sum (or norm-parameter gradient) of `(n, c)` needs.
+    pub fn column_scratch_len(n: usize, c: usize) -> usize {
+        n.div_ceil(ROWS_PER_CHUNK).max(1) * c
+    }
+
+    /// `y (n, c) += b`.
+    pub fn add_bias(&self, y: u64, b: u64, n: usize, c: usize) -> Result<()> {
+        let total = n * c;
+        self.launch(
+            "add_bias",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[
+                Arg::P(y),
+                Arg::P(b),
+                Arg::L(total as i64),
+                Arg::I(int(c, "add_bias", "c")?),
+            ],
+        )
+    }
+
+    /// `out = a + b` over `total` floats.
+    pub fn add(&self, out: u64, a: u64, b: u64, total: usize) -> Result<()> {
+        self.launch(
+            "add",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[Arg::P(out), Arg::P(a), Arg::P(b), Arg::L(total as i64)],
+        )
+    }
+
+    /// `out += a` over `total` floats.
+    pub fn add_assign(&self, out: u64, a: u64, total: usize) -> Result<()> {
+        self.launch(
+            "add_assign",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[Arg::P(out), Arg::P(a), Arg::L(total as i64)],
+        )
+    }
+
+    /// `x += b` (kept for the backward), `y = gelu_tanh(x)`; `b` 0: no bias.
+    pub fn bias_gelu_forward(&self, y: u64, x: u64, b: u64, n: usize, c: usize) -> Result<()> {
+        let total = n * c;
+        self.launch(
+            "bias_gelu_forward",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[
+                Arg::P(y),
+                Arg::P(x),
+                Arg::P(b),
+                Arg::L(total as i64),
+                Arg::I(int(c, "bias_gelu_forward", "c")?),
+            ],
+        )
+    }
+
+    /// `du = dy * gelu'(u)`.
+    pub fn gelu_backward(&self, du: u64, dy: u64, u: u64, total: usize) -> Result<()> {
+        self.launch(
+            "gelu_backward",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[Arg::P(du), Arg::P(dy), Arg::P(u), Arg::L(total as i64)],
+        )
+    }
+
+    /// Layer norm (`b` non-zero) or RMS norm (`rms`) of the rows of `x (n, c)` into `y`, saving
+    /// each row's mean and reciprocal standard deviation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_forward(
+        &self,
+        y: u64,
+        mean: u64,
+        rstd: u64,
+        x: u64,
+        w: u64,
+        b: u64,
+        n: usize,
+        c: usize,
+        eps: f32,
+        rms: bool,
+    ) -> Result<()> {
+        const OP: &str = "norm_forward";
+        self.launch(
+            OP,
+            (int(n, OP, "rows")? as u32, 1, 1),
+            128,
+            &[
+                Arg::P(y),
+                Arg::P(mean),
+                Arg::P(rstd),
+                Arg::P(x),
+                Arg::P(w),
+                Arg::P(b),
+                Arg::I(int(c, OP, "c")?),
+                Arg::F(eps),
+                Arg::I(rms as i32),
+            ],
+        )
+    }
+
+    /// Backward of [`Gpu::norm_forward`]: `dx` written; `dw` (and `db` unless RMS) accumulated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward(
+        &self,
+        dx: u64,
+        dw: u64,
+        db: u64,
+        dy: u64,
+        x: u64,
+        mean: u64,
+        rstd: u64,
+        w: u64,
+        n: usize,
+        c: usize,
+        rms: bool,
+        scratch: &Buf<f32>,
+    ) -> Result<()> {
+        const OP: &str = "norm_backward";
+        let (ni, ci) = (int(n, OP, "rows")?, int(c, OP, "c")?);
+        self.launch(
+            "norm_backward_input",
+            (ni as u32, 1, 1),
+            128,
+            &[
+                Arg::P(dx),
+                Arg::P(dy),
+                Arg::P(x),
+                Arg::P(mean),
+                Arg::P(rstd),
+                Arg::P(w),
+                Arg::I(ci),
+                Arg::I(rms as i32),
+            ],
+        )?;
+        let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
+        if scratch.len() < 2 * chunks * c {
+            return shape(
+                OP,
+                format!(
+                    "scratch of {} floats, need {}",
+                    scratch.len(),
+                    2 * chunks * c
+                ),
+            );
+        }
+        let pw = scratch.ptr();
+        let pb = if rms { 0 } else { scratch.at(chunks * c) };
+        self.launch(
+            "norm_backward_params_partial",
+            (blocks(c), chunks as u32, 1),
+            THREADS,
+            &[
+                Arg::P(pw),
+                Arg::P(pb),
+                Arg::P(dy),
+                Arg::P(x),
+                Arg::P(mean),
+                Arg::P(rstd),
+                Arg::I(ni),
+                Arg::I(ci),
+                Arg::I(ROWS_PER_CHUNK as i32),
+            ],
+        )?;
+        let finish = |out: u64, part: u64| {
+            self.launch(
+                "column_sum_finish",
+                (blocks(c), 1, 1),
+                THREADS,
+                &[
+                    Arg::P(out),
+                    Arg::P(part),
+                    Arg::I(chunks as i32),
+                    Arg::I(ci),
+                    Arg::I(1),
+                ],
+            )
+        };
+        finish(dw, pw)?;
+        if !rms {
+            finish(db, pb)?;
+        }
+        Ok(())
+    }
+
+    /// Rotates (or, `inverse`, rotates back) pairs `(i, i + d/2)` of every head of rows
+    /// `(b, s, h, d)` with row stride `stride`, at positions `offset..offset + s`, in place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: u64,
+        cos: u64,
+        sin: u64,
+        (b, s, h, d): (usize, usize, usize, usize),
+        stride: usize,
+        offset: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let total = b * s * h * (d / 2);
+        self.launch(
+            OP,
+            (blocks(total), 1, 1),
+            THREADS,
+            &[
+                Arg::P(x),
+                Arg::P(cos),
+                Arg::P(sin),
+                Arg::I(int(b, OP, "b")?),
+                Arg::I(int(s, OP, "s")?),
+                Arg::I(int(h, OP, "h")?),
+                Arg::I(int(d, OP, "d")?),
+                Arg::I(int(stride, OP, "stride")?),
+                Arg::I(int(offset, OP, "offset")?),
+                Arg::I(inverse as i32),
+            ],
+        )
+    }
+
+    /// Causal prefix attention: `y (b·s, h·d)` and `lse (b, h, s)` from queries `q` and keys/values
+    /// `k`, `v` laid out as [`AttnShape`] says.
+    pub fn attention_forward(
+        &self,
+        y: u64,
+        lse: u64,
+        q: u64,
+        k: u64,
+        v: u64,
+        sh: AttnShape,
+        scale: f32,
+    ) -> Result<()> {
+        const OP: &str = "attention_forward";
+        let a = sh.args(OP)?;
+        self.launch(
+            &format!("attn_forward_d{}", sh.d),
+            (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
+            ATTN_ROWS as u32,
+            &[
+                Arg::P(y),
+                Arg::P(lse),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(v),
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                a[4],
+                a[5],
+                Arg::F(scale),
+            ],
+        )
+    }
+
+    /// Backward of [`Gpu::attention_forward`]: writes `dq (b·s, h·d)` and `dk`, `dv
+    /// (b·(p+s), h·d)` (rows `0..p` of each sequence: this segment's gradient for the prefix).
+    /// `delta` holds `b·h·s` floats of scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        dq: u64,
+        dk: u64,
+        dv: u64,
+        q: u64,
+        k: u64,
+        v: u64,
+        y: u64,
+        dy: u64,
+        lse: u64,
+        delta: u64,
+        sh: AttnShape,
+        scale: f32,
+    ) -> Result<()> {
+        const OP: &str = "attention_backward";
+        let a = sh.args(OP)?;
+        let rows = sh.b * sh.h * sh.s;
+        self.launch(
+            "attn_backward_delta",
+            (blocks(rows), 1, 1),
+            THREADS,
+            &[
+                Arg::P(delta),
+                Arg::P(dy),
+                Arg::P(y),
+                a[0],
+                a[1],
+                a[2],
+                Arg::I(int(sh.d, OP, "d")?),
+            ],
+        )?;
+        let common = [
+            Arg::P(q),
+            Arg::P(k),
+            Arg::P(v),
+            Arg::P(dy),
+            Arg::P(lse),
+            Arg::P(delta),
+            a[0],
+            a[1],
+            a[2],
+            a[3],
+            a[4],
+            a[5],
+            Arg::F(scale),
+        ];
+        let mut args = vec![Arg::P(dq)];
+        args.extend(common);
+        self.launch(
+            &format!("attn_backward_dq_d{}", sh.d),
+            (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
+            ATTN_ROWS as u32,
+            &args,
+        )?;
+        let mut args = vec![Arg::P(dk), Arg::P(dv)];
+        args.extend(common);
+        self.launch(
+            &format!("attn_backward_dkdv_d{}", sh.d),
+            (
+                (sh.p + sh.s).div_ceil(ATTN_ROWS) as u32,
+                (sh.b * sh.h) as u32,
+                1,
+            ),
+            ATTN_ROWS as u32,
+            &args,
+        )
+    }
+
+    /// Softmax cross-entropy of `rows` rows of `logits (rows, v)` in place: per-row losses into
+    /// `loss`, and (`want_grad`) the logits replaced by `grad_scale · (softmax − onehot)`.
+    pub fn softmax_cross_entropy(
+        &self,
+        logits: u64,
+        loss: u64,
+        targets: u64,
+        rows: usize,
+        v: usize,
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> Result<()> {
+        const OP: &str = "softmax_cross_entropy";
+        self.launch(
+            OP,
+            (int(rows, OP, "rows")? as u32, 1, 1),
+            256,
+            &[
+                Arg::P(logits),
+                Arg::P(loss),
+                Arg::P(targets),
+                Arg::I(int(v, OP, "vocab")?),
+                Arg::F(grad_scale),
+                Arg::I(want_grad as i32),
+            ],
+        )
+    }
+
+    /// One AdamW update of `n` parameters (ops/src/adamw.rs's formula, with its precomputed
+    /// `inv_bc2`, `lr_bc1` and `decay`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw(
+        &self,
+        p: u64,
+        m: u64,
+        v: u64,
+        g: u64,
+        n: usize,
+        grad_scale: f32,
+        (beta1, beta2, eps): (f32, f32, f32),
+        (inv_bc2, lr_bc1, decay): (f32, f32, f32),
+    ) -> Result<()> {
+        self.launch(
+            "adamw",
+            (blocks(n), 1, 1),
+            THREADS,
+            &[
+                Arg::P(p),
+                Arg::P(m),
+                Arg::P(v),
+                Arg::P(g),
+                Arg::L(n as i64),
+                Arg::F(grad_scale),
+                Arg::F(beta1),
+                Arg::F(beta2),
+                Arg::F(eps),
+                Arg::F(inv_bc2),
+                Arg::F(lr_bc1),
+                Arg::F(decay),
+            ],
+        )
+    }
+
+    /// Sums of squares of several tensors `(address, length)`, in f64, each reduced in a fixed
+    /// order; one copy to the host for all of them.
+    pub fn sums_of_squares(&self, tensors: &[(u64, usize)]) -> Result<Vec<f64>> {
+        if tensors.is_empty() {
+            return Ok(Vec::new());
+        }
+        let partial = self.zeros::<f64>(SUMSQ_BLOCKS * tensors.len())?;
+        let out = self.zeros::<f64>(tensors.len())?;
+        for (i, &(x, n)) in tensors.iter().enumerate() {
+            self.launch(
+                "sum_squares_partial",
+                (SUMSQ_BLOCKS as u32, 1, 1),
+                256,
+                &[
+                    Arg::P(partial.at(i * SUMSQ_BLOCKS)),
+                    Arg::P(x),
+                    Arg::L(n as i64),
+                ],
+            )?;
+            self.launch(
+                "sum_squares_finish",
+                (1, 1, 1),
+                256,
+                &[
+                    Arg::P(out.at(i)),
+                    Arg::P(partial.at(i * SUMSQ_BLOCKS)),
+                    Arg::I(SUMSQ_BLOCKS as i32),
+                ],
+            )?;
+        }
+        self.download(&out)
+    }
+
+    /// Row-major `y (n, out) = x (n, in) · W^T` (+ `b` when non-zero) for a linear layer with
+    /// weight `W (out, in)`.
+    pub fn linear_forward(
+        &self,
+        y: u64,
+        x: u64,
+        w: u64,
+        b: u64,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
+        self.gemm(y, x, w, (n, d_out, d_in), false, true, 0.0)?;
+        if b != 0 {
+            self.add_bias(y, b, n, d_out)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of a linear layer: `dx = dy W` (when `dx` is non-zero; written), `dW += dy^T x`,
+    /// `db += column sums of dy` (when `db` is non-zero).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward(
+        &self,
+        dx: u64,
+        dw: u64,
+        db: u64,
+        dy: u64,
+        x: u64,
+        w: u64,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+        scratch: &Buf<f32>,
+    ) -> Result<()> {
+        if dx != 0 {
+            self.gemm(dx, dy, w, (n, d_in, d_out), false, false, 0.0)?;
+        }
+        self.gemm(dw, dy, x, (d_out, d_in, n), true, false, 1.0)?;
+        if db != 0 {
+            self.column_sum(db, dy, n, d_out, true, scratch)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,594 @@
+//! Every GPU kernel against its CPU counterpart in `ops` (the oracle), on fresh random inputs:
+//! the relative error `‖gpu − cpu‖₂ / ‖cpu‖₂` of each output, per precision where the kernel's
+//! arithmetic depends on it. Poisoned outputs (NaN) catch elements a kernel never writes.
+
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::device::{Gpu, Precision};
+use crate::error::{GpuError, Result};
+use crate::kernels::AttnShape;
+
+/// One compared output.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Comparison {
+    /// Kernel and output, e.g. `attention backward dK (prefix 96)`.
+    pub what: String,
+    /// Precision of the matrix products (kernels without any report `fp32`).
+    pub precision: &'static str,
+    /// `‖gpu − cpu‖₂ / ‖cpu‖₂`.
+    pub rel_l2: f64,
+    /// `max |gpu − cpu| / max |cpu|`.
+    pub rel_max: f64,
+    /// The bound this precision must meet.
+    pub bound: f64,
+}
+
+impl Comparison {
+    /// Whether the error is within the bound (NaN never is).
+    pub fn passed(&self) -> bool {
+        self.rel_l2.is_finite() && self.rel_max.is_finite() && self.rel_l2 <= self.bound
+    }
+}
+
+/// The bound of a precision: FP32 1e-5 (the goal); TF32 and BF16 products round their
+/// inputs to 10 and 7 mantissa bits, and their usual errors are ~3e-4 and ~3e-3 (relative L2).
+pub fn bound(p: Precision) -> f64 {
+    match p {
+        Precision::Fp32 => 1e-5,
+        Precision::Tf32 => 2e-3,
+        Precision::Bf16 => 1.5e-2,
+    }
+}
+
+fn oracle<T>(r: candle_core::Result<T>) -> Result<T> {
+    r.map_err(|e| GpuError::Oracle(e.to_string()))
+}
+
+fn ops<T>(r: ops::Result<T>) -> Result<T> {
+    r.map_err(|e| GpuError::Oracle(e.to_string()))
+}
+
+struct Checker<'a> {
+    gpu: &'a mut Gpu,
+    rng: ChaCha8Rng,
+    out: Vec<Comparison>,
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    oracle(t.flatten_all().and_then(|t| t.to_vec1::<f32>()))
+}
+
+impl Checker<'_> {
+    fn rand(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.rng.random::<f32>() * 2.0 - 1.0) * scale)
+            .collect()
+    }
+
+    fn tensor(&mut self, dims: &[usize], scale: f32) -> Result<(Vec<f32>, Tensor)> {
+        let v = self.rand(dims.iter().product(), scale);
+        let t = oracle(Tensor::from_vec(v.clone(), dims, &Device::Cpu))?;
+        Ok((v, t))
+    }
+
+    /// A device buffer of `n` NaNs.
+    fn poisoned(&self, n: usize) -> Result<crate::Buf<f32>> {
+        self.gpu.upload(&vec![f32::NAN; n])
+    }
+
+    fn compare(&mut self, what: impl Into<String>, precision: Precision, gpu: &[f32], cpu: &[f32]) {
+        let (mut num, mut den, mut max_err, mut max_ref) = (0f64, 0f64, 0f64, 0f64);
+        for (&a, &b) in gpu.iter().zip(cpu) {
+            let (a, b) = (a as f64, b as f64);
+            num += (a - b) * (a - b);
+            den += b * b;
+            max_err = max_err.max((a - b).abs());
+            max_ref = max_ref.max(b.abs());
+        }
+        let len_ok = gpu.len() == cpu.len();
+        let nan = gpu.iter().any(|x| !x.is_finite());
+        let rel = |n: f64, d: f64| {
+            if !len_ok || nan {
+                f64::NAN
+            } else if d == 0.0 {
+                n
+            } else {
+                n / d
+            }
+        };
+        self.out.push(Comparison {
+            what: what.into(),
+            precision: precision.name(),
+            rel_l2: rel(num.sqrt(), den.sqrt()),
+            rel_max: rel(max_err, max_ref),
+            bound: bound(precision),
+        });
+    }
+}
+
+/// Runs every kernel check; the GPU's precision is restored afterwards.
+pub fn check_all(gpu: &mut Gpu, seed: u64) -> Result<Vec<Comparison>> {
+    let saved = gpu.precision();
+    let mut c = Checker {
+        gpu,
+        rng: ChaCha8Rng::seed_from_u64(seed),
+        out: Vec::new(),
+    };
+    let result = (|| {
+        for p in Precision::ALL {
+            c.gpu.set_precision(p);
+            linear(&mut c, p)?;
+            lm_head(&mut c, p)?;
+        }
+        c.gpu.set_precision(Precision::Fp32);
+        norms(&mut c)?;
+        gelu(&mut c)?;
+        for (d, s, p) in [
+            (64, 128, 0),
+            (64, 96, 160),
+            (32, 70, 33),
+            (128, 64, 64),
+            (16, 50, 0),
+        ] {
+            attention(&mut c, d, s, p)?;
+        }
+        embedding(&mut c)?;
+        rope(&mut c)?;
+        adamw_and_norm(&mut c)?;
+        Ok(())
+    })();
+    c.gpu.set_precision(saved);
+    result.map(|()| c.out)
+}
+
+fn linear(c: &mut Checker, p: Precision) -> Result<()> {
+    let (n, d_in, d_out) = (300, 192, 320);
+    let (xv, x) = c.tensor(&[n, d_in], 1.0)?;
+    let (wv, w) = c.tensor(&[d_out, d_in], 0.1)?;
+    let (bv, b) = c.tensor(&[d_out], 0.1)?;
+    let (dyv, dy) = c.tensor(&[n, d_out], 1.0)?;
+    let (y, ctx) = ops(ops::linear_forward(&x, &w, Some(&b)))?;
+    let (dx, g) = ops(ops::linear_backward(&ctx, &w, &dy, true))?;
+    let gpu = &*c.gpu;
+    let (xd, wd, bd, dyd) = (
+        gpu.upload(&xv)?,
+        gpu.upload(&wv)?,
+        gpu.upload(&bv)?,
+        gpu.upload(&dyv)?,
+    );
+    let yd = c.poisoned(n * d_out)?;
+    let dxd = c.poisoned(n * d_in)?;
+    let dwd = gpu.zeros::<f32>(d_out * d_in)?;
+    let dbd = gpu.zeros::<f32>(d_out)?;
+    let scratch = gpu.zeros::<f32>(Gpu::column_scratch_len(n, d_out))?;
+    gpu.linear_forward(yd.ptr(), xd.ptr(), wd.ptr(), bd.ptr(), n, d_in, d_out)?;
+    gpu.linear_backward(
+        dxd.ptr(),
+        dwd.ptr(),
+        dbd.ptr(),
+        dyd.ptr(),
+        xd.ptr(),
+        wd.ptr(),
+        n,
+        d_in,
+        d_out,
+        &scratch,
+    )?;
+    let got = [
+        gpu.download(&yd)?,
+        gpu.download(&dxd)?,
+        gpu.download(&dwd)?,
+        gpu.download(&dbd)?,
+    ];
+    let want = [
+        host(&y)?,
+        host(&dx)?,
+        host(&g.dw)?,
+        host(g.db.as_ref().expect("bias"))?,
+    ];
+    for (name, (a, b)) in [
+        "linear forward y",
+        "linear backward dx",
+        "linear backward dW",
+        "linear backward db",
+    ]
+    .iter()
+    .zip(got.iter().zip(&want))
+    {
+        let prec = if name.ends_with("db") {
+            Precision::Fp32
+        } else {
+            p
+        };
+        c.compare(*name, prec, a, b);
+    }
+    Ok(())
+}
+
+fn lm_head(c: &mut Checker, p: Precision) -> Result<()> {
+    let (n, ch, v) = (200, 96, 1000);
+    let (hv, h) = c.tensor(&[n, ch], 1.0)?;
+    let (wv, w) = c.tensor(&[v, ch], 0.2)?;
+    let tv: Vec<u32> = (0..n).map(|_| c.rng.random_range(0..v as u32)).collect();
+    let t = oracle(Tensor::from_vec(tv.clone(), n, &Device::Cpu))?;
+    let scale = 1.0 / n as f64;
+    let (loss, g) = ops(ops::lm_head_loss_forward_backward(&h, &w, &t, scale, 64))?;
+    let gpu = &*c.gpu;
+    let (hd, wd, td) = (gpu.upload(&hv)?, gpu.upload(&wv)?, gpu.upload(&tv)?);
+    let chunk = 64;
+    let logits = gpu.zeros::<f32>(chunk * v)?;
+    let losses = c.poisoned(n)?;
+    let dh = c.poisoned(n * ch)?;
+    let dw = gpu.zeros::<f32>(v * ch)?;
+    for r0 in (0..n).step_by(chunk) {
+        let rows = chunk.min(n - r0);
+        gpu.gemm(
+            logits.ptr(),
+            hd.at(r0 * ch),
+            wd.ptr(),
+            (rows, v, ch),
+            false,
+            true,
+            0.0,
+        )?;
+        gpu.softmax_cross_entropy(
+            logits.ptr(),
+            losses.at(r0),
+            td.at(r0),
+            rows,
+            v,
+            scale as f32,
+            true,
+        )?;
+        gpu.gemm(
+            dh.at(r0 * ch),
+            logits.ptr(),
+            wd.ptr(),
+            (rows, ch, v),
+            false,
+            false,
+            0.0,
+        )?;
+        gpu.gemm(
+            dw.ptr(),
+            logits.ptr(),
+            hd.at(r0 * ch),
+            (v, ch, rows),
+            true,
+            false,
+            1.0,
+        )?;
+    }
+    let gl: f64 = gpu.download(&losses)?.iter().map(|&x| x as f64).sum();
+    let (dh, dw) = (gpu.download(&dh)?, gpu.download(&dw)?);
+    c.compare(
+        "lm head + cross-entropy loss",
+        p,
+        &[gl as f32],
+        &[loss as f32],
+    );
+    let (a, b) = (dh, host(&g.dh)?);
+    c.compare("lm head + cross-entropy dh", p, &a, &b);
+    let (a, b) = (dw, host(&g.dw)?);
+    c.compare("lm head + cross-entropy dW", p, &a, &b);
+    Ok(())
+}
+
+fn norms(c: &mut Checker) -> Result<()> {
+    let (n, ch) = (257, 384);
+    for rms in [false, true] {
+        let (xv, x) = c.tensor(&[n, ch], 2.0)?;
+        let (wv, w) = c.tensor(&[ch], 1.0)?;
+        let (bv, b) = c.tensor(&[ch], 1.0)?;
+        let (dyv, dy) = c.tensor(&[n, ch], 1.0)?;
+        let eps = 1e-5;
+        let ((y, ctx), (dx, g)) = if rms {
+            let (y, ctx) = ops(ops::rms_norm_forward(&x, &w, eps))?;
+            let bw = ops(ops::rms_norm_backward(&ctx, &w, &dy))?;
+            ((y, ()), bw)
+        } else {
+            let (y, ctx) = ops(ops::layer_norm_forward(&x, &w, Some(&b), eps))?;
+            let bw = ops(ops::layer_norm_backward(&ctx, &w, &dy, true))?;
+            ((y, ()), bw)
+        };
+        let _ = ctx;
+        let gpu = &*c.gpu;
+        let (xd, wd, bd, dyd) = (
+            gpu.upload(&xv)?,
+            gpu.upload(&wv)?,
+            gpu.upload(&bv)?,
+            gpu.upload(&dyv)?,
+        );
+        let (yd, mean, rstd, dxd) = (
+            c.poisoned(n * ch)?,
+            gpu.zeros::<f32>(n)?,
+            gpu.zeros::<f32>(n)?,
+            c.poisoned(n * ch)?,
+        );
+        let (dwd, dbd) = (gpu.zeros::<f32>(ch)?, gpu.zeros::<f32>(ch)?);
+        let scratch = gpu.zeros::<f32>(2 * Gpu::column_scratch_len(n, ch))?;
+        let bptr = if rms { 0 } else { bd.ptr() };
+        gpu.norm_forward(
+            yd.ptr(),
+            mean.ptr(),
+            rstd.ptr(),
+            xd.ptr(),
+            wd.ptr(),
+            bptr,
+            n,
+            ch,
+            eps as f32,
+            rms,
+        )?;
+        gpu.norm_backward(
+            dxd.ptr(),
+            dwd.ptr(),
+            if rms { 0 } else { dbd.ptr() },
+            dyd.ptr(),
+            xd.ptr(),
+            mean.ptr(),
+            rstd.ptr(),
+            wd.ptr(),
+            n,
+            ch,
+            rms,
+            &scratch,
+        )?;
+        let kind = if rms { "rms norm" } else { "layer norm" };
+        let (a, b) = (gpu.download(&yd)?, host(&y)?);
+        c.compare(format!("{kind} forward"), Precision::Fp32, &a, &b);
+        let (a, b) = (c.gpu.download(&dxd)?, host(&dx)?);
+        c.compare(format!("{kind} backward dx"), Precision::Fp32, &a, &b);
+        let (a, b) = (c.gpu.download(&dwd)?, host(&g.dweight)?);
+        c.compare(format!("{kind} backward dweight"), Precision::Fp32, &a, &b);
+        if let Some(db) = &g.dbias {
+            let (a, b) = (c.gpu.download(&dbd)?, host(db)?);
+            c.compare(format!("{kind} backward dbias"), Precision::Fp32, &a, &b);
+        }
+    }
+    Ok(())
+}
+
+fn gelu(c: &mut Checker) -> Result<()> {
+    let (n, f) = (129, 768);
+    let (xv, x) = c.tensor(&[n, f], 4.0)?;
+    let (bv, b) = c.tensor(&[f], 1.0)?;
+    let (dyv, dy) = c.tensor(&[n, f], 1.0)?;
+    let (y, ctx) = ops(ops::gelu_forward(&x, Some(&b)))?;
+    let (dx, db) = ops(ops::gelu_backward(&ctx, &dy))?;
+    let gpu = &*c.gpu;
+    let (ud, bd, dyd) = (gpu.upload(&xv)?, gpu.upload(&bv)?, gpu.upload(&dyv)?);
+    let (yd, dud) = (c.poisoned(n * f)?, c.poisoned(n * f)?);
+    let dbd = gpu.zeros::<f32>(f)?;
+    let scratch = gpu.zeros::<f32>(Gpu::column_scratch_len(n, f))?;
+    gpu.bias_gelu_forward(yd.ptr(), ud.ptr(), bd.ptr(), n, f)?;
+    gpu.gelu_backward(dud.ptr(), dyd.ptr(), ud.ptr(), n * f)?;
+    gpu.column_sum(dbd.ptr(), dud.ptr(), n, f, false, &scratch)?;
+    let (a, b) = (gpu.download(&yd)?, host(&y)?);
+    c.compare("bias + gelu forward", Precision::Fp32, &a, &b);
+    let (a, b) = (c.gpu.download(&dud)?, host(&dx)?);
+    c.compare("bias + gelu backward dx", Precision::Fp32, &a, &b);
+    let (a, b) = (c.gpu.download(&dbd)?, host(db.as_ref().expect("bias"))?);
+    c.compare("bias + gelu backward dbias", Precision::Fp32, &a, &b);
+    Ok(())
+}
+
+/// `(B, L, H, D)` token-major rows (the GPU layout) from `(B, H, L, D)`.
+fn to_rows(x: &[f32], b: usize, h: usize, l: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for bi in 0..b {
+        for hi in 0..h {
+            for li in 0..l {
+                let src = ((bi * h + hi) * l + li) * d;
+                let dst = ((bi * l + li) * h + hi) * d;
+                out[dst..dst + d].copy_from_slice(&x[src..src + d]);
+            }
+        }
+    }
+    out
+}
+
+fn attention(c: &mut Checker, d: usize, s: usize, p: usize) -> Result<()> {
+    let (b, h) = (2, 3);
+    let l = p + s;
+    let (qv, q) = c.tensor(&[b, h, s, d], 1.0)?;
+    let (kv, k) = c.tensor(&[b, h, l, d], 1.0)?;
+    let (vv, v) = c.tensor(&[b, h, l, d], 1.0)?;
+    let (dyv, dy) = c.tensor(&[b, h, s, d], 1.0)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (y, ctx) = ops(ops::causal_prefix_attention_forward(&q, &k, &v, scale))?;
+    let (dq, dk, dv) = ops(ops::causal_prefix_attention_backward(
+        &ctx, &k, &v, &dy, scale,
+    ))?;
+    let gpu = &*c.gpu;
+    let qd = gpu.upload(&to_rows(&qv, b, h, s, d))?;
+    let kd = gpu.upload(&to_rows(&kv, b, h, l, d))?;
+    let vd = gpu.upload(&to_rows(&vv, b, h, l, d))?;
+    let dyd = gpu.upload(&to_rows(&dyv, b, h, s, d))?;
+    let (yd, lse, delta) = (
+        c.poisoned(b * s * h * d)?,
+        c.poisoned(b * h * s)?,
+        gpu.zeros::<f32>(b * h * s)?,
+    );
+    let (dqd, dkd, dvd) = (
+        c.poisoned(b * s * h * d)?,
+        c.poisoned(b * l * h * d)?,
+        c.poisoned(b * l * h * d)?,
+    );
+    let sh = AttnShape {
+        b,
+        h,
+        d,
+        s,
+        p,
+        q_stride: h * d,
+        kv_stride: h * d,
+    };
+    gpu.attention_forward(
+        yd.ptr(),
+        lse.ptr(),
+        qd.ptr(),
+        kd.ptr(),
+        vd.ptr(),
+        sh,
+        scale as f32,
+    )?;
+    gpu.attention_backward(
+        dqd.ptr(),
+        dkd.ptr(),
+        dvd.ptr(),
+        qd.ptr(),
+        kd.ptr(),
+        vd.ptr(),
+        yd.ptr(),
+        dyd.ptr(),
+        lse.ptr(),
+        delta.ptr(),
+        sh,
+        scale as f32,
+    )?;
+    let tag = format!("(D {d}, segment {s}, prefix {p})");
+    let pairs = [
+        ("forward y", &yd, &y, s),
+        ("backward dQ", &dqd, &dq, s),
+        ("backward dK", &dkd, &dk, l),
+        ("backward dV", &dvd, &dv, l),
+    ];
+    for (name, got, want, rows) in pairs {
+        let a = c.gpu.download(got)?;
+        let b_ = to_rows(&host(want)?, b, h, rows, d);
+        c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
+    }
+    let a = c.gpu.download(&lse)?;
+    let b_ = host(&ctx.lse)?;
+    c.compare(
+        format!("attention forward lse {tag}"),
+        Precision::Fp32,
+        &a,
+        &b_,
+    );
+    Ok(())
+}
+
+fn embedding(c: &mut Checker) -> Result<()> {
+    let (v, ch, b, t) = (500, 64, 3, 40);
+    let n = b * t;
+    let (wv, w) = c.tensor(&[v, ch], 1.0)?;
+    let (pv, pos) = c.tensor(&[t, ch], 1.0)?;
+    // Repeated ids exercise the ordered sums of the table gradient.
+    let ids: Vec<u32> = (0..n).map(|_| c.rng.random_range(0..50u32)).collect();
+    let idt = oracle(Tensor::from_vec(ids.clone(), n, &Device::Cpu))?;
+    let (dyv, dy) = c.tensor(&[n, ch], 1.0)?;
+    let tok = ops(ops::embedding_forward(&idt, &w))?;
+    let y = oracle(
+        tok.reshape((b, t, ch))
+            .and_then(|x| x.broadcast_add(&pos))
+            .and_then(|x| x.reshape((n, ch))),
+    )?;
+    let dw = ops(ops::embedding_backward(&idt, &dy, v))?;
+    let dpos = oracle(dy.reshape((b, t, ch)).and_then(|x| x.sum(0)))?;
+    let gpu = &*c.gpu;
+    let (wd, pd, idd, dyd) = (
+        gpu.upload(&wv)?,
+        gpu.upload(&pv)?,
+        gpu.upload(&ids)?,
+        gpu.upload(&dyv)?,
+    );
+    let yd = c.poisoned(n * ch)?;
+    let (dwd, dpd) = (gpu.zeros::<f32>(v * ch)?, gpu.zeros::<f32>(t * ch)?);
+    gpu.embed_forward(yd.ptr(), idd.ptr(), wd.ptr(), pd.ptr(), n, ch, t, 0)?;
+    gpu.embed_backward_tokens(dwd.ptr(), dyd.ptr(), &ids, ch)?;
+    gpu.embed_backward_positions(dpd.ptr(), dyd.ptr(), b, t, ch, 0)?;
+    let (a, b_) = (gpu.download(&yd)?, host(&y)?);
+    c.compare("embedding forward", Precision::Fp32, &a, &b_);
+    let (a, b_) = (c.gpu.download(&dwd)?, host(&dw)?);
+    c.compare("embedding backward dwte", Precision::Fp32, &a, &b_);
+    let (a, b_) = (c.gpu.download(&dpd)?, host(&dpos)?);
+    c.compare("embedding backward dwpe", Precision::Fp32, &a, &b_);
+    Ok(())
+}
+
+fn rope(c: &mut Checker) -> Result<()> {
+    let (b, h, s, d, offset, max_len) = (2, 3, 20, 32, 7, 64);
+    let table = ops(ops::RopeTable::new(
+        max_len,
+        d,
+        10_000.0,
+        candle_core::DType::F32,
+        &Device::Cpu,
+    ))?;
+    let (xv, x) = c.tensor(&[b, h, s, d], 1.0)?;
+    let fwd = ops(table.forward(&x, offset))?;
+    let bwd = ops(table.backward(&x, offset))?;
+    let (cos, sin) = (
+        c.gpu.upload(&host(table.cos())?)?,
+        c.gpu.upload(&host(table.sin())?)?,
+    );
+    for (inverse, want, name) in [(false, &fwd, "rope forward"), (true, &bwd, "rope backward")] {
+        let gpu = &*c.gpu;
+        let xd = gpu.upload(&to_rows(&xv, b, h, s, d))?;
+        gpu.rope(
+            xd.ptr(),
+            cos.ptr(),
+            sin.ptr(),
+            (b, s, h, d),
+            h * d,
+            offset,
+            inverse,
+        )?;
+        let a = gpu.download(&xd)?;
+        let b_ = to_rows(&host(want)?, b, h, s, d);
+        c.compare(name, Precision::Fp32, &a, &b_);
+    }
+    Ok(())
+}
+
+fn adamw_and_norm(c: &mut Checker) -> Result<()> {
+    let n = 10_007;
+    let (pv, p) = c.tensor(&[n], 1.0)?;
+    let (gv, g) = c.tensor(&[n], 0.1)?;
+    let mut opt = ops::AdamW::new(ops::AdamWConfig::default());
+    let (lr, wd, clip) = (1e-3, 0.1, 0.7);
+    let gpu = &*c.gpu;
+    let (pd, md, vd, gd) = (
+        gpu.upload(&pv)?,
+        gpu.zeros::<f32>(n)?,
+        gpu.zeros::<f32>(n)?,
+        gpu.upload(&gv)?,
+    );
+    let mut param = p;
+    for t in 1..=3u64 {
+        opt.begin_step();
+        param = ops(opt.update("p", &param, &g, clip, lr, wd))?;
+        let cfg = &opt.config;
+        let (b1, b2) = (cfg.beta1, cfg.beta2);
+        let inv_bc2 = 1.0 / (1.0 - b2.powf(t as f64));
+        let lr_bc1 = lr / (1.0 - b1.powf(t as f64));
+        gpu.adamw(
+            pd.ptr(),
+            md.ptr(),
+            vd.ptr(),
+            gd.ptr(),
+            n,
+            clip as f32,
+            (b1 as f32, b2 as f32, cfg.eps as f32),
+            (inv_bc2 as f32, lr_bc1 as f32, (1.0 - lr * wd) as f32),
+        )?;
+    }
+    let (a, b) = (gpu.download(&pd)?, host(&param)?);
+    c.compare("adamw (3 steps) parameters", Precision::Fp32, &a, &b);
+    let m = &opt.moments["p"];
+    let (a, b) = (c.gpu.download(&vd)?, host(&m.v)?);
+    c.compare("adamw (3 steps) second moment", Precision::Fp32, &a, &b);
+    let want = ops(ops::sum_of_squares(&g))?;
+    let got = c.gpu.sums_of_squares(&[(gd.ptr(), n)])?[0];
+    c.compare(
+        "sum of squares",
+        Precision::Fp32,
+        &[got as f32],
+        &[want as f32],
+    );
+    Ok(())
+}
