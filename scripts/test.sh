@@ -206,4 +206,5 @@ export RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1
 cargo fmt --all -- --check
 # --release: the end-to-end tests launch the release binary, and this shares one optimized build
 # of candle between the binary and the test harnesses.
-cargo test --release --workspace
+# --features seqpipe/cuda: the CUDA path builds and its kernels compile (NVRTC) without a GPU.
+cargo test --release --workspace --features seqpipe/cuda

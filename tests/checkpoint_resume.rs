@@ -449,3 +449,89 @@ fn ckpt_show_describes_the_checkpoint() {
     let err = run_err(seqpipe().args(["ckpt", "show", &ckpt_url(&run), "--step", "2"]));
     assert!(err.contains("step 2") && err.contains("[3]"), "{err}");
 }
+
+/// Every file under `dir` (relative path → bytes).
+fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let rel = path.strip_prefix(dir).unwrap().display().to_string();
+                out.insert(rel, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Read-only commands never change a checkpoint store: `eval` with fresh weights, from an older
+/// checkpoint and from the newest, and every `ckpt` inspection leave it byte-identical (today's
+/// bug: eval ran the training-start cleanup and deleted committed checkpoints); `ckpt verify` of
+/// a missing directory is an error that does not create it; `train` refuses a read-only store.
+#[test]
+fn read_only_commands_leave_the_store_byte_identical() {
+    let dir = fresh_dir("readonly");
+    let run = dir.join("run");
+    run_ok(&mut train(
+        &run,
+        &["train.steps=9", "checkpoint.keep_last=3"],
+    ));
+    let url = ckpt_url(&run);
+    let store_dir = run.join("checkpoints");
+    let before = tree(&store_dir);
+    assert!(
+        before
+            .keys()
+            .any(|k| k.starts_with("step-3") || k.contains("00003")),
+        "expected checkpoints 3, 6 and 9: {:?}",
+        before.keys().collect::<Vec<_>>()
+    );
+    let eval = |extra: &[&str]| {
+        run_ok(
+            seqpipe()
+                .args(["eval"])
+                .args(tiny_model_args())
+                .args([
+                    "--set",
+                    "train.eval_batches=1",
+                    "--set",
+                    "checkpoint.every=3",
+                ])
+                .arg("--set")
+                .arg(format!("run.dir={}", run.display()))
+                .args(extra),
+        );
+    };
+    eval(&[]);
+    eval(&["--resume", "3"]);
+    eval(&["--resume", "latest"]);
+    for args in [
+        vec!["list"],
+        vec!["show"],
+        vec!["verify"],
+        vec!["show", "--step", "3"],
+    ] {
+        run_ok(seqpipe().arg("ckpt").args(&args).arg(&url));
+    }
+    let after = tree(&store_dir);
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>(),
+        "a read-only command added or removed objects"
+    );
+    assert!(before == after, "a read-only command changed an object");
+    let missing = dir.join("no-such-store");
+    let err = run_err(seqpipe().args(["ckpt", "verify"]).arg(&missing));
+    assert!(err.contains("no-such-store"), "{err}");
+    assert!(
+        !missing.exists(),
+        "ckpt verify created {}",
+        missing.display()
+    );
+    let err = run_err(&mut train(&run, &["checkpoint.read_only=true"]));
+    assert!(err.contains("checkpoint.read_only"), "{err}");
+}

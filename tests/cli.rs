@@ -372,3 +372,26 @@ fn workers_authenticate_with_the_job_token() {
         );
     }
 }
+
+/// `model.device = "cuda"` where it cannot run is a clear error (exit 1, no panic), whether the
+/// binary lacks the `cuda` feature or the machine lacks a driver; so are the `gpu` commands.
+#[test]
+fn cuda_device_without_a_gpu_is_a_clear_error() {
+    let err = run_err(seqpipe().args(["train", "--set", "model.device=cuda", "-q"]));
+    assert!(
+        err.contains("model.device") || err.contains("CUDA"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--features cuda") || err.contains("driver library could not be loaded"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let err = run_err(seqpipe().args(["gpu", "check"]));
+    assert!(
+        err.contains("--features cuda") || err.contains("driver library could not be loaded"),
+        "{err}"
+    );
+    let err = run_err(seqpipe().args(["train", "--set", "model.precision=fp8"]));
+    assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
+}

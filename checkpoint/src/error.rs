@@ -10,6 +10,17 @@ use crate::step_dir;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CheckpointError {
+    /// A write, commit or delete on a store opened read-only.
+    #[error(
+        "refused to {action} in {url}: the store was opened read-only (read-only commands such as \
+         eval and ckpt never change a checkpoint store)"
+    )]
+    ReadOnly {
+        /// The store.
+        url: String,
+        /// What was refused.
+        action: String,
+    },
     /// The checkpoint URL could not be understood.
     #[error(
         "bad checkpoint URL `{url}`: {reason}; use file:///abs/dir, a plain directory path, \

@@ -59,6 +59,7 @@ impl CheckpointStore {
     /// [`CheckpointStore::clean_stale`]). Uncommitted directories are not touched. Returns the
     /// deleted steps, ascending.
     pub async fn retain(&self, keep_last: usize) -> Result<Vec<u64>, CheckpointError> {
+        self.writable("retire old checkpoints")?;
         let committed = self.committed_steps().await?;
         let keep = keep_last.max(1);
         let doomed = &committed[..committed.len().saturating_sub(keep)];
@@ -71,6 +72,7 @@ impl CheckpointStore {
     /// Deletes the checkpoint of `step`: its manifest FIRST (so it stops existing at once), then
     /// every other object of its directory. Deleting a step that does not exist does nothing.
     pub async fn delete_step(&self, step: u64) -> Result<(), CheckpointError> {
+        self.writable(&format!("delete step {step}"))?;
         self.delete_key(&crate::manifest_key(step)).await?;
         let dir = Path::from(step_dir(step));
         let keys: Vec<String> = self
@@ -95,6 +97,7 @@ impl CheckpointStore {
     /// Incomplete S3/GCS multipart uploads are not objects and are not listed here; give the
     /// bucket a lifecycle rule that aborts them after a day.
     pub async fn clean_stale(&self, below_step: u64) -> Result<Vec<String>, CheckpointError> {
+        self.writable("clean stale uploads")?;
         let mut doomed = Vec::new();
         for (step, objects) in self.objects_by_step().await? {
             let committed = objects.iter().any(|o| is_manifest(&o.location));

@@ -42,6 +42,10 @@ pub struct StoreOptions {
     /// Multipart part size (default 8 MiB, [`DEFAULT_PART_SIZE`]). Cloud stores need at least
     /// 5 MiB; local and in-memory stores accept any size of at least 1 byte.
     pub part_size: Option<usize>,
+    /// Open for reading only: a local directory is not created (a missing one is an error), and
+    /// every write, commit or delete is refused with [`CheckpointError::ReadOnly`]. Read-only
+    /// commands (`eval`, `ckpt list/show/verify/export`) open stores this way.
+    pub read_only: bool,
 }
 
 /// Upload parts in flight per upload. Parts reference the caller's tensor bytes (no copy), so
@@ -64,6 +68,7 @@ pub struct CheckpointStore {
     pub(crate) inner: Arc<dyn ObjectStore>,
     pub(crate) part_size: usize,
     pub(crate) limiter: Option<Arc<RateLimiter>>,
+    pub(crate) read_only: bool,
 }
 
 impl std::fmt::Debug for CheckpointStore {
@@ -88,7 +93,10 @@ impl CheckpointStore {
             return Err(bad_url(url, "the URL is empty"));
         }
         let (inner, cloud): (Arc<dyn ObjectStore>, bool) = if !url.contains("://") {
-            (open_local_dir(url, std::path::Path::new(url))?, false)
+            (
+                open_local_dir(url, std::path::Path::new(url), options.read_only)?,
+                false,
+            )
         } else {
             let parsed = url::Url::parse(url).map_err(|e| bad_url(url, &e.to_string()))?;
             let prefix = parsed.path().trim_matches('/');
@@ -107,7 +115,7 @@ impl CheckpointStore {
                     let dir = parsed
                         .to_file_path()
                         .map_err(|()| bad_url(url, "not a local absolute path"))?;
-                    (open_local_dir(url, &dir)?, false)
+                    (open_local_dir(url, &dir, options.read_only)?, false)
                 }
                 "memory" => (with_prefix(url, Arc::new(InMemory::new()), prefix)?, false),
                 "s3" | "s3a" => (
@@ -152,7 +160,19 @@ impl CheckpointStore {
             inner,
             part_size,
             limiter,
+            read_only: options.read_only,
         })
+    }
+
+    /// Refuses `action` on a read-only store.
+    pub(crate) fn writable(&self, action: &str) -> Result<(), CheckpointError> {
+        if self.read_only {
+            return Err(CheckpointError::ReadOnly {
+                url: self.url.clone(),
+                action: action.to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// The URL this store was opened with (as given).
@@ -226,7 +246,15 @@ fn bad_url(url: &str, reason: &str) -> CheckpointError {
 fn open_local_dir(
     url: &str,
     dir: &std::path::Path,
+    read_only: bool,
 ) -> Result<Arc<dyn ObjectStore>, CheckpointError> {
+    if read_only && !dir.is_dir() {
+        return Err(CheckpointError::Io {
+            path: dir.to_path_buf(),
+            action: "opening the checkpoint directory (read-only: it is not created)".into(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory"),
+        });
+    }
     std::fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
         path: dir.to_path_buf(),
         action: "creating the checkpoint directory".into(),

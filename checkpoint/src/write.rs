@@ -41,6 +41,7 @@ impl CheckpointStore {
         shard_name: &str,
         tensors: Vec<(String, TensorData)>,
     ) -> Result<ShardEntry, CheckpointError> {
+        self.writable(&format!("write shard `{shard_name}` of step {step}"))?;
         validate_shard_name(shard_name)?;
         let (header, mut entries) = build_header(shard_name, &tensors)?;
         let key = format!(
@@ -134,6 +135,7 @@ impl CheckpointStore {
     /// "someone else's", compare [`CheckpointStore::read_manifest`] with `manifest`.)
     pub async fn commit(&self, manifest: &Manifest) -> Result<(), CheckpointError> {
         let step = manifest.step;
+        self.writable(&format!("commit step {step}"))?;
         manifest
             .validate()
             .map_err(|detail| CheckpointError::InvalidManifest {
@@ -205,6 +207,7 @@ impl CheckpointStore {
     /// hashing or format, deletes it, and returns the seconds the write took (deletion not
     /// counted).
     pub async fn raw_write_probe(&self, bytes: usize) -> Result<f64, CheckpointError> {
+        self.writable("write a probe object")?;
         let key = format!("probe-{:016x}.bin", rand::random::<u64>());
         let path = self.path(&key)?;
         // One part's worth of non-constant data, referenced (not copied) by every part.

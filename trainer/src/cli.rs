@@ -389,7 +389,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             )
         }
         Command::Eval(args) => {
-            let cfg = args.config.load()?;
+            let mut cfg = args.config.load()?;
+            // Evaluation reads checkpoints and never changes the store (no retiring, no cleanup,
+            // no directory created).
+            cfg.checkpoint.read_only = true;
             crate::cuda::require_runnable_device(&cfg.model)?;
             init_logging(&cfg.run.log);
             let start = args.start.start()?;
@@ -529,7 +532,7 @@ fn resume_config(target: &str, overrides: &[String]) -> Result<Config> {
     let cfg = if resolved.is_file() {
         Config::load(Some(&resolved), &[])?
     } else {
-        let store = CheckpointStore::open(target, &StoreOptions::default())?;
+        let store = CheckpointStore::open(target, &read_only())?;
         let rt = runtime()?;
         let step = *rt.block_on(store.committed_steps())?.last().with_context(|| format!("{target} is neither a run directory (no config.resolved.toml) nor a checkpoint location with a committed checkpoint"))?;
         let manifest = rt.block_on(store.read_manifest(step))?;
@@ -552,6 +555,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
+    if cfg.checkpoint.read_only {
+        bail!(
+            "checkpoint.read_only = true: training writes checkpoints; set checkpoint.read_only = false (only read-only commands such as eval open the store read-only)"
+        );
+    }
     init_logging(&cfg.run.log);
     let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
     let segments = cfg.segment_lengths()?;
@@ -617,9 +625,17 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Options of a store that read-only commands open: nothing is created, written or deleted.
+fn read_only() -> StoreOptions {
+    StoreOptions {
+        read_only: true,
+        ..StoreOptions::default()
+    }
+}
+
 fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
     let rt = runtime()?;
-    let open = |url: &str| CheckpointStore::open(url, &StoreOptions::default());
+    let open = |url: &str| CheckpointStore::open(url, &read_only());
     let pick = |store: &CheckpointStore, step: Option<u64>| -> Result<u64> {
         let committed = rt.block_on(store.committed_steps())?;
         match step {

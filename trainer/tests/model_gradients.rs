@@ -46,6 +46,7 @@ fn config(position: Position, norm: Norm, layers: usize) -> ModelConfig {
         rope_base: 10_000.0,
         norm_eps: 1e-5,
         init_std: 0.02,
+        ..ModelConfig::default()
     }
 }
 

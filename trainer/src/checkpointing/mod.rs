@@ -36,6 +36,9 @@ pub struct CheckpointConfig {
     pub max_upload_bytes_per_s: u64,
     /// Seconds allowed, after SIGINT/SIGTERM, to finish the step and commit the final checkpoint.
     pub grace_s: f64,
+    /// Open the store read-only: nothing is written, deleted or created in it (`seqpipe eval`
+    /// sets this; `train` and `resume` refuse it).
+    pub read_only: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -50,6 +53,7 @@ impl Default for CheckpointConfig {
             allow_http: false,
             max_upload_bytes_per_s: 0,
             grace_s: 30.0,
+            read_only: false,
         }
     }
 }
@@ -78,6 +82,7 @@ impl CheckpointConfig {
             max_upload_bytes_per_s: (self.max_upload_bytes_per_s > 0)
                 .then_some(self.max_upload_bytes_per_s),
             part_size: None,
+            read_only: self.read_only,
         }
     }
 

@@ -892,6 +892,10 @@ impl Driver<'_, '_> {
     /// run directory is replaced; at an explicitly configured `checkpoint.url` they are never deleted
     /// implicitly: the run refuses to start.
     fn clear_previous_run(&mut self) -> Result<(), LaunchError> {
+        // A read-only command (eval) reads the store and never changes it.
+        if self.cfg.checkpoint.read_only {
+            return Ok(());
+        }
         let committed = self.checkpoints.committed_steps()?;
         if committed.is_empty() {
             return Ok(());
@@ -918,6 +922,9 @@ impl Driver<'_, '_> {
     /// skipped, or ones the user rewound past) describe a history that is about to be rewritten, and
     /// the rerun will commit those steps again. Each is deleted, manifest first.
     fn retire_newer_than(&mut self, step: u64, committed: &[u64]) -> Result<(), LaunchError> {
+        if self.cfg.checkpoint.read_only {
+            return Ok(());
+        }
         for &newer in committed.iter().filter(|&&s| s > step) {
             warn!(
                 newer,
