@@ -276,6 +276,23 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 #define BR 64
 #define BC 32
 
+// Keys/values k0..k0+BC of (sequence b, head h) into shared memory (zeros past `keys`), between
+// barriers: the tile of the previous iteration is no longer read when this one is written.
+template <int D>
+__device__ __forceinline__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* k, const float* v, int b,
+                                             int h, int L, int k0, int keys, int kv_stride) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
+        int r = idx / D, e = idx % D;
+        int l_idx = k0 + r;
+        bool ok = l_idx < keys;
+        size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
+        ks[r][e] = ok ? k[off] : 0.0f;
+        vs[r][e] = ok ? v[off] : 0.0f;
+    }
+    __syncthreads();
+}
+
 template <int D>
 __device__ void attn_forward(float* y, float* lse, const float* q, const float* k, const float* v,
                              int b_count, int h_count, int s, int p, int q_stride, int kv_stride,
@@ -299,16 +316,7 @@ __device__ void attn_forward(float* y, float* lse, const float* q, const float* 
     int keys = p + t_last + 1;  // keys some query of this block sees
     int visible = active ? p + t + 1 : 0;
     for (int k0 = 0; k0 < keys; k0 += BC) {
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
-            int r = idx / D, e = idx % D;
-            int l_idx = k0 + r;
-            bool ok = l_idx < keys;
-            size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
-            ks[r][e] = ok ? k[off] : 0.0f;
-            vs[r][e] = ok ? v[off] : 0.0f;
-        }
-        __syncthreads();
+        load_kv_tile<D>(ks, vs, k, v, b, h, L, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
         if (n_here <= 0) continue;
         float sc[BC];
@@ -393,16 +401,7 @@ __device__ void attn_backward_dq(float* dq, const float* q, const float* k, cons
     int keys = p + t_last + 1;
     int visible = active ? p + t + 1 : 0;
     for (int k0 = 0; k0 < keys; k0 += BC) {
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
-            int r = idx / D, e = idx % D;
-            int l_idx = k0 + r;
-            bool ok = l_idx < keys;
-            size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
-            ks[r][e] = ok ? k[off] : 0.0f;
-            vs[r][e] = ok ? v[off] : 0.0f;
-        }
-        __syncthreads();
+        load_kv_tile<D>(ks, vs, k, v, b, h, L, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
         for (int r = 0; r < n_here; ++r) {
             float dot = 0.0f, dp = 0.0f;

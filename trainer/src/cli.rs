@@ -1,6 +1,6 @@
 //! The `seqpipe` command line: `train`, `schedule`, `plot`, `data prepare`, and the internal `worker`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
@@ -390,12 +390,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Eval(args) => {
             let mut cfg = args.config.load()?;
+            let start = args.start.start()?;
             // Evaluation reads checkpoints and never changes the store (no retiring, no cleanup,
             // no directory created).
             cfg.checkpoint.read_only = true;
+            let store = cfg.checkpoint.resolved_url(&cfg.run.dir);
+            if !matches!(start, Start::Resume(_))
+                && !store.contains("://")
+                && !Path::new(&store).exists()
+            {
+                // Fresh or imported weights need no checkpoint: a run without a store is read
+                // through an empty in-memory one rather than creating its directory.
+                cfg.checkpoint.url = "memory://".into();
+            }
             crate::cuda::require_runnable_device(&cfg.model)?;
             init_logging(&cfg.run.log);
-            let start = args.start.start()?;
             let (step, val_loss) = run_evaluation(&cfg, &start)?;
             println!(
                 "{}",
