@@ -430,6 +430,7 @@ impl Gpu {
 
     /// Causal prefix attention: `y (b·s, h·d)` and `lse (b, h, s)` from queries `q` and keys/values
     /// `k`, `v` laid out as [`AttnShape`] says.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_forward(
         &self,
         y: u64,
@@ -538,6 +539,7 @@ impl Gpu {
 
     /// Softmax cross-entropy of `rows` rows of `logits (rows, v)` in place: per-row losses into
     /// `loss`, and (`want_grad`) the logits replaced by `grad_scale · (softmax − onehot)`.
+    #[allow(clippy::too_many_arguments)]
     pub fn softmax_cross_entropy(
         &self,
         logits: u64,
@@ -634,6 +636,7 @@ impl Gpu {
 
     /// Row-major `y (n, out) = x (n, in) · W^T` (+ `b` when non-zero) for a linear layer with
     /// weight `W (out, in)`.
+    #[allow(clippy::too_many_arguments)]
     pub fn linear_forward(
         &self,
         y: u64,

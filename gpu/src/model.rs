@@ -46,6 +46,9 @@ pub struct Update {
     pub betas: (f64, f64, f64),
 }
 
+/// A host tensor `(name, dims, values)`.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
 /// One parameter on the device with its gradient and AdamW moments.
 struct Param {
     name: String,
@@ -112,14 +115,14 @@ impl GptGpu {
     pub fn new(
         gpu: &Gpu,
         shape: GptShape,
-        params: Vec<(String, Vec<usize>, Vec<f32>)>,
+        params: Vec<NamedTensor>,
         decays: &dyn Fn(&str) -> bool,
         batch: usize,
         seq: usize,
     ) -> Result<GptGpu> {
         const OP: &str = "GptGpu::new";
         let c = shape.d_model;
-        if shape.heads == 0 || c % shape.heads != 0 {
+        if shape.heads == 0 || !c.is_multiple_of(shape.heads) {
             return shape_err(
                 OP,
                 format!("d_model {c} is not a multiple of heads {}", shape.heads),
@@ -694,7 +697,7 @@ impl GptGpu {
     }
 
     /// Host copies of every parameter `(name, dims, values)`.
-    pub fn download_params(&self, gpu: &Gpu) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn download_params(&self, gpu: &Gpu) -> Result<Vec<NamedTensor>> {
         self.params
             .iter()
             .map(|p| Ok((p.name.clone(), p.dims.clone(), gpu.download(&p.value)?)))
@@ -702,7 +705,7 @@ impl GptGpu {
     }
 
     /// Host copies of every gradient `(name, dims, values)`.
-    pub fn download_grads(&self, gpu: &Gpu) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    pub fn download_grads(&self, gpu: &Gpu) -> Result<Vec<NamedTensor>> {
         self.params
             .iter()
             .map(|p| Ok((p.name.clone(), p.dims.clone(), gpu.download(&p.grad)?)))

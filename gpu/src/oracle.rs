@@ -284,16 +284,13 @@ fn norms(c: &mut Checker) -> Result<()> {
         let (bv, b) = c.tensor(&[ch], 1.0)?;
         let (dyv, dy) = c.tensor(&[n, ch], 1.0)?;
         let eps = 1e-5;
-        let ((y, ctx), (dx, g)) = if rms {
+        let (y, (dx, g)) = if rms {
             let (y, ctx) = ops(ops::rms_norm_forward(&x, &w, eps))?;
-            let bw = ops(ops::rms_norm_backward(&ctx, &w, &dy))?;
-            ((y, ()), bw)
+            (y, ops(ops::rms_norm_backward(&ctx, &w, &dy))?)
         } else {
             let (y, ctx) = ops(ops::layer_norm_forward(&x, &w, Some(&b), eps))?;
-            let bw = ops(ops::layer_norm_backward(&ctx, &w, &dy, true))?;
-            ((y, ()), bw)
+            (y, ops(ops::layer_norm_backward(&ctx, &w, &dy, true))?)
         };
-        let _ = ctx;
         let gpu = &*c.gpu;
         let (xd, wd, bd, dyd) = (
             gpu.upload(&xv)?,

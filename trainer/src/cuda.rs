@@ -285,7 +285,8 @@ mod enabled {
                 } else {
                     num.sqrt()
                 };
-                if !(rel <= worst.0) {
+                // NaN counts as the worst.
+                if rel.is_nan() || rel > worst.0 {
                     worst = (rel, name);
                 }
             }
@@ -348,7 +349,7 @@ mod enabled {
         println!("{}", serde_json::to_string(&report)?);
         if let Some(c) = &report.grad_check
             && precision == Precision::Fp32
-            && !(c.worst_rel_l2 <= c.bound)
+            && (c.worst_rel_l2.is_nan() || c.worst_rel_l2 > c.bound)
         {
             bail!(
                 "GPU gradients differ from the CPU stage's: {} has relative L2 error {:.2e} (bound {:.0e})",
