@@ -309,6 +309,10 @@ struct AgentCli {
     /// Seconds to keep trying to reach the coordinator.
     #[arg(long, default_value_t = 60.0)]
     connect_timeout_s: f64,
+    /// Started by the coordinator on its own machine (`elastic.local_agents`): honour the paths
+    /// it sends.
+    #[arg(long, hide = true)]
+    local: bool,
 }
 
 #[derive(Args, Debug)]
@@ -497,6 +501,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 host: a.host,
                 dir: a.dir,
                 connect_timeout: std::time::Duration::from_secs_f64(a.connect_timeout_s),
+                local: a.local,
             })?;
             Ok(ExitCode::SUCCESS)
         }

@@ -18,8 +18,9 @@ use elastic::NodeInfo;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::auth;
+use super::auth::{self, Gate, Purpose};
 use super::control::{ControlSender, ControlStream, FromAgent, ToAgent};
+use super::peer_input;
 use super::peer_snapshots::{SnapshotStore, serve};
 use crate::config::Config;
 
@@ -42,6 +43,9 @@ pub struct AgentArgs {
     /// With an etcd rendezvous: the job's config, which this node runs as coordinator if it wins
     /// the leadership (then `join` is found in etcd, not given).
     pub job: Option<Box<Config>>,
+    /// The coordinator started this agent on its own machine (`elastic.local_agents`): paths it
+    /// sends (gradient dumps, a test feature) are on this machine too and are honoured.
+    pub local: bool,
 }
 
 /// Why an agent stopped.
@@ -75,6 +79,10 @@ pub enum AgentError {
     /// The coordinator sent a config this binary cannot use.
     #[error("the coordinator's config: {0}")]
     Config(#[from] crate::config::ConfigError),
+    /// The coordinator sent a message with a value that cannot be used (a name that is not a plain
+    /// file name, a number out of range): it is not trusted further.
+    #[error("the coordinator at {addr} sent a bad message: {problem}; leaving it")]
+    BadMessage { addr: String, problem: String },
     /// The etcd rendezvous failed.
     #[error("etcd rendezvous {url}: {source}")]
     Etcd {
@@ -109,6 +117,37 @@ struct Snapshots {
     port: u16,
     /// Where to report stored copies: the current incarnation's coordinator connection.
     report_to: Arc<Mutex<Option<ControlSender>>>,
+    /// Accepts the workers' connections for as long as the agent lives.
+    _gate: Gate,
+}
+
+/// The `host:port` this agent first talks to: the etcd endpoint or the coordinator.
+fn rendezvous_or_join(args: &AgentArgs) -> String {
+    args.job
+        .as_ref()
+        .and_then(|job| elastic::etcd::EtcdUrl::parse(&job.elastic.rendezvous).ok())
+        .map(|url| url.endpoint().to_string())
+        .unwrap_or_else(|| args.join.clone())
+}
+
+/// The local IP of the interface that routes to `target` (`host:port`), found without sending a
+/// packet (a UDP socket's connect only picks the route).
+fn route_ip(target: &str) -> std::io::Result<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let remote = target.to_socket_addrs()?.next().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{target} resolves to nothing"),
+        )
+    })?;
+    let any: std::net::SocketAddr = if remote.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(any)?;
+    socket.connect(remote)?;
+    Ok(socket.local_addr()?.ip())
 }
 
 impl Snapshots {
@@ -120,15 +159,24 @@ impl Snapshots {
                 source,
             }
         };
-        let bind = args.host.as_deref().unwrap_or("0.0.0.0");
-        let listener = std::net::TcpListener::bind((bind, 0))
+        // The address peers reach this node by: `--host`, or the interface that routes to the
+        // coordinator (or etcd). Never every interface: a local run stays on loopback.
+        let bind = match &args.host {
+            Some(host) => host.clone(),
+            None => route_ip(&rendezvous_or_join(args))
+                .map_err(io(
+                    "finding the interface that reaches the coordinator (name it with --host)",
+                ))?
+                .to_string(),
+        };
+        let listener = std::net::TcpListener::bind((bind.as_str(), 0))
             .map_err(io(&format!("binding the snapshot port on {bind}")))?;
         let port = listener.local_addr().map_err(io("snapshot port"))?.port();
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
         let reporter = Arc::clone(&report_to);
         let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
-        serve(listener, token, Arc::clone(&store), move |step, names| {
+        let gate = serve(listener, token, Arc::clone(&store), move |step, names| {
             if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                 let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
             }
@@ -138,6 +186,7 @@ impl Snapshots {
             store,
             port,
             report_to,
+            _gate: gate,
         })
     }
 
@@ -359,7 +408,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
             Err(e) => return Err(err(e)),
         }
     };
-    auth::respond(&mut stream, &token, "control").map_err(err)?;
+    auth::connect(&mut stream, &token, Purpose::Control).map_err(err)?;
     ControlStream::new(stream).map_err(err)
 }
 
@@ -404,8 +453,10 @@ fn run_incarnation(
             incarnation,
             heartbeat_s,
         } => {
+            let heartbeat = peer_input::seconds("heartbeat_s", heartbeat_s, MAX_HEARTBEAT)
+                .map_err(|e| bad_message(args, e))?;
             info!(node = %args.name, incarnation, %host, "joined the run");
-            Duration::from_secs_f64(heartbeat_s)
+            heartbeat
         }
         ToAgent::Refused { reason } => {
             return Err(AgentError::Refused {
@@ -460,6 +511,9 @@ fn run_incarnation(
                 dump_grads,
                 keep_running,
             })) => {
+                if let Err(e) = check_start(args, &stages, &snapshot_to, &session, &dump_grads) {
+                    break Err(bad_message(args, e));
+                }
                 if !keep_running {
                     stop(&mut workers, u64::MAX);
                 }
@@ -506,6 +560,51 @@ fn run_incarnation(
     };
     stop(&mut workers, u64::MAX);
     result
+}
+
+/// The longest heartbeat interval an agent accepts from a coordinator.
+const MAX_HEARTBEAT: Duration = Duration::from_secs(3600);
+
+/// Most stage workers one `StartWorkers` may ask for, whatever `--slots` says.
+const MAX_STAGE_INDEX: usize = 1 << 16;
+
+fn bad_message(args: &AgentArgs, problem: peer_input::BadInput) -> AgentError {
+    AgentError::BadMessage {
+        addr: args.join.clone(),
+        problem: problem.0,
+    }
+}
+
+/// Checks a `StartWorkers` before anything is written or started: the session becomes a directory
+/// name under `--dir`, stages and addresses go on workers' command lines, and a gradient-dump path
+/// is honoured only from the coordinator that started this agent on its own machine.
+fn check_start(
+    args: &AgentArgs,
+    stages: &[usize],
+    snapshot_to: &[String],
+    session: &str,
+    dump_grads: &Option<PathBuf>,
+) -> Result<(), peer_input::BadInput> {
+    peer_input::path_component("session", session)?;
+    if stages.len() > args.slots {
+        return Err(peer_input::BadInput(format!(
+            "{} stages for a node with {} slot(s)",
+            stages.len(),
+            args.slots
+        )));
+    }
+    for &stage in stages {
+        peer_input::index("stage", stage, MAX_STAGE_INDEX)?;
+    }
+    for addr in snapshot_to {
+        peer_input::address("snapshot_to", addr)?;
+    }
+    if dump_grads.is_some() && !args.local {
+        return Err(peer_input::BadInput(
+            "dump_grads: a remote coordinator cannot choose paths on this node".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Workers that exited by themselves since the last call, as reports (and forgets them).

@@ -1,20 +1,65 @@
-//! Job-token authentication of every connection (coordinator and stage data ports).
+//! Mutual job-token authentication of every connection (coordinator, stage data and snapshot
+//! ports), and the gate that runs it off the critical path.
 //!
-//! The accepting side sends a random nonce; the connecting side answers with BLAKE3 keyed by the
-//! job token over (nonce, purpose). The token itself never crosses the wire. A connection that does
-//! not answer correctly within [`HANDSHAKE_TIMEOUT`] is closed without effect.
+//! Handshake (both sides prove the token; it never crosses the wire):
+//!
+//! ```text
+//! acceptor  → connector : MAGIC, nonce_a (32 B)
+//! connector → acceptor  : nonce_c (32 B), MAC(token; "connector", purpose, nonce_a, nonce_c)
+//! acceptor  → connector : MAC(token; "acceptor", purpose, nonce_a, nonce_c)
+//! ```
+//!
+//! The MAC is BLAKE3 keyed by a hash of the token. Each proof is bound to both nonces, to the
+//! port's [`Purpose`] and to the prover's role, so a proof taken from one connection (or one port,
+//! or reflected back at its sender) is useless on another. Each side gives up after
+//! [`HANDSHAKE_TIMEOUT`]. The handshake authenticates the peer; it does not encrypt the stream
+//! (run jobs on a private network, as for NCCL or Gloo).
+//!
+//! [`Gate`] accepts a listener's connections on a thread of its own and authenticates each on a
+//! short-lived thread of its own, with at most [`MAX_PENDING`] handshakes in flight (a new connection
+//! ends the oldest handshake): silent or hostile connections cost the training thread nothing, and a
+//! crowd of them cannot keep an honest peer out.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tracing::{debug, warn};
 
 /// Environment variable holding the job's shared secret.
 pub const TOKEN_ENV: &str = "SEQPIPE_JOB_TOKEN";
 
-/// How long an accepting side waits for the answer to its challenge.
+/// How long either side waits for the other's part of the handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-const MAGIC: &[u8; 8] = b"SQPAUTH1";
+/// Handshakes a [`Gate`] runs at once; a new connection beyond ends the oldest one.
+pub const MAX_PENDING: usize = 64;
+
+const MAGIC: &[u8; 8] = b"SQPAUTH2";
+
+/// What a port is for: a proof made for one purpose is refused by the others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// The coordinator's control port (workers and agents connect).
+    Control,
+    /// A stage's data port (the previous stage connects).
+    Data,
+    /// An agent's peer-snapshot port (workers connect).
+    Snapshot,
+}
+
+impl Purpose {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Purpose::Control => b"control",
+            Purpose::Data => b"data",
+            Purpose::Snapshot => b"snapshot",
+        }
+    }
+}
 
 /// The job token: `SEQPIPE_JOB_TOKEN`, or a fresh random one (local runs; the launcher passes it to
 /// its workers).
@@ -37,68 +82,231 @@ fn key(token: &str) -> [u8; 32] {
     *blake3::hash(token.as_bytes()).as_bytes()
 }
 
-fn answer(token: &str, nonce: &[u8; 32], purpose: &str) -> [u8; 32] {
-    let mut msg = nonce.to_vec();
-    msg.extend_from_slice(purpose.as_bytes());
-    *blake3::keyed_hash(&key(token), &msg).as_bytes()
+#[derive(Clone, Copy)]
+enum Role {
+    Acceptor,
+    Connector,
+}
+
+fn proof(
+    token: &str,
+    role: Role,
+    purpose: Purpose,
+    nonce_a: &[u8; 32],
+    nonce_c: &[u8; 32],
+) -> [u8; 32] {
+    let mut mac = blake3::Hasher::new_keyed(&key(token));
+    mac.update(b"seqpipe-auth-v2\0");
+    mac.update(match role {
+        Role::Acceptor => b"acceptor\0",
+        Role::Connector => b"connector",
+    });
+    mac.update(purpose.label());
+    mac.update(b"\0");
+    mac.update(nonce_a);
+    mac.update(nonce_c);
+    *mac.finalize().as_bytes()
+}
+
+/// Constant-time equality of two proofs.
+fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn denied(why: &str) -> io::Error {
     io::Error::new(
         io::ErrorKind::PermissionDenied,
-        format!("connection refused: {why} (does it share this job's {TOKEN_ENV}?)"),
+        format!("authentication failed: {why} (does the peer share this job's {TOKEN_ENV}?)"),
     )
 }
 
-/// Accepting side: challenges the peer and checks its answer; the caller drops the stream on error.
-pub fn challenge(stream: &mut TcpStream, token: &str, purpose: &str) -> io::Result<()> {
-    let nonce: [u8; 32] = rand::random();
-    let previous = stream.read_timeout()?;
+/// Runs `f` with `HANDSHAKE_TIMEOUT` on reads and writes, restoring the stream's timeouts after.
+fn with_deadline<T>(
+    stream: &mut TcpStream,
+    f: impl FnOnce(&mut TcpStream) -> io::Result<T>,
+) -> io::Result<T> {
+    let (read, write) = (stream.read_timeout()?, stream.write_timeout()?);
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.write_all(MAGIC)?;
-    stream.write_all(&nonce)?;
-    let mut got = [0u8; 32];
-    let read = stream.read_exact(&mut got);
-    stream.set_read_timeout(previous)?;
-    read.map_err(|_| denied("no answer to the authentication challenge"))?;
-    // Constant-time comparison.
-    let expected = answer(token, &nonce, purpose);
-    if got
-        .iter()
-        .zip(expected.iter())
-        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-        != 0
-    {
-        return Err(denied("wrong job token"));
-    }
-    Ok(())
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let result = f(stream);
+    stream.set_read_timeout(read)?;
+    stream.set_write_timeout(write)?;
+    result
 }
 
-/// Connecting side: answers the acceptor's challenge.
-pub fn respond(stream: &mut TcpStream, token: &str, purpose: &str) -> io::Result<()> {
-    let mut hello = [0u8; 40];
-    stream.read_exact(&mut hello).map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("no authentication challenge from the peer: {e}"),
-        )
-    })?;
-    if &hello[..8] != MAGIC {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "the peer is not a seqpipe endpoint",
-        ));
+/// Accepting side: proves the token to the peer and checks the peer's proof. On error the caller
+/// drops (closes) the stream.
+pub fn accept(stream: &mut TcpStream, token: &str, purpose: Purpose) -> io::Result<()> {
+    with_deadline(stream, |stream| {
+        let nonce_a: [u8; 32] = rand::random();
+        let mut hello = [0u8; 40];
+        hello[..8].copy_from_slice(MAGIC);
+        hello[8..].copy_from_slice(&nonce_a);
+        stream.write_all(&hello)?;
+        let mut answer = [0u8; 64];
+        stream
+            .read_exact(&mut answer)
+            .map_err(|e| denied(&format!("no answer to the challenge ({e})")))?;
+        let nonce_c: [u8; 32] = answer[..32].try_into().expect("32 bytes");
+        let got: [u8; 32] = answer[32..].try_into().expect("32 bytes");
+        let expected = proof(token, Role::Connector, purpose, &nonce_a, &nonce_c);
+        if !same(&got, &expected) {
+            return Err(denied("the connecting peer's proof is wrong"));
+        }
+        stream.write_all(&proof(token, Role::Acceptor, purpose, &nonce_a, &nonce_c))?;
+        stream.flush()
+    })
+}
+
+/// Connecting side: checks that the acceptor knows the token too, after proving it.
+pub fn connect(stream: &mut TcpStream, token: &str, purpose: Purpose) -> io::Result<()> {
+    with_deadline(stream, |stream| {
+        let mut hello = [0u8; 40];
+        stream.read_exact(&mut hello).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("no authentication challenge from the peer: {e}"),
+            )
+        })?;
+        if &hello[..8] != MAGIC {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer is not a seqpipe endpoint of this version (no authentication challenge)",
+            ));
+        }
+        let nonce_a: [u8; 32] = hello[8..].try_into().expect("32 bytes");
+        let nonce_c: [u8; 32] = rand::random();
+        let mut answer = [0u8; 64];
+        answer[..32].copy_from_slice(&nonce_c);
+        answer[32..].copy_from_slice(&proof(token, Role::Connector, purpose, &nonce_a, &nonce_c));
+        stream.write_all(&answer)?;
+        stream.flush()?;
+        let mut got = [0u8; 32];
+        stream.read_exact(&mut got).map_err(|e| {
+            denied(&format!(
+                "the accepting peer did not prove the token ({e}); it refused ours, or it is not this job's"
+            ))
+        })?;
+        let expected = proof(token, Role::Acceptor, purpose, &nonce_a, &nonce_c);
+        if !same(&got, &expected) {
+            return Err(denied("the accepting peer's proof is wrong"));
+        }
+        Ok(())
+    })
+}
+
+/// Accepts and authenticates a listener's connections in the background (see the module comment).
+pub struct Gate {
+    stop: Arc<AtomicBool>,
+}
+
+impl Gate {
+    /// Starts accepting on `listener` (named `name` in logs and thread names). Each connection
+    /// whose peer passes [`accept`] for `purpose` is handed to `admit` on its handshake thread.
+    pub fn start(
+        name: &str,
+        listener: TcpListener,
+        token: String,
+        purpose: Purpose,
+        admit: impl Fn(TcpStream, SocketAddr) + Send + Sync + 'static,
+    ) -> io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let admit = Arc::new(admit);
+        let pending: Arc<Waiting> = Arc::default();
+        let token: Arc<str> = token.into();
+        let (flag, label) = (Arc::clone(&stop), name.to_string());
+        listener.set_nonblocking(true)?;
+        std::thread::Builder::new()
+            .name(format!("{name}-accept"))
+            .spawn(move || {
+                let (mut next_id, mut evicted) = (0u64, 0u64);
+                while !flag.load(Ordering::SeqCst) {
+                    let (stream, peer) = match listener.accept() {
+                        Ok(accepted) => accepted,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(5));
+                            continue;
+                        }
+                        Err(e) => {
+                            warn!(port = %label, error = %e, "accepting a connection failed");
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                    };
+                    next_id += 1;
+                    let id = next_id;
+                    {
+                        let mut waiting = pending.lock().unwrap_or_else(|p| p.into_inner());
+                        if waiting.len() >= MAX_PENDING {
+                            // The oldest handshake has had the longest to finish: end it, so that
+                            // a crowd of silent connections never keeps a new peer out.
+                            if let Some((_, oldest)) = waiting.pop_front() {
+                                let _ = oldest.shutdown(Shutdown::Both);
+                            }
+                            evicted += 1;
+                            if evicted.is_power_of_two() {
+                                warn!(port = %label, evicted, "too many connections waiting for authentication: closing the oldest");
+                            }
+                        }
+                        match stream.try_clone() {
+                            Ok(clone) => waiting.push_back((id, clone)),
+                            Err(_) => continue,
+                        }
+                    }
+                    let (token, admit, waiting, port) = (
+                        Arc::clone(&token),
+                        Arc::clone(&admit),
+                        Arc::clone(&pending),
+                        label.clone(),
+                    );
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("{label}-auth"))
+                        .spawn(move || {
+                            let mut stream = stream;
+                            let result = stream
+                                .set_nonblocking(false)
+                                .and_then(|()| accept(&mut stream, &token, purpose));
+                            forget(&waiting, id);
+                            match result {
+                                Ok(()) => admit(stream, peer),
+                                Err(e) => {
+                                    debug!(%port, %peer, error = %e, "closed an unauthenticated connection")
+                                }
+                            }
+                        });
+                    if spawned.is_err() {
+                        forget(&pending, id);
+                        warn!(port = %label, "cannot start a handshake thread; connection closed");
+                    }
+                }
+            })?;
+        Ok(Self { stop })
     }
-    let nonce: [u8; 32] = hello[8..].try_into().expect("32 bytes");
-    stream.write_all(&answer(token, &nonce, purpose))
+
+    /// Stops accepting (connections already admitted are not affected).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Connections waiting for their handshake, oldest first (clones, to end them early).
+type Waiting = Mutex<VecDeque<(u64, TcpStream)>>;
+
+fn forget(waiting: &Waiting, id: u64) {
+    waiting
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(other, _)| *other != id);
 }
 
 #[cfg(test)]
 mod tests {
-    use std::net::TcpListener;
+    use std::sync::mpsc::channel;
+    use std::time::Instant;
 
     use super::*;
 
+    /// Runs `client` against an acceptor holding `server_token`; the acceptor's result.
     fn handshake(
         server_token: &'static str,
         client: impl FnOnce(&mut TcpStream) + Send + 'static,
@@ -110,18 +318,31 @@ mod tests {
             client(&mut s);
         });
         let (mut stream, _) = listener.accept().unwrap();
-        let result = challenge(&mut stream, server_token, "control");
+        let result = accept(&mut stream, server_token, Purpose::Control);
+        drop(stream);
         t.join().unwrap();
         result
     }
 
     #[test]
-    fn right_token_passes_wrong_token_and_silence_fail() {
-        assert!(handshake("secret", |s| respond(s, "secret", "control").unwrap()).is_ok());
-        let err = handshake("secret", |s| respond(s, "guess", "control").unwrap()).unwrap_err();
-        assert!(err.to_string().contains("wrong job token"), "{err}");
-        // Right token, wrong purpose: an answer for another port does not replay here.
-        assert!(handshake("secret", |s| respond(s, "secret", "data").unwrap()).is_err());
+    fn right_token_passes_wrong_token_wrong_purpose_and_silence_fail() {
+        assert!(
+            handshake("secret", |s| connect(s, "secret", Purpose::Control)
+                .unwrap())
+            .is_ok()
+        );
+        let err = handshake("secret", |s| {
+            let _ = connect(s, "guess", Purpose::Control);
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("proof is wrong"), "{err}");
+        // Right token, wrong purpose: a proof for another port does not replay here.
+        assert!(
+            handshake("secret", |s| {
+                let _ = connect(s, "secret", Purpose::Data);
+            })
+            .is_err()
+        );
         // A client that sends something else and hangs up.
         assert!(
             handshake("secret", |s| s
@@ -129,5 +350,83 @@ mod tests {
                 .unwrap())
             .is_err()
         );
+    }
+
+    /// An acceptor that does not know the token is refused by the connecting side: it cannot
+    /// produce the acceptor's proof, whatever it sends.
+    #[test]
+    fn a_connector_refuses_an_acceptor_without_the_token() {
+        for server in [
+            |s: &mut TcpStream| {
+                let _ = accept(s, "not-the-token", Purpose::Control);
+            },
+            |s: &mut TcpStream| {
+                // Speaks the protocol, then echoes the connector's own proof back (reflection).
+                let mut hello = [0u8; 40];
+                hello[..8].copy_from_slice(MAGIC);
+                s.write_all(&hello).unwrap();
+                let mut answer = [0u8; 64];
+                s.read_exact(&mut answer).unwrap();
+                s.write_all(&answer[32..]).unwrap();
+            },
+        ] {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let t = std::thread::spawn(move || {
+                let (mut s, _) = listener.accept().unwrap();
+                server(&mut s);
+            });
+            let mut s = TcpStream::connect(addr).unwrap();
+            let err = connect(&mut s, "secret", Purpose::Control).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+            t.join().unwrap();
+        }
+    }
+
+    /// A challenge relayed from another port (an oracle attack: the stranger forwards a real
+    /// acceptor's nonce to a job member's acceptor hoping for a usable proof) gets a proof bound to
+    /// the other purpose and role, which the real acceptor refuses.
+    #[test]
+    fn proofs_are_bound_to_role_purpose_and_both_nonces() {
+        let (a, c) = ([1u8; 32], [2u8; 32]);
+        let base = proof("t", Role::Connector, Purpose::Control, &a, &c);
+        assert_ne!(base, proof("t", Role::Acceptor, Purpose::Control, &a, &c));
+        assert_ne!(base, proof("t", Role::Connector, Purpose::Data, &a, &c));
+        assert_ne!(base, proof("t", Role::Connector, Purpose::Control, &c, &a));
+        assert_ne!(base, proof("u", Role::Connector, Purpose::Control, &a, &c));
+    }
+
+    /// Silent connections neither block nor delay an honest one behind them.
+    #[test]
+    fn a_gate_admits_an_honest_peer_past_a_crowd_of_silent_ones() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = channel();
+        let tx = std::sync::Mutex::new(tx);
+        let gate = Gate::start(
+            "test",
+            listener,
+            "secret".into(),
+            Purpose::Data,
+            move |s, _| {
+                let _ = tx.lock().unwrap().send(s);
+            },
+        )
+        .unwrap();
+        let silent: Vec<TcpStream> = (0..200)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let started = Instant::now();
+        let mut honest = TcpStream::connect(addr).unwrap();
+        connect(&mut honest, "secret", Purpose::Data).unwrap();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        // Far below the 5 s handshake timeout that each silent connection costs its own thread.
+        assert!(
+            started.elapsed() < HANDSHAKE_TIMEOUT,
+            "{:?}",
+            started.elapsed()
+        );
+        gate.stop();
+        drop(silent);
     }
 }

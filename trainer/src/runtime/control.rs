@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::wire::{Frame, read_frame, write_frame};
+use super::wire::{Frame, Limits, read_frame, write_frame};
 
 /// Worker → launcher.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -292,7 +292,7 @@ impl ControlStream {
 
     /// Receives one message (blocking).
     pub fn recv<T: DeserializeOwned>(&mut self) -> io::Result<T> {
-        read_frame(&mut self.reader)?.header()
+        read_frame(&mut self.reader, Limits::CONTROL)?.header()
     }
 
     /// This end's address (the interface that reaches the peer).
@@ -323,5 +323,16 @@ impl ControlSender {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         write_frame(&mut *writer, &Frame::new(msg, Vec::new()))
+    }
+
+    /// Sends `msg` (best effort) and closes the connection: the peer reads the message, then the
+    /// end of the stream, and nothing it sends afterwards is read.
+    pub fn send_and_close(&self, msg: &impl Serialize) {
+        let mut writer = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let _ = write_frame(&mut *writer, &Frame::new(msg, Vec::new()));
+        let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
     }
 }

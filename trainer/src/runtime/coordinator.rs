@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
@@ -17,12 +17,12 @@ use elastic::{ClusterState, Decision, NodeId, NodeStatus, Plan, decide};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::auth;
+use super::auth::{self, Gate, Purpose};
 use super::checkpoints::CheckpointWriter;
 use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
 use super::driver::{ResumePoint, Start, unix_time_s};
 use super::launcher::LaunchError;
-use super::wire::read_frame;
+use super::wire::{Limits, read_frame};
 use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 
@@ -113,7 +113,8 @@ pub struct Coordinator {
     /// Peer snapshots the agents hold: step → node → tensor names.
     held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
     local_agents: Vec<Child>,
-    stop: Arc<AtomicBool>,
+    /// Accepts and authenticates control connections.
+    gate: Gate,
     /// The etcd rendezvous (`elastic.rendezvous`), where the generation and plan are published.
     rendezvous: Option<Rendezvous>,
 }
@@ -148,9 +149,8 @@ impl Coordinator {
             )));
         }
         let (tx, events) = channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        accept_loop(listener, token.clone(), tx, Arc::clone(&stop))
-            .map_err(io("starting the coordinator"))?;
+        let gate =
+            accept_loop(listener, token.clone(), tx).map_err(io("starting the coordinator"))?;
         info!(%addr, "coordinator listening");
         let mut coordinator = Self {
             state: ClusterState::new(cfg.model.layers),
@@ -167,7 +167,7 @@ impl Coordinator {
             held: BTreeMap::new(),
             failure_seen_at: None,
             local_agents: Vec::new(),
-            stop,
+            gate,
             rendezvous: None,
         };
         let mut wanted = coordinator.cfg.pipeline.stages;
@@ -264,7 +264,7 @@ impl Coordinator {
         let stderr = file.try_clone().map_err(io("agent log".into()))?;
         let mut cmd = Command::new(exe);
         cmd.args([
-            "agent", "--join", &self.addr, "--name", name, "--slots", "1",
+            "agent", "--join", &self.addr, "--name", name, "--slots", "1", "--local",
         ])
         .arg("--dir")
         .arg(&self.cfg.run.dir)
@@ -620,7 +620,7 @@ impl Coordinator {
             .collect();
         for conn in conns {
             if let Some((_, sender)) = self.agents.remove(&conn) {
-                let _ = sender.send(&ToAgent::Refused {
+                sender.send_and_close(&ToAgent::Refused {
                     reason: reason.clone(),
                 });
             }
@@ -641,7 +641,11 @@ impl Coordinator {
                     .map(|(c, _)| *c)
                     .collect();
                 for c in old {
-                    self.agents.remove(&c);
+                    if let Some((_, sender)) = self.agents.remove(&c) {
+                        sender.send_and_close(&ToAgent::Refused {
+                            reason: "a newer incarnation of this node joined".into(),
+                        });
+                    }
                 }
                 match self.state.membership.join(node, now) {
                     Ok(incarnation) => {
@@ -662,7 +666,7 @@ impl Coordinator {
                     }
                     Err(e) => {
                         warn!(node = %id, error = %e, "refused a join");
-                        let _ = sender.send(&ToAgent::Refused {
+                        sender.send_and_close(&ToAgent::Refused {
                             reason: e.to_string(),
                         });
                     }
@@ -673,12 +677,15 @@ impl Coordinator {
                 self.workers.insert(conn, sender);
                 Some(Incoming::Hello(conn, hello))
             }
-            Event::Opened(conn, Opening::Agent(other), _) => {
+            Event::Opened(conn, Opening::Agent(other), sender) => {
                 warn!(
                     conn,
                     ?other,
                     "refused an agent connection that did not start with a join"
                 );
+                sender.send_and_close(&ToAgent::Refused {
+                    reason: "a connection must start with a join".into(),
+                });
                 None
             }
             Event::Agent(conn, msg) => {
@@ -966,7 +973,7 @@ impl Coordinator {
         for stale in self.stale_agents() {
             let reason = format!("left the plan at generation {}", plan.generation);
             if let Some((_, sender)) = self.agents.remove(&stale) {
-                let _ = sender.send(&ToAgent::Refused { reason });
+                sender.send_and_close(&ToAgent::Refused { reason });
             }
         }
         self.cfg.pipeline.stages = plan.num_stages();
@@ -1056,7 +1063,7 @@ impl Drop for Coordinator {
             let _ = sender.send(&ToAgent::Shutdown);
         }
         self.kill_local_agents();
-        self.stop.store(true, Ordering::SeqCst);
+        self.gate.stop();
     }
 }
 
@@ -1072,54 +1079,33 @@ fn last_metrics_step(path: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// Accepts connections until `stop`: each gets its own thread, which checks the job token, reads the
-/// opening message, then forwards every message as an [`Event`].
-fn accept_loop(
-    listener: TcpListener,
-    token: String,
-    tx: Sender<Event>,
-    stop: Arc<AtomicBool>,
-) -> std::io::Result<()> {
-    listener.set_nonblocking(true)?;
-    std::thread::Builder::new()
-        .name("coordinator-accept".into())
-        .spawn(move || {
-            let mut next_conn = 0u64;
-            while !stop.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((stream, peer)) => {
-                        next_conn += 1;
-                        let (conn, token, tx) = (next_conn, token.clone(), tx.clone());
-                        std::thread::spawn(move || {
-                            serve_connection(conn, stream, peer, &token, tx)
-                        });
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "accepting a control connection failed");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
-            }
-        })?;
-    Ok(())
+/// Accepts connections on `listener` until the gate is stopped: each authenticated one gets its own
+/// thread, which reads the opening message, then forwards every message as an [`Event`].
+fn accept_loop(listener: TcpListener, token: String, tx: Sender<Event>) -> std::io::Result<Gate> {
+    let next_conn = AtomicU64::new(0);
+    let tx = Mutex::new(tx);
+    Gate::start(
+        "coordinator",
+        listener,
+        token,
+        Purpose::Control,
+        move |stream, peer| {
+            let conn = next_conn.fetch_add(1, Ordering::SeqCst) + 1;
+            let tx = tx.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            serve_connection(conn, stream, peer, tx);
+        },
+    )
 }
 
-fn serve_connection(
-    conn: u64,
-    mut stream: TcpStream,
-    peer: std::net::SocketAddr,
-    token: &str,
-    tx: Sender<Event>,
-) {
+fn serve_connection(conn: u64, stream: TcpStream, peer: std::net::SocketAddr, tx: Sender<Event>) {
     let setup = (|| {
-        stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
-        auth::challenge(&mut stream, token, "control")?;
+        // The opening message follows the handshake at once: a connection that stays silent is
+        // closed after the handshake timeout.
+        stream.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT))?;
         let mut reader = BufReader::new(stream.try_clone()?);
-        let opening: Opening = read_frame(&mut reader)?.header()?;
+        let opening: Opening = read_frame(&mut reader, Limits::CONTROL)?.header()?;
+        stream.set_read_timeout(None)?;
         Ok::<_, std::io::Error>((reader, opening))
     })();
     let (mut reader, opening) = match setup {
@@ -1137,7 +1123,7 @@ fn serve_connection(
         return;
     }
     loop {
-        let event = read_frame(&mut reader).and_then(|frame| {
+        let event = read_frame(&mut reader, Limits::CONTROL).and_then(|frame| {
             if is_agent {
                 frame.header::<FromAgent>().map(|m| Event::Agent(conn, m))
             } else {

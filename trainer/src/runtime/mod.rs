@@ -9,6 +9,7 @@ pub mod control;
 pub mod coordinator;
 pub mod driver;
 pub mod launcher;
+mod peer_input;
 pub mod peer_snapshots;
 pub mod trace;
 pub mod transport;

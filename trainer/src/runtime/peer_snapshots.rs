@@ -20,8 +20,8 @@ use checkpoint::{Dtype, TensorData};
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
-use super::auth;
-use super::wire::{Frame, read_frame, write_frame};
+use super::auth::{self, Gate, Purpose};
+use super::wire::{Frame, Limits, read_frame, write_frame};
 use crate::checkpointing::shard::to_tensor_data;
 
 /// How many steps an agent keeps.
@@ -73,23 +73,47 @@ fn pack(tensors: &[(String, TensorData)]) -> (Vec<TensorMeta>, Vec<u8>) {
     (metas, payload)
 }
 
+/// Splits a payload into its tensors. Every number in `metas` is the peer's claim: lengths must
+/// add up to the payload exactly and match each tensor's shape and dtype, with checked arithmetic.
 fn unpack(metas: Vec<TensorMeta>, payload: Vec<u8>) -> std::io::Result<Vec<(String, TensorData)>> {
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
     let payload = bytes::Bytes::from(payload);
-    let mut offset = 0;
-    let mut out = Vec::with_capacity(metas.len());
+    let mut offset = 0usize;
+    let mut out = Vec::with_capacity(metas.len().min(1 << 16));
     for m in metas {
-        let end = offset + m.len;
-        if end > payload.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("snapshot payload too short for tensor {}", m.name),
-            ));
+        let end = offset
+            .checked_add(m.len)
+            .filter(|&end| end <= payload.len())
+            .ok_or_else(|| {
+                bad(format!(
+                    "snapshot payload of {} B too short for tensor `{}` ({} B at offset {offset})",
+                    payload.len(),
+                    m.name,
+                    m.len
+                ))
+            })?;
+        let elements_bytes = m
+            .shape
+            .iter()
+            .try_fold(m.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+            .map(|bits| bits.div_ceil(8));
+        if elements_bytes != Some(m.len) {
+            return Err(bad(format!(
+                "tensor `{}`: shape {:?} of {:?} does not take {} B",
+                m.name, m.shape, m.dtype, m.len
+            )));
         }
         out.push((
             m.name,
             TensorData::new(m.dtype, m.shape, payload.slice(offset..end)),
         ));
         offset = end;
+    }
+    if offset != payload.len() {
+        return Err(bad(format!(
+            "snapshot payload has {} B beyond its tensors",
+            payload.len() - offset
+        )));
     }
     Ok(out)
 }
@@ -133,27 +157,18 @@ pub fn serve(
     token: String,
     store: Arc<Mutex<SnapshotStore>>,
     on_stored: impl Fn(u64, Vec<String>) + Send + Sync + 'static,
-) -> std::io::Result<()> {
-    let on_stored = Arc::new(on_stored);
-    std::thread::Builder::new()
-        .name("snapshot-accept".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let (token, store, on_stored) =
-                    (token.clone(), Arc::clone(&store), Arc::clone(&on_stored));
-                std::thread::spawn(move || {
-                    if let Err(e) = auth::challenge(&mut stream, &token, "snapshot") {
-                        warn!(error = %e, "closed an unauthenticated connection to the snapshot port");
-                        return;
-                    }
-                    if let Err(e) = serve_connection(stream, &store, &*on_stored) {
-                        debug!(error = %e, "snapshot connection ended");
-                    }
-                });
+) -> std::io::Result<Gate> {
+    Gate::start(
+        "snapshot",
+        listener,
+        token,
+        Purpose::Snapshot,
+        move |stream, peer| {
+            if let Err(e) = serve_connection(stream, &store, &on_stored) {
+                debug!(%peer, error = %e, "snapshot connection ended");
             }
-        })?;
-    Ok(())
+        },
+    )
 }
 
 fn serve_connection(
@@ -165,7 +180,7 @@ fn serve_connection(
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
     loop {
-        let frame = read_frame(&mut reader)?;
+        let frame = read_frame(&mut reader, Limits::SNAPSHOT)?;
         match frame.header::<Request>()? {
             Request::Put { step, tensors } => {
                 let tensors = unpack(tensors, frame.payload)?;
@@ -226,7 +241,7 @@ impl Peer {
         let mut stream = TcpStream::connect_timeout(&sock, timeout)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_nodelay(true)?;
-        auth::respond(&mut stream, token, "snapshot")?;
+        auth::connect(&mut stream, token, Purpose::Snapshot)?;
         Ok(Self {
             addr: addr.to_string(),
             reader: BufReader::new(stream.try_clone()?),
@@ -236,7 +251,7 @@ impl Peer {
 
     fn call(&mut self, request: &Request, payload: Vec<u8>) -> std::io::Result<(Reply, Vec<u8>)> {
         write_frame(&mut self.writer, &Frame::new(request, payload))?;
-        let frame = read_frame(&mut self.reader)?;
+        let frame = read_frame(&mut self.reader, Limits::SNAPSHOT)?;
         Ok((frame.header()?, frame.payload))
     }
 }
@@ -378,6 +393,35 @@ mod tests {
                 .flat_map(|v| v.to_le_bytes())
                 .collect::<Vec<u8>>(),
         )
+    }
+
+    /// Lengths and shapes are a peer's claims: ones that overflow, overlap the end of the payload
+    /// or disagree with the dtype are refused, never a panic.
+    #[test]
+    fn unpack_checks_every_claimed_length_and_shape() {
+        let meta = |name: &str, shape: Vec<usize>, len: usize| TensorMeta {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape,
+            len,
+        };
+        let payload = vec![0u8; 12];
+        assert!(unpack(vec![meta("a", vec![3], 12)], payload.clone()).is_ok());
+        for metas in [
+            // The review's attack: an offset near 2^64 after the first tensor.
+            vec![meta("a", vec![1], 4), meta("b", vec![1], usize::MAX - 3)],
+            vec![meta("a", vec![4], 16)],
+            vec![meta("a", vec![usize::MAX, usize::MAX], 12)],
+            vec![meta("a", vec![2], 12)],
+            vec![meta("a", vec![2], 8)],
+        ] {
+            let err = unpack(metas.clone(), payload.clone()).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                std::io::ErrorKind::InvalidData,
+                "{metas:?}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! queue so that two stages sending to each other at once never deadlock.
 
 use std::io::{self, BufReader, BufWriter};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,8 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::wire::{Frame, read_frame, write_frame};
+use super::auth::{Gate, Purpose};
+use super::wire::{Frame, Limits, read_frame, write_frame};
 use crate::schedule::Unit;
 
 /// What a tensor message carries.
@@ -65,6 +67,63 @@ pub fn connect_retrying(addr: &std::net::SocketAddr, timeout: Duration) -> io::R
             Err(e) => return Err(e),
         }
     }
+}
+
+/// A stage's data port: the previous stage (or a replacement of it) connects here. A [`Gate`]
+/// accepts and authenticates connections on threads of their own, so the training thread only
+/// ever takes an authenticated stream: idle or hostile connections cannot delay a relink.
+pub struct DataPort {
+    admitted: Mutex<Receiver<TcpStream>>,
+    gate: Gate,
+}
+
+impl DataPort {
+    /// Starts accepting on `listener` for peers that prove `token`.
+    pub fn open(listener: TcpListener, token: String) -> io::Result<Self> {
+        let (tx, admitted) = channel();
+        let tx = Mutex::new(tx);
+        let gate = Gate::start("data", listener, token, Purpose::Data, move |stream, _| {
+            let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(stream);
+        })?;
+        Ok(Self {
+            admitted: Mutex::new(admitted),
+            gate,
+        })
+    }
+
+    /// The next authenticated connection whose peer is still there, waiting at most `timeout`.
+    pub fn next(&self, timeout: Duration) -> io::Result<TcpStream> {
+        let deadline = Instant::now() + timeout;
+        let admitted = self.admitted.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let stream = admitted.recv_timeout(left).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no authenticated connection within {timeout:?}"),
+                )
+            })?;
+            // A peer that connected and went away since (an earlier incarnation) is skipped.
+            if !peer_closed(&stream) {
+                return Ok(stream);
+            }
+        }
+    }
+}
+
+impl Drop for DataPort {
+    fn drop(&mut self) {
+        self.gate.stop();
+    }
+}
+
+/// Whether the peer of `stream` has closed it (a zero-byte peek), without consuming anything.
+fn peer_closed(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let closed = matches!(stream.peek(&mut [0u8; 1]), Ok(0));
+    closed || stream.set_nonblocking(false).is_err()
 }
 
 /// The first frame on a link rebuilt in the middle of a step: which units of `payload` the
@@ -127,14 +186,17 @@ pub struct TcpLink {
 }
 
 impl TcpLink {
-    /// Wraps a connected stream to stage `peer_stage`.
+    /// Wraps a connected stream to stage `peer_stage`; a frame whose payload exceeds
+    /// `max_tensor_bytes` (the largest boundary tensor of the run) is refused as a broken link.
     pub fn new(
         stream: TcpStream,
         peer_stage: usize,
         generation: u64,
         timeout: Duration,
+        max_tensor_bytes: u64,
     ) -> io::Result<Self> {
         let peer = format!("stage {peer_stage}");
+        let limits = Limits::data(max_tensor_bytes);
         stream.set_nodelay(true)?;
         let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let (tx, incoming) = channel();
@@ -142,7 +204,7 @@ impl TcpLink {
             .name(format!("recv-{peer}"))
             .spawn(move || {
                 loop {
-                    let frame = read_frame(&mut reader);
+                    let frame = read_frame(&mut reader, limits);
                     let stop = frame.is_err();
                     if tx.send(frame).is_err() || stop {
                         break;
@@ -256,14 +318,17 @@ impl Transport for TcpLink {
                 got: format!("{header:?}"),
             });
         }
-        let n: usize = header.shape.iter().product();
-        if frame.payload.len() != 4 * n {
+        // The shape is the peer's claim: its product is checked, never trusted to fit.
+        let bytes = header
+            .shape
+            .iter()
+            .try_fold(4usize, |acc, &d| acc.checked_mul(d));
+        if bytes != Some(frame.payload.len()) {
             return Err(TransportError::BadTensor {
                 peer: self.peer.clone(),
                 reason: format!(
-                    "shape {:?} needs {} bytes, got {}",
+                    "shape {:?} does not match the {}-byte payload",
                     header.shape,
-                    4 * n,
                     frame.payload.len()
                 ),
             });
@@ -294,8 +359,8 @@ mod tests {
         let (b, _) = listener.accept().unwrap();
         let timeout = Duration::from_secs(5);
         (
-            TcpLink::new(a, 1, gen_a, timeout).unwrap(),
-            TcpLink::new(b, 0, gen_b, timeout).unwrap(),
+            TcpLink::new(a, 1, gen_a, timeout, 1 << 20).unwrap(),
+            TcpLink::new(b, 0, gen_b, timeout, 1 << 20).unwrap(),
         )
     }
 
@@ -324,5 +389,34 @@ mod tests {
         stale.send(7, Payload::Activation, unit, &t).unwrap();
         let err = current.recv(7, Payload::Activation, unit).unwrap_err();
         assert!(err.to_string().contains("generation: 2"), "{err}");
+    }
+
+    /// A shape whose product overflows, or that disagrees with the payload, is a bad tensor; a
+    /// payload over the link's limit breaks the link. Neither panics.
+    #[test]
+    fn claimed_shapes_and_sizes_are_checked() {
+        let unit = Unit {
+            micro_batch: 0,
+            segment: 0,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        let mut link = TcpLink::new(b, 0, 1, Duration::from_secs(5), 64).unwrap();
+        for shape in [vec![usize::MAX, 2, 2], vec![3]] {
+            let header = TensorHeader {
+                generation: 1,
+                step: 1,
+                payload: Payload::Activation,
+                unit,
+                shape,
+            };
+            write_frame(&mut raw, &Frame::new(&header, vec![0u8; 8])).unwrap();
+            let err = link.recv(1, Payload::Activation, unit).unwrap_err();
+            assert!(matches!(err, TransportError::BadTensor { .. }), "{err}");
+        }
+        write_frame(&mut raw, &Frame::new(&serde_json::json!({}), vec![0u8; 65])).unwrap();
+        let err = link.recv(1, Payload::Activation, unit).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
     }
 }

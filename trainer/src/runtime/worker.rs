@@ -14,13 +14,13 @@ use ops::adamw::{AdamW, AdamWConfig};
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use super::auth;
+use super::auth::{self, Purpose};
 use super::control::{
     ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker, UnitTime,
 };
 use super::peer_snapshots::{self, PeerCopier};
 use super::trace::unix_time_us;
-use super::transport::{Payload, TcpLink, Transport, TransportError, connect_retrying};
+use super::transport::{DataPort, Payload, TcpLink, Transport, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::checkpointing::shard::{
     from_tensor_data, names_to_restore, restore, snapshot, to_tensor_data,
@@ -121,7 +121,7 @@ struct Worker {
     /// Sends the state after every step to the agents' memory (tier-1 recovery).
     peer_copier: Option<PeerCopier>,
     /// The data port, kept to accept a relink from a replacement of the previous stage.
-    listener: Option<TcpListener>,
+    data_port: Option<DataPort>,
     /// What this worker did in the current step (mid-step recovery).
     record: StepRecord,
     /// A replacement's neighbours' outputs of the lost stage, for its first step.
@@ -324,7 +324,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     let addr = resolve(&args.control)?;
     let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
     let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
-    auth::respond(&mut stream, &token, "control").map_err(control_err)?;
+    auth::connect(&mut stream, &token, Purpose::Control).map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
         let listener =
@@ -339,6 +339,11 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
                 source,
             })?
             .to_string();
+        let data_port =
+            DataPort::open(listener, token.clone()).map_err(|source| WorkerError::Io {
+                what: "stage data port".into(),
+                source,
+            })?;
         control
             .send(&ToLauncher::Hello {
                 stage: args.stage,
@@ -371,7 +376,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
                 prev,
                 next,
                 replacement,
-            } => worker.connect(listener, generation, prev, next, replacement)?,
+            } => worker.connect(data_port, generation, prev, next, replacement)?,
             other => {
                 return Err(WorkerError::Protocol(format!(
                     "expected the topology first, got {other:?}"
@@ -473,7 +478,7 @@ impl Worker {
             token: String::new(),
             leaving: Arc::new(AtomicBool::new(false)),
             peer_copier: None,
-            listener: None,
+            data_port: None,
             record: StepRecord::default(),
             replay_skip: HashSet::new(),
         })
@@ -521,20 +526,20 @@ impl Worker {
     /// kept for a relink). A replacement of a lost stage then reads what its neighbours already have.
     fn connect(
         &mut self,
-        listener: TcpListener,
+        data_port: DataPort,
         generation: u64,
         prev: Option<String>,
         next: Option<String>,
         replacement: bool,
     ) -> Result<(), WorkerError> {
         let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        self.data_port = Some(data_port);
         if let Some(next) = next {
             self.connect_next(&next, generation, timeout)?;
         }
         if prev.is_some() {
-            self.accept_prev(&listener, generation, timeout)?;
+            self.accept_prev(generation, timeout)?;
         }
-        self.listener = Some(listener);
         if replacement {
             let mut skip = HashSet::new();
             if let Some(next) = &mut self.next {
@@ -565,53 +570,41 @@ impl Worker {
         let addr = resolve(next)?;
         let mut stream = connect_retrying(&addr, timeout)
             .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
-        auth::respond(&mut stream, &self.token, "data")
+        auth::connect(&mut stream, &self.token, Purpose::Data)
             .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
         self.next = Some(
-            TcpLink::new(stream, r + 1, generation, timeout)
+            TcpLink::new(stream, r + 1, generation, timeout, self.max_tensor_bytes())
                 .map_err(io("next-stage link".into()))?,
         );
         Ok(())
     }
 
-    fn accept_prev(
-        &mut self,
-        listener: &TcpListener,
-        generation: u64,
-        timeout: Duration,
-    ) -> Result<(), WorkerError> {
+    /// Takes the previous stage's connection from the data port (authenticated off this thread,
+    /// see [`DataPort`]).
+    fn accept_prev(&mut self, generation: u64, timeout: Duration) -> Result<(), WorkerError> {
         let r = self.index();
-        let io = io_error;
-        listener
-            .set_nonblocking(true)
-            .map_err(io("data port".into()))?;
-        let deadline = Instant::now() + timeout;
-        let stream = loop {
-            match listener.accept() {
-                Ok((mut stream, peer)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(io("data port".into()))?;
-                    match auth::challenge(&mut stream, &self.token, "data") {
-                        Ok(()) => break stream,
-                        Err(e) => {
-                            warn!(%peer, error = %e, "closed an unauthenticated connection to the data port")
-                        }
-                    }
-                }
-                Err(e)
-                    if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                Err(e) => return Err(io(format!("waiting for stage {} to connect", r - 1))(e)),
-            }
-        };
+        let port = self
+            .data_port
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("the data port is gone; cannot relink".into()))?;
+        let stream = port
+            .next(timeout)
+            .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
         self.prev = Some(
-            TcpLink::new(stream, r - 1, generation, timeout)
-                .map_err(io("previous-stage link".into()))?,
+            TcpLink::new(stream, r - 1, generation, timeout, self.max_tensor_bytes())
+                .map_err(io_error("previous-stage link".into()))?,
         );
         Ok(())
+    }
+
+    /// The largest boundary tensor of the run (a micro-batch's hidden states over the whole
+    /// sequence): the data links refuse larger frames.
+    fn max_tensor_bytes(&self) -> u64 {
+        let t = &self.cfg.train;
+        [t.micro_batch_size, t.seq_len, self.cfg.model.d_model, 4]
+            .iter()
+            .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64))
+            .unwrap_or(u64::MAX)
     }
 
     fn serve(&mut self, control: &mut ControlStream) -> Result<(), WorkerError> {
@@ -1049,14 +1042,7 @@ impl Worker {
         let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
         let step = self.record.step;
         match side {
-            Side::Prev => {
-                let listener = self.listener.take().ok_or_else(|| {
-                    WorkerError::Protocol("the data port is gone; cannot relink".into())
-                })?;
-                let result = self.accept_prev(&listener, generation, timeout);
-                self.listener = Some(listener);
-                result?;
-            }
+            Side::Prev => self.accept_prev(generation, timeout)?,
             Side::Next => {
                 let addr = addr.ok_or_else(|| {
                     WorkerError::Protocol("a relink of the next link needs an address".into())
