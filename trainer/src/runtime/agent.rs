@@ -585,7 +585,10 @@ fn check_start(
     session: &str,
     dump_grads: &Option<PathBuf>,
 ) -> Result<(), peer_input::BadInput> {
-    peer_input::path_component("session", session)?;
+    // Empty: the agent's directory itself (local runs).
+    if !session.is_empty() {
+        peer_input::path_component("session", session)?;
+    }
     if stages.len() > args.slots {
         return Err(peer_input::BadInput(format!(
             "{} stages for a node with {} slot(s)",
