@@ -294,3 +294,18 @@ fn an_etcd_error_in_a_chunked_answer_with_a_trailer_is_read() {
         "{text}"
     );
 }
+
+#[test]
+fn an_endpoint_that_is_no_host_port_is_named() {
+    let err = EtcdClient::new("10.0.0.5:2379/x y")
+        .with_timeout(TIMEOUT)
+        .get(b"/job/k")
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, EtcdError::Unreachable { .. }), "{text}");
+    assert!(
+        text.contains("cannot reach etcd at 10.0.0.5:2379/x y for kv/range `/job/k`"),
+        "{text}"
+    );
+    assert!(text.contains("is not a usable HOST:PORT"), "{text}");
+}

@@ -72,7 +72,7 @@ pub(crate) fn post(
     body: &[u8],
     timeout: Duration,
 ) -> Result<Response, HttpError> {
-    let convert = |e| convert(e, timeout);
+    let convert = |e| convert(e, endpoint, timeout);
     let mut response = agent
         .post(format!("http://{endpoint}{path}"))
         .content_type("application/json")
@@ -98,7 +98,7 @@ pub(crate) fn post(
 }
 
 /// A `ureq` error as an [`HttpError`].
-fn convert(e: ureq::Error, timeout: Duration) -> HttpError {
+fn convert(e: ureq::Error, endpoint: &str, timeout: Duration) -> HttpError {
     use ureq::Timeout as T;
     match e {
         ureq::Error::Timeout(T::Connect | T::Resolve) => HttpError::Connect(io::Error::new(
@@ -111,6 +111,11 @@ fn convert(e: ureq::Error, timeout: Duration) -> HttpError {
             "the host name resolved to no address",
         )),
         ureq::Error::ConnectionFailed => HttpError::Connect(io::Error::other("connection failed")),
+        // The request's method and headers are fixed: only the URL from `endpoint` can be bad.
+        e @ (ureq::Error::BadUri(_) | ureq::Error::Http(_)) => HttpError::Connect(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("`{endpoint}` is not a usable HOST:PORT ({e})"),
+        )),
         ureq::Error::Io(e) => match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => HttpError::Timeout(timeout),
             io::ErrorKind::ConnectionRefused
