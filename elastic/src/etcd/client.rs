@@ -1,8 +1,9 @@
 //! A raw etcd v3 client over the JSON gateway: key-values, leases and transactions.
 //!
 //! Every call is one blocking `POST /v3/<service>/<method>` (keys and values base64-encoded,
-//! int64 fields as JSON strings). The client holds no connection, so it is cheap to clone and
-//! safe to share between threads.
+//! int64 fields as JSON strings) that ends within the client's timeout, all of it, and buffers
+//! at most a bounded answer. The client holds no connection, so it is cheap to clone and safe
+//! to share between threads.
 
 use std::fmt;
 use std::time::Duration;
@@ -14,8 +15,8 @@ use serde_json::{Map, Value, json};
 use super::error::EtcdError;
 use super::http::{self, HttpError};
 
-/// How long each connect, write and read may take unless [`EtcdClient::with_timeout`] says
-/// otherwise.
+/// How long a whole call (connect, request and the complete answer) may take unless
+/// [`EtcdClient::with_timeout`] says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The message etcd gives for a lease that does not exist (expired, revoked or never granted).
@@ -100,6 +101,8 @@ pub struct TxnResponse {
 pub struct EtcdClient {
     endpoint: String,
     timeout: Duration,
+    /// The HTTP agent enforcing `timeout` and the size limits (shared by clones).
+    agent: ureq::Agent,
 }
 
 impl EtcdClient {
@@ -108,12 +111,16 @@ impl EtcdClient {
         Self {
             endpoint: endpoint.into(),
             timeout: DEFAULT_TIMEOUT,
+            agent: http::agent(DEFAULT_TIMEOUT),
         }
     }
 
-    /// The same client with another timeout for each connect, write and read.
+    /// The same client with another deadline for each whole call: connecting, sending the
+    /// request and receiving all of the answer. A call past it is [`EtcdError::Timeout`] (or
+    /// [`EtcdError::Unreachable`] if no connection was made in time).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.agent = http::agent(timeout);
         self
     }
 
@@ -258,6 +265,7 @@ impl EtcdClient {
     /// gave. `request` names the call in errors.
     fn call(&self, rpc: &str, request: &str, body: Value) -> Result<Value, EtcdError> {
         let response = http::post(
+            &self.agent,
             &self.endpoint,
             &format!("/v3/{rpc}"),
             body.to_string().as_bytes(),

@@ -39,17 +39,20 @@ pub enum EtcdError {
         source: io::Error,
     },
 
-    /// etcd accepted the connection but did not answer in time.
+    /// etcd accepted the connection but did not answer in time: the whole call (request and
+    /// complete answer) has one deadline, so a server that answers too slowly ends here too.
     #[error(
-        "etcd at {endpoint} did not answer {request} within {timeout:?}; it may be overloaded or \
-         without a raft leader: check its log and `etcdctl endpoint health`, then retry"
+        "etcd at {endpoint} did not answer {request} completely within {timeout:?} (the deadline \
+         of the whole call); it may be overloaded, without a raft leader, or not etcd at all: \
+         check its log and `etcdctl endpoint health`, then retry"
     )]
     Timeout {
         /// `host:port`.
         endpoint: String,
         /// The request.
         request: String,
-        /// The read/write timeout that ran out.
+        /// The deadline of the whole call that ran out (see
+        /// [`EtcdClient::with_timeout`](super::EtcdClient::with_timeout)).
         timeout: Duration,
     },
 
@@ -65,7 +68,8 @@ pub enum EtcdError {
         source: io::Error,
     },
 
-    /// The answer is not what etcd's JSON gateway sends.
+    /// The answer is not what etcd's JSON gateway sends: not HTTP, not its JSON, or over the
+    /// size limits on headers and body.
     #[error(
         "unreadable answer from {endpoint} to {request}: {reason}; is HOST:PORT the client \
          address of an etcd 3.4 or later?"

@@ -4,8 +4,8 @@
 //! **This module is the crate's one I/O part.** Everything else in `elastic` is a pure core
 //! that reads no clock and opens no socket; this module talks to a real etcd (3.4 or later)
 //! over blocking HTTP/1.1 to its JSON gateway (`POST /v3/kv/...`, `/v3/lease/...`). It needs
-//! no async runtime and no gRPC: its HTTP client is a few dozen lines over
-//! [`std::net::TcpStream`], one request per connection.
+//! no async runtime and no gRPC: its HTTP client is `ureq`, one request per connection, each
+//! call under a total deadline and with bounded response headers and body.
 //!
 //! - [`EtcdUrl`]: `etcd://HOST:PORT/PREFIX`, the endpoint and the job's key prefix.
 //! - [`EtcdClient`]: the raw client (key-values, leases, transactions).
