@@ -138,15 +138,18 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
         incarnation: 1,
         heartbeat_s: 1.0,
     };
-    let start = |session: &str| ToAgent::StartWorkers {
-        generation: 1,
-        stages: vec![0],
-        config: String::new(),
-        snapshot_to: vec![],
-        session: session.into(),
-        dump_grads: None,
-        keep_running: false,
+    let order = |session: &str, stages: Vec<usize>, dump: Option<&str>, snapshot_to: &[&str]| {
+        ToAgent::StartWorkers {
+            generation: 1,
+            stages,
+            config: String::new(),
+            snapshot_to: snapshot_to.iter().map(|a| a.to_string()).collect(),
+            session: session.into(),
+            dump_grads: dump.map(Into::into),
+            keep_running: false,
+        }
     };
+    let start = |session: &str| order(session, vec![0], None, &[]);
     let cases: Vec<(Vec<ToAgent>, &str)> = vec![
         (
             vec![ToAgent::Welcome {
@@ -170,30 +173,21 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
         (
             vec![
                 welcome.clone(),
-                ToAgent::StartWorkers {
-                    stages: vec![0, 1, 2],
-                    ..start("s")
-                },
+                order("s", vec![0, 1, 2], None, &[]),
             ],
             "slot",
         ),
         (
             vec![
                 welcome.clone(),
-                ToAgent::StartWorkers {
-                    dump_grads: Some("/tmp/anywhere".into()),
-                    ..start("s")
-                },
+                order("s", vec![0], Some("/tmp/anywhere"), &[]),
             ],
             "dump_grads",
         ),
         (
             vec![
                 welcome,
-                ToAgent::StartWorkers {
-                    snapshot_to: vec!["not an address".into()],
-                    ..start("s")
-                },
+                order("s", vec![0], None, &["not an address"]),
             ],
             "snapshot_to",
         ),

@@ -411,8 +411,13 @@ impl Driver<'_, '_> {
             if let Some(r) = self.recovery.take() {
                 let recovery_s = r.failed_at.elapsed().as_secs_f64();
                 let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
+                // Without a resume point the run restarted from the seeded initial weights: when the
+                // interrupted step was the first, that is the state before it, held by every
+                // worker (tier 1, nothing lost); later, completed steps were lost.
                 let tier = if resumed_from.is_some() {
                     r.tier
+                } else if lost_steps == 0 {
+                    "peer"
                 } else {
                     "restart"
                 };

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -265,6 +265,8 @@ struct CopyJob {
 /// The worker's background sender of peer snapshots.
 pub struct PeerCopier {
     jobs: Sender<CopyJob>,
+    /// The newest step whose copy was attempted (stored, or given up on with a warning).
+    attempted: Arc<(Mutex<u64>, Condvar)>,
 }
 
 impl PeerCopier {
@@ -275,6 +277,8 @@ impl PeerCopier {
         timeout: Duration,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = channel::<CopyJob>();
+        let attempted = Arc::new((Mutex::new(0u64), Condvar::new()));
+        let done = Arc::clone(&attempted);
         std::thread::Builder::new()
             .name("peer-copy".into())
             .spawn(move || {
@@ -285,8 +289,14 @@ impl PeerCopier {
                         .iter()
                         .map(|(n, t)| Ok::<_, candle_core::Error>((n.clone(), to_tensor_data(t)?)))
                         .collect();
+                    let mark_done = || {
+                        let (newest, changed) = &*done;
+                        *newest.lock().unwrap_or_else(|p| p.into_inner()) = step;
+                        changed.notify_all();
+                    };
                     let Ok(data) = data else {
                         warn!(step, "cannot read the state for a peer snapshot");
+                        mark_done();
                         continue;
                     };
                     let (metas, payload) = pack(&data);
@@ -316,9 +326,28 @@ impl PeerCopier {
                         seconds = started.elapsed().as_secs_f64(),
                         "peer snapshots sent"
                     );
+                    mark_done();
                 }
             })?;
-        Ok(Self { jobs })
+        Ok(Self { jobs, attempted })
+    }
+
+    /// Waits (at most `timeout`) until the copy of `step` was attempted. The worker calls it with
+    /// the step before last when a step starts: copies lag at most one step behind training, so a
+    /// single failure always finds the state of the step before the interrupted one in memory.
+    pub fn wait_for(&self, step: u64, timeout: Duration) {
+        let (newest, changed) = &*self.attempted;
+        let guard = newest.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, result) = changed
+            .wait_timeout_while(guard, timeout, |newest| *newest < step)
+            .unwrap_or_else(|p| p.into_inner());
+        if result.timed_out() {
+            warn!(
+                step,
+                newest = *guard,
+                "the peer copy of a step is still in flight; training on"
+            );
+        }
     }
 
     /// Queues the state after `step` (the tensors are immutable: nothing is copied here).

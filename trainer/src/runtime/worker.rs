@@ -616,6 +616,12 @@ impl Worker {
         loop {
             match control.recv::<ToWorker>().map_err(control_err)? {
                 ToWorker::RunStep { step, trace } => {
+                    if let Some(copier) = &self.peer_copier {
+                        copier.wait_for(
+                            step.saturating_sub(2),
+                            Duration::from_secs_f64(self.cfg.pipeline.timeout_s),
+                        );
+                    }
                     let started = Instant::now();
                     let loss_sum = self.run_step(step, trace, control)?;
                     let sums_of_squares = self.stage.grad_sums_of_squares()?;
