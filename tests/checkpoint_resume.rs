@@ -193,6 +193,22 @@ fn sigkill_during_upload_leaves_no_half_checkpoint() {
             .collect::<Vec<_>>()
     );
     assert_eq!(rt.block_on(store.committed_steps()).unwrap(), vec![3]);
+    // The killed uploads left staging files (`<shard>#<n>`), which listing does not show.
+    let staging = |dir: &Path| -> Vec<String> {
+        tree(dir)
+            .into_keys()
+            .filter(|k| {
+                k.rsplit_once('#')
+                    .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .collect()
+    };
+    let store_dir = run.join("checkpoints");
+    assert!(
+        !staging(&store_dir).is_empty(),
+        "no staging files of the killed uploads: {:?}",
+        tree(&store_dir).keys().collect::<Vec<_>>()
+    );
     let list = String::from_utf8(run_ok(seqpipe().args(["ckpt", "list", &url])).stdout).unwrap();
     assert!(
         list.contains("committed")
@@ -212,7 +228,9 @@ fn sigkill_during_upload_leaves_no_half_checkpoint() {
     let straight = dir.join("straight");
     run_ok(&mut train(&straight, &["train.steps=6"]));
     assert_same_state(&ckpt_url(&straight), &url);
-    // The stale upload of the killed attempt was cleaned up after the next commit.
+    // The staging files of the killed uploads went when the resumed run started, the stale
+    // upload of the killed attempt after the next commit.
+    assert_eq!(staging(&store_dir), Vec::<String>::new());
     let stale = rt.block_on(store.list()).unwrap();
     assert!(
         stale.iter().all(|s| s.committed),

@@ -118,6 +118,12 @@ fn train_pipelines(
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
     let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
+    // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
+    // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
+    // still be running.
+    if coordinator.recovery.is_none() && !cfg.checkpoint.read_only {
+        CheckpointWriter::open(&coordinator.cfg)?.clean_interrupted_uploads();
+    }
     loop {
         let (cfg, start) = (coordinator.cfg.clone(), coordinator.start.clone());
         let recovery = coordinator.recovery.take();
