@@ -824,7 +824,8 @@ impl Driver<'_, '_> {
         Ok(failure.map_or(Ok(()), Err))
     }
 
-    /// Loads the chosen committed checkpoint, falling back to older ones when it is corrupt.
+    /// Loads the chosen committed checkpoint, falling back to older ones when it is damaged (a
+    /// corrupt shard, or an unreadable or inconsistent manifest).
     fn restore(&mut self, point: ResumePoint) -> Result<u64, LaunchError> {
         let url = self.checkpoints.store.url().to_string();
         let committed = self.checkpoints.committed_steps()?;
@@ -868,9 +869,9 @@ impl Driver<'_, '_> {
                     return Ok(step);
                 }
                 Err((error, true)) if self.cfg.checkpoint.fallback => {
-                    warn!(step, %error, "checkpoint is corrupt; falling back to the previous committed checkpoint");
+                    warn!(step, %error, "checkpoint is corrupt or its manifest unreadable; falling back to the previous committed checkpoint");
                     eprintln!(
-                        "warning: checkpoint of step {step} is corrupt ({error}); falling back to the previous committed checkpoint"
+                        "warning: checkpoint of step {step} is corrupt or its manifest unreadable ({error}); falling back to the previous committed checkpoint"
                     );
                     last_error = error;
                 }
