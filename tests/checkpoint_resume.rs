@@ -486,6 +486,10 @@ fn s3_checkpoints_on_a_real_seaweedfs_server() {
         "--set",
         "pipeline.stages=2",
     ]);
+    // Output locations come from the command line, never from the checkpoint's stored config.
+    resume
+        .arg("--set")
+        .arg(format!("run.dir={}", dir.join("resumed").display()));
     with_s3(&mut resume);
     run_ok(&mut resume);
     let mut list = seqpipe();
