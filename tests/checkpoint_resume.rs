@@ -193,6 +193,22 @@ fn sigkill_during_upload_leaves_no_half_checkpoint() {
             .collect::<Vec<_>>()
     );
     assert_eq!(rt.block_on(store.committed_steps()).unwrap(), vec![3]);
+    // The killed uploads left staging files (`<shard>#<n>`), which listing does not show.
+    let staging = |dir: &Path| -> Vec<String> {
+        tree(dir)
+            .into_keys()
+            .filter(|k| {
+                k.rsplit_once('#')
+                    .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .collect()
+    };
+    let store_dir = run.join("checkpoints");
+    assert!(
+        !staging(&store_dir).is_empty(),
+        "no staging files of the killed uploads: {:?}",
+        tree(&store_dir).keys().collect::<Vec<_>>()
+    );
     let list = String::from_utf8(run_ok(seqpipe().args(["ckpt", "list", &url])).stdout).unwrap();
     assert!(
         list.contains("committed")
@@ -212,7 +228,9 @@ fn sigkill_during_upload_leaves_no_half_checkpoint() {
     let straight = dir.join("straight");
     run_ok(&mut train(&straight, &["train.steps=6"]));
     assert_same_state(&ckpt_url(&straight), &url);
-    // The stale upload of the killed attempt was cleaned up after the next commit.
+    // The staging files of the killed uploads went when the resumed run started, the stale
+    // upload of the killed attempt after the next commit.
+    assert_eq!(staging(&store_dir), Vec::<String>::new());
     let stale = rt.block_on(store.list()).unwrap();
     assert!(
         stale.iter().all(|s| s.committed),
@@ -280,6 +298,136 @@ fn corrupt_shard_is_caught_by_verify_and_resume_falls_back() {
     assert_eq!(steps, (1..=9).collect::<Vec<_>>());
 }
 
+/// The manifest file of checkpoint `step` in the local store at `url`.
+fn manifest_path(url: &str, step: u64) -> std::path::PathBuf {
+    Path::new(url)
+        .join(checkpoint::step_dir(step))
+        .join("manifest.json")
+}
+
+/// Cuts the manifest of checkpoint `step` in half, as a crash or a full disk would.
+fn truncate_manifest(url: &str, step: u64) {
+    let path = manifest_path(url, step);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+}
+
+/// A damaged manifest is a fallback case like a corrupt shard: a truncated newest manifest, and
+/// one whose step disagrees with its directory, make `resume` fall back to the previous
+/// committed checkpoint (with a warning) and finish in the same state as an uninterrupted run;
+/// with `checkpoint.fallback = false` the error names the manifest. `resume URL` reads the run's
+/// config from the newest readable manifest.
+#[test]
+fn damaged_manifest_falls_back_to_the_previous_checkpoint() {
+    let dir = fresh_dir("manifest");
+    let straight = dir.join("straight");
+    run_ok(&mut train(&straight, &["train.steps=9"]));
+    let resumed_from_3 = |stderr: &str| {
+        assert!(
+            stderr.contains("warning")
+                && stderr.contains("falling back")
+                && stderr.contains("resumed from step 3"),
+            "{stderr}"
+        );
+    };
+
+    // A truncated manifest.
+    let run = dir.join("truncated");
+    run_ok(&mut train(&run, &["train.steps=6"]));
+    let url = ckpt_url(&run);
+    truncate_manifest(&url, 6);
+    let err = run_err(seqpipe().args(["resume", "-q"]).arg(&run).args([
+        "--set",
+        "train.steps=9",
+        "--set",
+        "checkpoint.fallback=false",
+    ]));
+    assert!(err.contains("step-00000006/manifest.json"), "{err}");
+    // (The failed resume wrote fallback = false into the run's config.resolved.toml.)
+    let out = run_ok(seqpipe().args(["resume", "-q"]).arg(&run).args([
+        "--set",
+        "train.steps=9",
+        "--set",
+        "checkpoint.fallback=true",
+    ]));
+    resumed_from_3(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(losses(&straight), losses(&run));
+    assert_same_state(&ckpt_url(&straight), &url);
+
+    // A manifest that records another step than its directory's (step 3's, copied into step 6).
+    let run = dir.join("moved");
+    run_ok(&mut train(&run, &["train.steps=6"]));
+    let url = ckpt_url(&run);
+    std::fs::copy(manifest_path(&url, 3), manifest_path(&url, 6)).unwrap();
+    let out = run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&run)
+            .args(["--set", "train.steps=9"]),
+    );
+    resumed_from_3(&String::from_utf8_lossy(&out.stderr));
+    assert_same_state(&ckpt_url(&straight), &url);
+
+    // `resume URL` with a truncated newest manifest: the config comes from step 3's.
+    let run = dir.join("by-url");
+    run_ok(&mut train(&run, &["train.steps=6"]));
+    let url = ckpt_url(&run);
+    truncate_manifest(&url, 6);
+    let out = run_ok(seqpipe().args(["resume", "-q", &url]).args([
+        "--set",
+        "train.steps=9",
+        "--set",
+        &format!("run.dir={}", dir.join("by-url-resumed").display()),
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("manifest of checkpoint 6") && stderr.contains("unreadable"),
+        "{stderr}"
+    );
+    resumed_from_3(&stderr);
+    assert_same_state(&ckpt_url(&straight), &url);
+}
+
+/// `resume URL` takes the model and training keys from the checkpoint's stored config but never
+/// its output locations: the run directory recorded there (another run's) is left untouched, the
+/// outputs go to the local default, and the command says which stored keys it applied and which
+/// it ignored.
+#[test]
+fn resume_from_a_url_keeps_output_locations_local() {
+    let dir = fresh_dir("foreign");
+    let origin = dir.join("origin");
+    let store = dir.join("store").display().to_string();
+    run_ok(&mut train(
+        &origin,
+        &["train.steps=3", &format!("checkpoint.url={store}")],
+    ));
+    let before = tree(&origin);
+    assert!(before.contains_key("metrics.jsonl"));
+    let cwd = dir.join("cwd");
+    std::fs::create_dir_all(&cwd).unwrap();
+    let out = run_ok(seqpipe().current_dir(&cwd).args([
+        "resume",
+        "-q",
+        &store,
+        "--set",
+        "train.steps=6",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("stored keys applied")
+            && stderr.contains("model.d_model")
+            && stderr.contains("run.dir (stored:"),
+        "{stderr}"
+    );
+    assert!(
+        before == tree(&origin),
+        "resume wrote into the run directory named by the checkpoint"
+    );
+    // Steps 4 to 6 (the first three are the origin run's).
+    assert_eq!(losses(&cwd.join("runs/latest")).len(), 3);
+    assert_eq!(final_state(&store).0, 6);
+}
+
 #[test]
 fn sigterm_writes_a_final_checkpoint_then_resume_finishes_the_run() {
     let dir = fresh_dir("sigterm");
@@ -338,6 +486,10 @@ fn s3_checkpoints_on_a_real_seaweedfs_server() {
         "--set",
         "pipeline.stages=2",
     ]);
+    // Output locations come from the command line, never from the checkpoint's stored config.
+    resume
+        .arg("--set")
+        .arg(format!("run.dir={}", dir.join("resumed").display()));
     with_s3(&mut resume);
     run_ok(&mut resume);
     let mut list = seqpipe();

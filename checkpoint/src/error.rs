@@ -187,3 +187,18 @@ pub enum CheckpointError {
         source: tokio::task::JoinError,
     },
 }
+
+impl CheckpointError {
+    /// Whether the error means the checkpoint itself is damaged, so that an older committed
+    /// checkpoint should be tried instead: a shard that does not match its manifest
+    /// ([`Corrupt`](Self::Corrupt)), or a manifest that cannot be parsed
+    /// ([`Json`](Self::Json)) or is inconsistent, e.g. records another step than its directory's
+    /// ([`InvalidManifest`](Self::InvalidManifest)). Store, permission and caller errors are not:
+    /// an older checkpoint would fail alike.
+    pub fn is_damaged_checkpoint(&self) -> bool {
+        matches!(
+            self,
+            Self::Corrupt { .. } | Self::Json { .. } | Self::InvalidManifest { .. }
+        )
+    }
+}

@@ -1,4 +1,5 @@
-//! Listing, retention and clean-up of step directories.
+//! Listing, retention and clean-up of step directories: committed checkpoints past retention,
+//! stale uploads that listing shows, and staging objects of killed uploads that it does not.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -131,6 +132,37 @@ impl CheckpointStore {
         Ok(doomed)
     }
 
+    /// Deletes the staging objects of uploads that were killed before they completed, in every
+    /// step directory, committed or not; committed data is never touched. Returns the deleted
+    /// keys, sorted.
+    ///
+    /// Only a local directory store has such objects: its backend writes `<key>#<n>` (`n` a
+    /// number) and renames it to `<key>` when the upload completes, and hides these files from
+    /// listing, so [`CheckpointStore::clean_stale`] never sees them and a killed upload's bytes
+    /// stay forever. In-memory stores write atomically; S3/GCS/Azure multipart uploads are not
+    /// objects (give the bucket a lifecycle rule that aborts them after a day); for these this
+    /// does nothing.
+    ///
+    /// A staging object of a running upload looks exactly like a killed one's, and deleting it
+    /// fails that upload. Call this only while no upload to this store can be in flight: at the
+    /// start of a training run, before any worker writes.
+    pub async fn clean_interrupted_uploads(&self) -> Result<Vec<String>, CheckpointError> {
+        self.writable("clean staging objects of interrupted uploads")?;
+        let Some(root) = self.local_root.clone() else {
+            return Ok(Vec::new());
+        };
+        let doomed = tokio::task::spawn_blocking(move || remove_staging_files(&root))
+            .await
+            .map_err(|source| CheckpointError::Task {
+                action: "cleaning staging objects".into(),
+                source,
+            })??;
+        if !doomed.is_empty() {
+            tracing::info!(url = %self.url, objects = doomed.len(), "deleted staging objects of interrupted uploads");
+        }
+        Ok(doomed)
+    }
+
     /// All objects in `step-<digits>/` directories, grouped by step.
     async fn objects_by_step(&self) -> Result<BTreeMap<u64, Vec<ObjectMeta>>, CheckpointError> {
         let mut by_step: BTreeMap<u64, Vec<ObjectMeta>> = BTreeMap::new();
@@ -171,6 +203,57 @@ impl CheckpointStore {
     }
 }
 
+/// Removes the local backend's staging files ([`is_staging_name`]) from every step directory
+/// under `root`, then each step directory left empty; returns the removed keys, sorted.
+fn remove_staging_files(root: &std::path::Path) -> Result<Vec<String>, CheckpointError> {
+    let io = |path: &std::path::Path, action: &str| {
+        let path = path.to_path_buf();
+        let action = action.to_string();
+        move |source| CheckpointError::Io {
+            path,
+            action,
+            source,
+        }
+    };
+    let mut removed = Vec::new();
+    for dir in std::fs::read_dir(root).map_err(io(root, "listing the step directories"))? {
+        let dir = dir.map_err(io(root, "listing the step directories"))?;
+        let dir_name = dir.file_name().to_string_lossy().into_owned();
+        if parse_step_dir(&dir_name).is_none() || !dir.path().is_dir() {
+            continue;
+        }
+        let mut left = 0;
+        for file in std::fs::read_dir(dir.path()).map_err(io(&dir.path(), "listing"))? {
+            let file = file.map_err(io(&dir.path(), "listing"))?;
+            let name = file.file_name().to_string_lossy().into_owned();
+            if !is_staging_name(&name) {
+                left += 1;
+                continue;
+            }
+            match std::fs::remove_file(file.path()) {
+                Ok(()) => removed.push(format!("{dir_name}/{name}")),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&file.path(), "deleting a staging file")(e)),
+            }
+        }
+        if left == 0 {
+            // Like the backend's automatic cleanup: no empty step directories.
+            let _ = std::fs::remove_dir(dir.path());
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
+/// Whether `file_name` is a staging file of object_store's local backend: `<name>#<digits>`
+/// (the same rule by which that backend hides it from listing).
+fn is_staging_name(file_name: &str) -> bool {
+    match file_name.split_once('#') {
+        Some((_, suffix)) => !suffix.is_empty() && suffix.bytes().all(|b| b.is_ascii_digit()),
+        None => false,
+    }
+}
+
 /// Whether `location` is a step directory's manifest (`step-…/manifest.json`).
 fn is_manifest(location: &Path) -> bool {
     let mut parts = location.as_ref().split('/');
@@ -178,4 +261,26 @@ fn is_manifest(location: &Path) -> bool {
         (parts.next(), parts.next(), parts.next()),
         (Some(_), Some(MANIFEST_NAME), None)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_names_are_recognized_like_the_local_backend_does() {
+        for staging in ["stage0-3f9a.safetensors#1", "manifest.json#12", "x#007"] {
+            assert!(is_staging_name(staging), "{staging}");
+        }
+        for object in [
+            "stage0-3f9a.safetensors",
+            "manifest.json",
+            "a#b",
+            "a#1b",
+            "a#",
+            "",
+        ] {
+            assert!(!is_staging_name(object), "{object}");
+        }
+    }
 }

@@ -69,6 +69,9 @@ pub struct CheckpointStore {
     pub(crate) part_size: usize,
     pub(crate) limiter: Option<Arc<RateLimiter>>,
     pub(crate) read_only: bool,
+    /// The absolute directory of a local store (`None` for remote and in-memory stores): the
+    /// local backend's staging files are invisible to listing and are found through it.
+    pub(crate) local_root: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for CheckpointStore {
@@ -92,11 +95,11 @@ impl CheckpointStore {
         if url.is_empty() {
             return Err(bad_url(url, "the URL is empty"));
         }
+        let mut local_root = None;
         let (inner, cloud): (Arc<dyn ObjectStore>, bool) = if !url.contains("://") {
-            (
-                open_local_dir(url, std::path::Path::new(url), options.read_only)?,
-                false,
-            )
+            let (store, root) = open_local_dir(url, std::path::Path::new(url), options.read_only)?;
+            local_root = Some(root);
+            (store, false)
         } else {
             let parsed = url::Url::parse(url).map_err(|e| bad_url(url, &e.to_string()))?;
             let prefix = parsed.path().trim_matches('/');
@@ -115,7 +118,9 @@ impl CheckpointStore {
                     let dir = parsed
                         .to_file_path()
                         .map_err(|()| bad_url(url, "not a local absolute path"))?;
-                    (open_local_dir(url, &dir, options.read_only)?, false)
+                    let (store, root) = open_local_dir(url, &dir, options.read_only)?;
+                    local_root = Some(root);
+                    (store, false)
                 }
                 "memory" => (with_prefix(url, Arc::new(InMemory::new()), prefix)?, false),
                 "s3" | "s3a" => (
@@ -161,6 +166,7 @@ impl CheckpointStore {
             part_size,
             limiter,
             read_only: options.read_only,
+            local_root,
         })
     }
 
@@ -242,12 +248,12 @@ fn bad_url(url: &str, reason: &str) -> CheckpointError {
     }
 }
 
-/// A local directory as a store (created if missing).
+/// A local directory as a store (created if missing), and its absolute path.
 fn open_local_dir(
     url: &str,
     dir: &std::path::Path,
     read_only: bool,
-) -> Result<Arc<dyn ObjectStore>, CheckpointError> {
+) -> Result<(Arc<dyn ObjectStore>, std::path::PathBuf), CheckpointError> {
     if read_only && !dir.is_dir() {
         return Err(CheckpointError::Io {
             path: dir.to_path_buf(),
@@ -272,7 +278,7 @@ fn open_local_dir(
         // A completed shard and a committed manifest are on disk, in that order, before the
         // calls return: a machine that dies right after commit() still has the checkpoint.
         .with_fsync(true);
-    Ok(Arc::new(fs))
+    Ok((Arc::new(fs), abs))
 }
 
 fn with_prefix(

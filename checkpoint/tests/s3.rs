@@ -60,6 +60,11 @@ async fn seaweedfs_core_suite() {
     )
     .await;
     run(
+        "clean_interrupted_uploads_removes_only_staging",
+        common::clean_interrupted_uploads_removes_only_staging(&b),
+    )
+    .await;
+    run(
         "throttled_upload_is_slow",
         common::throttled_upload_is_slow(&b),
     )

@@ -379,7 +379,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             )
         }
         Command::Resume(args) => {
-            let cfg = resume_config(&args.target, &args.overrides)?;
+            let cfg = resume_config(&args.target, &args.overrides, args.step)?;
             crate::cuda::require_runnable_device(&cfg.model)?;
             let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
             train(
@@ -540,26 +540,88 @@ fn parse_resume_point(s: &str) -> Result<ResumePoint> {
 }
 
 /// The config of the run to resume: `TARGET/config.resolved.toml` for a run directory, else the
-/// config stored in the newest committed checkpoint at URL `TARGET`; then the overrides.
-fn resume_config(target: &str, overrides: &[String]) -> Result<Config> {
+/// config stored in the newest committed checkpoint at URL `TARGET` (at or before `step`) whose
+/// manifest is readable, minus the output locations ([`crate::config::LOCAL_ONLY_KEYS`]), which come from the
+/// defaults; then the overrides.
+fn resume_config(target: &str, overrides: &[String], step: Option<u64>) -> Result<Config> {
     let resolved = PathBuf::from(target).join("config.resolved.toml");
     let cfg = if resolved.is_file() {
         Config::load(Some(&resolved), &[])?
     } else {
-        let store = CheckpointStore::open(target, &read_only())?;
-        let rt = runtime()?;
-        let step = *rt.block_on(store.committed_steps())?.last().with_context(|| format!("{target} is neither a run directory (no config.resolved.toml) nor a checkpoint location with a committed checkpoint"))?;
-        let manifest = rt.block_on(store.read_manifest(step))?;
-        let state: TrainerState = serde_json::from_value(manifest.state).with_context(|| {
-            format!("reading the trainer state of checkpoint {step} at {target}")
-        })?;
-        let mut cfg = state.config()?;
+        let local = Config::load(None, &[])?;
+        // The store is read with the S3 options of the command line, as the run will write it.
+        let mut options = local.with_overrides(overrides)?.checkpoint.store_options();
+        options.read_only = true;
+        let (at, stored) = stored_config(target, &options, step)?;
+        let adopted = Config::adopt_stored(&local, &stored)?;
+        eprintln!(
+            "resume: config of checkpoint {at} at {target}; stored keys applied: {}",
+            if adopted.applied.is_empty() {
+                "none (all as the defaults)".to_string()
+            } else {
+                adopted.applied.join(", ")
+            }
+        );
+        if !adopted.ignored.is_empty() {
+            let ignored: Vec<String> = adopted
+                .ignored
+                .iter()
+                .map(|(k, v)| format!("{k} (stored: {v})"))
+                .collect();
+            eprintln!(
+                "resume: stored output locations ignored, taken from the command line and defaults instead: {}",
+                ignored.join(", ")
+            );
+        }
+        let mut cfg = adopted.config;
         cfg.checkpoint.url = target.to_string();
         cfg
     };
     let cfg = cfg.with_overrides(overrides)?;
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The config stored in the newest committed checkpoint at `url` (at or before `step`) whose
+/// manifest is readable, and that checkpoint's step. A damaged manifest is skipped with a
+/// warning, as resume itself falls back past it; a store that cannot be read is an error.
+fn stored_config(url: &str, options: &StoreOptions, step: Option<u64>) -> Result<(u64, Config)> {
+    let store = CheckpointStore::open(url, options)?;
+    let rt = runtime()?;
+    let committed = rt.block_on(store.committed_steps())?;
+    let candidates: Vec<u64> = committed
+        .iter()
+        .rev()
+        .copied()
+        .filter(|&s| step.is_none_or(|n| s <= n))
+        .collect();
+    if candidates.is_empty() {
+        bail!(
+            "{url} is neither a run directory (no config.resolved.toml) nor a checkpoint location with a committed checkpoint{}; committed steps: {committed:?}",
+            step.map_or(String::new(), |n| format!(" at or before step {n}"))
+        );
+    }
+    let mut last_error = String::new();
+    for at in candidates {
+        let damage = match rt.block_on(store.read_manifest(at)) {
+            Ok(manifest) => match serde_json::from_value::<TrainerState>(manifest.state) {
+                Ok(state) => match state.config() {
+                    Ok(cfg) => return Ok((at, cfg)),
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => format!("its trainer state is unreadable: {e}"),
+            },
+            Err(e) if e.is_damaged_checkpoint() => e.to_string(),
+            Err(e) => return Err(e.into()),
+        };
+        eprintln!(
+            "warning: the manifest of checkpoint {at} at {url} is unreadable ({damage}); reading the run's config from the previous committed checkpoint"
+        );
+        last_error = damage;
+    }
+    bail!(
+        "no committed checkpoint at {url} has a readable manifest (committed steps: {committed:?}); last error: {last_error}"
+    )
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {

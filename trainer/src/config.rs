@@ -450,6 +450,99 @@ impl Config {
     }
 }
 
+/// Keys that say where a run writes, what it binds to and whom it contacts. A run resumed from a
+/// checkpoint URL takes them from its own command line and defaults, never from the config stored
+/// in the checkpoint: whoever could write the store could otherwise point the run's outputs
+/// anywhere. (`checkpoint.url` is the URL given on the command line; the S3 options are the ones
+/// the store was read with.)
+pub const LOCAL_ONLY_KEYS: &[&str] = &[
+    "run.dir",
+    "checkpoint.url",
+    "checkpoint.s3_endpoint",
+    "checkpoint.s3_region",
+    "checkpoint.allow_http",
+    "checkpoint.read_only",
+    "elastic.listen",
+    "elastic.rendezvous",
+];
+
+/// A checkpoint's stored config applied onto the local one ([`Config::adopt_stored`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adopted {
+    /// The result: the stored config with the [`LOCAL_ONLY_KEYS`] of the local one.
+    pub config: Config,
+    /// Stored keys whose value differs from the local one and was applied, sorted.
+    pub applied: Vec<String>,
+    /// [`LOCAL_ONLY_KEYS`] whose stored value differs from the local one and was ignored, with
+    /// the stored value, sorted.
+    pub ignored: Vec<(String, String)>,
+}
+
+impl Config {
+    /// The config of a run resumed from a checkpoint: every key of `stored` (the config the
+    /// checkpoint records) except the [`LOCAL_ONLY_KEYS`], which keep `local`'s values. Says
+    /// which stored keys changed something and which were ignored.
+    pub fn adopt_stored(local: &Config, stored: &Config) -> Result<Adopted, ConfigError> {
+        let local_tree = toml::Table::try_from(local).expect("a Config always serializes");
+        let stored_tree = toml::Table::try_from(stored).expect("a Config always serializes");
+        let (local_flat, stored_flat) = (flatten(&local_tree), flatten(&stored_tree));
+        let mut tree = stored_tree;
+        let mut ignored = Vec::new();
+        for &key in LOCAL_ONLY_KEYS {
+            let (section, field) = key.split_once('.').expect("dotted key");
+            let table = tree
+                .get_mut(section)
+                .and_then(|v| v.as_table_mut())
+                .expect("every config section serializes");
+            match local_flat.get(key) {
+                Some(v) => table.insert(field.to_string(), v.clone()),
+                None => table.remove(field),
+            };
+            if let Some(v) = stored_flat.get(key)
+                && local_flat.get(key) != Some(v)
+            {
+                ignored.push((key.to_string(), v.to_string()));
+            }
+        }
+        let applied = stored_flat
+            .iter()
+            .filter(|(k, v)| {
+                !LOCAL_ONLY_KEYS.contains(&k.as_str()) && local_flat.get(*k) != Some(v)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        let config = toml::Value::Table(tree)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                origin: "(the checkpoint's stored config with the local output locations)".into(),
+                message: e.to_string(),
+            })?;
+        Ok(Adopted {
+            config,
+            applied,
+            ignored,
+        })
+    }
+}
+
+/// A config tree's leaves by dotted key (`section.key`), sorted.
+fn flatten(tree: &toml::Table) -> std::collections::BTreeMap<String, toml::Value> {
+    let mut out = std::collections::BTreeMap::new();
+    for (section, value) in tree {
+        match value.as_table() {
+            Some(table) => {
+                for (key, v) in flatten(table) {
+                    out.insert(format!("{section}.{key}"), v);
+                }
+            }
+            None => {
+                out.insert(section.clone(), value.clone());
+            }
+        }
+    }
+    out
+}
+
 /// A `--set` value: TOML if it parses as TOML, otherwise the raw text as a string.
 fn parse_value(raw: &str) -> toml::Value {
     toml::from_str::<toml::Table>(&format!("v = {raw}"))
@@ -461,6 +554,33 @@ fn parse_value(raw: &str) -> toml::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adopting_a_stored_config_keeps_local_output_locations() {
+        let local = Config::default();
+        let mut stored = Config::default();
+        stored.run.dir = PathBuf::from("/somewhere/else");
+        stored.elastic.listen = "0.0.0.0:29400".into();
+        stored.checkpoint.s3_endpoint = "http://elsewhere:8333".into();
+        stored.model.layers = 2;
+        stored.train.steps = 7;
+        let adopted = Config::adopt_stored(&local, &stored).unwrap();
+        assert_eq!(adopted.config.run.dir, local.run.dir);
+        assert_eq!(adopted.config.elastic.listen, local.elastic.listen);
+        assert_eq!(adopted.config.checkpoint.s3_endpoint, "");
+        assert_eq!(adopted.config.model.layers, 2);
+        assert_eq!(adopted.config.train.steps, 7);
+        assert_eq!(adopted.applied, vec!["model.layers", "train.steps"]);
+        let ignored: Vec<&str> = adopted.ignored.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            ignored,
+            vec!["run.dir", "checkpoint.s3_endpoint", "elastic.listen"]
+        );
+        assert!(adopted.ignored[0].1.contains("/somewhere/else"));
+        let same = Config::adopt_stored(&local, &local).unwrap();
+        assert!(same.applied.is_empty() && same.ignored.is_empty());
+        assert_eq!(same.config, local);
+    }
 
     #[test]
     fn embedded_default_equals_code_defaults() {

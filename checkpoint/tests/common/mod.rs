@@ -577,6 +577,90 @@ pub async fn clean_stale_removes_only_garbage(b: &Backend) {
     assert_eq!(store.clean_stale(5).await.unwrap(), vec![in_flight.key]);
 }
 
+/// The local directory behind `store`, if it is a local store.
+fn local_dir(store: &CheckpointStore) -> Option<PathBuf> {
+    let url = store.url();
+    if url.starts_with("file://") {
+        return Some(url::Url::parse(url).unwrap().to_file_path().unwrap());
+    }
+    (!url.contains("://")).then(|| PathBuf::from(url))
+}
+
+/// Staging objects that killed uploads leave behind (`<key>#<n>` in a local directory: hidden
+/// from listing, so clean_stale never saw them) are deleted at training start, in committed and
+/// uncommitted step directories alike; committed checkpoints, uncommitted shards and objects
+/// that only look similar stay. Other stores have no such objects: nothing is deleted. A
+/// read-only store refuses.
+pub async fn clean_interrupted_uploads_removes_only_staging(b: &Backend) {
+    let store = b.store();
+    let m1 = commit_sample(&store, 1).await;
+    let uncommitted = store.write_shard(2, "stage0", sample("", 2)).await.unwrap();
+    let mut before = store.list().await.unwrap();
+    let mut want = Vec::new();
+    let mut keep = Vec::new();
+    if let Some(root) = local_dir(&store) {
+        let put = |key: &str, n: usize| {
+            let path = root.join(key);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, bytes(9, n)).unwrap();
+        };
+        // Killed shard uploads next to committed and uncommitted shards, a killed commit, and a
+        // step directory holding nothing but a killed upload.
+        for key in [
+            format!("{}#1", m1.shards[0].key),
+            format!("{}#2", m1.shards[0].key),
+            format!("{}/manifest.json#1", step_dir(1)),
+            format!("{}#1", uncommitted.key),
+            format!("{}/stage3-00ff.safetensors#13", step_dir(7)),
+        ] {
+            put(&key, 100);
+            want.push(key);
+        }
+        // Not staging files: a `#` followed by other than digits, and files outside step
+        // directories.
+        for key in [
+            format!("{}/notes#draft", step_dir(1)),
+            "elsewhere/x.safetensors#1".to_string(),
+        ] {
+            put(&key, 10);
+            keep.push(root.join(key));
+        }
+        want.sort();
+        before = store.list().await.unwrap();
+        let read_only = CheckpointStore::open(
+            store.url(),
+            &StoreOptions {
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let e = read_only.clean_interrupted_uploads().await.unwrap_err();
+        assert!(matches!(e, CheckpointError::ReadOnly { .. }), "{e}");
+        assert!(root.join(&want[0]).exists(), "a read-only store deleted");
+        let deleted = store.clean_interrupted_uploads().await.unwrap();
+        assert_eq!(deleted, want, "[{}]", b.name);
+        for key in &want {
+            assert!(!root.join(key).exists(), "[{}] {key} left", b.name);
+        }
+        for path in &keep {
+            assert!(path.exists(), "[{}] {} deleted", b.name, path.display());
+        }
+        assert!(
+            !root.join(step_dir(7)).exists(),
+            "[{}] an emptied step directory stays",
+            b.name
+        );
+    } else {
+        assert!(store.clean_interrupted_uploads().await.unwrap().is_empty());
+    }
+    assert_eq!(store.list().await.unwrap(), before, "[{}]", b.name);
+    let report = store.verify(&m1).await.unwrap();
+    assert!(report.is_ok(), "[{}] {report}", b.name);
+    assert!(read_object(&store, &uncommitted.key).await.is_ok());
+    assert!(store.clean_interrupted_uploads().await.unwrap().is_empty());
+}
+
 pub async fn throttled_upload_is_slow(b: &Backend) {
     let store = b.store_with(StoreOptions {
         max_upload_bytes_per_s: Some(4_000_000),
@@ -650,7 +734,8 @@ macro_rules! core_suite {
             round_trip, shard_is_valid_safetensors, multipart, many_tiny_parts,
             commit_twice_and_race, uncommitted_is_not_a_checkpoint, read_by_range,
             flipped_byte_is_corrupt, truncated_or_missing_shard_is_corrupt, commit_checks_shards,
-            retain_keeps_newest, clean_stale_removes_only_garbage, throttled_upload_is_slow,
+            retain_keeps_newest, clean_stale_removes_only_garbage,
+            clean_interrupted_uploads_removes_only_staging, throttled_upload_is_slow,
             invalid_inputs_are_refused, probe_writes_and_cleans_up);
     };
     (@tests $backend:expr; $($name:ident),* $(,)?) => {

@@ -686,7 +686,13 @@ fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, Ag
     std::fs::write(&config_path, config)
         .map_err(io(format!("writing {}", config_path.display())))?;
     let log = logs.join(format!("stage-{stage}.log"));
-    let file = std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+    // Appended to, not truncated: a replacement worker keeps its predecessor's log, which the
+    // failure report of that predecessor names.
+    let file = append_log(
+        &log,
+        &format!("worker of stage {stage}, generation {generation}"),
+    )
+    .map_err(io(format!("opening {}", log.display())))?;
     let exe = std::env::current_exe().map_err(io("locating the seqpipe executable".into()))?;
     let threads = cfg.threads_per_worker().to_string();
     let mut cmd = Command::new(exe);
@@ -748,6 +754,21 @@ pub(super) fn die_with_parent(cmd: &mut Command) {
 }
 
 /// The last `lines` lines of a log file, indented.
+/// Opens the log at `path` for appending (creating it) and marks where the process `who`
+/// starts writing, so that the logs of earlier processes at the same path survive.
+pub(super) fn append_log(path: &Path, who: &str) -> std::io::Result<std::fs::File> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    writeln!(file, "==== {who} starts (unix time {unix_s}) ====")?;
+    Ok(file)
+}
+
 fn log_tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
@@ -756,4 +777,30 @@ fn log_tail(path: &Path, lines: usize) -> String {
         .map(|l| format!("  | {l}"))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replacement worker's log is appended to its predecessor's, which a failure report names
+    /// by path: both processes' lines survive, each after a header.
+    #[test]
+    fn a_second_process_appends_to_the_log() {
+        use std::io::Write;
+        let dir = std::env::temp_dir().join(format!("seqpipe-append-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("stage-1.log");
+        let _ = std::fs::remove_file(&path);
+        writeln!(append_log(&path, "first").unwrap(), "predecessor died here").unwrap();
+        writeln!(append_log(&path, "second").unwrap(), "replacement line").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].contains("first starts"), "{text}");
+        assert_eq!(lines[1], "predecessor died here");
+        assert!(lines[2].contains("second starts"), "{text}");
+        assert_eq!(lines[3], "replacement line");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -1,5 +1,6 @@
 //! The launcher's side of checkpointing: shard uploads scheduled on the workers, at most one
-//! checkpoint in flight, the manifest committed once every shard is in, retention and cleanup.
+//! checkpoint in flight, the manifest committed once every shard is in, retention and cleanup
+//! (stale uploads after each commit, staging objects of killed uploads when a run starts).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -50,6 +51,25 @@ impl CheckpointWriter {
             keep_last: cfg.checkpoint.keep_last,
             pending: None,
         })
+    }
+
+    /// Deletes the staging objects that uploads killed in an earlier run left behind (see
+    /// [`CheckpointStore::clean_interrupted_uploads`]). Only for the start of a run, before any
+    /// worker of it uploads: a staging object of a running upload looks the same. A failure is
+    /// only warned about: the leftovers cost space, not correctness.
+    pub(super) fn clean_interrupted_uploads(&self) {
+        match self
+            .runtime
+            .block_on(self.store.clean_interrupted_uploads())
+        {
+            Ok(deleted) if !deleted.is_empty() => info!(
+                url = self.store.url(),
+                objects = deleted.len(),
+                "deleted staging objects of uploads killed in an earlier run"
+            ),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "could not delete staging objects of killed uploads"),
+        }
     }
 
     pub(super) fn committed_steps(&self) -> Result<Vec<u64>, LaunchError> {

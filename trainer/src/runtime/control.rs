@@ -69,7 +69,8 @@ pub enum ToLauncher {
     },
     /// The stage's state was restored (from a checkpoint of `step`, or initial weights when 0).
     Restored { stage: usize, step: u64 },
-    /// The stage's state could not be restored; `corrupt` when a hash check failed.
+    /// The stage's state could not be restored; `corrupt` when the checkpoint itself is damaged
+    /// (a hash check failed, or its manifest is unreadable or inconsistent): older ones may do.
     RestoreFailed {
         stage: usize,
         step: u64,

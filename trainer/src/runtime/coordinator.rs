@@ -259,8 +259,9 @@ impl Coordinator {
         };
         std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
         let log = logs.join(format!("agent-{name}.log"));
-        let file =
-            std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+        // Appended to: an agent started again under the same name keeps its predecessor's log.
+        let file = super::agent::append_log(&log, &format!("agent {name}"))
+            .map_err(io(format!("opening {}", log.display())))?;
         let stderr = file.try_clone().map_err(io("agent log".into()))?;
         let mut cmd = Command::new(exe);
         cmd.args([

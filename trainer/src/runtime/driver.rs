@@ -118,6 +118,12 @@ fn train_pipelines(
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
     let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
+    // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
+    // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
+    // still be running.
+    if coordinator.recovery.is_none() && !cfg.checkpoint.read_only {
+        CheckpointWriter::open(&coordinator.cfg)?.clean_interrupted_uploads();
+    }
     loop {
         let (cfg, start) = (coordinator.cfg.clone(), coordinator.start.clone());
         let recovery = coordinator.recovery.take();
@@ -823,7 +829,8 @@ impl Driver<'_, '_> {
         Ok(failure.map_or(Ok(()), Err))
     }
 
-    /// Loads the chosen committed checkpoint, falling back to older ones when it is corrupt.
+    /// Loads the chosen committed checkpoint, falling back to older ones when it is damaged (a
+    /// corrupt shard, or an unreadable or inconsistent manifest).
     fn restore(&mut self, point: ResumePoint) -> Result<u64, LaunchError> {
         let url = self.checkpoints.store.url().to_string();
         let committed = self.checkpoints.committed_steps()?;
@@ -867,9 +874,9 @@ impl Driver<'_, '_> {
                     return Ok(step);
                 }
                 Err((error, true)) if self.cfg.checkpoint.fallback => {
-                    warn!(step, %error, "checkpoint is corrupt; falling back to the previous committed checkpoint");
+                    warn!(step, %error, "checkpoint is corrupt or its manifest unreadable; falling back to the previous committed checkpoint");
                     eprintln!(
-                        "warning: checkpoint of step {step} is corrupt ({error}); falling back to the previous committed checkpoint"
+                        "warning: checkpoint of step {step} is corrupt or its manifest unreadable ({error}); falling back to the previous committed checkpoint"
                     );
                     last_error = error;
                 }

@@ -702,9 +702,11 @@ impl Worker {
                         Err(e) => ToLauncher::RestoreFailed {
                             stage: r,
                             step,
+                            // A damaged shard or an unreadable or inconsistent manifest: an
+                            // older checkpoint may still be good.
                             corrupt: matches!(
-                                e,
-                                WorkerError::Checkpoint(CheckpointError::Corrupt { .. })
+                                &e,
+                                WorkerError::Checkpoint(c) if c.is_damaged_checkpoint()
                             ),
                             error: e.to_string(),
                         },
@@ -753,10 +755,15 @@ impl Worker {
             .as_ref()
             .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
         let manifest = ckpt.runtime.block_on(ckpt.store.read_manifest(step))?;
+        // A manifest whose trainer state does not parse is as damaged as one that does not.
         let state: TrainerState = serde_json::from_value(manifest.state.clone()).map_err(|e| {
-            WorkerError::Protocol(format!(
-                "checkpoint {step} has an unreadable trainer state: {e}"
-            ))
+            CheckpointError::InvalidManifest {
+                url: ckpt.store.url().to_string(),
+                step,
+                detail: format!(
+                    "its trainer state is unreadable ({e}); resume from another committed step"
+                ),
+            }
         })?;
         let names = names_to_restore(&self.stage, state.optimizer_step > 0);
         let tensors = ckpt
