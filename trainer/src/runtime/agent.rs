@@ -81,6 +81,9 @@ pub enum AgentError {
         url: String,
         source: Box<elastic::etcd::EtcdError>,
     },
+    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    #[error(transparent)]
+    Token(#[from] auth::EmptyJobToken),
     /// This node's coordinator (it led the job) failed.
     #[error("the coordinator this node ran exited ({status}); see {log}")]
     CoordinatorFailed { status: String, log: String },
@@ -127,7 +130,7 @@ impl Snapshots {
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
         let reporter = Arc::clone(&report_to);
-        let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+        let token = auth::token_from_env()?.unwrap_or_default();
         serve(listener, token, Arc::clone(&store), move |step, names| {
             if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                 let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
@@ -195,7 +198,7 @@ fn run_with_etcd(
         url: url.clone(),
         source: Box::new(source),
     };
-    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let token = auth::token_from_env()?.unwrap_or_default();
     let parsed = EtcdUrl::parse(&url).map_err(etcd)?;
     let rendezvous =
         Arc::new(Rendezvous::connect(&parsed, &auth::fingerprint(&token)).map_err(etcd)?);
@@ -347,7 +350,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
         addr: args.join.clone(),
         source,
     };
-    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let token = auth::token_from_env()?.unwrap_or_default();
     let deadline = Instant::now() + args.connect_timeout;
     let mut stream = loop {
         match std::net::TcpStream::connect(&args.join) {
@@ -405,7 +408,7 @@ fn run_incarnation(
             heartbeat_s,
         } => {
             info!(node = %args.name, incarnation, %host, "joined the run");
-            Duration::from_secs_f64(heartbeat_s)
+            elastic::clamped_seconds(heartbeat_s)
         }
         ToAgent::Refused { reason } => {
             return Err(AgentError::Refused {
