@@ -34,8 +34,8 @@ struct Range(Zero);
 impl fmt::Display for Range {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
-            Zero::Allowed => write!(f, "from 0 to {MAX_SECONDS}"),
-            Zero::Refused => write!(f, "above 0 and at most {MAX_SECONDS}"),
+            Zero::Allowed => write!(f, "of 0 or more, at most {MAX_SECONDS}"),
+            Zero::Refused => write!(f, "more than 0, at most {MAX_SECONDS}"),
         }
     }
 }
@@ -101,7 +101,7 @@ mod tests {
             }
         }
         let msg = checked_seconds(0.0, Zero::Refused).unwrap_err().to_string();
-        assert!(msg.contains("above 0"), "{msg}");
+        assert!(msg.contains("more than 0"), "{msg}");
     }
 
     #[test]
