@@ -59,7 +59,10 @@ fn agent_against(
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!stderr.contains("panicked"), "the agent panicked:\n{stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "the agent panicked:\n{stderr}"
+    );
     (out.status.code(), stderr)
 }
 
@@ -171,10 +174,7 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
         ),
         (vec![welcome.clone(), start("/tmp/elsewhere")], "session"),
         (
-            vec![
-                welcome.clone(),
-                order("s", vec![0, 1, 2], None, &[]),
-            ],
+            vec![welcome.clone(), order("s", vec![0, 1, 2], None, &[])],
             "slot",
         ),
         (
@@ -185,10 +185,7 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
             "dump_grads",
         ),
         (
-            vec![
-                welcome,
-                order("s", vec![0], None, &["not an address"]),
-            ],
+            vec![welcome, order("s", vec![0], None, &["not an address"])],
             "snapshot_to",
         ),
     ];

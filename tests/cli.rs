@@ -338,8 +338,8 @@ fn data_prepare_then_train_on_it() {
     assert_eq!(losses(&run).len(), 2);
 }
 
-/// The test plays the coordinator: a real worker must answer the challenge with the job's token
-/// before anything else; with another token it is refused.
+/// The test plays the coordinator: a real worker must prove the job's token before anything else
+/// (and checks the coordinator's proof); with another token it is refused.
 #[test]
 fn workers_authenticate_with_the_job_token() {
     use std::net::TcpListener;
@@ -357,10 +357,18 @@ fn workers_authenticate_with_the_job_token() {
             .spawn()
             .unwrap();
         let (mut stream, _) = listener.accept().unwrap();
-        let verdict = trainer::runtime::auth::challenge(&mut stream, "s3cret", "control");
+        let verdict = trainer::runtime::auth::accept(
+            &mut stream,
+            "s3cret",
+            trainer::runtime::auth::Purpose::Control,
+        );
         assert_eq!(verdict.is_ok(), accepted, "{worker_token}: {verdict:?}");
         if accepted {
-            let hello = trainer::runtime::wire::read_frame(&mut stream).unwrap();
+            let hello = trainer::runtime::wire::read_frame(
+                &mut stream,
+                trainer::runtime::wire::Limits::CONTROL,
+            )
+            .unwrap();
             let hello: serde_json::Value = hello.header().unwrap();
             assert_eq!(hello["type"], "hello", "{hello}");
         }
@@ -394,4 +402,203 @@ fn cuda_device_without_a_gpu_is_a_clear_error() {
     );
     let err = run_err(seqpipe().args(["train", "--set", "model.precision=fp8"]));
     assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
+}
+
+/// `--set` arguments of a one-step tiny run in `dir`.
+fn one_step_args(dir: &std::path::Path) -> Vec<String> {
+    let mut args = tiny_model_args();
+    args.extend(["--set".into(), "train.steps=1".into()]);
+    args.extend(["--set".into(), format!("run.dir={}", dir.display())]);
+    args
+}
+
+/// Every seconds key (all `*_s` keys of the config, found in the embedded default so that a new
+/// one is covered too) refuses huge, infinite and NaN values at parse time: exit 1 with the key
+/// and the allowed range, never a panic (`Duration::from_secs_f64` and `Instant + Duration` panic
+/// on such values).
+#[test]
+fn every_duration_key_is_range_checked() {
+    let table: toml::Table = toml::from_str(trainer::config::DEFAULT_CONFIG_TOML).unwrap();
+    let mut keys = Vec::new();
+    for (section, fields) in &table {
+        for (field, value) in fields.as_table().unwrap() {
+            if field.ends_with("_s") && value.is_float() {
+                keys.push(format!("{section}.{field}"));
+            }
+        }
+    }
+    for expected in [
+        "pipeline.timeout_s",
+        "checkpoint.grace_s",
+        "elastic.heartbeat_s",
+        "elastic.dead_after_s",
+        "elastic.join_timeout_s",
+        "elastic.grace_s",
+    ] {
+        assert!(
+            keys.iter().any(|k| k == expected),
+            "{expected} not in {keys:?}"
+        );
+    }
+    let dir = fresh_dir("durations");
+    for key in &keys {
+        for value in ["1e300", "1e19", "3e6", "nan", "inf", "-inf", "-1.0"] {
+            let err = run_err(
+                seqpipe()
+                    .args(["train", "-q"])
+                    .args(one_step_args(&dir))
+                    .arg("--set")
+                    .arg(format!("{key}={value}")),
+            );
+            assert!(
+                err.contains(key.as_str()) && err.contains("2592000"),
+                "{key}={value}: {err}"
+            );
+        }
+    }
+    for value in ["1e300", "nan", "inf", "-1"] {
+        let err = run_err(
+            seqpipe()
+                .args(["agent", "--join", "127.0.0.1:9", "--name", "n0"])
+                .arg(format!("--connect-timeout-s={value}")),
+        );
+        assert!(
+            err.contains("--connect-timeout-s") && err.contains("2592000"),
+            "--connect-timeout-s {value}: {err}"
+        );
+    }
+}
+
+/// Size keys have a sane maximum too, named in the error.
+#[test]
+fn huge_size_keys_are_refused() {
+    let dir = fresh_dir("sizes");
+    for (key, value) in [
+        ("train.memory_budget_bytes", "1152921504606846976"),
+        ("checkpoint.max_upload_bytes_per_s", "1152921504606846976"),
+        ("model.d_model", "1099511627776"),
+        ("model.vocab_size", "1099511627776"),
+        ("model.max_seq_len", "1099511627776"),
+        ("pipeline.microbatches", "1099511627776"),
+    ] {
+        let err = run_err(
+            seqpipe()
+                .args(["train", "-q"])
+                .args(one_step_args(&dir))
+                .arg("--set")
+                .arg(format!("{key}={value}")),
+        );
+        assert!(err.contains(key), "{key}={value}: {err}");
+    }
+}
+
+/// A model that cannot fit in memory is refused before any worker starts, with the estimate and
+/// what to change, instead of an allocation abort seen as "connection reset by peer".
+#[test]
+fn model_too_large_for_memory_is_refused_up_front() {
+    let dir = fresh_dir("toolarge");
+    let run_dir = dir.join("run");
+    let started = std::time::Instant::now();
+    let err = run_err(
+        seqpipe()
+            .args(["train", "-q", "--set", "model.vocab_size=1000000000"])
+            .arg("--set")
+            .arg(format!("run.dir={}", run_dir.display())),
+    );
+    assert!(
+        err.contains("memory") && err.contains("GiB") && err.contains("1000000000"),
+        "{err}"
+    );
+    assert!(err.contains("parameters"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+    let logs = std::fs::read_dir(&run_dir)
+        .map(|d| d.filter_map(|e| e.ok()).count())
+        .unwrap_or(0);
+    assert_eq!(logs, 0, "no worker may start: {run_dir:?} has files");
+}
+
+/// Logs written to a pipe carry no colour codes, and each checkpoint is logged as committed once.
+#[test]
+fn piped_logs_are_plain_and_checkpoints_logged_once() {
+    let dir = fresh_dir("plainlogs");
+    let out = run_ok(
+        seqpipe()
+            .env("RUST_LOG", "info")
+            .args(["train", "-q"])
+            .args(tiny_model_args())
+            .args([
+                "--set",
+                "train.steps=2",
+                "--set",
+                "checkpoint.every=1",
+                "--set",
+                "pipeline.stages=2",
+            ])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.display())),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("INFO"), "no log lines: {stderr}");
+    assert!(
+        !stderr.contains("\x1b["),
+        "ANSI codes in piped logs:\n{stderr}"
+    );
+    let committed = stderr.matches("checkpoint committed").count();
+    assert_eq!(committed, 2, "two checkpoints, one line each:\n{stderr}");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "log") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            assert!(!text.contains("\x1b["), "ANSI codes in {}", path.display());
+        }
+    }
+}
+
+/// An explicitly set but empty `SEQPIPE_JOB_TOKEN` is refused with a clear error (it used to be
+/// replaced by a random one without a word), by the coordinator, an agent and a worker.
+#[test]
+fn empty_job_token_is_refused() {
+    let dir = fresh_dir("emptytoken");
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, "[pipeline]\ntimeout_s = 2.0\n").unwrap();
+    for token in ["", "  "] {
+        let train = run_err(
+            seqpipe()
+                .env("SEQPIPE_JOB_TOKEN", token)
+                .args(["train", "-q"])
+                .args(one_step_args(&dir.join("run"))),
+        );
+        let agent = run_err(seqpipe().env("SEQPIPE_JOB_TOKEN", token).args([
+            "agent",
+            "--join",
+            "127.0.0.1:9",
+            "--name",
+            "n0",
+            "--connect-timeout-s",
+            "0",
+        ]));
+        let worker = run_err(
+            seqpipe()
+                .env("SEQPIPE_JOB_TOKEN", token)
+                .args([
+                    "worker",
+                    "--control",
+                    "127.0.0.1:9",
+                    "--stage",
+                    "0",
+                    "--config",
+                ])
+                .arg(&cfg),
+        );
+        for err in [train, agent, worker] {
+            assert!(
+                err.contains("SEQPIPE_JOB_TOKEN") && err.contains("empty"),
+                "{token:?}: {err}"
+            );
+        }
+    }
 }

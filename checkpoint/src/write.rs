@@ -186,10 +186,9 @@ impl CheckpointStore {
             .put_opts(&self.path(&key)?, json.into(), opts)
             .await
         {
-            Ok(_) => {
-                tracing::info!(url = %self.url, step, bytes = manifest.total_bytes(), "checkpoint committed");
-                Ok(())
-            }
+            // The caller logs the commit (the trainer with its upload time): logging here too
+            // printed every checkpoint twice.
+            Ok(_) => Ok(()),
             Err(
                 object_store::Error::AlreadyExists { .. }
                 | object_store::Error::Precondition { .. },

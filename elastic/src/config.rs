@@ -5,6 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ElasticError;
+use crate::seconds::{Zero, checked_seconds, clamped_seconds};
 
 /// The `[elastic]` config section, embedded by the trainer's config tree.
 ///
@@ -90,18 +91,14 @@ impl ElasticConfig {
             );
         }
         let seconds = [
-            ("elastic.heartbeat_s", self.heartbeat_s, false),
-            ("elastic.dead_after_s", self.dead_after_s, false),
-            ("elastic.join_timeout_s", self.join_timeout_s, true),
-            ("elastic.grace_s", self.grace_s, true),
+            ("elastic.heartbeat_s", self.heartbeat_s, Zero::Refused),
+            ("elastic.dead_after_s", self.dead_after_s, Zero::Refused),
+            ("elastic.join_timeout_s", self.join_timeout_s, Zero::Allowed),
+            ("elastic.grace_s", self.grace_s, Zero::Allowed),
         ];
-        for (key, value, zero_ok) in seconds {
-            if !value.is_finite() || value < 0.0 || (value == 0.0 && !zero_ok) {
-                let wanted = if zero_ok { "0 or more" } else { "more than 0" };
-                return invalid(
-                    key,
-                    format!("{value} is not a usable number of seconds; use a finite {wanted}"),
-                );
+        for (key, value, zero) in seconds {
+            if let Err(e) = checked_seconds(value, zero) {
+                return invalid(key, e.to_string());
             }
         }
         if !self.rendezvous.is_empty() {
@@ -127,31 +124,21 @@ impl ElasticConfig {
 
     /// `heartbeat_s` as a [`Duration`].
     pub fn heartbeat(&self) -> Duration {
-        seconds(self.heartbeat_s)
+        clamped_seconds(self.heartbeat_s)
     }
 
     /// `dead_after_s` as a [`Duration`].
     pub fn dead_after(&self) -> Duration {
-        seconds(self.dead_after_s)
+        clamped_seconds(self.dead_after_s)
     }
 
     /// `join_timeout_s` as a [`Duration`].
     pub fn join_timeout(&self) -> Duration {
-        seconds(self.join_timeout_s)
+        clamped_seconds(self.join_timeout_s)
     }
 
     /// `grace_s` as a [`Duration`].
     pub fn grace(&self) -> Duration {
-        seconds(self.grace_s)
-    }
-}
-
-/// Seconds to a [`Duration`] without panicking on values `validate` refuses:
-/// negative or NaN saturate to zero, too large ones to [`Duration::MAX`].
-fn seconds(s: f64) -> Duration {
-    if s.is_nan() || s <= 0.0 {
-        Duration::ZERO
-    } else {
-        Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+        clamped_seconds(self.grace_s)
     }
 }

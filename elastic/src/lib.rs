@@ -45,9 +45,11 @@ pub mod error;
 pub mod etcd;
 pub mod membership;
 pub mod plan;
+pub mod seconds;
 
 pub use config::ElasticConfig;
 pub use decide::{ClusterState, Decision, Tier, buddies, decide, recovery_tier};
 pub use error::ElasticError;
 pub use membership::{Member, Membership, NodeId, NodeInfo, NodeStatus};
 pub use plan::{Generation, Plan, plan_for};
+pub use seconds::{MAX_SECONDS, SecondsError, Zero, checked_seconds, clamped_seconds};

@@ -1,5 +1,6 @@
 //! The `seqpipe` command line: `train`, `schedule`, `plot`, `data prepare`, and the internal `worker`.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -270,7 +271,8 @@ enum DataCommand {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        /// Share of documents (from the end) that go to val.bin.
+        /// Share of documents (from the end) that go to val.bin; of tokens when there is only one
+        /// document (a single .txt file).
         #[arg(long, default_value_t = 0.1)]
         val_fraction: f64,
     },
@@ -352,12 +354,15 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Logs to stderr; colours only when stderr is a terminal, so that log files and pipes (the
+/// workers' logs, `2> file`) carry no escape codes.
 fn init_logging(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }
@@ -409,6 +414,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             crate::cuda::require_runnable_device(&cfg.model)?;
             init_logging(&cfg.run.log);
+            crate::memory::check(&cfg, None)?;
             let (step, val_loss) = run_evaluation(&cfg, &start)?;
             println!(
                 "{}",
@@ -478,12 +484,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     .map(|h| h.trim().to_string())
                     .context("reading the host name; name the node with --name")?,
             };
-            if !a.connect_timeout_s.is_finite() || a.connect_timeout_s < 0.0 {
-                bail!(
-                    "--connect-timeout-s must be a finite number of seconds ≥ 0, got {}",
-                    a.connect_timeout_s
-                );
-            }
+            let connect_timeout =
+                elastic::checked_seconds(a.connect_timeout_s, elastic::Zero::Allowed)
+                    .context("--connect-timeout-s")?;
             let job = match &a.rendezvous {
                 Some(url) => {
                     let mut cfg = a.config.load()?;
@@ -500,7 +503,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 slots: a.slots,
                 host: a.host,
                 dir: a.dir,
-                connect_timeout: std::time::Duration::from_secs_f64(a.connect_timeout_s),
+                connect_timeout,
                 local: a.local,
             })?;
             Ok(ExitCode::SUCCESS)
@@ -637,6 +640,8 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         );
     }
     init_logging(&cfg.run.log);
+    // Before any worker starts: a model that cannot fit is refused with the numbers.
+    crate::memory::check(&cfg, None)?;
     let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
     let segments = cfg.segment_lengths()?;
     eprintln!(

@@ -2,6 +2,9 @@
 //! key by key from the command line (`--set section.key=value`) and validated with reasons.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use elastic::{Zero, checked_seconds, clamped_seconds};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -156,6 +159,13 @@ pub struct PipelineConfig {
     pub attention_cost: f64,
     /// Seconds to wait for a peer (connection or message) before declaring it failed.
     pub timeout_s: f64,
+}
+
+impl PipelineConfig {
+    /// `timeout_s` as a [`Duration`] (checked by [`Config::validate`]).
+    pub fn timeout(&self) -> Duration {
+        clamped_seconds(self.timeout_s)
+    }
 }
 
 impl Default for PipelineConfig {
@@ -327,6 +337,50 @@ impl Config {
         if t.steps == 0 {
             return invalid("train.steps", "must be at least 1".into());
         }
+        // Far above any real model, far below overflow: sizes are multiplied together (shapes,
+        // token counts, bytes), and memory is estimated from them before anything is allocated.
+        let at_most = [
+            (
+                "model.vocab_size",
+                m.vocab_size,
+                1 << 32,
+                "token ids are at most 32 bits",
+            ),
+            ("model.d_model", m.d_model, 1 << 20, "the hidden width"),
+            (
+                "model.ffn_mult",
+                m.ffn_mult,
+                64,
+                "the MLP width over d_model",
+            ),
+            ("model.layers", m.layers, 1 << 16, "transformer blocks"),
+            (
+                "model.max_seq_len",
+                m.max_seq_len,
+                1 << 24,
+                "tokens per sequence",
+            ),
+            (
+                "train.micro_batch_size",
+                t.micro_batch_size,
+                1 << 20,
+                "sequences per micro-batch",
+            ),
+            (
+                "pipeline.microbatches",
+                p.microbatches,
+                1 << 20,
+                "micro-batches per step",
+            ),
+        ];
+        for (key, value, max, what) in at_most {
+            if value > max {
+                return invalid(
+                    key,
+                    format!("{value} is out of range ({what}); use 1 to {max}"),
+                );
+            }
+        }
         if m.d_model % m.heads != 0 {
             return invalid(
                 "model.heads",
@@ -407,12 +461,7 @@ impl Config {
                 ),
             );
         }
-        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
-            return invalid(
-                "pipeline.timeout_s",
-                format!("must be a positive number of seconds, got {}", p.timeout_s),
-            );
-        }
+        seconds("pipeline.timeout_s", p.timeout_s, Zero::Refused)?;
         self.elastic.validate()?;
         let c = &self.checkpoint;
         if c.keep_last == 0 {
@@ -421,11 +470,23 @@ impl Config {
                 "must be at least 1 (the newest committed checkpoint is never deleted)".into(),
             );
         }
-        if !(c.grace_s > 0.0 && c.grace_s.is_finite()) {
-            return invalid(
-                "checkpoint.grace_s",
-                format!("must be a positive number of seconds, got {}", c.grace_s),
-            );
+        seconds("checkpoint.grace_s", c.grace_s, Zero::Refused)?;
+        for (key, value) in [
+            ("train.memory_budget_bytes", t.memory_budget_bytes),
+            (
+                "checkpoint.max_upload_bytes_per_s",
+                c.max_upload_bytes_per_s,
+            ),
+        ] {
+            if value > MAX_BYTES {
+                return invalid(
+                    key,
+                    format!(
+                        "{value} bytes is more than any machine holds; use at most {MAX_BYTES} \
+                         (1 PiB), or 0 for no limit"
+                    ),
+                );
+            }
         }
         Ok(())
     }
@@ -541,6 +602,17 @@ fn flatten(tree: &toml::Table) -> std::collections::BTreeMap<String, toml::Value
         }
     }
     out
+}
+
+/// The largest byte count a size key accepts (1 PiB): far above any machine, far below overflow.
+pub const MAX_BYTES: u64 = 1 << 50;
+
+/// Checks the seconds of `key` with the shared rule ([`elastic::checked_seconds`]).
+fn seconds(key: &'static str, value: f64, zero: Zero) -> Result<Duration, ConfigError> {
+    checked_seconds(value, zero).map_err(|e| ConfigError::Invalid {
+        key,
+        message: e.to_string(),
+    })
 }
 
 /// A `--set` value: TOML if it parses as TOML, otherwise the raw text as a string.
@@ -674,5 +746,65 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("model.heads"), "{err}");
+    }
+
+    #[test]
+    fn durations_are_checked_with_key_and_range() {
+        let keys = [
+            "pipeline.timeout_s",
+            "checkpoint.grace_s",
+            "elastic.heartbeat_s",
+            "elastic.dead_after_s",
+            "elastic.join_timeout_s",
+            "elastic.grace_s",
+        ];
+        for key in keys {
+            for value in ["1e300", "1e19", "nan", "inf", "-inf", "-1.0", "2592001.0"] {
+                let err = Config::default()
+                    .with_overrides(&[format!("{key}={value}")])
+                    .unwrap()
+                    .validate()
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains(key) && err.contains("2592000"),
+                    "{key}={value}: {err}"
+                );
+            }
+        }
+        // The largest accepted value converts without a panic.
+        let cfg = Config::default()
+            .with_overrides(&[
+                "pipeline.timeout_s=2592000.0".into(),
+                "checkpoint.grace_s=2592000.0".into(),
+            ])
+            .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.pipeline.timeout(), Duration::from_secs(2_592_000));
+        assert_eq!(cfg.checkpoint.grace(), Duration::from_secs(2_592_000));
+    }
+
+    #[test]
+    fn sizes_have_a_sane_maximum() {
+        for (key, value) in [
+            ("train.memory_budget_bytes", "1152921504606846976"),
+            ("checkpoint.max_upload_bytes_per_s", "1152921504606846976"),
+            ("model.vocab_size", "8589934592"),
+            ("model.d_model", "1099511627776"),
+            ("model.layers", "1000000"),
+            ("model.ffn_mult", "1000"),
+            ("train.micro_batch_size", "1099511627776"),
+        ] {
+            let err = Config::default()
+                .with_overrides(&[format!("{key}={value}")])
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(key) && err.contains(value),
+                "{key}={value}: {err}"
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod cuda;
 pub mod data;
 pub mod lr;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod plot;

@@ -86,6 +86,11 @@ impl CheckpointConfig {
         }
     }
 
+    /// `grace_s` as a [`Duration`] (checked by [`crate::config::Config::validate`]).
+    pub fn grace(&self) -> std::time::Duration {
+        elastic::clamped_seconds(self.grace_s)
+    }
+
     /// Whether step `step` (1-based) of `total` ends with a checkpoint.
     pub fn due(&self, step: u64, total: u64) -> bool {
         step == total || (self.every > 0 && step.is_multiple_of(self.every))

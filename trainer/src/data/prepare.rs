@@ -4,7 +4,9 @@
 //! per non-empty line; the document is its string `"text"` field). Documents are tokenized with
 //! the GPT-2 BPE (`r50k_base`), each followed by `<|endoftext|>` (id 50256), and written as u16
 //! little-endian ids: the last `val_fraction` of the documents (at least one when there are two
-//! or more) to `val.bin`, the others to `train.bin`, plus a `meta.json` ([`DatasetMeta`]).
+//! or more) to `val.bin`, the others to `train.bin`, plus a `meta.json` ([`DatasetMeta`]). A
+//! single document (one `.txt` file) is split by tokens instead: its last `val_fraction` of
+//! tokens (at least one) go to `val.bin`, like nanoGPT's 90/10 split of one text.
 //!
 //! Inputs are read twice — once to validate and count documents, once to tokenize — so that
 //! nothing is written for invalid input and the token stream is never held in memory. Outputs
@@ -191,6 +193,12 @@ fn val_documents(n: u64, val_fraction: f64) -> u64 {
     }
 }
 
+/// Tokens held out from the end of the only document of `n` tokens: `round(val_fraction * n)`,
+/// clamped so that both splits get at least one token when `n >= 2` (like [`val_documents`]).
+fn val_tokens_of_one_document(n: u64, val_fraction: f64) -> u64 {
+    val_documents(n, val_fraction)
+}
+
 /// Tokenizes `inputs` with the GPT-2 BPE into `out_dir/{train.bin,val.bin,meta.json}` (see the
 /// module docs). `val_fraction` (in `[0, 1)`) is the share of documents, taken from the end, that
 /// go to `val.bin`.
@@ -225,9 +233,9 @@ pub fn prepare(
     }
     let n_val = val_documents(n_docs, val_fraction);
     let n_train = n_docs - n_val;
-    if n_val == 0 {
-        tracing::warn!("only one document: val.bin will be empty; add more documents to validate");
-    }
+    // With a single document there is no document to hold out: its last tokens are (see
+    // `val_tokens_of_one_document`), so that val.bin is never silently empty.
+    let split_one_document = n_docs == 1;
 
     let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
     std::fs::create_dir_all(out_dir).map_err(io_err("create directory", out_dir))?;
@@ -239,8 +247,15 @@ pub fn prepare(
     for_each_document(inputs, |text| {
         let mut tokens = bpe.encode_ordinary(text);
         tokens.push(GPT2_EOT);
-        let out = if doc < n_train { &mut train } else { &mut val };
-        out.write(&tokens)?;
+        if split_one_document {
+            let n_held = val_tokens_of_one_document(tokens.len() as u64, val_fraction) as usize;
+            let (head, tail) = tokens.split_at(tokens.len() - n_held);
+            train.write(head)?;
+            val.write(tail)?;
+        } else {
+            let out = if doc < n_train { &mut train } else { &mut val };
+            out.write(&tokens)?;
+        }
         doc += 1;
         Ok(())
     })?;
@@ -253,6 +268,18 @@ pub fn prepare(
 
     let (train_path, train_tokens) = train.finish()?;
     let (val_path, val_tokens) = val.finish()?;
+    if split_one_document {
+        if val_tokens == 0 {
+            tracing::warn!(
+                "the only document has a single token: val.bin is empty; add text to validate"
+            );
+        } else {
+            tracing::info!(
+                val_tokens,
+                "one document: its last {val_tokens} tokens are held out in val.bin"
+            );
+        }
+    }
     let meta = DatasetMeta {
         vocab_size: GPT2_VOCAB_SIZE,
         dtype: TokenDtype::U16,
@@ -355,6 +382,47 @@ mod tests {
         );
     }
 
+    /// One `.txt` file is one document: its last tokens are held out, so val.bin is not empty,
+    /// and train.bin + val.bin are exactly the document's tokens, in order, without overlap.
+    #[test]
+    fn one_document_is_split_by_tokens() {
+        let tmp = TempDir::new("prep-one");
+        let input = tmp.0.join("book.txt");
+        let text: String = (0..200)
+            .map(|i| format!("Sentence number {i} of the only book. "))
+            .collect();
+        std::fs::write(&input, &text).unwrap();
+        let out = tmp.0.join("out");
+        let report = prepare(std::slice::from_ref(&input), &out, 0.1).unwrap();
+        let bpe = tiktoken_rs::r50k_base().unwrap();
+        let mut all = bpe.encode_ordinary(&text);
+        all.push(GPT2_EOT);
+        let total = all.len() as u64;
+        assert!(report.val_tokens > 0, "val.bin is empty: {report:?}");
+        assert_eq!(report.train_tokens + report.val_tokens, total);
+        assert_eq!(report.val_tokens, (total as f64 * 0.1).round() as u64);
+        let (train, val) = (read_u16(&report.train_path), read_u16(&report.val_path));
+        assert_eq!(
+            (train.len() as u64, val.len() as u64),
+            (report.train_tokens, report.val_tokens)
+        );
+        let joined: Vec<u32> = train.iter().chain(&val).copied().collect();
+        assert_eq!(
+            joined, all,
+            "train.bin then val.bin must be the document, no overlap"
+        );
+        let meta = crate::data::DatasetMeta::read(&out).unwrap().unwrap();
+        assert_eq!(
+            (meta.train_tokens, meta.val_tokens),
+            (report.train_tokens, report.val_tokens)
+        );
+
+        // Even a two-token document keeps one token on each side.
+        std::fs::write(&input, "Hello").unwrap();
+        let report = prepare(std::slice::from_ref(&input), &out, 0.1).unwrap();
+        assert_eq!((report.train_tokens, report.val_tokens), (1, 1));
+    }
+
     #[test]
     fn prepare_jsonl() {
         let tmp = TempDir::new("prep-jsonl");
@@ -431,9 +499,9 @@ mod tests {
         std::fs::write(&bad, [b'a', 0xFF]).unwrap();
         let err = prepare(&[bad], &out, 0.1).unwrap_err();
         assert!(err.to_string().contains("UTF-8"), "{err}");
-        // A single document: everything goes to train.
+        // A single document ("x" and <|endoftext|>) is split by tokens: one each.
         let report = prepare(&[txt], &out, 0.5).unwrap();
         assert_eq!((report.train_documents, report.val_documents), (1, 0));
-        assert_eq!(report.val_tokens, 0);
+        assert_eq!((report.train_tokens, report.val_tokens), (1, 1));
     }
 }

@@ -89,6 +89,9 @@ pub enum AgentError {
         url: String,
         source: Box<elastic::etcd::EtcdError>,
     },
+    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    #[error(transparent)]
+    Token(#[from] auth::EmptyJobToken),
     /// This node's coordinator (it led the job) failed.
     #[error("the coordinator this node ran exited ({status}); see {log}")]
     CoordinatorFailed { status: String, log: String },
@@ -175,7 +178,7 @@ impl Snapshots {
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
         let reporter = Arc::clone(&report_to);
-        let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+        let token = auth::token_from_env()?.unwrap_or_default();
         let gate = serve(listener, token, Arc::clone(&store), move |step, names| {
             if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                 let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
@@ -244,7 +247,7 @@ fn run_with_etcd(
         url: url.clone(),
         source: Box::new(source),
     };
-    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let token = auth::token_from_env()?.unwrap_or_default();
     let parsed = EtcdUrl::parse(&url).map_err(etcd)?;
     let rendezvous =
         Arc::new(Rendezvous::connect(&parsed, &auth::fingerprint(&token)).map_err(etcd)?);
@@ -396,7 +399,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
         addr: args.join.clone(),
         source,
     };
-    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
+    let token = auth::token_from_env()?.unwrap_or_default();
     let deadline = Instant::now() + args.connect_timeout;
     let mut stream = loop {
         match std::net::TcpStream::connect(&args.join) {
@@ -453,7 +456,7 @@ fn run_incarnation(
             incarnation,
             heartbeat_s,
         } => {
-            let heartbeat = peer_input::seconds("heartbeat_s", heartbeat_s, MAX_HEARTBEAT)
+            let heartbeat = peer_input::seconds("heartbeat_s", heartbeat_s)
                 .map_err(|e| bad_message(args, e))?;
             info!(node = %args.name, incarnation, %host, "joined the run");
             heartbeat
@@ -561,9 +564,6 @@ fn run_incarnation(
     stop(&mut workers, u64::MAX);
     result
 }
-
-/// The longest heartbeat interval an agent accepts from a coordinator.
-const MAX_HEARTBEAT: Duration = Duration::from_secs(3600);
 
 /// Most stage workers one `StartWorkers` may ask for, whatever `--slots` says.
 const MAX_STAGE_INDEX: usize = 1 << 16;

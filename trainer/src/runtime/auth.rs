@@ -61,13 +61,28 @@ impl Purpose {
     }
 }
 
-/// The job token: `SEQPIPE_JOB_TOKEN`, or a fresh random one (local runs; the launcher passes it to
-/// its workers).
-pub fn job_token() -> String {
-    std::env::var(TOKEN_ENV)
-        .ok()
-        .filter(|t| !t.is_empty())
-        .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()))
+/// `SEQPIPE_JOB_TOKEN` is set but empty or blank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{TOKEN_ENV} is set but empty; an empty job secret is refused rather than replaced: set it to \
+     the same secret on the coordinator and every agent (e.g. `openssl rand -hex 16`), or unset it \
+     for a single-machine run (a random one is made)"
+)]
+pub struct EmptyJobToken;
+
+/// The job token set in `SEQPIPE_JOB_TOKEN`: `None` when unset, an error when set but blank.
+pub fn token_from_env() -> Result<Option<String>, EmptyJobToken> {
+    match std::env::var(TOKEN_ENV) {
+        Ok(t) if t.trim().is_empty() => Err(EmptyJobToken),
+        Ok(t) => Ok(Some(t)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The job token: `SEQPIPE_JOB_TOKEN`, or a fresh random one when it is unset (local runs; the
+/// launcher passes it to its workers). Set but empty is an error, never silently replaced.
+pub fn job_token() -> Result<String, EmptyJobToken> {
+    Ok(token_from_env()?.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>())))
 }
 
 /// A public fingerprint of the job token (BLAKE3 of a domain-separated token): the etcd

@@ -141,7 +141,7 @@ impl Coordinator {
         } else {
             local.to_string()
         };
-        let token = auth::job_token();
+        let token = auth::job_token().map_err(|e| LaunchError::Run(e.to_string()))?;
         if !cfg.elastic.local_agents && std::env::var(auth::TOKEN_ENV).is_err() {
             return Err(LaunchError::Run(format!(
                 "a multi-host run needs the job's shared secret: set {} to the same value on the coordinator and every agent",

@@ -476,7 +476,7 @@ impl Driver<'_, '_> {
                 break;
             }
             if let Some(reason) = plan_change {
-                let grace = Duration::from_secs_f64(cfg.elastic.grace_s);
+                let grace = cfg.elastic.grace();
                 self.checkpoints.finish(
                     self.pipeline,
                     self.metrics.as_mut().expect("metrics"),
@@ -486,11 +486,11 @@ impl Driver<'_, '_> {
                 return Err(LaunchError::PlanChanged { step, reason });
             }
         }
-        let grace = Duration::from_secs_f64(if interrupted_by.is_some() {
-            cfg.checkpoint.grace_s
+        let grace = if interrupted_by.is_some() {
+            cfg.checkpoint.grace()
         } else {
-            cfg.pipeline.timeout_s.max(cfg.checkpoint.grace_s)
-        });
+            cfg.pipeline.timeout().max(cfg.checkpoint.grace())
+        };
         self.checkpoints.finish(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),

@@ -133,7 +133,7 @@ impl<'c> Pipeline<'c> {
             lost: Vec::new(),
             // Longer than the workers' per-message timeout: a worker that waits on a silent
             // neighbour gives up first and names it.
-            timeout: Duration::from_secs_f64(2.0 * cfg.pipeline.timeout_s + 1.0),
+            timeout: 2 * cfg.pipeline.timeout() + Duration::from_secs(1),
             logs_dir,
             data_addrs: Vec::new(),
             worker_config,

@@ -58,6 +58,9 @@ pub enum WorkerError {
     /// Data could not be read.
     #[error(transparent)]
     Data(#[from] DataError),
+    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    #[error(transparent)]
+    Token(#[from] auth::EmptyJobToken),
     /// The launcher sent something out of protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -320,10 +323,10 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
         &args.config.display().to_string(),
     )?;
     cfg.validate()?;
-    let timeout = Duration::from_secs_f64(cfg.pipeline.timeout_s);
+    let timeout = cfg.pipeline.timeout();
+    let token = auth::token_from_env()?.unwrap_or_default();
     let addr = resolve(&args.control)?;
     let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
-    let token = std::env::var(auth::TOKEN_ENV).unwrap_or_default();
     auth::connect(&mut stream, &token, Purpose::Control).map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = (|| {
@@ -532,7 +535,7 @@ impl Worker {
         next: Option<String>,
         replacement: bool,
     ) -> Result<(), WorkerError> {
-        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        let timeout = self.cfg.pipeline.timeout();
         self.data_port = Some(data_port);
         if let Some(next) = next {
             self.connect_next(&next, generation, timeout)?;
@@ -617,10 +620,7 @@ impl Worker {
             match control.recv::<ToWorker>().map_err(control_err)? {
                 ToWorker::RunStep { step, trace } => {
                     if let Some(copier) = &self.peer_copier {
-                        copier.wait_for(
-                            step.saturating_sub(2),
-                            Duration::from_secs_f64(self.cfg.pipeline.timeout_s),
-                        );
+                        copier.wait_for(step.saturating_sub(2), self.cfg.pipeline.timeout());
                     }
                     let started = Instant::now();
                     let loss_sum = self.run_step(step, trace, control)?;
@@ -787,7 +787,7 @@ impl Worker {
     /// Loads this stage's tensors of the state after `step` from the agents' peer snapshots.
     fn restore_from_peers(&mut self, step: u64, sources: &[String]) -> Result<(), WorkerError> {
         let names = names_to_restore(&self.stage, step > 0);
-        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        let timeout = self.cfg.pipeline.timeout();
         let tensors = peer_snapshots::fetch(sources, step, &names, &self.token, timeout)
             .map_err(WorkerError::Protocol)?;
         let tensors = tensors
@@ -1052,7 +1052,7 @@ impl Worker {
         side: Side,
         addr: Option<String>,
     ) -> Result<(), WorkerError> {
-        let timeout = Duration::from_secs_f64(self.cfg.pipeline.timeout_s);
+        let timeout = self.cfg.pipeline.timeout();
         let step = self.record.step;
         match side {
             Side::Prev => self.accept_prev(generation, timeout)?,

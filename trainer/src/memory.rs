@@ -1,0 +1,247 @@
+//! Each stage's memory, estimated from the config before any worker starts, so that a model that
+//! cannot fit is refused with the numbers instead of dying in an allocation abort (which the
+//! launcher only sees as a lost connection).
+//!
+//! The estimate is deliberately a lower bound: FP32 parameters, gradients and AdamW's two moments
+//! (16 bytes per parameter), plus the activations of the micro-batches a stage keeps in flight
+//! (about `6·d_model + ffn` floats per token and layer; the last stage also its logits and their
+//! gradient). All arithmetic saturates, so absurd sizes give `u64::MAX`, never an overflow.
+
+use thiserror::Error;
+
+use crate::config::Config;
+use crate::model::params::component_params;
+use crate::model::partition::partition_layers;
+use crate::schedule::ScheduleKind;
+
+/// Bytes per parameter: the FP32 weight, its gradient and AdamW's m and v.
+pub const STATE_BYTES_PER_PARAM: u64 = 16;
+const F32: u64 = 4;
+
+/// One stage's estimated memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageMemory {
+    /// Stage index.
+    pub stage: usize,
+    /// Parameters the stage holds.
+    pub params: u64,
+    /// Parameters, gradients and AdamW moments.
+    pub state_bytes: u64,
+    /// Live activations at the schedule's peak (rough).
+    pub activation_bytes: u64,
+}
+
+impl StageMemory {
+    /// State plus activations.
+    pub fn total(&self) -> u64 {
+        self.state_bytes.saturating_add(self.activation_bytes)
+    }
+}
+
+/// The run does not fit in memory.
+#[derive(Debug, Error)]
+#[error(
+    "the model does not fit in memory: by a rough lower-bound estimate stage {stage} needs {need} \
+     ({params} parameters × {STATE_BYTES_PER_PARAM} bytes for weights, gradients and AdamW m/v = \
+     {state}, plus activations {activations}){all}, but {what} is {have}; configured: \
+     model.vocab_size = {vocab}, model.d_model = {d_model}, model.layers = {layers}, \
+     train.micro_batch_size = {mbs}, train.seq_len = {seq_len}, pipeline.stages = {stages}; \
+     make the model smaller (vocab_size, d_model, layers), lower micro_batch_size or seq_len, or \
+     spread the stages over more machines",
+    need = human(largest.total()),
+    stage = largest.stage,
+    params = largest.params,
+    state = human(largest.state_bytes),
+    activations = human(largest.activation_bytes),
+    all = if *local { format!("; all {stages} stages on this machine together need {}", human(*total)) } else { String::new() },
+    have = human(*available),
+)]
+pub struct MemoryError {
+    /// The stage that needs the most.
+    pub largest: StageMemory,
+    /// The sum over the stages.
+    pub total: u64,
+    /// Whether every stage runs on this machine (`elastic.local_agents`).
+    pub local: bool,
+    /// Bytes available.
+    pub available: u64,
+    /// What `available` is ("this machine's available memory (MemAvailable)", ...).
+    pub what: String,
+    /// Configured sizes, for the message.
+    pub vocab: usize,
+    /// `model.d_model`.
+    pub d_model: usize,
+    /// `model.layers`.
+    pub layers: usize,
+    /// `train.micro_batch_size`.
+    pub mbs: usize,
+    /// `train.seq_len`.
+    pub seq_len: usize,
+    /// `pipeline.stages`.
+    pub stages: usize,
+}
+
+/// Bytes as GiB (or bytes when small), for messages.
+fn human(bytes: u64) -> String {
+    if bytes == u64::MAX {
+        "more than 16 EiB".into()
+    } else if bytes >= 1 << 30 {
+        format!(
+            "{:.1} GiB ({bytes} bytes)",
+            bytes as f64 / (1u64 << 30) as f64
+        )
+    } else {
+        format!("{bytes} bytes")
+    }
+}
+
+fn mul(values: &[u64]) -> u64 {
+    values.iter().fold(1u64, |acc, &v| acc.saturating_mul(v))
+}
+
+/// Every stage's estimated memory (see the module docs). `None` when the config cannot be split
+/// into stages (validation reports that).
+pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
+    let (m, t, p) = (&cfg.model, &cfg.train, &cfg.pipeline);
+    let layouts = partition_layers(m, t.seq_len, p.stages).ok()?;
+    let c = m.d_model as u64;
+    let ffn = c.saturating_mul(m.ffn_mult as u64);
+    let tokens_per_mb = mul(&[t.micro_batch_size as u64, t.seq_len as u64]);
+    let per_token_layer = mul(&[c, 6]).saturating_add(ffn).saturating_mul(F32);
+    let segment = (t.seq_len as u64).div_ceil(p.splits.max(1) as u64);
+    Some(
+        layouts
+            .iter()
+            .map(|layout| {
+                let params = layout
+                    .components()
+                    .into_iter()
+                    .flat_map(|comp| component_params(m, comp))
+                    .map(|spec| {
+                        let dims: Vec<u64> = spec.shape.iter().map(|&d| d as u64).collect();
+                        mul(&dims)
+                    })
+                    .fold(0u64, u64::saturating_add);
+                let in_flight = match p.schedule {
+                    ScheduleKind::GPipe => p.microbatches,
+                    _ => p.microbatches.min(p.stages - layout.stage),
+                } as u64;
+                let layers = layout.layers.len() as u64;
+                let mut activation_bytes =
+                    mul(&[in_flight, tokens_per_mb, layers, per_token_layer]);
+                if layout.is_last() {
+                    // Logits of one segment and their gradient.
+                    let logits = mul(&[
+                        t.micro_batch_size as u64,
+                        segment,
+                        m.vocab_size as u64,
+                        2 * F32,
+                    ]);
+                    activation_bytes = activation_bytes.saturating_add(logits);
+                }
+                StageMemory {
+                    stage: layout.stage,
+                    params,
+                    state_bytes: params.saturating_mul(STATE_BYTES_PER_PARAM),
+                    activation_bytes,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes, if it can be read.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Refuses a run whose estimated memory exceeds what is available: with `elastic.local_agents`
+/// (every stage on this machine) the sum over the stages against `available` (this machine's
+/// `MemAvailable` when `None` is given and it can be read); otherwise the largest stage against
+/// [`crate::config::MAX_BYTES`], the most any single machine could hold.
+pub fn check(cfg: &Config, available: Option<u64>) -> Result<Vec<StageMemory>, Box<MemoryError>> {
+    let Some(stages) = estimate(cfg) else {
+        return Ok(Vec::new());
+    };
+    let largest = stages
+        .iter()
+        .max_by_key(|s| s.total())
+        .cloned()
+        .expect("at least one stage");
+    let total = stages
+        .iter()
+        .map(StageMemory::total)
+        .fold(0u64, u64::saturating_add);
+    let local = cfg.elastic.local_agents;
+    let (need, available, what) = match (local, available.or_else(available_memory)) {
+        (true, Some(bytes)) => (
+            total,
+            bytes,
+            "this machine's available memory (MemAvailable)".to_string(),
+        ),
+        _ => (
+            largest.total(),
+            crate::config::MAX_BYTES,
+            "the most seqpipe accepts for one stage (1 PiB)".to_string(),
+        ),
+    };
+    if need <= available {
+        return Ok(stages);
+    }
+    let (m, t) = (&cfg.model, &cfg.train);
+    Err(Box::new(MemoryError {
+        largest,
+        total,
+        local,
+        available,
+        what,
+        vocab: m.vocab_size,
+        d_model: m.d_model,
+        layers: m.layers,
+        mbs: t.micro_batch_size,
+        seq_len: t.seq_len,
+        stages: cfg.pipeline.stages,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_model_is_small_and_fits() {
+        let cfg = Config::default();
+        let stages = check(&cfg, Some(1 << 30)).unwrap();
+        assert_eq!(stages.len(), cfg.pipeline.stages);
+        let params: u64 = stages.iter().map(|s| s.params).sum();
+        assert_eq!(params, crate::model::params::param_count(&cfg.model) as u64);
+        assert!(stages.iter().all(|s| s.activation_bytes > 0));
+    }
+
+    #[test]
+    fn huge_vocabulary_is_refused_with_the_numbers() {
+        let cfg = Config::default()
+            .with_overrides(&["model.vocab_size=1000000000".into()])
+            .unwrap();
+        let err = check(&cfg, Some(64 << 30)).unwrap_err().to_string();
+        assert!(
+            err.contains("memory") && err.contains("model.vocab_size = 1000000000"),
+            "{err}"
+        );
+        assert!(err.contains("GiB") && err.contains("parameters"), "{err}");
+    }
+
+    #[test]
+    fn absurd_sizes_saturate_instead_of_overflowing() {
+        let mut cfg = Config::default();
+        cfg.model.d_model = 1 << 40;
+        cfg.model.heads = 1;
+        cfg.model.vocab_size = usize::MAX / 2;
+        let stages = estimate(&cfg).unwrap();
+        assert!(stages.iter().any(|s| s.total() == u64::MAX));
+        assert!(check(&cfg, Some(u64::MAX - 1)).is_err());
+    }
+}
