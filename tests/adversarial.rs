@@ -10,7 +10,11 @@ use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
-use common::{fresh_dir, seqpipe};
+use common::{
+    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir,
+    listening_ports, losses, metrics, run_ok, seqpipe,
+};
+use rand::{Rng, SeedableRng};
 use trainer::runtime::auth::{self, Purpose};
 use trainer::runtime::control::{FromAgent, ToAgent};
 use trainer::runtime::wire::{Frame, Limits, read_frame, write_frame};
@@ -164,7 +168,7 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
         (
             vec![ToAgent::Welcome {
                 incarnation: 1,
-                heartbeat_s: f64::NAN,
+                heartbeat_s: -1.0,
             }],
             "heartbeat_s",
         ),
@@ -198,4 +202,237 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
         assert_only_agent_dir(&root);
         assert!(!root.join("a/elsewhere").exists());
     }
+}
+
+/// Silent connections must not stall recovery: 200 idle connections on every port of every
+/// worker, then a SIGKILL of a middle stage's worker during a step. The neighbours accept the
+/// replacement past the crowd (mid-step repair, or the peer tier when the kill missed the step's
+/// compute), no healthy node is blamed, and the result is bit-identical to an undisturbed run.
+#[test]
+fn silent_connections_do_not_stall_a_mid_step_recovery() {
+    const STEPS: u64 = 24;
+    let dir = fresh_dir("adv-silent");
+    let job = |run: &Path| {
+        let mut cmd = seqpipe();
+        cmd.args(["train", "-q", "--set", "elastic.mid_step=true"]);
+        for s in elastic_job_sets(run, STEPS) {
+            cmd.args(["--set", &s]);
+        }
+        cmd.env(auth::TOKEN_ENV, TOKEN);
+        cmd
+    };
+    run_ok(&mut job(&dir.join("reference")));
+    let (_, reference) = final_state(&ckpt_url(&dir.join("reference")));
+    let mut mid_step = 0;
+    for (attempt, delay_ms) in [150u64, 40, 300, 90].into_iter().enumerate() {
+        let run = dir.join(format!("run-{attempt}"));
+        let mut child = job(&run).spawn().unwrap();
+        while metrics(&run)
+            .iter()
+            .filter(|m| m.get("loss").is_some())
+            .count()
+            < 2
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let nodes: Vec<(u32, Vec<u32>)> = children_of(child.id())
+            .into_iter()
+            .map(|agent| (agent, children_of(agent)))
+            .collect();
+        let mut silent = Vec::new();
+        for (_, workers) in &nodes {
+            for &worker in workers {
+                for port in listening_ports(worker) {
+                    for _ in 0..200 {
+                        if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+                            silent.push(s);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            silent.len() >= 200 * 4,
+            "only {} silent connections",
+            silent.len()
+        );
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let victim = nodes[1].1[0];
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &victim.to_string()])
+            .status();
+        let status = child.wait().unwrap();
+        drop(silent);
+        assert!(status.success(), "attempt {attempt}: {status}");
+        assert_final_state(&run, STEPS, &reference);
+        let events = metrics(&run);
+        let blamed: std::collections::BTreeSet<String> = events
+            .iter()
+            .filter(|e| e["event"] == "node_lost")
+            .map(|e| e["node"].to_string())
+            .collect();
+        assert!(
+            blamed.len() <= 1,
+            "attempt {attempt}: healthy nodes blamed: {blamed:?}"
+        );
+        let tiers: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["event"] == "recovered")
+            .map(|e| &e["tier"])
+            .collect();
+        assert!(
+            tiers.iter().all(|t| *t == "mid_step" || *t == "peer"),
+            "attempt {attempt}: {tiers:?}"
+        );
+        if tiers.iter().any(|t| *t == "mid_step") {
+            mid_step += 1;
+            break;
+        }
+    }
+    assert!(
+        mid_step > 0,
+        "no kill landed in the middle of a step in 4 attempts"
+    );
+}
+
+/// Every process of a local job: the launcher, its agents and their workers.
+fn job_processes(launcher: u32) -> Vec<u32> {
+    let mut all = vec![launcher];
+    for agent in children_of(launcher) {
+        all.push(agent);
+        all.extend(children_of(agent));
+    }
+    all
+}
+
+/// One hostile connection to `port`: random bytes, a wrong proof, or (with the token) a frame
+/// that is malformed in one of the ways a parser can go wrong.
+fn fuzz_once(port: u16, rng: &mut impl Rng) {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    let mut noise = |n: usize, rng: &mut dyn rand::RngCore| {
+        let mut b = vec![0u8; n];
+        rng.fill_bytes(&mut b);
+        b
+    };
+    match rng.random_range(0..4) {
+        0 => {
+            let n = rng.random_range(0..4096);
+            let _ = s.write_all(&noise(n, rng));
+        }
+        1 => {
+            let mut hello = [0u8; 40];
+            let _ = std::io::Read::read_exact(&mut s, &mut hello);
+            let _ = s.write_all(&noise(64, rng));
+        }
+        _ => {
+            // Authenticated: the purpose is unknown to the fuzzer, so try each in turn.
+            let purpose =
+                [Purpose::Control, Purpose::Data, Purpose::Snapshot][rng.random_range(0..3)];
+            if auth::connect(&mut s, TOKEN, purpose).is_err() {
+                return;
+            }
+            let header = noise(rng.random_range(0..64), rng);
+            let mut frame = b"SQP1".to_vec();
+            let (header_len, payload_len): (u32, u64) = match rng.random_range(0..4) {
+                0 => (u32::MAX, 0),
+                1 => (header.len() as u32, u64::MAX - rng.random_range(0..8)),
+                2 => (header.len() as u32, 8 << 30),
+                _ => (header.len() as u32, rng.random_range(0..16)),
+            };
+            frame.extend_from_slice(&header_len.to_le_bytes());
+            frame.extend_from_slice(&payload_len.to_le_bytes());
+            frame.extend_from_slice(&header);
+            frame.extend_from_slice(&noise(rng.random_range(0..32), rng));
+            if rng.random_bool(0.5) {
+                let cut = rng.random_range(0..frame.len());
+                frame.truncate(cut);
+            }
+            let _ = s.write_all(&frame);
+        }
+    }
+    // Half the connections linger, half close at once.
+    if rng.random_bool(0.5) {
+        std::thread::sleep(Duration::from_millis(rng.random_range(0..200)));
+    }
+}
+
+/// Random and mutated frames at every listening port of a running job (coordinator, agents'
+/// snapshot ports, stage data ports), from three threads for the whole run: the job finishes with
+/// exactly the losses and final state of an undisturbed run.
+#[test]
+fn fuzzing_every_port_changes_nothing() {
+    const STEPS: u64 = 16;
+    let dir = fresh_dir("adv-fuzz");
+    let job = |run: &Path| {
+        let mut cmd = seqpipe();
+        cmd.args(["train", "-q"]);
+        for s in elastic_job_sets(run, STEPS) {
+            cmd.args(["--set", &s]);
+        }
+        cmd.env(auth::TOKEN_ENV, TOKEN);
+        cmd
+    };
+    let reference = dir.join("reference");
+    run_ok(&mut job(&reference));
+    let run = dir.join("run");
+    let mut child = job(&run).spawn().unwrap();
+    while metrics(&run)
+        .iter()
+        .filter(|m| m.get("loss").is_some())
+        .count()
+        < 1
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ports: Vec<u16> = job_processes(child.id())
+        .into_iter()
+        .flat_map(listening_ports)
+        .collect();
+    // The coordinator, 4 agents' snapshot ports and 4 workers' data ports.
+    assert!(ports.len() >= 9, "listening ports: {ports:?}");
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let fuzzers: Vec<_> = (0..3u64)
+        .map(|seed| {
+            let (ports, done, sent) = (ports.clone(), done.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20261123 + seed);
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    fuzz_once(ports[rng.random_range(0..ports.len())], &mut rng);
+                    sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    let status = child.wait().unwrap();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    for f in fuzzers {
+        f.join().unwrap();
+    }
+    let sent = sent.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        status.success(),
+        "{status} after {sent} hostile connections"
+    );
+    assert!(
+        sent >= 100,
+        "only {sent} hostile connections during the run"
+    );
+    assert_eq!(
+        losses(&run),
+        losses(&reference),
+        "after {sent} hostile connections"
+    );
+    let (_, state) = final_state(&ckpt_url(&reference));
+    assert_final_state(&run, STEPS, &state);
+    let events = metrics(&run);
+    assert!(
+        !events.iter().any(|e| e["event"] == "node_lost"),
+        "a node was declared lost under fuzzing: {events:?}"
+    );
+    eprintln!("{sent} hostile connections to {} ports", ports.len());
 }

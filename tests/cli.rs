@@ -261,6 +261,15 @@ fn missing_and_corrupt_token_files_are_errors() {
             .arg(format!("run.dir={}", dir.join("run").display())),
     );
     assert!(err.contains("vocab") || err.contains("64"), "{err}");
+    // It would recur on any node: the run fails at once with the real cause, not after retrying
+    // it as lost nodes until `max_restarts` runs out.
+    assert!(err.contains("vocab_size is 64"), "{err}");
+    assert!(
+        !err.contains("lost") && !err.contains("seqpipe resume"),
+        "a permanent data error was treated as a node loss:\n{err}"
+    );
+    let events = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap_or_default();
+    assert!(!events.contains("node_lost"), "{events}");
 }
 
 #[test]

@@ -170,3 +170,38 @@ pub fn assert_final_state(run_dir: &Path, steps: u64, reference: &BTreeMap<Strin
 pub fn ckpt_url(run_dir: &Path) -> String {
     run_dir.join("checkpoints").display().to_string()
 }
+
+/// The TCP ports process `pid` listens on (its sockets in LISTEN state, from /proc).
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: std::collections::BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|target| {
+            let t = target.display().to_string();
+            t.strip_prefix("socket:[")
+                .and_then(|s| s.strip_suffix(']'))
+                .map(String::from)
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // local_address is HEX_IP:HEX_PORT, st 0A is LISTEN, inode is field 9.
+            if fields.len() > 9 && fields[3] == "0A" && inodes.contains(fields[9]) {
+                if let Some(port) = fields[1]
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+                {
+                    ports.push(port);
+                }
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}

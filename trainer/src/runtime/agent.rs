@@ -445,12 +445,16 @@ fn run_incarnation(
         })
         .map_err(|e| gone(e.to_string()))?;
     // The coordinator closes a connection whose token proof is wrong without a word.
-    let welcome = control
-        .recv::<ToAgent>()
-        .map_err(|source| AgentError::Connect {
-            addr: args.join.clone(),
-            source,
-        })?;
+    let welcome = control.recv::<ToAgent>().map_err(|source| {
+        if source.kind() == std::io::ErrorKind::InvalidData {
+            bad_message(args, peer_input::BadInput(source.to_string()))
+        } else {
+            AgentError::Connect {
+                addr: args.join.clone(),
+                source,
+            }
+        }
+    })?;
     let heartbeat = match welcome {
         ToAgent::Welcome {
             incarnation,
@@ -556,6 +560,9 @@ fn run_incarnation(
             }
             Ok(Ok(ToAgent::Shutdown)) => break Ok(Ended::Shutdown),
             Ok(Ok(ToAgent::Welcome { .. })) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                break Err(bad_message(args, peer_input::BadInput(e.to_string())));
+            }
             Ok(Err(e)) => break Err(gone(e.to_string())),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break Err(gone("connection closed".into())),

@@ -83,11 +83,26 @@ pub enum ToLauncher {
         error: String,
         /// A neighbouring stage that stayed silent past the timeout (alive but hung, or cut off).
         suspect: Option<usize>,
-        /// The stage went over its memory budget: that would recur on any node, so the run must
-        /// stop rather than recover.
+        /// Whether the failure would recur on any node (then the run stops with it instead of
+        /// recovering).
         #[serde(default)]
-        over_budget: bool,
+        cause: FailureCause,
     },
+}
+
+/// Whether a worker's failure is worth recovering from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureCause {
+    /// It may not happen again elsewhere (a broken link, a dead neighbour, an I/O error): the run
+    /// recovers.
+    #[default]
+    Transient,
+    /// The stage went over `train.memory_budget_bytes`.
+    OverBudget,
+    /// It would happen again on any node (an unusable config, token file or init directory): the
+    /// run stops at once with the worker's message.
+    Permanent,
 }
 
 /// What one step cost a stage.

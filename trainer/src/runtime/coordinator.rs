@@ -22,6 +22,7 @@ use super::checkpoints::CheckpointWriter;
 use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
 use super::driver::{ResumePoint, Start, unix_time_s};
 use super::launcher::LaunchError;
+use super::peer_input;
 use super::wire::{Limits, read_frame};
 use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
@@ -633,6 +634,13 @@ impl Coordinator {
         let now = Instant::now();
         match event {
             Event::Opened(conn, Opening::Agent(FromAgent::Join { node, pid }), sender) => {
+                if let Err(e) = check_join(&node) {
+                    warn!(conn, error = %e, "refused a join with a bad node description");
+                    sender.send_and_close(&ToAgent::Refused {
+                        reason: e.to_string(),
+                    });
+                    return None;
+                }
                 let id = node.id.clone();
                 // A new incarnation replaces the old one's connection.
                 let old: Vec<u64> = self
@@ -1080,6 +1088,23 @@ fn last_metrics_step(path: &std::path::Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// Most stage workers one node may offer.
+const MAX_SLOTS: usize = 1024;
+
+/// Checks a joining node's description (a peer's claims): its name appears in logs, events and
+/// the plan, its address is handed to workers to connect to.
+fn check_join(node: &elastic::NodeInfo) -> Result<(), peer_input::BadInput> {
+    peer_input::path_component("node name", &node.id.0)?;
+    peer_input::address("node address", &node.addr)?;
+    if node.slots == 0 || node.slots > MAX_SLOTS {
+        return Err(peer_input::BadInput(format!(
+            "slots = {} is outside 1..={MAX_SLOTS}",
+            node.slots
+        )));
+    }
+    Ok(())
+}
+
 /// Accepts connections on `listener` until the gate is stopped: each authenticated one gets its own
 /// thread, which reads the opening message, then forwards every message as an [`Event`].
 fn accept_loop(listener: TcpListener, token: String, tx: Sender<Event>) -> std::io::Result<Gate> {
@@ -1141,6 +1166,26 @@ fn serve_connection(conn: u64, stream: TcpStream, peer: std::net::SocketAddr, tx
                 let _ = tx.send(Event::Closed(conn, e.to_string()));
                 return;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joins_with_bad_names_addresses_or_slots_are_refused() {
+        let ok = elastic::NodeInfo::new("node-a", 2, "10.0.0.7:4100");
+        assert!(check_join(&ok).is_ok());
+        for bad in [
+            elastic::NodeInfo::new("../etc", 1, "10.0.0.7:4100"),
+            elastic::NodeInfo::new("a/b", 1, "10.0.0.7:4100"),
+            elastic::NodeInfo::new("node-a", 0, "10.0.0.7:4100"),
+            elastic::NodeInfo::new("node-a", usize::MAX, "10.0.0.7:4100"),
+            elastic::NodeInfo::new("node-a", 1, "nowhere"),
+        ] {
+            assert!(check_join(&bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -10,7 +10,7 @@ use elastic::NodeId;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::control::{Side, ToLauncher, ToWorker};
+use super::control::{FailureCause, Side, ToLauncher, ToWorker};
 pub use super::coordinator::Lost;
 use super::coordinator::{Coordinator, Incoming};
 use crate::config::Config;
@@ -71,6 +71,10 @@ pub enum LaunchError {
     /// so the run stops instead of recovering).
     #[error("stage {stage}: {error}")]
     OverBudget { stage: usize, error: String },
+    /// A worker failed in a way that would recur on any node (see
+    /// [`FailureCause::Permanent`]): the run stops with its message.
+    #[error("stage {stage}: {error}")]
+    Permanent { stage: usize, error: String },
 }
 
 /// The running pipeline of the coordinator's current plan: one worker per stage, started by the
@@ -253,11 +257,15 @@ impl<'c> Pipeline<'c> {
                     stage,
                     error,
                     suspect,
-                    over_budget,
+                    cause,
                 },
             ) if self.stage_of(conn).is_some() => {
-                if over_budget {
-                    return Err(LaunchError::OverBudget { stage, error });
+                match cause {
+                    FailureCause::OverBudget => {
+                        return Err(LaunchError::OverBudget { stage, error });
+                    }
+                    FailureCause::Permanent => return Err(LaunchError::Permanent { stage, error }),
+                    FailureCause::Transient => {}
                 }
                 self.suspects.extend(suspect);
                 Err(LaunchError::WorkerFailed {

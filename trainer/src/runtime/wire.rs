@@ -11,7 +11,7 @@ const MAGIC: &[u8; 4] = b"SQP1";
 
 /// Memory a claimed payload length may make the reader reserve before the bytes arrive; beyond it
 /// the buffer grows only as data comes in.
-const RESERVE_AHEAD: u64 = 64 << 20;
+const RESERVE_AHEAD: u64 = 8 << 20;
 
 /// The largest frame a channel accepts: every peer is untrusted, even after authentication, so a
 /// frame over its channel's limit is that peer's failure, and nothing is allocated for it.

@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
 use super::control::{
-    ControlSender, ControlStream, Side, StepCost, ToLauncher, ToWorker, UnitTime,
+    ControlSender, ControlStream, FailureCause, Side, StepCost, ToLauncher, ToWorker, UnitTime,
 };
 use super::peer_snapshots::{self, PeerCopier};
 use super::trace::unix_time_us;
@@ -403,10 +403,25 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
             stage: args.stage,
             error: e.to_string(),
             suspect,
-            over_budget: matches!(e, WorkerError::Model(ModelError::OverBudget { .. })),
+            cause: e.cause(),
         });
     }
     result
+}
+
+impl WorkerError {
+    /// Whether this failure would recur on any node: then recovering only repeats it.
+    pub fn cause(&self) -> FailureCause {
+        match self {
+            WorkerError::Model(ModelError::OverBudget { .. }) => FailureCause::OverBudget,
+            WorkerError::Config(_)
+            | WorkerError::Schedule(_)
+            | WorkerError::Token(_)
+            | WorkerError::Hf(_) => FailureCause::Permanent,
+            WorkerError::Data(e) if !matches!(e, DataError::Io { .. }) => FailureCause::Permanent,
+            _ => FailureCause::Transient,
+        }
+    }
 }
 
 /// Maps an I/O error to [`WorkerError::Io`] saying what was being done.
