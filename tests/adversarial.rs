@@ -210,7 +210,8 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
 /// compute), no healthy node is blamed, and the result is bit-identical to an undisturbed run.
 #[test]
 fn silent_connections_do_not_stall_a_mid_step_recovery() {
-    const STEPS: u64 = 24;
+    // Long enough that the 800 connections are open well before the run ends.
+    const STEPS: u64 = 120;
     let dir = fresh_dir("adv-silent");
     let job = |run: &Path| {
         let mut cmd = seqpipe();
@@ -227,14 +228,7 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
     for (attempt, delay_ms) in [150u64, 40, 300, 90].into_iter().enumerate() {
         let run = dir.join(format!("run-{attempt}"));
         let mut child = job(&run).spawn().unwrap();
-        while metrics(&run)
-            .iter()
-            .filter(|m| m.get("loss").is_some())
-            .count()
-            < 2
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_for_steps(&run, 2);
         let nodes: Vec<(u32, Vec<u32>)> = children_of(child.id())
             .into_iter()
             .map(|agent| (agent, children_of(agent)))
@@ -251,9 +245,13 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
                 }
             }
         }
+        let ports: Vec<Vec<u16>> = nodes
+            .iter()
+            .flat_map(|(_, w)| w.iter().map(|&p| listening_ports(p)))
+            .collect();
         assert!(
             silent.len() >= 200 * 4,
-            "only {} silent connections",
+            "only {} silent connections to the workers' ports {ports:?}",
             silent.len()
         );
         std::thread::sleep(Duration::from_millis(delay_ms));
@@ -295,6 +293,26 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
     );
 }
 
+/// Waits (at most a minute) until the run at `run` has recorded `steps` steps.
+fn wait_for_steps(run: &Path, steps: usize) {
+    let started = std::time::Instant::now();
+    loop {
+        let done = std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"loss\""))
+            .count();
+        if done >= steps {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Every process of a local job: the launcher, its agents and their workers.
 fn job_processes(launcher: u32) -> Vec<u32> {
     let mut all = vec![launcher];
@@ -313,7 +331,7 @@ fn fuzz_once(port: u16, rng: &mut impl Rng) {
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-    let mut noise = |n: usize, rng: &mut dyn rand::RngCore| {
+    let noise = |n: usize, rng: &mut dyn rand::RngCore| {
         let mut b = vec![0u8; n];
         rng.fill_bytes(&mut b);
         b
@@ -380,14 +398,7 @@ fn fuzzing_every_port_changes_nothing() {
     run_ok(&mut job(&reference));
     let run = dir.join("run");
     let mut child = job(&run).spawn().unwrap();
-    while metrics(&run)
-        .iter()
-        .filter(|m| m.get("loss").is_some())
-        .count()
-        < 1
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_steps(&run, 1);
     let ports: Vec<u16> = job_processes(child.id())
         .into_iter()
         .flat_map(listening_ports)

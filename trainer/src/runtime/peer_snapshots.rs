@@ -267,6 +267,8 @@ pub struct PeerCopier {
     jobs: Sender<CopyJob>,
     /// The newest step whose copy was attempted (stored, or given up on with a warning).
     attempted: Arc<(Mutex<u64>, Condvar)>,
+    /// The newest step queued here (a replacement worker's first copies come late).
+    queued: std::sync::atomic::AtomicU64,
 }
 
 impl PeerCopier {
@@ -329,13 +331,19 @@ impl PeerCopier {
                     mark_done();
                 }
             })?;
-        Ok(Self { jobs, attempted })
+        Ok(Self {
+            jobs,
+            attempted,
+            queued: std::sync::atomic::AtomicU64::new(0),
+        })
     }
 
     /// Waits (at most `timeout`) until the copy of `step` was attempted. The worker calls it with
     /// the step before last when a step starts: copies lag at most one step behind training, so a
     /// single failure always finds the state of the step before the interrupted one in memory.
     pub fn wait_for(&self, step: u64, timeout: Duration) {
+        // Only copies this worker queued: a replacement has none of the steps before it started.
+        let step = step.min(self.queued.load(std::sync::atomic::Ordering::SeqCst));
         let (newest, changed) = &*self.attempted;
         let guard = newest.lock().unwrap_or_else(|p| p.into_inner());
         let (guard, result) = changed
@@ -352,6 +360,8 @@ impl PeerCopier {
 
     /// Queues the state after `step` (the tensors are immutable: nothing is copied here).
     pub fn copy(&self, step: u64, tensors: Vec<(String, Tensor)>) {
+        self.queued
+            .fetch_max(step, std::sync::atomic::Ordering::SeqCst);
         if self.jobs.send(CopyJob { step, tensors }).is_err() {
             warn!(
                 step,
@@ -451,6 +461,16 @@ mod tests {
                 "{metas:?}: {err}"
             );
         }
+    }
+
+    /// A replacement worker's copier holds none of the steps before it started: waiting for them
+    /// returns at once instead of stalling its first step.
+    #[test]
+    fn a_fresh_copier_never_waits_for_steps_it_was_not_given() {
+        let copier = PeerCopier::start(vec![], "t".into(), Duration::from_secs(1)).unwrap();
+        let started = Instant::now();
+        copier.wait_for(18, Duration::from_secs(30));
+        assert!(started.elapsed() < Duration::from_secs(1));
     }
 
     #[test]
