@@ -383,7 +383,7 @@ fn fuzz_once(port: u16, rng: &mut impl Rng) {
 /// exactly the losses and final state of an undisturbed run.
 #[test]
 fn fuzzing_every_port_changes_nothing() {
-    const STEPS: u64 = 16;
+    const STEPS: u64 = 60;
     let dir = fresh_dir("adv-fuzz");
     let job = |run: &Path| {
         let mut cmd = seqpipe();

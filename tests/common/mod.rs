@@ -191,13 +191,14 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
         for line in text.lines().skip(1) {
             let fields: Vec<&str> = line.split_whitespace().collect();
             // local_address is HEX_IP:HEX_PORT, st 0A is LISTEN, inode is field 9.
-            if fields.len() > 9 && fields[3] == "0A" && inodes.contains(fields[9]) {
-                if let Some(port) = fields[1]
+            if fields.len() > 9
+                && fields[3] == "0A"
+                && inodes.contains(fields[9])
+                && let Some(port) = fields[1]
                     .rsplit_once(':')
                     .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
-                {
-                    ports.push(port);
-                }
+            {
+                ports.push(port);
             }
         }
     }
