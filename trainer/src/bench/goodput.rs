@@ -383,6 +383,7 @@ fn disturb(
     mut schedule: FailureSchedule,
     rejoin_after: Duration,
     spare_dir: &Path,
+    give_up_after: Duration,
 ) -> Result<(f64, Disturbance)> {
     let mut done = Disturbance::default();
     let mut spares: Vec<Child> = Vec::new();
@@ -395,6 +396,24 @@ fn disturb(
             break status;
         }
         let now = Instant::now();
+        if now > run.started + give_up_after {
+            // Failures arriving faster than the job recovers can keep it from ever finishing.
+            let mut tree = live_nodes(launcher, &mut spares);
+            for node in tree.drain(..) {
+                node.workers.iter().for_each(|&w| sigkill(w));
+                sigkill(node.agent);
+            }
+            let _ = run.child.kill();
+            let _ = run.child.wait();
+            for mut spare in spares {
+                let _ = spare.wait();
+            }
+            bail!(
+                "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers); its directory is {}",
+                give_up_after.as_secs_f64(),
+                run.run_dir.display()
+            );
+        }
         let Some(origin) = origin else {
             if run.metrics().contains("\"loss\"") {
                 origin = Some(now);
@@ -538,6 +557,7 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
         FailureSchedule::new(args.seed, Duration::from_secs_f64(mean_gap_s)),
         Duration::from_secs_f64(args.rejoin_after_s),
         &base.join("replacement-nodes"),
+        Duration::from_secs_f64(120.0 + 20.0 * undisturbed_s),
     )?;
     let summary = summarize(&noisy.metrics());
 
