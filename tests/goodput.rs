@@ -15,9 +15,10 @@ fn goodput_bench_kills_recovers_and_ends_bit_identical() {
     for s in elastic_job_sets(&dir.join("unused"), 60) {
         cmd.args(["--set", &s]);
     }
-    // Steps take ~40 ms here and a recovery a second or more on busy cores: one failure per 25
-    // steps is ~1 s apart, as often as the job can still make progress.
-    cmd.args(["--failures-per-step", "0.04", "--seed", "5"])
+    // Steps take ~50 ms here but a recovery seconds on busy cores, and failures that arrive faster
+    // than the job recovers keep it from finishing (BENCHMARKS.md): one failure per 100 steps,
+    // seed 5 = a worker killed ~22 step-times after the first step, the next ~224 (after the end).
+    cmd.args(["--failures-per-step", "0.01", "--seed", "5"])
         .args(["--rejoin-after-s", "0.5", "--dir"])
         .arg(&dir);
     let out = run_ok(&mut cmd);
@@ -31,7 +32,7 @@ fn goodput_bench_kills_recovers_and_ends_bit_identical() {
     assert!(ettr > 0.0 && ettr <= 1.5, "{stdout}");
     let kills =
         report["kills"]["worker"].as_u64().unwrap() + report["kills"]["node"].as_u64().unwrap();
-    assert!(kills >= 1, "seed 5 kills within the run: {stdout}");
+    assert!(kills >= 1, "seed 5 kills a worker within the run: {stdout}");
     let recoveries: u64 = report["recoveries"]
         .as_object()
         .unwrap()

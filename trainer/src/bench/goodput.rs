@@ -49,6 +49,10 @@ pub struct GoodputArgs {
     /// Directory for both runs (default: a fresh one under the temp dir, deleted after a success).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Give up on the disturbed run after this many seconds (default: 120 + 20 x the undisturbed
+    /// wall time); failures that arrive faster than the job recovers can keep it from finishing.
+    #[arg(long)]
+    pub give_up_after_s: Option<f64>,
 }
 
 /// What one failure kills.
@@ -408,9 +412,19 @@ fn disturb(
             for mut spare in spares {
                 let _ = spare.wait();
             }
+            let s = summarize(&run.metrics());
             bail!(
-                "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers); its directory is {}",
+                "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers): {} step records, {} worker and {} node kills, {} replacement nodes started ({} joined), {} nodes lost, recoveries {:?} (lost steps {}, recovery_s sum {:.3}); its directory is {}",
                 give_up_after.as_secs_f64(),
+                s.step_records,
+                done.worker_kills,
+                done.node_kills,
+                done.spares_started,
+                s.nodes_joined,
+                s.nodes_lost,
+                s.recoveries,
+                s.lost_steps,
+                s.recovery_s,
                 run.run_dir.display()
             );
         }
@@ -557,7 +571,11 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
         FailureSchedule::new(args.seed, Duration::from_secs_f64(mean_gap_s)),
         Duration::from_secs_f64(args.rejoin_after_s),
         &base.join("replacement-nodes"),
-        Duration::from_secs_f64(120.0 + 20.0 * undisturbed_s),
+        Duration::from_secs_f64(
+            args.give_up_after_s
+                .unwrap_or(120.0 + 20.0 * undisturbed_s)
+                .clamp(0.0, 1e9),
+        ),
     )?;
     let summary = summarize(&noisy.metrics());
 
