@@ -1,8 +1,11 @@
 //! `seqpipe bench checkpoint`: checkpoint save and load throughput against the raw throughput of the
 //! same store measured in the same run, and the training stall that asynchronous checkpoints cause.
-//! `seqpipe bench step` (training step time and memory) lives in [`step`], `seqpipe bench
-//! schedule` (the schedules on real pipeline runs) in [`schedule`].
+//! `seqpipe bench recovery` (one SIGKILLed node per trial, per tier) is here too; `seqpipe bench step`
+//! (training step time and memory) lives in [`step`], `seqpipe bench schedule` (the schedules on real
+//! pipeline runs) in [`schedule`], `seqpipe bench goodput` (a whole job under random failures) in
+//! [`goodput`].
 
+pub mod goodput;
 pub mod schedule;
 pub mod step;
 
@@ -257,6 +260,33 @@ pub fn checkpoint_bench(
     Ok(())
 }
 
+/// The pids of a process's children (a local run: launcher -> agents -> workers).
+pub(crate) fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Whether `pid` is a running process (not gone, not a zombie waiting to be reaped).
+pub(crate) fn is_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // `pid (comm) STATE ...`: the state follows the last ')'.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X')
+    })
+}
+
+/// SIGKILLs `pid` (a process this benchmark's run started); a pid already gone is not an error.
+pub(crate) fn sigkill(pid: u32) {
+    // SAFETY: kill(2) with a plain pid and signal has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+}
+
 /// One recovery trial's numbers.
 struct RecoveryTrial {
     detection_s: f64,
@@ -341,18 +371,12 @@ fn recovery_trial(
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     std::thread::sleep(std::time::Duration::from_millis(delay_ms));
-    let agents: Vec<u32> =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))?
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .collect();
+    let agents = children_of(child.id());
     let pid = agents
         .get(victim % agents.len().max(1))
         .context("no node to kill")?;
     let killed_at = crate::runtime::driver::unix_time_s();
-    std::process::Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()?;
+    sigkill(*pid);
     let status = child.wait()?;
     anyhow::ensure!(status.success(), "the run did not recover ({status})");
     let events: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)?

@@ -205,6 +205,10 @@ enum BenchCommand {
     /// GPipe, 1F1B and Seq1F1B on real pipeline runs: peak activation bytes per stage, and step
     /// time and bubble replayed from the measured unit times.
     Schedule(crate::bench::schedule::ScheduleBenchArgs),
+    /// A job under random SIGKILLs of workers and whole nodes (Poisson arrivals, replacement nodes
+    /// joining) next to the same job undisturbed: effective training time ratio, recoveries by
+    /// tier, and a bit-exact check of the final state.
+    Goodput(crate::bench::goodput::GoodputArgs),
 }
 
 #[derive(Args, Debug)]
@@ -446,6 +450,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench(BenchCommand::Schedule(args)) => {
             init_logging("warn");
             crate::bench::schedule::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(BenchCommand::Goodput(args)) => {
+            init_logging("warn");
+            crate::bench::goodput::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Gpu(cmd) => {

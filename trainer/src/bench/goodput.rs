@@ -1,0 +1,770 @@
+//! `seqpipe bench goodput`: what random failures cost a whole job. The same job runs twice in one
+//! invocation — undisturbed, then under SIGKILLs of random workers and whole nodes arriving as a
+//! seeded Poisson process, with a replacement node joining after each lost one — and the command
+//! prints the effective training time ratio (ETTR = undisturbed wall time / disturbed wall time),
+//! the recoveries by tier from the disturbed run's events, and whether both runs ended with
+//! bit-identical final checkpoints.
+//!
+//! The decisions are pure and unit-tested: [`FailureSchedule`] (when, and what kind of thing, to
+//! kill), [`choose_target`] (which processes, from the live process tree) and [`summarize`] (the
+//! recoveries in metrics lines). [`run`] is the shell: it starts the processes, sleeps, kills and
+//! reads the checkpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use super::{children_of, is_alive, sigkill};
+use crate::config::Config;
+
+/// Flags of `seqpipe bench goodput`.
+#[derive(Args, Debug)]
+pub struct GoodputArgs {
+    /// TOML config file of the job (default: the embedded configs/tiny.toml).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override one config key of the job, e.g. `--set model.layers=8` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Mean failures per training step (the Poisson rate, in units of the undisturbed run's mean
+    /// step time): 0.05 = one failure per 20 steps.
+    #[arg(long)]
+    pub failures_per_step: f64,
+    /// Seed of the failure arrivals and of the choice of victims.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Seconds after a whole node is killed until a replacement node joins.
+    #[arg(long, default_value_t = 2.0)]
+    pub rejoin_after_s: f64,
+    /// Training steps of both runs (default: the config's train.steps).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Directory for both runs (default: a fresh one under the temp dir, deleted after a success).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Give up on the disturbed run after this many seconds (default: 120 + 20 x the undisturbed
+    /// wall time); failures that arrive faster than the job recovers can keep it from finishing.
+    #[arg(long)]
+    pub give_up_after_s: Option<f64>,
+}
+
+/// What one failure kills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Victim {
+    /// One stage worker; its node's agent lives on and starts a new one.
+    Worker,
+    /// A whole node: its agent and its workers.
+    Node,
+}
+
+/// One failure of the schedule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Failure {
+    /// Time since the schedule's start (the disturbed run's first completed step).
+    pub at: Duration,
+    /// What the failure is meant to kill.
+    pub victim: Victim,
+    /// A random number that picks among the live candidates when the failure lands.
+    pub pick: u64,
+}
+
+/// Seeded Poisson failure arrivals: exponential gaps with mean `mean_gap`, each failure a worker or
+/// a whole node with equal probability. An endless iterator; the caller stops when the job ends.
+pub struct FailureSchedule {
+    rng: ChaCha8Rng,
+    mean_gap: Duration,
+    now: Duration,
+}
+
+impl FailureSchedule {
+    pub fn new(seed: u64, mean_gap: Duration) -> Self {
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            mean_gap,
+            now: Duration::ZERO,
+        }
+    }
+}
+
+impl Iterator for FailureSchedule {
+    type Item = Failure;
+
+    fn next(&mut self) -> Option<Failure> {
+        // Inverse CDF of the exponential distribution; 1 - u is in (0, 1], so the log is finite.
+        let u: f64 = self.rng.random();
+        let gap = -(1.0 - u).ln() * self.mean_gap.as_secs_f64();
+        self.now = self
+            .now
+            .saturating_add(Duration::from_secs_f64(gap.min(1e9)));
+        let victim = if self.rng.random_bool(0.5) {
+            Victim::Node
+        } else {
+            Victim::Worker
+        };
+        Some(Failure {
+            at: self.now,
+            victim,
+            pick: self.rng.random(),
+        })
+    }
+}
+
+/// A live node of the job: its agent's pid and its workers' pids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Node {
+    pub agent: u32,
+    pub workers: Vec<u32>,
+}
+
+/// The processes one failure kills.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// What is killed (a node failure becomes a worker failure when only one node is left, so the
+    /// job can still finish).
+    pub victim: Victim,
+    /// Pids to SIGKILL (a node's workers before its agent).
+    pub pids: Vec<u32>,
+}
+
+/// The processes `failure` kills among the live `nodes`, or `None` when nothing can be killed
+/// (no node, or no worker running at the moment).
+pub fn choose_target(nodes: &[Node], failure: &Failure) -> Option<Target> {
+    if failure.victim == Victim::Node && nodes.len() >= 2 {
+        let node = &nodes[(failure.pick % nodes.len() as u64) as usize];
+        let mut pids = node.workers.clone();
+        pids.push(node.agent);
+        return Some(Target {
+            victim: Victim::Node,
+            pids,
+        });
+    }
+    let with_workers: Vec<&Node> = nodes.iter().filter(|n| !n.workers.is_empty()).collect();
+    if with_workers.is_empty() {
+        return None;
+    }
+    let n = with_workers.len() as u64;
+    let node = with_workers[(failure.pick % n) as usize];
+    let worker = node.workers[((failure.pick / n) % node.workers.len() as u64) as usize];
+    Some(Target {
+        victim: Victim::Worker,
+        pids: vec![worker],
+    })
+}
+
+/// The recoveries a run's metrics lines record.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RecoverySummary {
+    /// Completed training steps (records with a loss, steps redone after a recovery included).
+    pub step_records: u64,
+    /// `recovered` events per tier (`peer`, `mid_step`, `checkpoint`, ...).
+    pub recoveries: BTreeMap<String, u64>,
+    /// Completed steps redone, summed over the recoveries.
+    pub lost_steps: u64,
+    /// Units replayed by mid-step repairs.
+    pub redone_units: u64,
+    /// Seconds from the detection of each failure to the end of its recovery, summed.
+    pub recovery_s: f64,
+    /// `node_lost` events.
+    pub nodes_lost: u64,
+    /// `node_joined` events.
+    pub nodes_joined: u64,
+}
+
+/// Sums the `recovered`, `node_lost` and `node_joined` events of metrics lines (JSON objects; lines
+/// that are not are skipped).
+pub fn summarize(lines: &str) -> RecoverySummary {
+    let mut s = RecoverySummary::default();
+    for event in lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    {
+        if event.get("loss").is_some() {
+            s.step_records += 1;
+        }
+        match event["event"].as_str() {
+            Some("recovered") => {
+                let tier = event["tier"].as_str().unwrap_or("unknown").to_string();
+                *s.recoveries.entry(tier).or_default() += 1;
+                s.lost_steps += event["lost_steps"].as_u64().unwrap_or(0);
+                s.redone_units += event["redone_units"].as_u64().unwrap_or(0);
+                s.recovery_s += event["recovery_s"].as_f64().unwrap_or(0.0);
+            }
+            Some("node_lost") => s.nodes_lost += 1,
+            Some("node_joined") => s.nodes_joined += 1,
+            _ => {}
+        }
+    }
+    s
+}
+
+/// Effective training time ratio: the undisturbed wall time over the disturbed one.
+pub fn ettr(undisturbed_s: f64, disturbed_s: f64) -> f64 {
+    undisturbed_s / disturbed_s
+}
+
+/// The mean of the `step_time_s` of a run's step records (the undisturbed seconds per step).
+fn mean_step_s(lines: &str) -> Option<f64> {
+    let times: Vec<f64> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("step_time_s").and_then(|t| t.as_f64()))
+        .collect();
+    (!times.is_empty()).then(|| times.iter().sum::<f64>() / times.len() as f64)
+}
+
+/// The goodput line printed last: everything measured, as one JSON object.
+#[derive(Debug, Serialize)]
+struct Report {
+    steps: u64,
+    failures_per_step: f64,
+    seed: u64,
+    rejoin_after_s: f64,
+    undisturbed_step_s: f64,
+    mean_failure_gap_s: f64,
+    undisturbed_s: f64,
+    disturbed_s: f64,
+    ettr: f64,
+    kills: BTreeMap<&'static str, u64>,
+    replacement_nodes_started: u64,
+    recoveries: BTreeMap<String, u64>,
+    lost_steps: u64,
+    redone_units: u64,
+    recovery_s: f64,
+    nodes_lost: u64,
+    nodes_joined: u64,
+    disturbed_step_records: u64,
+    final_step: u64,
+    tensors: usize,
+    bit_identical: bool,
+}
+
+/// How both runs are started: the same job, each in its own directory and with its own port.
+struct Job {
+    exe: PathBuf,
+    config: Option<PathBuf>,
+    sets: Vec<String>,
+    /// The configured checkpoint URL (empty = each run directory's `checkpoints`).
+    url: String,
+    token: String,
+}
+
+/// A started run of the job.
+struct Launched {
+    child: Child,
+    run_dir: PathBuf,
+    url: String,
+    listen: String,
+    started: Instant,
+}
+
+impl Job {
+    fn launch(&self, run_dir: &Path) -> Result<Launched> {
+        let _ = std::fs::remove_dir_all(run_dir);
+        std::fs::create_dir_all(run_dir)?;
+        let url = if self.url.is_empty() {
+            std::path::absolute(run_dir.join("checkpoints"))?
+                .display()
+                .to_string()
+        } else {
+            let name = run_dir.file_name().unwrap_or_default().to_string_lossy();
+            format!(
+                "{}/goodput-{}-{name}",
+                self.url.trim_end_matches('/'),
+                std::process::id()
+            )
+        };
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["train", "-q"]);
+        if let Some(file) = &self.config {
+            cmd.arg("--config").arg(file);
+        }
+        let ours = [
+            format!("run.dir={}", run_dir.display()),
+            format!("checkpoint.url={url}"),
+            format!("elastic.listen={listen}"),
+        ];
+        for s in self.sets.iter().chain(&ours) {
+            cmd.args(["--set", s]);
+        }
+        let log = std::fs::File::create(run_dir.join("launcher.log"))?;
+        let child = cmd
+            .env("SEQPIPE_JOB_TOKEN", &self.token)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting the job")?;
+        Ok(Launched {
+            child,
+            run_dir: run_dir.to_path_buf(),
+            url,
+            listen,
+            started: Instant::now(),
+        })
+    }
+}
+
+impl Launched {
+    fn metrics(&self) -> String {
+        std::fs::read_to_string(self.run_dir.join("metrics.jsonl")).unwrap_or_default()
+    }
+
+    /// Fails with the launcher's log when the run did not succeed.
+    fn check(&self, status: std::process::ExitStatus, what: &str) -> Result<()> {
+        if !status.success() {
+            let log =
+                std::fs::read_to_string(self.run_dir.join("launcher.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            bail!(
+                "the {what} run failed ({status}); its directory is {}; launcher log (last lines):\n{}",
+                self.run_dir.display(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A free loopback port for a run's coordinator.
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A random job token (so replacement nodes can join and nothing else can).
+fn fresh_token() -> String {
+    let mut rng = rand::rng();
+    (0..16)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect()
+}
+
+/// The live nodes of a local run: the launcher's agents, then the replacement agents we started.
+fn live_nodes(launcher: u32, spares: &mut [Child]) -> Vec<Node> {
+    let node = |agent: u32| Node {
+        agent,
+        workers: children_of(agent)
+            .into_iter()
+            .filter(|&w| is_alive(w))
+            .collect(),
+    };
+    let mut nodes: Vec<Node> = children_of(launcher)
+        .into_iter()
+        .filter(|&a| is_alive(a))
+        .map(node)
+        .collect();
+    for spare in spares.iter_mut() {
+        if matches!(spare.try_wait(), Ok(None)) {
+            nodes.push(node(spare.id()));
+        }
+    }
+    nodes
+}
+
+/// What the disturbance did to a run.
+#[derive(Default)]
+struct Disturbance {
+    worker_kills: u64,
+    node_kills: u64,
+    spares_started: u64,
+}
+
+/// Runs the launched job to its end while killing what `schedule` says (from its first completed
+/// step on) and starting a replacement node `rejoin_after` after each node kill. Returns the wall
+/// seconds from launch to exit and what was done.
+fn disturb(
+    run: &mut Launched,
+    job: &Job,
+    mut schedule: FailureSchedule,
+    rejoin_after: Duration,
+    spare_dir: &Path,
+    give_up_after: Duration,
+) -> Result<(f64, Disturbance)> {
+    let mut done = Disturbance::default();
+    let mut spares: Vec<Child> = Vec::new();
+    let mut joins: Vec<Instant> = Vec::new();
+    let mut origin: Option<Instant> = None;
+    let mut next = schedule.next().context("an endless schedule")?;
+    let launcher = run.child.id();
+    let status = loop {
+        if let Some(status) = run.child.try_wait()? {
+            break status;
+        }
+        let now = Instant::now();
+        if now > run.started + give_up_after {
+            // Failures arriving faster than the job recovers can keep it from ever finishing.
+            let mut tree = live_nodes(launcher, &mut spares);
+            for node in tree.drain(..) {
+                node.workers.iter().for_each(|&w| sigkill(w));
+                sigkill(node.agent);
+            }
+            let _ = run.child.kill();
+            let _ = run.child.wait();
+            for mut spare in spares {
+                let _ = spare.wait();
+            }
+            let s = summarize(&run.metrics());
+            bail!(
+                "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers): {} step records, {} worker and {} node kills, {} replacement nodes started ({} joined), {} nodes lost, recoveries {:?} (lost steps {}, recovery_s sum {:.3}); its directory is {}",
+                give_up_after.as_secs_f64(),
+                s.step_records,
+                done.worker_kills,
+                done.node_kills,
+                done.spares_started,
+                s.nodes_joined,
+                s.nodes_lost,
+                s.recoveries,
+                s.lost_steps,
+                s.recovery_s,
+                run.run_dir.display()
+            );
+        }
+        let Some(origin) = origin else {
+            if run.metrics().contains("\"loss\"") {
+                origin = Some(now);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        while origin + next.at <= now {
+            if let Some(target) = choose_target(&live_nodes(launcher, &mut spares), &next) {
+                for &pid in &target.pids {
+                    sigkill(pid);
+                }
+                match target.victim {
+                    Victim::Worker => done.worker_kills += 1,
+                    Victim::Node => {
+                        done.node_kills += 1;
+                        joins.push(now + rejoin_after);
+                    }
+                }
+            }
+            next = schedule.next().context("an endless schedule")?;
+        }
+        let (due, later): (Vec<Instant>, Vec<Instant>) = joins.iter().partition(|&&t| t <= now);
+        joins = later;
+        for _ in due {
+            done.spares_started += 1;
+            let name = format!("spare-{}", done.spares_started);
+            let dir = spare_dir.join(&name);
+            std::fs::create_dir_all(&dir)?;
+            let spare = Command::new(&job.exe)
+                .args(["agent", "--join", &run.listen, "--name", &name])
+                .arg("--dir")
+                .arg(&dir)
+                .env("SEQPIPE_JOB_TOKEN", &job.token)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.join("agent.log"))?)
+                .spawn()
+                .context("starting a replacement node")?;
+            spares.push(spare);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let wall_s = run.started.elapsed().as_secs_f64();
+    // Replacement agents exit with the run; one that never got in is stopped.
+    for mut spare in spares {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(spare.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if matches!(spare.try_wait(), Ok(None)) {
+            let _ = spare.kill();
+            let _ = spare.wait();
+        }
+    }
+    run.check(status, "disturbed")?;
+    Ok((wall_s, done))
+}
+
+/// Every tensor (parameters and optimizer state) of the newest committed checkpoint at `url`, with
+/// its step.
+fn final_state(url: &str) -> Result<(u64, BTreeMap<String, Vec<u8>>)> {
+    let store = checkpoint::CheckpointStore::open(url, &Default::default())?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let step = *rt
+        .block_on(store.committed_steps())?
+        .last()
+        .with_context(|| format!("no committed checkpoint at {url}"))?;
+    let manifest = rt.block_on(store.read_manifest(step))?;
+    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
+    let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
+    Ok((
+        step,
+        tensors
+            .into_iter()
+            .map(|(n, d)| (n, d.data.to_vec()))
+            .collect(),
+    ))
+}
+
+/// `seqpipe bench goodput`.
+pub fn run(args: &GoodputArgs) -> Result<()> {
+    ensure!(
+        args.failures_per_step.is_finite() && args.failures_per_step > 0.0,
+        "--failures-per-step must be more than 0, got {}",
+        args.failures_per_step
+    );
+    ensure!(
+        args.rejoin_after_s.is_finite() && args.rejoin_after_s >= 0.0,
+        "--rejoin-after-s must be 0 or more, got {}",
+        args.rejoin_after_s
+    );
+    let mut sets = args.overrides.clone();
+    if let Some(steps) = args.steps {
+        sets.push(format!("train.steps={steps}"));
+    }
+    // Recoveries are the point here: the job may make as many as the failures need.
+    sets.push("elastic.max_restarts=1000000".into());
+    let cfg = Config::load(args.config.as_deref(), &sets)?;
+    ensure!(
+        cfg.elastic.local_agents,
+        "bench goodput kills the nodes of a local run: elastic.local_agents must be true"
+    );
+    let steps = cfg.train.steps;
+    let job = Job {
+        exe: std::env::current_exe()?,
+        config: args.config.clone(),
+        sets,
+        url: cfg.checkpoint.url.clone(),
+        token: fresh_token(),
+    };
+    let base = args.dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("seqpipe-bench-goodput-{}", std::process::id()))
+    });
+
+    println!(
+        "job: {} steps, {} stages ({} layers, d_model {}); failures: {} per step, seed {}, replacement node {}s after a node kill",
+        steps,
+        cfg.pipeline.stages,
+        cfg.model.layers,
+        cfg.model.d_model,
+        args.failures_per_step,
+        args.seed,
+        args.rejoin_after_s
+    );
+    let mut quiet = job.launch(&base.join("undisturbed"))?;
+    let status = quiet.child.wait()?;
+    let undisturbed_s = quiet.started.elapsed().as_secs_f64();
+    quiet.check(status, "undisturbed")?;
+    let step_s = mean_step_s(&quiet.metrics()).context("the undisturbed run recorded no steps")?;
+    let mean_gap_s = step_s / args.failures_per_step;
+    println!(
+        "undisturbed: {undisturbed_s:.3}s, {step_s:.4}s per step; mean time between failures {mean_gap_s:.3}s"
+    );
+
+    let mut noisy = job.launch(&base.join("disturbed"))?;
+    let (disturbed_s, done) = disturb(
+        &mut noisy,
+        &job,
+        FailureSchedule::new(args.seed, Duration::from_secs_f64(mean_gap_s)),
+        Duration::from_secs_f64(args.rejoin_after_s),
+        &base.join("replacement-nodes"),
+        Duration::from_secs_f64(
+            args.give_up_after_s
+                .unwrap_or(120.0 + 20.0 * undisturbed_s)
+                .clamp(0.0, 1e9),
+        ),
+    )?;
+    let summary = summarize(&noisy.metrics());
+
+    let (reference_step, reference) = final_state(&quiet.url)?;
+    let (final_step, state) = final_state(&noisy.url)?;
+    let bit_identical = reference_step == steps && final_step == steps && state == reference;
+    let report = Report {
+        steps,
+        failures_per_step: args.failures_per_step,
+        seed: args.seed,
+        rejoin_after_s: args.rejoin_after_s,
+        undisturbed_step_s: step_s,
+        mean_failure_gap_s: mean_gap_s,
+        undisturbed_s,
+        disturbed_s,
+        ettr: ettr(undisturbed_s, disturbed_s),
+        kills: BTreeMap::from([("worker", done.worker_kills), ("node", done.node_kills)]),
+        replacement_nodes_started: done.spares_started,
+        recoveries: summary.recoveries.clone(),
+        lost_steps: summary.lost_steps,
+        redone_units: summary.redone_units,
+        recovery_s: summary.recovery_s,
+        nodes_lost: summary.nodes_lost,
+        nodes_joined: summary.nodes_joined,
+        disturbed_step_records: summary.step_records,
+        final_step,
+        tensors: state.len(),
+        bit_identical,
+    };
+    print_table(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    ensure!(
+        bit_identical,
+        "the disturbed run's final state (step {final_step}) differs from the undisturbed run's (step {reference_step}); both runs are kept in {}",
+        base.display()
+    );
+    if args.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&base);
+    }
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    let tiers = if r.recoveries.is_empty() {
+        "none".to_string()
+    } else {
+        r.recoveries
+            .iter()
+            .map(|(t, n)| format!("{t} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let rows = [
+        ("undisturbed wall time", format!("{:.3} s", r.undisturbed_s)),
+        ("disturbed wall time", format!("{:.3} s", r.disturbed_s)),
+        ("ETTR", format!("{:.4}", r.ettr)),
+        (
+            "kills",
+            format!(
+                "{} workers, {} whole nodes ({} replacement nodes started, {} joined)",
+                r.kills["worker"], r.kills["node"], r.replacement_nodes_started, r.nodes_joined
+            ),
+        ),
+        ("recoveries by tier", tiers),
+        (
+            "work redone",
+            format!(
+                "{} completed steps, {} mid-step units; {} step records for {} steps",
+                r.lost_steps, r.redone_units, r.disturbed_step_records, r.steps
+            ),
+        ),
+        ("recovery time (sum)", format!("{:.3} s", r.recovery_s)),
+        (
+            "final state",
+            format!(
+                "step {}, {} tensors, bit-identical: {}",
+                r.final_step, r.tensors, r.bit_identical
+            ),
+        ),
+    ];
+    for (k, v) in rows {
+        println!("  {k:<24} {v}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_is_seeded_increasing_and_has_the_requested_mean_gap() {
+        let mean = Duration::from_millis(400);
+        let a: Vec<Failure> = FailureSchedule::new(7, mean).take(20_000).collect();
+        let b: Vec<Failure> = FailureSchedule::new(7, mean).take(20_000).collect();
+        assert_eq!(a, b, "same seed, same failures");
+        assert_ne!(
+            a[..10],
+            FailureSchedule::new(8, mean).take(10).collect::<Vec<_>>()[..]
+        );
+        assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
+        // Mean of 20 000 exponential gaps: standard error = mean / sqrt(n) ≈ 0.7 %; allow 3 %.
+        let mean_gap = a.last().unwrap().at.as_secs_f64() / a.len() as f64;
+        assert!((mean_gap / 0.4 - 1.0).abs() < 0.03, "mean gap {mean_gap}");
+        // Exponential: about e^-1 of the gaps exceed the mean.
+        let long = std::iter::once(a[0].at)
+            .chain(a.windows(2).map(|w| w[1].at - w[0].at))
+            .filter(|g| *g > mean)
+            .count() as f64
+            / a.len() as f64;
+        assert!((long - (-1f64).exp()).abs() < 0.02, "{long}");
+        let nodes = a.iter().filter(|f| f.victim == Victim::Node).count() as f64;
+        assert!((nodes / a.len() as f64 - 0.5).abs() < 0.02);
+    }
+
+    fn nodes() -> Vec<Node> {
+        vec![
+            Node {
+                agent: 10,
+                workers: vec![11],
+            },
+            Node {
+                agent: 20,
+                workers: vec![],
+            },
+            Node {
+                agent: 30,
+                workers: vec![31, 32],
+            },
+        ]
+    }
+
+    fn failure(victim: Victim, pick: u64) -> Failure {
+        Failure {
+            at: Duration::ZERO,
+            victim,
+            pick,
+        }
+    }
+
+    #[test]
+    fn a_node_failure_kills_the_workers_then_the_agent() {
+        let t = choose_target(&nodes(), &failure(Victim::Node, 5)).unwrap();
+        assert_eq!(t.victim, Victim::Node);
+        assert_eq!(t.pids, [31, 32, 30]);
+    }
+
+    #[test]
+    fn a_worker_failure_picks_a_running_worker() {
+        // Node 20's worker is being restarted: only 11, 31 and 32 are candidates.
+        let picked: std::collections::BTreeSet<u32> = (0..12)
+            .map(|pick| choose_target(&nodes(), &failure(Victim::Worker, pick)).unwrap())
+            .inspect(|t| assert_eq!(t.victim, Victim::Worker))
+            .map(|t| t.pids[0])
+            .collect();
+        assert_eq!(picked, [11, 31, 32].into());
+    }
+
+    #[test]
+    fn the_last_node_is_never_killed_whole() {
+        let last = &nodes()[2..];
+        let t = choose_target(last, &failure(Victim::Node, 3)).unwrap();
+        assert_eq!(t.victim, Victim::Worker);
+        assert!(choose_target(&nodes()[1..2], &failure(Victim::Node, 0)).is_none());
+        assert!(choose_target(&[], &failure(Victim::Worker, 0)).is_none());
+    }
+
+    #[test]
+    fn summary_counts_recoveries_by_tier() {
+        let lines = [
+            r#"{"event":"plan","stages":4}"#,
+            r#"{"step":1,"loss":4.0,"step_time_s":0.5}"#,
+            r#"{"event":"node_lost","node":"local-002"}"#,
+            r#"{"event":"recovered","tier":"peer","lost_steps":1,"recovery_s":0.75}"#,
+            "not json",
+            r#"{"event":"recovered","tier":"mid_step","lost_steps":0,"redone_units":7,"recovery_s":0.25}"#,
+            r#"{"event":"node_joined","node":"spare-1"}"#,
+            r#"{"event":"recovered","tier":"peer","lost_steps":0,"recovery_s":0.5}"#,
+            r#"{"step":2,"loss":3.0,"step_time_s":0.25}"#,
+        ]
+        .join("\n");
+        let s = summarize(&lines);
+        assert_eq!(
+            s.recoveries,
+            BTreeMap::from([("mid_step".into(), 1), ("peer".into(), 2)])
+        );
+        assert_eq!((s.lost_steps, s.redone_units), (1, 7));
+        assert_eq!(s.recovery_s, 1.5);
+        assert_eq!((s.nodes_lost, s.nodes_joined, s.step_records), (1, 1, 2));
+        assert_eq!(mean_step_s(&lines), Some(0.375));
+        assert_eq!(ettr(9.0, 10.0), 0.9);
+    }
+}
