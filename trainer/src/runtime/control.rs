@@ -322,6 +322,10 @@ impl ControlStream {
     }
 }
 
+/// How long a connection closed by [`ControlSender::send_and_close`] is still read from while the
+/// peer stays silent.
+pub const CLOSE_LINGER: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The sending half of a control connection, shareable between threads.
 #[derive(Clone)]
 pub struct ControlSender(Arc<Mutex<BufWriter<TcpStream>>>);
@@ -342,13 +346,17 @@ impl ControlSender {
     }
 
     /// Sends `msg` (best effort) and closes the connection: the peer reads the message, then the
-    /// end of the stream, and nothing it sends afterwards is read.
+    /// end of the stream. Whatever it still sends is read (and refused by the receiver) until it
+    /// closes its side or stays silent for [`CLOSE_LINGER`]; closing the read side at once would
+    /// answer the peer's late data with a reset that can destroy the message before it is read.
     pub fn send_and_close(&self, msg: &impl Serialize) {
         let mut writer = self
             .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let _ = write_frame(&mut *writer, &Frame::new(msg, Vec::new()));
-        let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
+        let stream = writer.get_ref();
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let _ = stream.set_read_timeout(Some(CLOSE_LINGER));
     }
 }
