@@ -117,6 +117,9 @@ enum Ended {
 /// every step, kept across incarnations (they are this process's memory).
 struct Snapshots {
     store: Arc<Mutex<SnapshotStore>>,
+    /// The address peers reach this node by (`--host`, or the interface that routes to the
+    /// coordinator or etcd); the snapshot port listens there.
+    host: String,
     port: u16,
     /// Where to report stored copies: the current incarnation's coordinator connection.
     report_to: Arc<Mutex<Option<ControlSender>>>,
@@ -187,6 +190,7 @@ impl Snapshots {
         .map_err(io("starting the snapshot service"))?;
         Ok(Self {
             store,
+            host: bind,
             port,
             report_to,
             _gate: gate,
@@ -251,17 +255,7 @@ fn run_with_etcd(
     let parsed = EtcdUrl::parse(&url).map_err(etcd)?;
     let rendezvous =
         Arc::new(Rendezvous::connect(&parsed, &auth::fingerprint(&token)).map_err(etcd)?);
-    let host = match &args.host {
-        Some(h) => h.clone(),
-        None => std::net::TcpStream::connect(parsed.endpoint())
-            .and_then(|s| s.local_addr())
-            .map_err(|source| AgentError::Io {
-                what: format!("reaching etcd at {}", parsed.endpoint()),
-                source,
-            })?
-            .ip()
-            .to_string(),
-    };
+    let host = snapshots.host.clone();
     let lease = rendezvous.grant(job.elastic.dead_after()).map_err(etcd)?;
     let node = NodeInfo::new(
         args.name.clone(),

@@ -304,6 +304,13 @@ impl Gate {
     }
 }
 
+impl Drop for Gate {
+    /// A gate accepts for as long as its owner keeps it.
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// Connections waiting for their handshake, oldest first (clones, to end them early).
 type Waiting = Mutex<VecDeque<(u64, TcpStream)>>;
 

@@ -114,8 +114,8 @@ pub struct Coordinator {
     /// Peer snapshots the agents hold: step → node → tensor names.
     held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
     local_agents: Vec<Child>,
-    /// Accepts and authenticates control connections.
-    gate: Gate,
+    /// Accepts and authenticates control connections while the coordinator lives.
+    _gate: Gate,
     /// The etcd rendezvous (`elastic.rendezvous`), where the generation and plan are published.
     rendezvous: Option<Rendezvous>,
 }
@@ -168,7 +168,7 @@ impl Coordinator {
             held: BTreeMap::new(),
             failure_seen_at: None,
             local_agents: Vec::new(),
-            gate,
+            _gate: gate,
             rendezvous: None,
         };
         let mut wanted = coordinator.cfg.pipeline.stages;
@@ -1072,7 +1072,6 @@ impl Drop for Coordinator {
             let _ = sender.send(&ToAgent::Shutdown);
         }
         self.kill_local_agents();
-        self.gate.stop();
     }
 }
 
@@ -1105,7 +1104,7 @@ fn check_join(node: &elastic::NodeInfo) -> Result<(), peer_input::BadInput> {
     Ok(())
 }
 
-/// Accepts connections on `listener` until the gate is stopped: each authenticated one gets its own
+/// Accepts connections on `listener` while the returned gate lives: each authenticated one gets its own
 /// thread, which reads the opening message, then forwards every message as an [`Event`].
 fn accept_loop(listener: TcpListener, token: String, tx: Sender<Event>) -> std::io::Result<Gate> {
     let next_conn = AtomicU64::new(0);

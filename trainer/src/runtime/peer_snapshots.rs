@@ -480,7 +480,8 @@ mod tests {
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let reports = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&reports);
-        serve(
+        // The port accepts while the gate lives.
+        let _gate = serve(
             listener,
             "secret".into(),
             Arc::clone(&store),

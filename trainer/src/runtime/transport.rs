@@ -74,7 +74,8 @@ pub fn connect_retrying(addr: &std::net::SocketAddr, timeout: Duration) -> io::R
 /// ever takes an authenticated stream: idle or hostile connections cannot delay a relink.
 pub struct DataPort {
     admitted: Mutex<Receiver<TcpStream>>,
-    gate: Gate,
+    /// Accepts for as long as the port lives.
+    _gate: Gate,
 }
 
 impl DataPort {
@@ -87,7 +88,7 @@ impl DataPort {
         })?;
         Ok(Self {
             admitted: Mutex::new(admitted),
-            gate,
+            _gate: gate,
         })
     }
 
@@ -108,12 +109,6 @@ impl DataPort {
                 return Ok(stream);
             }
         }
-    }
-}
-
-impl Drop for DataPort {
-    fn drop(&mut self) {
-        self.gate.stop();
     }
 }
 
