@@ -11,8 +11,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{
-    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir,
-    listening_ports, losses, metrics, run_ok, seqpipe,
+    assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir,
+    listening_ports, losses, metrics, run_ok, seqpipe, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
 use trainer::runtime::auth::{self, Purpose};
@@ -214,11 +214,8 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
     const STEPS: u64 = 120;
     let dir = fresh_dir("adv-silent");
     let job = |run: &Path| {
-        let mut cmd = seqpipe();
-        cmd.args(["train", "-q", "--set", "elastic.mid_step=true"]);
-        for s in elastic_job_sets(run, STEPS) {
-            cmd.args(["--set", &s]);
-        }
+        let mut cmd = elastic_job(run, STEPS);
+        cmd.args(["--set", "elastic.mid_step=true"]);
         cmd.env(auth::TOKEN_ENV, TOKEN);
         cmd
     };
@@ -291,26 +288,6 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
         mid_step > 0,
         "no kill landed in the middle of a step in 4 attempts"
     );
-}
-
-/// Waits (at most a minute) until the run at `run` has recorded `steps` steps.
-fn wait_for_steps(run: &Path, steps: usize) {
-    let started = std::time::Instant::now();
-    loop {
-        let done = std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter(|l| l.contains("\"loss\""))
-            .count();
-        if done >= steps {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Every process of a local job: the launcher, its agents and their workers.
@@ -386,11 +363,7 @@ fn fuzzing_every_port_changes_nothing() {
     const STEPS: u64 = 60;
     let dir = fresh_dir("adv-fuzz");
     let job = |run: &Path| {
-        let mut cmd = seqpipe();
-        cmd.args(["train", "-q"]);
-        for s in elastic_job_sets(run, STEPS) {
-            cmd.args(["--set", &s]);
-        }
+        let mut cmd = elastic_job(run, STEPS);
         cmd.env(auth::TOKEN_ENV, TOKEN);
         cmd
     };

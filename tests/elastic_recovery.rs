@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics,
-    run_ok, seqpipe,
+    assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, metrics,
+    run_ok, seqpipe, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
 
@@ -20,10 +20,8 @@ const STEPS: u64 = 24;
 
 /// The elastic tests' job, with `extra` settings.
 fn job(run_dir: &Path, extra: &[&str]) -> Command {
-    let mut cmd = seqpipe();
-    cmd.args(["train", "-q"]);
-    let sets = elastic_job_sets(run_dir, STEPS);
-    for s in sets.iter().map(String::as_str).chain(extra.iter().copied()) {
+    let mut cmd = elastic_job(run_dir, STEPS);
+    for s in extra {
         cmd.args(["--set", s]);
     }
     cmd
@@ -63,26 +61,6 @@ fn kill_random(launcher: u32, rng: &mut impl Rng, count: usize, victim: Victim) 
             .status();
     }
     killed
-}
-
-fn steps_done(run_dir: &Path) -> usize {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("\"loss\""))
-        .count()
-}
-
-/// Waits until the run at `run_dir` has completed `steps` steps (at most a minute).
-fn wait_for_steps(run_dir: &Path, steps: usize) {
-    let started = Instant::now();
-    while steps_done(run_dir) < steps {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the job did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// Runs the job uninterrupted and again with `signal` sent to node `node`'s agent (`Victim::Node`)

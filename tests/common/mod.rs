@@ -145,6 +145,37 @@ pub fn elastic_job_sets(run_dir: &Path, steps: u64) -> Vec<String> {
     .collect()
 }
 
+/// `seqpipe train -q` of the elastic tests' job ([`elastic_job_sets`]).
+pub fn elastic_job(run_dir: &Path, steps: u64) -> Command {
+    let mut cmd = seqpipe();
+    cmd.args(["train", "-q"]);
+    for s in elastic_job_sets(run_dir, steps) {
+        cmd.args(["--set", &s]);
+    }
+    cmd
+}
+
+/// Steps the run at `run_dir` has recorded so far (0 before its metrics file exists).
+pub fn steps_done(run_dir: &Path) -> usize {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("\"loss\""))
+        .count()
+}
+
+/// Waits until the run at `run_dir` has completed `steps` steps (at most a minute).
+pub fn wait_for_steps(run_dir: &Path, steps: usize) {
+    let started = std::time::Instant::now();
+    while steps_done(run_dir) < steps {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "the job did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// The pids of a process's children.
 pub fn children_of(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
