@@ -546,83 +546,79 @@ fn later(t: Instant, d: Duration) -> Instant {
     }
 }
 
-/// Where an interrupted step's lost state is restored from.
+/// Where the state of a rebuilt pipeline comes from after a failure or a plan change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
-    /// From the in-memory snapshots of the previous step held by surviving buddies: redo only
-    /// the interrupted step.
-    PeerSnapshot,
-    /// From the last committed checkpoint in the object store: redo every step since.
-    Checkpoint,
+    /// From the in-memory snapshots of the state after `step` that live nodes hold (each node's
+    /// state is copied to itself and to its buddy, see [`buddies`]).
+    PeerSnapshot {
+        /// The step the snapshots are of.
+        step: u64,
+    },
+    /// From the committed checkpoint of `step` in the object store.
+    Checkpoint {
+        /// The checkpoint's step.
+        step: u64,
+    },
+    /// Nothing survives: from the seed's initial weights.
+    Restart,
 }
 
-/// Which tier restores the state of `lost` nodes when `interrupted_step` was cut short.
+impl Tier {
+    /// The step whose state the pipeline restarts from (0 for the initial weights).
+    pub fn step(&self) -> u64 {
+        match *self {
+            Self::PeerSnapshot { step } | Self::Checkpoint { step } => step,
+            Self::Restart => 0,
+        }
+    }
+}
+
+/// Where the rebuilt pipeline's state comes from when `interrupted_step` could not complete.
 ///
-/// `PeerSnapshot` when the peer snapshots are of `interrupted_step - 1` and every lost node's
-/// snapshot holder (`buddy_of`) is in `alive`; `Checkpoint` otherwise (no snapshot yet, a stale
-/// one, a lost node without buddy, or a node lost together with its buddy). The reason names
-/// what decided it.
+/// `peer_snapshot` is the newest step whose peer snapshots, on nodes still alive, hold the whole
+/// model's state (parameters and AdamW moments); `checkpoint` the newest committed checkpoint.
+/// The newer of the two wins, the snapshots on a tie (memory is faster than the object store);
+/// with neither, the run restarts from the initial weights. The reason says what decided it and
+/// how many completed steps are redone.
 pub fn recovery_tier(
-    lost: &[NodeId],
-    buddy_of: &BTreeMap<NodeId, NodeId>,
-    alive: &[NodeId],
-    snapshot_step: Option<u64>,
+    peer_snapshot: Option<u64>,
+    checkpoint: Option<u64>,
     interrupted_step: u64,
 ) -> (Tier, String) {
-    let checkpoint = |why: String| {
-        (
-            Tier::Checkpoint,
-            format!("{why}; restore the last checkpoint"),
-        )
+    let redo = |from: u64| match interrupted_step.saturating_sub(from + 1) {
+        0 => format!("redo step {interrupted_step}"),
+        lost => format!("redo {lost} completed step(s) and step {interrupted_step}"),
     };
-    let Some(needed) = interrupted_step.checked_sub(1) else {
-        return checkpoint(
-            "step 0 was interrupted, so there is no earlier step to snapshot".into(),
-        );
-    };
-    match snapshot_step {
-        None => return checkpoint("no peer snapshot was taken yet".into()),
-        Some(s) if s != needed => {
-            return checkpoint(format!(
-                "the peer snapshots are of step {s}, but redoing step {interrupted_step} needs \
-                 step {needed}'s"
-            ));
-        }
-        Some(_) => {}
+    match (peer_snapshot, checkpoint) {
+        (Some(p), c) if c.is_none_or(|c| c <= p) => (
+            Tier::PeerSnapshot { step: p },
+            format!(
+                "the peer snapshots of step {p} on live nodes hold the whole model{}; {} from them",
+                c.map_or(String::new(), |c| format!(" (newest checkpoint: step {c})")),
+                redo(p)
+            ),
+        ),
+        (p, Some(c)) => (
+            Tier::Checkpoint { step: c },
+            format!(
+                "{}; {} from the checkpoint of step {c}",
+                match p {
+                    Some(p) =>
+                        format!("the peer snapshots (step {p}) are older than checkpoint {c}"),
+                    None => "no peer snapshot on live nodes holds the whole model".to_string(),
+                },
+                redo(c)
+            ),
+        ),
+        (_, None) => (
+            Tier::Restart,
+            format!(
+                "neither a peer snapshot nor a committed checkpoint holds the model; {} from the initial weights",
+                redo(0)
+            ),
+        ),
     }
-    let mut lost_sorted = lost.to_vec();
-    lost_sorted.sort();
-    lost_sorted.dedup();
-    let mut held = Vec::new();
-    for id in &lost_sorted {
-        match buddy_of.get(id) {
-            None => {
-                return checkpoint(format!(
-                    "node {id} had no buddy (no other node), so its state was only on itself"
-                ));
-            }
-            Some(holder) if lost_sorted.contains(holder) => {
-                return checkpoint(format!(
-                    "node {id} and node {holder}, which held its snapshot, were both lost"
-                ));
-            }
-            Some(holder) if !alive.contains(holder) => {
-                return checkpoint(format!(
-                    "node {holder}, which held node {id}'s snapshot, is not alive"
-                ));
-            }
-            Some(holder) => held.push(format!("node {id}'s on node {holder}")),
-        }
-    }
-    let reason = if held.is_empty() {
-        format!("no node lost; redo step {interrupted_step} from the snapshots of step {needed}")
-    } else {
-        format!(
-            "the snapshots of step {needed} survive ({}); redo step {interrupted_step} from them",
-            held.join(", ")
-        )
-    };
-    (Tier::PeerSnapshot, reason)
 }
 
 /// Who holds whose peer snapshot: each node's state is copied to the node of the next stage

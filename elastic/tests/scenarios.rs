@@ -12,8 +12,10 @@
 //!   `leave ID`, `expire`: membership events;
 //! - `boundary N`: step N is about to start; `midstep`: a step is running;
 //! - `decide`: decide, print decision and reason, and apply the decision;
-//! - `tier SNAPSHOT_STEP`: the recovery tier for the last `Recover`, with the buddies of the
-//!   plan it replaced and the interrupted step it restarts.
+//! - `tier PEER_STEP|none CHECKPOINT_STEP|none`: the recovery tier for the last `Recover` (the
+//!   interrupted step it restarts) when live nodes' peer snapshots hold the whole model at
+//!   PEER_STEP and the newest committed checkpoint is CHECKPOINT_STEP; printed with the buddies
+//!   (who holds whose snapshot) of the plan it replaced.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -171,23 +173,19 @@ impl Runner {
                 vec![head, format!("reason: {reason}")]
             }
             "tier" => {
-                let snapshot: Option<u64> = match args[0] {
-                    "none" => None,
-                    s => Some(s.parse().expect("tier SNAPSHOT_STEP|none")),
+                let step = |arg: &str| -> Option<u64> {
+                    match arg {
+                        "none" => None,
+                        s => Some(s.parse().expect("tier PEER_STEP|none CHECKPOINT_STEP|none")),
+                    }
                 };
-                let (old, lost, interrupted) =
+                let (peer, checkpoint) = (step(args[0]), step(args[1]));
+                let (old, _lost, interrupted) =
                     self.last_recovery.clone().expect("tier follows a Recover");
-                let alive: Vec<NodeId> = self
-                    .state
-                    .membership
-                    .alive()
-                    .into_iter()
-                    .map(|n| n.id.clone())
-                    .collect();
                 let buddy_of: BTreeMap<NodeId, NodeId> = buddies(&old);
                 let pairs: Vec<String> =
                     buddy_of.iter().map(|(a, b)| format!("{a}->{b}")).collect();
-                let (tier, reason) = recovery_tier(&lost, &buddy_of, &alive, snapshot, interrupted);
+                let (tier, reason) = recovery_tier(peer, checkpoint, interrupted);
                 vec![
                     format!("buddies {}", list(&pairs)),
                     format!("{tier:?}: {reason}"),

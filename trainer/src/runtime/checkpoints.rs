@@ -10,7 +10,8 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::control::{ToLauncher, ToWorker};
-use super::launcher::{LaunchError, Pipeline};
+use super::error::LaunchError;
+use super::launcher::Pipeline;
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
 use crate::metrics::MetricsLog;
@@ -34,17 +35,7 @@ struct PendingCheckpoint {
 
 impl CheckpointWriter {
     pub(super) fn open(cfg: &Config) -> Result<Self, LaunchError> {
-        let store = CheckpointStore::open(
-            &cfg.checkpoint.resolved_url(&cfg.run.dir),
-            &cfg.checkpoint.store_options(),
-        )?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| LaunchError::Io {
-                what: "starting the checkpoint I/O runtime".into(),
-                source,
-            })?;
+        let (store, runtime) = super::store::open(cfg)?;
         Ok(Self {
             store,
             runtime,

@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Limits, read_frame, write_frame};
 
+/// The exit status of a worker that stopped because a neighbouring stage failed (a broken link),
+/// not because of its own node: the coordinator does not count its node as lost.
+pub const PEER_FAILURE_EXIT_CODE: u8 = 3;
+
 /// Worker → launcher.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

@@ -18,13 +18,15 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
-use super::checkpoints::CheckpointWriter;
-use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
-use super::driver::{ResumePoint, Start, unix_time_s};
-use super::launcher::LaunchError;
+use super::control::{
+    ControlSender, FromAgent, Opening, PEER_FAILURE_EXIT_CODE, ToAgent, ToLauncher,
+};
+use super::error::{LaunchError, LossCause, Lost};
 use super::peer_input;
+use super::recovery::{self, Observed, ResumePoint, Start, Tier};
+use super::store;
+use super::trace::unix_time_s;
 use super::wire::{Limits, read_frame};
-use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 
 /// What arrived on the control port.
@@ -54,14 +56,9 @@ pub(super) enum Incoming {
         log: String,
         log_tail: String,
     },
-    /// A node of the current plan is gone (its agent disconnected or stopped heartbeating).
-    NodeLost(NodeId, String),
-}
-
-/// A worker exit an agent reported, kept until the failure is classified.
-#[derive(Clone, Debug)]
-pub(super) struct Exit {
-    pub(super) code: Option<i32>,
+    /// A node of the current plan is gone (its agent disconnected, restarted or stopped
+    /// heartbeating), with why and how.
+    NodeLost(NodeId, String, LossCause),
 }
 
 /// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
@@ -69,24 +66,12 @@ pub(super) struct Recovery {
     pub(super) failed_at: Instant,
     pub(super) failed_step: u64,
     pub(super) stages_before: usize,
-    /// How the state was carried over: `checkpoint` (newest committed one after a loss) or
-    /// `handover` (a checkpoint of the boundary where the plan changed).
-    pub(super) tier: &'static str,
+    /// How the state was carried over: peer snapshots or the newest committed checkpoint after
+    /// a loss, or a handover (a checkpoint of the boundary where the plan changed).
+    pub(super) tier: Tier,
     /// `node_lost`, `node_left`, `node_joined` and `plan` events, written once the metrics file is
     /// rewritten for the resume.
     pub(super) events: Vec<serde_json::Value>,
-}
-
-/// A node lost in a failure, and whether its agent survived (its worker died or hung): such a node
-/// joins again at once as a new incarnation, so the pipeline keeps its size.
-#[derive(Clone, Debug)]
-pub struct Lost {
-    /// The node.
-    pub node: NodeId,
-    /// What happened, for people.
-    pub reason: String,
-    /// Whether the node's agent is still connected (only its worker was lost).
-    pub agent_alive: bool,
 }
 
 /// The coordinator of one run.
@@ -107,8 +92,8 @@ pub struct Coordinator {
     agents: BTreeMap<u64, (NodeId, ControlSender)>,
     /// Worker connections: conn → sender.
     workers: HashMap<u64, ControlSender>,
-    /// Worker exits reported for the current generation, by stage.
-    pub(super) exits: BTreeMap<usize, Exit>,
+    /// Worker exits reported for the current generation: stage → exit code (`None`: a signal).
+    pub(super) exits: BTreeMap<usize, Option<i32>>,
     /// When the current failure was first seen (Unix seconds), for the `node_lost` events.
     failure_seen_at: Option<f64>,
     /// Peer snapshots the agents hold: step → node → tensor names.
@@ -200,8 +185,7 @@ impl Coordinator {
         if floor == 0 {
             return Ok(None);
         }
-        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
-        let latest = committed.last().copied();
+        let latest = store::committed_steps(&self.cfg)?.last().copied();
         warn!(
             generation = floor,
             ?latest,
@@ -221,7 +205,7 @@ impl Coordinator {
             failed_at: Instant::now(),
             failed_step,
             stages_before: previous_plan.map_or(0, |p| p.num_stages()),
-            tier: "checkpoint",
+            tier: Tier::Checkpoint,
             events: vec![
                 json!({"event": "coordinator_takeover", "after_generation": floor, "resume_from": latest, "at_unix_s": unix_time_s()}),
             ],
@@ -448,20 +432,16 @@ impl Coordinator {
     /// The agents holding a peer snapshot of every name in `names` for `step` (live agents only),
     /// or `None` if they do not cover them all.
     pub(super) fn peer_sources(&self, step: u64, names: &[String]) -> Option<Vec<String>> {
-        let holders = self.held.get(&step)?;
-        let alive: Vec<(&NodeId, &BTreeSet<String>)> = holders
+        let holders = recovery::peer_holders(&self.held, step, names, |n| self.agent_alive(n))?;
+        Some(self.snapshot_addrs(&holders))
+    }
+
+    /// The snapshot addresses of `nodes`' agents.
+    fn snapshot_addrs(&self, nodes: &[NodeId]) -> Vec<String> {
+        nodes
             .iter()
-            .filter(|(node, _)| self.agent_alive(node))
-            .collect();
-        names
-            .iter()
-            .all(|n| alive.iter().any(|(_, held)| held.contains(n)))
-            .then(|| {
-                alive
-                    .iter()
-                    .filter_map(|(n, _)| self.state.membership.get(n).map(|m| m.info.addr.clone()))
-                    .collect()
-            })
+            .filter_map(|n| self.state.membership.get(n).map(|m| m.info.addr.clone()))
+            .collect()
     }
 
     fn send_to_node(&mut self, node: &NodeId, msg: &ToAgent) -> Result<(), LaunchError> {
@@ -469,6 +449,7 @@ impl Coordinator {
             lost: vec![Lost {
                 node: node.clone(),
                 reason: reason.clone(),
+                cause: LossCause::AgentUnreachable,
                 agent_alive: false,
             }],
             cause: reason,
@@ -593,7 +574,7 @@ impl Coordinator {
             let reason = self.fence(&node, now);
             warn!(%node, %reason, "node declared dead");
             if first.is_none() && self.in_plan(&node) {
-                first = Some(Incoming::NodeLost(node, reason));
+                first = Some(Incoming::NodeLost(node, reason, LossCause::Silent));
             }
         }
         first
@@ -670,6 +651,7 @@ impl Coordinator {
                                 format!(
                                     "its agent restarted and joined again as incarnation {incarnation}"
                                 ),
+                                LossCause::AgentRestarted,
                             ));
                         }
                     }
@@ -725,7 +707,7 @@ impl Coordinator {
                         if self.state.current.as_ref().map(|p| p.generation) != Some(generation) {
                             return None;
                         }
-                        self.exits.insert(stage, Exit { code });
+                        self.exits.insert(stage, code);
                         Some(Incoming::WorkerExited {
                             stage,
                             status,
@@ -774,8 +756,11 @@ impl Coordinator {
             .membership
             .report_failure(&node, &reason, Instant::now());
         warn!(%node, %reason, "node lost");
-        self.in_plan(&node)
-            .then_some(Incoming::NodeLost(node, reason))
+        self.in_plan(&node).then_some(Incoming::NodeLost(
+            node,
+            reason,
+            LossCause::AgentDisconnected,
+        ))
     }
 
     /// The node that runs `stage` under the current plan.
@@ -806,46 +791,27 @@ impl Coordinator {
     pub(super) fn losses(
         &self,
         cause: &str,
-        reported: Vec<(NodeId, String)>,
+        reported: &[Lost],
         suspects: &BTreeSet<usize>,
     ) -> Vec<Lost> {
-        fn add(lost: &mut Vec<Lost>, node: NodeId, reason: String, agent_alive: bool) {
-            if !lost.iter().any(|x| x.node == node) {
-                lost.push(Lost {
-                    node,
-                    reason,
-                    agent_alive,
-                });
-            }
-        }
-        let mut lost: Vec<Lost> = Vec::new();
-        for (node, reason) in reported {
-            add(&mut lost, node, reason, false);
-        }
-        for node in &self.plan().nodes {
-            if !self.agent_alive(node) {
-                let reason = format!("the agent of node {node} is gone ({cause})");
-                add(&mut lost, node.clone(), reason, false);
-            }
-        }
-        let peer_failure = i32::from(PEER_FAILURE_EXIT_CODE);
-        for (&stage, exit) in &self.exits {
-            if exit.code != Some(peer_failure) {
-                let node = self.node_of(stage);
-                let alive = self.agent_alive(&node);
-                add(&mut lost, node, cause.to_string(), alive);
-            }
-        }
-        if lost.is_empty() {
-            for &stage in suspects {
-                if stage < self.plan().num_stages() && !self.exits.contains_key(&stage) {
-                    let node = self.node_of(stage);
-                    let alive = self.agent_alive(&node);
-                    add(&mut lost, node, cause.to_string(), alive);
-                }
-            }
-        }
-        lost
+        let plan = self.plan();
+        let live_agents: BTreeSet<NodeId> = plan
+            .nodes
+            .iter()
+            .filter(|n| self.agent_alive(n))
+            .cloned()
+            .collect();
+        recovery::classify(
+            cause,
+            Observed {
+                stages: &plan.stages,
+                live_agents: &live_agents,
+                reported,
+                exits: &self.exits,
+                suspects,
+                peer_failure_exit_code: i32::from(PEER_FAILURE_EXIT_CODE),
+            },
+        )
     }
 
     /// A worker reported a preemption notice for its node.
@@ -936,7 +902,7 @@ impl Coordinator {
             failed_at: now,
             failed_step: step + 1,
             stages_before,
-            tier: "handover",
+            tier: Tier::Handover,
             events,
         });
         Ok(())
@@ -946,7 +912,8 @@ impl Coordinator {
     /// the next pipeline at the newest state: the agents' peer snapshots when they cover the model
     /// and are not older than the newest committed checkpoint, else that checkpoint. Adds the `plan`
     /// event and returns the tier (`peer` or `checkpoint`).
-    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<&'static str, LaunchError> {
+    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<Tier, LaunchError> {
+        let mut waiting_reason = String::new();
         let plan = loop {
             let now = Instant::now();
             let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
@@ -959,7 +926,10 @@ impl Coordinator {
                     break plan;
                 }
                 Decision::Wait { until, .. } => {
-                    warn!(%reason, "waiting for nodes");
+                    if reason != waiting_reason {
+                        warn!(%reason, "waiting for nodes");
+                        waiting_reason = reason;
+                    }
                     let deadline = until.min(now + Duration::from_millis(200));
                     if let Some(incoming) = self.poll(deadline)? {
                         self.unexpected(incoming);
@@ -986,32 +956,25 @@ impl Coordinator {
             }
         }
         self.cfg.pipeline.stages = plan.num_stages();
-        let committed = CheckpointWriter::open(&self.cfg)?.committed_steps()?;
-        let latest = committed.last().copied();
+        let latest = store::committed_steps(&self.cfg)?.last().copied();
         let peers = self
             .peer_coverage()
-            .filter(|(step, _)| latest.is_none_or(|c| *step >= c));
-        let (tier, resume_from) = match peers {
-            Some((step, sources)) => {
-                self.start = Start::Peers { step, sources };
-                ("peer", Some(step))
-            }
-            None if latest.is_some() => {
-                self.start = Start::Resume(ResumePoint::Latest);
-                ("checkpoint", latest)
-            }
-            None => {
-                self.start = Start::Fresh;
-                ("checkpoint", None)
-            }
+            .map(|(step, nodes)| (step, self.snapshot_addrs(&nodes)));
+        let (start, tier, reason) = recovery::next_start(peers, latest, self.state.step);
+        info!(%reason, %tier, "state source");
+        let resume_from = match &start {
+            Start::Peers { step, .. } => Some(*step),
+            Start::Resume(_) => latest,
+            Start::Fresh | Start::InitFrom(_) => None,
         };
+        self.start = start;
         events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages, "resume_from": resume_from, "tier": tier}));
         Ok(tier)
     }
 
     /// The newest step whose peer snapshots, on the agents still alive, cover the whole model
     /// (parameters and AdamW moments), with the agents that hold it.
-    fn peer_coverage(&self) -> Option<(u64, Vec<String>)> {
+    fn peer_coverage(&self) -> Option<(u64, Vec<NodeId>)> {
         if !self.cfg.elastic.peer_snapshots {
             return None;
         }
@@ -1019,11 +982,11 @@ impl Coordinator {
             .into_iter()
             .map(|s| s.name)
             .collect();
-        self.held.keys().rev().find_map(|&step| {
-            let names = crate::checkpointing::shard::with_moments(&params, step > 0);
-            self.peer_sources(step, &names)
-                .map(|sources| (step, sources))
-        })
+        recovery::peer_coverage(
+            &self.held,
+            |step| crate::checkpointing::shard::with_moments(&params, step > 0),
+            |n| self.agent_alive(n),
+        )
     }
 
     /// Connections of agents whose node is dead (it left, or was declared dead).

@@ -16,7 +16,11 @@ use tracing::{info, warn};
 use super::checkpoints::CheckpointWriter;
 use super::control::{StepCost, ToLauncher, ToWorker};
 use super::coordinator::{Coordinator, Recovery};
-use super::launcher::{LaunchError, Pipeline, Replacement};
+pub use super::error::LaunchError;
+use super::launcher::{Pipeline, Replacement};
+use super::recovery::{self, AfterError, Loaded};
+pub use super::recovery::{ResumePoint, Start};
+pub use super::trace::unix_time_s;
 use super::trace::{TraceLog, unix_time_us};
 use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
@@ -26,34 +30,6 @@ use crate::lr::learning_rate;
 use crate::metrics::{MetricsLog, StepMetrics};
 use crate::model::params::param_specs;
 use crate::model::partition_layers;
-
-/// Which checkpoint a run resumes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ResumePoint {
-    /// The newest committed checkpoint.
-    Latest,
-    /// The committed checkpoint of this step.
-    Step(u64),
-}
-
-/// How a run's state starts.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Start {
-    /// Fresh weights from the seed.
-    #[default]
-    Fresh,
-    /// From a committed checkpoint in the configured store.
-    Resume(ResumePoint),
-    /// From the peer snapshots of the state after `step` held by the agents at `sources`.
-    Peers {
-        /// The step the snapshots are of.
-        step: u64,
-        /// The agents' snapshot addresses.
-        sources: Vec<String>,
-    },
-    /// Weights from a Hugging Face GPT-2 directory, fresh optimizer.
-    InitFrom(PathBuf),
-}
 
 /// Extra launcher behaviour, from the command line.
 #[derive(Clone, Debug, Default)]
@@ -148,20 +124,17 @@ fn train_pipelines(
                 summary.elapsed_s = started.elapsed().as_secs_f64();
                 return Ok(summary);
             }
-            Err(LaunchError::NodesLost { lost, .. }) => coordinator.recover(&lost)?,
-            Err(LaunchError::PlanChanged { step, .. }) => {
-                coordinator.change_plan_at_boundary(step)?
-            }
-            Err(e) => return Err(e),
+            Err(e) => match (recovery::after_error(&e), e) {
+                (AfterError::Recover, LaunchError::NodesLost { lost, .. }) => {
+                    coordinator.recover(&lost)?
+                }
+                (AfterError::ChangePlan { step }, _) => {
+                    coordinator.change_plan_at_boundary(step)?
+                }
+                (_, e) => return Err(e),
+            },
         }
     }
-}
-
-/// Wall-clock time, for events that outside observers (the recovery benchmark) line up with theirs.
-pub fn unix_time_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
@@ -208,14 +181,8 @@ fn with_pipeline<T>(
         Err(e) => {
             // A node that fails while the pipeline starts is lost like one that fails later.
             coordinator.stop_workers(Duration::from_secs(5));
-            let recoverable = matches!(
-                e,
-                LaunchError::WorkerFailed { .. }
-                    | LaunchError::WorkerExited { .. }
-                    | LaunchError::NodesLost { .. }
-            );
-            let lost = if recoverable {
-                coordinator.losses(&e.to_string(), Vec::new(), &Default::default())
+            let lost = if recovery::after_error(&e) == AfterError::Recover {
+                coordinator.losses(&e.to_string(), &[], &Default::default())
             } else {
                 Vec::new()
             };
@@ -245,16 +212,7 @@ fn with_pipeline<T>(
             pipeline.shutdown();
             Ok(value)
         }
-        Err(e @ LaunchError::PlanChanged { .. }) => {
-            pipeline.shutdown();
-            Err(e)
-        }
-        Err(
-            e @ (LaunchError::WorkerFailed { .. }
-            | LaunchError::WorkerExited { .. }
-            | LaunchError::Timeout { .. }
-            | LaunchError::NodesLost { .. }),
-        ) => {
+        Err(e) if recovery::after_error(&e) == AfterError::Recover => {
             pipeline.coordinator().failure_seen();
             let cause = e.to_string();
             let lost = pipeline.stop_after_failure(&cause, Duration::from_secs(2));
@@ -420,13 +378,8 @@ impl Driver<'_, '_> {
                 // Without a resume point the run restarted from the seeded initial weights: when the
                 // interrupted step was the first, that is the state before it, held by every
                 // worker (tier 1, nothing lost); later, completed steps were lost.
-                let tier = if resumed_from.is_some() {
-                    r.tier
-                } else if lost_steps == 0 {
-                    "peer"
-                } else {
-                    "restart"
-                };
+                let tier =
+                    recovery::recorded_tier(r.tier, resumed_from.is_some(), lost_steps).as_str();
                 bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
                 self.append(&json!({"event": "recovered", "step": step, "recovery_s": recovery_s, "lost_steps": lost_steps, "tier": tier, "stages_before": r.stages_before, "stages_after": cfg.pipeline.stages, "at_unix_s": unix_time_s()}))?;
             }
@@ -685,8 +638,12 @@ impl Driver<'_, '_> {
         finished: &BTreeSet<usize>,
         detected_at_unix_s: f64,
     ) -> Result<(Replacement, Option<StepCost>), LaunchError> {
-        let Some((stage, lost)) = self.pipeline.lost_stage(&failure, finished) else {
-            return Err(failure);
+        let (stage, lost) = match self.pipeline.lost_stage(&failure, finished) {
+            Ok(found) => found,
+            Err(why) => {
+                info!(step, %why, "no mid-step recovery: the pipeline restarts");
+                return Err(failure);
+            }
         };
         let Some(restore) = self.step_start_state(step, stage) else {
             warn!(
@@ -733,23 +690,16 @@ impl Driver<'_, '_> {
     /// or not at all (`None`).
     fn step_start_state(&mut self, step: u64, stage: usize) -> Option<Option<ToWorker>> {
         let cfg = self.cfg;
-        let before = step - 1;
+        let before = step.checked_sub(1)?;
         let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages).ok()?;
         let params = layouts.get(stage)?.param_names(&cfg.model);
         let names = with_moments(&params, before > 0);
-        if let Some(sources) = self.pipeline.coordinator().peer_sources(before, &names) {
-            return Some(Some(ToWorker::RestorePeers {
-                step: before,
-                sources,
-            }));
-        }
-        match (&self.loaded, before == self.loaded_step) {
-            (_, false) => None,
-            (Start::Fresh, true) => Some(None),
-            (Start::InitFrom(dir), true) => Some(Some(ToWorker::InitFrom { dir: dir.clone() })),
-            (Start::Resume(_), true) => Some(Some(ToWorker::Restore { step: before })),
-            (Start::Peers { .. }, true) => None,
-        }
+        let peer_sources = self.pipeline.coordinator().peer_sources(before, &names);
+        let loaded = Loaded {
+            start: &self.loaded,
+            step: self.loaded_step,
+        };
+        recovery::step_start_state(step, peer_sources, loaded)
     }
 
     /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.

@@ -2,80 +2,18 @@
 //! per stage, wires the workers to their neighbours, and exchanges control messages with them. The
 //! training loop that uses it is in [`super::driver`].
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use elastic::NodeId;
-use thiserror::Error;
 use tracing::{info, warn};
 
 use super::control::{FailureCause, Side, ToLauncher, ToWorker};
-pub use super::coordinator::Lost;
 use super::coordinator::{Coordinator, Incoming};
+pub use super::error::{LaunchError, LossCause, Lost};
+use super::recovery::{self, Sign};
 use crate::config::Config;
-use crate::data::DataError;
-
-/// Why a run failed.
-#[derive(Debug, Error)]
-pub enum LaunchError {
-    /// Local file or socket failure.
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-    /// The dataset is unusable.
-    #[error(transparent)]
-    Data(#[from] DataError),
-    /// A worker reported an error.
-    #[error("stage {stage} failed: {error}\n  (log: {log})")]
-    WorkerFailed {
-        stage: usize,
-        error: String,
-        log: String,
-    },
-    /// A worker process ended unexpectedly.
-    #[error("stage {stage} worker exited unexpectedly ({status}); last lines of {log}:\n{tail}")]
-    WorkerExited {
-        stage: usize,
-        status: String,
-        log: String,
-        tail: String,
-    },
-    /// Something did not happen in time.
-    #[error("timed out after {timeout:?} waiting for {what}; see the logs in {logs}")]
-    Timeout {
-        what: String,
-        timeout: Duration,
-        logs: String,
-    },
-    /// A worker broke the protocol.
-    #[error("protocol error: {0}")]
-    Protocol(String),
-    /// Nodes were lost: their agent or their worker died, or a worker hung. The other nodes are
-    /// healthy and the run can go on under a new plan.
-    #[error("lost node(s) {}: {cause}", lost.iter().map(|l| l.node.to_string()).collect::<Vec<_>>().join(", "))]
-    NodesLost { lost: Vec<Lost>, cause: String },
-    /// Nodes leave or join at the boundary after `step` (its checkpoint is committed): the
-    /// pipeline restarts under the new plan.
-    #[error("the plan changes after step {step}: {reason}")]
-    PlanChanged { step: u64, reason: String },
-    /// Checkpoint store failure.
-    #[error(transparent)]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-    /// The run cannot start or continue as asked.
-    #[error("{0}")]
-    Run(String),
-    /// A stage holds more than `train.memory_budget_bytes` (the same would happen on any node,
-    /// so the run stops instead of recovering).
-    #[error("stage {stage}: {error}")]
-    OverBudget { stage: usize, error: String },
-    /// A worker failed in a way that would recur on any node (see
-    /// [`FailureCause::Permanent`]): the run stops with its message.
-    #[error("stage {stage}: {error}")]
-    Permanent { stage: usize, error: String },
-}
 
 /// The running pipeline of the coordinator's current plan: one worker per stage, started by the
 /// agents of the plan's nodes and connected to the coordinator's control port.
@@ -87,8 +25,8 @@ pub struct Pipeline<'c> {
     side: VecDeque<ToLauncher>,
     /// Stages a worker found silent past the timeout (hung or cut off).
     suspects: BTreeSet<usize>,
-    /// Nodes declared lost while this pipeline ran, with why.
-    lost: Vec<(NodeId, String)>,
+    /// Nodes declared lost while this pipeline ran.
+    lost: Vec<Lost>,
     timeout: Duration,
     logs_dir: PathBuf,
     /// Stage → its worker's data address.
@@ -218,9 +156,9 @@ impl<'c> Pipeline<'c> {
     /// worker died, e.g. between two steps): the same failure as a closed connection.
     fn send(&mut self, stage: usize, msg: &ToWorker) -> Result<(), LaunchError> {
         let sent = self.coordinator.send_to_worker(self.conns[stage], msg);
-        sent.map_err(|source| LaunchError::WorkerFailed {
+        sent.map_err(|source| LaunchError::WorkerDisconnected {
             stage,
-            error: format!("connection closed: sending to the worker failed: {source}"),
+            reason: format!("sending to the worker failed: {source}"),
             log: self.log_of(stage),
         })
     }
@@ -275,9 +213,9 @@ impl<'c> Pipeline<'c> {
                 })
             }
             Incoming::WorkerClosed(conn, reason) => match self.stage_of(conn) {
-                Some(stage) => Err(LaunchError::WorkerFailed {
+                Some(stage) => Err(LaunchError::WorkerDisconnected {
                     stage,
-                    error: format!("connection closed: {reason}"),
+                    reason,
                     log: self.log_of(stage),
                 }),
                 None => Ok(()),
@@ -294,14 +232,16 @@ impl<'c> Pipeline<'c> {
                 log,
                 tail: log_tail,
             }),
-            Incoming::NodeLost(node, reason) => {
-                self.lost.push((node.clone(), reason.clone()));
+            Incoming::NodeLost(node, reason, cause) => {
+                let lost = Lost {
+                    node,
+                    reason: reason.clone(),
+                    cause,
+                    agent_alive: false,
+                };
+                self.lost.push(lost.clone());
                 Err(LaunchError::NodesLost {
-                    lost: vec![Lost {
-                        node,
-                        reason: reason.clone(),
-                        agent_alive: false,
-                    }],
+                    lost: vec![lost],
                     cause: reason,
                 })
             }
@@ -371,55 +311,16 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-    /// Mid-step recovery, step 1: after `failure` in step `step`, finds the one stage that was lost
-    /// (waiting briefly for every report). `None` when mid-step recovery cannot help: several stages
-    /// or a stage and its neighbour were lost, a worker failed by itself or hung, or the lost stage
-    /// had already finished the step (`finished`).
+    /// Mid-step recovery, step 1: after `failure` in step `step`, gathers every sign of what was
+    /// lost (waiting until the reports stop for a moment), and asks
+    /// [`recovery::mid_step_stage`] for the one stage to replace; `Err` says why mid-step
+    /// recovery cannot help.
     pub fn lost_stage(
         &mut self,
         failure: &LaunchError,
         finished: &BTreeSet<usize>,
-    ) -> Option<(usize, Lost)> {
-        let mut lost: BTreeMap<usize, Lost> = BTreeMap::new();
-        let mut hopeless = false;
-        let mut note = |pipeline: &mut Self, e: &LaunchError| match e {
-            LaunchError::WorkerExited { stage, .. } => {
-                let node = pipeline.coordinator.node_of(*stage);
-                let agent_alive = pipeline.coordinator.agent_alive(&node);
-                lost.entry(*stage).or_insert(Lost {
-                    node,
-                    reason: e.to_string(),
-                    agent_alive,
-                });
-            }
-            LaunchError::WorkerFailed { stage, error, .. }
-                if error.starts_with("connection closed") =>
-            {
-                let node = pipeline.coordinator.node_of(*stage);
-                let agent_alive = pipeline.coordinator.agent_alive(&node);
-                lost.entry(*stage).or_insert(Lost {
-                    node,
-                    reason: e.to_string(),
-                    agent_alive,
-                });
-            }
-            // A node that went silent may be alive behind a partition: fencing it and restarting
-            // from snapshots is the safe way. Only a closed connection proves a death.
-            LaunchError::NodesLost { lost: nodes, .. }
-                if nodes.iter().any(|l| l.reason.starts_with(SILENT_NODE)) =>
-            {
-                hopeless = true
-            }
-            LaunchError::NodesLost { lost: nodes, .. } => {
-                for l in nodes {
-                    for stage in pipeline.coordinator.plan().stages_of(&l.node) {
-                        lost.insert(stage, l.clone());
-                    }
-                }
-            }
-            _ => hopeless = true,
-        };
-        note(self, failure);
+    ) -> Result<(usize, Lost), String> {
+        let mut signs = self.signs(failure);
         const QUIET: Duration = Duration::from_millis(300);
         let mut quiet_since = Instant::now();
         while quiet_since.elapsed() < QUIET {
@@ -438,22 +339,34 @@ impl<'c> Pipeline<'c> {
                         }
                         other => {
                             if let Err(e) = self.fail_on(other) {
-                                note(self, &e);
+                                signs.extend(self.signs(&e));
                             }
                         }
                     }
                 }
                 Ok(None) => {}
-                Err(_) => return None,
+                Err(e) => return Err(format!("the coordinator failed: {e}")),
             }
         }
-        // The exits an agent reported as "a peer failed" are survivors, not losses; with
-        // mid-step recovery on, survivors wait instead of exiting, so any exit is a loss.
-        if hopeless || lost.len() != 1 {
-            return None;
-        }
-        let (stage, l) = lost.into_iter().next().expect("one");
-        (!finished.contains(&stage)).then_some((stage, l))
+        recovery::mid_step_stage(&signs, finished)
+    }
+
+    /// What `error` says about which stages are gone.
+    fn signs(&self, error: &LaunchError) -> Vec<Sign> {
+        let coordinator = &*self.coordinator;
+        Sign::of(
+            error,
+            |node| coordinator.plan().stages_of(node),
+            |stage, cause| {
+                let node = coordinator.node_of(stage);
+                Lost {
+                    agent_alive: coordinator.agent_alive(&node),
+                    node,
+                    reason: error.to_string(),
+                    cause,
+                }
+            },
+        )
     }
 
     /// Mid-step recovery, step 2: starts a replacement for `stage` (on its own node if the agent
@@ -645,12 +558,9 @@ impl<'c> Pipeline<'c> {
         }
         self.coordinator.stop_workers(Duration::from_secs(5));
         let reported = std::mem::take(&mut self.lost);
-        self.coordinator.losses(cause, reported, &self.suspects)
+        self.coordinator.losses(cause, &reported, &self.suspects)
     }
 }
-
-/// How the reason of a node declared dead for silence begins (see `Membership::expire`).
-const SILENT_NODE: &str = "missed heartbeats";
 
 /// The stage a reply comes from.
 fn reply_stage(msg: &ToLauncher) -> Option<usize> {

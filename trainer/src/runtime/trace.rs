@@ -31,6 +31,14 @@ pub fn unix_time_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// Wall-clock time in seconds, for events that outside observers (the recovery benchmark) line
+/// up with theirs.
+pub fn unix_time_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The slices of a run, collected as its steps finish and written once at the end.
 #[derive(Debug)]
 pub struct TraceLog {

@@ -31,8 +31,7 @@ use crate::data::{DataError, Split, TokenSource, micro_batch_tokens, open_source
 use crate::model::{Mode, ModelError, Stage, StageInput, StageOutput, partition_layers};
 use crate::schedule::{Action, Schedule, ScheduleError, Unit, generate, generate_forward_only};
 
-/// Exit status of a worker that stopped because a neighbouring stage failed (its own node is fine).
-pub const PEER_FAILURE_EXIT_CODE: u8 = 3;
+pub use super::control::PEER_FAILURE_EXIT_CODE;
 
 /// Why a worker stopped.
 #[derive(Debug, Error)]
