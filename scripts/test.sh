@@ -204,6 +204,8 @@ fi
 export RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1
 
 cargo fmt --all -- --check
+# The runtime's modules depend on each other one way only (no import cycle).
+python3 scripts/check-runtime-deps.py >/dev/null
 # --release: the end-to-end tests launch the release binary, and this shares one optimized build
 # of candle between the binary and the test harnesses.
 # --features seqpipe/cuda: the CUDA path builds and its kernels compile (NVRTC) without a GPU.
