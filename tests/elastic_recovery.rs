@@ -186,7 +186,10 @@ fn chaos(name: &str, extra: &[&str], default_trials: usize) -> Vec<ChaosTrial> {
         };
         let trial_dir = dir.join(format!("trial-{index}"));
         let events = trial(&trial_dir, &mut rng, kills, victim, extra, &reference);
-        let _ = std::fs::remove_dir_all(&trial_dir);
+        // SEQPIPE_KEEP_TRIALS=1 keeps every trial's directory (logs, metrics) for a post-mortem.
+        if std::env::var_os("SEQPIPE_KEEP_TRIALS").is_none() {
+            let _ = std::fs::remove_dir_all(&trial_dir);
+        }
         out.push(ChaosTrial {
             index,
             kills,

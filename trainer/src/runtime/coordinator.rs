@@ -615,54 +615,7 @@ impl Coordinator {
         let now = Instant::now();
         match event {
             Event::Opened(conn, Opening::Agent(FromAgent::Join { node, pid }), sender) => {
-                if let Err(e) = check_join(&node) {
-                    warn!(conn, error = %e, "refused a join with a bad node description");
-                    sender.send_and_close(&ToAgent::Refused {
-                        reason: e.to_string(),
-                    });
-                    return None;
-                }
-                let id = node.id.clone();
-                // A new incarnation replaces the old one's connection.
-                let old: Vec<u64> = self
-                    .agents
-                    .iter()
-                    .filter(|(_, (n, _))| *n == id)
-                    .map(|(c, _)| *c)
-                    .collect();
-                for c in old {
-                    if let Some((_, sender)) = self.agents.remove(&c) {
-                        sender.send_and_close(&ToAgent::Refused {
-                            reason: "a newer incarnation of this node joined".into(),
-                        });
-                    }
-                }
-                match self.state.membership.join(node, now) {
-                    Ok(incarnation) => {
-                        info!(node = %id, incarnation, pid, "node joined");
-                        let _ = sender.send(&ToAgent::Welcome {
-                            incarnation,
-                            heartbeat_s: self.cfg.elastic.heartbeat_s,
-                        });
-                        self.agents.insert(conn, (id.clone(), sender));
-                        if incarnation > 1 && self.in_plan(&id) {
-                            return Some(Incoming::NodeLost(
-                                id.clone(),
-                                format!(
-                                    "its agent restarted and joined again as incarnation {incarnation}"
-                                ),
-                                LossCause::AgentRestarted,
-                            ));
-                        }
-                    }
-                    Err(e) => {
-                        warn!(node = %id, error = %e, "refused a join");
-                        sender.send_and_close(&ToAgent::Refused {
-                            reason: e.to_string(),
-                        });
-                    }
-                }
-                None
+                self.join(conn, node, pid, sender, now)
             }
             Event::Opened(conn, Opening::Worker(hello), sender) => {
                 self.workers.insert(conn, sender);
@@ -679,61 +632,7 @@ impl Coordinator {
                 });
                 None
             }
-            Event::Agent(conn, msg) => {
-                let Some((node, _)) = self.agents.get(&conn).cloned() else {
-                    warn!(conn, ?msg, "refused a message from a fenced agent");
-                    return None;
-                };
-                match msg {
-                    FromAgent::Heartbeat => {
-                        if let Err(e) = self.state.membership.heartbeat(&node, now) {
-                            warn!(%node, error = %e, "refused a heartbeat");
-                        }
-                        None
-                    }
-                    FromAgent::Leaving => {
-                        info!(%node, "preemption notice: the node leaves at the next step boundary");
-                        let _ = self.state.membership.leave(&node, now);
-                        None
-                    }
-                    FromAgent::WorkerExited {
-                        generation,
-                        stage,
-                        code,
-                        status,
-                        log_tail,
-                        log,
-                    } => {
-                        if self.state.current.as_ref().map(|p| p.generation) != Some(generation) {
-                            return None;
-                        }
-                        self.exits.insert(stage, code);
-                        Some(Incoming::WorkerExited {
-                            stage,
-                            status,
-                            log,
-                            log_tail,
-                        })
-                    }
-                    FromAgent::WorkersStopped { .. } => None,
-                    FromAgent::SnapshotHeld { step, names } => {
-                        self.held
-                            .entry(step)
-                            .or_default()
-                            .entry(node)
-                            .or_default()
-                            .extend(names);
-                        while self.held.len() > 3 {
-                            self.held.pop_first();
-                        }
-                        None
-                    }
-                    FromAgent::Join { .. } => {
-                        warn!(%node, "ignored a second join on one connection");
-                        None
-                    }
-                }
-            }
+            Event::Agent(conn, msg) => self.agent_message(conn, msg, now),
             Event::Worker(conn, msg) => {
                 if self.workers.contains_key(&conn) {
                     Some(Incoming::Worker(conn, msg))
@@ -742,6 +641,126 @@ impl Coordinator {
                 }
             }
             Event::Closed(conn, reason) => self.closed(conn, reason),
+        }
+    }
+
+    /// An agent asks to join: its node description is checked, an older incarnation's
+    /// connection is refused, and the membership records it. A node of the plan that joins again
+    /// (its agent restarted) is lost to the running pipeline.
+    fn join(
+        &mut self,
+        conn: u64,
+        node: elastic::NodeInfo,
+        pid: u32,
+        sender: ControlSender,
+        now: Instant,
+    ) -> Option<Incoming> {
+        if let Err(e) = check_join(&node) {
+            warn!(conn, error = %e, "refused a join with a bad node description");
+            sender.send_and_close(&ToAgent::Refused {
+                reason: e.to_string(),
+            });
+            return None;
+        }
+        let id = node.id.clone();
+        // A new incarnation replaces the old one's connection.
+        let old: Vec<u64> = self
+            .agents
+            .iter()
+            .filter(|(_, (n, _))| *n == id)
+            .map(|(c, _)| *c)
+            .collect();
+        for c in old {
+            if let Some((_, sender)) = self.agents.remove(&c) {
+                sender.send_and_close(&ToAgent::Refused {
+                    reason: "a newer incarnation of this node joined".into(),
+                });
+            }
+        }
+        match self.state.membership.join(node, now) {
+            Ok(incarnation) => {
+                info!(node = %id, incarnation, pid, "node joined");
+                let _ = sender.send(&ToAgent::Welcome {
+                    incarnation,
+                    heartbeat_s: self.cfg.elastic.heartbeat_s,
+                });
+                self.agents.insert(conn, (id.clone(), sender));
+                if incarnation > 1 && self.in_plan(&id) {
+                    return Some(Incoming::NodeLost(
+                        id.clone(),
+                        format!(
+                            "its agent restarted and joined again as incarnation {incarnation}"
+                        ),
+                        LossCause::AgentRestarted,
+                    ));
+                }
+            }
+            Err(e) => {
+                warn!(node = %id, error = %e, "refused a join");
+                sender.send_and_close(&ToAgent::Refused {
+                    reason: e.to_string(),
+                });
+            }
+        }
+        None
+    }
+
+    /// A message from a joined agent: heartbeats, leaves, worker exits and snapshots held update
+    /// the membership and the coordinator's records; a worker exit of the current generation is
+    /// the pipeline's business.
+    fn agent_message(&mut self, conn: u64, msg: FromAgent, now: Instant) -> Option<Incoming> {
+        let Some((node, _)) = self.agents.get(&conn).cloned() else {
+            warn!(conn, ?msg, "refused a message from a fenced agent");
+            return None;
+        };
+        match msg {
+            FromAgent::Heartbeat => {
+                if let Err(e) = self.state.membership.heartbeat(&node, now) {
+                    warn!(%node, error = %e, "refused a heartbeat");
+                }
+                None
+            }
+            FromAgent::Leaving => {
+                info!(%node, "preemption notice: the node leaves at the next step boundary");
+                let _ = self.state.membership.leave(&node, now);
+                None
+            }
+            FromAgent::WorkerExited {
+                generation,
+                stage,
+                code,
+                status,
+                log_tail,
+                log,
+            } => {
+                if self.state.current.as_ref().map(|p| p.generation) != Some(generation) {
+                    return None;
+                }
+                self.exits.insert(stage, code);
+                Some(Incoming::WorkerExited {
+                    stage,
+                    status,
+                    log,
+                    log_tail,
+                })
+            }
+            FromAgent::WorkersStopped { .. } => None,
+            FromAgent::SnapshotHeld { step, names } => {
+                self.held
+                    .entry(step)
+                    .or_default()
+                    .entry(node)
+                    .or_default()
+                    .extend(names);
+                while self.held.len() > 3 {
+                    self.held.pop_first();
+                }
+                None
+            }
+            FromAgent::Join { .. } => {
+                warn!(%node, "ignored a second join on one connection");
+                None
+            }
         }
     }
 
