@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Limits, read_frame, write_frame};
 
+/// Exit status of a worker that stopped because a neighbouring stage failed (its own node is
+/// fine): the launcher and the agents tell a healthy node from a failed one by it.
+pub const PEER_FAILURE_EXIT_CODE: u8 = 3;
+
 /// Worker → launcher.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -184,8 +188,6 @@ pub enum ToWorker {
         side: Side,
         addr: Option<String>,
     },
-    /// Mid-step recovery is not possible: stop (the run recovers from a snapshot instead).
-    Abort,
     /// Run forward and backward of step `step` (1-based); with `trace`, report when each unit
     /// ran ([`StepCost::unit_times`]).
     RunStep {

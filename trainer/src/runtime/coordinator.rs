@@ -19,12 +19,12 @@ use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
 use super::checkpoints::CheckpointWriter;
+use super::control::PEER_FAILURE_EXIT_CODE;
 use super::control::{ControlSender, FromAgent, Opening, ToAgent, ToLauncher};
 use super::driver::{ResumePoint, Start, unix_time_s};
 use super::launcher::LaunchError;
 use super::peer_input;
 use super::wire::{Limits, read_frame};
-use super::worker::PEER_FAILURE_EXIT_CODE;
 use crate::config::Config;
 
 /// What arrived on the control port.
