@@ -16,8 +16,9 @@ use crate::model::params::param_count;
 use crate::model::partition_layers;
 use crate::plot::{read_metrics, render_plot};
 use crate::runtime::agent::{AgentArgs, run_agent};
+use crate::runtime::control::PEER_FAILURE_EXIT_CODE;
 use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
-use crate::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
+use crate::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use crate::schedule::{
     Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
     segment_lengths, simulate,

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Limits, read_frame, write_frame};
 
-/// The exit status of a worker that stopped because a neighbouring stage failed (a broken link),
-/// not because of its own node: the coordinator does not count its node as lost.
+/// Exit status of a worker that stopped because a neighbouring stage failed (its own node is
+/// fine): the launcher and the agents tell a healthy node from a failed one by it.
 pub const PEER_FAILURE_EXIT_CODE: u8 = 3;
 
 /// Worker → launcher.
@@ -188,8 +188,6 @@ pub enum ToWorker {
         side: Side,
         addr: Option<String>,
     },
-    /// Mid-step recovery is not possible: stop (the run recovers from a snapshot instead).
-    Abort,
     /// Run forward and backward of step `step` (1-based); with `trace`, report when each unit
     /// ran ([`StepCost::unit_times`]).
     RunStep {

@@ -35,7 +35,9 @@ pub use action::{Action, ScheduleKind, Unit};
 pub use error::ScheduleError;
 pub use generate::{Schedule, generate, generate_forward_only};
 pub use render::{render_svg, render_text, report_json};
-pub use resume::{ResumedStep, resume_after_loss, validate_resumed};
+pub use resume::{
+    Delivered, NeighbourRelink, ResumedStep, neighbour_relink, resume_after_loss, validate_resumed,
+};
 pub use segments::{
     FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
 };

@@ -26,6 +26,11 @@
 //! [`validate_resumed`] dry-runs that rest from the state the loss left: done prefixes and
 //! messages in flight.
 //!
+//! The runtime runs the per-stage parts of the same model: a survivor next to f computes what it
+//! tells and re-sends the replacement with [`neighbour_relink`], and the replacement decides
+//! which sends to skip and which units it redoes with [`Delivered`]. [`resume_after_loss`] is
+//! built from those same functions, so its tests cover what the workers do.
+//!
 //! Progress is taken when the replacement starts. The runtime relinks a neighbour when it next
 //! touches the broken link (or at once if it has finished its part of the step) and starts the
 //! replacement once both neighbours have relinked; until then a neighbour receives nothing more
@@ -38,6 +43,102 @@ use super::validate::{
     Channels, check_allowed, check_counts, check_delivered, check_local_order, dry_run,
 };
 use super::{Action, Schedule, ScheduleError, Unit, validate};
+
+/// What a neighbour of the lost stage does when it relinks to the replacement
+/// ([`neighbour_relink`]): one survivor's part of the protocol, which [`resume_after_loss`] puts
+/// together for the whole pipeline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NeighbourRelink {
+    /// The units of the lost stage's outputs this neighbour has received (activations at f+1,
+    /// input gradients at f−1), in the order received: it tells the replacement.
+    pub have: Vec<Unit>,
+    /// Its sends to the lost stage so far, in their original order: it sends them again.
+    pub resend: Vec<Action>,
+}
+
+/// Survivor `r`'s part of the protocol when it relinks to the replacement of its neighbour `lost`,
+/// having completed the first `done` actions of its list in `s` (a send to `lost` it was stopped
+/// on counts as done: its tensor was kept).
+///
+/// Errors: [`ScheduleError::InvalidParameters`] when `r` and `lost` are not neighbouring stages of
+/// `s`; [`ScheduleError::UnreachableProgress`] when `done` is longer than `r`'s list.
+pub fn neighbour_relink(
+    s: &Schedule,
+    r: usize,
+    lost: usize,
+    done: usize,
+) -> Result<NeighbourRelink, ScheduleError> {
+    if r >= s.actions.len() || lost >= s.actions.len() || r.abs_diff(lost) != 1 {
+        return Err(ScheduleError::InvalidParameters(format!(
+            "stages {r} and {lost} are not neighbours in a {}-stage schedule",
+            s.actions.len()
+        )));
+    }
+    let list = &s.actions[r];
+    if done > list.len() {
+        let mut progress = vec![0; s.actions.len()];
+        progress[r] = done;
+        return Err(ScheduleError::UnreachableProgress {
+            done: progress,
+            reason: format!(
+                "stage {r} claims {done} actions done but has only {}",
+                list.len()
+            ),
+        });
+    }
+    let done = &list[..done];
+    let have = done
+        .iter()
+        .filter_map(|&a| match a {
+            Action::RecvActivation(u) if r == lost + 1 => Some(u),
+            Action::RecvGrad(u) if r + 1 == lost => Some(u),
+            _ => None,
+        })
+        .collect();
+    let resend = done
+        .iter()
+        .copied()
+        .filter(|a| match a {
+            Action::SendActivation(_) => r + 1 == lost,
+            Action::SendGrad(_) => r == lost + 1,
+            _ => false,
+        })
+        .collect();
+    Ok(NeighbourRelink { have, resend })
+}
+
+/// What the lost stage's neighbours told its replacement they have of its outputs
+/// ([`NeighbourRelink::have`]): decides the replacement's part of the protocol.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Delivered {
+    /// Units whose output activation f+1 has.
+    pub activations: HashSet<Unit>,
+    /// Units whose input gradient f−1 has.
+    pub grads: HashSet<Unit>,
+}
+
+impl Delivered {
+    /// `a` is a send of the lost stage whose message the neighbour already has: the replacement
+    /// computes its unit but does not send it.
+    pub fn skips(&self, a: Action) -> bool {
+        match a {
+            Action::SendActivation(u) => self.activations.contains(&u),
+            Action::SendGrad(u) => self.grads.contains(&u),
+            _ => false,
+        }
+    }
+
+    /// `a` is a compute action of the lost stage that a neighbour proves was done before the loss,
+    /// so the replacement redoes it: `Forward(u)` when f+1 has u's activation or f−1 has u's input
+    /// gradient (sent only after the forward of u), `Backward(u)` when f−1 has u's input gradient.
+    pub fn replays(&self, a: Action) -> bool {
+        match a {
+            Action::Forward(u) => self.activations.contains(&u) || self.grads.contains(&u),
+            Action::Backward(u) => self.grads.contains(&u),
+            _ => false,
+        }
+    }
+}
 
 /// The rest of a step after stage `lost` was lost and replaced mid-step ([`resume_after_loss`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,15 +187,11 @@ pub fn resume_after_loss(
         .map(|r| if r == lost { 0 } else { done[r] })
         .collect();
     check_lengths(s, &claimed)?;
-    let (have_act, have_grad) = neighbours_have(s, lost, &claimed);
+    let delivered = neighbours_have(s, lost, &claimed);
     let lost_list = &s.actions[lost];
     let lost_done = lost_list
         .iter()
-        .rposition(|a| match *a {
-            Action::SendActivation(u) => have_act.contains(&u),
-            Action::SendGrad(u) => have_grad.contains(&u),
-            _ => false,
-        })
+        .rposition(|&a| delivered.skips(a))
         .map_or(0, |i| i + 1);
     let done: Vec<usize> = (0..p)
         .map(|r| if r == lost { lost_done } else { done[r] })
@@ -103,40 +200,35 @@ pub fn resume_after_loss(
     reach(s, lost, &done)?;
 
     let mut resent = vec![0; p];
-    let actions = (0..p)
-        .map(|r| {
-            let list = &s.actions[r];
-            if r == lost {
-                return lost_list
+    let mut actions = Vec::with_capacity(p);
+    for r in 0..p {
+        let list = &s.actions[r];
+        if r == lost {
+            actions.push(
+                lost_list
                     .iter()
                     .copied()
-                    .filter(|a| match *a {
-                        Action::SendActivation(u) => !have_act.contains(&u),
-                        Action::SendGrad(u) => !have_grad.contains(&u),
-                        _ => true,
-                    })
-                    .collect();
-            }
-            let to_lost = |a: &&Action| match a {
-                Action::SendActivation(_) => r + 1 == lost,
-                Action::SendGrad(_) => r == lost + 1,
-                _ => false,
-            };
-            let again: Vec<Action> = list[..done[r]].iter().filter(to_lost).copied().collect();
-            resent[r] = again.len();
+                    .filter(|&a| !delivered.skips(a))
+                    .collect(),
+            );
+            continue;
+        }
+        let again = if r.abs_diff(lost) == 1 {
+            neighbour_relink(s, r, lost, done[r])?.resend
+        } else {
+            Vec::new()
+        };
+        resent[r] = again.len();
+        actions.push(
             again
                 .into_iter()
                 .chain(list[done[r]..].iter().copied())
-                .collect()
-        })
-        .collect();
+                .collect(),
+        );
+    }
     let replayed = s
         .compute_actions(lost)
-        .filter(|a| match *a {
-            Action::Forward(u) => have_act.contains(&u) || have_grad.contains(&u),
-            Action::Backward(u) => have_grad.contains(&u),
-            _ => false,
-        })
+        .filter(|&a| delivered.replays(a))
         .collect();
     Ok(ResumedStep {
         lost,
@@ -262,27 +354,23 @@ fn check_lengths(s: &Schedule, done: &[usize]) -> Result<(), ScheduleError> {
 }
 
 /// The units of the lost stage's outputs that its neighbours have received, given each
-/// survivor's progress: (activations at f+1, input gradients at f−1).
-fn neighbours_have(s: &Schedule, lost: usize, done: &[usize]) -> (HashSet<Unit>, HashSet<Unit>) {
-    let received = |r: Option<usize>, pick: fn(Action) -> Option<Unit>| -> HashSet<Unit> {
+/// survivor's progress (each neighbour's [`NeighbourRelink::have`]).
+fn neighbours_have(s: &Schedule, lost: usize, done: &[usize]) -> Delivered {
+    let have = |r: Option<usize>| -> HashSet<Unit> {
         r.filter(|&r| r < s.stages)
             .map(|r| {
-                s.actions[r][..done[r]]
-                    .iter()
-                    .filter_map(|&a| pick(a))
+                neighbour_relink(s, r, lost, done[r])
+                    .expect("a neighbour of the lost stage, progress within its list")
+                    .have
+                    .into_iter()
                     .collect()
             })
             .unwrap_or_default()
     };
-    let act = received(Some(lost + 1), |a| match a {
-        Action::RecvActivation(u) => Some(u),
-        _ => None,
-    });
-    let grad = received(lost.checked_sub(1), |a| match a {
-        Action::RecvGrad(u) => Some(u),
-        _ => None,
-    });
-    (act, grad)
+    Delivered {
+        activations: have(Some(lost + 1)),
+        grads: have(lost.checked_sub(1)),
+    }
 }
 
 /// Runs every stage r of `s` through its first `done[r]` actions (the lost stage through the
@@ -310,4 +398,56 @@ fn reach(s: &Schedule, lost: usize, done: &[usize]) -> Result<Channels, Schedule
         },
         other => other,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{ScheduleKind, generate};
+    use super::*;
+
+    #[test]
+    fn only_a_neighbour_of_the_lost_stage_relinks_within_its_list() {
+        let s = generate(ScheduleKind::Seq1F1B, 4, 2, 2).unwrap();
+        for (r, lost) in [(0, 2), (1, 1), (3, 4), (4, 3)] {
+            let e = neighbour_relink(&s, r, lost, 0).unwrap_err();
+            assert!(
+                matches!(e, ScheduleError::InvalidParameters(_)),
+                "{r} {lost}: {e}"
+            );
+        }
+        let len = s.actions[1].len();
+        assert!(neighbour_relink(&s, 1, 2, len).is_ok());
+        let e = neighbour_relink(&s, 1, 2, len + 1).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::UnreachableProgress { .. }),
+            "{e}"
+        );
+    }
+
+    /// The survivors' part of [`resume_after_loss`] is [`neighbour_relink`]: what the rest of the
+    /// step re-sends, and what the replacement skips, come from it.
+    #[test]
+    fn the_resumed_step_is_made_of_the_neighbours_relinks() {
+        let s = generate(ScheduleKind::OneFOneB, 3, 3, 2).unwrap();
+        let lost = 1;
+        // Stage 0 has done all its forwards' sends; stage 2 nothing.
+        let done0 = s.actions[0]
+            .iter()
+            .rposition(|a| matches!(a, Action::SendActivation(_)))
+            .unwrap()
+            + 1;
+        let resumed = resume_after_loss(&s, lost, &[done0, 0, 0]).unwrap();
+        let before = neighbour_relink(&s, 0, lost, done0).unwrap();
+        assert_eq!(
+            resumed.rest.actions[0][..resumed.resent[0]],
+            before.resend[..]
+        );
+        assert!(before.have.is_empty());
+        let after = neighbour_relink(&s, 2, lost, 0).unwrap();
+        assert!(after.have.is_empty() && after.resend.is_empty());
+        assert_eq!(resumed.resent[2], 0);
+        // Nothing of stage 1's reached a neighbour: its replacement runs its whole list.
+        assert_eq!(resumed.rest.actions[lost], s.actions[lost]);
+        validate_resumed(&s, &resumed).unwrap();
+    }
 }

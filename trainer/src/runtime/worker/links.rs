@@ -1,0 +1,86 @@
+//! The data links to the neighbouring stages: connecting to the next stage, accepting the previous
+//! one on the data port, at start and again when a link is rebuilt.
+
+use std::time::Duration;
+
+use super::{Worker, WorkerError, io_error, resolve};
+use crate::runtime::auth::{self, Purpose};
+use crate::runtime::transport::{DataPort, TcpLink, connect_retrying};
+
+impl Worker {
+    /// Connects to the next stage and accepts the previous stage's connection (the data port is
+    /// kept for a relink). A replacement of a lost stage then reads what its neighbours already have.
+    pub(super) fn connect(
+        &mut self,
+        data_port: DataPort,
+        generation: u64,
+        prev: Option<String>,
+        next: Option<String>,
+        replacement: bool,
+    ) -> Result<(), WorkerError> {
+        let timeout = self.cfg.pipeline.timeout();
+        self.data_port = Some(data_port);
+        if let Some(next) = next {
+            self.connect_next(&next, generation, timeout)?;
+        }
+        if prev.is_some() {
+            self.accept_prev(generation, timeout)?;
+        }
+        if replacement {
+            self.replay_skip = self.receive_delivered()?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn connect_next(
+        &mut self,
+        next: &str,
+        generation: u64,
+        timeout: Duration,
+    ) -> Result<(), WorkerError> {
+        let r = self.index();
+        let io = io_error;
+        let addr = resolve(next)?;
+        let mut stream = connect_retrying(&addr, timeout)
+            .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+        auth::connect(&mut stream, &self.token, Purpose::Data)
+            .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
+        self.next = Some(
+            TcpLink::new(stream, r + 1, generation, timeout, self.max_tensor_bytes())
+                .map_err(io("next-stage link".into()))?,
+        );
+        Ok(())
+    }
+
+    /// Takes the previous stage's connection from the data port (authenticated off this thread,
+    /// see [`DataPort`]).
+    pub(super) fn accept_prev(
+        &mut self,
+        generation: u64,
+        timeout: Duration,
+    ) -> Result<(), WorkerError> {
+        let r = self.index();
+        let port = self
+            .data_port
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("the data port is gone; cannot relink".into()))?;
+        let stream = port
+            .next(timeout)
+            .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
+        self.prev = Some(
+            TcpLink::new(stream, r - 1, generation, timeout, self.max_tensor_bytes())
+                .map_err(io_error("previous-stage link".into()))?,
+        );
+        Ok(())
+    }
+
+    /// The largest boundary tensor of the run (a micro-batch's hidden states over the whole
+    /// sequence): the data links refuse larger frames.
+    fn max_tensor_bytes(&self) -> u64 {
+        let t = &self.cfg.train;
+        [t.micro_batch_size, t.seq_len, self.cfg.model.d_model, 4]
+            .iter()
+            .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64))
+            .unwrap_or(u64::MAX)
+    }
+}

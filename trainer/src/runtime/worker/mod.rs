@@ -1,0 +1,557 @@
+//! A stage worker: one OS process per pipeline stage. This module starts it (connects to the
+//! launcher, wires it to its neighbours) and runs its serve loop: receive a control message,
+//! dispatch it to the module that does the work.
+//!
+//! * [`execute`]: running one step's (or evaluation's) actions over the transport;
+//! * [`record`]: what the worker did in the current step (progress, kept tensors, costs);
+//! * [`links`]: the data links to the neighbouring stages;
+//! * [`relink`]: mid-step recovery: what the worker does when a link breaks and is rebuilt;
+//! * [`state_io`]: the stage's state in and out: checkpoint uploads, peer-snapshot copies,
+//!   restores, gradient dumps.
+
+mod execute;
+mod links;
+mod record;
+mod relink;
+mod state_io;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use checkpoint::CheckpointError;
+use ops::adamw::{AdamW, AdamWConfig};
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+use super::auth::{self, Purpose};
+use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
+use super::peer_snapshots::PeerCopier;
+use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
+use crate::checkpointing::hf;
+use crate::config::{Config, ConfigError};
+use crate::data::{DataError, TokenSource, open_source};
+use crate::model::{ModelError, Stage, partition_layers};
+use crate::schedule::{Delivered, ScheduleError, generate};
+use execute::ValidSchedule;
+use record::StepRecord;
+use state_io::Checkpoints;
+
+/// Why a worker stopped.
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    /// The config could not be used.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The launcher could not be reached or went away.
+    #[error("coordinator connection ({addr}): {source}")]
+    Control {
+        addr: String,
+        source: std::io::Error,
+    },
+    /// A neighbouring stage could not be reached or misbehaved.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The schedule is invalid.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// The action lists this worker was about to run failed [`crate::schedule::validate`].
+    #[error("refusing to run an invalid schedule: {0}")]
+    InvalidSchedule(ScheduleError),
+    /// Data could not be read.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    #[error(transparent)]
+    Token(#[from] auth::EmptyJobToken),
+    /// The launcher sent something out of protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A local I/O failure (sockets, gradient dumps).
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    /// A tensor operation failed.
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The checkpoint store failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A Hugging Face directory could not be used.
+    #[error(transparent)]
+    Hf(#[from] hf::HfError),
+}
+
+impl WorkerError {
+    /// Whether this failure would recur on any node: then recovering only repeats it.
+    pub fn cause(&self) -> FailureCause {
+        match self {
+            WorkerError::Model(ModelError::OverBudget { .. }) => FailureCause::OverBudget,
+            WorkerError::Config(_)
+            | WorkerError::Schedule(_)
+            | WorkerError::InvalidSchedule(_)
+            | WorkerError::Token(_)
+            | WorkerError::Hf(_) => FailureCause::Permanent,
+            WorkerError::Data(e) if !matches!(e, DataError::Io { .. }) => FailureCause::Permanent,
+            _ => FailureCause::Transient,
+        }
+    }
+}
+
+/// How a worker is started (`seqpipe worker ...`).
+#[derive(Clone, Debug)]
+pub struct WorkerArgs {
+    /// The launcher's control address.
+    pub control: String,
+    /// This worker's stage index.
+    pub stage: usize,
+    /// The plan generation it runs under.
+    pub generation: u64,
+    /// The address its data port listens on (its neighbours connect there).
+    pub bind: String,
+    /// The resolved config file.
+    pub config: PathBuf,
+    /// Write each step's accumulated gradients here before the update (debugging and tests).
+    pub dump_grads: Option<PathBuf>,
+    /// Agents' snapshot addresses to copy the state to after every step.
+    pub snapshot_to: Vec<String>,
+}
+
+/// A running worker.
+struct Worker {
+    cfg: Config,
+    stage: Stage,
+    optimizer: AdamW,
+    data: Option<Box<dyn TokenSource>>,
+    schedule: ValidSchedule,
+    segment_lengths: Vec<usize>,
+    prev: Option<TcpLink>,
+    next: Option<TcpLink>,
+    dump_grads: Option<PathBuf>,
+    checkpoints: Option<Checkpoints>,
+    /// The job's shared secret (from the launcher).
+    token: String,
+    /// Set by SIGTERM: a preemption notice for this node.
+    leaving: Arc<AtomicBool>,
+    /// Sends the state after every step to the agents' memory (tier-1 recovery).
+    peer_copier: Option<PeerCopier>,
+    /// The data port, kept to accept a relink from a replacement of the previous stage.
+    data_port: Option<DataPort>,
+    /// What this worker did in the current step (mid-step recovery).
+    record: StepRecord,
+    /// A replacement's neighbours' outputs of the lost stage, for its first step.
+    replay_skip: Delivered,
+}
+
+/// Runs a worker until the launcher says shut down. Errors are also reported to the launcher.
+pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
+    let control_err = |source| WorkerError::Control {
+        addr: args.control.clone(),
+        source,
+    };
+    let cfg = load_config(&args.config)?;
+    let timeout = cfg.pipeline.timeout();
+    let token = auth::token_from_env()?.unwrap_or_default();
+    let addr = resolve(&args.control)?;
+    let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
+    auth::connect(&mut stream, &token, Purpose::Control).map_err(control_err)?;
+    let mut control = ControlStream::new(stream).map_err(control_err)?;
+    let result = start(&args, cfg, token, &mut control).and_then(|mut worker| {
+        worker.serve(&mut control).map_err(|e| match e {
+            WorkerError::Control { source, .. } => control_err(source),
+            e => e,
+        })
+    });
+    if let Err(e) = &result {
+        let _ = control.send(&failure_report(args.stage, e));
+    }
+    result
+}
+
+/// Reads and validates the resolved config file.
+fn load_config(path: &std::path::Path) -> Result<Config, WorkerError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let cfg = Config::from_toml(&text, &path.display().to_string())?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// What the launcher is told when the worker stops with `e`.
+fn failure_report(stage: usize, e: &WorkerError) -> ToLauncher {
+    let suspect = match e {
+        WorkerError::Transport(TransportError::Timeout { peer_stage, .. }) => Some(*peer_stage),
+        _ => None,
+    };
+    ToLauncher::Failed {
+        stage,
+        error: e.to_string(),
+        suspect,
+        cause: e.cause(),
+    }
+}
+
+/// Says hello to the launcher, builds the stage, starts its helpers (peer copies, preemption
+/// watch, checkpoint uploads), wires it to its neighbours and says it is ready.
+fn start(
+    args: &WorkerArgs,
+    cfg: Config,
+    token: String,
+    control: &mut ControlStream,
+) -> Result<Worker, WorkerError> {
+    let control_err = |source| WorkerError::Control {
+        addr: args.control.clone(),
+        source,
+    };
+    let timeout = cfg.pipeline.timeout();
+    let (data_port, data_addr) = open_data_port(&args.bind, &token)?;
+    control
+        .send(&ToLauncher::Hello {
+            stage: args.stage,
+            generation: args.generation,
+            data_addr,
+            pid: std::process::id(),
+        })
+        .map_err(control_err)?;
+    let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
+    worker.token = token.clone();
+    if !args.snapshot_to.is_empty() {
+        worker.peer_copier = Some(
+            PeerCopier::start(args.snapshot_to.clone(), token, timeout)
+                .map_err(io_error("starting the peer-snapshot sender".into()))?,
+        );
+    }
+    worker.watch_for_preemption()?;
+    worker.checkpoints = Some(Checkpoints::start(
+        &worker.cfg,
+        args.stage,
+        control.sender(),
+    )?);
+    match control.recv::<ToWorker>().map_err(control_err)? {
+        ToWorker::Topology {
+            generation,
+            prev,
+            next,
+            replacement,
+        } => worker.connect(data_port, generation, prev, next, replacement)?,
+        other => {
+            return Err(WorkerError::Protocol(format!(
+                "expected the topology first, got {other:?}"
+            )));
+        }
+    }
+    control
+        .send(&ToLauncher::Ready { stage: args.stage })
+        .map_err(control_err)?;
+    Ok(worker)
+}
+
+/// Binds the stage's data port on `bind` (any port): the port and its address.
+fn open_data_port(bind: &str, token: &str) -> Result<(DataPort, String), WorkerError> {
+    let listener = TcpListener::bind((bind, 0))
+        .map_err(io_error(format!("binding the stage data port on {bind}")))?;
+    let data_addr = listener
+        .local_addr()
+        .map_err(io_error("stage data port".into()))?
+        .to_string();
+    let data_port =
+        DataPort::open(listener, token.to_string()).map_err(io_error("stage data port".into()))?;
+    Ok((data_port, data_addr))
+}
+
+/// Maps an I/O error to [`WorkerError::Io`] saying what was being done.
+fn io_error(what: String) -> impl Fn(std::io::Error) -> WorkerError {
+    move |source| WorkerError::Io {
+        what: what.clone(),
+        source,
+    }
+}
+
+/// Maps an I/O error on the control connection to [`WorkerError::Control`].
+fn control_error(addr: &'static str) -> impl Fn(std::io::Error) -> WorkerError {
+    move |source| WorkerError::Control {
+        addr: addr.into(),
+        source,
+    }
+}
+
+fn resolve(addr: &str) -> Result<std::net::SocketAddr, WorkerError> {
+    use std::net::ToSocketAddrs;
+    let io = |source| WorkerError::Control {
+        addr: addr.to_string(),
+        source,
+    };
+    addr.to_socket_addrs().map_err(io)?.next().ok_or_else(|| {
+        io(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "address resolves to nothing",
+        ))
+    })
+}
+
+/// The answer to a restore request: `Restored`, or `RestoreFailed` saying whether the checkpoint
+/// itself is damaged (a damaged shard or an unreadable or inconsistent manifest: an older
+/// checkpoint may still be good).
+fn restore_reply(stage: usize, step: u64, result: Result<(), WorkerError>) -> ToLauncher {
+    match result {
+        Ok(()) => ToLauncher::Restored { stage, step },
+        Err(e) => ToLauncher::RestoreFailed {
+            stage,
+            step,
+            corrupt: matches!(&e, WorkerError::Checkpoint(c) if c.is_damaged_checkpoint()),
+            error: e.to_string(),
+        },
+    }
+}
+
+impl Worker {
+    fn new(
+        cfg: Config,
+        stage_index: usize,
+        dump_grads: Option<PathBuf>,
+    ) -> Result<Self, WorkerError> {
+        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)
+            .map_err(ModelError::from)?;
+        let layout = layouts.into_iter().nth(stage_index).ok_or_else(|| {
+            WorkerError::Protocol(format!(
+                "stage {stage_index} does not exist in a {}-stage pipeline",
+                cfg.pipeline.stages
+            ))
+        })?;
+        let segment_lengths = cfg.segment_lengths()?;
+        let (first, last) = (layout.is_first(), layout.is_last());
+        info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
+        let mut stage = Stage::new(&cfg.model, layout, segment_lengths.clone(), cfg.train.seed)?;
+        stage.set_memory_budget(cfg.train.memory_budget());
+        let data = if first || last {
+            Some(open_source(&cfg.data, cfg.model.vocab_size)?)
+        } else {
+            None
+        };
+        let schedule = ValidSchedule::new(generate(
+            cfg.pipeline.schedule,
+            cfg.pipeline.stages,
+            cfg.pipeline.microbatches,
+            cfg.pipeline.splits,
+        )?)?;
+        let t = &cfg.train;
+        let optimizer = AdamW::new(AdamWConfig {
+            beta1: t.beta1,
+            beta2: t.beta2,
+            eps: t.eps,
+        });
+        Ok(Self {
+            cfg,
+            stage,
+            optimizer,
+            data,
+            schedule,
+            segment_lengths,
+            prev: None,
+            next: None,
+            dump_grads,
+            checkpoints: None,
+            token: String::new(),
+            leaving: Arc::new(AtomicBool::new(false)),
+            peer_copier: None,
+            data_port: None,
+            record: StepRecord::default(),
+            replay_skip: Delivered::default(),
+        })
+    }
+
+    /// SIGTERM is a preemption notice: the worker keeps running and reports it with its next step,
+    /// so the node leaves at that step's boundary; if that takes longer than `elastic.grace_s`, the
+    /// process exits (and the node counts as lost).
+    fn watch_for_preemption(&self) -> Result<(), WorkerError> {
+        let io = io_error("installing the SIGTERM handler".into());
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&self.leaving))
+            .map_err(&io)?;
+        let (leaving, grace, stage) = (
+            Arc::clone(&self.leaving),
+            self.cfg.elastic.grace(),
+            self.index(),
+        );
+        std::thread::Builder::new()
+            .name("preemption-grace".into())
+            .spawn(move || {
+                while !leaving.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                warn!(
+                    stage,
+                    grace_s = grace.as_secs_f64(),
+                    "preemption notice: leaving at the next step boundary"
+                );
+                std::thread::sleep(grace);
+                warn!(stage, "grace period over before a step boundary; exiting");
+                std::process::exit(128 + signal_hook::consts::SIGTERM);
+            })
+            .map_err(&io)?;
+        Ok(())
+    }
+
+    fn index(&self) -> usize {
+        self.stage.layout().stage
+    }
+
+    /// The serve loop: one control message at a time, each handled to the end before the next.
+    fn serve(&mut self, control: &mut ControlStream) -> Result<(), WorkerError> {
+        let r = self.index();
+        let control_err = control_error("launcher");
+        loop {
+            let reply = match control.recv::<ToWorker>().map_err(&control_err)? {
+                ToWorker::RunStep { step, trace } => Some(self.step(step, trace, control)?),
+                // A neighbour was replaced after this stage had finished its part of the step.
+                ToWorker::Relink {
+                    generation,
+                    side,
+                    addr,
+                } => {
+                    self.relink(generation, side, addr)?;
+                    None
+                }
+                ToWorker::Apply {
+                    step,
+                    lr,
+                    clip_coefficient,
+                } => {
+                    self.apply(lr, clip_coefficient)?;
+                    control
+                        .send(&ToLauncher::Updated { stage: r, step })
+                        .map_err(&control_err)?;
+                    self.copy_to_peers(step);
+                    None
+                }
+                ToWorker::Eval { batches } => Some(ToLauncher::EvalDone {
+                    stage: r,
+                    loss_sum: self.run_eval(batches)?,
+                }),
+                ToWorker::Checkpoint { step } => {
+                    self.queue_checkpoint(step)?;
+                    None
+                }
+                ToWorker::Restore { step } => {
+                    Some(restore_reply(r, step, self.restore_checkpoint(step)))
+                }
+                ToWorker::RestorePeers { step, sources } => Some(restore_reply(
+                    r,
+                    step,
+                    self.restore_from_peers(step, &sources),
+                )),
+                ToWorker::InitFrom { dir } => Some(restore_reply(r, 0, self.init_from(&dir))),
+                ToWorker::Shutdown => return Ok(()),
+                other @ ToWorker::Topology { .. } => {
+                    return Err(WorkerError::Protocol(format!(
+                        "unexpected {other:?} while running"
+                    )));
+                }
+            };
+            if let Some(reply) = reply {
+                control.send(&reply).map_err(&control_err)?;
+            }
+        }
+    }
+
+    /// Runs forward and backward of `step` and returns the report of it: its gradients' sums of
+    /// squares, loss, costs, and whether this node is leaving.
+    fn step(
+        &mut self,
+        step: u64,
+        trace: bool,
+        control: &mut ControlStream,
+    ) -> Result<ToLauncher, WorkerError> {
+        if let Some(copier) = &self.peer_copier {
+            copier.wait_for(step.saturating_sub(2), self.cfg.pipeline.timeout());
+        }
+        let started = Instant::now();
+        let loss_sum = self.run_step(step, trace, control)?;
+        let sums_of_squares = self.stage.grad_sums_of_squares()?;
+        if let Some(dir) = &self.dump_grads {
+            self.dump_gradients(dir, step)?;
+        }
+        debug!(
+            step,
+            elapsed_s = started.elapsed().as_secs_f64(),
+            "step computed"
+        );
+        Ok(ToLauncher::StepDone {
+            stage: self.index(),
+            step,
+            sums_of_squares,
+            loss_sum,
+            leaving: self.leaving.load(Ordering::SeqCst),
+            cost: self.record.cost.clone(),
+        })
+    }
+
+    /// Clips with `clip_coefficient` and applies AdamW with learning rate `lr`.
+    fn apply(&mut self, lr: f64, clip_coefficient: f64) -> Result<(), WorkerError> {
+        let t = &self.cfg.train;
+        self.stage.apply_update(
+            &mut self.optimizer,
+            lr,
+            clip_coefficient,
+            t.weight_decay,
+            t.decay_embeddings,
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::ScheduleKind;
+
+    #[test]
+    fn an_invalid_schedule_is_a_permanent_failure() {
+        let mut s = generate(ScheduleKind::Seq1F1B, 2, 2, 2).unwrap();
+        s.actions[1].pop();
+        let e = ValidSchedule::new(s).unwrap_err();
+        assert!(matches!(e, WorkerError::InvalidSchedule(_)), "{e:?}");
+        assert_eq!(e.cause(), FailureCause::Permanent);
+        assert!(
+            e.to_string()
+                .starts_with("refusing to run an invalid schedule: stage 1")
+        );
+        match failure_report(1, &e) {
+            ToLauncher::Failed { cause, suspect, .. } => {
+                assert_eq!(cause, FailureCause::Permanent);
+                assert_eq!(suspect, None);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_is_reported_corrupt_and_other_failures_are_not() {
+        let damaged = WorkerError::Checkpoint(CheckpointError::InvalidManifest {
+            url: "file:///x".into(),
+            step: 4,
+            detail: "unreadable".into(),
+        });
+        match restore_reply(2, 4, Err(damaged)) {
+            ToLauncher::RestoreFailed { corrupt, step, .. } => assert!(corrupt && step == 4),
+            other => panic!("{other:?}"),
+        }
+        let other = WorkerError::Protocol("no checkpoint store".into());
+        match restore_reply(2, 4, Err(other)) {
+            ToLauncher::RestoreFailed { corrupt, .. } => assert!(!corrupt),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            restore_reply(2, 0, Ok(())),
+            ToLauncher::Restored { stage: 2, step: 0 }
+        ));
+    }
+}

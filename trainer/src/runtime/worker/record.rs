@@ -1,0 +1,121 @@
+//! What a worker did in the current training step: how far it got in its action list, the
+//! boundary tensors it sent (kept until the step's update, so a replacement of a neighbour can
+//! have them again) and what the step cost.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+
+use super::WorkerError;
+use crate::runtime::control::{StepCost, UnitTime};
+use crate::runtime::transport::Payload;
+use crate::schedule::{Action, Delivered, Unit};
+
+/// What a worker did in the current training step. A replacement also knows which of its outputs
+/// the neighbours already have.
+#[derive(Default)]
+pub(super) struct StepRecord {
+    pub(super) step: u64,
+    /// How many actions of the stage's list have completed (a send the stage was stopped on by a
+    /// broken link counts: its tensor is kept and goes out again on the rebuilt link).
+    pub(super) done_actions: usize,
+    /// The boundary tensors sent in the step.
+    retained: HashMap<(Payload, Unit), Tensor>,
+    /// Forward and backward units computed in the step.
+    pub(super) done_units: usize,
+    pub(super) cost: StepCost,
+    /// A replacement's first step: what the neighbours already have of its outputs.
+    pub(super) delivered: Delivered,
+    /// When tracing: the step's start on the monotonic clock and on the wall clock (Unix µs), so
+    /// units are placed on the wall clock without ever overlapping.
+    pub(super) trace_epoch: Option<(Instant, u64)>,
+}
+
+impl StepRecord {
+    /// The record of a new step; `delivered` is what a replacement's neighbours already have, and
+    /// `trace_epoch` is set when the step's units are traced.
+    pub(super) fn new(
+        step: u64,
+        delivered: Delivered,
+        trace_epoch: Option<(Instant, u64)>,
+    ) -> Self {
+        Self {
+            step,
+            delivered,
+            trace_epoch,
+            ..Self::default()
+        }
+    }
+
+    /// Keeps a boundary tensor sent in the step.
+    pub(super) fn retain(&mut self, payload: Payload, u: Unit, t: &Tensor) {
+        self.cost.retained_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        self.retained.insert((payload, u), t.clone());
+    }
+
+    /// A boundary tensor kept by [`StepRecord::retain`].
+    pub(super) fn retained(&self, payload: Payload, u: Unit) -> Result<&Tensor, WorkerError> {
+        self.retained.get(&(payload, u)).ok_or_else(|| {
+            WorkerError::Protocol(format!(
+                "no {payload:?} of unit {u} was kept in step {} to send again",
+                self.step
+            ))
+        })
+    }
+
+    /// Counts a forward or backward unit that started at `started` and just ended.
+    pub(super) fn computed(&mut self, action: Action, started: UnitStart, redone: bool) {
+        let elapsed = started.wall.elapsed();
+        let seconds = elapsed.as_secs_f64();
+        if let Some((epoch, epoch_us)) = self.trace_epoch {
+            self.cost.unit_times.push(UnitTime {
+                unit: action.unit(),
+                backward: matches!(action, Action::Backward(_)),
+                start_us: epoch_us
+                    + started.wall.saturating_duration_since(epoch).as_micros() as u64,
+                dur_us: elapsed.as_micros() as u64,
+                cpu_us: process_cpu_time().saturating_sub(started.cpu).as_micros() as u64,
+                redone,
+            });
+        }
+        self.done_units += 1;
+        self.cost.units += 1;
+        self.cost.compute_s += seconds;
+        if redone {
+            self.cost.redone_units += 1;
+            self.cost.redone_s += seconds;
+        }
+    }
+}
+
+/// When a unit started: on the monotonic clock and in the process's CPU time.
+#[derive(Clone, Copy)]
+pub(super) struct UnitStart {
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl UnitStart {
+    pub(super) fn now() -> Self {
+        Self {
+            wall: Instant::now(),
+            cpu: process_cpu_time(),
+        }
+    }
+}
+
+/// CPU time used by this process so far, all threads (`CLOCK_PROCESS_CPUTIME_ID`). A worker
+/// computes on one thread (plus its rayon pool), so across a unit it is the unit's compute time
+/// without the time the process waited for a core.
+fn process_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, exclusively borrowed timespec.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}

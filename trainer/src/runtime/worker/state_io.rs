@@ -1,0 +1,247 @@
+//! The stage's state in and out of the process: checkpoint shard uploads (on a background thread),
+//! peer-snapshot copies after every update, restores from a checkpoint, from peer snapshots or
+//! from a Hugging Face directory, and gradient dumps for tests.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use checkpoint::{CheckpointError, CheckpointStore};
+use tracing::info;
+
+use super::{Worker, WorkerError, io_error};
+use crate::checkpointing::hf;
+use crate::checkpointing::shard::{
+    from_tensor_data, names_to_restore, restore, snapshot, to_tensor_data,
+};
+use crate::checkpointing::state::TrainerState;
+use crate::config::Config;
+use crate::runtime::control::{ControlSender, ToLauncher};
+use crate::runtime::peer_snapshots;
+
+/// A snapshot waiting for the uploader.
+struct UploadJob {
+    step: u64,
+    tensors: Vec<(String, Tensor)>,
+    snapshot_s: f64,
+}
+
+/// The worker's checkpoint store and its background uploader.
+pub(super) struct Checkpoints {
+    store: CheckpointStore,
+    /// One runtime for all of the worker's store I/O (restores on the main thread, uploads on the
+    /// uploader thread): pooled HTTP connections belong to the runtime that opened them, and a
+    /// multi-threaded runtime keeps driving them between calls.
+    runtime: Arc<tokio::runtime::Runtime>,
+    uploads: std::sync::mpsc::Sender<UploadJob>,
+}
+
+impl Checkpoints {
+    /// Opens the store and starts the uploader thread, which reports each shard to the launcher.
+    pub(super) fn start(
+        cfg: &Config,
+        stage: usize,
+        control: ControlSender,
+    ) -> Result<Self, WorkerError> {
+        let store = CheckpointStore::open(
+            &cfg.checkpoint.resolved_url(&cfg.run.dir),
+            &cfg.checkpoint.store_options(),
+        )?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("checkpoint-io")
+            .enable_all()
+            .build()
+            .map_err(io_error("starting the checkpoint I/O runtime".into()))?;
+        let runtime = Arc::new(runtime);
+        let (uploads, jobs) = std::sync::mpsc::channel::<UploadJob>();
+        let uploader = Uploader {
+            store: store.clone(),
+            runtime: Arc::clone(&runtime),
+            shard_name: format!("stage-{stage}-of-{}", cfg.pipeline.stages),
+            stage,
+        };
+        std::thread::Builder::new()
+            .name("checkpoint-upload".into())
+            .spawn(move || {
+                for job in jobs {
+                    if control.send(&uploader.upload(job)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(io_error("starting the checkpoint uploader".into()))?;
+        Ok(Self {
+            store,
+            runtime,
+            uploads,
+        })
+    }
+}
+
+/// The uploader thread's end: writes one stage's shards.
+struct Uploader {
+    store: CheckpointStore,
+    runtime: Arc<tokio::runtime::Runtime>,
+    shard_name: String,
+    stage: usize,
+}
+
+impl Uploader {
+    /// Writes the shard of `job` and returns the report for the launcher.
+    fn upload(&self, job: UploadJob) -> ToLauncher {
+        let UploadJob {
+            step,
+            tensors,
+            snapshot_s,
+        } = job;
+        let stage = self.stage;
+        let started = Instant::now();
+        let result = tensors
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), to_tensor_data(t)?)))
+            .collect::<Result<Vec<_>, candle_core::Error>>()
+            .map_err(|e| e.to_string())
+            .and_then(|data| {
+                self.runtime
+                    .block_on(self.store.write_shard(step, &self.shard_name, data))
+                    .map_err(|e| e.to_string())
+            });
+        match result {
+            Ok(shard) => {
+                info!(
+                    step,
+                    bytes = shard.size,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "checkpoint shard uploaded"
+                );
+                ToLauncher::ShardWritten {
+                    stage,
+                    step,
+                    shard,
+                    snapshot_s,
+                }
+            }
+            Err(error) => ToLauncher::ShardFailed { stage, step, error },
+        }
+    }
+}
+
+impl Worker {
+    /// Snapshots the state after `step` and hands it to the uploader (the step's only stall).
+    pub(super) fn queue_checkpoint(&self, step: u64) -> Result<(), WorkerError> {
+        let started = Instant::now();
+        let tensors = snapshot(&self.stage, &self.optimizer);
+        let snapshot_s = started.elapsed().as_secs_f64();
+        let checkpoints = self
+            .checkpoints
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
+        checkpoints
+            .uploads
+            .send(UploadJob {
+                step,
+                tensors,
+                snapshot_s,
+            })
+            .map_err(|_| WorkerError::Protocol("the checkpoint uploader stopped".into()))
+    }
+
+    /// Copies the state after `step` to the agents' memory (when peer snapshots are on).
+    pub(super) fn copy_to_peers(&self, step: u64) {
+        if let Some(copier) = &self.peer_copier {
+            copier.copy(step, snapshot(&self.stage, &self.optimizer));
+        }
+    }
+
+    /// Loads this stage's tensors (by name, whatever the partition that wrote them) from the
+    /// committed checkpoint of `step`.
+    pub(super) fn restore_checkpoint(&mut self, step: u64) -> Result<(), WorkerError> {
+        let ckpt = self
+            .checkpoints
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("no checkpoint store".into()))?;
+        let manifest = ckpt.runtime.block_on(ckpt.store.read_manifest(step))?;
+        // A manifest whose trainer state does not parse is as damaged as one that does not.
+        let state: TrainerState = serde_json::from_value(manifest.state.clone()).map_err(|e| {
+            CheckpointError::InvalidManifest {
+                url: ckpt.store.url().to_string(),
+                step,
+                detail: format!(
+                    "its trainer state is unreadable ({e}); resume from another committed step"
+                ),
+            }
+        })?;
+        let names = names_to_restore(&self.stage, state.optimizer_step > 0);
+        let tensors = ckpt
+            .runtime
+            .block_on(ckpt.store.read_tensors(&manifest, &names))?;
+        let tensors = tensors
+            .iter()
+            .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+            .collect::<Result<Vec<_>, candle_core::Error>>()?;
+        restore(
+            &mut self.stage,
+            &mut self.optimizer,
+            tensors,
+            state.optimizer_step,
+        )?;
+        self.stage.reset_step();
+        info!(step, tensors = names.len(), "restored from checkpoint");
+        Ok(())
+    }
+
+    /// Loads this stage's tensors of the state after `step` from the agents' peer snapshots.
+    pub(super) fn restore_from_peers(
+        &mut self,
+        step: u64,
+        sources: &[String],
+    ) -> Result<(), WorkerError> {
+        let names = names_to_restore(&self.stage, step > 0);
+        let timeout = self.cfg.pipeline.timeout();
+        let tensors = peer_snapshots::fetch(sources, step, &names, &self.token, timeout)
+            .map_err(WorkerError::Protocol)?;
+        let tensors = tensors
+            .iter()
+            .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+            .collect::<Result<Vec<_>, candle_core::Error>>()?;
+        restore(&mut self.stage, &mut self.optimizer, tensors, step)?;
+        self.stage.reset_step();
+        info!(step, tensors = names.len(), "restored from peer snapshots");
+        Ok(())
+    }
+
+    /// Loads initial parameters from a Hugging Face GPT-2 directory (fresh optimizer).
+    pub(super) fn init_from(&mut self, dir: &Path) -> Result<(), WorkerError> {
+        let names = names_to_restore(&self.stage, false);
+        let tensors = hf::import(&self.cfg.model, dir, &names)?;
+        restore(&mut self.stage, &mut self.optimizer, tensors, 0)?;
+        info!(dir = %dir.display(), "initialized from a Hugging Face directory");
+        Ok(())
+    }
+
+    /// Writes the step's accumulated gradients to `dir` (before the update; tests compare them).
+    pub(super) fn dump_gradients(&self, dir: &Path, step: u64) -> Result<(), WorkerError> {
+        let io = io_error(format!("writing gradients to {}", dir.display()));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let grads: HashMap<String, Tensor> = self
+            .stage
+            .params()
+            .specs()
+            .iter()
+            .filter_map(|s| {
+                self.stage
+                    .grads()
+                    .get(&s.name)
+                    .map(|g| (s.name.clone(), g.clone()))
+            })
+            .collect();
+        candle_core::safetensors::save(
+            &grads,
+            dir.join(format!("step-{step}-stage-{}.safetensors", self.index())),
+        )?;
+        Ok(())
+    }
+}
