@@ -8,6 +8,7 @@ mod checkpoints;
 pub mod control;
 pub mod coordinator;
 pub mod driver;
+pub mod events;
 pub mod launcher;
 mod peer_input;
 pub mod peer_snapshots;
