@@ -12,11 +12,12 @@ use std::time::Duration;
 
 use common::{
     assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir,
-    listening_ports, losses, metrics, run_ok, seqpipe, wait_for_steps,
+    listening_ports, losses, run_events, run_ok, seqpipe, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
 use trainer::runtime::auth::{self, Purpose};
 use trainer::runtime::control::{FromAgent, ToAgent};
+use trainer::runtime::events::RunEvent;
 use trainer::runtime::wire::{Frame, Limits, read_frame, write_frame};
 
 const TOKEN: &str = "adversarial-test-token";
@@ -260,20 +261,24 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
         drop(silent);
         assert!(status.success(), "attempt {attempt}: {status}");
         assert_final_state(&run, STEPS, &reference);
-        let events = metrics(&run);
+        let events = run_events(&run);
         let blamed: std::collections::BTreeSet<String> = events
             .iter()
-            .filter(|e| e["event"] == "node_lost")
-            .map(|e| e["node"].to_string())
+            .filter_map(|e| match e {
+                RunEvent::NodeLost(l) => Some(l.node.to_string()),
+                _ => None,
+            })
             .collect();
         assert!(
             blamed.len() <= 1,
             "attempt {attempt}: healthy nodes blamed: {blamed:?}"
         );
-        let tiers: Vec<&serde_json::Value> = events
+        let tiers: Vec<&str> = events
             .iter()
-            .filter(|e| e["event"] == "recovered")
-            .map(|e| &e["tier"])
+            .filter_map(|e| match e {
+                RunEvent::Recovered(r) => Some(r.tier.as_str()),
+                _ => None,
+            })
             .collect();
         assert!(
             tiers.iter().all(|t| *t == "mid_step" || *t == "peer"),
@@ -413,9 +418,9 @@ fn fuzzing_every_port_changes_nothing() {
     );
     let (_, state) = final_state(&ckpt_url(&reference));
     assert_final_state(&run, STEPS, &state);
-    let events = metrics(&run);
+    let events = run_events(&run);
     assert!(
-        !events.iter().any(|e| e["event"] == "node_lost"),
+        !events.iter().any(|e| matches!(e, RunEvent::NodeLost(_))),
         "a node was declared lost under fuzzing: {events:?}"
     );
     eprintln!("{sent} hostile connections to {} ports", ports.len());

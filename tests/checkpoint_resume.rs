@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 use checkpoint::CheckpointStore;
 use checkpoint::testing::SeaweedFs;
 use common::{
-    ckpt_url, final_state, fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args,
+    ckpt_url, final_state, fresh_dir, losses, metrics, run_err, run_events, run_ok, seqpipe,
+    tiny_model_args,
 };
+use trainer::runtime::events::RunEvent;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -111,10 +113,12 @@ fn resume_is_bit_exact_even_onto_other_stage_counts() {
         "per-step losses differ after resharding"
     );
     assert_same_state(&ckpt_url(&straight), &ckpt_url(&reshard));
-    let resumed: Vec<u64> = metrics(&reshard)
+    let resumed: Vec<u64> = run_events(&reshard)
         .iter()
-        .filter(|m| m["event"] == "resumed")
-        .map(|m| m["step"].as_u64().unwrap())
+        .filter_map(|e| match e {
+            RunEvent::Resumed(r) => Some(r.step),
+            _ => None,
+        })
         .collect();
     assert_eq!(resumed, vec![4, 8]);
 }

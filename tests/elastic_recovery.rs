@@ -11,10 +11,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, metrics,
-    run_ok, seqpipe, wait_for_steps,
+    assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, records,
+    run_events, run_ok, seqpipe, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
+use trainer::runtime::events::{Record, Recovered, RunEvent};
 
 const STEPS: u64 = 24;
 
@@ -72,7 +73,7 @@ fn signal_mid_run(
     node: usize,
     victim: Victim,
     extra: &[&str],
-) -> Vec<serde_json::Value> {
+) -> Vec<RunEvent> {
     let dir = fresh_dir(name);
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
@@ -92,10 +93,7 @@ fn signal_mid_run(
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
     assert_final_state(&run, STEPS, &reference);
-    metrics(&run)
-        .into_iter()
-        .filter(|m| m.get("event").is_some())
-        .collect()
+    run_events(&run)
 }
 
 /// One trial: start the job, wait a random delay after its first step, SIGKILL `kills` random
@@ -107,7 +105,7 @@ fn trial(
     victim: Victim,
     extra: &[&str],
     reference: &BTreeMap<String, Vec<u8>>,
-) -> Vec<serde_json::Value> {
+) -> Vec<Record> {
     std::fs::create_dir_all(dir).unwrap();
     let log = std::fs::File::create(dir.join("launcher.log")).unwrap();
     let mut child = job(dir, extra).stderr(log).spawn().unwrap();
@@ -131,7 +129,7 @@ fn trial(
             dir.display()
         );
     }
-    metrics(dir)
+    records(dir)
 }
 
 /// One chaos trial's setup and its run's metrics (events and step records).
@@ -139,19 +137,21 @@ struct ChaosTrial {
     index: usize,
     kills: usize,
     victim: Victim,
-    events: Vec<serde_json::Value>,
+    events: Vec<Record>,
 }
 
 impl ChaosTrial {
     /// The first `recovered` event, if a node was lost (a kill may land after the last step).
-    fn recovered(&self) -> Option<&serde_json::Value> {
-        if !self.events.iter().any(|e| e["event"] == "node_lost") {
+    fn recovered(&self) -> Option<&Recovered> {
+        if !self.events().any(|e| matches!(e, RunEvent::NodeLost(_))) {
             return None;
         }
         Some(
-            self.events
-                .iter()
-                .find(|e| e["event"] == "recovered")
+            self.events()
+                .find_map(|e| match e {
+                    RunEvent::Recovered(r) => Some(r),
+                    _ => None,
+                })
                 .unwrap_or_else(|| {
                     panic!(
                         "trial {}: no recovered event in {:?}",
@@ -159,6 +159,11 @@ impl ChaosTrial {
                     )
                 }),
         )
+    }
+
+    /// The trial's events, in file order.
+    fn events(&self) -> impl Iterator<Item = &RunEvent> {
+        self.events.iter().filter_map(Record::as_event)
     }
 }
 
@@ -207,13 +212,14 @@ fn chaos(name: &str, extra: &[&str], default_trials: usize) -> Vec<ChaosTrial> {
         let Some(r) = t.recovered() else { continue };
         // A lost node shrinks the pipeline (at once, or at the end of a step repaired mid-step);
         // a node whose agent lives gets a fresh worker and keeps its place.
-        let stages: Vec<u64> = t
-            .events
-            .iter()
-            .filter(|e| e["event"] == "recovered")
-            .map(|e| e["stages_after"].as_u64().unwrap())
+        let stages: Vec<usize> = t
+            .events()
+            .filter_map(|e| match e {
+                RunEvent::Recovered(r) => Some(r.stages_after),
+                _ => None,
+            })
             .collect();
-        let before = r["stages_before"].as_u64().unwrap();
+        let before = r.stages_before;
         match t.victim {
             Victim::Node => assert!(
                 stages.iter().any(|&s| s < before),
@@ -237,21 +243,21 @@ fn assert_recovery_tiers(trials: &[ChaosTrial]) {
     let mut peer_recoveries = 0;
     for t in trials {
         let Some(r) = t.recovered() else { continue };
-        let lost_steps = r["lost_steps"].as_u64().unwrap();
+        let lost_steps = r.lost_steps;
         if t.kills == 1 || matches!(t.victim, Victim::Worker) {
             // Every node's state is in two agents' memory (its own and its buddy's), and the
             // copies lag training by at most one step: tier 1, only the interrupted step is
             // redone — or one more when the kill landed while the last step's copy was in flight.
             // A kill in the first step restarts from the seeded weights, also tier 1.
-            assert_eq!(r["tier"], "peer", "trial {}: {r}", t.index);
-            assert!(lost_steps <= 1, "trial {}: {r}", t.index);
+            assert_eq!(r.tier, "peer", "trial {}: {r:?}", t.index);
+            assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
             peer_recoveries += 1;
         } else {
             // A node and its buddy may both be gone: then the newest committed checkpoint.
             // Checkpoints every 2 steps with at most one in flight: the one before the newest
             // begun is committed, so at most 2·2 − 1 completed steps are redone.
-            assert!(r["tier"] == "peer" || r["tier"] == "checkpoint", "{r}");
-            assert!(lost_steps <= 3, "checkpoints every 2 steps: {r}");
+            assert!(r.tier == "peer" || r.tier == "checkpoint", "{r:?}");
+            assert!(lost_steps <= 3, "checkpoints every 2 steps: {r:?}");
         }
     }
     assert!(peer_recoveries > 0);
@@ -326,31 +332,32 @@ fn chaos_with_mid_step_recovery_bit_exact() {
         // A kill outside a step's forward and backward (update, evaluation, checkpoint) is
         // recovered from the peer snapshots instead.
         assert!(
-            r["tier"] == "mid_step" || r["tier"] == "peer",
-            "trial {}: {r}",
+            r.tier == "mid_step" || r.tier == "peer",
+            "trial {}: {r:?}",
             t.index
         );
         // (Peer snapshots: one more step when the kill landed during the last step's copy.)
-        let lost_steps = r["lost_steps"].as_u64().unwrap();
-        assert!(lost_steps <= 1, "trial {}: {r}", t.index);
-        if r["tier"] == "mid_step" {
-            assert_eq!(lost_steps, 0, "trial {}: {r}", t.index);
+        let lost_steps = r.lost_steps;
+        assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
+        if r.tier == "mid_step" {
+            assert_eq!(lost_steps, 0, "trial {}: {r:?}", t.index);
             mid_step += 1;
             // No survivor recomputed anything: the stages computed exactly one step's units
             // each (the replacement's replay included).
             let repaired = t
                 .events
                 .iter()
-                .find(|e| e["step"] == r["step"] && e.get("loss").is_some())
-                .unwrap_or_else(|| panic!("trial {}: no record of step {}", t.index, r["step"]));
+                .filter_map(Record::as_step)
+                .find(|s| s.step == r.step)
+                .unwrap_or_else(|| panic!("trial {}: no record of step {}", t.index, r.step));
             assert_eq!(
-                repaired["units"],
+                repaired.units,
                 4 * units_per_step,
-                "trial {}: {repaired}",
+                "trial {}: {repaired:?}",
                 t.index
             );
-            let redone = r["redone_units"].as_u64().unwrap();
-            assert!(redone <= units_per_step, "trial {}: {r}", t.index);
+            let redone = r.redone_units.unwrap();
+            assert!(redone <= units_per_step, "trial {}: {r:?}", t.index);
             // Killed in the middle of the step: some of the stage's units were done, not all.
             if redone > 0 && redone < units_per_step {
                 partial += 1;
@@ -401,20 +408,19 @@ fn too_few_nodes_is_a_clear_error_and_checkpoints_stay_usable() {
 fn preemption_notice_hands_over_at_the_step_boundary() {
     let events = signal_mid_run("preempt", "-TERM", 2, Victim::Node, &[]);
     assert!(
-        events.iter().any(|e| e["event"] == "node_left"),
+        events.iter().any(|e| matches!(e, RunEvent::NodeLeft(_))),
         "{events:?}"
     );
     let r = events
         .iter()
-        .find(|e| e["event"] == "recovered")
+        .find_map(|e| match e {
+            RunEvent::Recovered(r) => Some(r),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("{events:?}"));
-    assert_eq!(r["tier"], "handover", "{r}");
-    assert_eq!(r["lost_steps"], 0, "{r}");
-    assert_eq!(
-        (r["stages_before"].as_u64(), r["stages_after"].as_u64()),
-        (Some(4), Some(3)),
-        "{r}"
-    );
+    assert_eq!(r.tier, "handover", "{r:?}");
+    assert_eq!(r.lost_steps, 0, "{r:?}");
+    assert_eq!((r.stages_before, r.stages_after), (4, 3), "{r:?}");
 }
 
 /// A hung worker (alive, connections open, silent — here SIGSTOPped) is detected by its neighbours'
@@ -432,13 +438,13 @@ fn hung_worker_is_detected_by_timeouts_and_replaced() {
     );
     let lost = events
         .iter()
-        .find(|e| e["event"] == "node_lost")
+        .find_map(|e| match e {
+            RunEvent::NodeLost(l) => Some(l),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("{events:?}"));
-    assert_eq!(lost["node"], "local-001", "{lost}");
-    assert!(
-        lost["reason"].as_str().unwrap().contains("no message"),
-        "{lost}"
-    );
+    assert_eq!(lost.node.as_str(), "local-001", "{lost:?}");
+    assert!(lost.reason.contains("no message"), "{lost:?}");
     // Detected within a few timeouts, not hung forever.
     assert!(started.elapsed() < Duration::from_secs(60));
 }
@@ -491,7 +497,10 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
     assert!(stderr.contains("SEQPIPE_JOB_TOKEN"), "{stderr}");
     // A fresh node joins once the pipeline has shrunk (its new plan is in the metrics).
     let started = Instant::now();
-    while !metrics(&run).iter().any(|e| e["event"] == "plan") {
+    while !run_events(&run)
+        .iter()
+        .any(|e| matches!(e, RunEvent::Plan(_)))
+    {
         assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -509,16 +518,21 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
         "the joined agent exits with the run"
     );
     assert_final_state(&run, STEPS, &reference);
-    let events = metrics(&run);
+    let events = run_events(&run);
     let joined = events
         .iter()
-        .find(|e| e["event"] == "node_joined")
+        .find_map(|e| match e {
+            RunEvent::NodeJoined(j) => Some(j),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("no node_joined event: {events:?}"));
-    assert_eq!(joined["node"], "spare-1", "{joined}");
-    let stages: Vec<u64> = events
+    assert_eq!(joined.node.as_str(), "spare-1", "{joined:?}");
+    let stages: Vec<usize> = events
         .iter()
-        .filter(|e| e["event"] == "plan")
-        .map(|e| e["stages"].as_u64().unwrap())
+        .filter_map(|e| match e {
+            RunEvent::Plan(p) => Some(p.stages),
+            _ => None,
+        })
         .collect();
     assert_eq!(stages, [3, 4], "{events:?}");
 }

@@ -10,10 +10,11 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir, metrics,
-    run_ok, seqpipe,
+    assert_final_state, children_of, ckpt_url, elastic_job_sets, final_state, fresh_dir,
+    run_events, run_ok, seqpipe,
 };
 use elastic::etcd::testing::EtcdServer;
+use trainer::runtime::events::RunEvent;
 
 const STEPS: u64 = 24;
 
@@ -143,19 +144,21 @@ fn losing_the_coordinators_node_is_survivable_with_etcd() {
         );
     }
     assert_final_state(&run, STEPS, &reference);
-    let events = metrics(&run);
+    let events = run_events(&run);
     let takeover = events
         .iter()
-        .find(|e| e["event"] == "coordinator_takeover")
+        .find_map(|e| match e {
+            RunEvent::CoordinatorTakeover(t) => Some(t),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("no coordinator_takeover event: {events:?}"));
-    assert!(
-        takeover["after_generation"].as_u64().unwrap() >= 1,
-        "{takeover}"
-    );
-    let plans: Vec<u64> = events
+    assert!(takeover.after_generation >= 1, "{takeover:?}");
+    let plans: Vec<usize> = events
         .iter()
-        .filter(|e| e["event"] == "plan")
-        .map(|e| e["stages"].as_u64().unwrap())
+        .filter_map(|e| match e {
+            RunEvent::Plan(p) => Some(p.stages),
+            _ => None,
+        })
         .collect();
     assert_eq!(plans.last(), Some(&2), "{events:?}");
 }

@@ -19,6 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{ckpt_url, elastic_job_sets, final_state, fresh_dir, seqpipe};
+use trainer::runtime::events::{self, Record, RunEvent};
 
 /// Long enough that, after the cut and the recovery, the run goes on for several seconds: the
 /// cut-off agent's queued messages arrive (TCP retransmits them with back-off once the link is
@@ -273,19 +274,15 @@ fn log_text(path: &Path) -> String {
 }
 
 /// The records of `metrics.jsonl` so far; lines being rewritten are skipped.
-fn records(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+fn records(run_dir: &Path) -> Vec<Record> {
+    events::parse_records(
+        &std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap_or_default(),
+    )
 }
 
-fn events(run_dir: &Path) -> Vec<serde_json::Value> {
-    records(run_dir)
-        .into_iter()
-        .filter(|r| r.get("event").is_some())
-        .collect()
+/// The events of `metrics.jsonl` so far.
+fn run_events(run_dir: &Path) -> Vec<RunEvent> {
+    events::events(&records(run_dir)).cloned().collect()
 }
 
 /// What the test saw, for failure messages: the coordinator's and agents' logs, the events.
@@ -310,7 +307,7 @@ impl Logs {
         for (node, log) in NODES.iter().zip(&self.agents) {
             s += &format!("agent {node} log ({}):\n{}\n", log.display(), tail(log));
         }
-        s += &format!("events: {:#?}", events(&self.run));
+        s += &format!("events: {:#?}", run_events(&self.run));
         s
     }
 }
@@ -413,12 +410,7 @@ fn partitioned_node_is_fenced_and_its_stale_messages_are_refused() {
     }
 
     // A few steps on all three nodes, then cut the middle one off.
-    let steps_done = |run: &Path| {
-        records(run)
-            .iter()
-            .filter(|r| r.get("loss").is_some())
-            .count()
-    };
+    let steps_done = |run: &Path| events::steps(&records(run)).count();
     wait_until(
         "the first 4 steps",
         Duration::from_secs(30),
@@ -447,10 +439,10 @@ fn partitioned_node_is_fenced_and_its_stale_messages_are_refused() {
         &mut procs.0[coordinator].1,
         &logs,
         || {
-            let ev = events(&run);
+            let ev = run_events(&run);
             ev.iter()
-                .any(|e| e["event"] == "node_lost" && e["node"] == cut)
-                && ev.iter().any(|e| e["event"] == "recovered")
+                .any(|e| matches!(e, RunEvent::NodeLost(l) if l.node.as_str() == cut))
+                && ev.iter().any(|e| matches!(e, RunEvent::Recovered(_)))
         },
     );
     let recovered_after = cut_at.elapsed();
@@ -503,44 +495,45 @@ fn partitioned_node_is_fenced_and_its_stale_messages_are_refused() {
 
     // The cut node was lost for missing heartbeats (or, if a neighbour's timeout came first, for
     // being silent), and the next plan runs on the two others.
-    let ev = events(&run);
-    let lost_at = ev
+    let ev = run_events(&run);
+    let (lost_at, lost) = ev
         .iter()
-        .position(|e| e["event"] == "node_lost")
+        .enumerate()
+        .find_map(|(i, e)| match e {
+            RunEvent::NodeLost(l) => Some((i, l)),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("no node_lost event\n{}", logs.dump()));
-    let lost = &ev[lost_at];
-    assert_eq!(lost["node"], cut, "{lost}");
-    let reason = lost["reason"].as_str().unwrap_or_default();
+    assert_eq!(lost.node.as_str(), cut, "{lost:?}");
+    let reason = &lost.reason;
     assert!(
         reason.contains("missed heartbeats")
             || reason.contains("no message")
             || reason.contains("timed out"),
-        "the cut node should be lost for silence: {lost}"
+        "the cut node should be lost for silence: {lost:?}"
     );
     let plan = ev[lost_at..]
         .iter()
-        .find(|e| e["event"] == "plan")
+        .find_map(|e| match e {
+            RunEvent::Plan(p) => Some(p),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("no plan after node_lost: {ev:#?}"));
-    let plan_nodes: Vec<&str> = plan["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_str().unwrap())
-        .collect();
-    assert_eq!(plan_nodes, ["node-a", "node-c"], "{plan}");
-    assert_eq!(plan["stages"], 2, "{plan}");
-    assert!(plan["generation"].as_u64().unwrap() >= 2, "{plan}");
+    let plan_nodes: Vec<&str> = plan.nodes.iter().map(|n| n.as_str()).collect();
+    assert_eq!(plan_nodes, ["node-a", "node-c"], "{plan:?}");
+    assert_eq!(plan.stages, 2, "{plan:?}");
+    assert!(plan.generation >= 2, "{plan:?}");
     let recovered = ev[lost_at..]
         .iter()
-        .find(|e| e["event"] == "recovered")
+        .find_map(|e| match e {
+            RunEvent::Recovered(r) => Some(r),
+            _ => None,
+        })
         .unwrap_or_else(|| panic!("no recovered event after node_lost: {ev:#?}"));
     assert_eq!(
-        (
-            recovered["stages_before"].as_u64(),
-            recovered["stages_after"].as_u64()
-        ),
-        (Some(3), Some(2)),
-        "{recovered}"
+        (recovered.stages_before, recovered.stages_after),
+        (3, 2),
+        "{recovered:?}"
     );
 
     // The coordinator declared it dead (fenced it) and refused what its old connection sent.
@@ -574,17 +567,17 @@ fn partitioned_node_is_fenced_and_its_stale_messages_are_refused() {
     // Whether the healed node came back (a later plan may admit it again): reported, not required.
     let rejoined = ev
         .iter()
-        .filter(|e| e["event"] == "node_joined" || e["event"] == "plan")
-        .map(|e| e.to_string())
+        .filter(|e| matches!(e, RunEvent::NodeJoined(_) | RunEvent::Plan(_)))
+        .map(|e| serde_json::to_string(e).unwrap())
         .collect::<Vec<_>>();
     let counts: BTreeMap<&str, usize> = ev.iter().fold(BTreeMap::new(), |mut m, e| {
-        *m.entry(e["event"].as_str().unwrap_or("?")).or_default() += 1;
+        *m.entry(e.kind()).or_default() += 1;
         m
     });
     eprintln!(
         "partition: recovered {recovered_after:.1?} after the cut; {} stale message(s) refused \
-         {refused_after:.1?} after the link came back: {stale:?}\nlost: {lost}\nrecovered: \
-         {recovered}\nplans and joins: {rejoined:?}\nevent counts {counts:?}; test took {:.1?}",
+         {refused_after:.1?} after the link came back: {stale:?}\nlost: {lost:?}\nrecovered: \
+         {recovered:?}\nplans and joins: {rejoined:?}\nevent counts {counts:?}; test took {:.1?}",
         stale.len(),
         started.elapsed()
     );

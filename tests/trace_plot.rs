@@ -5,8 +5,9 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap};
 
-use common::{fresh_dir, metrics, run_err, run_ok, seqpipe, tiny_model_args};
+use common::{fresh_dir, records, run_err, run_ok, seqpipe, tiny_model_args};
 use serde_json::Value;
+use trainer::runtime::events::{PlanAdopted, RunEvent};
 
 const STAGES: usize = 2;
 const MICROBATCHES: usize = 3;
@@ -163,9 +164,9 @@ fn traced_run_has_every_unit_once_per_step_and_plots() {
         svg.contains(&run_dir.display().to_string()),
         "title names the run"
     );
-    let steps = metrics(&run_dir)
+    let steps = records(&run_dir)
         .iter()
-        .filter(|m| m.get("event").is_none() && m.get("loss").is_some())
+        .filter(|r| r.as_step().is_some())
         .count();
     assert_eq!(steps, STEPS);
     for class in ["loss", "tokens_per_s"] {
@@ -203,7 +204,18 @@ fn plot_fails_clearly_on_a_missing_or_empty_metrics_file() {
     assert!(!dir.join("x.svg").exists());
 
     let events_only = dir.join("metrics.jsonl");
-    std::fs::write(&events_only, "{\"event\":\"plan\",\"generation\":0}\n").unwrap();
+    let plan = RunEvent::Plan(PlanAdopted {
+        generation: 0,
+        stages: 1,
+        nodes: vec!["local-001".into()],
+        resume_from: None,
+        tier: None,
+    });
+    std::fs::write(
+        &events_only,
+        format!("{}\n", serde_json::to_string(&plan).unwrap()),
+    )
+    .unwrap();
     let err = run_err(
         seqpipe()
             .arg("plot")

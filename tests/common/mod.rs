@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use trainer::runtime::events::{Record, RunEvent};
+
 /// A `seqpipe` command with one compute thread per process and quiet logs.
 pub fn seqpipe() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_seqpipe"));
@@ -68,6 +70,29 @@ pub fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
     text.lines()
         .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
+}
+
+/// The lines of `metrics.jsonl`, typed; every line must be a step record or an event of
+/// [`RunEvent`]'s vocabulary (the runtime writes nothing else).
+pub fn records(run_dir: &Path) -> Vec<Record> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .map(|l| match Record::parse(l).expect("valid JSON line") {
+            Record::Other(v) => panic!("neither a step record nor a known event: {v}"),
+            r => r,
+        })
+        .collect()
+}
+
+/// The events of `metrics.jsonl`, in file order.
+pub fn run_events(run_dir: &Path) -> Vec<RunEvent> {
+    records(run_dir)
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Event(e) => Some(e),
+            _ => None,
+        })
         .collect()
 }
 

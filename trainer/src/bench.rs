@@ -17,8 +17,10 @@ use ops::adamw::{AdamW, AdamWConfig, Moments};
 
 use crate::checkpointing::shard::{snapshot, to_tensor_data};
 use crate::config::Config;
+use crate::metrics::StepMetrics;
 use crate::model::{ModelConfig, Stage, partition_layers};
 use crate::runtime::driver::{LaunchOptions, run_training};
+use crate::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
 
 /// The model whose state (parameters + AdamW moments) the I/O benchmark writes: ~13.4M parameters,
 /// ~160 MB of state.
@@ -167,19 +169,16 @@ fn measure_run(cfg: &Config) -> Result<(f64, f64)> {
             ..LaunchOptions::default()
         },
     )?;
-    let text = std::fs::read_to_string(cfg.run.dir.join("metrics.jsonl"))?;
-    let records: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let times: Vec<f64> = records
-        .iter()
-        .filter_map(|v| v.get("step_time_s").and_then(|t| t.as_f64()))
+    let records = events::read_records(&cfg.run.dir.join("metrics.jsonl"))?;
+    let times: Vec<f64> = events::steps(&records)
+        .map(|s| s.step_time_s)
         .skip(1)
         .collect();
-    let snapshot = records
-        .iter()
-        .filter_map(|v| v.get("snapshot_s").and_then(|t| t.as_f64()))
+    let snapshot = events::events(&records)
+        .filter_map(|e| match e {
+            RunEvent::Checkpoint(CheckpointCommitted { snapshot_s, .. }) => Some(*snapshot_s),
+            _ => None,
+        })
         .fold(0.0, f64::max);
     Ok((
         times.iter().sum::<f64>() / times.len().max(1) as f64,
@@ -379,43 +378,45 @@ fn recovery_trial(
     sigkill(*pid);
     let status = child.wait()?;
     anyhow::ensure!(status.success(), "the run did not recover ({status})");
-    let events: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)?
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let steps: Vec<&serde_json::Value> =
-        events.iter().filter(|e| e.get("loss").is_some()).collect();
-    let median_of = |key: &str| {
-        let mut v: Vec<f64> = steps.iter().filter_map(|e| e[key].as_f64()).collect();
+    let records = events::read_records(&metrics)?;
+    let median_of = |key: fn(&StepMetrics) -> f64| {
+        let mut v: Vec<f64> = events::steps(&records).map(key).collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
-    let (step_compute_s, step_time_s) = (median_of("compute_s"), median_of("step_time_s"));
+    let (step_compute_s, step_time_s) = (median_of(|s| s.compute_s), median_of(|s| s.step_time_s));
     // The share of the interrupted step done when the kill landed.
     let done_share = (delay_ms as f64 / 1000.0 / step_time_s.max(1e-9)).min(1.0);
     let step_start_redone_s = done_share * step_compute_s;
-    let lost = events
-        .iter()
-        .find(|e| e["event"] == "node_lost")
+    let detected_at_unix_s = events::events(&records)
+        .find_map(|e| match e {
+            RunEvent::NodeLost(NodeLost {
+                detected_at_unix_s, ..
+            }) => Some(*detected_at_unix_s),
+            _ => None,
+        })
         .context("no node_lost event")?;
-    let recovered = events
-        .iter()
-        .find(|e| e["event"] == "recovered")
+    let recovered = events::events(&records)
+        .find(|e| matches!(e, RunEvent::Recovered(_)))
         .context("no recovered event")?;
-    let number = |v: &serde_json::Value, k: &str| {
-        v[k].as_f64()
-            .with_context(|| format!("event without {k}: {v}"))
+    let RunEvent::Recovered(Recovered {
+        lost_steps,
+        tier,
+        redone_s,
+        at_unix_s,
+        ..
+    }) = recovered.clone()
+    else {
+        unreachable!("found a recovered event")
     };
-    let lost_steps = recovered["lost_steps"].as_u64().unwrap_or_default();
-    let tier = recovered["tier"].as_str().unwrap_or_default().to_string();
     let redone_s = if tier == "mid_step" {
-        number(recovered, "redone_s")?
+        redone_s.with_context(|| format!("event without redone_s: {recovered:?}"))?
     } else {
         lost_steps as f64 * step_compute_s + step_start_redone_s
     };
     Ok(RecoveryTrial {
-        detection_s: number(lost, "detected_at_unix_s")? - killed_at,
-        recovery_s: number(recovered, "at_unix_s")? - killed_at,
+        detection_s: detected_at_unix_s - killed_at,
+        recovery_s: at_unix_s - killed_at,
         lost_steps,
         tier,
         redone_s,

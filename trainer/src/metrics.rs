@@ -4,14 +4,16 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// One training step's numbers.
-#[derive(Clone, Debug, Serialize)]
+/// One training step's numbers. Read back with [`crate::runtime::events::Record`]; the fields
+/// added after the first version default to zero in older files.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     /// Completed optimizer steps (1-based).
     pub step: u64,
     /// Bytes of boundary tensors the stages kept during the step for mid-step recovery.
+    #[serde(default)]
     pub retained_bytes: u64,
     /// Per stage: the most bytes of live activations it held during the step.
     #[serde(default)]
@@ -21,10 +23,13 @@ pub struct StepMetrics {
     #[serde(default)]
     pub state_bytes: Vec<u64>,
     /// Forward and backward units the stages computed (a replacement's replay included).
+    #[serde(default)]
     pub units: usize,
     /// Seconds the stages spent computing them, summed.
+    #[serde(default)]
     pub compute_s: f64,
     /// When the step ended (Unix seconds).
+    #[serde(default)]
     pub end_unix_s: f64,
     /// Mean token loss of the step's global batch.
     pub loss: f64,

@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
 use thiserror::Error;
+
+use crate::runtime::events::{Record, RunEvent};
 
 /// Why a metrics file could not be plotted.
 #[derive(Debug, Error)]
@@ -27,7 +28,7 @@ pub enum PlotError {
     },
     /// No line is a step record.
     #[error(
-        "{path} has no step records (lines with a `step` and a `loss`): is it a seqpipe metrics.jsonl?"
+        "{path} has no step records (lines with a step's numbers): is it a seqpipe metrics.jsonl?"
     )]
     NoSteps { path: PathBuf },
 }
@@ -48,8 +49,8 @@ pub struct StepPoint {
 /// An event line, placed at a step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EventMark {
-    /// Where it is drawn: its `step` (or `failed_step`), else the step of the last step record
-    /// before it in the file.
+    /// Where it is drawn: its step (a lost node's `failed_step`), else the step of the last step
+    /// record before it in the file.
     pub step: u64,
     /// The `event` field, e.g. `node_lost`.
     pub name: String,
@@ -63,9 +64,6 @@ pub struct RunMetrics {
     /// Events, except routine checkpoint reports (`checkpoint`, `checkpoint_wait`).
     pub events: Vec<EventMark>,
 }
-
-/// Events too routine to draw.
-const ROUTINE_EVENTS: [&str; 2] = ["checkpoint", "checkpoint_wait"];
 
 /// Reads a `metrics.jsonl`; fails when it has no step record.
 pub fn read_metrics(path: &Path) -> Result<RunMetrics, PlotError> {
@@ -85,31 +83,37 @@ pub fn read_metrics(path: &Path) -> Result<RunMetrics, PlotError> {
             line: i + 1,
             detail,
         };
-        let v: Value = serde_json::from_str(line).map_err(|e| parse_error(e.to_string()))?;
-        if !v.is_object() {
-            return Err(parse_error(format!("found {v}")));
-        }
-        let step = v.get("step").and_then(Value::as_u64);
-        if let Some(name) = v.get("event").and_then(Value::as_str) {
-            if !ROUTINE_EVENTS.contains(&name) {
-                let at = step.or_else(|| v.get("failed_step").and_then(Value::as_u64));
-                events.push(EventMark {
-                    step: at.unwrap_or(last_step),
-                    name: name.to_string(),
-                });
+        match Record::parse(line).map_err(|e| parse_error(e.to_string()))? {
+            Record::Step(s) => {
+                steps.insert(
+                    s.step,
+                    StepPoint {
+                        step: s.step,
+                        loss: s.loss,
+                        val_loss: s.val_loss,
+                        tokens_per_s: Some(s.tokens_per_s),
+                    },
+                );
+                last_step = s.step;
             }
-        } else if let (Some(step), Some(loss)) = (step, v.get("loss").and_then(Value::as_f64)) {
-            let number = |key| v.get(key).and_then(Value::as_f64);
-            steps.insert(
-                step,
-                StepPoint {
-                    step,
-                    loss,
-                    val_loss: number("val_loss"),
-                    tokens_per_s: number("tokens_per_s"),
-                },
-            );
-            last_step = step;
+            Record::Event(e) => {
+                // Checkpoint reports are too routine to draw.
+                if !matches!(e, RunEvent::Checkpoint(_) | RunEvent::CheckpointWait(_)) {
+                    events.push(EventMark {
+                        step: e.step().unwrap_or(last_step),
+                        name: e.kind().to_string(),
+                    });
+                }
+            }
+            // An event kind this version does not know is still drawn, after the last step.
+            other => {
+                if let Some(name) = other.event_name() {
+                    events.push(EventMark {
+                        step: last_step,
+                        name: name.to_string(),
+                    });
+                }
+            }
         }
     }
     if steps.is_empty() {
@@ -384,7 +388,10 @@ fn axes(out: &mut String, top: f64, name: &str, ys: &Scale, xs: &Scale) {
 
 #[cfg(test)]
 mod tests {
+    use elastic::NodeId;
+
     use super::*;
+    use crate::runtime::events::{CheckpointCommitted, NodeLost, PlanAdopted, Recovered};
 
     fn point(step: u64, loss: f64, val_loss: Option<f64>) -> StepPoint {
         StepPoint {
@@ -395,6 +402,40 @@ mod tests {
         }
     }
 
+    fn event(e: RunEvent) -> String {
+        serde_json::to_string(&e).unwrap()
+    }
+
+    fn plan(generation: u64, nodes: &[&str]) -> RunEvent {
+        RunEvent::Plan(PlanAdopted {
+            generation,
+            stages: nodes.len(),
+            nodes: nodes.iter().map(|&n| NodeId::new(n)).collect(),
+            resume_from: None,
+            tier: None,
+        })
+    }
+
+    fn step(step: u64, loss: f64, tokens_per_s: f64, val_loss: Option<f64>) -> String {
+        serde_json::to_string(&crate::metrics::StepMetrics {
+            step,
+            retained_bytes: 0,
+            peak_activation_bytes: vec![],
+            state_bytes: vec![],
+            units: 4,
+            compute_s: 0.1,
+            end_unix_s: step as f64,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 64,
+            step_time_s: 0.2,
+            tokens_per_s,
+            val_loss,
+        })
+        .unwrap()
+    }
+
     #[test]
     fn reads_steps_and_places_events() {
         let dir = std::env::temp_dir().join(format!("seqpipe-plot-{}", std::process::id()));
@@ -403,15 +444,42 @@ mod tests {
         std::fs::write(
             &path,
             [
-                r#"{"event":"plan","generation":0,"stages":2}"#,
-                r#"{"step":1,"loss":4.0,"tokens_per_s":10.0}"#,
-                r#"{"event":"checkpoint","step":1}"#,
-                r#"{"step":2,"loss":3.0,"tokens_per_s":12.0,"val_loss":3.5}"#,
-                r#"{"event":"node_lost","failed_step":3}"#,
-                r#"{"event":"plan","generation":1,"stages":1}"#,
-                r#"{"step":3,"loss":2.5,"tokens_per_s":9.0}"#,
-                r#"{"event":"recovered","step":3}"#,
-                "",
+                event(plan(0, &["a", "b"])),
+                step(1, 4.0, 10.0, None),
+                event(RunEvent::Checkpoint(CheckpointCommitted {
+                    step: 1,
+                    bytes: 10,
+                    upload_s: 0.5,
+                    snapshot_s: 0.25,
+                })),
+                step(2, 3.0, 12.0, Some(3.5)),
+                event(RunEvent::NodeLost(NodeLost {
+                    node: NodeId::new("b"),
+                    failed_step: 3,
+                    reason: "gone".into(),
+                    detected_at_unix_s: 5.0,
+                    agent_alive: false,
+                    stage: None,
+                    mid_step: None,
+                })),
+                event(plan(1, &["a"])),
+                step(3, 2.5, 9.0, None),
+                event(RunEvent::Recovered(Recovered {
+                    step: 3,
+                    recovery_s: 1.0,
+                    lost_steps: 0,
+                    tier: "checkpoint".into(),
+                    stages_before: 2,
+                    stages_after: 1,
+                    at_unix_s: 6.0,
+                    stage: None,
+                    node: None,
+                    host: None,
+                    redone_units: None,
+                    redone_s: None,
+                })),
+                r#"{"event":"solar_flare","step":3}"#.into(),
+                String::new(),
             ]
             .join("\n"),
         )
@@ -422,7 +490,13 @@ mod tests {
         let events: Vec<(u64, &str)> = m.events.iter().map(|e| (e.step, &*e.name)).collect();
         assert_eq!(
             events,
-            [(0, "plan"), (3, "node_lost"), (2, "plan"), (3, "recovered")]
+            [
+                (0, "plan"),
+                (3, "node_lost"),
+                (2, "plan"),
+                (3, "recovered"),
+                (3, "solar_flare")
+            ]
         );
         std::fs::write(&path, "{\"event\":\"plan\"}\n").unwrap();
         assert!(matches!(

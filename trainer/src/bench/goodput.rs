@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use super::{children_of, is_alive, sigkill};
 use crate::config::Config;
+use crate::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
 
 /// Flags of `seqpipe bench goodput`.
 #[derive(Args, Debug)]
@@ -182,23 +183,23 @@ pub struct RecoverySummary {
 /// that are not are skipped).
 pub fn summarize(lines: &str) -> RecoverySummary {
     let mut s = RecoverySummary::default();
-    for event in lines
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-    {
-        if event.get("loss").is_some() {
-            s.step_records += 1;
-        }
-        match event["event"].as_str() {
-            Some("recovered") => {
-                let tier = event["tier"].as_str().unwrap_or("unknown").to_string();
+    for record in parse_records(lines) {
+        match record {
+            Record::Step(_) => s.step_records += 1,
+            Record::Event(RunEvent::Recovered(Recovered {
+                tier,
+                lost_steps,
+                redone_units,
+                recovery_s,
+                ..
+            })) => {
                 *s.recoveries.entry(tier).or_default() += 1;
-                s.lost_steps += event["lost_steps"].as_u64().unwrap_or(0);
-                s.redone_units += event["redone_units"].as_u64().unwrap_or(0);
-                s.recovery_s += event["recovery_s"].as_f64().unwrap_or(0.0);
+                s.lost_steps += lost_steps;
+                s.redone_units += redone_units.unwrap_or(0) as u64;
+                s.recovery_s += recovery_s;
             }
-            Some("node_lost") => s.nodes_lost += 1,
-            Some("node_joined") => s.nodes_joined += 1,
+            Record::Event(RunEvent::NodeLost(_)) => s.nodes_lost += 1,
+            Record::Event(RunEvent::NodeJoined(_)) => s.nodes_joined += 1,
             _ => {}
         }
     }
@@ -212,11 +213,8 @@ pub fn ettr(undisturbed_s: f64, disturbed_s: f64) -> f64 {
 
 /// The mean of the `step_time_s` of a run's step records (the undisturbed seconds per step).
 fn mean_step_s(lines: &str) -> Option<f64> {
-    let times: Vec<f64> = lines
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v.get("step_time_s").and_then(|t| t.as_f64()))
-        .collect();
+    let records = parse_records(lines);
+    let times: Vec<f64> = steps(&records).map(|s| s.step_time_s).collect();
     (!times.is_empty()).then(|| times.iter().sum::<f64>() / times.len() as f64)
 }
 
@@ -745,15 +743,16 @@ mod tests {
     #[test]
     fn summary_counts_recoveries_by_tier() {
         let lines = [
-            r#"{"event":"plan","stages":4}"#,
-            r#"{"step":1,"loss":4.0,"step_time_s":0.5}"#,
-            r#"{"event":"node_lost","node":"local-002"}"#,
-            r#"{"event":"recovered","tier":"peer","lost_steps":1,"recovery_s":0.75}"#,
+            r#"{"event":"plan","generation":1,"nodes":["local-001","local-002","local-003","local-004"],"stages":4}"#,
+            r#"{"step":1,"retained_bytes":0,"units":8,"compute_s":0.4,"end_unix_s":10.0,"loss":4.0,"lr":0.001,"grad_norm":1.0,"tokens":64,"step_time_s":0.5,"tokens_per_s":128.0}"#,
+            r#"{"agent_alive":false,"detected_at_unix_s":11.0,"event":"node_lost","failed_step":2,"node":"local-002","reason":"its agent's connection closed"}"#,
+            r#"{"at_unix_s":12.0,"event":"recovered","lost_steps":1,"recovery_s":0.75,"stages_after":3,"stages_before":4,"step":2,"tier":"peer"}"#,
             "not json",
-            r#"{"event":"recovered","tier":"mid_step","lost_steps":0,"redone_units":7,"recovery_s":0.25}"#,
-            r#"{"event":"node_joined","node":"spare-1"}"#,
-            r#"{"event":"recovered","tier":"peer","lost_steps":0,"recovery_s":0.5}"#,
-            r#"{"step":2,"loss":3.0,"step_time_s":0.25}"#,
+            r#"{"at_unix_s":13.0,"event":"recovered","host":"local-001","lost_steps":0,"node":"local-003","recovery_s":0.25,"redone_s":0.1,"redone_units":7,"stage":2,"stages_after":3,"stages_before":3,"step":2,"tier":"mid_step"}"#,
+            r#"{"event":"node_joined","node":"spare-1","step":2}"#,
+            r#"{"at_unix_s":14.0,"event":"recovered","lost_steps":0,"recovery_s":0.5,"stages_after":4,"stages_before":3,"step":3,"tier":"peer"}"#,
+            r#"{"event":"solar_flare","step":3}"#,
+            r#"{"step":2,"retained_bytes":0,"units":8,"compute_s":0.2,"end_unix_s":15.0,"loss":3.0,"lr":0.001,"grad_norm":1.0,"tokens":64,"step_time_s":0.25,"tokens_per_s":256.0}"#,
         ]
         .join("\n");
         let s = summarize(&lines);

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use checkpoint::{CheckpointStore, Manifest, ShardEntry};
-use serde_json::json;
 use tracing::{info, warn};
 
 use super::control::{ToLauncher, ToWorker};
 use super::error::LaunchError;
+use super::events::{CheckpointCommitted, CheckpointFailed, CheckpointWait, RunEvent};
 use super::launcher::Pipeline;
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
@@ -83,7 +83,10 @@ impl CheckpointWriter {
                 "checkpoint of step {prev_step} is still uploading; training waits for it before starting the next one"
             );
             self.finish(pipeline, metrics, Duration::from_secs(3600))?;
-            let _ = metrics.append(&json!({"event": "checkpoint_wait", "step": state.step, "waited_s": waited.elapsed().as_secs_f64()}));
+            let _ = metrics.append(&RunEvent::CheckpointWait(CheckpointWait {
+                step: state.step,
+                waited_s: waited.elapsed().as_secs_f64(),
+            }));
         }
         pipeline.broadcast(&ToWorker::Checkpoint { step: state.step })?;
         self.pending = Some(PendingCheckpoint {
@@ -122,8 +125,11 @@ impl CheckpointWriter {
         if let Some(pending) = self.pending.take() {
             let step = pending.state.step;
             warn!(step, %why, "checkpoint abandoned; the previous committed one stays valid");
-            let _ =
-                metrics.append(&json!({"event": "checkpoint_failed", "step": step, "error": why}));
+            let _ = metrics.append(&RunEvent::CheckpointFailed(CheckpointFailed {
+                step,
+                stage: None,
+                error: why.to_string(),
+            }));
         }
     }
 
@@ -170,7 +176,11 @@ impl CheckpointWriter {
                 self.pending = None;
                 warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
                 eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
-                let _ = metrics.append(&json!({"event": "checkpoint_failed", "step": step, "stage": stage, "error": error}));
+                let _ = metrics.append(&RunEvent::CheckpointFailed(CheckpointFailed {
+                    step,
+                    stage: Some(stage),
+                    error,
+                }));
                 return Ok(());
             }
             ToLauncher::ShardWritten { step, .. } | ToLauncher::ShardFailed { step, .. }
@@ -206,7 +216,12 @@ impl CheckpointWriter {
             url = self.store.url(),
             "checkpoint committed"
         );
-        let _ = metrics.append(&json!({"event": "checkpoint", "step": step, "bytes": manifest.total_bytes(), "upload_s": upload_s, "snapshot_s": pending.snapshot_s}));
+        let _ = metrics.append(&RunEvent::Checkpoint(CheckpointCommitted {
+            step,
+            bytes: manifest.total_bytes(),
+            upload_s,
+            snapshot_s: pending.snapshot_s,
+        }));
         let deleted = self.runtime.block_on(self.store.retain(self.keep_last))?;
         let stale = self.runtime.block_on(self.store.clean_stale(step))?;
         if !deleted.is_empty() || !stale.is_empty() {

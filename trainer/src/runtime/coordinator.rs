@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
 use elastic::{ClusterState, Decision, NodeId, NodeStatus, Plan, decide};
-use serde_json::json;
 use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
@@ -22,6 +21,7 @@ use super::control::{
     ControlSender, FromAgent, Opening, PEER_FAILURE_EXIT_CODE, ToAgent, ToLauncher,
 };
 use super::error::{LaunchError, LossCause, Lost};
+use super::events::{CoordinatorTakeover, NodeJoined, NodeLeft, NodeLost, PlanAdopted, RunEvent};
 use super::peer_input;
 use super::recovery::{self, Observed, ResumePoint, Start, Tier};
 use super::store;
@@ -71,7 +71,7 @@ pub(super) struct Recovery {
     pub(super) tier: Tier,
     /// `node_lost`, `node_left`, `node_joined` and `plan` events, written once the metrics file is
     /// rewritten for the resume.
-    pub(super) events: Vec<serde_json::Value>,
+    pub(super) events: Vec<RunEvent>,
 }
 
 /// The coordinator of one run.
@@ -206,9 +206,11 @@ impl Coordinator {
             failed_step,
             stages_before: previous_plan.map_or(0, |p| p.num_stages()),
             tier: Tier::Checkpoint,
-            events: vec![
-                json!({"event": "coordinator_takeover", "after_generation": floor, "resume_from": latest, "at_unix_s": unix_time_s()}),
-            ],
+            events: vec![RunEvent::CoordinatorTakeover(CoordinatorTakeover {
+                after_generation: floor,
+                resume_from: latest,
+                at_unix_s: unix_time_s(),
+            })],
         });
         Ok(Some(registered.max(self.cfg.elastic.min_nodes)))
     }
@@ -336,7 +338,13 @@ impl Coordinator {
         self.cfg.pipeline.stages = plan.num_stages();
         info!(%reason, "first plan");
         if let Some(r) = &mut self.recovery {
-            r.events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages}));
+            r.events.push(RunEvent::Plan(PlanAdopted {
+                generation: plan.generation,
+                stages: plan.num_stages(),
+                nodes: plan.stages.clone(),
+                resume_from: None,
+                tier: None,
+            }));
         }
         Ok(())
     }
@@ -854,7 +862,15 @@ impl Coordinator {
                 "warning: lost node {} during step {failed_step}: {}",
                 l.node, l.reason
             );
-            events.push(json!({"event": "node_lost", "node": l.node, "failed_step": failed_step, "reason": l.reason, "detected_at_unix_s": detected_at_unix_s, "agent_alive": l.agent_alive}));
+            events.push(RunEvent::NodeLost(NodeLost {
+                node: l.node.clone(),
+                failed_step,
+                reason: l.reason.clone(),
+                detected_at_unix_s,
+                agent_alive: l.agent_alive,
+                stage: None,
+                mid_step: None,
+            }));
             let _ = self
                 .state
                 .membership
@@ -898,24 +914,28 @@ impl Coordinator {
         let now = Instant::now();
         let stages_before = self.plan().num_stages();
         let before = self.plan().clone();
-        let mut events: Vec<serde_json::Value> = Vec::new();
+        let mut events: Vec<RunEvent> = Vec::new();
         for id in &before.nodes {
             if self.state.membership.status(id) == Some(&NodeStatus::Leaving) {
-                events.push(json!({"event": "node_left", "node": id, "step": step, "reason": "preemption notice (SIGTERM)"}));
+                events.push(RunEvent::NodeLeft(NodeLeft {
+                    node: id.clone(),
+                    step,
+                    reason: "preemption notice (SIGTERM)".into(),
+                }));
             }
         }
         for joiner in self.state.membership.pending_joiners() {
-            events.push(json!({"event": "node_joined", "node": joiner.id, "step": step}));
+            events.push(RunEvent::NodeJoined(NodeJoined {
+                node: joiner.id.clone(),
+                step,
+            }));
         }
         self.replan(&mut events)?;
         // Joiners the plan did not take stay spares: no event for them.
         let plan = self.plan().clone();
-        events.retain(|e| {
-            e["event"] != "node_joined"
-                || plan
-                    .nodes
-                    .iter()
-                    .any(|n| e["node"].as_str() == Some(n.as_str()))
+        events.retain(|e| match e {
+            RunEvent::NodeJoined(NodeJoined { node, .. }) => plan.nodes.contains(node),
+            _ => true,
         });
         self.recovery = Some(Recovery {
             failed_at: now,
@@ -931,7 +951,7 @@ impl Coordinator {
     /// the next pipeline at the newest state: the agents' peer snapshots when they cover the model
     /// and are not older than the newest committed checkpoint, else that checkpoint. Adds the `plan`
     /// event and returns the tier (`peer` or `checkpoint`).
-    fn replan(&mut self, events: &mut Vec<serde_json::Value>) -> Result<Tier, LaunchError> {
+    fn replan(&mut self, events: &mut Vec<RunEvent>) -> Result<Tier, LaunchError> {
         let mut waiting_reason = String::new();
         let plan = loop {
             let now = Instant::now();
@@ -987,7 +1007,13 @@ impl Coordinator {
             Start::Fresh | Start::InitFrom(_) => None,
         };
         self.start = start;
-        events.push(json!({"event": "plan", "generation": plan.generation, "stages": plan.num_stages(), "nodes": plan.stages, "resume_from": resume_from, "tier": tier}));
+        events.push(RunEvent::Plan(PlanAdopted {
+            generation: plan.generation,
+            stages: plan.num_stages(),
+            nodes: plan.stages.clone(),
+            resume_from,
+            tier: Some(tier.as_str().into()),
+        }));
         Ok(tier)
     }
 
@@ -1059,14 +1085,7 @@ impl Drop for Coordinator {
 
 /// The last step recorded in `metrics.jsonl` (0 if none).
 fn last_metrics_step(path: &std::path::Path) -> u64 {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("loss").is_some())
-        .filter_map(|v| v.get("step").and_then(|s| s.as_u64()))
-        .max()
-        .unwrap_or(0)
+    super::events::last_step(path)
 }
 
 /// Most stage workers one node may offer.

@@ -21,6 +21,7 @@ use super::launcher::{Pipeline, Replacement};
 use super::recovery::{self, AfterError, Loaded};
 pub use super::recovery::{ResumePoint, Start};
 pub use super::trace::unix_time_s;
+use super::events::{NodeLost, Recovered, Resumed, RunEvent};
 use super::trace::{TraceLog, unix_time_us};
 use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
@@ -339,7 +340,10 @@ impl Driver<'_, '_> {
             })?,
         );
         if let Some(step) = resumed_from {
-            self.append(&json!({"event": "resumed", "step": step, "stages": cfg.pipeline.stages}))?;
+            self.append(&RunEvent::Resumed(Resumed {
+                step,
+                stages: cfg.pipeline.stages,
+            }))?;
         }
         let recovery_events = self
             .recovery
@@ -381,7 +385,20 @@ impl Driver<'_, '_> {
                 let tier =
                     recovery::recorded_tier(r.tier, resumed_from.is_some(), lost_steps).as_str();
                 bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
-                self.append(&json!({"event": "recovered", "step": step, "recovery_s": recovery_s, "lost_steps": lost_steps, "tier": tier, "stages_before": r.stages_before, "stages_after": cfg.pipeline.stages, "at_unix_s": unix_time_s()}))?;
+                self.append(&RunEvent::Recovered(Recovered {
+                    step,
+                    recovery_s,
+                    lost_steps,
+                    tier: tier.into(),
+                    stages_before: r.stages_before,
+                    stages_after: cfg.pipeline.stages,
+                    at_unix_s: unix_time_s(),
+                    stage: None,
+                    node: None,
+                    host: None,
+                    redone_units: None,
+                    redone_s: None,
+                }))?;
             }
             final_loss = record.loss;
             val_loss = record.val_loss.or(val_loss);
@@ -556,7 +573,20 @@ impl Driver<'_, '_> {
         }
         for (r, cost) in replaced {
             let cost = cost.unwrap_or_default();
-            self.append(&json!({"event": "recovered", "step": step, "tier": "mid_step", "stage": r.stage, "node": r.lost.node, "host": r.host, "lost_steps": 0, "redone_units": cost.redone_units, "redone_s": cost.redone_s, "recovery_s": step_started.elapsed().as_secs_f64(), "stages_before": p, "stages_after": p, "at_unix_s": unix_time_s()}))?;
+            self.append(&RunEvent::Recovered(Recovered {
+                step,
+                recovery_s: step_started.elapsed().as_secs_f64(),
+                lost_steps: 0,
+                tier: "mid_step".into(),
+                stages_before: p,
+                stages_after: p,
+                at_unix_s: unix_time_s(),
+                stage: Some(r.stage),
+                node: Some(r.lost.node),
+                host: Some(r.host),
+                redone_units: Some(cost.redone_units),
+                redone_s: Some(cost.redone_s),
+            }))?;
         }
         let sums: Vec<f64> = sums
             .into_iter()
@@ -652,7 +682,15 @@ impl Driver<'_, '_> {
             );
             return Err(failure);
         };
-        self.append(&json!({"event": "node_lost", "node": lost.node, "failed_step": step, "stage": stage, "reason": lost.reason, "agent_alive": lost.agent_alive, "mid_step": true, "detected_at_unix_s": detected_at_unix_s}))?;
+        self.append(&RunEvent::NodeLost(NodeLost {
+            node: lost.node.clone(),
+            failed_step: step,
+            reason: lost.reason.clone(),
+            detected_at_unix_s,
+            agent_alive: lost.agent_alive,
+            stage: Some(stage),
+            mid_step: Some(true),
+        }))?;
         eprintln!(
             "warning: lost stage {stage} (node {}) during step {step}: replacing it mid-step",
             lost.node

@@ -9,6 +9,7 @@ pub mod control;
 pub mod coordinator;
 pub mod driver;
 pub mod error;
+pub mod events;
 pub mod launcher;
 mod peer_input;
 pub mod peer_snapshots;
