@@ -284,7 +284,7 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
             tiers.iter().all(|t| *t == "mid_step" || *t == "peer"),
             "attempt {attempt}: {tiers:?}"
         );
-        if tiers.iter().any(|t| *t == "mid_step") {
+        if tiers.contains(&"mid_step") {
             mid_step += 1;
             break;
         }
