@@ -17,11 +17,11 @@ use super::checkpoints::CheckpointWriter;
 use super::control::{StepCost, ToLauncher, ToWorker};
 use super::coordinator::{Coordinator, Recovery};
 pub use super::error::LaunchError;
+use super::events::{NodeLost, Recovered, Resumed, RunEvent};
 use super::launcher::{Pipeline, Replacement};
 use super::recovery::{self, AfterError, Loaded};
 pub use super::recovery::{ResumePoint, Start};
 pub use super::trace::unix_time_s;
-use super::events::{NodeLost, Recovered, Resumed, RunEvent};
 use super::trace::{TraceLog, unix_time_us};
 use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
@@ -243,6 +243,95 @@ fn stop_signal() -> std::io::Result<Arc<AtomicUsize>> {
     Ok(Arc::clone(SIGNAL.get_or_init(|| flag)))
 }
 
+/// What the step boundary brings (see [`Driver::end_of_step`]).
+enum Boundary {
+    /// The next step runs.
+    Continue,
+    /// A signal asked the run to stop (its final checkpoint is started).
+    Stop,
+    /// The plan changes (the checkpoint of this step is committed): the pipeline restarts.
+    PlanChange(String),
+}
+
+/// What the stages reported for one step's forward and backward.
+struct StepReplies {
+    /// Per-parameter sums of squared gradients, in canonical order.
+    sums: Vec<Option<f64>>,
+    /// The last stage's sum of token losses.
+    loss_sum: Option<f64>,
+    retained_bytes: u64,
+    units: usize,
+    compute_s: f64,
+    /// Per stage.
+    peak_activation_bytes: Vec<u64>,
+    /// Per stage.
+    state_bytes: Vec<u64>,
+    /// Stages replaced in the middle of the step, with the replacement's cost once it reported.
+    replaced: Vec<(Replacement, Option<StepCost>)>,
+}
+
+impl StepReplies {
+    fn new(stages: usize, params: usize) -> Self {
+        Self {
+            sums: vec![None; params],
+            loss_sum: None,
+            retained_bytes: 0,
+            units: 0,
+            compute_s: 0.0,
+            peak_activation_bytes: vec![0; stages],
+            state_bytes: vec![0; stages],
+            replaced: Vec::new(),
+        }
+    }
+
+    /// Adds `stage`'s `StepDone`.
+    fn add(
+        &mut self,
+        stage: usize,
+        sums_of_squares: Vec<(String, f64)>,
+        loss_sum: Option<f64>,
+        cost: StepCost,
+        canonical: &HashMap<String, usize>,
+    ) -> Result<(), LaunchError> {
+        for (name, value) in sums_of_squares {
+            let index = *canonical
+                .get(&name)
+                .ok_or_else(|| LaunchError::Protocol(format!("unknown parameter {name}")))?;
+            self.sums[index] = Some(value);
+        }
+        self.loss_sum = self.loss_sum.or(loss_sum);
+        self.retained_bytes += cost.retained_bytes;
+        self.units += cost.units;
+        self.compute_s += cost.compute_s;
+        if let Some(peak) = self.peak_activation_bytes.get_mut(stage) {
+            *peak = (*peak).max(cost.peak_activation_bytes);
+            self.state_bytes[stage] = cost.state_bytes;
+        }
+        if let Some((_, redone)) = self.replaced.iter_mut().find(|(r, _)| r.stage == stage) {
+            *redone = Some(cost);
+        }
+        Ok(())
+    }
+}
+
+/// The run's progress bar (hidden with `quiet`), at `start_step` of `steps`.
+fn progress_bar(quiet: bool, steps: u64, start_step: u64) -> ProgressBar {
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(steps)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed}<{eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_position(start_step);
+    bar
+}
+
 struct Driver<'a, 'c> {
     cfg: &'a Config,
     pipeline: &'a mut Pipeline<'c>,
@@ -328,7 +417,67 @@ impl Driver<'_, '_> {
                 start_step + t.steps.max(1)
             )));
         }
-        let metrics_path = cfg.run.dir.join("metrics.jsonl");
+        self.open_metrics(start_step, resumed_from)?;
+        let canonical: HashMap<String, usize> = param_specs(&cfg.model)
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s.name, i))
+            .collect();
+        let bar = progress_bar(opts.quiet, t.steps, start_step);
+        let mut summary = RunSummary {
+            final_loss: f64::NAN,
+            val_loss: None,
+            last_step: start_step,
+            resumed_from,
+            interrupted_by: None,
+            elapsed_s: 0.0,
+        };
+        for step in start_step + 1..=t.steps {
+            let record = self.train_step(step, &canonical)?;
+            self.record_recovery(step, start_step, resumed_from.is_some(), &bar)?;
+            summary.final_loss = record.loss;
+            summary.val_loss = record.val_loss.or(summary.val_loss);
+            summary.last_step = step;
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s",
+                record.loss, record.tokens_per_s
+            ));
+            bar.inc(1);
+            if let Some(v) = record.val_loss {
+                bar.suspend(|| info!(step, loss = record.loss, val_loss = v, "evaluation"));
+            }
+            summary.interrupted_by = self.stop_requested(step, &bar);
+            match self.end_of_step(&record, summary.interrupted_by.is_some())? {
+                Boundary::Continue => {}
+                Boundary::Stop => break,
+                Boundary::PlanChange(reason) => {
+                    bar.finish_and_clear();
+                    return Err(LaunchError::PlanChanged { step, reason });
+                }
+            }
+        }
+        let grace = if summary.interrupted_by.is_some() {
+            cfg.checkpoint.grace()
+        } else {
+            cfg.pipeline.timeout().max(cfg.checkpoint.grace())
+        };
+        self.checkpoints.finish(
+            self.pipeline,
+            self.metrics.as_mut().expect("metrics"),
+            grace,
+        )?;
+        bar.finish();
+        Ok(summary)
+    }
+
+    /// Rewrites `metrics.jsonl` up to `start_step` and opens it; records the resume and the
+    /// events of the recovery this pipeline carries out, if any.
+    fn open_metrics(
+        &mut self,
+        start_step: u64,
+        resumed_from: Option<u64>,
+    ) -> Result<(), LaunchError> {
+        let metrics_path = self.cfg.run.dir.join("metrics.jsonl");
         truncate_metrics(&metrics_path, start_step).map_err(|source| LaunchError::Io {
             what: format!("rewriting {}", metrics_path.display()),
             source,
@@ -342,7 +491,7 @@ impl Driver<'_, '_> {
         if let Some(step) = resumed_from {
             self.append(&RunEvent::Resumed(Resumed {
                 step,
-                stages: cfg.pipeline.stages,
+                stages: self.cfg.pipeline.stages,
             }))?;
         }
         let recovery_events = self
@@ -353,137 +502,103 @@ impl Driver<'_, '_> {
         for event in &recovery_events {
             self.append(event)?;
         }
+        Ok(())
+    }
 
-        let canonical: HashMap<String, usize> = param_specs(&cfg.model)
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| (s.name, i))
-            .collect();
-        let bar = if opts.quiet {
-            ProgressBar::hidden()
-        } else {
-            ProgressBar::new(t.steps)
+    /// After the first step this pipeline completed: the `recovered` event of the recovery it
+    /// carried out, if any (its tier from [`recovery::recorded_tier`]).
+    fn record_recovery(
+        &mut self,
+        step: u64,
+        start_step: u64,
+        resumed: bool,
+        bar: &ProgressBar,
+    ) -> Result<(), LaunchError> {
+        let Some(r) = self.recovery.take() else {
+            return Ok(());
         };
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed}<{eta})",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        bar.set_position(start_step);
-        let (mut final_loss, mut val_loss, mut last_step) = (f64::NAN, None, start_step);
-        let mut interrupted_by = None;
-        for step in start_step + 1..=t.steps {
-            let record = self.train_step(step, &canonical)?;
-            if let Some(r) = self.recovery.take() {
-                let recovery_s = r.failed_at.elapsed().as_secs_f64();
-                let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
-                // Without a resume point the run restarted from the seeded initial weights: when the
-                // interrupted step was the first, that is the state before it, held by every
-                // worker (tier 1, nothing lost); later, completed steps were lost.
-                let tier =
-                    recovery::recorded_tier(r.tier, resumed_from.is_some(), lost_steps).as_str();
-                bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
-                self.append(&RunEvent::Recovered(Recovered {
+        let recovery_s = r.failed_at.elapsed().as_secs_f64();
+        let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
+        let tier = recovery::recorded_tier(r.tier, resumed, lost_steps).as_str();
+        bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
+        self.append(&RunEvent::Recovered(Recovered {
+            step,
+            recovery_s,
+            lost_steps,
+            tier: tier.into(),
+            stages_before: r.stages_before,
+            stages_after: self.cfg.pipeline.stages,
+            at_unix_s: unix_time_s(),
+            stage: None,
+            node: None,
+            host: None,
+            redone_units: None,
+            redone_s: None,
+        }))
+    }
+
+    /// The signal (SIGINT/SIGTERM) that asks the run to stop after `step`, if one came.
+    fn stop_requested(&self, step: u64, bar: &ProgressBar) -> Option<i32> {
+        let sig = self.signal.load(Ordering::SeqCst);
+        (sig != 0).then(|| {
+            bar.suspend(|| {
+                warn!(
                     step,
-                    recovery_s,
-                    lost_steps,
-                    tier: tier.into(),
-                    stages_before: r.stages_before,
-                    stages_after: cfg.pipeline.stages,
-                    at_unix_s: unix_time_s(),
-                    stage: None,
-                    node: None,
-                    host: None,
-                    redone_units: None,
-                    redone_s: None,
-                }))?;
-            }
-            final_loss = record.loss;
-            val_loss = record.val_loss.or(val_loss);
-            last_step = step;
-            bar.set_message(format!(
-                "loss {:.4} | {:.0} tok/s",
-                record.loss, record.tokens_per_s
-            ));
-            bar.inc(1);
-            if let Some(v) = record.val_loss {
-                bar.suspend(|| info!(step, loss = record.loss, val_loss = v, "evaluation"));
-            }
-            let sig = self.signal.load(Ordering::SeqCst);
-            if sig != 0 {
-                interrupted_by = Some(sig as i32);
-                bar.suspend(|| {
-                    warn!(
-                        step,
-                        signal = sig,
-                        "stopping on signal: writing a final checkpoint"
-                    )
-                });
-            }
-            // Nodes with a preemption notice leave, and joiners are admitted, at this boundary
-            // (unless the run ends here).
-            let plan_change = if step < t.steps && interrupted_by.is_none() {
-                self.pipeline.coordinator().at_step_boundary(step)
-            } else {
-                None
-            };
-            if interrupted_by.is_some()
-                || plan_change.is_some()
-                || cfg.checkpoint.due(step, t.steps)
-            {
-                let state = self.trainer_state(step, record.lr, record.loss);
-                self.checkpoints.begin(
-                    self.pipeline,
-                    state,
-                    self.metrics.as_mut().expect("metrics"),
-                )?;
-            }
-            self.checkpoints
-                .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
-            if interrupted_by.is_some() {
-                break;
-            }
-            if let Some(reason) = plan_change {
-                let grace = cfg.elastic.grace();
-                self.checkpoints.finish(
-                    self.pipeline,
-                    self.metrics.as_mut().expect("metrics"),
-                    grace,
-                )?;
-                bar.finish_and_clear();
-                return Err(LaunchError::PlanChanged { step, reason });
-            }
-        }
-        let grace = if interrupted_by.is_some() {
-            cfg.checkpoint.grace()
+                    signal = sig,
+                    "stopping on signal: writing a final checkpoint"
+                )
+            });
+            sig as i32
+        })
+    }
+
+    /// The step boundary after `record.step`: nodes with a preemption notice leave, and joiners
+    /// are admitted, here (unless the run ends here); a checkpoint is started when one is due,
+    /// when the run stops, or before a plan change (which waits for its commit).
+    fn end_of_step(
+        &mut self,
+        record: &StepMetrics,
+        interrupted: bool,
+    ) -> Result<Boundary, LaunchError> {
+        let (cfg, step) = (self.cfg, record.step);
+        let plan_change = if step < cfg.train.steps && !interrupted {
+            self.pipeline.coordinator().at_step_boundary(step)
         } else {
-            cfg.pipeline.timeout().max(cfg.checkpoint.grace())
+            None
+        };
+        if interrupted || plan_change.is_some() || cfg.checkpoint.due(step, cfg.train.steps) {
+            let state = self.trainer_state(step, record.lr, record.loss);
+            self.checkpoints.begin(
+                self.pipeline,
+                state,
+                self.metrics.as_mut().expect("metrics"),
+            )?;
+        }
+        self.checkpoints
+            .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
+        if interrupted {
+            return Ok(Boundary::Stop);
+        }
+        let Some(reason) = plan_change else {
+            return Ok(Boundary::Continue);
         };
         self.checkpoints.finish(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),
-            grace,
+            cfg.elastic.grace(),
         )?;
-        bar.finish();
-        Ok(RunSummary {
-            final_loss,
-            val_loss,
-            last_step,
-            resumed_from,
-            interrupted_by,
-            elapsed_s: 0.0,
-        })
+        Ok(Boundary::PlanChange(reason))
     }
 
+    /// One training step: forward and backward on every stage (replacing a stage lost in the
+    /// middle, when `elastic.mid_step`), the global gradient norm and clipping, the optimizer
+    /// update, evaluation when due; the step's record is appended to `metrics.jsonl`.
     fn train_step(
         &mut self,
         step: u64,
         canonical: &HashMap<String, usize>,
     ) -> Result<StepMetrics, LaunchError> {
         let (cfg, t) = (self.cfg, &self.cfg.train);
-        let p = self.pipeline.stages();
         let tokens = cfg.tokens_per_step();
         let step_started = Instant::now();
         let step_started_us = unix_time_us();
@@ -498,116 +613,11 @@ impl Driver<'_, '_> {
             step,
             trace: self.trace.is_some(),
         })?;
-        let mut sums = vec![None; canonical.len()];
-        let mut loss_sum = None;
-        let mut finished = BTreeSet::new();
-        let (mut retained_bytes, mut units, mut compute_s) = (0, 0, 0.0);
-        let (mut peak_activation_bytes, mut state_bytes) = (vec![0; p], vec![0; p]);
-        let mut replaced = Vec::new();
-        while finished.len() < p {
-            let msg = match self
-                .pipeline
-                .next_reply(&format!("step {step}'s forward and backward"))
-            {
-                Ok(msg) => msg,
-                Err(e) if cfg.elastic.mid_step => {
-                    replaced.push(self.replace_lost_stage(step, e, &finished, unix_time_s())?);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            match msg {
-                ToLauncher::StepDone {
-                    stage,
-                    step: s,
-                    sums_of_squares,
-                    loss_sum: l,
-                    leaving,
-                    cost,
-                } if s == step => {
-                    if leaving {
-                        self.pipeline.coordinator().node_leaving(stage);
-                    }
-                    for (name, value) in sums_of_squares {
-                        let index = *canonical.get(&name).ok_or_else(|| {
-                            LaunchError::Protocol(format!("unknown parameter {name}"))
-                        })?;
-                        sums[index] = Some(value);
-                    }
-                    loss_sum = loss_sum.or(l);
-                    retained_bytes += cost.retained_bytes;
-                    units += cost.units;
-                    compute_s += cost.compute_s;
-                    if let Some(peak) = peak_activation_bytes.get_mut(stage) {
-                        *peak = (*peak).max(cost.peak_activation_bytes);
-                        state_bytes[stage] = cost.state_bytes;
-                    }
-                    if let Some(trace) = &mut self.trace {
-                        trace.units(stage, step, &cost.unit_times);
-                    }
-                    if let Some((_, redone)) = replaced
-                        .iter_mut()
-                        .find(|(r, _): &&mut (Replacement, _)| r.stage == stage)
-                    {
-                        *redone = Some(cost);
-                    }
-                    finished.insert(stage);
-                }
-                ToLauncher::LinkDown {
-                    stage,
-                    peer,
-                    done_units,
-                    ..
-                } => {
-                    info!(
-                        step,
-                        stage, peer, done_units, "a stage lost its link to a neighbour mid-step"
-                    );
-                }
-                other => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected step {step} done, got {other:?}"
-                    )));
-                }
-            }
-        }
-        for (r, cost) in replaced {
-            let cost = cost.unwrap_or_default();
-            self.append(&RunEvent::Recovered(Recovered {
-                step,
-                recovery_s: step_started.elapsed().as_secs_f64(),
-                lost_steps: 0,
-                tier: "mid_step".into(),
-                stages_before: p,
-                stages_after: p,
-                at_unix_s: unix_time_s(),
-                stage: Some(r.stage),
-                node: Some(r.lost.node),
-                host: Some(r.host),
-                redone_units: Some(cost.redone_units),
-                redone_s: Some(cost.redone_s),
-            }))?;
-        }
-        let sums: Vec<f64> = sums
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| {
-                s.ok_or_else(|| {
-                    LaunchError::Protocol(format!("no gradient norm for parameter #{i}"))
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        // Summed in canonical parameter order: the same number whatever the partition.
-        let grad_norm = ops::clip::global_norm(sums);
-        let clip_coefficient = ops::clip::clip_coefficient(grad_norm, t.grad_clip);
-        self.pipeline.broadcast(&ToWorker::Apply {
-            step,
-            lr,
-            clip_coefficient,
-        })?;
-        self.pipeline
-            .collect(p, &format!("step {step}'s optimizer update"))?;
-        let loss = loss_sum
+        let replies = self.forward_backward(step, canonical)?;
+        self.record_replacements(step, &replies.replaced, step_started)?;
+        let grad_norm = self.update(step, lr, replies.sums)?;
+        let loss = replies
+            .loss_sum
             .ok_or_else(|| LaunchError::Protocol("the last stage reported no loss".into()))?
             / tokens as f64;
         let step_time_s = step_started.elapsed().as_secs_f64();
@@ -640,11 +650,11 @@ impl Driver<'_, '_> {
         }
         let record = StepMetrics {
             step,
-            retained_bytes,
-            peak_activation_bytes,
-            state_bytes,
-            units,
-            compute_s,
+            retained_bytes: replies.retained_bytes,
+            peak_activation_bytes: replies.peak_activation_bytes,
+            state_bytes: replies.state_bytes,
+            units: replies.units,
+            compute_s: replies.compute_s,
             end_unix_s: unix_time_s(),
             loss,
             lr,
@@ -656,6 +666,123 @@ impl Driver<'_, '_> {
         };
         self.append(&record)?;
         Ok(record)
+    }
+
+    /// Waits for every stage's `StepDone` of `step`, replacing a stage lost in the middle of the
+    /// step (with `elastic.mid_step`); gathers the per-parameter sums of squares (in canonical
+    /// order), the loss and the stages' costs.
+    fn forward_backward(
+        &mut self,
+        step: u64,
+        canonical: &HashMap<String, usize>,
+    ) -> Result<StepReplies, LaunchError> {
+        let p = self.pipeline.stages();
+        let mut replies = StepReplies::new(p, canonical.len());
+        let mut finished = BTreeSet::new();
+        while finished.len() < p {
+            let msg = match self
+                .pipeline
+                .next_reply(&format!("step {step}'s forward and backward"))
+            {
+                Ok(msg) => msg,
+                Err(e) if self.cfg.elastic.mid_step => {
+                    let replaced = self.replace_lost_stage(step, e, &finished, unix_time_s())?;
+                    replies.replaced.push(replaced);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match msg {
+                ToLauncher::StepDone {
+                    stage,
+                    step: s,
+                    sums_of_squares,
+                    loss_sum,
+                    leaving,
+                    cost,
+                } if s == step => {
+                    if leaving {
+                        self.pipeline.coordinator().node_leaving(stage);
+                    }
+                    if let Some(trace) = &mut self.trace {
+                        trace.units(stage, step, &cost.unit_times);
+                    }
+                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
+                    finished.insert(stage);
+                }
+                ToLauncher::LinkDown {
+                    stage,
+                    peer,
+                    done_units,
+                    ..
+                } => {
+                    info!(
+                        step,
+                        stage, peer, done_units, "a stage lost its link to a neighbour mid-step"
+                    );
+                }
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected step {step} done, got {other:?}"
+                    )));
+                }
+            }
+        }
+        Ok(replies)
+    }
+
+    /// A `recovered` event for every stage replaced in the middle of `step`.
+    fn record_replacements(
+        &mut self,
+        step: u64,
+        replaced: &[(Replacement, Option<StepCost>)],
+        step_started: Instant,
+    ) -> Result<(), LaunchError> {
+        let p = self.pipeline.stages();
+        for (r, cost) in replaced {
+            let cost = cost.clone().unwrap_or_default();
+            self.append(&RunEvent::Recovered(Recovered {
+                step,
+                recovery_s: step_started.elapsed().as_secs_f64(),
+                lost_steps: 0,
+                tier: recovery::Tier::MidStep.as_str().into(),
+                stages_before: p,
+                stages_after: p,
+                at_unix_s: unix_time_s(),
+                stage: Some(r.stage),
+                node: Some(r.lost.node.clone()),
+                host: Some(r.host.clone()),
+                redone_units: Some(cost.redone_units),
+                redone_s: Some(cost.redone_s),
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer update of `step`: the global gradient norm from the stages' sums of squares
+    /// (summed in canonical parameter order: the same number whatever the partition), clipping,
+    /// and AdamW with learning rate `lr` on every stage. Returns the norm.
+    fn update(&mut self, step: u64, lr: f64, sums: Vec<Option<f64>>) -> Result<f64, LaunchError> {
+        let sums: Vec<f64> = sums
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.ok_or_else(|| {
+                    LaunchError::Protocol(format!("no gradient norm for parameter #{i}"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let grad_norm = ops::clip::global_norm(sums);
+        let clip_coefficient = ops::clip::clip_coefficient(grad_norm, self.cfg.train.grad_clip);
+        self.pipeline.broadcast(&ToWorker::Apply {
+            step,
+            lr,
+            clip_coefficient,
+        })?;
+        let p = self.pipeline.stages();
+        self.pipeline
+            .collect(p, &format!("step {step}'s optimizer update"))?;
+        Ok(grad_norm)
     }
 
     /// Mid-step recovery of one lost stage during step `step`, whose loss was seen at
