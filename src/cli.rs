@@ -7,22 +7,22 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
-use crate::checkpointing::hf;
-use crate::checkpointing::shard::from_tensor_data;
-use crate::checkpointing::state::TrainerState;
-use crate::config::Config;
-use crate::data::{prepare, synthetic_language};
-use crate::model::params::param_count;
-use crate::model::partition_layers;
-use crate::plot::{read_metrics, render_plot};
-use crate::runtime::agent::{AgentArgs, run_agent};
-use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
-use crate::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
-use crate::schedule::{
+use checkpoint::{CheckpointStore, StoreOptions};
+use trainer::checkpointing::hf;
+use trainer::checkpointing::shard::from_tensor_data;
+use trainer::checkpointing::state::TrainerState;
+use trainer::config::Config;
+use trainer::data::{prepare, synthetic_language};
+use trainer::model::params::param_count;
+use trainer::model::partition_layers;
+use trainer::plot::{read_metrics, render_plot};
+use trainer::runtime::agent::{AgentArgs, run_agent};
+use trainer::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
+use trainer::runtime::worker::{PEER_FAILURE_EXIT_CODE, WorkerArgs, WorkerError, run_worker};
+use trainer::schedule::{
     Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
     segment_lengths, simulate,
 };
-use checkpoint::{CheckpointStore, StoreOptions};
 
 /// seqpipe: a fault-tolerant Seq1F1B pipeline-parallel GPT trainer.
 #[derive(Parser, Debug)]
@@ -375,7 +375,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(args) => {
             let cfg = args.config.load()?;
-            crate::cuda::require_runnable_device(&cfg.model)?;
+            trainer::cuda::require_runnable_device(&cfg.model)?;
             let start = args.start.start()?;
             train(
                 cfg,
@@ -389,7 +389,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Resume(args) => {
             let cfg = resume_config(&args.target, &args.overrides, args.step)?;
-            crate::cuda::require_runnable_device(&cfg.model)?;
+            trainer::cuda::require_runnable_device(&cfg.model)?;
             let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
             train(
                 cfg,
@@ -416,9 +416,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 // through an empty in-memory one rather than creating its directory.
                 cfg.checkpoint.url = "memory://".into();
             }
-            crate::cuda::require_runnable_device(&cfg.model)?;
+            trainer::cuda::require_runnable_device(&cfg.model)?;
             init_logging(&cfg.run.log);
-            crate::memory::check(&cfg, None)?;
+            trainer::memory::check(&cfg, None)?;
             let (step, val_loss) = run_evaluation(&cfg, &start)?;
             println!(
                 "{}",
@@ -553,7 +553,7 @@ fn parse_resume_point(s: &str) -> Result<ResumePoint> {
 
 /// The config of the run to resume: `TARGET/config.resolved.toml` for a run directory, else the
 /// config stored in the newest committed checkpoint at URL `TARGET` (at or before `step`) whose
-/// manifest is readable, minus the output locations ([`crate::config::LOCAL_ONLY_KEYS`]), which come from the
+/// manifest is readable, minus the output locations ([`trainer::config::LOCAL_ONLY_KEYS`]), which come from the
 /// defaults; then the overrides.
 fn resume_config(target: &str, overrides: &[String], step: Option<u64>) -> Result<Config> {
     let resolved = PathBuf::from(target).join("config.resolved.toml");
@@ -650,7 +650,7 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     }
     init_logging(&cfg.run.log);
     // Before any worker starts: a model that cannot fit is refused with the numbers.
-    crate::memory::check(&cfg, None)?;
+    trainer::memory::check(&cfg, None)?;
     let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
     let segments = cfg.segment_lengths()?;
     eprintln!(
@@ -826,7 +826,7 @@ fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
             let state: TrainerState = serde_json::from_value(manifest.state.clone())
                 .context("reading the checkpoint's trainer state")?;
             let cfg = state.config()?;
-            let names: Vec<String> = crate::model::params::param_specs(&cfg.model)
+            let names: Vec<String> = trainer::model::params::param_specs(&cfg.model)
                 .into_iter()
                 .map(|s| s.name)
                 .collect();

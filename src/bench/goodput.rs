@@ -22,7 +22,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use super::{children_of, is_alive, sigkill};
-use crate::config::Config;
+use trainer::config::Config;
 
 /// Flags of `seqpipe bench goodput`.
 #[derive(Args, Debug)]
