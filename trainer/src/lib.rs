@@ -1,10 +1,8 @@
 //! seqpipe's trainer: the GPT model split into pipeline stages, Seq1F1B schedules as data,
 //! the stage runtime that executes a schedule over a [`runtime::transport::Transport`],
-//! data loading, and the `seqpipe` command line.
+//! and data loading. The `seqpipe` command line and its benchmarks are the root package's binary.
 
-pub mod bench;
 pub mod checkpointing;
-pub mod cli;
 pub mod config;
 pub mod cuda;
 pub mod data;

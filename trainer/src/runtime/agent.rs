@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -409,11 +409,47 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
     ControlStream::new(stream).map_err(err)
 }
 
+/// One incarnation of this node in the run: joins, then follows the coordinator's messages until
+/// it shuts the run down, fences the node or goes away. The node's workers are stopped however it
+/// ends.
 fn run_incarnation(
     args: &AgentArgs,
     leaving: &AtomicBool,
     snapshots: &Snapshots,
 ) -> Result<Ended, AgentError> {
+    let Joined {
+        control,
+        host,
+        heartbeat,
+    } = join(args, snapshots)?;
+    let sender = control.sender();
+    snapshots.report_to(sender.clone());
+    let messages = receive_in_background(control);
+    let mut node = Incarnation {
+        args,
+        host,
+        sender,
+        heartbeat,
+        last_heartbeat: Instant::now(),
+        announced_leave: false,
+        workers: Vec::new(),
+    };
+    let result = node.follow(leaving, &messages);
+    stop(&mut node.workers, u64::MAX);
+    result
+}
+
+/// A node that the coordinator let in.
+struct Joined {
+    control: ControlStream,
+    /// The address this node's workers listen on.
+    host: String,
+    /// How often to heartbeat.
+    heartbeat: Duration,
+}
+
+/// Connects, sends `Join` and reads the coordinator's answer.
+fn join(args: &AgentArgs, snapshots: &Snapshots) -> Result<Joined, AgentError> {
     let gone = |reason: String| AgentError::CoordinatorGone {
         addr: args.join.clone(),
         reason,
@@ -439,7 +475,7 @@ fn run_incarnation(
         })
         .map_err(|e| gone(e.to_string()))?;
     // The coordinator closes a connection whose token proof is wrong without a word.
-    let welcome = control.recv::<ToAgent>().map_err(|source| {
+    let answer = control.recv::<ToAgent>().map_err(|source| {
         if source.kind() == std::io::ErrorKind::InvalidData {
             bad_message(args, peer_input::BadInput(source.to_string()))
         } else {
@@ -449,27 +485,55 @@ fn run_incarnation(
             }
         }
     })?;
-    let heartbeat = match welcome {
+    let (incarnation, heartbeat) = read_welcome(answer).map_err(|e| match e {
+        NotWelcome::Bad(problem) => bad_message(args, problem),
+        NotWelcome::Refused(reason) => AgentError::Refused {
+            addr: args.join.clone(),
+            node: args.name.clone(),
+            reason,
+        },
+        NotWelcome::Unexpected(what) => gone(what),
+    })?;
+    info!(node = %args.name, incarnation, %host, "joined the run");
+    Ok(Joined {
+        control,
+        host,
+        heartbeat,
+    })
+}
+
+/// Why the coordinator's answer to a join does not let this node in.
+#[derive(Debug, PartialEq)]
+enum NotWelcome {
+    /// The coordinator refused the node, with its reason.
+    Refused(String),
+    /// The welcome carries a value that cannot be used.
+    Bad(peer_input::BadInput),
+    /// Not an answer to a join.
+    Unexpected(String),
+}
+
+/// The incarnation number and heartbeat interval of a `Welcome`, its `heartbeat_s` checked.
+fn read_welcome(answer: ToAgent) -> Result<(u64, Duration), NotWelcome> {
+    match answer {
         ToAgent::Welcome {
             incarnation,
             heartbeat_s,
         } => {
-            let heartbeat = peer_input::seconds("heartbeat_s", heartbeat_s)
-                .map_err(|e| bad_message(args, e))?;
-            info!(node = %args.name, incarnation, %host, "joined the run");
-            heartbeat
+            let heartbeat =
+                peer_input::seconds("heartbeat_s", heartbeat_s).map_err(NotWelcome::Bad)?;
+            Ok((incarnation, heartbeat))
         }
-        ToAgent::Refused { reason } => {
-            return Err(AgentError::Refused {
-                addr: args.join.clone(),
-                node: args.name.clone(),
-                reason,
-            });
-        }
-        other => return Err(gone(format!("expected a welcome, got {other:?}"))),
-    };
-    let sender = control.sender();
-    snapshots.report_to(sender.clone());
+        ToAgent::Refused { reason } => Err(NotWelcome::Refused(reason)),
+        other => Err(NotWelcome::Unexpected(format!(
+            "expected a welcome, got {other:?}"
+        ))),
+    }
+}
+
+/// The coordinator's messages, read on a thread of their own so that the agent can heartbeat and
+/// watch its workers meanwhile. The last one is the error that ended the connection.
+fn receive_in_background(mut control: ControlStream) -> Receiver<std::io::Result<ToAgent>> {
     let (tx, messages) = channel();
     std::thread::spawn(move || {
         loop {
@@ -480,30 +544,84 @@ fn run_incarnation(
             }
         }
     });
-    let mut workers: Vec<RunningWorker> = Vec::new();
-    let mut last_heartbeat = Instant::now();
-    let mut announced_leave = false;
-    let result = loop {
-        if last_heartbeat.elapsed() >= heartbeat {
-            last_heartbeat = Instant::now();
-            if let Err(e) = sender.send(&FromAgent::Heartbeat) {
-                break Err(gone(e.to_string()));
+    messages
+}
+
+/// A joined node's state: the connection's sending half, the heartbeat clock, the workers.
+struct Incarnation<'a> {
+    args: &'a AgentArgs,
+    /// The address this node's workers listen on.
+    host: String,
+    sender: ControlSender,
+    heartbeat: Duration,
+    last_heartbeat: Instant,
+    /// The coordinator was told this node is leaving (a preemption notice arrived).
+    announced_leave: bool,
+    workers: Vec<RunningWorker>,
+}
+
+impl Incarnation<'_> {
+    fn gone(&self, reason: String) -> AgentError {
+        AgentError::CoordinatorGone {
+            addr: self.args.join.clone(),
+            reason,
+        }
+    }
+
+    /// The message loop: between messages, heartbeats, passes on a preemption notice and
+    /// reports workers that exited.
+    fn follow(
+        &mut self,
+        leaving: &AtomicBool,
+        messages: &Receiver<std::io::Result<ToAgent>>,
+    ) -> Result<Ended, AgentError> {
+        loop {
+            self.tick(leaving)?;
+            let msg = match messages.recv_timeout(Duration::from_millis(20)) {
+                Ok(Ok(msg)) => msg,
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    return Err(bad_message(self.args, peer_input::BadInput(e.to_string())));
+                }
+                Ok(Err(e)) => return Err(self.gone(e.to_string())),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(self.gone("connection closed".into()));
+                }
+            };
+            if let Some(ended) = self.handle(msg)? {
+                return Ok(ended);
             }
         }
-        if leaving.load(Ordering::SeqCst) && !announced_leave {
-            announced_leave = true;
+    }
+
+    /// The work between messages: the heartbeat when due, the leave announcement once, and the
+    /// reports of workers that exited.
+    fn tick(&mut self, leaving: &AtomicBool) -> Result<(), AgentError> {
+        if self.last_heartbeat.elapsed() >= self.heartbeat {
+            self.last_heartbeat = Instant::now();
+            if let Err(e) = self.sender.send(&FromAgent::Heartbeat) {
+                return Err(self.gone(e.to_string()));
+            }
+        }
+        if leaving.load(Ordering::SeqCst) && !self.announced_leave {
+            self.announced_leave = true;
             warn!("preemption notice: leaving at the next step boundary");
-            for w in &workers {
+            for w in &self.workers {
                 signal(&w.child, libc::SIGTERM);
             }
-            let _ = sender.send(&FromAgent::Leaving);
+            let _ = self.sender.send(&FromAgent::Leaving);
         }
-        for exit in reap(&mut workers) {
-            // A failed send shows up as a closed connection below.
-            let _ = sender.send(&exit);
+        for exit in reap(&mut self.workers) {
+            // A failed send shows up as a closed connection in the message loop.
+            let _ = self.sender.send(&exit);
         }
-        match messages.recv_timeout(Duration::from_millis(20)) {
-            Ok(Ok(ToAgent::StartWorkers {
+        Ok(())
+    }
+
+    /// Acts on one message; `Some` when it ends the incarnation.
+    fn handle(&mut self, msg: ToAgent) -> Result<Option<Ended>, AgentError> {
+        match msg {
+            ToAgent::StartWorkers {
                 generation,
                 stages,
                 config,
@@ -511,59 +629,78 @@ fn run_incarnation(
                 session,
                 dump_grads,
                 keep_running,
-            })) => {
-                if let Err(e) = check_start(args, &stages, &snapshot_to, &session, &dump_grads) {
-                    break Err(bad_message(args, e));
-                }
-                if !keep_running {
-                    stop(&mut workers, u64::MAX);
-                }
-                for stage in stages {
-                    let spec = WorkerSpec {
-                        host: &host,
-                        generation,
-                        stage,
-                        config: &config,
-                        snapshot_to: &snapshot_to,
-                        session: &session,
-                        dump_grads: dump_grads.as_deref(),
-                    };
-                    match spawn_worker(args, &spec) {
-                        Ok(w) => workers.push(w),
-                        Err(e) => {
-                            warn!(stage, error = %e, "cannot start a worker");
-                            let _ = sender.send(&FromAgent::WorkerExited {
-                                generation,
-                                stage,
-                                code: Some(1),
-                                status: "not started".into(),
-                                log_tail: e.to_string(),
-                                log: String::new(),
-                            });
-                        }
-                    }
-                }
+            } => {
+                let start = StartRequest {
+                    generation,
+                    stages,
+                    config,
+                    snapshot_to,
+                    session,
+                    dump_grads,
+                    keep_running,
+                };
+                check_start(&start, self.args.slots, self.args.local)
+                    .map_err(|e| bad_message(self.args, e))?;
+                self.start_workers(start);
             }
-            Ok(Ok(ToAgent::StopWorkers { generation })) => {
-                stop(&mut workers, generation);
-                let _ = sender.send(&FromAgent::WorkersStopped { generation });
+            ToAgent::StopWorkers { generation } => {
+                stop(&mut self.workers, generation);
+                let _ = self.sender.send(&FromAgent::WorkersStopped { generation });
             }
-            Ok(Ok(ToAgent::Refused { reason })) => {
+            ToAgent::Refused { reason } => {
                 warn!(%reason, "the coordinator fenced this node");
-                break Ok(Ended::Fenced);
+                return Ok(Some(Ended::Fenced));
             }
-            Ok(Ok(ToAgent::Shutdown)) => break Ok(Ended::Shutdown),
-            Ok(Ok(ToAgent::Welcome { .. })) => {}
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
-                break Err(bad_message(args, peer_input::BadInput(e.to_string())));
-            }
-            Ok(Err(e)) => break Err(gone(e.to_string())),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => break Err(gone("connection closed".into())),
+            ToAgent::Shutdown => return Ok(Some(Ended::Shutdown)),
+            ToAgent::Welcome { .. } => {}
         }
-    };
-    stop(&mut workers, u64::MAX);
-    result
+        Ok(None)
+    }
+
+    /// Starts the workers of a checked `StartWorkers` (after stopping the running ones unless it
+    /// keeps them); a worker that cannot start is reported as exited.
+    fn start_workers(&mut self, start: StartRequest) {
+        if !start.keep_running {
+            stop(&mut self.workers, u64::MAX);
+        }
+        for &stage in &start.stages {
+            let spec = WorkerSpec {
+                host: &self.host,
+                generation: start.generation,
+                stage,
+                config: &start.config,
+                snapshot_to: &start.snapshot_to,
+                session: &start.session,
+                dump_grads: start.dump_grads.as_deref(),
+            };
+            match spawn_worker(self.args, &spec) {
+                Ok(w) => self.workers.push(w),
+                Err(e) => {
+                    warn!(stage, error = %e, "cannot start a worker");
+                    let _ = self.sender.send(&FromAgent::WorkerExited {
+                        generation: start.generation,
+                        stage,
+                        code: Some(1),
+                        status: "not started".into(),
+                        log_tail: e.to_string(),
+                        log: String::new(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The fields of a `StartWorkers` message.
+#[derive(Debug, Default)]
+struct StartRequest {
+    generation: u64,
+    stages: Vec<usize>,
+    config: String,
+    snapshot_to: Vec<String>,
+    session: String,
+    dump_grads: Option<PathBuf>,
+    keep_running: bool,
 }
 
 /// Most stage workers one `StartWorkers` may ask for, whatever `--slots` says.
@@ -576,34 +713,33 @@ fn bad_message(args: &AgentArgs, problem: peer_input::BadInput) -> AgentError {
     }
 }
 
-/// Checks a `StartWorkers` before anything is written or started: the session becomes a directory
-/// name under `--dir`, stages and addresses go on workers' command lines, and a gradient-dump path
-/// is honoured only from the coordinator that started this agent on its own machine.
+/// Checks a `StartWorkers` for a node with `slots` slots before anything is written or started:
+/// the session becomes a directory name under `--dir`, stages and addresses go on workers'
+/// command lines, and a gradient-dump path is honoured only from the coordinator that started
+/// this agent on its own machine (`local`).
 fn check_start(
-    args: &AgentArgs,
-    stages: &[usize],
-    snapshot_to: &[String],
-    session: &str,
-    dump_grads: &Option<PathBuf>,
+    start: &StartRequest,
+    slots: usize,
+    local: bool,
 ) -> Result<(), peer_input::BadInput> {
     // Empty: the agent's directory itself (local runs).
-    if !session.is_empty() {
-        peer_input::path_component("session", session)?;
+    if !start.session.is_empty() {
+        peer_input::path_component("session", &start.session)?;
     }
-    if stages.len() > args.slots {
+    if start.stages.len() > slots {
         return Err(peer_input::BadInput(format!(
             "{} stages for a node with {} slot(s)",
-            stages.len(),
-            args.slots
+            start.stages.len(),
+            slots
         )));
     }
-    for &stage in stages {
+    for &stage in &start.stages {
         peer_input::index("stage", stage, MAX_STAGE_INDEX)?;
     }
-    for addr in snapshot_to {
+    for addr in &start.snapshot_to {
         peer_input::address("snapshot_to", addr)?;
     }
-    if dump_grads.is_some() && !args.local {
+    if start.dump_grads.is_some() && !local {
         return Err(peer_input::BadInput(
             "dump_grads: a remote coordinator cannot choose paths on this node".into(),
         ));
@@ -803,5 +939,116 @@ mod tests {
         assert!(lines[2].contains("second starts"), "{text}");
         assert_eq!(lines[3], "replacement line");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+    /// A `StartWorkers` that every check accepts: two stages for two slots, a plain session name,
+    /// snapshot addresses, no gradient dumps.
+    fn good_start() -> StartRequest {
+        StartRequest {
+            generation: 3,
+            stages: vec![0, 1],
+            config: String::new(),
+            snapshot_to: vec!["10.0.0.2:4100".into(), "node-b.example:4100".into()],
+            session: "session-1732".into(),
+            dump_grads: None,
+            keep_running: false,
+        }
+    }
+
+    /// `start` must be refused, with a message that names `field`.
+    fn refused(start: &StartRequest, slots: usize, local: bool, field: &str) {
+        let err = check_start(start, slots, local).expect_err(field);
+        assert!(err.0.contains(field), "{field}: {err}");
+    }
+
+    #[test]
+    fn good_start_messages_are_accepted() {
+        check_start(&good_start(), 2, false).unwrap();
+        // Fewer stages than slots, the agent's own directory, no snapshots.
+        let local_run = StartRequest {
+            stages: vec![5],
+            snapshot_to: Vec::new(),
+            session: String::new(),
+            ..good_start()
+        };
+        check_start(&local_run, 4, false).unwrap();
+        // The coordinator that started this agent on its own machine may ask for gradient dumps.
+        let dumps = StartRequest {
+            dump_grads: Some(PathBuf::from("/tmp/grads")),
+            ..good_start()
+        };
+        check_start(&dumps, 2, true).unwrap();
+    }
+
+    #[test]
+    fn a_session_that_is_not_a_plain_name_is_refused() {
+        for session in ["..", "../../etc", "a/b", ".hidden", "é"] {
+            let start = StartRequest {
+                session: session.into(),
+                ..good_start()
+            };
+            refused(&start, 2, false, "session");
+        }
+    }
+
+    #[test]
+    fn more_stages_than_slots_are_refused() {
+        refused(&good_start(), 1, false, "stages");
+        let huge = StartRequest {
+            stages: vec![MAX_STAGE_INDEX],
+            ..good_start()
+        };
+        refused(&huge, 2, false, "stage");
+    }
+
+    #[test]
+    fn a_snapshot_address_without_host_and_port_is_refused() {
+        for addr in ["", "host", "host:0", ":80", "a b:80"] {
+            let start = StartRequest {
+                snapshot_to: vec!["10.0.0.2:4100".into(), addr.into()],
+                ..good_start()
+            };
+            refused(&start, 2, false, "snapshot_to");
+        }
+    }
+
+    #[test]
+    fn gradient_dumps_only_from_the_local_coordinator() {
+        let start = StartRequest {
+            dump_grads: Some(PathBuf::from("/etc")),
+            ..good_start()
+        };
+        refused(&start, 2, false, "dump_grads");
+    }
+
+    #[test]
+    fn a_welcome_needs_a_usable_heartbeat() {
+        let welcome = |heartbeat_s| ToAgent::Welcome {
+            incarnation: 7,
+            heartbeat_s,
+        };
+        assert_eq!(
+            read_welcome(welcome(0.5)),
+            Ok((7, Duration::from_millis(500)))
+        );
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            match read_welcome(welcome(bad)) {
+                Err(NotWelcome::Bad(e)) => assert!(e.0.contains("heartbeat_s"), "{e}"),
+                other => panic!("heartbeat_s = {bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_refusal_or_another_message_is_not_a_welcome() {
+        assert_eq!(
+            read_welcome(ToAgent::Refused {
+                reason: "node name in use".into()
+            }),
+            Err(NotWelcome::Refused("node name in use".into()))
+        );
+        match read_welcome(ToAgent::Shutdown) {
+            Err(NotWelcome::Unexpected(what)) => assert!(what.contains("Shutdown"), "{what}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

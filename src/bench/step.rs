@@ -18,9 +18,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::model::params::{decays, param_count};
-use crate::model::{Mode, ModelConfig, Stage, StageInput, StageLayout, StageOutput};
-use crate::schedule::Unit;
+use trainer::model::params::{decays, param_count};
+use trainer::model::{Mode, ModelConfig, Stage, StageInput, StageLayout, StageOutput};
+use trainer::schedule::Unit;
 
 /// Benchmarked model and batch shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]

@@ -22,8 +22,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use super::{children_of, is_alive, sigkill};
-use crate::config::Config;
-use crate::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
+use trainer::config::Config;
+use trainer::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
 
 /// Flags of `seqpipe bench goodput`.
 #[derive(Args, Debug)]

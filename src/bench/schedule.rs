@@ -17,10 +17,10 @@ use clap::Args;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::Config;
-use crate::runtime::driver::{LaunchOptions, run_training};
-use crate::runtime::launcher::LaunchError;
-use crate::schedule::{
+use trainer::config::Config;
+use trainer::runtime::driver::{LaunchOptions, run_training};
+use trainer::runtime::launcher::LaunchError;
+use trainer::schedule::{
     Action, FlopsModel, MeasuredCosts, Partition, ScheduleKind, generate, replay, segment_flops,
 };
 
@@ -459,7 +459,7 @@ fn averaged_over_stages(durations: &[HashMap<Action, f64>]) -> HashMap<Action, f
 }
 
 /// Per stage, each forward/backward unit's least CPU seconds over the steps from `first` on, from
-/// a `--trace` file (see [`crate::runtime::trace`]).
+/// a `--trace` file (see [`trainer::runtime::trace`]).
 fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap<Action, f64>>> {
     let trace: Value = serde_json::from_slice(trace).context("reading the trace")?;
     let mut durations = vec![HashMap::new(); stages];

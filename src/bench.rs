@@ -15,12 +15,12 @@ use anyhow::{Context, Result};
 use checkpoint::{CheckpointStore, Manifest, StoreOptions, TensorData};
 use ops::adamw::{AdamW, AdamWConfig, Moments};
 
-use crate::checkpointing::shard::{snapshot, to_tensor_data};
-use crate::config::Config;
-use crate::metrics::StepMetrics;
-use crate::model::{ModelConfig, Stage, partition_layers};
-use crate::runtime::driver::{LaunchOptions, run_training};
-use crate::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
+use trainer::checkpointing::shard::{snapshot, to_tensor_data};
+use trainer::config::Config;
+use trainer::metrics::StepMetrics;
+use trainer::model::{ModelConfig, Stage, partition_layers};
+use trainer::runtime::driver::{LaunchOptions, run_training};
+use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
 
 /// The model whose state (parameters + AdamW moments) the I/O benchmark writes: ~13.4M parameters,
 /// ~160 MB of state.
@@ -199,7 +199,7 @@ pub fn checkpoint_bench(
         model.layers,
         model.d_model,
         model.vocab_size,
-        crate::model::params::param_count(&model) as f64 / 1e6
+        trainer::model::params::param_count(&model) as f64 / 1e6
     );
     let state = pipeline_state(&model, stages)?;
     for url in urls {
@@ -231,7 +231,7 @@ pub fn checkpoint_bench(
     };
     let (without, _) = run(0)?;
     let (with, snapshot_s) = run(1)?;
-    let state_bytes = 12 * crate::model::params::param_count(&cfg.model);
+    let state_bytes = 12 * trainer::model::params::param_count(&cfg.model);
     let copy = {
         let state = pipeline_state(&cfg.model, stages)?;
         let started = Instant::now();
@@ -374,7 +374,7 @@ fn recovery_trial(
     let pid = agents
         .get(victim % agents.len().max(1))
         .context("no node to kill")?;
-    let killed_at = crate::runtime::driver::unix_time_s();
+    let killed_at = trainer::runtime::driver::unix_time_s();
     sigkill(*pid);
     let status = child.wait()?;
     anyhow::ensure!(status.success(), "the run did not recover ({status})");

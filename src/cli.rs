@@ -7,23 +7,23 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
-use crate::checkpointing::hf;
-use crate::checkpointing::shard::from_tensor_data;
-use crate::checkpointing::state::TrainerState;
-use crate::config::Config;
-use crate::data::{prepare, synthetic_language};
-use crate::model::params::param_count;
-use crate::model::partition_layers;
-use crate::plot::{read_metrics, render_plot};
-use crate::runtime::agent::{AgentArgs, run_agent};
-use crate::runtime::control::PEER_FAILURE_EXIT_CODE;
-use crate::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
-use crate::runtime::worker::{WorkerArgs, WorkerError, run_worker};
-use crate::schedule::{
+use checkpoint::{CheckpointStore, Manifest, StoreOptions};
+use trainer::checkpointing::hf;
+use trainer::checkpointing::shard::from_tensor_data;
+use trainer::checkpointing::state::TrainerState;
+use trainer::config::Config;
+use trainer::data::{prepare, synthetic_language};
+use trainer::model::params::param_count;
+use trainer::model::partition_layers;
+use trainer::plot::{read_metrics, render_plot};
+use trainer::runtime::agent::{AgentArgs, run_agent};
+use trainer::runtime::control::PEER_FAILURE_EXIT_CODE;
+use trainer::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
+use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
+use trainer::schedule::{
     Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
     segment_lengths, simulate,
 };
-use checkpoint::{CheckpointStore, StoreOptions};
 
 /// seqpipe: a fault-tolerant Seq1F1B pipeline-parallel GPT trainer.
 #[derive(Parser, Debug)]
@@ -372,173 +372,179 @@ fn init_logging(default_filter: &str) {
         .try_init();
 }
 
+/// Dispatches a command to the function of its family.
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Train(args) => {
-            let cfg = args.config.load()?;
-            crate::cuda::require_runnable_device(&cfg.model)?;
-            let start = args.start.start()?;
-            train(
-                cfg,
-                LaunchOptions {
-                    dump_grads: args.dump_grads,
-                    quiet: args.quiet,
-                    start,
-                    trace: args.trace,
-                },
-            )
-        }
-        Command::Resume(args) => {
-            let cfg = resume_config(&args.target, &args.overrides, args.step)?;
-            crate::cuda::require_runnable_device(&cfg.model)?;
-            let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
-            train(
-                cfg,
-                LaunchOptions {
-                    dump_grads: None,
-                    quiet: args.quiet,
-                    start: Start::Resume(point),
-                    trace: None,
-                },
-            )
-        }
-        Command::Eval(args) => {
-            let mut cfg = args.config.load()?;
-            let start = args.start.start()?;
-            // Evaluation reads checkpoints and never changes the store (no retiring, no cleanup,
-            // no directory created).
-            cfg.checkpoint.read_only = true;
-            let store = cfg.checkpoint.resolved_url(&cfg.run.dir);
-            if !matches!(start, Start::Resume(_))
-                && !store.contains("://")
-                && !Path::new(&store).exists()
-            {
-                // Fresh or imported weights need no checkpoint: a run without a store is read
-                // through an empty in-memory one rather than creating its directory.
-                cfg.checkpoint.url = "memory://".into();
-            }
-            crate::cuda::require_runnable_device(&cfg.model)?;
-            init_logging(&cfg.run.log);
-            crate::memory::check(&cfg, None)?;
-            let (step, val_loss) = run_evaluation(&cfg, &start)?;
-            println!(
-                "{}",
-                serde_json::json!({"step": step, "val_loss": val_loss, "batches": cfg.train.eval_batches})
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Train(args) => train_command(args),
+        Command::Resume(args) => resume_command(args),
+        Command::Eval(args) => eval(args),
         Command::Ckpt(cmd) => ckpt(cmd),
-        Command::Bench(BenchCommand::Recovery(args)) => {
-            init_logging("warn");
-            crate::bench::recovery_bench(args.trials, args.every)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench(BenchCommand::Checkpoint {
-            urls,
-            stages,
-            rounds,
-            stall_steps,
-        }) => {
-            init_logging("warn");
-            crate::bench::checkpoint_bench(&urls, stages, rounds, stall_steps)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench(BenchCommand::Step(args)) => {
-            init_logging("warn");
-            crate::bench::step::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench(BenchCommand::Schedule(args)) => {
-            init_logging("warn");
-            crate::bench::schedule::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench(BenchCommand::Goodput(args)) => {
-            init_logging("warn");
-            crate::bench::goodput::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Bench(cmd) => bench(cmd).map(|()| ExitCode::SUCCESS),
         Command::Gpu(cmd) => {
             init_logging("warn");
             crate::cuda::run(cmd).map(|()| ExitCode::SUCCESS)
         }
         Command::Schedule(args) => schedule(args).map(|()| ExitCode::SUCCESS),
         Command::Plot(args) => plot(args).map(|()| ExitCode::SUCCESS),
-        Command::Data(DataCommand::Prepare {
-            input,
-            out,
-            val_fraction,
-        }) => {
-            init_logging("info");
-            let report = prepare(&input, &out, val_fraction)?;
-            println!(
-                "wrote {} ({} tokens, {} documents) and {} ({} tokens, {} documents)",
-                report.train_path.display(),
-                report.train_tokens,
-                report.train_documents,
-                report.val_path.display(),
-                report.val_tokens,
-                report.val_documents
-            );
-            println!(
-                "train on it with: seqpipe train --set data.source={} --set model.vocab_size=50257",
-                out.display()
-            );
-            Ok(ExitCode::SUCCESS)
+        Command::Data(cmd) => data(cmd).map(|()| ExitCode::SUCCESS),
+        Command::Agent(args) => agent(args).map(|()| ExitCode::SUCCESS),
+        Command::Worker(args) => worker(args),
+    }
+}
+
+/// `seqpipe train`: a run from the config, fresh, resumed or initialised from Hugging Face weights.
+fn train_command(args: TrainArgs) -> Result<ExitCode> {
+    let cfg = args.config.load()?;
+    trainer::cuda::require_runnable_device(&cfg.model)?;
+    let start = args.start.start()?;
+    train(
+        cfg,
+        LaunchOptions {
+            dump_grads: args.dump_grads,
+            quiet: args.quiet,
+            start,
+            trace: args.trace,
+        },
+    )
+}
+
+/// `seqpipe resume`: the run's own config (from its directory or its checkpoints) and its newest
+/// (or the chosen) committed checkpoint.
+fn resume_command(args: ResumeArgs) -> Result<ExitCode> {
+    let cfg = resume_config(&args.target, &args.overrides, args.step)?;
+    trainer::cuda::require_runnable_device(&cfg.model)?;
+    let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
+    train(
+        cfg,
+        LaunchOptions {
+            dump_grads: None,
+            quiet: args.quiet,
+            start: Start::Resume(point),
+            trace: None,
+        },
+    )
+}
+
+/// `seqpipe eval`: prints the validation loss as one JSON line; never changes the store.
+fn eval(args: EvalArgs) -> Result<ExitCode> {
+    let mut cfg = args.config.load()?;
+    let start = args.start.start()?;
+    // Evaluation reads checkpoints and never changes the store (no retiring, no cleanup,
+    // no directory created).
+    cfg.checkpoint.read_only = true;
+    let store = cfg.checkpoint.resolved_url(&cfg.run.dir);
+    if !matches!(start, Start::Resume(_)) && !store.contains("://") && !Path::new(&store).exists() {
+        // Fresh or imported weights need no checkpoint: a run without a store is read
+        // through an empty in-memory one rather than creating its directory.
+        cfg.checkpoint.url = "memory://".into();
+    }
+    trainer::cuda::require_runnable_device(&cfg.model)?;
+    init_logging(&cfg.run.log);
+    trainer::memory::check(&cfg, None)?;
+    let (step, val_loss) = run_evaluation(&cfg, &start)?;
+    println!(
+        "{}",
+        serde_json::json!({"step": step, "val_loss": val_loss, "batches": cfg.train.eval_batches})
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `seqpipe bench …`: every benchmark logs warnings only, so that its numbers stand out.
+fn bench(cmd: BenchCommand) -> Result<()> {
+    init_logging("warn");
+    match cmd {
+        BenchCommand::Recovery(args) => crate::bench::recovery_bench(args.trials, args.every),
+        BenchCommand::Checkpoint {
+            urls,
+            stages,
+            rounds,
+            stall_steps,
+        } => crate::bench::checkpoint_bench(&urls, stages, rounds, stall_steps),
+        BenchCommand::Step(args) => crate::bench::step::run(&args),
+        BenchCommand::Schedule(args) => crate::bench::schedule::run(&args),
+        BenchCommand::Goodput(args) => crate::bench::goodput::run(&args),
+    }
+}
+
+/// `seqpipe data prepare`.
+fn data(cmd: DataCommand) -> Result<()> {
+    let DataCommand::Prepare {
+        input,
+        out,
+        val_fraction,
+    } = cmd;
+    init_logging("info");
+    let report = prepare(&input, &out, val_fraction)?;
+    println!(
+        "wrote {} ({} tokens, {} documents) and {} ({} tokens, {} documents)",
+        report.train_path.display(),
+        report.train_tokens,
+        report.train_documents,
+        report.val_path.display(),
+        report.val_tokens,
+        report.val_documents
+    );
+    println!(
+        "train on it with: seqpipe train --set data.source={} --set model.vocab_size=50257",
+        out.display()
+    );
+    Ok(())
+}
+
+/// `seqpipe agent`: this node's name, the job config with an etcd rendezvous, then the agent.
+fn agent(a: AgentCli) -> Result<()> {
+    init_logging("info");
+    let name = match a.name {
+        Some(n) => n,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .context("reading the host name; name the node with --name")?,
+    };
+    let connect_timeout = elastic::checked_seconds(a.connect_timeout_s, elastic::Zero::Allowed)
+        .context("--connect-timeout-s")?;
+    let job = match &a.rendezvous {
+        Some(url) => {
+            let mut cfg = a.config.load()?;
+            cfg.elastic.rendezvous = url.clone();
+            cfg.validate()?;
+            Some(Box::new(cfg))
         }
-        Command::Agent(a) => {
-            init_logging("info");
-            let name = match a.name {
-                Some(n) => n,
-                None => std::fs::read_to_string("/proc/sys/kernel/hostname")
-                    .map(|h| h.trim().to_string())
-                    .context("reading the host name; name the node with --name")?,
-            };
-            let connect_timeout =
-                elastic::checked_seconds(a.connect_timeout_s, elastic::Zero::Allowed)
-                    .context("--connect-timeout-s")?;
-            let job = match &a.rendezvous {
-                Some(url) => {
-                    let mut cfg = a.config.load()?;
-                    cfg.elastic.rendezvous = url.clone();
-                    cfg.validate()?;
-                    Some(Box::new(cfg))
-                }
-                None => None,
-            };
-            run_agent(&AgentArgs {
-                join: a.join.unwrap_or_default(),
-                job,
-                name,
-                slots: a.slots,
-                host: a.host,
-                dir: a.dir,
-                connect_timeout,
-                local: a.local,
-            })?;
-            Ok(ExitCode::SUCCESS)
+        None => None,
+    };
+    run_agent(&AgentArgs {
+        join: a.join.unwrap_or_default(),
+        job,
+        name,
+        slots: a.slots,
+        host: a.host,
+        dir: a.dir,
+        connect_timeout,
+        local: a.local,
+    })?;
+    Ok(())
+}
+
+/// `seqpipe worker` (started by an agent): a transport failure exits with
+/// [`PEER_FAILURE_EXIT_CODE`], any other error with 1.
+fn worker(w: WorkerCli) -> Result<ExitCode> {
+    init_logging("info");
+    let stage = w.stage;
+    match run_worker(WorkerArgs {
+        control: w.control,
+        stage: w.stage,
+        generation: w.generation,
+        bind: w.bind,
+        snapshot_to: w.snapshot_to,
+        config: w.config,
+        dump_grads: w.dump_grads,
+    }) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        // This node is healthy; a neighbour is not. The launcher tells the two apart by this code.
+        Err(e @ WorkerError::Transport(_)) => {
+            eprintln!("error: worker of stage {stage}: {e}");
+            Ok(ExitCode::from(PEER_FAILURE_EXIT_CODE))
         }
-        Command::Worker(w) => {
-            init_logging("info");
-            let stage = w.stage;
-            match run_worker(WorkerArgs {
-                control: w.control,
-                stage: w.stage,
-                generation: w.generation,
-                bind: w.bind,
-                snapshot_to: w.snapshot_to,
-                config: w.config,
-                dump_grads: w.dump_grads,
-            }) {
-                Ok(()) => Ok(ExitCode::SUCCESS),
-                // This node is healthy; a neighbour is not. The launcher tells the two apart by this code.
-                Err(e @ WorkerError::Transport(_)) => {
-                    eprintln!("error: worker of stage {stage}: {e}");
-                    Ok(ExitCode::from(PEER_FAILURE_EXIT_CODE))
-                }
-                Err(e) => Err(anyhow::Error::new(e).context(format!("worker of stage {stage}"))),
-            }
-        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("worker of stage {stage}"))),
     }
 }
 
@@ -554,7 +560,7 @@ fn parse_resume_point(s: &str) -> Result<ResumePoint> {
 
 /// The config of the run to resume: `TARGET/config.resolved.toml` for a run directory, else the
 /// config stored in the newest committed checkpoint at URL `TARGET` (at or before `step`) whose
-/// manifest is readable, minus the output locations ([`crate::config::LOCAL_ONLY_KEYS`]), which come from the
+/// manifest is readable, minus the output locations ([`trainer::config::LOCAL_ONLY_KEYS`]), which come from the
 /// defaults; then the overrides.
 fn resume_config(target: &str, overrides: &[String], step: Option<u64>) -> Result<Config> {
     let resolved = PathBuf::from(target).join("config.resolved.toml");
@@ -651,7 +657,7 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     }
     init_logging(&cfg.run.log);
     // Before any worker starts: a model that cannot fit is refused with the numbers.
-    crate::memory::check(&cfg, None)?;
+    trainer::memory::check(&cfg, None)?;
     let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
     let segments = cfg.segment_lengths()?;
     eprintln!(
@@ -724,11 +730,19 @@ fn read_only() -> StoreOptions {
     }
 }
 
-fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
-    let rt = runtime()?;
-    let open = |url: &str| CheckpointStore::open(url, &read_only());
-    let pick = |store: &CheckpointStore, step: Option<u64>| -> Result<u64> {
-        let committed = rt.block_on(store.committed_steps())?;
+/// The checkpoint stores a `seqpipe ckpt` command reads: opened read-only, on one runtime.
+struct Ckpts {
+    rt: tokio::runtime::Runtime,
+}
+
+impl Ckpts {
+    fn open(&self, url: &str) -> Result<CheckpointStore> {
+        Ok(CheckpointStore::open(url, &read_only())?)
+    }
+
+    /// `step` if it is committed in `store`, else its newest committed step.
+    fn pick(&self, store: &CheckpointStore, step: Option<u64>) -> Result<u64> {
+        let committed = self.rt.block_on(store.committed_steps())?;
         match step {
             Some(s) if committed.contains(&s) => Ok(s),
             Some(s) => bail!(
@@ -740,80 +754,24 @@ fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
                 .copied()
                 .with_context(|| format!("no committed checkpoint at {}", store.url())),
         }
-    };
+    }
+
+    /// The store at `url` and its manifest of `step` (default: the newest committed).
+    fn manifest(&self, url: &str, step: Option<u64>) -> Result<(CheckpointStore, u64, Manifest)> {
+        let store = self.open(url)?;
+        let step = self.pick(&store, step)?;
+        let manifest = self.rt.block_on(store.read_manifest(step))?;
+        Ok((store, step, manifest))
+    }
+}
+
+/// `seqpipe ckpt …`.
+fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
+    let ckpts = Ckpts { rt: runtime()? };
     match cmd {
-        CkptCommand::List { url } => {
-            let store = open(&url)?;
-            let steps = rt.block_on(store.list())?;
-            if steps.is_empty() {
-                println!("no checkpoints at {url}");
-            }
-            for s in steps {
-                println!(
-                    "step {:>8}  {:>12} bytes  {:>3} objects  {}",
-                    s.step,
-                    s.bytes,
-                    s.objects,
-                    if s.committed {
-                        "committed"
-                    } else {
-                        "NOT committed (incomplete upload)"
-                    }
-                );
-            }
-        }
-        CkptCommand::Show { url, step } => {
-            let store = open(&url)?;
-            let step = pick(&store, step)?;
-            let manifest = rt.block_on(store.read_manifest(step))?;
-            println!(
-                "checkpoint {url} step {step}: {} bytes in {} shards, {} tensors",
-                manifest.total_bytes(),
-                manifest.shards.len(),
-                manifest.tensor_names().count()
-            );
-            if let Ok(state) = serde_json::from_value::<TrainerState>(manifest.state.clone()) {
-                let t = &state.topology;
-                println!(
-                    "written by {} after step {} (loss {:.4}, lr {:.3e}); next data step {}",
-                    state.writer, state.step, state.loss, state.lr.last_lr, state.data.next_step
-                );
-                println!(
-                    "topology: {} stages {:?}, schedule {}, {} micro-batches x {} segments",
-                    t.stages, t.layers, t.schedule, t.microbatches, t.splits
-                );
-            }
-            for shard in &manifest.shards {
-                println!(
-                    "shard {} ({} bytes, blake3 {})",
-                    shard.key, shard.size, shard.blake3
-                );
-                for t in &shard.tensors {
-                    println!("  {:<40} {:<4} {:?}", t.name, t.dtype, t.shape);
-                }
-            }
-        }
-        CkptCommand::Verify { url, step } => {
-            let store = open(&url)?;
-            let step = pick(&store, step)?;
-            let manifest = rt.block_on(store.read_manifest(step))?;
-            let report = rt.block_on(store.verify(&manifest))?;
-            if report.is_ok() {
-                println!(
-                    "ok: step {step}, {} shards, {} bytes re-hashed",
-                    report.shards_checked, report.bytes_checked
-                );
-            } else {
-                for problem in &report.problems {
-                    eprintln!("{problem}");
-                }
-                eprintln!(
-                    "error: checkpoint of step {step} at {url} is corrupt ({} problems)",
-                    report.problems.len()
-                );
-                return Ok(ExitCode::FAILURE);
-            }
-        }
+        CkptCommand::List { url } => ckpt_list(&ckpts, &url)?,
+        CkptCommand::Show { url, step } => ckpt_show(&ckpts, &url, step)?,
+        CkptCommand::Verify { url, step } => return ckpt_verify(&ckpts, &url, step),
         CkptCommand::Export {
             url,
             step,
@@ -821,29 +779,107 @@ fn ckpt(cmd: CkptCommand) -> Result<ExitCode> {
             out,
         } => {
             debug_assert_eq!(format, "hf-gpt2");
-            let store = open(&url)?;
-            let step = pick(&store, step)?;
-            let manifest = rt.block_on(store.read_manifest(step))?;
-            let state: TrainerState = serde_json::from_value(manifest.state.clone())
-                .context("reading the checkpoint's trainer state")?;
-            let cfg = state.config()?;
-            let names: Vec<String> = crate::model::params::param_specs(&cfg.model)
-                .into_iter()
-                .map(|s| s.name)
-                .collect();
-            let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
-            let params = tensors
-                .iter()
-                .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
-                .collect::<Result<_>>()?;
-            hf::export(&cfg.model, &params, &out)?;
-            println!(
-                "exported step {step} to {} (model.safetensors, config.json)",
-                out.display()
-            );
+            ckpt_export(&ckpts, &url, step, &out)?;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn ckpt_list(ckpts: &Ckpts, url: &str) -> Result<()> {
+    let store = ckpts.open(url)?;
+    let steps = ckpts.rt.block_on(store.list())?;
+    if steps.is_empty() {
+        println!("no checkpoints at {url}");
+    }
+    for s in steps {
+        println!(
+            "step {:>8}  {:>12} bytes  {:>3} objects  {}",
+            s.step,
+            s.bytes,
+            s.objects,
+            if s.committed {
+                "committed"
+            } else {
+                "NOT committed (incomplete upload)"
+            }
+        );
+    }
+    Ok(())
+}
+
+fn ckpt_show(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<()> {
+    let (_, step, manifest) = ckpts.manifest(url, step)?;
+    println!(
+        "checkpoint {url} step {step}: {} bytes in {} shards, {} tensors",
+        manifest.total_bytes(),
+        manifest.shards.len(),
+        manifest.tensor_names().count()
+    );
+    if let Ok(state) = serde_json::from_value::<TrainerState>(manifest.state.clone()) {
+        let t = &state.topology;
+        println!(
+            "written by {} after step {} (loss {:.4}, lr {:.3e}); next data step {}",
+            state.writer, state.step, state.loss, state.lr.last_lr, state.data.next_step
+        );
+        println!(
+            "topology: {} stages {:?}, schedule {}, {} micro-batches x {} segments",
+            t.stages, t.layers, t.schedule, t.microbatches, t.splits
+        );
+    }
+    for shard in &manifest.shards {
+        println!(
+            "shard {} ({} bytes, blake3 {})",
+            shard.key, shard.size, shard.blake3
+        );
+        for t in &shard.tensors {
+            println!("  {:<40} {:<4} {:?}", t.name, t.dtype, t.shape);
+        }
+    }
+    Ok(())
+}
+
+/// Exit status 1 (with the problems on stderr) when a shard or tensor does not match its hash.
+fn ckpt_verify(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<ExitCode> {
+    let (store, step, manifest) = ckpts.manifest(url, step)?;
+    let report = ckpts.rt.block_on(store.verify(&manifest))?;
+    if report.is_ok() {
+        println!(
+            "ok: step {step}, {} shards, {} bytes re-hashed",
+            report.shards_checked, report.bytes_checked
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    for problem in &report.problems {
+        eprintln!("{problem}");
+    }
+    eprintln!(
+        "error: checkpoint of step {step} at {url} is corrupt ({} problems)",
+        report.problems.len()
+    );
+    Ok(ExitCode::FAILURE)
+}
+
+/// Writes the checkpoint's model as a Hugging Face GPT-2 directory.
+fn ckpt_export(ckpts: &Ckpts, url: &str, step: Option<u64>, out: &Path) -> Result<()> {
+    let (store, step, manifest) = ckpts.manifest(url, step)?;
+    let state: TrainerState = serde_json::from_value(manifest.state.clone())
+        .context("reading the checkpoint's trainer state")?;
+    let cfg = state.config()?;
+    let names: Vec<String> = trainer::model::params::param_specs(&cfg.model)
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    let tensors = ckpts.rt.block_on(store.read_tensors(&manifest, &names))?;
+    let params = tensors
+        .iter()
+        .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
+        .collect::<Result<_>>()?;
+    hf::export(&cfg.model, &params, out)?;
+    println!(
+        "exported step {step} to {} (model.safetensors, config.json)",
+        out.display()
+    );
+    Ok(())
 }
 
 fn plot(args: PlotArgs) -> Result<()> {

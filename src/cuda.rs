@@ -1,0 +1,342 @@
+//! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle) and
+//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU). The check that
+//! refuses `model.device = "cuda"` where it cannot run is the library's
+//! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
+//! to build with it.
+
+use anyhow::{Result, bail};
+use clap::{Args, Subcommand};
+
+/// `seqpipe gpu …`.
+#[derive(Subcommand, Debug)]
+pub enum GpuCommand {
+    /// Run every CUDA kernel against its CPU counterpart and print the relative errors.
+    Check(CheckArgs),
+    /// Train a whole GPT on one GPU: step time, tokens/s, MFU, device memory (one JSON line).
+    Bench(GpuBenchArgs),
+}
+
+/// Flags of `seqpipe gpu check`.
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Flags of `seqpipe gpu bench`.
+#[derive(Args, Debug)]
+pub struct GpuBenchArgs {
+    /// Model and batch shape (as `bench step`, plus GPT-2 small).
+    #[arg(long, value_enum)]
+    preset: crate::bench::step::Preset,
+    /// Rows per step (default: the preset's).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// `fp32`, `tf32` or `bf16` matrix products.
+    #[arg(long, default_value = "bf16")]
+    precision: String,
+    /// Timed steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Seed of the weights (the CPU stage's init) and of the batch.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Before timing, compare the first step's gradients with the CPU stage's on the same weights
+    /// and batch (slow for big presets: the CPU runs the step too).
+    #[arg(long)]
+    check: bool,
+}
+
+/// Runs a `seqpipe gpu` command.
+pub fn run(cmd: GpuCommand) -> Result<()> {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = cmd;
+        bail!(
+            "this seqpipe was built without CUDA support: rebuild with `cargo build --release --features cuda`"
+        )
+    }
+    #[cfg(feature = "cuda")]
+    match cmd {
+        GpuCommand::Check(args) => enabled::check(&args),
+        GpuCommand::Bench(args) => enabled::bench(&args),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod enabled {
+    use std::time::Instant;
+
+    use anyhow::{Context, Result, bail};
+    use candle_core::DType;
+    use gpu::model::{GptGpu, GptShape, Update};
+    use gpu::{Gpu, Precision};
+    use ops::adamw::AdamWConfig;
+    use serde::Serialize;
+
+    use super::{CheckArgs, GpuBenchArgs};
+    use crate::bench::step::{median, random_batch};
+    use trainer::model::config::Norm;
+    use trainer::model::params::{decays, param_count};
+    use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
+    use trainer::schedule::Unit;
+
+    /// Learning rate, weight decay and clipping of the benchmark (as `bench step`'s).
+    const LR: f64 = 3e-4;
+    const WEIGHT_DECAY: f64 = 0.1;
+    const GRAD_CLIP: f64 = 1.0;
+    /// Relative L2 error allowed between the GPU's and the CPU's whole-model FP32 gradients.
+    const GRAD_BOUND_FP32: f64 = 1e-4;
+
+    pub(super) fn check(args: &CheckArgs) -> Result<()> {
+        let mut g = Gpu::open(args.device, Precision::Fp32)?;
+        let results = gpu::oracle::check_all(&mut g, args.seed)?;
+        let failed: Vec<_> = results.iter().filter(|c| !c.passed()).collect();
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"gpu": g.name(), "arch": g.arch(), "kernels": results, "failed": failed.len()})
+            );
+        } else {
+            println!(
+                "{} ({}): every kernel vs the CPU oracle",
+                g.name(),
+                g.arch()
+            );
+            println!(
+                "{:<55} {:>6} {:>10} {:>10} {:>8}  ok",
+                "kernel output", "prec", "rel L2", "rel max", "bound"
+            );
+            for c in &results {
+                println!(
+                    "{:<55} {:>6} {:>10.2e} {:>10.2e} {:>8.0e}  {}",
+                    c.what,
+                    c.precision,
+                    c.rel_l2,
+                    c.rel_max,
+                    c.bound,
+                    if c.passed() { "yes" } else { "NO" }
+                );
+            }
+        }
+        if !failed.is_empty() {
+            bail!("{} kernel outputs exceed their bounds", failed.len());
+        }
+        Ok(())
+    }
+
+    /// What `seqpipe gpu bench` prints (the keys of scripts/gpu-torch-bench.py's line).
+    #[derive(Serialize)]
+    struct Report {
+        #[serde(rename = "impl")]
+        implementation: &'static str,
+        gpu: String,
+        preset: crate::bench::step::Preset,
+        precision: &'static str,
+        batch: usize,
+        seq_len: usize,
+        params: usize,
+        flops_per_token: f64,
+        warmup: usize,
+        steps: usize,
+        step_ms: Vec<f64>,
+        median_ms: f64,
+        tokens_per_s: f64,
+        mfu: f64,
+        peak_mem_mib: f64,
+        losses: Vec<f64>,
+        final_params_blake3: String,
+        grad_check: Option<GradCheck>,
+    }
+
+    #[derive(Serialize)]
+    struct GradCheck {
+        worst_rel_l2: f64,
+        worst_param: String,
+        loss_gpu: f64,
+        loss_cpu: f64,
+        bound: f64,
+    }
+
+    /// Dense peak FLOP/s of an H100/H200 (SXM) by precision: the MFU denominators
+    /// (scripts/gpu-torch-bench.py uses the same).
+    fn peak_flops(p: Precision) -> f64 {
+        match p {
+            Precision::Fp32 => 66.9e12,
+            Precision::Tf32 => 494.7e12,
+            Precision::Bf16 => 989.4e12,
+        }
+    }
+
+    pub(super) fn bench(args: &GpuBenchArgs) -> Result<()> {
+        let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
+        let (model, preset_batch, seq) = args.preset.shape();
+        let batch = args.batch.unwrap_or(preset_batch);
+        if batch == 0 || args.steps == 0 {
+            bail!("--batch and --steps must be at least 1");
+        }
+        let g = Gpu::open(args.device, precision)?;
+        let layout = StageLayout {
+            stage: 0,
+            stages: 1,
+            layers: 0..model.layers,
+        };
+        // The CPU stage gives the initial weights (same seed, same names) and, with --check, the
+        // reference gradients.
+        let mut stage = Stage::new(&model, layout, vec![seq], args.seed)?;
+        let mut params = Vec::new();
+        let mut decayed = std::collections::HashSet::new();
+        for spec in stage.params().specs() {
+            let t = stage.params().get(&spec.name)?;
+            let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            params.push((spec.name.clone(), spec.shape.clone(), values));
+            if decays(spec.kind, false) {
+                decayed.insert(spec.name.clone());
+            }
+        }
+        let (inputs, targets) = random_batch(&model, batch, seq, args.seed)?;
+        let host_inputs = inputs.flatten_all()?.to_vec1::<u32>()?;
+        let host_targets = targets.to_vec1::<u32>()?;
+        let shape = GptShape {
+            vocab: model.vocab_size,
+            layers: model.layers,
+            d_model: model.d_model,
+            heads: model.heads,
+            ffn: model.ffn(),
+            max_seq_len: model.max_seq_len,
+            eps: model.norm_eps as f32,
+            rms: model.norm == Norm::RmsNorm,
+        };
+        let free_before = g.memory()?.0;
+        let mut m = GptGpu::new(&g, shape, params, &|n| decayed.contains(n), batch, seq)
+            .context("building the model on the GPU")?;
+        let loss_scale = 1.0 / (batch * seq) as f64;
+        let adamw = AdamWConfig::default();
+        let update = Update {
+            lr: LR,
+            weight_decay: WEIGHT_DECAY,
+            grad_clip: GRAD_CLIP,
+            betas: (adamw.beta1, adamw.beta2, adamw.eps),
+        };
+        let mut losses = Vec::new();
+        let mut grad_check = None;
+        if args.check {
+            let loss_gpu = m.forward_backward(&g, &host_inputs, &host_targets, loss_scale)?;
+            let out = stage.forward(
+                Unit::new(0, 0),
+                StageInput::Tokens(inputs.clone()),
+                Some(&targets),
+                loss_scale,
+                Mode::Train,
+            )?;
+            let StageOutput::LossSum(loss_cpu) = out else {
+                bail!("a single stage must end in the loss");
+            };
+            stage.backward(Unit::new(0, 0), None)?;
+            let mut worst = (0.0f64, String::new());
+            for (name, _, got) in m.download_grads(&g)? {
+                let want = stage
+                    .grads()
+                    .get(&name)
+                    .with_context(|| format!("the CPU stage has no gradient for {name}"))?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (a, b) in got.iter().zip(&want) {
+                    num += (*a as f64 - *b as f64).powi(2);
+                    den += (*b as f64).powi(2);
+                }
+                let rel = if den > 0.0 {
+                    (num / den).sqrt()
+                } else {
+                    num.sqrt()
+                };
+                // NaN counts as the worst.
+                if rel.is_nan() || rel > worst.0 {
+                    worst = (rel, name);
+                }
+            }
+            m.update(&g, &update)?;
+            losses.push(loss_gpu * loss_scale);
+            grad_check = Some(GradCheck {
+                worst_rel_l2: worst.0,
+                worst_param: worst.1,
+                loss_gpu: loss_gpu * loss_scale,
+                loss_cpu: loss_cpu * loss_scale,
+                bound: GRAD_BOUND_FP32,
+            });
+        }
+        let mut step_ms = Vec::new();
+        for step in 0..args.warmup + args.steps {
+            g.sync()?;
+            let started = Instant::now();
+            let loss = m.forward_backward(&g, &host_inputs, &host_targets, loss_scale)?;
+            m.update(&g, &update)?;
+            g.sync()?;
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            losses.push(loss * loss_scale);
+            if step >= args.warmup {
+                step_ms.push(ms);
+            }
+        }
+        let free_after = g.memory()?.0;
+        let mut hasher = blake3::Hasher::new();
+        for (name, _, values) in m.download_params(&g)? {
+            hasher.update(name.as_bytes());
+            for v in values {
+                hasher.update(&v.to_le_bytes());
+            }
+        }
+        let params = param_count(&model);
+        let flops_per_token =
+            6.0 * params as f64 + 12.0 * (model.layers * model.d_model * seq) as f64;
+        let median_ms = median(&step_ms);
+        let tokens_per_s = (batch * seq) as f64 / (median_ms / 1e3);
+        let report = Report {
+            implementation: "seqpipe",
+            gpu: g.name().to_string(),
+            preset: args.preset,
+            precision: precision.name(),
+            batch,
+            seq_len: seq,
+            params,
+            flops_per_token,
+            warmup: args.warmup,
+            steps: args.steps,
+            median_ms,
+            tokens_per_s,
+            mfu: flops_per_token * tokens_per_s / peak_flops(precision),
+            peak_mem_mib: free_before.saturating_sub(free_after) as f64 / (1u64 << 20) as f64,
+            step_ms,
+            losses,
+            final_params_blake3: hasher.finalize().to_hex().to_string(),
+            grad_check,
+        };
+        println!("{}", serde_json::to_string(&report)?);
+        if let Some(c) = &report.grad_check
+            && precision == Precision::Fp32
+            && (c.worst_rel_l2.is_nan() || c.worst_rel_l2 > c.bound)
+        {
+            bail!(
+                "GPU gradients differ from the CPU stage's: {} has relative L2 error {:.2e} (bound {:.0e})",
+                c.worst_param,
+                c.worst_rel_l2,
+                c.bound
+            );
+        }
+        Ok(())
+    }
+}
