@@ -19,8 +19,9 @@ use trainer::checkpointing::shard::{snapshot, to_tensor_data};
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::model::{ModelConfig, Stage, partition_layers};
-use trainer::runtime::driver::{LaunchOptions, run_training};
 use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
+use trainer::runtime::recovery::Tier;
+use trainer::runtime::run::{LaunchOptions, run_training};
 
 /// The model whose state (parameters + AdamW moments) the I/O benchmark writes: ~13.4M parameters,
 /// ~160 MB of state.
@@ -374,7 +375,7 @@ fn recovery_trial(
     let pid = agents
         .get(victim % agents.len().max(1))
         .context("no node to kill")?;
-    let killed_at = trainer::runtime::driver::unix_time_s();
+    let killed_at = trainer::runtime::trace::unix_time_s();
     sigkill(*pid);
     let status = child.wait()?;
     anyhow::ensure!(status.success(), "the run did not recover ({status})");
@@ -409,7 +410,7 @@ fn recovery_trial(
     else {
         unreachable!("found a recovered event")
     };
-    let redone_s = if tier == "mid_step" {
+    let redone_s = if tier == Tier::MidStep {
         redone_s.with_context(|| format!("event without redone_s: {recovered:?}"))?
     } else {
         lost_steps as f64 * step_compute_s + step_start_redone_s
@@ -418,7 +419,7 @@ fn recovery_trial(
         detection_s: detected_at_unix_s - killed_at,
         recovery_s: at_unix_s - killed_at,
         lost_steps,
-        tier,
+        tier: tier.to_string(),
         redone_s,
         step_start_redone_s,
     })

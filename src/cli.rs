@@ -18,7 +18,8 @@ use trainer::model::partition_layers;
 use trainer::plot::{read_metrics, render_plot};
 use trainer::runtime::agent::{AgentArgs, run_agent};
 use trainer::runtime::control::PEER_FAILURE_EXIT_CODE;
-use trainer::runtime::driver::{LaunchOptions, ResumePoint, Start, run_evaluation, run_training};
+use trainer::runtime::recovery::{ResumePoint, Start};
+use trainer::runtime::run::{LaunchOptions, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use trainer::schedule::{
     Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
+use trainer::runtime::recovery::Tier;
 
 use common::{
     assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, records,
@@ -249,14 +250,14 @@ fn assert_recovery_tiers(trials: &[ChaosTrial]) {
             // copies lag training by at most one step: tier 1, only the interrupted step is
             // redone — or one more when the kill landed while the last step's copy was in flight.
             // A kill in the first step restarts from the seeded weights, also tier 1.
-            assert_eq!(r.tier, "peer", "trial {}: {r:?}", t.index);
+            assert_eq!(r.tier, Tier::Peer, "trial {}: {r:?}", t.index);
             assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
             peer_recoveries += 1;
         } else {
             // A node and its buddy may both be gone: then the newest committed checkpoint.
             // Checkpoints every 2 steps with at most one in flight: the one before the newest
             // begun is committed, so at most 2·2 − 1 completed steps are redone.
-            assert!(r.tier == "peer" || r.tier == "checkpoint", "{r:?}");
+            assert!(r.tier == Tier::Peer || r.tier == Tier::Checkpoint, "{r:?}");
             assert!(lost_steps <= 3, "checkpoints every 2 steps: {r:?}");
         }
     }
@@ -332,14 +333,14 @@ fn chaos_with_mid_step_recovery_bit_exact() {
         // A kill outside a step's forward and backward (update, evaluation, checkpoint) is
         // recovered from the peer snapshots instead.
         assert!(
-            r.tier == "mid_step" || r.tier == "peer",
+            r.tier == Tier::MidStep || r.tier == Tier::Peer,
             "trial {}: {r:?}",
             t.index
         );
         // (Peer snapshots: one more step when the kill landed during the last step's copy.)
         let lost_steps = r.lost_steps;
         assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
-        if r.tier == "mid_step" {
+        if r.tier == Tier::MidStep {
             assert_eq!(lost_steps, 0, "trial {}: {r:?}", t.index);
             mid_step += 1;
             // No survivor recomputed anything: the stages computed exactly one step's units
@@ -418,7 +419,7 @@ fn preemption_notice_hands_over_at_the_step_boundary() {
             _ => None,
         })
         .unwrap_or_else(|| panic!("{events:?}"));
-    assert_eq!(r.tier, "handover", "{r:?}");
+    assert_eq!(r.tier, Tier::Handover, "{r:?}");
     assert_eq!(r.lost_steps, 0, "{r:?}");
     assert_eq!((r.stages_before, r.stages_after), (4, 3), "{r:?}");
 }

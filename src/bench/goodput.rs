@@ -193,7 +193,7 @@ pub fn summarize(lines: &str) -> RecoverySummary {
                 recovery_s,
                 ..
             })) => {
-                *s.recoveries.entry(tier).or_default() += 1;
+                *s.recoveries.entry(tier.to_string()).or_default() += 1;
                 s.lost_steps += lost_steps;
                 s.redone_units += redone_units.unwrap_or(0) as u64;
                 s.recovery_s += recovery_s;

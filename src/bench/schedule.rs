@@ -18,8 +18,8 @@ use serde::Serialize;
 use serde_json::Value;
 
 use trainer::config::Config;
-use trainer::runtime::driver::{LaunchOptions, run_training};
-use trainer::runtime::launcher::LaunchError;
+use trainer::runtime::error::LaunchError;
+use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
     Action, FlopsModel, MeasuredCosts, Partition, ScheduleKind, generate, replay, segment_flops,
 };

@@ -1,7 +1,7 @@
 //! The coordinator: the control port that node agents and stage workers connect to, and the elastic
 //! core's view of the nodes. It admits agents (job token first), records their heartbeats, leaves
 //! and exits, asks [`elastic::decide`] for plans, and tells agents which workers to start. The
-//! pipeline of one plan is in [`super::launcher`]; the training loop in [`super::driver`].
+//! pipeline of one plan is in [`super::pipeline`]; the training loop in [`super::driver`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;
@@ -1012,7 +1012,7 @@ impl Coordinator {
             stages: plan.num_stages(),
             nodes: plan.stages.clone(),
             resume_from,
-            tier: Some(tier.as_str().into()),
+            tier: Some(tier),
         }));
         Ok(tier)
     }

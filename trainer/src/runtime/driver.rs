@@ -1,49 +1,34 @@
-//! The training loop on the launcher: runs the steps through the [`Pipeline`] (global gradient norm
-//! in canonical order, clipping, learning rate), evaluates, writes `metrics.jsonl`, schedules
-//! checkpoints (at most one upload in flight, committed by a manifest written last), resumes from
-//! them, and stops cleanly on SIGINT/SIGTERM.
+//! The training loop of one pipeline: loads its state, runs the steps through the [`Pipeline`]
+//! (global gradient norm in canonical order, clipping, learning rate), replaces a stage lost in
+//! the middle of a step, evaluates, writes `metrics.jsonl`, schedules checkpoints (see
+//! [`super::checkpoint_writer`]) and stops at a step boundary on a signal or a plan change.
+//! [`super::run`] starts the pipelines one after another.
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::checkpoints::CheckpointWriter;
+use super::checkpoint_writer::CheckpointWriter;
 use super::control::{StepCost, ToLauncher, ToWorker};
-use super::coordinator::{Coordinator, Recovery};
-pub use super::error::LaunchError;
+use super::coordinator::Recovery;
+use super::error::LaunchError;
 use super::events::{NodeLost, Recovered, Resumed, RunEvent};
-use super::launcher::{Pipeline, Replacement};
-use super::recovery::{self, AfterError, Loaded};
-pub use super::recovery::{ResumePoint, Start};
-pub use super::trace::unix_time_s;
-use super::trace::{TraceLog, unix_time_us};
+use super::pipeline::{Pipeline, Replacement};
+use super::recovery::{self, Loaded, ResumePoint, Start};
+use super::trace::{TraceLog, unix_time_s, unix_time_us};
 use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
 use crate::config::Config;
-use crate::data::open_source;
 use crate::lr::learning_rate;
 use crate::metrics::{MetricsLog, StepMetrics};
 use crate::model::params::param_specs;
 use crate::model::partition_layers;
-
-/// Extra launcher behaviour, from the command line.
-#[derive(Clone, Debug, Default)]
-pub struct LaunchOptions {
-    /// Workers write each step's gradients here (safetensors, one file per stage and step).
-    pub dump_grads: Option<PathBuf>,
-    /// Hide the progress bar.
-    pub quiet: bool,
-    /// Where the state comes from.
-    pub start: Start,
-    /// Write a Chrome trace of every step's units here (see [`super::trace`]).
-    pub trace: Option<PathBuf>,
-}
 
 /// What a finished run reports.
 #[derive(Clone, Debug)]
@@ -60,187 +45,6 @@ pub struct RunSummary {
     pub interrupted_by: Option<i32>,
     /// Wall-clock seconds.
     pub elapsed_s: f64,
-}
-
-/// Trains `cfg`: an embedded coordinator plans the pipeline on the nodes that join it (by default
-/// one local agent per stage, each standing for a node). When nodes die, leave or join, the run goes
-/// on under a new plan (see [`Coordinator::recover`]) until `elastic.min_nodes` or
-/// `elastic.max_restarts` says stop.
-pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
-    let mut trace = opts
-        .trace
-        .clone()
-        .map(|path| TraceLog::new(path, format!("seqpipe {}", cfg.run.dir.display())));
-    let result = train_pipelines(cfg, opts, &mut trace);
-    if let Some(trace) = trace {
-        let written = trace.write().map_err(|source| LaunchError::Io {
-            what: format!("writing the trace {}", trace.path().display()),
-            source,
-        });
-        match (&result, written) {
-            (Ok(_), Err(e)) => return Err(e),
-            (Err(_), Err(e)) => warn!(error = %e, "the trace of the failed run is lost"),
-            (_, Ok(())) => {}
-        }
-    }
-    result
-}
-
-/// The pipelines of [`run_training`], one after another as nodes come and go; `trace` collects
-/// their steps.
-fn train_pipelines(
-    cfg: &Config,
-    opts: &LaunchOptions,
-    trace: &mut Option<TraceLog>,
-) -> Result<RunSummary, LaunchError> {
-    let started = Instant::now();
-    let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
-    // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
-    // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
-    // still be running.
-    if coordinator.recovery.is_none() && !cfg.checkpoint.read_only {
-        CheckpointWriter::open(&coordinator.cfg)?.clean_interrupted_uploads();
-    }
-    loop {
-        let (cfg, start) = (coordinator.cfg.clone(), coordinator.start.clone());
-        let recovery = coordinator.recovery.take();
-        let result = with_pipeline(
-            &mut coordinator,
-            &cfg,
-            opts.dump_grads.as_deref(),
-            |driver| {
-                driver.recovery = recovery;
-                driver.trace = trace.take();
-                let result = driver.run(&LaunchOptions {
-                    start,
-                    ..opts.clone()
-                });
-                *trace = driver.trace.take();
-                result
-            },
-        );
-        match result {
-            Ok(mut summary) => {
-                coordinator.shutdown();
-                summary.elapsed_s = started.elapsed().as_secs_f64();
-                return Ok(summary);
-            }
-            Err(e) => match (recovery::after_error(&e), e) {
-                (AfterError::Recover, LaunchError::NodesLost { lost, .. }) => {
-                    coordinator.recover(&lost)?
-                }
-                (AfterError::ChangePlan { step }, _) => {
-                    coordinator.change_plan_at_boundary(step)?
-                }
-                (_, e) => return Err(e),
-            },
-        }
-    }
-}
-
-/// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
-/// Its workers' config and logs go to `<run.dir>/eval/`.
-pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
-    let mut coordinator = Coordinator::start(cfg.clone(), start.clone(), "eval")?;
-    let cfg = coordinator.cfg.clone();
-    let result = with_pipeline(&mut coordinator, &cfg, None, |driver| {
-        let step = driver.load(start)?;
-        Ok((step, driver.evaluate()?))
-    });
-    coordinator.shutdown();
-    result
-}
-
-/// Starts the pipeline of the coordinator's plan, runs `body`, and stops the workers. A failure
-/// that cost nodes becomes [`LaunchError::NodesLost`] naming them.
-fn with_pipeline<T>(
-    coordinator: &mut Coordinator,
-    cfg: &Config,
-    dump_grads: Option<&Path>,
-    body: impl FnOnce(&mut Driver) -> Result<T, LaunchError>,
-) -> Result<T, LaunchError> {
-    let io = |what: String| {
-        move |source| LaunchError::Io {
-            what: what.clone(),
-            source,
-        }
-    };
-    let session_dir = coordinator.session_dir();
-    std::fs::create_dir_all(&session_dir).map_err(io(format!(
-        "creating the run directory {}",
-        session_dir.display()
-    )))?;
-    let config_path = session_dir.join("config.resolved.toml");
-    std::fs::write(&config_path, cfg.to_toml())
-        .map_err(io(format!("writing {}", config_path.display())))?;
-    // Fail early, in the launcher, on an unusable dataset or checkpoint location.
-    open_source(&cfg.data, cfg.model.vocab_size)?;
-    let checkpoints = CheckpointWriter::open(cfg)?;
-    let signal = stop_signal().map_err(io("installing signal handlers".into()))?;
-    let mut pipeline = match Pipeline::start(coordinator, cfg, dump_grads) {
-        Ok(pipeline) => pipeline,
-        Err(e) => {
-            // A node that fails while the pipeline starts is lost like one that fails later.
-            coordinator.stop_workers(Duration::from_secs(5));
-            let lost = if recovery::after_error(&e) == AfterError::Recover {
-                coordinator.losses(&e.to_string(), &[], &Default::default())
-            } else {
-                Vec::new()
-            };
-            return Err(if lost.is_empty() {
-                e
-            } else {
-                LaunchError::NodesLost {
-                    cause: e.to_string(),
-                    lost,
-                }
-            });
-        }
-    };
-    let result = body(&mut Driver {
-        cfg,
-        pipeline: &mut pipeline,
-        checkpoints,
-        metrics: None,
-        signal,
-        recovery: None,
-        loaded: Start::Fresh,
-        loaded_step: 0,
-        trace: None,
-    });
-    match result {
-        Ok(value) => {
-            pipeline.shutdown();
-            Ok(value)
-        }
-        Err(e) if recovery::after_error(&e) == AfterError::Recover => {
-            pipeline.coordinator().failure_seen();
-            let cause = e.to_string();
-            let lost = pipeline.stop_after_failure(&cause, Duration::from_secs(2));
-            if lost.is_empty() {
-                Err(e)
-            } else {
-                Err(LaunchError::NodesLost { lost, cause })
-            }
-        }
-        Err(e) => {
-            pipeline.shutdown();
-            Err(e)
-        }
-    }
-}
-
-/// The SIGINT/SIGTERM flag (the signal number, 0 while none came), installed once per process.
-fn stop_signal() -> std::io::Result<Arc<AtomicUsize>> {
-    static SIGNAL: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
-    if let Some(flag) = SIGNAL.get() {
-        return Ok(Arc::clone(flag));
-    }
-    let flag = Arc::new(AtomicUsize::new(0));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register_usize(sig, Arc::clone(&flag), sig as usize)?;
-    }
-    Ok(Arc::clone(SIGNAL.get_or_init(|| flag)))
 }
 
 /// What the step boundary brings (see [`Driver::end_of_step`]).
@@ -332,19 +136,42 @@ fn progress_bar(quiet: bool, steps: u64, start_step: u64) -> ProgressBar {
     bar
 }
 
-struct Driver<'a, 'c> {
+/// The training loop of one pipeline (see the module docs).
+pub(super) struct Driver<'a, 'c> {
     cfg: &'a Config,
     pipeline: &'a mut Pipeline<'c>,
     checkpoints: CheckpointWriter,
     metrics: Option<MetricsLog>,
     signal: Arc<AtomicUsize>,
     /// Set when this pipeline replaces one that lost nodes or changed plan.
-    recovery: Option<Recovery>,
+    pub(super) recovery: Option<Recovery>,
     /// How the workers' state was loaded, and the step it belongs to.
     loaded: Start,
     loaded_step: u64,
     /// The run's trace, when `--trace` asked for one.
-    trace: Option<TraceLog>,
+    pub(super) trace: Option<TraceLog>,
+}
+
+impl<'a, 'c> Driver<'a, 'c> {
+    /// A driver of `pipeline`, running `cfg`, stopped early by `signal`.
+    pub(super) fn new(
+        cfg: &'a Config,
+        pipeline: &'a mut Pipeline<'c>,
+        checkpoints: CheckpointWriter,
+        signal: Arc<AtomicUsize>,
+    ) -> Self {
+        Self {
+            cfg,
+            pipeline,
+            checkpoints,
+            metrics: None,
+            signal,
+            recovery: None,
+            loaded: Start::Fresh,
+            loaded_step: 0,
+            trace: None,
+        }
+    }
 }
 
 impl Driver<'_, '_> {
@@ -363,7 +190,7 @@ impl Driver<'_, '_> {
     }
 
     /// Loads the workers' state as `start` says; returns the step it belongs to (0 = fresh).
-    fn load(&mut self, start: &Start) -> Result<u64, LaunchError> {
+    pub(super) fn load(&mut self, start: &Start) -> Result<u64, LaunchError> {
         match start {
             Start::Fresh => {
                 self.clear_previous_run()?;
@@ -402,14 +229,16 @@ impl Driver<'_, '_> {
         }
     }
 
-    fn run(&mut self, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
+    /// Loads the state as `start` says and trains to `train.steps`; `quiet` hides the progress
+    /// bar.
+    pub(super) fn run(&mut self, start: &Start, quiet: bool) -> Result<RunSummary, LaunchError> {
         let cfg = self.cfg;
         let t = &cfg.train;
-        let start_step = self.load(&opts.start)?;
-        self.loaded = opts.start.clone();
+        let start_step = self.load(start)?;
+        self.loaded = start.clone();
         self.loaded_step = start_step;
         let resumed_from =
-            matches!(opts.start, Start::Resume(_) | Start::Peers { .. }).then_some(start_step);
+            matches!(start, Start::Resume(_) | Start::Peers { .. }).then_some(start_step);
         if start_step >= t.steps {
             return Err(LaunchError::Run(format!(
                 "the checkpoint is at step {start_step} and train.steps is {}: nothing to train; raise it, e.g. --set train.steps={}",
@@ -423,7 +252,7 @@ impl Driver<'_, '_> {
             .enumerate()
             .map(|(i, s)| (s.name, i))
             .collect();
-        let bar = progress_bar(opts.quiet, t.steps, start_step);
+        let bar = progress_bar(quiet, t.steps, start_step);
         let mut summary = RunSummary {
             final_loss: f64::NAN,
             val_loss: None,
@@ -519,13 +348,13 @@ impl Driver<'_, '_> {
         };
         let recovery_s = r.failed_at.elapsed().as_secs_f64();
         let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
-        let tier = recovery::recorded_tier(r.tier, resumed, lost_steps).as_str();
-        bar.suspend(|| info!(recovery_s, lost_steps, tier, "recovered"));
+        let tier = recovery::recorded_tier(r.tier, resumed, lost_steps);
+        bar.suspend(|| info!(recovery_s, lost_steps, %tier, "recovered"));
         self.append(&RunEvent::Recovered(Recovered {
             step,
             recovery_s,
             lost_steps,
-            tier: tier.into(),
+            tier,
             stages_before: r.stages_before,
             stages_after: self.cfg.pipeline.stages,
             at_unix_s: unix_time_s(),
@@ -745,7 +574,7 @@ impl Driver<'_, '_> {
                 step,
                 recovery_s: step_started.elapsed().as_secs_f64(),
                 lost_steps: 0,
-                tier: recovery::Tier::MidStep.as_str().into(),
+                tier: recovery::Tier::MidStep,
                 stages_before: p,
                 stages_after: p,
                 at_unix_s: unix_time_s(),
@@ -868,7 +697,7 @@ impl Driver<'_, '_> {
     }
 
     /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.
-    fn evaluate(&mut self) -> Result<f64, LaunchError> {
+    pub(super) fn evaluate(&mut self) -> Result<f64, LaunchError> {
         let cfg = self.cfg;
         let batches = cfg.train.eval_batches;
         self.pipeline.broadcast(&ToWorker::Eval { batches })?;

@@ -3,6 +3,7 @@
 //! checkpoints), and [`Record`] to read a line back as a step record or an event, so that writers
 //! and readers agree on the field names in one place instead of indexing JSON by string.
 
+use super::recovery::Tier;
 use std::io;
 use std::path::Path;
 
@@ -55,7 +56,7 @@ pub struct PlanAdopted {
     pub resume_from: Option<u64>,
     /// Where that state comes from, `peer` or `checkpoint` (a new plan only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tier: Option<String>,
+    pub tier: Option<Tier>,
 }
 
 /// A node was lost: its agent or its worker died, hung or was cut off.
@@ -131,7 +132,7 @@ pub struct Recovered {
     pub lost_steps: u64,
     /// How the state was carried over: `peer`, `checkpoint`, `restart`, `handover` or
     /// `mid_step`.
-    pub tier: String,
+    pub tier: Tier,
     /// Number of pipeline stages before.
     pub stages_before: usize,
     /// Number of pipeline stages after.
@@ -337,7 +338,7 @@ mod tests {
                 stages: 1,
                 nodes: vec![node("b")],
                 resume_from: Some(4),
-                tier: Some("checkpoint".into()),
+                tier: Some(Tier::Checkpoint),
             }),
             RunEvent::NodeLost(NodeLost {
                 node: node("a"),
@@ -381,7 +382,7 @@ mod tests {
                 step: 5,
                 recovery_s: 0.5,
                 lost_steps: 1,
-                tier: "peer".into(),
+                tier: Tier::Peer,
                 stages_before: 2,
                 stages_after: 1,
                 at_unix_s: 3.0,
@@ -395,7 +396,7 @@ mod tests {
                 step: 4,
                 recovery_s: 0.25,
                 lost_steps: 0,
-                tier: "mid_step".into(),
+                tier: Tier::MidStep,
                 stages_before: 4,
                 stages_after: 4,
                 at_unix_s: 3.0,
@@ -517,7 +518,7 @@ mod tests {
         else {
             panic!("{}", lines[10]);
         };
-        assert_eq!((tier.as_str(), host.as_str()), ("mid_step", "local-001"));
+        assert_eq!((tier, host.as_str()), (Tier::MidStep, "local-001"));
     }
 
     #[test]

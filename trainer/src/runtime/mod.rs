@@ -4,16 +4,17 @@
 
 pub mod agent;
 pub mod auth;
-mod checkpoints;
+mod checkpoint_writer;
 pub mod control;
 pub mod coordinator;
 pub mod driver;
 pub mod error;
 pub mod events;
-pub mod launcher;
 mod peer_input;
 pub mod peer_snapshots;
+pub mod pipeline;
 pub mod recovery;
+pub mod run;
 mod store;
 pub mod trace;
 pub mod transport;

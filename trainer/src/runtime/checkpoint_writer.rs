@@ -11,7 +11,7 @@ use tracing::{info, warn};
 use super::control::{ToLauncher, ToWorker};
 use super::error::LaunchError;
 use super::events::{CheckpointCommitted, CheckpointFailed, CheckpointWait, RunEvent};
-use super::launcher::Pipeline;
+use super::pipeline::Pipeline;
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
 use crate::metrics::MetricsLog;
