@@ -468,7 +468,7 @@ mod tests {
                     step: 3,
                     recovery_s: 1.0,
                     lost_steps: 0,
-                    tier: "checkpoint".into(),
+                    tier: crate::runtime::recovery::Tier::Checkpoint,
                     stages_before: 2,
                     stages_after: 1,
                     at_unix_s: 6.0,

@@ -13,7 +13,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
-use elastic::{ClusterState, Decision, NodeId, NodeStatus, Plan, decide};
+use elastic::{ClusterState, Decision, Generation, NodeId, NodeStatus, Plan, decide};
 use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
@@ -508,7 +508,7 @@ impl Coordinator {
         while !waiting.is_empty() && Instant::now() < deadline {
             match self.events.recv_timeout(Duration::from_millis(20)) {
                 Ok(Event::Agent(conn, FromAgent::WorkersStopped { generation: g }))
-                    if g == generation =>
+                    if Generation::admits(generation, g) =>
                 {
                     if let Some((node, _)) = self.agents.get(&conn) {
                         let node = node.clone();
@@ -741,7 +741,12 @@ impl Coordinator {
                 log_tail,
                 log,
             } => {
-                if self.state.current.as_ref().map(|p| p.generation) != Some(generation) {
+                if !self
+                    .state
+                    .current
+                    .as_ref()
+                    .is_some_and(|p| p.admits(generation))
+                {
                     return None;
                 }
                 self.exits.insert(stage, code);

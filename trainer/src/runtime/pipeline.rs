@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use elastic::NodeId;
+use elastic::{Generation, NodeId};
 use tracing::{info, warn};
 
 use super::control::{FailureCause, Side, ToLauncher, ToWorker};
@@ -97,7 +97,7 @@ impl<'c> Pipeline<'c> {
                         data_addr,
                         ..
                     },
-                ) if g == generation && stage < p && conns[stage].is_none() => {
+                ) if Generation::admits(generation, g) && stage < p && conns[stage].is_none() => {
                     conns[stage] = Some(conn);
                     data_addrs[stage] = data_addr;
                 }
@@ -409,7 +409,7 @@ impl<'c> Pipeline<'c> {
                         data_addr,
                         ..
                     },
-                ) if s == stage && g == generation => {
+                ) if s == stage && Generation::admits(generation, g) => {
                     self.data_addrs[stage] = data_addr;
                     break conn;
                 }
