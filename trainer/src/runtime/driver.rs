@@ -18,7 +18,7 @@ use super::checkpoint_writer::CheckpointWriter;
 use super::control::{StepCost, ToLauncher, ToWorker};
 use super::coordinator::Recovery;
 use super::error::LaunchError;
-use super::events::{NodeLost, Recovered, Resumed, RunEvent};
+use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
 use super::pipeline::{Pipeline, Replacement};
 use super::recovery::{self, Loaded, ResumePoint, Start};
 use super::trace::{TraceLog, unix_time_s, unix_time_us};
@@ -240,6 +240,11 @@ impl Driver<'_, '_> {
         let resumed_from =
             matches!(start, Start::Resume(_) | Start::Peers { .. }).then_some(start_step);
         if start_step >= t.steps {
+            // A node lost while the last step's checkpoint was being written: every step is
+            // done, only that checkpoint is left to commit, from the state just restored.
+            if self.recovery.is_some() && start_step == t.steps {
+                return self.finish_last_checkpoint(start_step, resumed_from);
+            }
             return Err(LaunchError::Run(format!(
                 "the checkpoint is at step {start_step} and train.steps is {}: nothing to train; raise it, e.g. --set train.steps={}",
                 t.steps,
@@ -297,6 +302,54 @@ impl Driver<'_, '_> {
         )?;
         bar.finish();
         Ok(summary)
+    }
+
+    /// After a recovery that restored the state of the run's last step (`step`, a loss while its
+    /// checkpoint was being written): commits that checkpoint unless it already is, from the
+    /// step's record in `metrics.jsonl`, and ends the run.
+    fn finish_last_checkpoint(
+        &mut self,
+        step: u64,
+        resumed_from: Option<u64>,
+    ) -> Result<RunSummary, LaunchError> {
+        self.open_metrics(step, resumed_from)?;
+        let path = self.cfg.run.dir.join("metrics.jsonl");
+        let records = events::read_records(&path).map_err(|source| LaunchError::Io {
+            what: format!("reading {}", path.display()),
+            source,
+        })?;
+        let record = events::steps(&records)
+            .find(|r| r.step == step)
+            .cloned()
+            .ok_or_else(|| {
+                LaunchError::Run(format!(
+                    "the run lost a node after its last step {step}, and {} has no record of that step to checkpoint it with",
+                    path.display()
+                ))
+            })?;
+        self.record_recovery(step, step, resumed_from.is_some(), &ProgressBar::hidden())?;
+        if !self.checkpoints.committed_steps()?.contains(&step) {
+            let state = self.trainer_state(step, record.lr, record.loss);
+            self.checkpoints.begin(
+                self.pipeline,
+                state,
+                self.metrics.as_mut().expect("metrics"),
+            )?;
+        }
+        let grace = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
+        self.checkpoints.finish(
+            self.pipeline,
+            self.metrics.as_mut().expect("metrics"),
+            grace,
+        )?;
+        Ok(RunSummary {
+            final_loss: record.loss,
+            val_loss: record.val_loss,
+            last_step: step,
+            resumed_from,
+            interrupted_by: None,
+            elapsed_s: 0.0,
+        })
     }
 
     /// Rewrites `metrics.jsonl` up to `start_step` and opens it; records the resume and the
