@@ -488,6 +488,11 @@ impl Coordinator {
         }
     }
 
+    /// Whether worker connection `conn` is open.
+    pub(super) fn worker_connected(&self, conn: u64) -> bool {
+        self.workers.contains_key(&conn)
+    }
+
     /// Closes worker connection `conn` (its worker is refused).
     pub(super) fn drop_worker(&mut self, conn: u64) {
         self.workers.remove(&conn);

@@ -36,6 +36,9 @@ pub struct Pipeline<'c> {
     dump_grads: Option<PathBuf>,
     /// Worker replies that arrived while a lost stage was being replaced.
     pending: VecDeque<ToLauncher>,
+    /// What the coordinator heard while a dead worker's last messages were read, in order, for
+    /// the next poll.
+    deferred: VecDeque<Incoming>,
     /// The generation of links rebuilt mid-step (above the plan's, so a stale worker is refused).
     link_generation: u64,
 }
@@ -81,6 +84,7 @@ impl<'c> Pipeline<'c> {
             worker_config,
             dump_grads: dump_grads.map(Path::to_path_buf),
             pending: VecDeque::new(),
+            deferred: VecDeque::new(),
             link_generation: generation,
         };
         // Hello from everyone, then the topology, then ready from everyone.
@@ -179,8 +183,16 @@ impl<'c> Pipeline<'c> {
             .to_string()
     }
 
+    /// The next thing the coordinator heard (what was set aside first), or `None` at `deadline`.
+    fn poll(&mut self, deadline: Instant) -> Result<Option<Incoming>, LaunchError> {
+        match self.deferred.pop_front() {
+            Some(incoming) => Ok(Some(incoming)),
+            None => self.coordinator.poll(deadline),
+        }
+    }
+
     fn next_incoming(&mut self, deadline: Instant, what: &str) -> Result<Incoming, LaunchError> {
-        match self.coordinator.poll(deadline)? {
+        match self.poll(deadline)? {
             Some(incoming) => Ok(incoming),
             None => Err(self.timeout_error(what)),
         }
@@ -226,12 +238,17 @@ impl<'c> Pipeline<'c> {
                 log,
                 log_tail,
                 ..
-            } => Err(LaunchError::WorkerExited {
-                stage,
-                status,
-                log,
-                tail: log_tail,
-            }),
+            } => {
+                // The worker's own report of why it stops travels on its control connection, the
+                // agent's report of its exit on another: what it said decides, whichever came first.
+                self.last_words(stage)?;
+                Err(LaunchError::WorkerExited {
+                    stage,
+                    status,
+                    log,
+                    tail: log_tail,
+                })
+            }
             Incoming::NodeLost(node, reason, cause) => {
                 let lost = Lost {
                     node,
@@ -254,6 +271,29 @@ impl<'c> Pipeline<'c> {
                 Ok(())
             }
         }
+    }
+
+    /// Reads what the exited worker of `stage` still sent before its control connection closed
+    /// (at most a second): a failure it reported is the error, with its cause (permanent or not);
+    /// other messages and events are kept, in order, for later.
+    fn last_words(&mut self, stage: usize) -> Result<(), LaunchError> {
+        let Some(&conn) = self.conns.get(stage) else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while self.coordinator.worker_connected(conn) {
+            let Some(incoming) = self.coordinator.poll(deadline)? else {
+                break;
+            };
+            match incoming {
+                Incoming::Worker(c, msg @ ToLauncher::Failed { .. }) if c == conn => {
+                    return self.fail_on(Incoming::Worker(c, msg));
+                }
+                Incoming::WorkerClosed(c, _) if c == conn => break,
+                other => self.deferred.push_back(other),
+            }
+        }
+        Ok(())
     }
 
     /// The next message from a worker of this pipeline; errors when a worker fails, exits or
@@ -324,10 +364,7 @@ impl<'c> Pipeline<'c> {
         const QUIET: Duration = Duration::from_millis(300);
         let mut quiet_since = Instant::now();
         while quiet_since.elapsed() < QUIET {
-            match self
-                .coordinator
-                .poll(Instant::now() + Duration::from_millis(20))
-            {
+            match self.poll(Instant::now() + Duration::from_millis(20)) {
                 Ok(Some(incoming)) => {
                     quiet_since = Instant::now();
                     match incoming {
@@ -544,10 +581,7 @@ impl<'c> Pipeline<'c> {
         let deadline = Instant::now() + grace;
         let mut quiet_since = Instant::now();
         while Instant::now() < deadline && quiet_since.elapsed() < QUIET {
-            match self
-                .coordinator
-                .poll(Instant::now() + Duration::from_millis(20))
-            {
+            match self.poll(Instant::now() + Duration::from_millis(20)) {
                 Ok(Some(incoming)) => {
                     quiet_since = Instant::now();
                     let _ = self.fail_on(incoming);
