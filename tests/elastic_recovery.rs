@@ -133,8 +133,37 @@ fn trial(
     records(dir)
 }
 
+/// The warning lines of a trial's logs (the launcher's, and every agent's and worker's), at most
+/// 80, so that a failed tier assertion says what the processes saw.
+fn warnings_in(dir: &Path) -> String {
+    let mut logs = vec![dir.join("launcher.log")];
+    if let Ok(entries) = std::fs::read_dir(dir.join("logs")) {
+        let mut more: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        more.sort();
+        logs.extend(more);
+    }
+    let mut lines = Vec::new();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let name = log
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        lines.extend(
+            text.lines()
+                .filter(|l| l.contains("WARN") || l.contains("warning"))
+                .map(|l| format!("{name}: {l}")),
+        );
+    }
+    lines.truncate(80);
+    lines.join("\n")
+}
+
 /// One chaos trial's setup and its run's metrics (events and step records).
 struct ChaosTrial {
+    /// The warnings the trial's processes logged (launcher, agents, workers), for a post-mortem.
+    warnings: String,
     index: usize,
     kills: usize,
     victim: Victim,
@@ -192,11 +221,13 @@ fn chaos(name: &str, extra: &[&str], default_trials: usize) -> Vec<ChaosTrial> {
         };
         let trial_dir = dir.join(format!("trial-{index}"));
         let events = trial(&trial_dir, &mut rng, kills, victim, extra, &reference);
+        let warnings = warnings_in(&trial_dir);
         // SEQPIPE_KEEP_TRIALS=1 keeps every trial's directory (logs, metrics) for a post-mortem.
         if std::env::var_os("SEQPIPE_KEEP_TRIALS").is_none() {
             let _ = std::fs::remove_dir_all(&trial_dir);
         }
         out.push(ChaosTrial {
+            warnings,
             index,
             kills,
             victim,
@@ -250,8 +281,19 @@ fn assert_recovery_tiers(trials: &[ChaosTrial]) {
             // copies lag training by at most one step: tier 1, only the interrupted step is
             // redone — or one more when the kill landed while the last step's copy was in flight.
             // A kill in the first step restarts from the seeded weights, also tier 1.
-            assert_eq!(r.tier, Tier::Peer, "trial {}: {r:?}", t.index);
-            assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
+            assert_eq!(
+                r.tier,
+                Tier::Peer,
+                "trial {}: {r:?}\nwarnings:\n{}",
+                t.index,
+                t.warnings
+            );
+            assert!(
+                lost_steps <= 1,
+                "trial {}: {r:?}\nwarnings:\n{}",
+                t.index,
+                t.warnings
+            );
             peer_recoveries += 1;
         } else {
             // A node and its buddy may both be gone: then the newest committed checkpoint.
@@ -334,12 +376,18 @@ fn chaos_with_mid_step_recovery_bit_exact() {
         // recovered from the peer snapshots instead.
         assert!(
             r.tier == Tier::MidStep || r.tier == Tier::Peer,
-            "trial {}: {r:?}",
-            t.index
+            "trial {}: {r:?}\nwarnings:\n{}",
+            t.index,
+            t.warnings
         );
         // (Peer snapshots: one more step when the kill landed during the last step's copy.)
         let lost_steps = r.lost_steps;
-        assert!(lost_steps <= 1, "trial {}: {r:?}", t.index);
+        assert!(
+            lost_steps <= 1,
+            "trial {}: {r:?}\nwarnings:\n{}",
+            t.index,
+            t.warnings
+        );
         if r.tier == Tier::MidStep {
             assert_eq!(lost_steps, 0, "trial {}: {r:?}", t.index);
             mid_step += 1;
