@@ -538,6 +538,7 @@ fn worker(w: WorkerCli) -> Result<ExitCode> {
         snapshot_to: w.snapshot_to,
         config: w.config,
         dump_grads: w.dump_grads,
+        kill_switch: None,
     }) {
         Ok(()) => Ok(ExitCode::SUCCESS),
         // This node is healthy; a neighbour is not. The launcher tells the two apart by this code.

@@ -10,6 +10,7 @@ pub mod coordinator;
 pub mod driver;
 pub mod error;
 pub mod events;
+pub mod kill_switch;
 mod peer_input;
 pub mod peer_snapshots;
 pub mod pipeline;

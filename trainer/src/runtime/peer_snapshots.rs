@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Gate, Purpose};
+use super::kill_switch::KillSwitch;
 use super::wire::{Frame, Limits, read_frame, write_frame};
 use crate::checkpointing::shard::to_tensor_data;
 
@@ -232,13 +233,21 @@ struct Peer {
 }
 
 impl Peer {
-    fn connect(addr: &str, token: &str, timeout: Duration) -> std::io::Result<Self> {
+    fn connect(
+        addr: &str,
+        token: &str,
+        timeout: Duration,
+        switch: Option<&KillSwitch>,
+    ) -> std::io::Result<Self> {
         use std::net::ToSocketAddrs;
         let sock = addr
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| std::io::Error::other(format!("{addr} resolves to nothing")))?;
         let mut stream = TcpStream::connect_timeout(&sock, timeout)?;
+        if let Some(switch) = switch {
+            switch.register(&stream)?;
+        }
         stream.set_read_timeout(Some(timeout))?;
         stream.set_nodelay(true)?;
         auth::connect(&mut stream, token, Purpose::Snapshot)?;
@@ -272,11 +281,13 @@ pub struct PeerCopier {
 }
 
 impl PeerCopier {
-    /// Starts the sender thread for `destinations` (agents' snapshot addresses).
+    /// Starts the sender thread for `destinations` (agents' snapshot addresses); with a kill
+    /// switch (in-process tests), its connections die with the worker.
     pub fn start(
         destinations: Vec<String>,
         token: String,
         timeout: Duration,
+        switch: Option<KillSwitch>,
     ) -> std::io::Result<Self> {
         let (jobs, queue) = channel::<CopyJob>();
         let attempted = Arc::new((Mutex::new(0u64), Condvar::new()));
@@ -309,7 +320,7 @@ impl PeerCopier {
                     for addr in &destinations {
                         let result = match peers.remove(addr) {
                             Some(p) => Ok(p),
-                            None => Peer::connect(addr, &token, timeout),
+                            None => Peer::connect(addr, &token, timeout, switch.as_ref()),
                         }
                         .and_then(|mut p| p.call(&request, payload.clone()).map(|r| (p, r)));
                         match result {
@@ -390,7 +401,7 @@ pub fn fetch(
             step,
             names: missing.iter().cloned().collect(),
         };
-        let reply = Peer::connect(addr, token, timeout).and_then(|mut p| {
+        let reply = Peer::connect(addr, token, timeout, None).and_then(|mut p| {
             let (reply, payload) = p.call(&request, Vec::new())?;
             Ok((p.addr, reply, payload))
         });
@@ -467,7 +478,7 @@ mod tests {
     /// returns at once instead of stalling its first step.
     #[test]
     fn a_fresh_copier_never_waits_for_steps_it_was_not_given() {
-        let copier = PeerCopier::start(vec![], "t".into(), Duration::from_secs(1)).unwrap();
+        let copier = PeerCopier::start(vec![], "t".into(), Duration::from_secs(1), None).unwrap();
         let started = Instant::now();
         copier.wait_for(18, Duration::from_secs(30));
         assert!(started.elapsed() < Duration::from_secs(1));
@@ -489,7 +500,7 @@ mod tests {
         )
         .unwrap();
         let timeout = Duration::from_secs(5);
-        let mut peer = Peer::connect(&addr, "secret", timeout).unwrap();
+        let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
         for step in 1..=3u64 {
             let (metas, payload) = pack(&[
                 ("a".into(), tensor(&[step as f32, 1.0])),

@@ -409,7 +409,12 @@ mod tests {
             stages: vec![2],
             lost: lost("c", LossCause::WorkerExited, true),
         };
-        assert_eq!(mid_step_stage(&[exited.clone()], &none).unwrap().0, 2);
+        assert_eq!(
+            mid_step_stage(std::slice::from_ref(&exited), &none)
+                .unwrap()
+                .0,
+            2
+        );
         // The same stage seen twice (exit, then its connection closing) is one loss; the
         // node-level loss (agent gone) wins over the worker-level one.
         let agent = Sign::Lost {

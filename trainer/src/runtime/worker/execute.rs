@@ -11,6 +11,7 @@ use super::{Worker, WorkerError};
 use crate::data::{Split, micro_batch_tokens};
 use crate::model::{Mode, StageInput, StageOutput};
 use crate::runtime::control::ControlStream;
+use crate::runtime::kill_switch::Point;
 use crate::runtime::trace::unix_time_us;
 use crate::runtime::transport::{Payload, TcpLink, Transport, TransportError};
 use crate::schedule::{Action, Schedule, Unit, generate_forward_only, validate};
@@ -105,6 +106,14 @@ impl Worker {
         let mut pc = 0;
         while pc < actions.len() {
             let action = actions[pc];
+            if train {
+                self.at(Point::Action {
+                    step,
+                    index: pc,
+                    count: actions.len(),
+                    action,
+                })?;
+            }
             match self.run_action(action, &mut state, split, step, mode) {
                 Ok(()) => {
                     pc += 1;

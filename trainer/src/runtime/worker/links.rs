@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{Worker, WorkerError, io_error, resolve};
+use super::{Worker, WorkerError, io_error, register, resolve};
 use crate::runtime::auth::{self, Purpose};
 use crate::runtime::transport::{DataPort, TcpLink, connect_retrying};
 
@@ -43,6 +43,8 @@ impl Worker {
         let addr = resolve(next)?;
         let mut stream = connect_retrying(&addr, timeout)
             .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+        register(self.kill_switch.as_ref(), &stream)
+            .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
         auth::connect(&mut stream, &self.token, Purpose::Data)
             .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
         self.next = Some(
@@ -66,6 +68,8 @@ impl Worker {
             .ok_or_else(|| WorkerError::Protocol("the data port is gone; cannot relink".into()))?;
         let stream = port
             .next(timeout)
+            .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
+        register(self.kill_switch.as_ref(), &stream)
             .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
         self.prev = Some(
             TcpLink::new(stream, r - 1, generation, timeout, self.max_tensor_bytes())

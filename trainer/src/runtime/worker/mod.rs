@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
 use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
+use super::kill_switch::{Ending, KillSwitch, Point};
 use super::peer_snapshots::PeerCopier;
 use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 use crate::checkpointing::hf;
@@ -122,6 +123,9 @@ pub struct WorkerArgs {
     pub dump_grads: Option<PathBuf>,
     /// Agents' snapshot addresses to copy the state to after every step.
     pub snapshot_to: Vec<String>,
+    /// In-process test harnesses only (`None` for the `seqpipe worker` process): ends this
+    /// worker as SIGKILL would and stops it at chosen points (see [`KillSwitch`]).
+    pub kill_switch: Option<KillSwitch>,
 }
 
 /// A running worker.
@@ -148,6 +152,8 @@ struct Worker {
     record: StepRecord,
     /// A replacement's neighbours' outputs of the lost stage, for its first step.
     replay_skip: Delivered,
+    /// See [`WorkerArgs::kill_switch`].
+    kill_switch: Option<KillSwitch>,
 }
 
 /// Runs a worker until the launcher says shut down. Errors are also reported to the launcher.
@@ -161,6 +167,7 @@ pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
     let token = auth::token_from_env()?.unwrap_or_default();
     let addr = resolve(&args.control)?;
     let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
+    register(args.kill_switch.as_ref(), &stream).map_err(control_err)?;
     auth::connect(&mut stream, &token, Purpose::Control).map_err(control_err)?;
     let mut control = ControlStream::new(stream).map_err(control_err)?;
     let result = start(&args, cfg, token, &mut control).and_then(|mut worker| {
@@ -213,7 +220,7 @@ fn start(
         source,
     };
     let timeout = cfg.pipeline.timeout();
-    let (data_port, data_addr) = open_data_port(&args.bind, &token)?;
+    let (data_port, data_addr) = open_data_port(&args.bind, &token, args.kill_switch.as_ref())?;
     control
         .send(&ToLauncher::Hello {
             stage: args.stage,
@@ -224,9 +231,11 @@ fn start(
         .map_err(control_err)?;
     let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
     worker.token = token.clone();
+    worker.kill_switch = args.kill_switch.clone();
     if !args.snapshot_to.is_empty() {
+        let (to, switch) = (args.snapshot_to.clone(), args.kill_switch.clone());
         worker.peer_copier = Some(
-            PeerCopier::start(args.snapshot_to.clone(), token, timeout)
+            PeerCopier::start(to, token, timeout, switch)
                 .map_err(io_error("starting the peer-snapshot sender".into()))?,
         );
     }
@@ -255,10 +264,20 @@ fn start(
     Ok(worker)
 }
 
-/// Binds the stage's data port on `bind` (any port): the port and its address.
-fn open_data_port(bind: &str, token: &str) -> Result<(DataPort, String), WorkerError> {
+/// Binds the stage's data port on `bind` (any port): the port and its address. With a kill
+/// switch, the port closes when the worker is killed.
+fn open_data_port(
+    bind: &str,
+    token: &str,
+    switch: Option<&KillSwitch>,
+) -> Result<(DataPort, String), WorkerError> {
     let listener = TcpListener::bind((bind, 0))
         .map_err(io_error(format!("binding the stage data port on {bind}")))?;
+    if let Some(switch) = switch {
+        switch
+            .register_listener(&listener)
+            .map_err(io_error("stage data port".into()))?;
+    }
     let data_addr = listener
         .local_addr()
         .map_err(io_error("stage data port".into()))?
@@ -266,6 +285,11 @@ fn open_data_port(bind: &str, token: &str) -> Result<(DataPort, String), WorkerE
     let data_port =
         DataPort::open(listener, token.to_string()).map_err(io_error("stage data port".into()))?;
     Ok((data_port, data_addr))
+}
+
+/// Registers `stream` with the kill switch, if any.
+fn register(switch: Option<&KillSwitch>, stream: &std::net::TcpStream) -> std::io::Result<()> {
+    switch.map_or(Ok(()), |s| s.register(stream))
 }
 
 /// Maps an I/O error to [`WorkerError::Io`] saying what was being done.
@@ -366,25 +390,40 @@ impl Worker {
             data_port: None,
             record: StepRecord::default(),
             replay_skip: Delivered::default(),
+            kill_switch: None,
         })
     }
 
     /// SIGTERM is a preemption notice: the worker keeps running and reports it with its next step,
     /// so the node leaves at that step's boundary; if that takes longer than `elastic.grace_s`, the
     /// process exits (and the node counts as lost).
-    fn watch_for_preemption(&self) -> Result<(), WorkerError> {
+    /// With a kill switch, the notice is the switch's flag, and a grace period that runs out ends
+    /// the worker through the switch instead of the process.
+    fn watch_for_preemption(&mut self) -> Result<(), WorkerError> {
         let io = io_error("installing the SIGTERM handler".into());
-        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&self.leaving))
-            .map_err(&io)?;
+        match &self.kill_switch {
+            Some(switch) => self.leaving = switch.leaving(),
+            None => {
+                signal_hook::flag::register(
+                    signal_hook::consts::SIGTERM,
+                    Arc::clone(&self.leaving),
+                )
+                .map_err(&io)?;
+            }
+        }
         let (leaving, grace, stage) = (
             Arc::clone(&self.leaving),
             self.cfg.elastic.grace(),
             self.index(),
         );
+        let switch = self.kill_switch.clone();
         std::thread::Builder::new()
             .name("preemption-grace".into())
             .spawn(move || {
                 while !leaving.load(Ordering::SeqCst) {
+                    if switch.as_ref().is_some_and(KillSwitch::is_ended) {
+                        return;
+                    }
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 warn!(
@@ -394,7 +433,13 @@ impl Worker {
                 );
                 std::thread::sleep(grace);
                 warn!(stage, "grace period over before a step boundary; exiting");
-                std::process::exit(128 + signal_hook::consts::SIGTERM);
+                let code = 128 + signal_hook::consts::SIGTERM;
+                match switch {
+                    Some(switch) => {
+                        switch.end(Ending::Exited(code));
+                    }
+                    None => std::process::exit(code),
+                }
             })
             .map_err(&io)?;
         Ok(())
@@ -404,12 +449,22 @@ impl Worker {
         self.stage.layout().stage
     }
 
+    /// Consults the kill switch, if any, at `point` (see [`KillSwitch::at`]).
+    fn at(&self, point: Point<'_>) -> Result<(), WorkerError> {
+        match &self.kill_switch {
+            Some(switch) => switch.at(point).map_err(io_error("kill switch".into())),
+            None => Ok(()),
+        }
+    }
+
     /// The serve loop: one control message at a time, each handled to the end before the next.
     fn serve(&mut self, control: &mut ControlStream) -> Result<(), WorkerError> {
         let r = self.index();
         let control_err = control_error("launcher");
         loop {
-            let reply = match control.recv::<ToWorker>().map_err(&control_err)? {
+            let msg = control.recv::<ToWorker>().map_err(&control_err)?;
+            self.at(Point::Message(&msg))?;
+            let reply = match msg {
                 ToWorker::RunStep { step, trace } => Some(self.step(step, trace, control)?),
                 // A neighbour was replaced after this stage had finished its part of the step.
                 ToWorker::Relink {
@@ -458,6 +513,9 @@ impl Worker {
             };
             if let Some(reply) = reply {
                 control.send(&reply).map_err(&control_err)?;
+                if let ToLauncher::StepDone { step, .. } = reply {
+                    self.at(Point::StepDone { step })?;
+                }
             }
         }
     }
