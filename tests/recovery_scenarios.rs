@@ -302,6 +302,34 @@ fn kill_during_a_checkpoint_upload() {
     out.assert_bit_identical();
 }
 
+/// A worker killed while the last step's checkpoint is being taken: every step is done, only that
+/// checkpoint is left. The rebuilt pipeline restores the peer snapshots of the last step and
+/// commits its checkpoint; the run ends normally (it used to fail with "nothing to train").
+#[test]
+fn kill_while_the_last_checkpoint_is_written() {
+    let out = run(
+        "last-ckpt",
+        4,
+        &[],
+        vec![Rule::at(
+            1,
+            STEPS,
+            Pos::Message("checkpoint"),
+            kill_it(STEPS + 1),
+        )],
+    );
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    let r = out.assert_recovery(Tier::Peer, 0, (4, 4));
+    assert_eq!(r.step, STEPS);
+    assert_eq!(out.plans()[0].resume_from, Some(STEPS));
+    assert!(
+        out.checkpoints().iter().any(|e| e.step == STEPS),
+        "{:#?}",
+        out.events
+    );
+    out.assert_bit_identical();
+}
+
 /// Without peer snapshots a lost stage has no step-start state for a mid-step replacement: the
 /// run resumes from the newest committed checkpoint (step 2), redoing steps 3 and 4.
 #[test]
@@ -616,6 +644,26 @@ fn permanent_worker_failure_stops_the_run() {
     assert!(out.lost_nodes().is_empty(), "{:#?}", out.events);
     assert!(out.recoveries().is_empty());
     // One pipeline: nobody restarted a worker.
+    assert_eq!(out.workers.len(), 4);
+}
+
+/// The same permanent failure with agents that report exits at once: the agent's `WorkerExited`
+/// and the worker's own `Failed` race on two connections, and the worker's report decides
+/// whichever arrives first (the coordinator reads a dead worker's connection to its end).
+#[test]
+fn permanent_worker_failure_stops_the_run_whoever_reports_first() {
+    let data = fresh_dir("bad-data-prompt");
+    let tokens: Vec<u8> = (0..4000u16)
+        .flat_map(|t| (t % 1000).to_le_bytes())
+        .collect();
+    std::fs::write(data.join("train.bin"), &tokens).unwrap();
+    std::fs::write(data.join("val.bin"), &tokens).unwrap();
+    let source = format!("data.source={}", data.display());
+    let out = run("permanent-prompt", 4, &[&source], Vec::new());
+    let err = out.result.as_ref().unwrap_err();
+    assert!(err.contains("vocab_size is 64"), "{err}");
+    assert!(out.lost_nodes().is_empty(), "{:#?}", out.events);
+    assert!(out.recoveries().is_empty());
     assert_eq!(out.workers.len(), 4);
 }
 
