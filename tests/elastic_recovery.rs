@@ -298,8 +298,18 @@ fn assert_recovery_tiers(trials: &[ChaosTrial]) {
         } else {
             // A node and its buddy may both be gone: then the newest committed checkpoint.
             // Checkpoints every 2 steps with at most one in flight: the one before the newest
-            // begun is committed, so at most 2·2 − 1 completed steps are redone.
-            assert!(r.tier == Tier::Peer || r.tier == Tier::Checkpoint, "{r:?}");
+            // begun is committed, so at most 2·2 − 1 completed steps are redone. Until the first
+            // checkpoint (step 2) is committed — it may still be uploading during step 3, the
+            // more likely the busier the machine — there is nothing but the initial weights:
+            // a restart that loses at most those 2 steps.
+            assert!(
+                r.tier == Tier::Peer
+                    || r.tier == Tier::Checkpoint
+                    || (r.tier == Tier::Restart && lost_steps <= 2),
+                "trial {}: {r:?}\nwarnings:\n{}",
+                t.index,
+                t.warnings
+            );
             assert!(lost_steps <= 3, "checkpoints every 2 steps: {r:?}");
         }
     }
