@@ -4,7 +4,7 @@
 //! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
 //! to build with it.
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::{Args, Subcommand};
 
 /// `seqpipe gpu …`.
@@ -65,7 +65,7 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = cmd;
-        bail!(
+        anyhow::bail!(
             "this seqpipe was built without CUDA support: rebuild with `cargo build --release --features cuda`"
         )
     }
