@@ -2,7 +2,7 @@
 """Checks that the modules of trainer/src/runtime depend on each other one way only.
 
 A module is a file `runtime/NAME.rs` or a directory `runtime/NAME/`. It depends on module OTHER when
-its code (tests included) names `super::OTHER` (from `NAME.rs` or `NAME/mod.rs`),
+its text (code, tests and doc links alike: a doc link that points back up is a reader's detour too) names `super::OTHER` (from `NAME.rs` or `NAME/mod.rs`),
 `super::super::OTHER` (from a file inside `NAME/`) or `crate::runtime::OTHER`. The script prints
 the graph, one line per module with what it uses, and exits 1 naming every cycle it finds.
 
@@ -25,16 +25,11 @@ def modules(runtime: Path) -> dict[str, list[Path]]:
     return found
 
 
-def strip_comments(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    return re.sub(r"//[^\n]*", "", text)
-
-
 def uses(runtime: Path, name: str, files: list[Path], names: set[str]) -> set[str]:
     """The runtime modules that module `name` refers to."""
     used: set[str] = set()
     for path in files:
-        text = strip_comments(path.read_text())
+        text = path.read_text()
         inside = path.parent != runtime  # a file of a directory module
         top = inside and path.name == "mod.rs" and path.parent.name == name
         patterns = [r"crate::runtime::(\w+)"]

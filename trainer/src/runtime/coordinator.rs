@@ -1,7 +1,7 @@
 //! The coordinator: the control port that node agents and stage workers connect to, and the elastic
 //! core's view of the nodes. It admits agents (job token first), records their heartbeats, leaves
 //! and exits, asks [`elastic::decide`] for plans, and tells agents which workers to start. The
-//! pipeline of one plan is in [`super::pipeline`]; the training loop in [`super::driver`].
+//! pipeline of one plan is in `pipeline`; the training loop in `driver`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;

@@ -2,7 +2,7 @@
 //! (global gradient norm in canonical order, clipping, learning rate), replaces a stage lost in
 //! the middle of a step, evaluates, writes `metrics.jsonl`, schedules checkpoints (see
 //! [`super::checkpoint_writer`]) and stops at a step boundary on a signal or a plan change.
-//! [`super::run`] starts the pipelines one after another.
+//! `run` starts the pipelines one after another.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;

@@ -1,6 +1,6 @@
 //! Why a run fails and what a failure cost: [`LaunchError`] (every error of the launcher's side of
 //! the runtime), [`Lost`] (a node a failure took out) and [`LossCause`] (how it was lost, typed so
-//! that the recovery decisions in [`super::recovery`] never read error text).
+//! that the recovery decisions in `recovery` never read error text).
 
 use std::time::Duration;
 
@@ -78,7 +78,7 @@ pub enum LaunchError {
     Permanent { stage: usize, error: String },
 }
 
-/// How a node of the plan was lost. [`super::recovery`] decides on these, never on messages.
+/// How a node of the plan was lost. `recovery` decides on these, never on messages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossCause {
     /// Its worker process ended by itself (killed, crashed, or failed and exited), as its agent

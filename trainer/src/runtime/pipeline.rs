@@ -1,6 +1,6 @@
 //! The pipeline of one plan, seen from the coordinator: it has the plan's agents start one worker
 //! per stage, wires the workers to their neighbours, and exchanges control messages with them. The
-//! training loop that uses it is in [`super::driver`].
+//! training loop that uses it is in `driver`.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
