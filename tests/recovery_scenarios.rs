@@ -11,6 +11,7 @@
 //! its receive and send), an end stage's 32. Buddies: node r's peer snapshot is held by node r
 //! and node r+1 (mod 4).
 
+mod common;
 mod harness;
 
 use std::sync::Arc;
@@ -630,13 +631,7 @@ fn two_losses_in_two_steps_are_each_repaired_mid_step() {
 /// the exit for a lost node and restarts once — a race of the coordinator, reported.)
 #[test]
 fn permanent_worker_failure_stops_the_run() {
-    let data = fresh_dir("bad-data");
-    let tokens: Vec<u8> = (0..4000u16)
-        .flat_map(|t| (t % 1000).to_le_bytes())
-        .collect();
-    std::fs::write(data.join("train.bin"), &tokens).unwrap();
-    std::fs::write(data.join("val.bin"), &tokens).unwrap();
-    let source = format!("data.source={}", data.display());
+    let source = out_of_vocabulary_data("bad-data");
     let out = harness::run_reaping_late("permanent", 4, &[&source], Vec::new());
     let err = out.result.as_ref().unwrap_err();
     assert!(err.contains("vocab_size is 64"), "{err}");
@@ -652,19 +647,25 @@ fn permanent_worker_failure_stops_the_run() {
 /// whichever arrives first (the coordinator reads a dead worker's connection to its end).
 #[test]
 fn permanent_worker_failure_stops_the_run_whoever_reports_first() {
-    let data = fresh_dir("bad-data-prompt");
-    let tokens: Vec<u8> = (0..4000u16)
-        .flat_map(|t| (t % 1000).to_le_bytes())
-        .collect();
-    std::fs::write(data.join("train.bin"), &tokens).unwrap();
-    std::fs::write(data.join("val.bin"), &tokens).unwrap();
-    let source = format!("data.source={}", data.display());
+    let source = out_of_vocabulary_data("bad-data-prompt");
     let out = run("permanent-prompt", 4, &[&source], Vec::new());
     let err = out.result.as_ref().unwrap_err();
     assert!(err.contains("vocab_size is 64"), "{err}");
     assert!(out.lost_nodes().is_empty(), "{:#?}", out.events);
     assert!(out.recoveries().is_empty());
     assert_eq!(out.workers.len(), 4);
+}
+
+/// A `data.source` setting naming a corpus whose tokens reach 999, beyond the scenarios'
+/// `model.vocab_size` (64): a failure every node would hit.
+fn out_of_vocabulary_data(name: &str) -> String {
+    let data = fresh_dir(name);
+    let tokens: Vec<u8> = (0..4000u16)
+        .flat_map(|t| (t % 1000).to_le_bytes())
+        .collect();
+    std::fs::write(data.join("train.bin"), &tokens).unwrap();
+    std::fs::write(data.join("val.bin"), &tokens).unwrap();
+    format!("data.source={}", data.display())
 }
 
 /// A stage over `train.memory_budget_bytes` would be over it on any node: the run stops with the

@@ -564,16 +564,6 @@ pub enum Tier {
     Restart,
 }
 
-impl Tier {
-    /// The step whose state the pipeline restarts from (0 for the initial weights).
-    pub fn step(&self) -> u64 {
-        match *self {
-            Self::PeerSnapshot { step } | Self::Checkpoint { step } => step,
-            Self::Restart => 0,
-        }
-    }
-}
-
 /// Where the rebuilt pipeline's state comes from when `interrupted_step` could not complete.
 ///
 /// `peer_snapshot` is the newest step whose peer snapshots, on nodes still alive, hold the whole

@@ -105,13 +105,7 @@ pub const UNITS_PER_STAGE: u64 = 4 * 2 * 2;
 
 /// A fresh, empty directory for a scenario.
 pub fn fresh_dir(name: &str) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("scenario-{name}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    super::common::fresh_dir(&format!("scenario-{name}"))
 }
 
 /// A free loopback port (bound and released at once).
@@ -931,39 +925,15 @@ fn teardown(cluster: &Arc<Cluster>) {
 /// The lines of `metrics.jsonl`, typed (none if the run wrote none); every line must be a step
 /// record or an event of [`RunEvent`]'s vocabulary (the runtime writes nothing else).
 fn metrics_records(run_dir: &Path) -> Vec<Record> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| match Record::parse(l).expect("a JSON line") {
-            Record::Other(v) => panic!("neither a step record nor a known event: {v}"),
-            r => r,
-        })
-        .collect()
+    if !run_dir.join("metrics.jsonl").exists() {
+        return Vec::new();
+    }
+    super::common::records(run_dir)
 }
 
 /// Every tensor of the newest committed checkpoint under `run_dir`, with its step.
 pub fn final_state(run_dir: &Path) -> (u64, BTreeMap<String, Vec<u8>>) {
-    let url = run_dir.join("checkpoints").display().to_string();
-    let store = checkpoint::CheckpointStore::open(&url, &Default::default()).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let step = *rt
-        .block_on(store.committed_steps())
-        .unwrap()
-        .last()
-        .expect("a committed checkpoint");
-    let manifest = rt.block_on(store.read_manifest(step)).unwrap();
-    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
-    let tensors = rt.block_on(store.read_tensors(&manifest, &names)).unwrap();
-    (
-        step,
-        tensors
-            .into_iter()
-            .map(|(n, d)| (n, d.data.to_vec()))
-            .collect(),
-    )
+    super::common::final_state(&super::common::ckpt_url(run_dir))
 }
 
 /// The final state of the scenarios' job run undisturbed on 4 nodes (computed once).
