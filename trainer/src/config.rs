@@ -145,6 +145,10 @@ impl Default for TrainConfig {
 pub struct PipelineConfig {
     /// Pipeline stages p (one worker process each).
     pub stages: usize,
+    /// Data-parallel replicas d of the pipeline (d·p workers). The step's micro-batches are
+    /// split among them; the result is bit-identical for every valid d (see
+    /// [`ops::sum_tree::valid_replicas`]).
+    pub replicas: usize,
     /// Micro-batches m per step.
     pub microbatches: usize,
     /// Sequence segments k per micro-batch (Seq1F1B's splits).
@@ -172,6 +176,7 @@ impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
             stages: 4,
+            replicas: 1,
             microbatches: 4,
             splits: 4,
             schedule: ScheduleKind::Seq1F1B,
@@ -311,6 +316,11 @@ impl Config {
         })
     }
 
+    /// The replica counts `pipeline.replicas` may take with this micro-batch count, ascending.
+    pub fn valid_replicas(&self) -> Vec<usize> {
+        valid_replica_counts(self.pipeline.microbatches)
+    }
+
     /// Checks every value and their consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
@@ -326,6 +336,7 @@ impl Config {
             ("train.micro_batch_size", t.micro_batch_size),
             ("train.seq_len", t.seq_len),
             ("pipeline.stages", p.stages),
+            ("pipeline.replicas", p.replicas),
             ("pipeline.microbatches", p.microbatches),
             ("pipeline.splits", p.splits),
         ];
@@ -400,6 +411,19 @@ impl Config {
             return invalid(
                 "train.seq_len",
                 format!("{} exceeds model.max_seq_len {}", t.seq_len, m.max_seq_len),
+            );
+        }
+        if !ops::sum_tree::valid_replicas(p.microbatches, p.replicas) {
+            return invalid(
+                "pipeline.replicas",
+                format!(
+                    "{} replicas cannot split {} micro-batches so that the result is the same for \
+                     every replica count: each replica's share must be a node of the summation \
+                     tree; use one of {:?}",
+                    p.replicas,
+                    p.microbatches,
+                    valid_replica_counts(p.microbatches)
+                ),
             );
         }
         if p.stages > m.layers {
@@ -807,4 +831,11 @@ mod tests {
             );
         }
     }
+}
+
+/// The replica counts that split `micro_batches` into summation-tree nodes, ascending.
+fn valid_replica_counts(micro_batches: usize) -> Vec<usize> {
+    (1..=micro_batches)
+        .filter(|&d| ops::sum_tree::valid_replicas(micro_batches, d))
+        .collect()
 }

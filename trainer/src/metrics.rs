@@ -28,6 +28,13 @@ pub struct StepMetrics {
     /// Seconds the stages spent computing them, summed.
     #[serde(default)]
     pub compute_s: f64,
+    /// Bytes the workers sent in the gradient reduction between data-parallel replicas, summed
+    /// (0 with one replica).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub reduce_bytes: u64,
+    /// Seconds of the slowest worker's gradient reduction.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub reduce_s: f64,
     /// When the step ended (Unix seconds).
     #[serde(default)]
     pub end_unix_s: f64,
@@ -46,6 +53,14 @@ pub struct StepMetrics {
     /// Validation loss, on steps where evaluation ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// Appends JSON lines to a file.

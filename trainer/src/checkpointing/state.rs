@@ -54,6 +54,10 @@ pub struct LrPosition {
 pub struct Topology {
     /// Number of stages.
     pub stages: usize,
+    /// Data-parallel replicas that wrote it (informational: a checkpoint loads onto any
+    /// replica count).
+    #[serde(default = "one")]
+    pub replicas: usize,
     /// Layer range `[start, end)` of each stage.
     pub layers: Vec<[usize; 2]>,
     /// Schedule kind.
@@ -62,6 +66,10 @@ pub struct Topology {
     pub microbatches: usize,
     /// Segments per micro-batch.
     pub splits: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl TrainerState {

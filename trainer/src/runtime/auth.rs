@@ -49,6 +49,9 @@ pub enum Purpose {
     Data,
     /// An agent's peer-snapshot port (workers connect).
     Snapshot,
+    /// A worker's gradient-reduction port (the other data-parallel replicas of its stage
+    /// connect).
+    Reduce,
 }
 
 impl Purpose {
@@ -57,6 +60,7 @@ impl Purpose {
             Purpose::Control => b"control",
             Purpose::Data => b"data",
             Purpose::Snapshot => b"snapshot",
+            Purpose::Reduce => b"reduce",
         }
     }
 }

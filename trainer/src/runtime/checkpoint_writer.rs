@@ -88,7 +88,8 @@ impl CheckpointWriter {
                 waited_s: waited.elapsed().as_secs_f64(),
             }));
         }
-        pipeline.broadcast(&ToWorker::Checkpoint { step: state.step })?;
+        // A stage's shard is written once, by replica 0 (every replica holds the same state).
+        pipeline.send_to_first_replica(&ToWorker::Checkpoint { step: state.step })?;
         self.pending = Some(PendingCheckpoint {
             state,
             started: Instant::now(),

@@ -18,12 +18,18 @@ pub const PEER_FAILURE_EXIT_CODE: u8 = 3;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToLauncher {
-    /// First message: who the worker is and where its stage-data port listens.
+    /// First message: who the worker is and where its stage-data port listens. `stage` here and
+    /// in every message below is the worker's slot, `replica · stages + stage` (the stage itself
+    /// with one replica).
     Hello {
         stage: usize,
         /// The plan generation the worker was started for.
         generation: u64,
         data_addr: String,
+        /// Where the other replicas of its stage connect for the gradient reduction (with
+        /// `pipeline.replicas` > 1).
+        #[serde(default)]
+        reduce_addr: Option<String>,
         pid: u32,
     },
     /// Connected to its neighbours; ready to run steps.
@@ -131,6 +137,12 @@ pub struct StepCost {
     /// ([`crate::model::Stage::state_bytes`]).
     #[serde(default)]
     pub state_bytes: u64,
+    /// Bytes this worker sent in the gradient reduction with the other replicas of its stage.
+    #[serde(default)]
+    pub reduce_bytes: u64,
+    /// Seconds the gradient reduction took.
+    #[serde(default)]
+    pub reduce_s: f64,
     /// When each unit ran (only when the step was run with `trace`), in the order computed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unit_times: Vec<UnitTime>,
@@ -178,6 +190,9 @@ pub enum ToWorker {
         /// which of its outputs they already have.
         #[serde(default)]
         replacement: bool,
+        /// The reduction ports of its stage's replicas, by replica (empty with one replica).
+        #[serde(default)]
+        replicas: Vec<String>,
     },
     /// Mid-step recovery: rebuild the broken link on `side` (to a replacement of the lost
     /// neighbour, under link generation `generation`): accept it (`Prev`) or connect to `addr`

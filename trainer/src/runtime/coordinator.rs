@@ -156,13 +156,15 @@ impl Coordinator {
             _gate: gate,
             rendezvous: None,
         };
-        let mut wanted = coordinator.cfg.pipeline.stages;
+        // One node per worker: replicas × stages.
+        let workers = coordinator.cfg.pipeline.stages * coordinator.cfg.pipeline.replicas;
+        let mut wanted = workers;
         if !coordinator.cfg.elastic.rendezvous.is_empty() {
             let token = coordinator.token.clone();
             wanted = coordinator.connect_rendezvous(&token)?.unwrap_or(wanted);
         }
         if coordinator.cfg.elastic.local_agents {
-            for i in 0..coordinator.cfg.pipeline.stages {
+            for i in 0..workers {
                 coordinator.spawn_local_agent(&format!("local-{i:03}"))?;
             }
         }
@@ -336,6 +338,7 @@ impl Coordinator {
         self.state.apply(&decision, now);
         self.publish(&plan)?;
         self.cfg.pipeline.stages = plan.num_stages();
+        self.cfg.pipeline.replicas = plan.replicas;
         info!(%reason, "first plan");
         if let Some(r) = &mut self.recovery {
             r.events.push(RunEvent::Plan(PlanAdopted {
@@ -1005,6 +1008,7 @@ impl Coordinator {
             }
         }
         self.cfg.pipeline.stages = plan.num_stages();
+        self.cfg.pipeline.replicas = plan.replicas;
         let latest = store::committed_steps(&self.cfg)?.last().copied();
         let peers = self
             .peer_coverage()

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use ops::sum_tree::SumTree;
 use serde_json::json;
 use tracing::{info, warn};
 
@@ -61,9 +62,11 @@ enum Boundary {
 struct StepReplies {
     /// Per-parameter sums of squared gradients, in canonical order.
     sums: Vec<Option<f64>>,
-    /// The last stage's sum of token losses.
-    loss_sum: Option<f64>,
+    /// Per replica: its last stage's sum of token losses.
+    loss_sums: Vec<Option<f64>>,
     retained_bytes: u64,
+    reduce_bytes: u64,
+    reduce_s: f64,
     units: usize,
     compute_s: f64,
     /// Per stage.
@@ -75,11 +78,13 @@ struct StepReplies {
 }
 
 impl StepReplies {
-    fn new(stages: usize, params: usize) -> Self {
+    fn new(stages: usize, replicas: usize, params: usize) -> Self {
         Self {
             sums: vec![None; params],
-            loss_sum: None,
+            loss_sums: vec![None; replicas],
             retained_bytes: 0,
+            reduce_bytes: 0,
+            reduce_s: 0.0,
             units: 0,
             compute_s: 0.0,
             peak_activation_bytes: vec![0; stages],
@@ -88,33 +93,64 @@ impl StepReplies {
         }
     }
 
-    /// Adds `stage`'s `StepDone`.
+    /// Adds the `StepDone` of worker `slot` (stage `slot % stages` of replica `slot / stages`).
+    /// The replicas of a stage hold the same reduced gradients: their sums of squares must agree
+    /// bit for bit.
     fn add(
         &mut self,
-        stage: usize,
+        slot: usize,
         sums_of_squares: Vec<(String, f64)>,
         loss_sum: Option<f64>,
         cost: StepCost,
         canonical: &HashMap<String, usize>,
     ) -> Result<(), LaunchError> {
+        let stages = self.peak_activation_bytes.len();
+        let (replica, stage) = (slot / stages, slot % stages);
         for (name, value) in sums_of_squares {
             let index = *canonical
                 .get(&name)
                 .ok_or_else(|| LaunchError::Protocol(format!("unknown parameter {name}")))?;
-            self.sums[index] = Some(value);
+            match self.sums[index] {
+                Some(seen) if seen.to_bits() != value.to_bits() => {
+                    return Err(LaunchError::Protocol(format!(
+                        "the replicas of stage {stage} disagree on the gradient of {name} \
+                         (sum of squares {seen} vs {value} from replica {replica}): the \
+                         reduction is not deterministic"
+                    )));
+                }
+                _ => self.sums[index] = Some(value),
+            }
         }
-        self.loss_sum = self.loss_sum.or(loss_sum);
+        if let Some(l) = loss_sum {
+            self.loss_sums[replica] = Some(l);
+        }
         self.retained_bytes += cost.retained_bytes;
+        self.reduce_bytes += cost.reduce_bytes;
+        self.reduce_s = self.reduce_s.max(cost.reduce_s);
         self.units += cost.units;
         self.compute_s += cost.compute_s;
         if let Some(peak) = self.peak_activation_bytes.get_mut(stage) {
             *peak = (*peak).max(cost.peak_activation_bytes);
             self.state_bytes[stage] = cost.state_bytes;
         }
-        if let Some((_, redone)) = self.replaced.iter_mut().find(|(r, _)| r.stage == stage) {
+        if let Some((_, redone)) = self.replaced.iter_mut().find(|(r, _)| r.stage == slot) {
             *redone = Some(cost);
         }
         Ok(())
+    }
+
+    /// The sum of the step's token losses: the replicas' sums added in the summation tree's
+    /// order over the step's micro-batches, the same number whatever the replica count and the
+    /// order the replicas reported in; `None` until every replica's last stage reported.
+    fn loss_sum(&self, micro_batches: usize) -> Option<f64> {
+        let d = self.loss_sums.len();
+        let c = micro_batches / d;
+        let mut tree = SumTree::new(micro_batches);
+        let mut add = |a: f64, b: f64| Ok::<f64, std::convert::Infallible>(a + b);
+        for (r, l) in self.loss_sums.iter().enumerate() {
+            tree.push(r * c, (r + 1) * c, (*l)?, &mut add).ok()?;
+        }
+        tree.finish(&mut add).ok()
     }
 }
 
@@ -499,7 +535,7 @@ impl Driver<'_, '_> {
         self.record_replacements(step, &replies.replaced, step_started)?;
         let grad_norm = self.update(step, lr, replies.sums)?;
         let loss = replies
-            .loss_sum
+            .loss_sum(cfg.pipeline.microbatches)
             .ok_or_else(|| LaunchError::Protocol("the last stage reported no loss".into()))?
             / tokens as f64;
         let step_time_s = step_started.elapsed().as_secs_f64();
@@ -533,6 +569,8 @@ impl Driver<'_, '_> {
         let record = StepMetrics {
             step,
             retained_bytes: replies.retained_bytes,
+            reduce_bytes: replies.reduce_bytes,
+            reduce_s: replies.reduce_s,
             peak_activation_bytes: replies.peak_activation_bytes,
             state_bytes: replies.state_bytes,
             units: replies.units,
@@ -558,16 +596,18 @@ impl Driver<'_, '_> {
         step: u64,
         canonical: &HashMap<String, usize>,
     ) -> Result<StepReplies, LaunchError> {
-        let p = self.pipeline.stages();
-        let mut replies = StepReplies::new(p, canonical.len());
+        let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
+        let mut replies = StepReplies::new(p, d, canonical.len());
         let mut finished = BTreeSet::new();
-        while finished.len() < p {
+        while finished.len() < p * d {
             let msg = match self
                 .pipeline
                 .next_reply(&format!("step {step}'s forward and backward"))
             {
                 Ok(msg) => msg,
-                Err(e) if self.cfg.elastic.mid_step => {
+                // With replicas, a lost worker stops the reduction of its stage: the step is
+                // redone from the snapshots (re-routing its micro-batches is not built yet).
+                Err(e) if self.cfg.elastic.mid_step && d == 1 => {
                     let replaced = self.replace_lost_stage(step, e, &finished, unix_time_s())?;
                     replies.replaced.push(replaced);
                     continue;
@@ -661,9 +701,9 @@ impl Driver<'_, '_> {
             lr,
             clip_coefficient,
         })?;
-        let p = self.pipeline.stages();
+        let workers = self.pipeline.workers();
         self.pipeline
-            .collect(p, &format!("step {step}'s optimizer update"))?;
+            .collect(workers, &format!("step {step}'s optimizer update"))?;
         Ok(grad_norm)
     }
 
@@ -753,7 +793,9 @@ impl Driver<'_, '_> {
     pub(super) fn evaluate(&mut self) -> Result<f64, LaunchError> {
         let cfg = self.cfg;
         let batches = cfg.train.eval_batches;
-        self.pipeline.broadcast(&ToWorker::Eval { batches })?;
+        // Replica 0 evaluates: every replica holds the same weights.
+        self.pipeline
+            .send_to_first_replica(&ToWorker::Eval { batches })?;
         let mut loss_sum = None;
         for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
             match msg {
@@ -791,6 +833,7 @@ impl Driver<'_, '_> {
             loss,
             topology: Topology {
                 stages: cfg.pipeline.stages,
+                replicas: cfg.pipeline.replicas,
                 layers,
                 schedule: cfg.pipeline.schedule.to_string(),
                 microbatches: cfg.pipeline.microbatches,
@@ -805,7 +848,7 @@ impl Driver<'_, '_> {
     fn expect_restored(&mut self, step: u64) -> Result<Result<(), (String, bool)>, LaunchError> {
         let mut failure = None;
         for msg in self.pipeline.collect(
-            self.pipeline.stages(),
+            self.pipeline.workers(),
             &format!("the workers to load checkpoint {step}"),
         )? {
             match msg {

@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod auth;
 mod checkpoint_writer;
+pub mod collective;
 pub mod control;
 pub mod coordinator;
 pub mod driver;

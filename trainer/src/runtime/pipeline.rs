@@ -41,6 +41,8 @@ pub struct Pipeline<'c> {
     deferred: VecDeque<Incoming>,
     /// The generation of links rebuilt mid-step (above the plan's, so a stale worker is refused).
     link_generation: u64,
+    /// Data-parallel replicas of the pipeline (`conns` holds replicas × stages workers).
+    replicas: usize,
 }
 
 /// A stage replaced in the middle of a step.
@@ -62,7 +64,8 @@ impl<'c> Pipeline<'c> {
         cfg: &Config,
         dump_grads: Option<&Path>,
     ) -> Result<Self, LaunchError> {
-        let p = cfg.pipeline.stages;
+        let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
+        let workers = p * d;
         let generation = coordinator.plan().generation;
         // Workers may run on other hosts: give them the checkpoint location in full.
         let mut worker_cfg = cfg.clone();
@@ -86,10 +89,12 @@ impl<'c> Pipeline<'c> {
             pending: VecDeque::new(),
             deferred: VecDeque::new(),
             link_generation: generation,
+            replicas: d,
         };
         // Hello from everyone, then the topology, then ready from everyone.
-        let mut conns: Vec<Option<u64>> = vec![None; p];
-        let mut data_addrs = vec![String::new(); p];
+        let mut conns: Vec<Option<u64>> = vec![None; workers];
+        let mut data_addrs = vec![String::new(); workers];
+        let mut reduce_addrs = vec![String::new(); workers];
         let deadline = Instant::now() + pipeline.timeout;
         while conns.iter().any(Option::is_none) {
             match pipeline.next_incoming(deadline, "every worker to say hello")? {
@@ -99,11 +104,17 @@ impl<'c> Pipeline<'c> {
                         stage,
                         generation: g,
                         data_addr,
+                        reduce_addr,
                         ..
                     },
-                ) if Generation::admits(generation, g) && stage < p && conns[stage].is_none() => {
+                ) if Generation::admits(generation, g)
+                    && stage < workers
+                    && conns[stage].is_none()
+                    && (d == 1 || reduce_addr.is_some()) =>
+                {
                     conns[stage] = Some(conn);
                     data_addrs[stage] = data_addr;
+                    reduce_addrs[stage] = reduce_addr.unwrap_or_default();
                 }
                 Incoming::Hello(conn, msg) => {
                     warn!(
@@ -119,22 +130,30 @@ impl<'c> Pipeline<'c> {
             .into_iter()
             .map(|c| c.expect("every stage said hello"))
             .collect();
-        for stage in 0..p {
-            let prev = (stage > 0).then(|| data_addrs[stage - 1].clone());
-            let next = data_addrs.get(stage + 1).cloned();
+        for slot in 0..workers {
+            // Slot r·p + s runs stage s of replica r; its neighbours are in its replica.
+            let s = slot % p;
+            let prev = (s > 0).then(|| data_addrs[slot - 1].clone());
+            let next = (s + 1 < p).then(|| data_addrs[slot + 1].clone());
+            let replicas = if d > 1 {
+                (0..d).map(|r| reduce_addrs[r * p + s].clone()).collect()
+            } else {
+                Vec::new()
+            };
             pipeline.send(
-                stage,
+                slot,
                 &ToWorker::Topology {
                     generation,
                     prev,
                     next,
                     replacement: false,
+                    replicas,
                 },
             )?;
         }
         pipeline.data_addrs = data_addrs;
-        pipeline.collect(p, "the workers to connect to their neighbours")?;
-        info!(stages = p, generation, "pipeline connected");
+        pipeline.collect(workers, "the workers to connect to their neighbours")?;
+        info!(stages = p, replicas = d, generation, "pipeline connected");
         Ok(pipeline)
     }
 
@@ -146,9 +165,26 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-    /// Number of stages.
+    /// Number of stages (of one replica).
     pub fn stages(&self) -> usize {
+        self.conns.len() / self.replicas
+    }
+
+    /// Number of data-parallel replicas.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// Number of workers: replicas × stages. Worker slot `r · stages + s` runs stage `s` of
+    /// replica `r`; replica 0's slots are its stages.
+    pub fn workers(&self) -> usize {
         self.conns.len()
+    }
+
+    /// Sends `msg` to the workers of replica 0 (the stages' shards of a checkpoint are written
+    /// once, by them).
+    pub fn send_to_first_replica(&mut self, msg: &ToWorker) -> Result<(), LaunchError> {
+        (0..self.stages()).try_for_each(|stage| self.send(stage, msg))
     }
 
     /// The coordinator whose plan this pipeline runs.
@@ -487,6 +523,7 @@ impl<'c> Pipeline<'c> {
             prev: (stage > 0).then(|| self.data_addrs[stage - 1].clone()),
             next: self.data_addrs.get(stage + 1).cloned(),
             replacement: true,
+            replicas: Vec::new(),
         };
         self.send(stage, &topology)?;
         self.await_reply_of(stage, "the replacement to connect", |m| {

@@ -79,11 +79,22 @@ pub struct DataPort {
 }
 
 impl DataPort {
-    /// Starts accepting on `listener` for peers that prove `token`.
+    /// Starts accepting on `listener` for peers that prove `token` for the data port.
     pub fn open(listener: TcpListener, token: String) -> io::Result<Self> {
+        Self::open_for(listener, token, Purpose::Data, "data")
+    }
+
+    /// Starts accepting on `listener` for peers that prove `token` for `purpose` (`name` in
+    /// logs and thread names).
+    pub fn open_for(
+        listener: TcpListener,
+        token: String,
+        purpose: Purpose,
+        name: &str,
+    ) -> io::Result<Self> {
         let (tx, admitted) = channel();
         let tx = Mutex::new(tx);
-        let gate = Gate::start("data", listener, token, Purpose::Data, move |stream, _| {
+        let gate = Gate::start(name, listener, token, purpose, move |stream, _| {
             let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(stream);
         })?;
         Ok(Self {

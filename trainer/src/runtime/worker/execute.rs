@@ -1,10 +1,11 @@
 //! Running one step's (or one evaluation's) action list over the transport: receive, compute,
 //! send, in the validated schedule's order.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use ops::sum_tree::SumTree;
 
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
@@ -42,7 +43,8 @@ struct ExecState {
     tokens: MicroBatchTokens,
     inbox: HashMap<Unit, Tensor>,
     outbox: HashMap<Unit, Tensor>,
-    loss_sum: Option<f64>,
+    /// Last stage: each micro-batch's sum of token losses, over its segments in order.
+    losses: Option<BTreeMap<usize, f64>>,
     loss_scale: f64,
 }
 
@@ -61,6 +63,7 @@ impl Worker {
         );
         self.stage.take_peak_activation_bytes();
         let schedule = self.schedule.clone();
+        self.stage.begin_step(schedule.get().microbatches);
         let loss_sum = self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))?;
         self.record.cost.peak_activation_bytes = self.stage.take_peak_activation_bytes() as u64;
         self.record.cost.state_bytes = self.stage.state_bytes() as u64;
@@ -96,12 +99,18 @@ impl Worker {
             },
             inbox: HashMap::new(),
             outbox: HashMap::new(),
-            loss_sum: last.then_some(0.0),
-            loss_scale: 1.0
-                / (schedule.microbatches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len)
-                    as f64,
+            losses: last.then(BTreeMap::new),
+            loss_scale: 0.0,
         };
         let train = mode == Mode::Train;
+        // The loss is the mean over the step's micro-batches, all replicas' together.
+        let micro_batches = if train {
+            self.cfg.pipeline.microbatches
+        } else {
+            schedule.microbatches
+        };
+        state.loss_scale = 1.0
+            / (micro_batches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len) as f64;
         let actions = &schedule.actions[self.index()];
         let mut pc = 0;
         while pc < actions.len() {
@@ -133,7 +142,10 @@ impl Worker {
                 Err(e) => return Err(e),
             }
         }
-        Ok(state.loss_sum)
+        state
+            .losses
+            .map(|losses| tree_sum(schedule.microbatches, losses))
+            .transpose()
     }
 
     fn run_action(
@@ -216,7 +228,14 @@ impl Worker {
             StageOutput::Hidden(h) => {
                 state.outbox.insert(u, h);
             }
-            StageOutput::LossSum(l) => *state.loss_sum.as_mut().expect("last stage") += l,
+            StageOutput::LossSum(l) => {
+                *state
+                    .losses
+                    .as_mut()
+                    .expect("last stage")
+                    .entry(u.micro_batch)
+                    .or_default() += l;
+            }
         }
         if mode == Mode::Train {
             // Proven redone: a neighbour has this unit's output (or its backward's).
@@ -261,6 +280,12 @@ impl Worker {
         shift: usize,
     ) -> Result<Tensor, WorkerError> {
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
+        // A replica's micro-batch i of a training step is the step's micro-batch
+        // `first_micro_batch + i`: the data does not depend on the replica count.
+        let offset = match split {
+            Split::Train => self.first_micro_batch,
+            Split::Val => 0,
+        };
         let rows = match cache.tokens.entry(u.micro_batch) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
@@ -273,7 +298,7 @@ impl Worker {
                     split,
                     self.cfg.train.seed,
                     step,
-                    u.micro_batch as u64,
+                    (offset + u.micro_batch) as u64,
                     batch,
                     seq_len,
                 )?)
@@ -290,6 +315,20 @@ impl Worker {
             .collect();
         Ok(Tensor::from_vec(ids, (batch, len), &Device::Cpu)?)
     }
+}
+
+/// The sum of the micro-batches' losses (`losses[i]` of micro-batch i of `micro_batches`) in the
+/// summation tree's order, so that replicas' sums add up to the same number whatever the replica
+/// count (see `ops::sum_tree`).
+fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, WorkerError> {
+    let mut tree = SumTree::new(micro_batches);
+    let mut add = |a: f64, b: f64| Ok::<f64, std::convert::Infallible>(a + b);
+    let bad = |e: String| WorkerError::Protocol(format!("the step's losses: {e}"));
+    for i in 0..micro_batches {
+        let l = losses.get(&i).copied().unwrap_or(0.0);
+        tree.push(i, i + 1, l, &mut add).map_err(|e| bad(e.to_string()))?;
+    }
+    tree.finish(&mut add).map_err(|e| bad(e.to_string()))
 }
 
 /// The boundary tensor a communication action moves: its payload and unit (`None` for compute).

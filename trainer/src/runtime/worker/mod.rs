@@ -27,6 +27,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
+use super::collective::{CollectiveError, ReplicaGroup};
 use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
 use super::kill_switch::{Ending, KillSwitch, Point};
 use super::peer_snapshots::PeerCopier;
@@ -85,6 +86,9 @@ pub enum WorkerError {
     /// The checkpoint store failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The gradient reduction with the other replicas of the stage failed.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
     /// A Hugging Face directory could not be used.
     #[error(transparent)]
     Hf(#[from] hf::HfError),
@@ -111,7 +115,8 @@ impl WorkerError {
 pub struct WorkerArgs {
     /// The launcher's control address.
     pub control: String,
-    /// This worker's stage index.
+    /// This worker's slot: `replica · pipeline.stages + stage` (the stage itself with one
+    /// replica).
     pub stage: usize,
     /// The plan generation it runs under.
     pub generation: u64,
@@ -136,6 +141,16 @@ struct Worker {
     data: Option<Box<dyn TokenSource>>,
     schedule: ValidSchedule,
     segment_lengths: Vec<usize>,
+    /// This worker's slot (`replica · stages + stage`): its name in control messages.
+    slot: usize,
+    /// Its data-parallel replica.
+    replica: usize,
+    /// The global index of its replica's first micro-batch of a step.
+    first_micro_batch: usize,
+    /// The links to the other replicas of its stage (with `pipeline.replicas` > 1).
+    group: Option<ReplicaGroup>,
+    /// Where the other replicas of its stage connect (with `pipeline.replicas` > 1).
+    reduce_port: Option<DataPort>,
     prev: Option<TcpLink>,
     next: Option<TcpLink>,
     dump_grads: Option<PathBuf>,
@@ -220,19 +235,35 @@ fn start(
         source,
     };
     let timeout = cfg.pipeline.timeout();
-    let (data_port, data_addr) = open_data_port(&args.bind, &token, args.kill_switch.as_ref())?;
+    let (data_port, data_addr) = open_data_port(
+        &args.bind,
+        &token,
+        Purpose::Data,
+        args.kill_switch.as_ref(),
+    )?;
+    let reduce = (cfg.pipeline.replicas > 1)
+        .then(|| open_data_port(&args.bind, &token, Purpose::Reduce, args.kill_switch.as_ref()))
+        .transpose()?;
     control
         .send(&ToLauncher::Hello {
             stage: args.stage,
             generation: args.generation,
             data_addr,
+            reduce_addr: reduce.as_ref().map(|(_, addr)| addr.clone()),
             pid: std::process::id(),
         })
         .map_err(control_err)?;
     let mut worker = Worker::new(cfg, args.stage, args.dump_grads.clone())?;
+    worker.reduce_port = reduce.map(|(port, _)| port);
     worker.token = token.clone();
     worker.kill_switch = args.kill_switch.clone();
-    if !args.snapshot_to.is_empty() {
+    if !args.snapshot_to.is_empty() && worker.replica > 0 {
+        info!(
+            slot = args.stage,
+            replica = worker.replica,
+            "no peer snapshots from this worker: replica 0 of its stage holds the same state"
+        );
+    } else if !args.snapshot_to.is_empty() {
         let (to, switch) = (args.snapshot_to.clone(), args.kill_switch.clone());
         worker.peer_copier = Some(
             PeerCopier::start(to, token, timeout, switch)
@@ -242,7 +273,7 @@ fn start(
     worker.watch_for_preemption()?;
     worker.checkpoints = Some(Checkpoints::start(
         &worker.cfg,
-        args.stage,
+        worker.index(),
         control.sender(),
     )?);
     match control.recv::<ToWorker>().map_err(control_err)? {
@@ -251,7 +282,11 @@ fn start(
             prev,
             next,
             replacement,
-        } => worker.connect(data_port, generation, prev, next, replacement)?,
+            replicas,
+        } => {
+            worker.connect(data_port, generation, prev, next, replacement)?;
+            worker.connect_replicas(generation, &replicas)?;
+        }
         other => {
             return Err(WorkerError::Protocol(format!(
                 "expected the topology first, got {other:?}"
@@ -264,11 +299,13 @@ fn start(
     Ok(worker)
 }
 
-/// Binds the stage's data port on `bind` (any port): the port and its address. With a kill
-/// switch, the port closes when the worker is killed.
+/// Binds a port of the worker on `bind` (any port) for `purpose` (the stage data port, or the
+/// gradient-reduction port): the port and its address. With a kill switch, the port closes when
+/// the worker is killed.
 fn open_data_port(
     bind: &str,
     token: &str,
+    purpose: Purpose,
     switch: Option<&KillSwitch>,
 ) -> Result<(DataPort, String), WorkerError> {
     let listener = TcpListener::bind((bind, 0))
@@ -282,8 +319,12 @@ fn open_data_port(
         .local_addr()
         .map_err(io_error("stage data port".into()))?
         .to_string();
-    let data_port =
-        DataPort::open(listener, token.to_string()).map_err(io_error("stage data port".into()))?;
+    let name = match purpose {
+        Purpose::Reduce => "reduce",
+        _ => "data",
+    };
+    let data_port = DataPort::open_for(listener, token.to_string(), purpose, name)
+        .map_err(io_error("stage data port".into()))?;
     Ok((data_port, data_addr))
 }
 
@@ -338,19 +379,21 @@ fn restore_reply(stage: usize, step: u64, result: Result<(), WorkerError>) -> To
 }
 
 impl Worker {
-    fn new(
-        cfg: Config,
-        stage_index: usize,
-        dump_grads: Option<PathBuf>,
-    ) -> Result<Self, WorkerError> {
-        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)
-            .map_err(ModelError::from)?;
-        let layout = layouts.into_iter().nth(stage_index).ok_or_else(|| {
-            WorkerError::Protocol(format!(
-                "stage {stage_index} does not exist in a {}-stage pipeline",
-                cfg.pipeline.stages
-            ))
-        })?;
+    fn new(cfg: Config, slot: usize, dump_grads: Option<PathBuf>) -> Result<Self, WorkerError> {
+        let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
+        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, p).map_err(ModelError::from)?;
+        let (replica, stage_index) = (slot / p, slot % p);
+        let layout = layouts
+            .into_iter()
+            .nth(stage_index)
+            .filter(|_| replica < d)
+            .ok_or_else(|| {
+                WorkerError::Protocol(format!(
+                    "worker slot {slot} does not exist in {d} replica(s) of a {p}-stage pipeline"
+                ))
+            })?;
+        // Replica r computes the step's micro-batches [r·c, (r+1)·c).
+        let local_micro_batches = cfg.pipeline.microbatches / d;
         let segment_lengths = cfg.segment_lengths()?;
         let (first, last) = (layout.is_first(), layout.is_last());
         info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
@@ -363,8 +406,8 @@ impl Worker {
         };
         let schedule = ValidSchedule::new(generate(
             cfg.pipeline.schedule,
-            cfg.pipeline.stages,
-            cfg.pipeline.microbatches,
+            p,
+            local_micro_batches,
             cfg.pipeline.splits,
         )?)?;
         let t = &cfg.train;
@@ -380,6 +423,11 @@ impl Worker {
             data,
             schedule,
             segment_lengths,
+            slot,
+            replica,
+            first_micro_batch: replica * local_micro_batches,
+            group: None,
+            reduce_port: None,
             prev: None,
             next: None,
             dump_grads,
@@ -459,7 +507,7 @@ impl Worker {
 
     /// The serve loop: one control message at a time, each handled to the end before the next.
     fn serve(&mut self, control: &mut ControlStream) -> Result<(), WorkerError> {
-        let r = self.index();
+        let r = self.slot;
         let control_err = control_error("launcher");
         loop {
             let msg = control.recv::<ToWorker>().map_err(&control_err)?;
@@ -533,6 +581,7 @@ impl Worker {
         }
         let started = Instant::now();
         let loss_sum = self.run_step(step, trace, control)?;
+        self.reduce_gradients(step)?;
         let sums_of_squares = self.stage.grad_sums_of_squares()?;
         if let Some(dir) = &self.dump_grads {
             self.dump_gradients(dir, step)?;
@@ -543,13 +592,50 @@ impl Worker {
             "step computed"
         );
         Ok(ToLauncher::StepDone {
-            stage: self.index(),
+            stage: self.slot,
             step,
             sums_of_squares,
             loss_sum,
             leaving: self.leaving.load(Ordering::SeqCst),
             cost: self.record.cost.clone(),
         })
+    }
+
+    /// With data-parallel replicas: sums this stage's gradients with the other replicas' (in the
+    /// summation tree's order, so every replica holds the same total, bit for bit, whatever the
+    /// replica count), and records what it cost.
+    fn reduce_gradients(&mut self, step: u64) -> Result<(), WorkerError> {
+        let Some(group) = &mut self.group else {
+            return Ok(());
+        };
+        self.stage.finish_gradients()?;
+        let partial = self.stage.gradient_vector()?;
+        let (total, cost) = group.all_reduce(step, partial)?;
+        self.stage.set_gradient_vector(&total)?;
+        self.record.cost.reduce_bytes = cost.bytes_sent;
+        self.record.cost.reduce_s = cost.seconds;
+        Ok(())
+    }
+
+    /// Connects to the other replicas of this stage (`addrs`: their reduction ports, by replica),
+    /// when there are any.
+    fn connect_replicas(&mut self, generation: u64, addrs: &[String]) -> Result<(), WorkerError> {
+        if addrs.len() <= 1 {
+            return Ok(());
+        }
+        let port = self.reduce_port.as_ref().ok_or_else(|| {
+            WorkerError::Protocol("replica links, but this worker has no reduction port".into())
+        })?;
+        self.group = Some(ReplicaGroup::connect(
+            port,
+            addrs,
+            self.replica,
+            generation,
+            self.cfg.pipeline.microbatches,
+            &self.token,
+            self.cfg.pipeline.timeout(),
+        )?);
+        Ok(())
     }
 
     /// Clips with `clip_coefficient` and applies AdamW with learning rate `lr`.
