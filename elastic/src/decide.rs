@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::ElasticConfig;
 use crate::membership::{Membership, NodeId, NodeInfo, NodeStatus};
-use crate::plan::{Plan, plan_for};
+use crate::plan::{Plan, ReplicaPolicy, best_layout, plan_layout};
 
 /// Everything [`decide()`] looks at. Plain data: the caller updates it as events arrive
 /// (joins, heartbeats, failures, step boundaries) and with [`ClusterState::apply`].
@@ -22,8 +22,10 @@ pub struct ClusterState {
     /// Whether the pipeline is between two steps (the previous step's update is done and the
     /// next has not started): the only moment joiners are admitted and leavers let go.
     pub at_step_boundary: bool,
-    /// Most stages a plan may have: the model's layer count.
+    /// Most stages a pipeline may have: the model's layer count.
     pub max_stages: usize,
+    /// How many data-parallel replicas of the pipeline a plan may run (by default one).
+    pub replicas: ReplicaPolicy,
     /// Recoveries from lost nodes so far in this run.
     pub restarts: usize,
     /// When the current shortfall (fewer than `min_nodes` nodes) began; `None` when there is none.
@@ -34,7 +36,7 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
-    /// No nodes, no plan, step 0 at a boundary.
+    /// No nodes, no plan, step 0 at a boundary, one replica ([`ReplicaPolicy::default`]).
     pub fn new(max_stages: usize) -> Self {
         Self {
             membership: Membership::new(),
@@ -42,6 +44,7 @@ impl ClusterState {
             step: 0,
             at_step_boundary: true,
             max_stages,
+            replicas: ReplicaPolicy::default(),
             restarts: 0,
             waiting_since: None,
             generation_floor: 0,
@@ -157,9 +160,17 @@ impl Decision {
 ///    → `Recover` immediately (or `Fail` once `max_restarts` recoveries were made);
 /// 2. a new plan would have fewer than `min_nodes` nodes → `Wait` until `join_timeout` after
 ///    the shortfall began, then `Fail`;
-/// 3. at a step boundary, leaving nodes → `Shrink`, else joiners that add stages (or are
-///    needed for `min_nodes`), up to `max_nodes` → `Grow`; other joiners stay spares;
+/// 3. at a step boundary, leaving nodes → `Shrink`, else joiners that add worker slots to the
+///    best layout (or are needed for `min_nodes`), up to `max_nodes` → `Grow`; other joiners
+///    stay spares;
 /// 4. otherwise `Continue`.
+///
+/// Every new plan is [`plan_layout`] of its nodes under `state.replicas`: the layout of `d`
+/// replicas × `p` stages that uses the most worker slots, then has the most replicas (see
+/// [`best_layout`]). Joiners are admitted in join order as long as they raise that worker count
+/// (at most `wanted · max_stages`), so a 3-node `1 × 3` job whose 4th node joins grows to
+/// `2 × 2` when two replicas are wanted. A node the layout has no worker for (possible only with
+/// several replicas, when a loss leaves more nodes than workers) stays a spare.
 pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decision, String) {
     if state.max_stages == 0 {
         return fail("the model has no layers to place (max_stages is 0)".into());
@@ -173,13 +184,17 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
     }
     let joiners = state.membership.pending_joiners();
     let Some(plan) = &state.current else {
-        let admitted = admit_joiners(Vec::new(), &joiners, cfg, state.max_stages);
+        let admitted = admit_joiners(Vec::new(), &joiners, cfg, state);
         if admitted.len() < cfg.min_nodes {
             return wait_or_fail(now, state, cfg, admitted.len(), "");
         }
-        let new = new_plan(&admitted, state, state.generation_floor + 1);
-        let reason = format!("first plan at step {}: {}", state.step, layout(&new));
-        let joined = ids(&admitted);
+        let (new, text) = new_plan(&admitted, state, state.generation_floor + 1);
+        let reason = format!("first plan at step {}: {text}", state.step);
+        let reason = with(
+            reason,
+            spare_note(&unplaced(&admitted, &new), &new, cfg, state),
+        );
+        let joined = placed(&admitted, &new);
         return (Decision::Grow { plan: new, joined }, reason);
     };
 
@@ -201,13 +216,30 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
         .filter(|id| !leaving.contains(id))
         .filter_map(member_info)
         .collect();
-    let admitted = admit_joiners(staying, &joiners, cfg, state.max_stages);
-    let joined: Vec<NodeId> = ids(&admitted)
-        .into_iter()
-        .filter(|id| !plan.contains(id))
-        .collect();
-    let spares = spare_note(&joiners, &admitted, cfg, state.max_stages);
+    let admitted = admit_joiners(staying, &joiners, cfg, state);
     let generation = plan.generation + 1;
+    // The plan this boundary would adopt (none when every node leaves and none joins); mid-step
+    // it says who will join and who stays spare.
+    let next = (!admitted.is_empty()).then(|| new_plan(&admitted, state, generation));
+    let (joined, spares, plan_spares) = match &next {
+        None => Default::default(),
+        Some((new, _)) => {
+            let joined: Vec<NodeId> = placed(&admitted, new)
+                .into_iter()
+                .filter(|id| !plan.contains(id))
+                .collect();
+            let spare_joiners = unplaced(&joiners, new);
+            // With several replicas, staying nodes the new layout has no worker for go spare too.
+            let all_spares = unique([unplaced(&admitted, new), spare_joiners.clone()].concat());
+            let spares = spare_note(&spare_joiners, new, cfg, state);
+            (joined, spares, spare_note(&all_spares, new, cfg, state))
+        }
+    };
+    // Past the `min_nodes` check below, `admitted` has at least one node, so there is a plan.
+    let adopt = || {
+        next.clone()
+            .expect("at least min_nodes >= 1 nodes have a plan")
+    };
 
     if !leaving.is_empty() {
         if admitted.len() < cfg.min_nodes {
@@ -234,12 +266,12 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
             let reason = with(with(reason, waits_note(&joined)), spares);
             return (Decision::Continue, reason);
         }
-        let new = new_plan(&admitted, state, generation);
+        let (new, text) = adopt();
         let mut reason = format!("{} left at step {}", named(&leaving), state.step);
         if !joined.is_empty() {
             reason = format!("{reason}; {} joined", named(&joined));
         }
-        let reason = with(format!("{reason}; plan: {}", layout(&new)), spares);
+        let reason = with(format!("{reason}; plan: {text}"), plan_spares);
         let left = leaving;
         return (
             Decision::Shrink {
@@ -256,14 +288,16 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
             let reason = with(waits_note(&joined), spares);
             return (Decision::Continue, reason);
         }
-        let new = new_plan(&admitted, state, generation);
+        let (new, text) = adopt();
         let reason = format!(
-            "{} joined at step {}; plan: {}",
+            "{} joined at step {}; plan: {text}",
             named(&joined),
-            state.step,
-            layout(&new)
+            state.step
         );
-        return (Decision::Grow { plan: new, joined }, with(reason, spares));
+        return (
+            Decision::Grow { plan: new, joined },
+            with(reason, plan_spares),
+        );
     }
 
     let reason = format!(
@@ -303,15 +337,12 @@ fn recover(
         .filter_map(|id| state.membership.get(id).map(|m| &m.info))
         .collect();
     let num_survivors = survivors.len();
-    let admitted = admit_joiners(survivors, joiners, cfg, state.max_stages);
+    let admitted = admit_joiners(survivors, joiners, cfg, state);
     if admitted.len() < cfg.min_nodes {
         return wait_or_fail(now, state, cfg, admitted.len(), &format!("{lost_text}; "));
     }
-    let joined: Vec<NodeId> = admitted[num_survivors..]
-        .iter()
-        .map(|n| n.id.clone())
-        .collect();
-    let new = new_plan(&admitted, state, plan.generation + 1);
+    let (new, text) = new_plan(&admitted, state, plan.generation + 1);
+    let joined = placed(&admitted[num_survivors..], &new);
     let mut reason = format!(
         "{lost_text}; {num_survivors} of {} alive",
         count(plan.nodes.len(), "node")
@@ -319,7 +350,11 @@ fn recover(
     if !joined.is_empty() {
         reason = format!("{reason}; {} joined", named(&joined));
     }
-    let reason = format!("{reason}; plan: {}", layout(&new));
+    let reason = format!("{reason}; plan: {text}");
+    let reason = with(
+        reason,
+        spare_note(&unplaced(&admitted, &new), &new, cfg, state),
+    );
     let mut lost: Vec<NodeId> = lost.iter().map(|(id, _)| id.clone()).collect();
     lost.sort();
     (
@@ -413,55 +448,61 @@ fn lost_nodes(
     lost
 }
 
-/// `base` plus joiners in join order, while one is useful (a plan still has fewer than
-/// `min_nodes` nodes or fewer slots than `max_stages`) and there is room (below `max_nodes`,
-/// and fewer nodes than stages, so that every node gets one).
+/// `base` plus the shortest prefix of `joiners` (in join order) that reaches `min_nodes` and
+/// the most worker slots any prefix can have (see [`best_layout`]), without passing `max_nodes`.
+/// The worker count depends only on the total slots and never falls as slots are added, so a
+/// joiner is admitted while it, alone or with the next ones, adds workers. With one replica this
+/// is: while the plan has fewer than `min_nodes` nodes or fewer slots than `max_stages`.
 fn admit_joiners<'a>(
     base: Vec<&'a NodeInfo>,
     joiners: &[&'a NodeInfo],
     cfg: &ElasticConfig,
-    max_stages: usize,
+    state: &ClusterState,
 ) -> Vec<&'a NodeInfo> {
     let mut nodes = base;
-    let mut slots: usize = nodes.iter().map(|n| n.slots).sum();
-    for &joiner in joiners {
-        if !has_room(nodes.len(), cfg, max_stages)
-            || (nodes.len() >= cfg.min_nodes && slots >= max_stages)
-        {
-            break;
-        }
-        slots += joiner.slots;
-        nodes.push(joiner);
+    let room = if cfg.max_nodes == 0 {
+        joiners.len()
+    } else {
+        cfg.max_nodes.saturating_sub(nodes.len()).min(joiners.len())
+    };
+    let mut totals = vec![nodes.iter().map(|n| n.slots).sum::<usize>()];
+    for joiner in &joiners[..room] {
+        totals.push(totals[totals.len() - 1] + joiner.slots);
     }
+    let workers = |total: usize| {
+        best_layout(total, state.max_stages, &state.replicas).map_or(0, |(d, p)| d * p)
+    };
+    let most = workers(totals[room]);
+    let for_workers = (0..=room)
+        .find(|&k| workers(totals[k]) == most)
+        .unwrap_or(room);
+    let for_min_nodes = cfg.min_nodes.saturating_sub(nodes.len()).min(room);
+    nodes.extend_from_slice(&joiners[..for_workers.max(for_min_nodes)]);
     nodes
 }
 
-fn has_room(nodes: usize, cfg: &ElasticConfig, max_stages: usize) -> bool {
-    (cfg.max_nodes == 0 || nodes < cfg.max_nodes) && nodes < max_stages
-}
-
-/// Says why joiners that were not admitted stay spares (empty when there are none).
-fn spare_note(
-    joiners: &[&NodeInfo],
-    admitted: &[&NodeInfo],
-    cfg: &ElasticConfig,
-    max_stages: usize,
-) -> String {
-    let spares: Vec<NodeId> = joiners
-        .iter()
-        .filter(|j| !admitted.iter().any(|a| a.id == j.id))
-        .map(|j| j.id.clone())
-        .collect();
+/// Says why `spares` (nodes without a worker in `plan`) stay spares (empty when there are none).
+fn spare_note(spares: &[NodeId], plan: &Plan, cfg: &ElasticConfig, state: &ClusterState) -> String {
     if spares.is_empty() {
         return String::new();
     }
-    let why = if cfg.max_nodes != 0 && admitted.len() >= cfg.max_nodes {
-        format!("elastic.max_nodes = {} reached", cfg.max_nodes)
+    let (verb, it) = if spares.len() == 1 {
+        ("stays", "it")
     } else {
-        format!("all {max_stages} stages are placed")
+        ("stay", "them")
     };
-    let verb = if spares.len() == 1 { "stays" } else { "stay" };
-    format!("{} {verb} spare: {why}", named(&spares))
+    let why = if cfg.max_nodes != 0 && plan.nodes.len() >= cfg.max_nodes {
+        format!("elastic.max_nodes = {} reached", cfg.max_nodes)
+    } else if state.replicas.wanted <= 1 {
+        format!("all {} stages are placed", state.max_stages)
+    } else {
+        format!(
+            "the best layout, {} × {}, has no worker for {it}",
+            plan.replicas,
+            plan.num_stages()
+        )
+    };
+    format!("{} {verb} spare: {why}", named(spares))
 }
 
 fn waits_note(joined: &[NodeId]) -> String {
@@ -475,15 +516,50 @@ fn waits_note(joined: &[NodeId]) -> String {
     )
 }
 
-fn new_plan(nodes: &[&NodeInfo], state: &ClusterState, generation: u64) -> Plan {
+/// The plan of `nodes` under the state's replica policy, and how it reads in a reason.
+fn new_plan(nodes: &[&NodeInfo], state: &ClusterState, generation: u64) -> (Plan, String) {
     let infos: Vec<NodeInfo> = nodes.iter().map(|&n| n.clone()).collect();
     // `nodes` is non-empty (min_nodes >= 1) with slots >= 1 each, and max_stages >= 1.
-    plan_for(&infos, state.max_stages, generation, state.step)
-        .expect("a non-empty set of nodes with slots always has a plan")
+    let plan = plan_layout(
+        &infos,
+        state.max_stages,
+        &state.replicas,
+        generation,
+        state.step,
+    )
+    .expect("a non-empty set of nodes with slots always has a plan");
+    let total = infos.iter().map(|n| n.slots).sum();
+    let text = layout(&plan, total, state);
+    (plan, text)
 }
 
-fn ids(nodes: &[&NodeInfo]) -> Vec<NodeId> {
-    nodes.iter().map(|n| n.id.clone()).collect()
+/// The ids of `nodes` that run a worker in `plan`, in the order given.
+fn placed(nodes: &[&NodeInfo], plan: &Plan) -> Vec<NodeId> {
+    nodes
+        .iter()
+        .filter(|n| plan.contains(&n.id))
+        .map(|n| n.id.clone())
+        .collect()
+}
+
+/// The ids of `nodes` that run no worker in `plan`, in the order given.
+fn unplaced(nodes: &[&NodeInfo], plan: &Plan) -> Vec<NodeId> {
+    nodes
+        .iter()
+        .filter(|n| !plan.contains(&n.id))
+        .map(|n| n.id.clone())
+        .collect()
+}
+
+/// `ids` without repeats, first occurrence kept.
+fn unique(ids: Vec<NodeId>) -> Vec<NodeId> {
+    let mut seen = Vec::with_capacity(ids.len());
+    for id in ids {
+        if !seen.contains(&id) {
+            seen.push(id);
+        }
+    }
+    seen
 }
 
 /// `node a` or `nodes a, b`.
@@ -515,14 +591,37 @@ fn count(n: usize, what: &str) -> String {
     }
 }
 
-/// `4 stages on a, b (generation 3)`.
-fn layout(plan: &Plan) -> String {
+/// `4 stages on a, b (generation 3)` with one replica wanted. With more: the data-parallel
+/// dimension and why this layout, out of `total_slots` slots:
+/// `2 replicas × 2 stages on a, b, c, d (generation 5), using all 4 slots`, or
+/// `1 replica × 3 stages on a, b, c (generation 2), using all 3 slots (2 replicas would use fewer)`.
+fn layout(plan: &Plan, total_slots: usize, state: &ClusterState) -> String {
     let nodes = plan.nodes.iter().map(NodeId::as_str).collect::<Vec<_>>();
+    let on = format!("on {} (generation {})", nodes.join(", "), plan.generation);
+    let policy = &state.replicas;
+    if policy.wanted <= 1 {
+        return format!("{} {on}", count(plan.num_stages(), "stage"));
+    }
+    let (d, workers) = (plan.replicas, plan.num_workers());
+    let used = if workers == total_slots {
+        format!("using all {}", count(total_slots, "slot"))
+    } else {
+        format!("using {workers} of {total_slots} slots, the most any layout can")
+    };
+    // Ties go to more replicas, so any larger accepted count places fewer workers.
+    let more = policy
+        .valid
+        .iter()
+        .copied()
+        .filter(|&m| m > d && m <= policy.wanted)
+        .max()
+        .map_or(String::new(), |m| {
+            format!(" ({m} replicas would use fewer)")
+        });
     format!(
-        "{} on {} (generation {})",
-        count(plan.num_stages(), "stage"),
-        nodes.join(", "),
-        plan.generation
+        "{} × {} {on}, {used}{more}",
+        count(d, "replica"),
+        count(plan.num_stages(), "stage")
     )
 }
 
@@ -549,8 +648,8 @@ fn later(t: Instant, d: Duration) -> Instant {
 /// Where the state of a rebuilt pipeline comes from after a failure or a plan change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
-    /// From the in-memory snapshots of the state after `step` that live nodes hold (each node's
-    /// state is copied to itself and to its buddy, see [`buddies`]).
+    /// From the in-memory snapshots of the state after `step` that live nodes hold (each node of
+    /// replica 0 copies its state to itself and to its buddy, see [`buddies`]).
     PeerSnapshot {
         /// The step the snapshots are of.
         step: u64,
@@ -567,7 +666,9 @@ pub enum Tier {
 /// Where the rebuilt pipeline's state comes from when `interrupted_step` could not complete.
 ///
 /// `peer_snapshot` is the newest step whose peer snapshots, on nodes still alive, hold the whole
-/// model's state (parameters and AdamW moments); `checkpoint` the newest committed checkpoint.
+/// model's state (parameters and AdamW moments; with several replicas, replica 0's snapshots
+/// are the ones taken, see [`buddies`]); `checkpoint` the newest committed checkpoint. The tier
+/// does not depend on the plan's layout.
 /// The newer of the two wins, the snapshots on a tie (memory is faster than the object store);
 /// with neither, the run restarts from the initial weights. The reason says what decided it and
 /// how many completed steps are redone.
@@ -613,17 +714,23 @@ pub fn recovery_tier(
 
 /// Who holds whose peer snapshot: each node's state is copied to the node of the next stage
 /// after its last one that is on a different node, wrapping around (`a → b → c → a` for stages
-/// `[a, a, b, c]`). A plan with a single node has no buddies.
+/// `[a, a, b, c]`). A pipeline on a single node has no buddies.
+///
+/// Only replica 0 takes peer snapshots (every replica holds the same state after a step), so
+/// the buddies are those of replica 0's pipeline, slots `0..p`: with several replicas, a node
+/// that runs no stage of replica 0 has no buddy and is nobody's. With one replica that is the
+/// whole plan.
 pub fn buddies(plan: &Plan) -> BTreeMap<NodeId, NodeId> {
-    let n = plan.stages.len();
+    let stages = plan.replica(0);
+    let n = stages.len();
     let mut last_stage: BTreeMap<&NodeId, usize> = BTreeMap::new();
-    for (r, id) in plan.stages.iter().enumerate() {
+    for (r, id) in stages.iter().enumerate() {
         last_stage.insert(id, r);
     }
     let mut buddy_of = BTreeMap::new();
     for (id, last) in last_stage {
         let next = (1..n)
-            .map(|k| &plan.stages[(last + k) % n])
+            .map(|k| &stages[(last + k) % n])
             .find(|other| *other != id);
         if let Some(other) = next {
             buddy_of.insert(id.clone(), other.clone());

@@ -1,8 +1,9 @@
 //! Nodes, membership, plans and recovery decisions for an elastic pipeline. Knows no tensors.
 //!
 //! A *node* runs one agent with `slots` stage workers; a *coordinator* holds the
-//! [`Membership`] and decides the pipeline [`Plan`]. Every plan has a generation, and anything
-//! from another generation is refused ([`Generation`]).
+//! [`Membership`] and decides the [`Plan`]: `d` data-parallel replicas of a `p`-stage pipeline
+//! (one replica unless the [`ReplicaPolicy`] wants more), laid out by [`plan_layout`]. Every plan
+//! has a generation, and anything from another generation is refused ([`Generation`]).
 //!
 //! The crate is a pure core, in the manner of torchft's `quorum_compute` and raft-rs: no I/O,
 //! no async, no clock reads. Time is always passed in as an [`std::time::Instant`], so tests
@@ -51,5 +52,5 @@ pub use config::ElasticConfig;
 pub use decide::{ClusterState, Decision, Tier, buddies, decide, recovery_tier};
 pub use error::ElasticError;
 pub use membership::{Member, Membership, NodeId, NodeInfo, NodeStatus};
-pub use plan::{Generation, Plan, plan_for};
+pub use plan::{Generation, Plan, ReplicaPolicy, best_layout, plan_for, plan_layout};
 pub use seconds::{MAX_SECONDS, SecondsError, Zero, checked_seconds, clamped_seconds};

@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use elastic::{ClusterState, Decision, ElasticConfig, NodeId, NodeInfo, decide};
+use elastic::{
+    ClusterState, Decision, ElasticConfig, NodeId, NodeInfo, ReplicaPolicy, buddies, decide,
+};
 
 /// A coordinator core with a hand-moved clock.
 struct Sim {
@@ -362,4 +364,187 @@ fn a_wait_keeps_the_time_its_shortfall_began() {
     assert_eq!(r, "first plan at step 0: 2 stages on a, b (generation 1)");
     assert_eq!(d.plan().unwrap().generation, 1);
     assert_eq!(sim.state.waiting_since, None);
+}
+
+/// A core that wants two data-parallel replicas, with single-slot nodes `ids` joined at t=0.
+fn two_replicas(max_stages: usize, ids: &[&str]) -> Sim {
+    let mut sim = Sim::new(cfg(), max_stages);
+    sim.state.replicas = ReplicaPolicy {
+        wanted: 2,
+        valid: vec![1, 2],
+    };
+    for id in ids {
+        sim.join(id, 1, 0.0);
+    }
+    sim
+}
+
+/// Slots with replicas separated: `"a b | c d"`.
+fn replicas(plan: &elastic::Plan) -> String {
+    (0..plan.replicas)
+        .map(|r| {
+            plan.replica(r)
+                .iter()
+                .map(NodeId::as_str)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+#[test]
+fn a_fourth_node_grows_one_pipeline_of_3_into_2_replicas_of_2() {
+    let mut sim = two_replicas(4, &["a", "b", "c"]);
+    let (d, r) = sim.decide(0.0);
+    let Decision::Grow { plan, .. } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!((plan.replicas, replicas(plan).as_str()), (1, "a b c"));
+    assert_eq!(
+        r,
+        "first plan at step 0: 1 replica × 3 stages on a, b, c (generation 1), using all 3 slots \
+         (2 replicas would use fewer)"
+    );
+    // d joins mid-step: it waits for the boundary, then the job becomes 2 × 2.
+    sim.boundary(5);
+    sim.midstep();
+    sim.join("d", 1, 1.0);
+    let (d, r) = sim.decide(1.0);
+    assert_eq!(d, Decision::Continue, "{r}");
+    assert_eq!(r, "node d waits for the next step boundary to join");
+    sim.boundary(6);
+    let (d, r) = sim.decide(2.0);
+    let Decision::Grow { plan, joined } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!((plan.generation, plan.step, joined), (2, 6, &ids("d")));
+    assert_eq!((plan.replicas, plan.num_stages()), (2, 2));
+    assert_eq!(replicas(plan), "a b | c d");
+    assert_eq!(
+        r,
+        "node d joined at step 6; plan: 2 replicas × 2 stages on a, b, c, d (generation 2), \
+         using all 4 slots"
+    );
+    assert_eq!(sim.state.current.as_ref(), Some(plan));
+    assert_eq!(sim.decide(3.0).0, Decision::Continue);
+}
+
+#[test]
+fn a_loss_replans_with_the_same_rule() {
+    let mut sim = two_replicas(4, &["a", "b", "c", "d"]);
+    sim.decide(0.0);
+    sim.boundary(3);
+    sim.midstep();
+    sim.fail("b", 1.0);
+    let (d, r) = sim.decide(1.0);
+    let Decision::Recover { plan, lost, joined } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!((lost, joined), (&ids("b"), &vec![]));
+    assert_eq!((plan.generation, plan.step), (2, 3));
+    assert_eq!((plan.replicas, replicas(plan).as_str()), (1, "a c d"));
+    assert_eq!(
+        r,
+        "node b lost (connection broken); 3 of 4 nodes alive; plan: 1 replica × 3 stages on a, \
+         c, d (generation 2), using all 3 slots (2 replicas would use fewer)"
+    );
+}
+
+#[test]
+fn survivors_without_a_worker_stay_spares() {
+    // Two stages at most: 4 nodes run 2 × 2; 3 survivors can only run 2 workers.
+    let mut sim = two_replicas(2, &["a", "b", "c", "d"]);
+    let (d, _) = sim.decide(0.0);
+    assert_eq!(replicas(d.plan().unwrap()), "a b | c d");
+    sim.midstep();
+    sim.fail("a", 1.0);
+    let (d, r) = sim.decide(1.0);
+    let Decision::Recover { plan, .. } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!(replicas(plan), "b | c");
+    assert_eq!(
+        r,
+        "node a lost (connection broken); 3 of 4 nodes alive; plan: 2 replicas × 1 stage on b, c \
+         (generation 2), using 2 of 3 slots, the most any layout can; node d stays spare: the \
+         best layout, 2 × 1, has no worker for it"
+    );
+    // d waits as a spare; a new node e makes 4 slots again: 2 × 2, with d back in.
+    sim.boundary(1);
+    let (d, r) = sim.decide(2.0);
+    assert_eq!(d, Decision::Continue, "{r}");
+    assert_eq!(
+        r,
+        "plan generation 2 unchanged: 2 nodes alive; node d stays spare: the best layout, 2 × 1, \
+         has no worker for it"
+    );
+    sim.join("e", 1, 3.0);
+    let (d, r) = sim.decide(3.0);
+    let Decision::Grow { plan, joined } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!(
+        (replicas(plan).as_str(), joined),
+        ("b c | d e", &ids("d e"))
+    );
+}
+
+#[test]
+fn joiners_are_admitted_together_when_only_together_they_add_workers() {
+    // max 4 stages: 5 nodes run 2 × 2 like 4 do (e stays spare); 6 run 2 × 3.
+    let mut sim = two_replicas(4, &["a", "b", "c", "d", "e"]);
+    let (d, r) = sim.decide(0.0);
+    let Decision::Grow { plan, joined } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!(
+        (replicas(plan).as_str(), joined),
+        ("a b | c d", &ids("a b c d"))
+    );
+    assert_eq!(
+        r,
+        "first plan at step 0: 2 replicas × 2 stages on a, b, c, d (generation 1), using all 4 \
+         slots"
+    );
+    let (d, r) = sim.peek(0.5);
+    assert_eq!(d, Decision::Continue, "{r}");
+    assert_eq!(
+        r,
+        "plan generation 1 unchanged: 4 nodes alive; node e stays spare: the best layout, 2 × 2, \
+         has no worker for it"
+    );
+    sim.boundary(1);
+    sim.join("f", 1, 1.0);
+    let (d, r) = sim.decide(1.0);
+    let Decision::Grow { plan, joined } = &d else {
+        panic!("{r}")
+    };
+    assert_eq!(
+        (replicas(plan).as_str(), joined),
+        ("a b c | d e f", &ids("e f"))
+    );
+    assert_eq!(
+        r,
+        "nodes e, f joined at step 1; plan: 2 replicas × 3 stages on a, b, c, d, e, f \
+         (generation 2), using all 6 slots"
+    );
+    // Peer snapshots: replica 0 (a b c) only.
+    let pairs: Vec<String> = buddies(plan)
+        .iter()
+        .map(|(a, b)| format!("{a}>{b}"))
+        .collect();
+    assert_eq!(pairs.join(" "), "a>b b>c c>a");
+}
+
+#[test]
+fn every_node_leaving_with_no_joiner_keeps_the_plan() {
+    let mut sim = Sim::started(cfg(), 8, &["a", "b"]);
+    for id in ["a", "b"] {
+        sim.state.membership.leave(&id.into(), sim.at(1.0)).unwrap();
+    }
+    sim.boundary(1);
+    let (d, r) = sim.decide(1.0);
+    assert_eq!(d, Decision::Continue, "{r}");
+    assert!(r.starts_with("nodes a, b are leaving, but without them only 0 nodes would remain"));
 }
