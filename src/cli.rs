@@ -542,7 +542,7 @@ fn worker(w: WorkerCli) -> Result<ExitCode> {
     }) {
         Ok(()) => Ok(ExitCode::SUCCESS),
         // This node is healthy; a neighbour is not. The launcher tells the two apart by this code.
-        Err(e @ WorkerError::Transport(_)) => {
+        Err(e @ (WorkerError::Transport(_) | WorkerError::Collective(_))) => {
             eprintln!("error: worker of stage {stage}: {e}");
             Ok(ExitCode::from(PEER_FAILURE_EXIT_CODE))
         }

@@ -207,6 +207,7 @@ fn plot_fails_clearly_on_a_missing_or_empty_metrics_file() {
     let plan = RunEvent::Plan(PlanAdopted {
         generation: 0,
         stages: 1,
+        replicas: 1,
         nodes: vec!["local-001".into()],
         resume_from: None,
         tier: None,

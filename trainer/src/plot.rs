@@ -410,6 +410,7 @@ mod tests {
         RunEvent::Plan(PlanAdopted {
             generation,
             stages: nodes.len(),
+            replicas: 1,
             nodes: nodes.iter().map(|&n| NodeId::new(n)).collect(),
             resume_from: None,
             tier: None,

@@ -282,7 +282,7 @@ impl ReplicaGroup {
             tree.push(r * c, (r + 1) * c, part, &mut add)
                 .map_err(|e| CollectiveError::Tree(e.to_string()))?;
         }
-        tree.finish(&mut add)
+        tree.finish::<CollectiveError>()
             .map_err(|e| CollectiveError::Tree(e.to_string()))
     }
 
@@ -451,7 +451,7 @@ mod tests {
         for (i, v) in leaves.iter().enumerate() {
             tree.push(i, i + 1, v.clone(), &mut add).unwrap();
         }
-        tree.finish(&mut add).unwrap()
+        tree.finish::<()>().unwrap()
     }
 
     #[test]
@@ -484,7 +484,7 @@ mod tests {
                                     .push(i, i + 1, leaves[r * c + i].clone(), &mut add)
                                     .unwrap();
                             }
-                            let partial = partial.finish(&mut add).unwrap();
+                            let partial = partial.finish::<()>().unwrap();
                             let mut last = Vec::new();
                             // Two steps over the same links.
                             for step in 1..=2 {

@@ -13,7 +13,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
-use elastic::{ClusterState, Decision, Generation, NodeId, NodeStatus, Plan, decide};
+use elastic::{
+    ClusterState, Decision, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy, decide,
+};
 use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
@@ -138,8 +140,13 @@ impl Coordinator {
         let gate =
             accept_loop(listener, token.clone(), tx).map_err(io("starting the coordinator"))?;
         info!(%addr, "coordinator listening");
+        let mut state = ClusterState::new(cfg.model.layers);
+        state.replicas = ReplicaPolicy {
+            wanted: cfg.pipeline.replicas,
+            valid: cfg.valid_replicas(),
+        };
         let mut coordinator = Self {
-            state: ClusterState::new(cfg.model.layers),
+            state,
             cfg,
             start,
             session: session.to_string(),
@@ -344,6 +351,7 @@ impl Coordinator {
             r.events.push(RunEvent::Plan(PlanAdopted {
                 generation: plan.generation,
                 stages: plan.num_stages(),
+                replicas: plan.replicas,
                 nodes: plan.stages.clone(),
                 resume_from: None,
                 tier: None,
@@ -391,7 +399,7 @@ impl Coordinator {
         self.exits.clear();
         let plan = self.plan().clone();
         for node in &plan.nodes {
-            let msg = self.start_message(node, plan.stages_of(node), config, dump_grads, false);
+            let msg = self.start_message(node, plan.slots_of(node), config, dump_grads, false);
             self.send_to_node(node, &msg)?;
         }
         Ok(())
@@ -1024,6 +1032,7 @@ impl Coordinator {
         events.push(RunEvent::Plan(PlanAdopted {
             generation: plan.generation,
             stages: plan.num_stages(),
+            replicas: plan.replicas,
             nodes: plan.stages.clone(),
             resume_from,
             tier: Some(tier),

@@ -150,7 +150,7 @@ impl StepReplies {
         for (r, l) in self.loss_sums.iter().enumerate() {
             tree.push(r * c, (r + 1) * c, (*l)?, &mut add).ok()?;
         }
-        tree.finish(&mut add).ok()
+        tree.finish::<std::convert::Infallible>().ok()
     }
 }
 

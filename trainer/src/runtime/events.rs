@@ -47,9 +47,13 @@ pub enum RunEvent {
 pub struct PlanAdopted {
     /// The plan's generation.
     pub generation: u64,
-    /// Number of pipeline stages.
+    /// Number of pipeline stages (of one replica).
     pub stages: usize,
-    /// `nodes[r]` runs pipeline stage `r`.
+    /// Data-parallel replicas of the pipeline.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: usize,
+    /// `nodes[w]` runs worker slot `w`: stage `w % stages` of replica `w / stages` (with one
+    /// replica, `nodes[r]` runs stage `r`).
     pub nodes: Vec<NodeId>,
     /// The step the new pipeline starts from (a new plan only; absent when it starts fresh).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -329,6 +333,7 @@ mod tests {
             RunEvent::Plan(PlanAdopted {
                 generation: 0,
                 stages: 2,
+                replicas: 1,
                 nodes: vec![node("a"), node("b")],
                 resume_from: None,
                 tier: None,
@@ -336,6 +341,7 @@ mod tests {
             RunEvent::Plan(PlanAdopted {
                 generation: 2,
                 stages: 1,
+                replicas: 1,
                 nodes: vec![node("b")],
                 resume_from: Some(4),
                 tier: Some(Tier::Checkpoint),
@@ -548,4 +554,12 @@ mod tests {
         assert_eq!(steps(&records).count(), 1);
         assert_eq!(events(&records).count(), 0);
     }
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }

@@ -133,7 +133,10 @@ impl Worker {
                 // A neighbour died mid-step: keep everything, have the link rebuilt to its
                 // replacement, and go on where this stage stood.
                 Err(WorkerError::Transport(TransportError::Io { peer, source }))
-                    if train && self.cfg.elastic.mid_step && control.is_some() =>
+                    if train
+                        && self.cfg.elastic.mid_step
+                        && self.cfg.pipeline.replicas == 1
+                        && control.is_some() =>
                 {
                     let control = control.as_deref_mut().expect("checked above");
                     pc =
@@ -328,7 +331,7 @@ fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, W
         let l = losses.get(&i).copied().unwrap_or(0.0);
         tree.push(i, i + 1, l, &mut add).map_err(|e| bad(e.to_string()))?;
     }
-    tree.finish(&mut add).map_err(|e| bad(e.to_string()))
+    tree.finish::<std::convert::Infallible>().map_err(|e| bad(e.to_string()))
 }
 
 /// The boundary tensor a communication action moves: its payload and unit (`None` for compute).
