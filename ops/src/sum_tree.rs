@@ -64,7 +64,7 @@ pub fn is_node(leaves: usize, lo: usize, hi: usize) -> bool {
 /// splits `[0, 6)` into `[0, 4)` and `[4, 6)`); for m = 12, d ∈ {1, 3, 6, 12}.
 pub fn valid_replicas(micro_batches: usize, d: usize) -> bool {
     let m = micro_batches;
-    if d == 0 || m == 0 || m % d != 0 {
+    if d == 0 || m == 0 || !m.is_multiple_of(d) {
         return false;
     }
     let c = m / d;
@@ -353,7 +353,7 @@ mod tests {
         for m in 1..=64usize {
             for d in 1..=m {
                 let c = m / d;
-                let rule = m % d == 0 && (d == 1 || c.is_power_of_two());
+                let rule = m.is_multiple_of(d) && (d == 1 || c.is_power_of_two());
                 assert_eq!(valid_replicas(m, d), rule, "m={m} d={d}");
             }
         }

@@ -61,6 +61,7 @@ impl Worker {
         );
         self.stage.take_peak_activation_bytes();
         let schedule = self.schedule.clone();
+        self.stage.begin_step(schedule.get().microbatches);
         let loss_sum = self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))?;
         self.record.cost.peak_activation_bytes = self.stage.take_peak_activation_bytes() as u64;
         self.record.cost.state_bytes = self.stage.state_bytes() as u64;
