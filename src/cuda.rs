@@ -234,6 +234,7 @@ mod enabled {
         let mut losses = Vec::new();
         let mut grad_check = None;
         if args.check {
+            stage.begin_step(1);
             let loss_gpu = m.forward_backward(&g, &host_inputs, &host_targets, loss_scale)?;
             let out = stage.forward(
                 Unit::new(0, 0),
@@ -246,6 +247,7 @@ mod enabled {
                 bail!("a single stage must end in the loss");
             };
             stage.backward(Unit::new(0, 0), None)?;
+            stage.finish_gradients()?;
             let mut worst = (0.0f64, String::new());
             for (name, _, got) in m.download_grads(&g)? {
                 let want = stage

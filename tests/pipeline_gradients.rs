@@ -52,6 +52,7 @@ fn reference(cfg: &Config) -> (f64, HashMap<String, Tensor>) {
         segment: 0,
     };
     let tokens = (m * b * t) as f64;
+    stage.begin_step(1);
     let loss_sum = match stage
         .forward(
             unit,
@@ -66,6 +67,7 @@ fn reference(cfg: &Config) -> (f64, HashMap<String, Tensor>) {
         StageOutput::Hidden(_) => unreachable!("a single stage is the last stage"),
     };
     assert!(stage.backward(unit, None).unwrap().is_none());
+    stage.finish_gradients().unwrap();
     let grads = stage
         .params()
         .iter()

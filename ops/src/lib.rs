@@ -7,6 +7,8 @@
 //! No kernel uses candle's autograd: all derivatives are written out by hand, so the kernels are
 //! cheap to call and deterministic (same inputs give bit-identical outputs for a fixed thread count).
 //! All kernels are generic over the floating-point dtype (F32 for training, F64 in gradient tests).
+//! [`sum_tree`] fixes the order in which per-micro-batch gradients are summed, so the sum does not
+//! depend on how micro-batches are spread over data-parallel replicas.
 
 #![deny(missing_docs)]
 
@@ -24,6 +26,7 @@ pub mod memory;
 pub mod norm;
 pub mod rope;
 pub mod softmax;
+pub mod sum_tree;
 mod util;
 
 pub use adamw::{AdamW, AdamWConfig, Moments};
@@ -44,3 +47,4 @@ pub use norm::{
 };
 pub use rope::RopeTable;
 pub use softmax::{softmax_last_dim, softmax_last_dim_backward};
+pub use sum_tree::{SumTree, SumTreeError, is_node, valid_replicas};

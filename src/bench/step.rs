@@ -144,6 +144,7 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
     let loss_scale = 1.0 / (batch * seq_len) as f64;
     for step in 0..=args.steps {
         let started = Instant::now();
+        stage.begin_step(1);
         let out = stage.forward(
             unit,
             StageInput::Tokens(inputs.clone()),
@@ -155,6 +156,7 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
             bail!("a single stage must end in the loss");
         };
         stage.backward(unit, None)?;
+        stage.finish_gradients()?;
         if step == 0 && args.dump.is_some() {
             first_grads = Some(named(stage.params().specs().iter().map(|s| {
                 let g = stage

@@ -396,10 +396,18 @@ fn run_schedule(
     Ok(losses)
 }
 
-/// The gradients of every parameter of every stage, by name (each must exist).
-fn all_grads(stages: &[Stage]) -> Result<HashMap<String, Tensor>> {
+/// Starts a training step of `micro_batches` micro-batches on every stage.
+fn begin(stages: &mut [Stage], micro_batches: usize) {
+    for stage in stages {
+        stage.begin_step(micro_batches);
+    }
+}
+
+/// The step's summed gradients of every parameter of every stage, by name (each must exist).
+fn all_grads(stages: &mut [Stage]) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for stage in stages {
+        stage.finish_gradients()?;
         for (name, _) in stage.params().iter() {
             let g = stage
                 .grads()
@@ -693,6 +701,7 @@ fn matches_candle_autograd_reference_f64() -> Result<()> {
         let batch = Batch::with_rows(1, rows, 11);
         let segments = [SEQ];
         let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F64)?;
+        stage.begin_step(1);
         let losses = run_chain(
             std::slice::from_mut(&mut stage),
             &batch,
@@ -701,7 +710,7 @@ fn matches_candle_autograd_reference_f64() -> Result<()> {
             Mode::Train,
         )?;
         let loss = losses.iter().sum::<f64>() / batch.tokens() as f64;
-        let grads = all_grads(std::slice::from_ref(&stage))?;
+        let grads = all_grads(std::slice::from_mut(&mut stage))?;
 
         let mut vars = HashMap::new();
         for (n, t) in stage.params().iter() {
@@ -747,6 +756,7 @@ fn every_parameter_gets_a_nonzero_gradient() -> Result<()> {
             let batch = Batch::new(1, 12);
             let segments = [7, 5, 4];
             let mut stage = make_stage(&cfg, whole(&cfg), &segments, dtype)?;
+            stage.begin_step(1);
             run_chain(
                 std::slice::from_mut(&mut stage),
                 &batch,
@@ -758,7 +768,7 @@ fn every_parameter_gets_a_nonzero_gradient() -> Result<()> {
                 stage.in_flight_micro_batches() == 0,
                 "{name}: state left after backward"
             );
-            let grads = all_grads(std::slice::from_ref(&stage))?;
+            let grads = all_grads(std::slice::from_mut(&mut stage))?;
             let expected = stage.params().specs().len();
             ensure!(
                 grads.len() == expected,
@@ -807,6 +817,7 @@ fn gradients_match_central_finite_differences_f64() -> Result<()> {
         let batch = Batch::new(2, 13);
         let segments = [7, 5, 4];
         let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F64)?;
+        stage.begin_step(2);
         run_chain(
             std::slice::from_mut(&mut stage),
             &batch,
@@ -814,7 +825,7 @@ fn gradients_match_central_finite_differences_f64() -> Result<()> {
             &sequential_order(2, 3),
             Mode::Train,
         )?;
-        let grads = all_grads(std::slice::from_ref(&stage))?;
+        let grads = all_grads(std::slice::from_mut(&mut stage))?;
         let params: Vec<(String, Tensor)> = stage
             .params()
             .iter()
@@ -867,6 +878,7 @@ fn single_stage_run(
     dtype: DType,
 ) -> Result<(f64, HashMap<String, Tensor>)> {
     let mut stages = make_stages(cfg, &[whole(cfg)], segments, dtype)?;
+    begin(&mut stages, batch.micro_batches);
     let losses = run_chain(&mut stages, batch, segments, order, Mode::Train)?;
     ensure!(
         stages[0].in_flight_micro_batches() == 0,
@@ -874,7 +886,7 @@ fn single_stage_run(
     );
     Ok((
         losses.iter().sum::<f64>() / batch.tokens() as f64,
-        all_grads(&stages)?,
+        all_grads(&mut stages)?,
     ))
 }
 
@@ -961,8 +973,9 @@ fn partition_independence_is_bit_exact_f32() -> Result<()> {
             let mut runs = Vec::new();
             // Units chained through the stages one at a time.
             let mut stages = make_stages(&cfg, layouts, &segments, DType::F32)?;
+            begin(&mut stages, batch.micro_batches);
             let losses = run_chain(&mut stages, &batch, &segments, &order, Mode::Train)?;
-            runs.push(("chain".to_string(), losses, all_grads(&stages)?));
+            runs.push(("chain".to_string(), losses, all_grads(&mut stages)?));
             // Every stage following its own action list of the generated schedules.
             for kind in [
                 ScheduleKind::Seq1F1B,
@@ -970,12 +983,17 @@ fn partition_independence_is_bit_exact_f32() -> Result<()> {
                 ScheduleKind::GPipe,
             ] {
                 let mut stages = make_stages(&cfg, layouts, &segments, DType::F32)?;
+                begin(&mut stages, batch.micro_batches);
                 let losses = run_schedule(&mut stages, &batch, &segments, kind)?;
                 ensure!(
                     stages.iter().all(|s| s.in_flight_micro_batches() == 0),
                     "state left"
                 );
-                runs.push((format!("{kind:?} schedule"), losses, all_grads(&stages)?));
+                runs.push((
+                    format!("{kind:?} schedule"),
+                    losses,
+                    all_grads(&mut stages)?,
+                ));
             }
             for (how, losses, grads) in runs {
                 let what = format!("{name} p={} split {bounds:?} {how}", layouts.len());
@@ -1070,6 +1088,8 @@ fn eval_matches_train_forward_and_leaves_no_state() -> Result<()> {
                 // A training step after evaluation is unaffected by it.
                 let order = sequential_order(2, 3);
                 let mut fresh = make_stages(&cfg, &layouts(&bounds), &segments, dtype)?;
+                begin(&mut fresh, batch.micro_batches);
+                begin(&mut eval, batch.micro_batches);
                 let l_fresh = run_chain(&mut fresh, &batch, &segments, &order, Mode::Train)?;
                 let l_after = run_chain(&mut eval, &batch, &segments, &order, Mode::Train)?;
                 ensure!(
@@ -1078,8 +1098,8 @@ fn eval_matches_train_forward_and_leaves_no_state() -> Result<()> {
                 );
                 compare_grads(
                     &format!("{what} train after eval"),
-                    &all_grads(&eval)?,
-                    &all_grads(&fresh)?,
+                    &all_grads(&mut eval)?,
+                    &all_grads(&mut fresh)?,
                     0.0,
                 )?;
             }
@@ -1118,6 +1138,7 @@ fn out_of_order_units_are_refused() -> Result<()> {
 
     // Backward: before forward, out of reverse segment order, twice.
     let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F32)?;
+    stage.begin_step(1);
     ensure!(
         stage.backward(Unit::new(0, 0), None).is_err(),
         "backward before forward was accepted"
@@ -1173,6 +1194,7 @@ fn activation_bytes_follow_the_units_in_flight_and_the_budget_is_enforced() -> R
     let segments = [SEQ / 2, SEQ / 2];
     let batch = Batch::new(2, 5);
     let mut stage = make_stage(&cfg, whole(&cfg), &segments, DType::F32)?;
+    stage.begin_step(2);
     let run = |stage: &mut Stage, order: &str| {
         run_chain(
             std::slice::from_mut(stage),

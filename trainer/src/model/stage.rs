@@ -14,7 +14,9 @@ use thiserror::Error;
 use super::block::{Block, BlockCtx, KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param};
+use super::params::{
+    Gradients, ParamSpec, Params, StepGradients, component_params, decays, init_param,
+};
 use super::partition::{PartitionError, StageLayout};
 use crate::schedule::Unit;
 
@@ -39,6 +41,37 @@ pub enum ModelError {
     /// A parameter got no gradient in a training step (a bug: every parameter must receive one).
     #[error("parameter `{0}` received no gradient this step")]
     NoGradient(String),
+    /// A backward, or summing the gradients, with no training step begun.
+    #[error(
+        "no training step begun: call Stage::begin_step(micro_batches) at the start of every step, before its first backward"
+    )]
+    NoStep,
+    /// The step's gradients were summed before every micro-batch's backward completed.
+    #[error(
+        "the step's gradients were summed after the backward of {completed} of its {micro_batches} micro-batches completed; run every micro-batch's backward down to segment 0 first (or give Stage::begin_step the step's real micro-batch count)"
+    )]
+    IncompleteGradients {
+        completed: usize,
+        micro_batches: usize,
+    },
+    /// The step's summed gradients were asked for before they were summed.
+    #[error(
+        "the step's gradients are not summed yet: call Stage::finish_gradients after the step's last backward"
+    )]
+    GradientsNotFinished,
+    /// The summation tree refused a push or finish (a bug in the gradient bookkeeping).
+    #[error("gradient summation tree: {0}")]
+    GradientTree(String),
+    /// The flat gradient vector of the data-parallel collective is f32 only.
+    #[error(
+        "gradient of `{name}` is {got:?}, the data-parallel gradient vector is F32 only (build the stage with DType::F32)"
+    )]
+    GradientDType { name: String, got: DType },
+    /// A flat gradient vector of the wrong length.
+    #[error(
+        "gradient vector has {got} values, this stage's parameters have {expected} (their sizes in canonical order, as Stage::gradient_vector returns them)"
+    )]
+    GradientLength { expected: usize, got: usize },
     /// Units were run in an order the model cannot honour.
     #[error("unit {unit:?}: {reason}")]
     Order { unit: Unit, reason: String },
@@ -63,6 +96,15 @@ pub enum ModelError {
         activations: usize,
         budget: usize,
     },
+}
+
+impl From<ops::SumTreeError<candle_core::Error>> for ModelError {
+    fn from(e: ops::SumTreeError<candle_core::Error>) -> Self {
+        match e {
+            ops::SumTreeError::Add(e) => ModelError::Candle(e),
+            other => ModelError::GradientTree(other.to_string()),
+        }
+    }
 }
 
 fn mib(bytes: usize) -> String {
@@ -146,7 +188,7 @@ pub struct Stage {
     segment_lengths: Vec<usize>,
     segment_starts: Vec<usize>,
     params: Params,
-    grads: Gradients,
+    grads: StepGradients,
     rope: Option<RopeTable>,
     in_flight: BTreeMap<usize, MicroBatchState>,
     /// Most bytes of live activations held since [`Stage::take_peak_activation_bytes`].
@@ -205,7 +247,7 @@ impl Stage {
             segment_starts: segment_starts.collect(),
             segment_lengths,
             params: Params::new(specs, values),
-            grads: Gradients::default(),
+            grads: StepGradients::default(),
             rope,
             in_flight: BTreeMap::new(),
             peak_activation_bytes: 0,
@@ -228,9 +270,105 @@ impl Stage {
         &mut self.params
     }
 
-    /// Gradients accumulated so far in this step.
+    /// The step's summed gradients once [`Stage::finish_gradients`] ran (or
+    /// [`Stage::set_gradient_vector`]); empty before.
     pub fn grads(&self) -> &Gradients {
-        &self.grads
+        self.grads.total()
+    }
+
+    /// Starts a training step of `micro_batches` micro-batches (this stage's indices 0..m):
+    /// forgets the last step's gradients. Each micro-batch's gradient accumulates over its
+    /// segments; when its backward completes it joins the step's summation tree
+    /// ([`ops::sum_tree`]) as leaf i, so the step's sum is the same bit for bit whichever
+    /// data-parallel split of the micro-batches computed it. Required before the step's first
+    /// backward.
+    pub fn begin_step(&mut self, micro_batches: usize) {
+        self.grads.begin(micro_batches);
+    }
+
+    /// Sums the step's gradients over its micro-batches in the tree (idempotent): afterwards
+    /// [`Stage::grads`], [`Stage::gradient_vector`] and the update see the step's total. Errors
+    /// when a micro-batch's backward has not completed or no step was begun.
+    pub fn finish_gradients(&mut self) -> Result<(), ModelError> {
+        self.grads.finish()
+    }
+
+    /// The step's summed gradients flattened into one vector, parameters in canonical order
+    /// ([`Params::specs`]), each row-major: what the data-parallel collective reduces. Errors
+    /// before [`Stage::finish_gradients`] and for a stage whose dtype is not F32.
+    pub fn gradient_vector(&self) -> Result<Vec<f32>, ModelError> {
+        if !self.grads.is_finished() {
+            return Err(ModelError::GradientsNotFinished);
+        }
+        let total = self.grads.total();
+        let mut out = Vec::with_capacity(self.param_elements());
+        for spec in self.params.specs() {
+            let g = total
+                .get(&spec.name)
+                .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
+            if g.dtype() != DType::F32 {
+                return Err(ModelError::GradientDType {
+                    name: spec.name.clone(),
+                    got: g.dtype(),
+                });
+            }
+            out.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// Replaces the step's summed gradients with `v` (laid out as [`Stage::gradient_vector`]
+    /// returns them, e.g. after the data-parallel reduction). Errors before
+    /// [`Stage::finish_gradients`], for a stage whose dtype is not F32, and when the length does
+    /// not match the parameters.
+    pub fn set_gradient_vector(&mut self, v: &[f32]) -> Result<(), ModelError> {
+        if !self.grads.is_finished() {
+            return Err(ModelError::GradientsNotFinished);
+        }
+        let expected = self.param_elements();
+        if v.len() != expected {
+            return Err(ModelError::GradientLength {
+                expected,
+                got: v.len(),
+            });
+        }
+        let mut total = Gradients::default();
+        let mut offset = 0;
+        for spec in self.params.specs() {
+            let dtype = self.params.get(&spec.name)?.dtype();
+            if dtype != DType::F32 {
+                return Err(ModelError::GradientDType {
+                    name: spec.name.clone(),
+                    got: dtype,
+                });
+            }
+            let n: usize = spec.shape.iter().product();
+            let g =
+                Tensor::from_slice(&v[offset..offset + n], spec.shape.as_slice(), &Device::Cpu)?;
+            total.set(&spec.name, g);
+            offset += n;
+        }
+        self.grads.set_total(total);
+        Ok(())
+    }
+
+    /// Number of parameter values the stage holds.
+    fn param_elements(&self) -> usize {
+        self.params
+            .specs()
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The most full-gradient buffers (each the size of the parameters, a quarter of
+    /// [`Stage::state_bytes`]) held at once since the last call: the micro-batches whose backward
+    /// is under way, completed ones waiting for an earlier one, the summation tree's partial sums
+    /// (at most ⌊log2 m⌋ + 1 with in-order completion) and the finished sum. [`Stage::state_bytes`]
+    /// counts one of them; the rest are the price of the fixed summation order. Starts the next
+    /// measurement from what is held now.
+    pub fn take_peak_gradient_buffers(&mut self) -> usize {
+        self.grads.take_peak_buffers()
     }
 
     /// Number of micro-batches with live activations or K/V.
@@ -460,6 +598,8 @@ impl Stage {
                         .into(),
             });
         }
+        // This micro-batch's own gradient: its segments accumulate in backward order.
+        let grads = self.grads.accumulator(unit)?;
         let ctx = state.units.remove(&unit.segment).expect("checked above");
         let UnitCtx {
             seg,
@@ -469,8 +609,8 @@ impl Stage {
         } = ctx;
         let mut dx = match (head, d_out) {
             (Some(head), None) => {
-                self.grads.add("lm_head.weight", head.lm_head.dw)?;
-                NormLayer::of(&self.cfg).backward(&self.params, "ln_f", &head.norm, &head.lm_head.dh, &mut self.grads)?
+                grads.add("lm_head.weight", head.lm_head.dw)?;
+                NormLayer::of(&self.cfg).backward(&self.params, "ln_f", &head.norm, &head.lm_head.dh, grads)?
             }
             (None, Some(d)) => d,
             _ => return Err(ModelError::Input { unit, reason: "the last stage starts backward from its loss, the others from the next stage's gradient".into() }),
@@ -478,45 +618,38 @@ impl Stage {
         let layers: Vec<usize> = self.layout.layers.clone().collect();
         for (slot, ctx) in blocks.into_iter().enumerate().rev() {
             let block = Block::new(&self.cfg, layers[slot], self.rope.as_ref());
-            dx = block.backward(
-                &self.params,
-                ctx,
-                &dx,
-                seg,
-                &mut state.kv[slot],
-                &mut self.grads,
+            dx = block.backward(&self.params, ctx, &dx, seg, &mut state.kv[slot], grads)?;
+        }
+        if let Some(ids) = &token_ids {
+            grads.add(
+                "wte.weight",
+                embedding_backward(ids, &dx, self.cfg.vocab_size)?,
             )?;
+            if self.cfg.position == Position::Learned {
+                grads.add(
+                    "wpe.weight",
+                    embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?,
+                )?;
+            }
         }
         if unit.segment == 0 {
             self.in_flight.remove(&unit.micro_batch);
+            self.grads.complete(unit)?;
         }
         self.measure_activations(None)?;
-        match token_ids {
-            Some(ids) => {
-                self.grads.add(
-                    "wte.weight",
-                    embedding_backward(&ids, &dx, self.cfg.vocab_size)?,
-                )?;
-                if self.cfg.position == Position::Learned {
-                    self.grads.add(
-                        "wpe.weight",
-                        embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?,
-                    )?;
-                }
-                Ok(None)
-            }
-            None => Ok(Some(dx)),
-        }
+        Ok(token_ids.is_none().then_some(dx))
     }
 
-    /// Per-parameter sums of squared gradients, in canonical order.
-    pub fn grad_sums_of_squares(&self) -> Result<Vec<(String, f64)>, ModelError> {
+    /// Per-parameter sums of squared gradients of the step, in canonical order (sums the
+    /// gradients first if [`Stage::finish_gradients`] has not run).
+    pub fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>, ModelError> {
+        self.finish_gradients()?;
+        let grads = self.grads.total();
         self.params
             .specs()
             .iter()
             .map(|s| {
-                let g = self
-                    .grads
+                let g = grads
                     .get(&s.name)
                     .ok_or_else(|| ModelError::NoGradient(s.name.clone()))?;
                 Ok((s.name.clone(), ops::clip::sum_of_squares(g)?))
@@ -525,7 +658,8 @@ impl Stage {
     }
 
     /// Clips (multiplies the gradients by `clip_coefficient`), applies AdamW with learning rate `lr`
-    /// and clears the gradients.
+    /// and clears the gradients (the next step needs [`Stage::begin_step`]). Sums the gradients
+    /// first if [`Stage::finish_gradients`] has not run.
     pub fn apply_update(
         &mut self,
         optimizer: &mut AdamW,
@@ -534,11 +668,12 @@ impl Stage {
         weight_decay: f64,
         decay_embeddings: bool,
     ) -> Result<(), ModelError> {
+        self.finish_gradients()?;
         optimizer.begin_step();
+        let grads = self.grads.total();
         let mut updates = Vec::with_capacity(self.params.specs().len());
         for spec in self.params.specs() {
-            let grad = self
-                .grads
+            let grad = grads
                 .get(&spec.name)
                 .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
             let wd = if decays(spec.kind, decay_embeddings) {
@@ -563,7 +698,8 @@ impl Stage {
         Ok(())
     }
 
-    /// Drops every in-flight unit and gradient (an aborted step).
+    /// Drops every in-flight unit and gradient, summed or not (an aborted step); the next step
+    /// needs [`Stage::begin_step`].
     pub fn reset_step(&mut self) {
         self.in_flight.clear();
         self.grads.clear();
@@ -576,4 +712,235 @@ fn position_ids(seg: SegmentShape) -> candle_core::Result<Tensor> {
         .flat_map(|_| (seg.start..seg.start + seg.len).map(|p| p as u32))
         .collect();
     Tensor::from_vec(ids, seg.tokens(), &Device::Cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use ops::sum_tree::{SumTree, valid_replicas};
+
+    use super::*;
+    use crate::model::config::Norm;
+    use crate::model::params::param_count;
+
+    const ROWS: usize = 2;
+    const SEGMENTS: [usize; 2] = [5, 3];
+    const MICRO_BATCHES: usize = 4;
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 32,
+            layers: 2,
+            d_model: 16,
+            heads: 2,
+            ffn_mult: 4,
+            max_seq_len: 8,
+            position: Position::Learned,
+            norm: Norm::LayerNorm,
+            ..ModelConfig::default()
+        }
+    }
+
+    fn stage() -> Stage {
+        let cfg = cfg();
+        let layout = StageLayout {
+            stage: 0,
+            stages: 1,
+            layers: 0..cfg.layers,
+        };
+        Stage::new(&cfg, layout, SEGMENTS.to_vec(), 5).unwrap()
+    }
+
+    /// Tokens of global micro-batch `g`: `ROWS × (T + 1)`, a function of `g` only.
+    fn tokens(g: usize) -> Vec<u32> {
+        let t: usize = SEGMENTS.iter().sum();
+        let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (g as u64 + 1).wrapping_mul(0x9E37_79B9);
+        (0..ROWS * (t + 1))
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 32) as u32
+            })
+            .collect()
+    }
+
+    /// Forward of local micro-batch `i` (global `g`), every segment.
+    fn forward(stage: &mut Stage, i: usize, g: usize) {
+        let t: usize = SEGMENTS.iter().sum();
+        let all = Tensor::from_vec(tokens(g), (ROWS, t + 1), &Device::Cpu).unwrap();
+        let scale = 1.0 / (MICRO_BATCHES * ROWS * t) as f64;
+        let mut start = 0;
+        for (j, &len) in SEGMENTS.iter().enumerate() {
+            let inputs = all.narrow(1, start, len).unwrap();
+            let targets = all
+                .narrow(1, start + 1, len)
+                .unwrap()
+                .flatten_all()
+                .unwrap();
+            let unit = Unit::new(i, j);
+            let out = stage
+                .forward(
+                    unit,
+                    StageInput::Tokens(inputs),
+                    Some(&targets),
+                    scale,
+                    Mode::Train,
+                )
+                .unwrap();
+            assert!(matches!(out, StageOutput::LossSum(_)));
+            start += len;
+        }
+    }
+
+    /// Backward of local micro-batch `i`, segments last to first.
+    fn backward(stage: &mut Stage, i: usize) {
+        for j in (0..SEGMENTS.len()).rev() {
+            assert!(stage.backward(Unit::new(i, j), None).unwrap().is_none());
+        }
+    }
+
+    /// One step over global micro-batches `globals` (local indices 0..), backwards completing in
+    /// `completion` order of local indices; returns the summed gradient vector.
+    fn step(stage: &mut Stage, globals: &[usize], completion: &[usize]) -> Vec<f32> {
+        stage.begin_step(globals.len());
+        for (i, &g) in globals.iter().enumerate() {
+            forward(stage, i, g);
+        }
+        for &i in completion {
+            backward(stage, i);
+        }
+        stage.finish_gradients().unwrap();
+        stage.gradient_vector().unwrap()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn add(a: Vec<f32>, b: Vec<f32>) -> Result<Vec<f32>, Infallible> {
+        Ok(a.iter().zip(&b).map(|(x, y)| x + y).collect())
+    }
+
+    #[test]
+    fn two_replicas_of_two_micro_batches_sum_to_the_bits_of_one_stage_of_four() {
+        assert!(valid_replicas(MICRO_BATCHES, 2));
+        let mut single = stage();
+        let whole = step(&mut single, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+        // In order, the tree holds [0,2), [2,3) and micro-batch 3's gradient at once.
+        assert_eq!(single.take_peak_gradient_buffers(), 3);
+        assert_eq!(single.take_peak_gradient_buffers(), 1);
+
+        let mut replicas = SumTree::new(MICRO_BATCHES);
+        for (r, globals) in [[0, 1], [2, 3]].iter().enumerate() {
+            let mut s = stage();
+            let part = step(&mut s, globals, &[0, 1]);
+            replicas.push(2 * r, 2 * r + 2, part, &mut add).unwrap();
+        }
+        let combined = replicas.finish::<Infallible>().unwrap();
+        assert_eq!(combined.len(), whole.len());
+        assert!(
+            bits(&combined) == bits(&whole),
+            "replicas differ from one stage"
+        );
+
+        // The same gradient summed left to right over the micro-batches is (here) other bits: the
+        // tree is what makes the split exact.
+        let mut per_mb = Vec::new();
+        for g in 0..MICRO_BATCHES {
+            let mut s = stage();
+            s.begin_step(1);
+            forward(&mut s, 0, g);
+            backward(&mut s, 0);
+            s.finish_gradients().unwrap();
+            per_mb.push(s.gradient_vector().unwrap());
+        }
+        let tree = add(
+            add(per_mb[0].clone(), per_mb[1].clone()).unwrap(),
+            add(per_mb[2].clone(), per_mb[3].clone()).unwrap(),
+        )
+        .unwrap();
+        assert!(bits(&tree) == bits(&whole), "the tree by hand differs");
+        let fold = per_mb
+            .into_iter()
+            .reduce(|a, b| add(a, b).unwrap())
+            .unwrap();
+        assert!(
+            bits(&fold) != bits(&whole),
+            "left fold equals the tree: test is blind"
+        );
+    }
+
+    #[test]
+    fn micro_batches_completing_out_of_order_wait_for_their_turn() {
+        let mut in_order = stage();
+        let want = step(&mut in_order, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+        let mut shuffled = stage();
+        let got = step(&mut shuffled, &[0, 1, 2, 3], &[1, 3, 0, 2]);
+        assert!(bits(&got) == bits(&want));
+        // Held: 1 and 3 wait while 0 runs, then [0,2) and 3 while 2 runs.
+        assert_eq!(shuffled.take_peak_gradient_buffers(), 3);
+    }
+
+    #[test]
+    fn gradients_need_a_begun_complete_step_and_vectors_of_the_right_length() {
+        let mut s = stage();
+        forward(&mut s, 0, 0);
+        let e = s.backward(Unit::new(0, 1), None).unwrap_err();
+        assert!(matches!(e, ModelError::NoStep), "{e}");
+        assert!(e.to_string().contains("Stage::begin_step"), "{e}");
+
+        s.reset_step();
+        s.begin_step(2);
+        forward(&mut s, 0, 0);
+        backward(&mut s, 0);
+        assert!(matches!(
+            s.gradient_vector(),
+            Err(ModelError::GradientsNotFinished)
+        ));
+        assert!(s.grads().get("wte.weight").is_none());
+        let e = s.finish_gradients().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::IncompleteGradients {
+                    completed: 1,
+                    micro_batches: 2
+                }
+            ),
+            "{e}"
+        );
+        // Micro-batch 0 again in the same step, and one past the step's count.
+        forward(&mut s, 0, 0);
+        assert!(matches!(
+            s.backward(Unit::new(0, 1), None),
+            Err(ModelError::Order { .. })
+        ));
+        s.reset_step();
+        s.begin_step(2);
+        forward(&mut s, 2, 2);
+        assert!(matches!(
+            s.backward(Unit::new(2, 1), None),
+            Err(ModelError::Input { .. })
+        ));
+
+        // Round trip through the flat vector; a wrong length is refused, naming both.
+        let mut s = stage();
+        let v = step(&mut s, &[0], &[0]);
+        assert_eq!(v.len(), param_count(&cfg()));
+        let doubled: Vec<f32> = v.iter().map(|x| 2.0 * x).collect();
+        s.set_gradient_vector(&doubled).unwrap();
+        assert!(bits(&s.gradient_vector().unwrap()) == bits(&doubled));
+        let e = s.set_gradient_vector(&v[1..]).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("{} values", v.len() - 1)) && msg.contains(&v.len().to_string()),
+            "{msg}"
+        );
+        // The update uses the replaced gradients; afterwards a new step must be begun.
+        let mut opt = AdamW::new(ops::AdamWConfig::default());
+        s.apply_update(&mut opt, 1e-3, 1.0, 0.0, false).unwrap();
+        assert!(matches!(s.finish_gradients(), Err(ModelError::NoStep)));
+    }
 }

@@ -583,12 +583,14 @@ impl Worker {
         let loss_sum = self.run_step(step, trace, control)?;
         self.reduce_gradients(step)?;
         let sums_of_squares = self.stage.grad_sums_of_squares()?;
+        let gradient_buffers = self.stage.take_peak_gradient_buffers();
         if let Some(dir) = &self.dump_grads {
             self.dump_gradients(dir, step)?;
         }
         debug!(
             step,
             elapsed_s = started.elapsed().as_secs_f64(),
+            gradient_buffers,
             "step computed"
         );
         Ok(ToLauncher::StepDone {
