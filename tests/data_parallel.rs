@@ -110,7 +110,11 @@ fn a_two_by_two_checkpoint_resumes_onto_one_by_four_and_four_by_one() {
                 .arg(format!("pipeline.stages={p}")),
         );
         assert_same_state(&straight, &split);
-        assert_eq!(losses(&straight), losses(&split), "({d}, {p}): losses differ");
+        assert_eq!(
+            losses(&straight),
+            losses(&split),
+            "({d}, {p}): losses differ"
+        );
     }
 }
 

@@ -755,7 +755,9 @@ fn start_worker(
             let code =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match run_worker(args) {
                     Ok(()) => 0,
-                    Err(WorkerError::Transport(_) | WorkerError::Collective(_)) => i32::from(PEER_FAILURE_EXIT_CODE),
+                    Err(WorkerError::Transport(_) | WorkerError::Collective(_)) => {
+                        i32::from(PEER_FAILURE_EXIT_CODE)
+                    }
                     Err(_) => 1,
                 }))
                 .unwrap_or(101);

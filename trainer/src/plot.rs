@@ -425,6 +425,8 @@ mod tests {
             state_bytes: vec![],
             units: 4,
             compute_s: 0.1,
+            reduce_bytes: 0,
+            reduce_s: 0.0,
             end_unix_s: step as f64,
             loss,
             lr: 1e-3,

@@ -531,11 +531,11 @@ impl Driver<'_, '_> {
             step,
             trace: self.trace.is_some(),
         })?;
-        let replies = self.forward_backward(step, canonical)?;
+        let mut replies = self.forward_backward(step, canonical)?;
         self.record_replacements(step, &replies.replaced, step_started)?;
-        let grad_norm = self.update(step, lr, replies.sums)?;
-        let loss = replies
-            .loss_sum(cfg.pipeline.microbatches)
+        let loss_sum = replies.loss_sum(cfg.pipeline.microbatches);
+        let grad_norm = self.update(step, lr, std::mem::take(&mut replies.sums))?;
+        let loss = loss_sum
             .ok_or_else(|| LaunchError::Protocol("the last stage reported no loss".into()))?
             / tokens as f64;
         let step_time_s = step_started.elapsed().as_secs_f64();

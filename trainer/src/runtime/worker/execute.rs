@@ -109,8 +109,8 @@ impl Worker {
         } else {
             schedule.microbatches
         };
-        state.loss_scale = 1.0
-            / (micro_batches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len) as f64;
+        state.loss_scale =
+            1.0 / (micro_batches * self.cfg.train.micro_batch_size * self.cfg.train.seq_len) as f64;
         let actions = &schedule.actions[self.index()];
         let mut pc = 0;
         while pc < actions.len() {
@@ -324,14 +324,17 @@ impl Worker {
 /// summation tree's order, so that replicas' sums add up to the same number whatever the replica
 /// count (see `ops::sum_tree`).
 fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, WorkerError> {
+    tracing::debug!(?losses, "micro-batch losses");
     let mut tree = SumTree::new(micro_batches);
     let mut add = |a: f64, b: f64| Ok::<f64, std::convert::Infallible>(a + b);
     let bad = |e: String| WorkerError::Protocol(format!("the step's losses: {e}"));
     for i in 0..micro_batches {
         let l = losses.get(&i).copied().unwrap_or(0.0);
-        tree.push(i, i + 1, l, &mut add).map_err(|e| bad(e.to_string()))?;
+        tree.push(i, i + 1, l, &mut add)
+            .map_err(|e| bad(e.to_string()))?;
     }
-    tree.finish::<std::convert::Infallible>().map_err(|e| bad(e.to_string()))
+    tree.finish::<std::convert::Infallible>()
+        .map_err(|e| bad(e.to_string()))
 }
 
 /// The boundary tensor a communication action moves: its payload and unit (`None` for compute).

@@ -235,14 +235,17 @@ fn start(
         source,
     };
     let timeout = cfg.pipeline.timeout();
-    let (data_port, data_addr) = open_data_port(
-        &args.bind,
-        &token,
-        Purpose::Data,
-        args.kill_switch.as_ref(),
-    )?;
+    let (data_port, data_addr) =
+        open_data_port(&args.bind, &token, Purpose::Data, args.kill_switch.as_ref())?;
     let reduce = (cfg.pipeline.replicas > 1)
-        .then(|| open_data_port(&args.bind, &token, Purpose::Reduce, args.kill_switch.as_ref()))
+        .then(|| {
+            open_data_port(
+                &args.bind,
+                &token,
+                Purpose::Reduce,
+                args.kill_switch.as_ref(),
+            )
+        })
         .transpose()?;
     control
         .send(&ToLauncher::Hello {
@@ -381,7 +384,8 @@ fn restore_reply(stage: usize, step: u64, result: Result<(), WorkerError>) -> To
 impl Worker {
     fn new(cfg: Config, slot: usize, dump_grads: Option<PathBuf>) -> Result<Self, WorkerError> {
         let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
-        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, p).map_err(ModelError::from)?;
+        let layouts =
+            partition_layers(&cfg.model, cfg.train.seq_len, p).map_err(ModelError::from)?;
         let (replica, stage_index) = (slot / p, slot % p);
         let layout = layouts
             .into_iter()
