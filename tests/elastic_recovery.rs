@@ -202,6 +202,11 @@ impl ChaosTrial {
 /// at once every fifth trial. Every trial must end bit-identical to an uninterrupted run; nearly
 /// all must have recovered from a loss.
 fn chaos(name: &str, extra: &[&str], default_trials: usize) -> Vec<ChaosTrial> {
+    chaos_of(name, extra, default_trials, 4)
+}
+
+/// [`chaos`] of a job of `workers` workers (replicas × stages, one node each).
+fn chaos_of(name: &str, extra: &[&str], default_trials: usize, workers: usize) -> Vec<ChaosTrial> {
     let dir = fresh_dir(name);
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
@@ -241,26 +246,28 @@ fn chaos(name: &str, extra: &[&str], default_trials: usize) -> Vec<ChaosTrial> {
         "only {recovered} of {trials} trials lost a node"
     );
     for t in &out {
-        let Some(r) = t.recovered() else { continue };
-        // A lost node shrinks the pipeline (at once, or at the end of a step repaired mid-step);
+        if t.recovered().is_none() {
+            continue;
+        }
+        // A lost node shrinks the job (at once, or at the end of a step repaired mid-step);
         // a node whose agent lives gets a fresh worker and keeps its place.
-        let stages: Vec<usize> = t
+        let sizes: Vec<usize> = t
             .events()
             .filter_map(|e| match e {
-                RunEvent::Recovered(r) => Some(r.stages_after),
+                RunEvent::Plan(p) => Some(p.stages * p.replicas),
                 _ => None,
             })
             .collect();
-        let before = r.stages_before;
+        let before = workers;
         match t.victim {
             Victim::Node => assert!(
-                stages.iter().any(|&s| s < before),
+                sizes.iter().any(|&s| s < before),
                 "trial {}: {:?}",
                 t.index,
                 t.events
             ),
             Victim::Worker => assert!(
-                stages.iter().all(|&s| s == before),
+                sizes.iter().all(|&s| s == before),
                 "trial {}: {:?}",
                 t.index,
                 t.events
@@ -314,6 +321,31 @@ fn assert_recovery_tiers(trials: &[ChaosTrial]) {
         }
     }
     assert!(peer_recoveries > 0);
+}
+
+/// Two data-parallel replicas of a 2-stage pipeline under the same chaos. The reference is the
+/// uninterrupted default job (one replica of 4 stages): the result does not depend on the layout,
+/// so every trial — whatever (replicas, stages) its recoveries chose — ends on the same bits.
+#[test]
+fn chaos_on_two_replicas_of_two_stages_bit_exact() {
+    let trials = chaos_of(
+        "dp-chaos",
+        &["pipeline.replicas=2", "pipeline.stages=2"],
+        20,
+        4,
+    );
+    assert_recovery_tiers(&trials);
+    // A lost node of a 2 × 2 job is re-planned on the 3 survivors: one replica of 3 stages.
+    for t in trials.iter().filter(|t| t.recovered().is_some()) {
+        for e in t.events() {
+            if let RunEvent::Plan(p) = e {
+                assert!(p.replicas >= 1 && p.stages >= 1, "trial {}: {p:?}", t.index);
+                if t.kills == 1 && matches!(t.victim, Victim::Node) {
+                    assert_eq!((p.replicas, p.stages), (1, 3), "trial {}: {p:?}", t.index);
+                }
+            }
+        }
+    }
 }
 
 #[test]
