@@ -627,3 +627,67 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
         .collect();
     assert_eq!(stages, [3, 4], "{events:?}");
 }
+
+/// A 2 × 2 data-parallel job loses a node (re-planned as one replica of 3 stages), then a fresh
+/// node joins: at the next step boundary the job grows back to 2 replicas of 2 stages — the
+/// better plan for 4 nodes — and ends bit-identical to the uninterrupted one-replica job.
+#[test]
+fn a_joining_node_grows_one_replica_of_three_into_two_replicas_of_two() {
+    let dir = fresh_dir("dp-join");
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let run = dir.join("run");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let token = "dp-join-test-secret";
+    let listen = format!("elastic.listen={addr}");
+    let child = job(
+        &run,
+        &[&listen, "pipeline.replicas=2", "pipeline.stages=2"],
+    )
+    .env("SEQPIPE_JOB_TOKEN", token)
+    .spawn()
+    .unwrap();
+    wait_for_steps(&run, 3);
+    let (agent, workers) = nodes_of(child.id())[3].clone();
+    for pid in workers.into_iter().chain([agent]) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let started = Instant::now();
+    while !run_events(&run)
+        .iter()
+        .any(|e| matches!(e, RunEvent::Plan(_)))
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut spare = seqpipe()
+        .args(["agent", "--join", &addr, "--name", "spare-1"])
+        .arg("--dir")
+        .arg(dir.join("spare"))
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .spawn()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    assert!(spare.wait().unwrap().success());
+    assert_final_state(&run, STEPS, &reference);
+    let events = run_events(&run);
+    let layouts: Vec<(usize, usize)> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::Plan(p) => Some((p.replicas, p.stages)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(layouts, [(1, 3), (2, 2)], "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, RunEvent::NodeJoined(j) if j.node.as_str() == "spare-1")),
+        "{events:?}"
+    );
+}
