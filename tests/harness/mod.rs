@@ -154,6 +154,7 @@ fn message_kind(msg: &ToWorker) -> (&'static str, Option<u64>) {
         ToWorker::Relink { .. } => ("relink", None),
         ToWorker::RunStep { step, .. } => ("run_step", Some(*step)),
         ToWorker::Apply { step, .. } => ("apply", Some(*step)),
+        ToWorker::Reduce { step, .. } => ("reduce", Some(*step)),
         ToWorker::Eval { .. } => ("eval", None),
         ToWorker::Checkpoint { step } => ("checkpoint", Some(*step)),
         ToWorker::Restore { step } => ("restore", Some(*step)),

@@ -81,11 +81,13 @@ struct ChunkHeader {
     generation: u64,
     step: u64,
     phase: Phase,
-    /// The sending replica.
+    /// The sending member of the group.
     from: usize,
     /// Which chunk of the gradient vector.
     chunk: usize,
-    /// Elements (f32) in the payload.
+    /// The summation-tree nodes (replicas' shares of the step) whose slices follow, in order.
+    nodes: Vec<usize>,
+    /// Elements (f32) of each node's slice.
     len: usize,
 }
 
@@ -96,37 +98,50 @@ struct Hello {
     replica: usize,
 }
 
-/// The links from one stage's worker to the other replicas of its stage.
+/// What a group reduces: the step's summation tree and the links' generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Link generation: a link of another generation is refused.
+    pub generation: u64,
+    /// Micro-batches of a step (the tree's leaves).
+    pub micro_batches: usize,
+    /// Replicas the step's micro-batches are split among (the tree nodes a reduction combines):
+    /// node r covers micro-batches [r·m/nodes, (r+1)·m/nodes). More than the group's members when
+    /// a member computed a lost replica's share too.
+    pub nodes: usize,
+}
+
+/// The links from one stage's worker to the other members of its replica group.
 pub struct ReplicaGroup {
-    /// This replica.
+    /// This member.
     replica: usize,
-    /// Replica → its link (`None` for this replica).
+    /// Member → its link (`None` for this member).
     peers: Vec<Option<TcpStream>>,
-    generation: u64,
-    /// Micro-batches of a step (the summation tree's leaves).
-    micro_batches: usize,
+    spec: GroupSpec,
 }
 
 impl ReplicaGroup {
-    /// Connects replica `replica` of a group of `addrs.len()` replicas under plan generation
-    /// `generation`: it connects to every lower replica's reduction port (`addrs[r]`) and takes
-    /// the connections of the higher ones from its own `port`. Each link is authenticated with the
-    /// job token for [`Purpose::Reduce`], and its first frame says which replica is calling.
+    /// Connects member `replica` of a group of `addrs.len()` members: it connects to every lower
+    /// member's reduction port (`addrs[r]`) and takes the connections of the higher ones from its
+    /// own `port`. Each link is authenticated with the job token for [`Purpose::Reduce`], and its
+    /// first frame says which member is calling under which generation; a connection of another
+    /// generation (a member of an earlier group) is dropped.
     pub fn connect(
         port: &DataPort,
         addrs: &[String],
         replica: usize,
-        generation: u64,
-        micro_batches: usize,
+        spec: GroupSpec,
         token: &str,
         timeout: Duration,
     ) -> Result<Self, CollectiveError> {
         let d = addrs.len();
-        if replica >= d {
+        if replica >= d || spec.nodes < d || spec.micro_batches % spec.nodes != 0 {
             return Err(CollectiveError::Tree(format!(
-                "replica {replica} of a group of {d}"
+                "member {replica} of a group of {d} reducing {} shares of {} micro-batches",
+                spec.nodes, spec.micro_batches
             )));
         }
+        let generation = spec.generation;
         let mut peers: Vec<Option<TcpStream>> = (0..d).map(|_| None).collect();
         for (r, addr) in addrs.iter().enumerate().take(replica) {
             let io = |source| CollectiveError::Io { replica: r, source };
@@ -145,23 +160,36 @@ impl ReplicaGroup {
             write_frame(&mut stream, &hello).map_err(io)?;
             peers[r] = Some(stream);
         }
-        for _ in replica + 1..d {
+        let deadline = Instant::now() + timeout;
+        while peers.iter().skip(replica + 1).any(Option::is_none) {
+            let waiting = peers.iter().rposition(Option::is_none).unwrap_or(d - 1);
             let any = |source| CollectiveError::Io {
-                replica: d - 1,
+                replica: waiting,
                 source,
             };
-            let mut stream = port.next(timeout).map_err(any)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut stream = port.next(left).map_err(any)?;
             stream.set_read_timeout(Some(timeout)).map_err(any)?;
             stream.set_nodelay(true).map_err(any)?;
-            let frame = read_frame(&mut stream, HELLO_LIMITS).map_err(any)?;
-            let hello: Hello = frame.header().map_err(any)?;
+            let Ok(hello) = read_frame(&mut stream, HELLO_LIMITS).and_then(|f| f.header::<Hello>())
+            else {
+                continue;
+            };
             let from = hello.replica;
-            if hello.generation != generation || from <= replica || from >= d {
+            if hello.generation != generation {
+                tracing::warn!(
+                    from,
+                    generation = hello.generation,
+                    expected = generation,
+                    "dropped a replica link of another generation"
+                );
+                continue;
+            }
+            if from <= replica || from >= d {
                 return Err(CollectiveError::Protocol {
                     replica: from.min(d - 1),
                     detail: format!(
-                        "a link from replica {from} of generation {}; expected one of replicas {}..{d} of generation {generation}",
-                        hello.generation,
+                        "a link from member {from}; expected one of members {}..{d}",
                         replica + 1
                     ),
                 });
@@ -169,7 +197,7 @@ impl ReplicaGroup {
             if peers[from].is_some() {
                 return Err(CollectiveError::Protocol {
                     replica: from,
-                    detail: "a second link from the same replica".into(),
+                    detail: "a second link from the same member".into(),
                 });
             }
             peers[from] = Some(stream);
@@ -177,90 +205,107 @@ impl ReplicaGroup {
         Ok(Self {
             replica,
             peers,
-            generation,
-            micro_batches,
+            spec,
         })
     }
 
-    /// Number of replicas in the group.
+    /// Number of members of the group.
     pub fn replicas(&self) -> usize {
         self.peers.len()
     }
 
-    /// Sums `partial` (this replica's sum over its micro-batches) with the other replicas' in
-    /// the summation tree's order and returns the total, the same on every replica, with what
-    /// it cost. Every replica must call it for the same step with a vector of the same length.
+    /// Sums `partial` (this replica's sum over its micro-batches: tree node `replica`) with the
+    /// other members' in the summation tree's order; see [`ReplicaGroup::all_reduce_nodes`].
     pub fn all_reduce(
         &mut self,
         step: u64,
         partial: Vec<f32>,
     ) -> Result<(Vec<f32>, ReduceCost), CollectiveError> {
+        let me = self.replica;
+        self.all_reduce_nodes(step, vec![(me, partial)])
+    }
+
+    /// Sums the tree nodes `parts` (`(node, its partial sum)`, each node a replica's share of the
+    /// step's micro-batches) with the other members' in the summation tree's order and returns
+    /// the total, the same on every member, with what it cost. Between them the members must hold
+    /// every node of the tree exactly once, all vectors of the same length.
+    pub fn all_reduce_nodes(
+        &mut self,
+        step: u64,
+        parts: Vec<(usize, Vec<f32>)>,
+    ) -> Result<(Vec<f32>, ReduceCost), CollectiveError> {
         let started = Instant::now();
         let d = self.replicas();
-        let n = partial.len();
+        let n = parts.first().map_or(0, |(_, v)| v.len());
+        if parts.is_empty()
+            || parts
+                .iter()
+                .any(|(node, v)| v.len() != n || *node >= self.spec.nodes)
+        {
+            return Err(CollectiveError::Tree(format!(
+                "member {} holds no valid shares to reduce",
+                self.replica
+            )));
+        }
         let me = self.replica;
+        let nodes: Vec<usize> = parts.iter().map(|(node, _)| *node).collect();
         let bounds = |q: usize| (q * n / d, (q + 1) * n / d);
-        let generation = self.generation;
-        let header = |phase, chunk, len| ChunkHeader {
+        let generation = self.spec.generation;
+        let header = |phase, chunk, nodes: Vec<usize>, len| ChunkHeader {
             generation,
             step,
             phase,
             from: me,
             chunk,
+            nodes,
             len,
         };
-        // Reduce-scatter: chunk q of this replica's partial to replica q.
+        // Reduce-scatter: chunk q of every node this member holds to member q.
         let outgoing: Vec<(usize, Frame)> = (0..d)
             .filter(|&q| q != me)
             .map(|q| {
                 let (lo, hi) = bounds(q);
-                let h = header(Phase::Partial, q, hi - lo);
-                (q, Frame::new(&h, to_bytes(&partial[lo..hi])))
+                let h = header(Phase::Partial, q, nodes.clone(), hi - lo);
+                let bytes = parts
+                    .iter()
+                    .flat_map(|(_, v)| to_bytes(&v[lo..hi]))
+                    .collect();
+                (q, Frame::new(&h, bytes))
             })
             .collect();
         let mut bytes_sent = frame_bytes(&outgoing);
         let (lo, hi) = bounds(me);
-        let mut parts: Vec<Vec<f32>> = Vec::with_capacity(d);
-        let limits = chunk_limits(n, d);
+        let limits = chunk_limits(n, d, self.spec.nodes);
         let received = self.exchange(outgoing, limits, |peer, frame| {
-            let expected = header(Phase::Partial, me, hi - lo);
-            check(
-                peer,
-                frame,
-                &ChunkHeader {
-                    from: peer,
-                    ..expected
-                },
-            )
+            check(peer, frame, generation, step, Phase::Partial, me, hi - lo)
         })?;
-        let mut received = received.into_iter();
-        for r in 0..d {
-            parts.push(if r == me {
-                partial[lo..hi].to_vec()
-            } else {
-                received.next().expect("one chunk per peer")
-            });
+        let mut shares: Vec<(usize, Vec<f32>)> = parts
+            .iter()
+            .map(|(node, v)| (*node, v[lo..hi].to_vec()))
+            .collect();
+        for (_, got) in received {
+            shares.extend(got);
         }
-        let reduced = self.combine(parts)?;
+        let reduced = self.combine(shares)?;
         // All-gather: the reduced chunk to everyone.
         let outgoing: Vec<(usize, Frame)> = (0..d)
             .filter(|&q| q != me)
             .map(|q| {
-                let h = header(Phase::Reduced, me, reduced.len());
+                let h = header(Phase::Reduced, me, Vec::new(), reduced.len());
                 (q, Frame::new(&h, to_bytes(&reduced)))
             })
             .collect();
         bytes_sent += frame_bytes(&outgoing);
         let gathered = self.exchange(outgoing, limits, |peer, frame| {
             let (plo, phi) = bounds(peer);
-            let expected = header(Phase::Reduced, peer, phi - plo);
             check(
                 peer,
                 frame,
-                &ChunkHeader {
-                    from: peer,
-                    ..expected
-                },
+                generation,
+                step,
+                Phase::Reduced,
+                peer,
+                phi - plo,
             )
         })?;
         let mut total = Vec::with_capacity(n);
@@ -269,7 +314,8 @@ impl ReplicaGroup {
             if r == me {
                 total.extend_from_slice(&reduced);
             } else {
-                total.extend(gathered.next().expect("one chunk per peer"));
+                let (_, slices) = gathered.next().expect("one chunk per peer");
+                total.extend(slices.into_iter().flat_map(|(_, v)| v));
             }
         }
         Ok((
@@ -281,19 +327,30 @@ impl ReplicaGroup {
         ))
     }
 
-    /// Adds the replicas' partial sums of one chunk (`parts[r]` from replica r) in the summation
-    /// tree's order: replica r's sum is the tree's node over its micro-batches.
-    fn combine(&self, parts: Vec<Vec<f32>>) -> Result<Vec<f32>, CollectiveError> {
-        let d = parts.len();
-        let c = self.micro_batches / d;
-        let mut tree = SumTree::new(self.micro_batches);
+    /// Adds the shares of one chunk (`(node, values)`, every tree node exactly once) in the
+    /// summation tree's order: node r is replica r's share of the step's micro-batches.
+    fn combine(&self, mut shares: Vec<(usize, Vec<f32>)>) -> Result<Vec<f32>, CollectiveError> {
+        let GroupSpec {
+            micro_batches: m,
+            nodes,
+            ..
+        } = self.spec;
+        shares.sort_by_key(|(node, _)| *node);
+        let held: Vec<usize> = shares.iter().map(|(node, _)| *node).collect();
+        if held != (0..nodes).collect::<Vec<_>>() {
+            return Err(CollectiveError::Tree(format!(
+                "the group holds shares {held:?}; every one of 0..{nodes} exactly once is needed"
+            )));
+        }
+        let c = m / nodes;
+        let mut tree = SumTree::new(m);
         let mut add = |mut a: Vec<f32>, b: Vec<f32>| -> Result<Vec<f32>, CollectiveError> {
             for (x, y) in a.iter_mut().zip(&b) {
                 *x += *y;
             }
             Ok(a)
         };
-        for (r, part) in parts.into_iter().enumerate() {
+        for (r, part) in shares {
             tree.push(r * c, (r + 1) * c, part, &mut add)
                 .map_err(|e| CollectiveError::Tree(e.to_string()))?;
         }
@@ -304,12 +361,12 @@ impl ReplicaGroup {
     /// Sends each `(peer, frame)` on its own thread (so that no two replicas wait on each other's
     /// full socket buffers) while reading one frame from every peer, in replica order; `accept`
     /// checks each frame and returns its values.
-    fn exchange(
+    fn exchange<T>(
         &mut self,
         outgoing: Vec<(usize, Frame)>,
         limits: Limits,
-        accept: impl Fn(usize, &Frame) -> Result<Vec<f32>, CollectiveError>,
-    ) -> Result<Vec<Vec<f32>>, CollectiveError> {
+        accept: impl Fn(usize, &Frame) -> Result<T, CollectiveError>,
+    ) -> Result<Vec<(usize, T)>, CollectiveError> {
         let writers: Vec<(usize, TcpStream)> = outgoing
             .iter()
             .map(|(q, _)| {
@@ -349,7 +406,7 @@ impl ReplicaGroup {
                     })
                     .and_then(|frame| accept(peer, &frame));
                 match read {
-                    Ok(values) => got.push(values),
+                    Ok(values) => got.push((peer, values)),
                     Err(e) => {
                         first_error = Some(e);
                         break;
@@ -372,11 +429,12 @@ impl ReplicaGroup {
     }
 }
 
-/// The largest frame of a reduction of `n` values among `d` replicas: one chunk.
-fn chunk_limits(n: usize, d: usize) -> Limits {
+/// The largest frame of a reduction of `n` values among `d` members reducing `nodes` shares: one
+/// chunk of every share.
+fn chunk_limits(n: usize, d: usize, nodes: usize) -> Limits {
     Limits {
         header: 4 << 10,
-        payload: ((n / d + 1) * 4) as u64,
+        payload: ((n / d + 1) * 4 * nodes) as u64,
     }
 }
 
@@ -385,28 +443,60 @@ const HELLO_LIMITS: Limits = Limits {
     payload: 0,
 };
 
-/// Checks a frame's header against `expected` and its payload's size against the header; returns
-/// its values.
-fn check(peer: usize, frame: &Frame, expected: &ChunkHeader) -> Result<Vec<f32>, CollectiveError> {
+/// Checks a frame of member `peer` (generation, step, phase, chunk, sizes) and returns its
+/// slices: `(node, values)` per tree node it carries (a reduced chunk carries no node: one slice,
+/// node 0).
+fn check(
+    peer: usize,
+    frame: &Frame,
+    generation: u64,
+    step: u64,
+    phase: Phase,
+    chunk: usize,
+    len: usize,
+) -> Result<Vec<(usize, Vec<f32>)>, CollectiveError> {
     let bad = |detail: String| CollectiveError::Protocol {
         replica: peer,
         detail,
     };
     let got: ChunkHeader = frame.header().map_err(|e| bad(e.to_string()))?;
-    if &got != expected {
-        return Err(bad(format!("expected {expected:?}, got {got:?}")));
-    }
-    if frame.payload.len() != got.len * 4 {
+    let expected = (generation, step, phase, peer, chunk, len);
+    let seen = (
+        got.generation,
+        got.step,
+        got.phase,
+        got.from,
+        got.chunk,
+        got.len,
+    );
+    if seen != expected {
         return Err(bad(format!(
-            "{} payload bytes for {} values",
-            frame.payload.len(),
-            got.len
+            "expected (generation, step, phase, sender, chunk, length) {expected:?}, got {seen:?}"
         )));
     }
-    Ok(frame
+    let nodes = match phase {
+        Phase::Partial if got.nodes.is_empty() => {
+            return Err(bad("a partial sum of no share".into()));
+        }
+        Phase::Partial => got.nodes,
+        Phase::Reduced => vec![0],
+    };
+    if frame.payload.len() != nodes.len() * len * 4 {
+        return Err(bad(format!(
+            "{} payload bytes for {} slice(s) of {len} values",
+            frame.payload.len(),
+            nodes.len()
+        )));
+    }
+    let values: Vec<f32> = frame
         .payload
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect();
+    Ok(nodes
+        .into_iter()
+        .enumerate()
+        .map(|(i, node)| (node, values[i * len..(i + 1) * len].to_vec()))
         .collect())
 }
 
@@ -447,6 +537,14 @@ mod tests {
                 (port, addr)
             })
             .unzip()
+    }
+
+    fn spec(generation: u64, micro_batches: usize, nodes: usize) -> GroupSpec {
+        GroupSpec {
+            generation,
+            micro_batches,
+            nodes,
+        }
     }
 
     /// Values whose sum depends on the order of additions.
@@ -493,8 +591,7 @@ mod tests {
                                 port,
                                 addrs,
                                 r,
-                                7,
-                                m,
+                                spec(7, m, d),
                                 "secret",
                                 Duration::from_secs(10),
                             )
@@ -557,8 +654,7 @@ mod tests {
                     &ports[0],
                     &addrs,
                     0,
-                    1,
-                    2,
+                    spec(1, 2, 2),
                     "secret",
                     Duration::from_secs(10),
                 )
@@ -570,8 +666,7 @@ mod tests {
                     &ports[1],
                     &addrs,
                     1,
-                    1,
-                    2,
+                    spec(1, 2, 2),
                     "secret",
                     Duration::from_secs(10),
                 )
@@ -586,19 +681,74 @@ mod tests {
         });
     }
 
+    /// A link of an earlier group (another generation) is dropped: the group waits for the
+    /// members of its own generation, and says which one never came.
     #[test]
-    fn a_link_of_another_generation_is_refused() {
+    fn a_link_of_another_generation_is_dropped() {
         let (ports, addrs) = ports(2);
         std::thread::scope(|scope| {
             let old = scope.spawn(|| {
-                ReplicaGroup::connect(&ports[1], &addrs, 1, 1, 2, "secret", Duration::from_secs(5))
+                let timeout = Duration::from_secs(5);
+                ReplicaGroup::connect(&ports[1], &addrs, 1, spec(1, 2, 2), "secret", timeout)
             });
-            let err =
-                ReplicaGroup::connect(&ports[0], &addrs, 0, 2, 2, "secret", Duration::from_secs(5))
-                    .err()
-                    .expect("refused");
-            assert!(err.to_string().contains("generation"), "{err}");
+            let timeout = Duration::from_millis(1500);
+            let err = ReplicaGroup::connect(&ports[0], &addrs, 0, spec(2, 2, 2), "secret", timeout)
+                .err()
+                .expect("refused");
+            assert!(
+                matches!(err, CollectiveError::Io { replica: 1, .. }),
+                "{err}"
+            );
             let _ = old.join().unwrap();
         });
+    }
+
+    /// A replica was lost: the two survivors of three reduce its share too (computed by one of
+    /// them), and get the same bits as the three would have.
+    #[test]
+    fn survivors_reduce_a_lost_replicas_share_to_the_same_bits() {
+        let (m, n) = (6, 50);
+        let leaves: Vec<Vec<f32>> = (0..m).map(|i| leaf(i, n)).collect();
+        let expected = tree_sum(m, &leaves);
+        let share = |r: usize| {
+            let mut t = SumTree::new(2);
+            t.push(0, 1, leaves[2 * r].clone(), &mut add).unwrap();
+            t.push(1, 2, leaves[2 * r + 1].clone(), &mut add).unwrap();
+            t.finish::<()>().unwrap()
+        };
+        // Replica 1 is lost; member 0 is replica 0 (which adopts 1's share), member 1 replica 2.
+        let holdings = [vec![(0, share(0)), (1, share(1))], vec![(2, share(2))]];
+        let (ports, addrs) = ports(2);
+        let results: Vec<Vec<f32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = ports
+                .iter()
+                .zip(holdings)
+                .enumerate()
+                .map(|(member, (port, parts))| {
+                    let addrs = &addrs;
+                    scope.spawn(move || {
+                        let mut group = ReplicaGroup::connect(
+                            port,
+                            addrs,
+                            member,
+                            spec(9, m, 3),
+                            "secret",
+                            Duration::from_secs(10),
+                        )
+                        .unwrap();
+                        group.all_reduce_nodes(4, parts).unwrap().0
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for got in results {
+            assert!(
+                got.iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+            assert_eq!(got.len(), expected.len());
+        }
     }
 }

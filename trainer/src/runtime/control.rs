@@ -44,6 +44,9 @@ pub enum ToLauncher {
         loss_sum: Option<f64>,
         /// The node got a preemption notice (SIGTERM) and will leave at this step's boundary.
         leaving: bool,
+        /// Last stage: the loss sums of lost replicas' shares this worker computed, by replica.
+        #[serde(default)]
+        adopted_losses: Vec<(usize, f64)>,
         /// What the step cost this stage (compute, retained boundary tensors, work redone).
         #[serde(default)]
         cost: StepCost,
@@ -59,6 +62,9 @@ pub enum ToLauncher {
         /// Forward and backward units this stage has completed in the step (its progress record).
         done_units: usize,
     },
+    /// Data parallelism: this worker's share of step `step`'s forward and backward is done; it
+    /// waits for [`ToWorker::Reduce`].
+    BackwardDone { stage: usize, step: u64 },
     /// The optimizer update of a step is applied.
     Updated { stage: usize, step: u64 },
     /// An evaluation pass is done.
@@ -167,6 +173,21 @@ pub struct UnitTime {
     pub redone: bool,
 }
 
+/// A replica group rebuilt from the surviving replicas of a stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Regroup {
+    /// The link generation (above every earlier group's).
+    pub generation: u64,
+    /// This worker's place among `addrs`.
+    pub member: usize,
+    /// The reduction ports of the surviving replicas' workers of this stage, in replica order.
+    pub addrs: Vec<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
 /// Which neighbour link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -215,6 +236,20 @@ pub enum ToWorker {
         step: u64,
         lr: f64,
         clip_coefficient: f64,
+        /// Copy the new state to the peer-snapshot agents (one replica per stage does).
+        #[serde(default = "yes")]
+        snapshot: bool,
+    },
+    /// Data parallelism: reduce this stage's gradients of step `step` with the other replicas'.
+    /// First compute the shares of the lost replicas in `adopt` (their micro-batches, re-routed
+    /// to this worker's replica); with `regroup`, reduce in a new group of the surviving
+    /// replicas instead of the plan's.
+    Reduce {
+        step: u64,
+        #[serde(default)]
+        adopt: Vec<usize>,
+        #[serde(default)]
+        regroup: Option<Regroup>,
     },
     /// Compute the validation loss over `batches` held-out micro-batches.
     Eval { batches: usize },

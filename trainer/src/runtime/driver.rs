@@ -16,7 +16,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use super::checkpoint_writer::CheckpointWriter;
-use super::control::{StepCost, ToLauncher, ToWorker};
+use super::control::{Regroup, StepCost, ToLauncher, ToWorker};
 use super::coordinator::Recovery;
 use super::error::LaunchError;
 use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
@@ -75,6 +75,11 @@ struct StepReplies {
     state_bytes: Vec<u64>,
     /// Stages replaced in the middle of the step, with the replacement's cost once it reported.
     replaced: Vec<(Replacement, Option<StepCost>)>,
+    /// Data parallelism: the replica lost in the middle of the step, whose share was re-routed,
+    /// and the failure that took it out.
+    rerouted: Option<(usize, LaunchError)>,
+    /// Units computed again because of the re-routing, and their seconds.
+    redone: (usize, f64),
 }
 
 impl StepReplies {
@@ -90,6 +95,8 @@ impl StepReplies {
             peak_activation_bytes: vec![0; stages],
             state_bytes: vec![0; stages],
             replaced: Vec::new(),
+            rerouted: None,
+            redone: (0, 0.0),
         }
     }
 
@@ -129,6 +136,8 @@ impl StepReplies {
         self.reduce_s = self.reduce_s.max(cost.reduce_s);
         self.units += cost.units;
         self.compute_s += cost.compute_s;
+        self.redone.0 += cost.redone_units;
+        self.redone.1 += cost.redone_s;
         if let Some(peak) = self.peak_activation_bytes.get_mut(stage) {
             *peak = (*peak).max(cost.peak_activation_bytes);
             self.state_bytes[stage] = cost.state_bytes;
@@ -186,6 +195,9 @@ pub(super) struct Driver<'a, 'c> {
     loaded_step: u64,
     /// The run's trace, when `--trace` asked for one.
     pub(super) trace: Option<TraceLog>,
+    /// The failure that took a replica out of the last step (its share was re-routed): the
+    /// pipeline ends at that step's boundary with it, after a checkpoint of the step.
+    rerouted: Option<LaunchError>,
 }
 
 impl<'a, 'c> Driver<'a, 'c> {
@@ -206,6 +218,7 @@ impl<'a, 'c> Driver<'a, 'c> {
             loaded: Start::Fresh,
             loaded_step: 0,
             trace: None,
+            rerouted: None,
         }
     }
 }
@@ -479,6 +492,16 @@ impl Driver<'_, '_> {
         interrupted: bool,
     ) -> Result<Boundary, LaunchError> {
         let (cfg, step) = (self.cfg, record.step);
+        if let Some(failure) = self.rerouted.take() {
+            // A replica was lost during this step: its state is in the other replicas only. It is
+            // committed here, and the pipeline is rebuilt on the survivors from it.
+            let state = self.trainer_state(step, record.lr, record.loss);
+            let metrics = self.metrics.as_mut().expect("metrics");
+            self.checkpoints.begin(self.pipeline, state, metrics)?;
+            self.checkpoints
+                .finish(self.pipeline, metrics, cfg.elastic.grace())?;
+            return Err(failure);
+        }
         let plan_change = if step < cfg.train.steps && !interrupted {
             self.pipeline.coordinator().at_step_boundary(step)
         } else {
@@ -533,6 +556,7 @@ impl Driver<'_, '_> {
         })?;
         let mut replies = self.forward_backward(step, canonical)?;
         self.record_replacements(step, &replies.replaced, step_started)?;
+        let rerouted = replies.rerouted.take();
         let loss_sum = replies.loss_sum(cfg.pipeline.microbatches);
         let grad_norm = self.update(step, lr, std::mem::take(&mut replies.sums))?;
         let loss = loss_sum
@@ -585,6 +609,25 @@ impl Driver<'_, '_> {
             val_loss,
         };
         self.append(&record)?;
+        if let Some((replica, failure)) = rerouted {
+            let p = self.pipeline.stages();
+            let node = self.pipeline.coordinator().node_of(replica * p);
+            self.append(&RunEvent::Recovered(Recovered {
+                step,
+                recovery_s: step_started.elapsed().as_secs_f64(),
+                lost_steps: 0,
+                tier: recovery::Tier::Reroute,
+                stages_before: p,
+                stages_after: p,
+                at_unix_s: unix_time_s(),
+                stage: None,
+                node: Some(node),
+                host: None,
+                redone_units: Some(replies.redone.0),
+                redone_s: Some(replies.redone.1),
+            }))?;
+            self.rerouted = Some(failure);
+        }
         Ok(record)
     }
 
@@ -597,6 +640,9 @@ impl Driver<'_, '_> {
         canonical: &HashMap<String, usize>,
     ) -> Result<StepReplies, LaunchError> {
         let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
+        if d > 1 {
+            return self.forward_backward_replicas(step, canonical);
+        }
         let mut replies = StepReplies::new(p, d, canonical.len());
         let mut finished = BTreeSet::new();
         while finished.len() < p * d {
@@ -605,9 +651,7 @@ impl Driver<'_, '_> {
                 .next_reply(&format!("step {step}'s forward and backward"))
             {
                 Ok(msg) => msg,
-                // With replicas, a lost worker stops the reduction of its stage: the step is
-                // redone from the snapshots (re-routing its micro-batches is not built yet).
-                Err(e) if self.cfg.elastic.mid_step && d == 1 => {
+                Err(e) if self.cfg.elastic.mid_step => {
                     let replaced = self.replace_lost_stage(step, e, &finished, unix_time_s())?;
                     replies.replaced.push(replaced);
                     continue;
@@ -622,6 +666,7 @@ impl Driver<'_, '_> {
                     loss_sum,
                     leaving,
                     cost,
+                    ..
                 } if s == step => {
                     if leaving {
                         self.pipeline.coordinator().node_leaving(stage);
@@ -650,6 +695,126 @@ impl Driver<'_, '_> {
                 }
             }
         }
+        Ok(replies)
+    }
+
+    /// Data parallelism: waits for every worker's `BackwardDone`, has the replicas of each stage
+    /// reduce their gradients, and waits for every `StepDone`. A failure before the reduction
+    /// that takes out workers of one replica only re-routes that replica's share of the step to
+    /// a surviving replica ([`recovery::lost_replica`], [`recovery::adopter`]): the step completes
+    /// with the same result, bit for bit, and the pipeline is rebuilt at its boundary.
+    fn forward_backward_replicas(
+        &mut self,
+        step: u64,
+        canonical: &HashMap<String, usize>,
+    ) -> Result<StepReplies, LaunchError> {
+        let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
+        let mut replies = StepReplies::new(p, d, canonical.len());
+        let what = format!("step {step}'s forward and backward");
+        let mut done = BTreeSet::new();
+        let mut lost: Option<(usize, LaunchError)> = None;
+        loop {
+            if self
+                .pipeline
+                .active_slots()
+                .iter()
+                .all(|w| done.contains(w))
+            {
+                break;
+            }
+            match self.pipeline.next_reply(&what) {
+                Ok(ToLauncher::BackwardDone { stage, step: s }) if s == step => {
+                    done.insert(stage);
+                }
+                Ok(other) => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected step {step}'s backward done, got {other:?}"
+                    )));
+                }
+                Err(e) if lost.is_none() && self.cfg.elastic.mid_step => {
+                    let replica = match self.pipeline.lost_replica(&e) {
+                        Ok(r) => r,
+                        Err(why) => {
+                            warn!(step, %why, "no re-routing: the step is redone");
+                            return Err(e);
+                        }
+                    };
+                    let adopter = recovery::adopter(replica, d);
+                    warn!(step, replica, adopter, error = %e, "a replica was lost mid-step; its micro-batches are re-routed");
+                    eprintln!(
+                        "warning: lost replica {replica} during step {step} ({e}); replica \
+                         {adopter} computes its micro-batches"
+                    );
+                    self.pipeline.retire_replica(replica);
+                    done.retain(|w| w / p != replica);
+                    lost = Some((replica, e));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let (generation, _) = self.pipeline.regroup(0);
+        for s in 0..p {
+            let (_, members) = self.pipeline.regroup(s);
+            let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
+            for (member, (slot, _)) in members.iter().enumerate() {
+                let adopt = match &lost {
+                    Some((r, _)) if recovery::adopter(*r, d) == slot / p => vec![*r],
+                    _ => Vec::new(),
+                };
+                let regroup = lost.as_ref().map(|_| Regroup {
+                    generation,
+                    member,
+                    addrs: addrs.clone(),
+                });
+                self.pipeline.send_to(
+                    *slot,
+                    &ToWorker::Reduce {
+                        step,
+                        adopt,
+                        regroup,
+                    },
+                )?;
+            }
+        }
+        if lost.is_some() {
+            self.pipeline.bump_link_generation();
+        }
+        let active = self.pipeline.active_slots();
+        let mut finished = BTreeSet::new();
+        let what = format!("step {step}'s gradient reduction");
+        while finished.len() < active.len() {
+            match self.pipeline.next_reply(&what)? {
+                ToLauncher::StepDone {
+                    stage,
+                    step: s,
+                    sums_of_squares,
+                    loss_sum,
+                    leaving,
+                    adopted_losses,
+                    cost,
+                } if s == step => {
+                    if leaving {
+                        self.pipeline.coordinator().node_leaving(stage);
+                    }
+                    if let Some(trace) = &mut self.trace {
+                        trace.units(stage, step, &cost.unit_times);
+                    }
+                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
+                    for (replica, l) in adopted_losses {
+                        if let Some(slot) = replies.loss_sums.get_mut(replica) {
+                            *slot = Some(l);
+                        }
+                    }
+                    finished.insert(stage);
+                }
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected step {step} done, got {other:?}"
+                    )));
+                }
+            }
+        }
+        replies.rerouted = lost;
         Ok(replies)
     }
 
@@ -696,14 +861,23 @@ impl Driver<'_, '_> {
             .collect::<Result<_, _>>()?;
         let grad_norm = ops::clip::global_norm(sums);
         let clip_coefficient = ops::clip::clip_coefficient(grad_norm, self.cfg.train.grad_clip);
-        self.pipeline.broadcast(&ToWorker::Apply {
-            step,
-            lr,
-            clip_coefficient,
-        })?;
-        let workers = self.pipeline.workers();
+        // One replica per stage copies its state to the peer-snapshot agents (they all hold the
+        // same).
+        let (p, writer) = (self.pipeline.stages(), self.pipeline.writer_replica());
+        let active = self.pipeline.active_slots();
+        for &slot in &active {
+            self.pipeline.send_to(
+                slot,
+                &ToWorker::Apply {
+                    step,
+                    lr,
+                    clip_coefficient,
+                    snapshot: slot / p == writer,
+                },
+            )?;
+        }
         self.pipeline
-            .collect(workers, &format!("step {step}'s optimizer update"))?;
+            .collect(active.len(), &format!("step {step}'s optimizer update"))?;
         Ok(grad_norm)
     }
 

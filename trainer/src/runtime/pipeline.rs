@@ -43,6 +43,11 @@ pub struct Pipeline<'c> {
     link_generation: u64,
     /// Data-parallel replicas of the pipeline (`conns` holds replicas × stages workers).
     replicas: usize,
+    /// Slot → its worker's gradient-reduction address (with replicas).
+    reduce_addrs: Vec<String>,
+    /// Slots retired in the middle of a step (a lost replica's workers, whose share of the step
+    /// was re-routed): their messages, exits and disconnections are ignored from then on.
+    retired: BTreeSet<usize>,
 }
 
 /// A stage replaced in the middle of a step.
@@ -90,6 +95,8 @@ impl<'c> Pipeline<'c> {
             deferred: VecDeque::new(),
             link_generation: generation,
             replicas: d,
+            reduce_addrs: Vec::new(),
+            retired: BTreeSet::new(),
         };
         // Hello from everyone, then the topology, then ready from everyone.
         let mut conns: Vec<Option<u64>> = vec![None; workers];
@@ -152,6 +159,7 @@ impl<'c> Pipeline<'c> {
             )?;
         }
         pipeline.data_addrs = data_addrs;
+        pipeline.reduce_addrs = reduce_addrs;
         pipeline.collect(workers, "the workers to connect to their neighbours")?;
         info!(stages = p, replicas = d, generation, "pipeline connected");
         Ok(pipeline)
@@ -181,10 +189,60 @@ impl<'c> Pipeline<'c> {
         self.conns.len()
     }
 
-    /// Sends `msg` to the workers of replica 0 (the stages' shards of a checkpoint are written
-    /// once, by them).
+    /// Sends `msg` to the workers of the writer replica (the stages' shards of a checkpoint are
+    /// written once, by them).
     pub fn send_to_first_replica(&mut self, msg: &ToWorker) -> Result<(), LaunchError> {
-        (0..self.stages()).try_for_each(|stage| self.send(stage, msg))
+        let p = self.stages();
+        let first = self.writer_replica() * p;
+        (first..first + p).try_for_each(|slot| self.send(slot, msg))
+    }
+
+    /// The replica that writes checkpoints and peer snapshots: the first one none of whose
+    /// workers was retired.
+    pub fn writer_replica(&self) -> usize {
+        let p = self.stages();
+        (0..self.replicas)
+            .find(|r| (0..p).all(|s| !self.retired.contains(&(r * p + s))))
+            .unwrap_or(0)
+    }
+
+    /// The slots of workers not retired, ascending.
+    pub fn active_slots(&self) -> Vec<usize> {
+        (0..self.conns.len())
+            .filter(|w| !self.retired.contains(w))
+            .collect()
+    }
+
+    /// Whether a slot's worker was retired.
+    pub fn is_retired(&self, slot: usize) -> bool {
+        self.retired.contains(&slot)
+    }
+
+    /// Retires the workers of `replica` in the middle of a step (its share was re-routed): from
+    /// now on nothing they send counts.
+    pub fn retire_replica(&mut self, replica: usize) {
+        let p = self.stages();
+        // Not told to stop: a worker of the lost replica that waits for its reduction waits until
+        // the pipeline is stopped at the step's boundary, like every other (an exit now would
+        // look like a failure of its node).
+        self.retired.extend(replica * p..(replica + 1) * p);
+    }
+
+    /// The reduction addresses of stage `stage`'s workers in the replicas not retired, in replica
+    /// order, under a new link generation: the group that reduces without the retired replicas.
+    pub fn regroup(&mut self, stage: usize) -> (u64, Vec<(usize, String)>) {
+        let p = self.stages();
+        let members = (0..self.replicas)
+            .map(|r| r * p + stage)
+            .filter(|w| !self.retired.contains(w))
+            .map(|w| (w, self.reduce_addrs[w].clone()))
+            .collect();
+        (self.link_generation + 1, members)
+    }
+
+    /// Moves the link generation past the groups of [`Pipeline::regroup`].
+    pub fn bump_link_generation(&mut self) {
+        self.link_generation += 1;
     }
 
     /// The coordinator whose plan this pipeline runs.
@@ -203,13 +261,24 @@ impl<'c> Pipeline<'c> {
         })
     }
 
-    /// Sends `msg` to every worker.
+    /// Sends `msg` to every worker (but retired ones).
     pub fn broadcast(&mut self, msg: &ToWorker) -> Result<(), LaunchError> {
-        (0..self.conns.len()).try_for_each(|stage| self.send(stage, msg))
+        self.active_slots()
+            .into_iter()
+            .try_for_each(|slot| self.send(slot, msg))
     }
 
+    /// Sends `msg` to the worker of `slot`.
+    pub fn send_to(&mut self, slot: usize, msg: &ToWorker) -> Result<(), LaunchError> {
+        self.send(slot, msg)
+    }
+
+    /// The slot of a worker's control connection (none for a retired worker's).
     fn stage_of(&self, conn: u64) -> Option<usize> {
-        self.conns.iter().position(|&c| c == conn)
+        self.conns
+            .iter()
+            .position(|&c| c == conn)
+            .filter(|w| !self.retired.contains(w))
     }
 
     fn log_of(&self, stage: usize) -> String {
@@ -268,6 +337,7 @@ impl<'c> Pipeline<'c> {
                 }),
                 None => Ok(()),
             },
+            Incoming::WorkerExited { stage, .. } if self.retired.contains(&stage) => Ok(()),
             Incoming::WorkerExited {
                 stage,
                 status,
@@ -422,6 +492,42 @@ impl<'c> Pipeline<'c> {
             }
         }
         recovery::mid_step_stage(&signs, finished)
+    }
+
+    /// Data parallelism, after `failure` during a step's forward and backward: gathers every
+    /// report (until they stop for a moment) and asks [`recovery::lost_replica`] for the one
+    /// replica to take out of the step; `Err` says why the step cannot go on.
+    pub fn lost_replica(&mut self, failure: &LaunchError) -> Result<usize, String> {
+        let slots_of = |pipeline: &Self, e: &LaunchError| {
+            let plan = pipeline.coordinator.plan();
+            recovery::failed_slots(e, |node| plan.slots_of(node))
+        };
+        let mut failed = vec![slots_of(self, failure)];
+        const QUIET: Duration = Duration::from_millis(300);
+        let mut quiet_since = Instant::now();
+        while quiet_since.elapsed() < QUIET {
+            match self.poll(Instant::now() + Duration::from_millis(20)) {
+                Ok(Some(incoming)) => {
+                    quiet_since = Instant::now();
+                    match incoming {
+                        Incoming::Worker(conn, msg)
+                            if self.stage_of(conn).is_some()
+                                && !matches!(msg, ToLauncher::Failed { .. }) =>
+                        {
+                            self.keep(msg)
+                        }
+                        other => {
+                            if let Err(e) = self.fail_on(other) {
+                                failed.push(slots_of(self, &e));
+                            }
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => return Err(format!("the coordinator failed: {e}")),
+            }
+        }
+        recovery::lost_replica(&failed, self.stages(), self.replicas)
     }
 
     /// What `error` says about which stages are gone.
@@ -639,6 +745,7 @@ fn reply_stage(msg: &ToLauncher) -> Option<usize> {
         ToLauncher::Hello { stage, .. }
         | ToLauncher::Ready { stage }
         | ToLauncher::StepDone { stage, .. }
+        | ToLauncher::BackwardDone { stage, .. }
         | ToLauncher::LinkDown { stage, .. }
         | ToLauncher::Updated { stage, .. }
         | ToLauncher::EvalDone { stage, .. }

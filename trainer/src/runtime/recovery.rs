@@ -58,6 +58,9 @@ pub enum Start {
 pub enum Tier {
     /// One lost stage was replaced in the middle of the step; nothing else restarted.
     MidStep,
+    /// Data parallelism: a lost replica's micro-batches were computed by a surviving replica in
+    /// the middle of the step; the step completed with the same result.
+    Reroute,
     /// From the peer snapshots in the agents' memory.
     Peer,
     /// From the newest committed checkpoint.
@@ -73,6 +76,7 @@ impl Tier {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::MidStep => "mid_step",
+            Self::Reroute => "reroute",
             Self::Peer => "peer",
             Self::Checkpoint => "checkpoint",
             Self::Handover => "handover",
@@ -204,6 +208,56 @@ pub fn mid_step_stage(signs: &[Sign], finished: &BTreeSet<usize>) -> Result<(usi
         )),
         (Some((stage, lost)), None) => Ok((stage, lost)),
     }
+}
+
+/// The worker slots an error of a data-parallel pipeline shows gone (`slots_of` maps a node to
+/// its slots), or `None` when it does not show which: a timeout, a permanent failure, a protocol
+/// error. A worker that failed by itself counts as gone (it exits).
+pub fn failed_slots(
+    error: &LaunchError,
+    slots_of: impl Fn(&NodeId) -> Vec<usize>,
+) -> Option<Vec<usize>> {
+    match error {
+        LaunchError::WorkerExited { stage, .. }
+        | LaunchError::WorkerDisconnected { stage, .. }
+        | LaunchError::WorkerFailed { stage, .. } => Some(vec![*stage]),
+        LaunchError::NodesLost { lost, .. } => {
+            Some(lost.iter().flat_map(|l| slots_of(&l.node)).collect())
+        }
+        _ => None,
+    }
+}
+
+/// Decision 2 with data parallelism: the one replica to take out of the step, its share of the
+/// micro-batches re-routed to a surviving replica (`stages` × `replicas` slots; `failed` the slots
+/// shown gone, `None` for a failure that does not show which). Every failed slot must belong to
+/// that replica, and another replica must remain. `Err` says why the step cannot go on.
+pub fn lost_replica(
+    failed: &[Option<Vec<usize>>],
+    stages: usize,
+    replicas: usize,
+) -> Result<usize, String> {
+    let mut lost = BTreeSet::new();
+    for slots in failed {
+        let Some(slots) = slots else {
+            return Err("a failure that does not show which worker died".into());
+        };
+        lost.extend(slots.iter().map(|w| w / stages.max(1)));
+    }
+    let mut lost = lost.into_iter();
+    match (lost.next(), lost.next()) {
+        (None, _) => Err("no worker is known to be lost".into()),
+        (Some(_), Some(_)) => Err("workers of more than one replica were lost".into()),
+        (Some(r), None) if r >= replicas => Err(format!("replica {r} does not exist")),
+        (Some(_), None) if replicas < 2 => Err("no other replica to take over".into()),
+        (Some(r), None) => Ok(r),
+    }
+}
+
+/// The replica that computes lost replica `lost`'s share: the next surviving one after it
+/// (replica indices wrap around), so that the extra work does not always fall on replica 0.
+pub fn adopter(lost: usize, replicas: usize) -> usize {
+    (lost + 1) % replicas.max(1)
 }
 
 /// How the pipeline's state was loaded, for [`step_start_state`].
@@ -513,5 +567,19 @@ mod tests {
         assert_eq!(recorded_tier(Tier::Checkpoint, false, 0), Tier::Peer);
         assert_eq!(recorded_tier(Tier::Checkpoint, false, 2), Tier::Restart);
         assert_eq!(recorded_tier(Tier::Handover, true, 0), Tier::Handover);
+    }
+
+    #[test]
+    fn a_lost_replica_is_taken_out_only_when_every_failure_is_in_it() {
+        // 2 replicas × 2 stages: slots 0, 1 are replica 0; 2, 3 replica 1.
+        assert_eq!(lost_replica(&[Some(vec![3])], 2, 2), Ok(1));
+        assert_eq!(lost_replica(&[Some(vec![2]), Some(vec![3])], 2, 2), Ok(1));
+        assert!(lost_replica(&[Some(vec![1]), Some(vec![2])], 2, 2).is_err());
+        assert!(lost_replica(&[Some(vec![0]), None], 2, 2).is_err());
+        assert!(lost_replica(&[], 2, 2).is_err());
+        assert!(lost_replica(&[Some(vec![0])], 2, 1).is_err());
+        assert_eq!(adopter(1, 2), 0);
+        assert_eq!(adopter(0, 4), 1);
+        assert_eq!(adopter(3, 4), 0);
     }
 }

@@ -27,7 +27,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
-use super::collective::{CollectiveError, ReplicaGroup};
+use super::collective::{CollectiveError, GroupSpec, ReplicaGroup};
 use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
 use super::kill_switch::{Ending, KillSwitch, Point};
 use super::peer_snapshots::PeerCopier;
@@ -260,13 +260,7 @@ fn start(
     worker.reduce_port = reduce.map(|(port, _)| port);
     worker.token = token.clone();
     worker.kill_switch = args.kill_switch.clone();
-    if !args.snapshot_to.is_empty() && worker.replica > 0 {
-        info!(
-            slot = args.stage,
-            replica = worker.replica,
-            "no peer snapshots from this worker: replica 0 of its stage holds the same state"
-        );
-    } else if !args.snapshot_to.is_empty() {
+    if !args.snapshot_to.is_empty() {
         let (to, switch) = (args.snapshot_to.clone(), args.kill_switch.clone());
         worker.peer_copier = Some(
             PeerCopier::start(to, token, timeout, switch)
@@ -531,12 +525,15 @@ impl Worker {
                     step,
                     lr,
                     clip_coefficient,
+                    snapshot,
                 } => {
                     self.apply(lr, clip_coefficient)?;
                     control
                         .send(&ToLauncher::Updated { stage: r, step })
                         .map_err(&control_err)?;
-                    self.copy_to_peers(step);
+                    if snapshot {
+                        self.copy_to_peers(step);
+                    }
                     None
                 }
                 ToWorker::Eval { batches } => Some(ToLauncher::EvalDone {
@@ -557,7 +554,7 @@ impl Worker {
                 )),
                 ToWorker::InitFrom { dir } => Some(restore_reply(r, 0, self.init_from(&dir))),
                 ToWorker::Shutdown => return Ok(()),
-                other @ ToWorker::Topology { .. } => {
+                other @ (ToWorker::Topology { .. } | ToWorker::Reduce { .. }) => {
                     return Err(WorkerError::Protocol(format!(
                         "unexpected {other:?} while running"
                     )));
@@ -585,7 +582,7 @@ impl Worker {
         }
         let started = Instant::now();
         let loss_sum = self.run_step(step, trace, control)?;
-        self.reduce_gradients(step)?;
+        let adopted_losses = self.reduce_gradients(step, control)?;
         let sums_of_squares = self.stage.grad_sums_of_squares()?;
         let gradient_buffers = self.stage.take_peak_gradient_buffers();
         if let Some(dir) = &self.dump_grads {
@@ -603,23 +600,126 @@ impl Worker {
             sums_of_squares,
             loss_sum,
             leaving: self.leaving.load(Ordering::SeqCst),
+            adopted_losses,
             cost: self.record.cost.clone(),
         })
     }
 
-    /// With data-parallel replicas: sums this stage's gradients with the other replicas' (in the
-    /// summation tree's order, so every replica holds the same total, bit for bit, whatever the
-    /// replica count), and records what it cost.
-    fn reduce_gradients(&mut self, step: u64) -> Result<(), WorkerError> {
-        let Some(group) = &mut self.group else {
-            return Ok(());
-        };
+    /// With data-parallel replicas: says the backward of this replica's share is done, waits
+    /// for the launcher's [`ToWorker::Reduce`], computes the shares of lost replicas it adopts
+    /// (their micro-batches re-routed to this replica), and sums this stage's gradients with the
+    /// other replicas' (in the summation tree's order, so every replica holds the same total, bit
+    /// for bit, whatever the replica count and whoever computed which share). Records what it
+    /// cost; returns the adopted shares' loss sums (last stage).
+    fn reduce_gradients(
+        &mut self,
+        step: u64,
+        control: &mut ControlStream,
+    ) -> Result<Vec<(usize, f64)>, WorkerError> {
+        if self.group.is_none() {
+            return Ok(Vec::new());
+        }
+        let control_err = control_error("launcher");
         self.stage.finish_gradients()?;
-        let partial = self.stage.gradient_vector()?;
-        let (total, cost) = group.all_reduce(step, partial)?;
+        let mut shares = vec![(self.replica, self.stage.gradient_vector()?)];
+        control
+            .send(&ToLauncher::BackwardDone {
+                stage: self.slot,
+                step,
+            })
+            .map_err(&control_err)?;
+        let msg = control.recv::<ToWorker>().map_err(&control_err)?;
+        self.at(Point::Message(&msg))?;
+        let (adopt, regroup) = match msg {
+            ToWorker::Reduce {
+                step: s,
+                adopt,
+                regroup,
+            } if s == step => (adopt, regroup),
+            ToWorker::Shutdown => {
+                return Err(WorkerError::Protocol(
+                    "shut down in the middle of a step".into(),
+                ));
+            }
+            other => {
+                return Err(WorkerError::Protocol(format!(
+                    "expected the reduction of step {step}, got {other:?}"
+                )));
+            }
+        };
+        let mut losses = Vec::new();
+        let own_cost = self.record.cost.clone();
+        for replica in adopt {
+            let (share, loss) = self.compute_share(step, replica, control)?;
+            shares.push((replica, share));
+            losses.extend(loss.map(|l| (replica, l)));
+        }
+        let adopted_cost = std::mem::replace(&mut self.record.cost, own_cost);
+        if adopted_cost != self.record.cost {
+            // The adopted shares' units count as work redone because of the loss.
+            let c = &mut self.record.cost;
+            c.redone_units += adopted_cost.units;
+            c.redone_s += adopted_cost.compute_s;
+            c.units += adopted_cost.units;
+            c.compute_s += adopted_cost.compute_s;
+        }
+        if let Some(regroup) = regroup {
+            self.regroup(regroup)?;
+        }
+        let group = self.group.as_mut().expect("checked above");
+        let (total, cost) = group.all_reduce_nodes(step, shares)?;
         self.stage.set_gradient_vector(&total)?;
         self.record.cost.reduce_bytes = cost.bytes_sent;
         self.record.cost.reduce_s = cost.seconds;
+        Ok(losses)
+    }
+
+    /// Runs this stage's part of the lost `replica`'s share of `step` (its micro-batches, through
+    /// this replica's pipeline): the share's gradient sum and, on the last stage, its loss sum.
+    fn compute_share(
+        &mut self,
+        step: u64,
+        replica: usize,
+        control: &mut ControlStream,
+    ) -> Result<(Vec<f32>, Option<f64>), WorkerError> {
+        let own = self.first_micro_batch;
+        let c = self.cfg.pipeline.microbatches / self.cfg.pipeline.replicas;
+        self.first_micro_batch = replica * c;
+        info!(
+            step,
+            replica, "computing a lost replica's share of the step"
+        );
+        let result = self.run_step(step, false, control);
+        self.first_micro_batch = own;
+        let loss = result?;
+        self.stage.finish_gradients()?;
+        Ok((self.stage.gradient_vector()?, loss))
+    }
+
+    /// Replaces the replica group by one of the surviving replicas of this stage.
+    fn regroup(&mut self, regroup: super::control::Regroup) -> Result<(), WorkerError> {
+        let port = self.reduce_port.as_ref().ok_or_else(|| {
+            WorkerError::Protocol(
+                "a new replica group, but this worker has no reduction port".into(),
+            )
+        })?;
+        info!(
+            generation = regroup.generation,
+            members = regroup.addrs.len(),
+            "rebuilding the replica group without the lost replicas"
+        );
+        self.group = Some(ReplicaGroup::connect(
+            port,
+            &regroup.addrs,
+            regroup.member,
+            GroupSpec {
+                generation: regroup.generation,
+                micro_batches: self.cfg.pipeline.microbatches,
+                nodes: self.cfg.pipeline.replicas,
+            },
+            &self.token,
+            self.cfg.pipeline.timeout(),
+        )?);
         Ok(())
     }
 
@@ -636,8 +736,11 @@ impl Worker {
             port,
             addrs,
             self.replica,
-            generation,
-            self.cfg.pipeline.microbatches,
+            GroupSpec {
+                generation,
+                micro_batches: self.cfg.pipeline.microbatches,
+                nodes: addrs.len(),
+            },
             &self.token,
             self.cfg.pipeline.timeout(),
         )?);
