@@ -588,6 +588,7 @@ impl Worker {
         self.reduce_gradients(step)?;
         let sums_of_squares = self.stage.grad_sums_of_squares()?;
         let gradient_buffers = self.stage.take_peak_gradient_buffers();
+        self.record.cost.gradient_buffers = gradient_buffers;
         if let Some(dir) = &self.dump_grads {
             self.dump_gradients(dir, step)?;
         }
@@ -616,6 +617,10 @@ impl Worker {
         };
         self.stage.finish_gradients()?;
         let partial = self.stage.gradient_vector()?;
+        if let Some((epoch, epoch_us)) = self.record.trace_epoch {
+            self.record.cost.reduce_start_us =
+                epoch_us + Instant::now().saturating_duration_since(epoch).as_micros() as u64;
+        }
         let (total, cost) = group.all_reduce(step, partial)?;
         self.stage.set_gradient_vector(&total)?;
         self.record.cost.reduce_bytes = cost.bytes_sent;
