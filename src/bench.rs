@@ -3,9 +3,11 @@
 //! `seqpipe bench recovery` (one SIGKILLed node per trial, per tier) is here too; `seqpipe bench step`
 //! (training step time and memory) lives in [`step`], `seqpipe bench schedule` (the schedules on real
 //! pipeline runs) in [`schedule`], `seqpipe bench goodput` (a whole job under random failures) in
-//! [`goodput`].
+//! [`goodput`], `seqpipe bench replicas` (data parallelism's reduction cost and replayed step
+//! time) in [`replicas`].
 
 pub mod goodput;
+pub mod replicas;
 pub mod schedule;
 pub mod step;
 

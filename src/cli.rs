@@ -211,6 +211,10 @@ enum BenchCommand {
     /// joining) next to the same job undisturbed: effective training time ratio, recoveries by
     /// tier, and a bit-exact check of the final state.
     Goodput(crate::bench::goodput::GoodputArgs),
+    /// Data parallelism: d replicas × p stages on the same global batch: the gradient
+    /// reduction's bytes and time, its overlap with the backward, the step time replayed from
+    /// the measured unit times, the summation tree's memory, and a bit-exact check across d.
+    Replicas(crate::bench::replicas::ReplicasBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -228,9 +232,13 @@ struct ScheduleArgs {
     /// Pipeline stages p.
     #[arg(long)]
     stages: usize,
-    /// Micro-batches m.
+    /// Micro-batches m of the global batch.
     #[arg(long)]
     microbatches: usize,
+    /// Data-parallel replicas d (default: the config's `pipeline.replicas`): each replica runs
+    /// the printed schedule over c = m/d micro-batches.
+    #[arg(long)]
+    replicas: Option<usize>,
     /// Segments per micro-batch k.
     #[arg(long, default_value_t = 1)]
     splits: usize,
@@ -464,6 +472,7 @@ fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Step(args) => crate::bench::step::run(&args),
         BenchCommand::Schedule(args) => crate::bench::schedule::run(&args),
         BenchCommand::Goodput(args) => crate::bench::goodput::run(&args),
+        BenchCommand::Replicas(args) => crate::bench::replicas::run(&args),
     }
 }
 
@@ -912,13 +921,28 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
     if args.stages == 0 || args.microbatches == 0 || args.splits == 0 {
         bail!("--stages, --microbatches and --splits must all be at least 1");
     }
+    let d = args.replicas.unwrap_or(cfg.pipeline.replicas);
+    let valid = {
+        let mut c = cfg.clone();
+        c.pipeline.microbatches = args.microbatches;
+        c.valid_replicas()
+    };
+    if !valid.contains(&d) {
+        bail!(
+            "{d} replicas cannot split {} micro-batches so that every replica count trains to the \
+             same bits; valid replica counts: {valid:?}",
+            args.microbatches
+        );
+    }
+    // Each replica runs the pipeline schedule over its own c = m/d micro-batches.
+    let c = args.microbatches / d;
     let lengths = segment_lengths(
         args.partition,
         args.seq_len,
         args.splits,
         &cfg.flops_model(),
     )?;
-    let sched = generate(args.schedule, args.stages, args.microbatches, args.splits)?;
+    let sched = generate(args.schedule, args.stages, c, args.splits)?;
     let batch = cfg.train.micro_batch_size;
     let costs = match args.costs.as_str() {
         "flops" => UnitCosts::from_flops(&lengths, batch, &cfg.flops_model()),
@@ -933,27 +957,27 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report_json(&sched, &sim, &lengths))?
-        );
+        let mut report = report_json(&sched, &sim, &lengths);
+        report["replicas"] = serde_json::json!(d);
+        report["global_microbatches"] = serde_json::json!(args.microbatches);
+        println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    let (p, m, k) = (
-        args.stages as f64,
-        args.microbatches as f64,
-        args.splits as f64,
-    );
+    let (p, c_f, k) = (args.stages as f64, c as f64, args.splits as f64);
     println!(
         "{} schedule: p={} m={} k={}, segment lengths {:?}",
         args.schedule, args.stages, args.microbatches, args.splits, lengths
     );
+    println!(
+        "data parallelism: {d} replicas × {} stages; each replica runs c = m/d = {}/{d} = {c} micro-batches (the schedule below is one replica's)",
+        args.stages, args.microbatches
+    );
     print!("{}", render_text(&sched));
     println!(
-        "simulated bubble fraction: {:.4} (Seq1F1B ideal (p-1)/(mk+p-1) = {:.4}; 1F1B (p-1)/(m+p-1) = {:.4})",
+        "simulated bubble fraction per replica: {:.4} (Seq1F1B ideal (p-1)/(ck+p-1) = {:.4}; 1F1B (p-1)/(c+p-1) = {:.4})",
         sim.bubble_fraction,
-        (p - 1.0) / (m * k + p - 1.0),
-        (p - 1.0) / (m + p - 1.0)
+        (p - 1.0) / (c_f * k + p - 1.0),
+        (p - 1.0) / (c_f + p - 1.0)
     );
     for st in &sim.stages {
         println!(

@@ -85,6 +85,47 @@ fn schedule_text_and_svg() {
     );
 }
 
+/// With data parallelism the printed schedule is one replica's, over c = m/d micro-batches, and a
+/// replica count that cannot split the micro-batches deterministically is refused with the valid
+/// ones.
+#[test]
+fn schedule_with_replicas_prints_the_dp_dimension_and_refuses_an_invalid_d() {
+    let args = |d: &str| {
+        let mut cmd = seqpipe();
+        cmd.args([
+            "schedule",
+            "--stages",
+            "2",
+            "--microbatches",
+            "8",
+            "--splits",
+            "2",
+            "--replicas",
+            d,
+        ]);
+        cmd
+    };
+    let out = run_ok(&mut args("2"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("2 replicas × 2 stages; each replica runs c = m/d = 8/2 = 4 micro-batches"),
+        "{text}"
+    );
+    // One replica's Seq1F1B: (p-1)/(ck+p-1) = 1/(4·2+1).
+    assert!(
+        text.contains("simulated bubble fraction per replica")
+            && text.contains(&format!("(p-1)/(ck+p-1) = {:.4}", 1.0 / 9.0)),
+        "{text}"
+    );
+    // Stage 0 of a replica runs 4 micro-batches, not 8.
+    assert!(text.contains("F3.1") && !text.contains("F4.0"), "{text}");
+    let err = run_err(&mut args("3"));
+    assert!(
+        err.contains("3 replicas") && err.contains("valid replica counts: [1, 2, 4, 8]"),
+        "{err}"
+    );
+}
+
 /// Same data, same math: the three schedules produce the same per-step losses.
 #[test]
 fn schedules_train_to_the_same_losses() {

@@ -465,7 +465,11 @@ fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap
     let mut durations = vec![HashMap::new(); stages];
     for e in trace["traceEvents"].as_array().into_iter().flatten() {
         let tid = e["tid"].as_u64().unwrap_or(0) as usize;
-        if e["ph"] != "X" || tid == 0 || e["args"]["step"].as_u64().is_none_or(|s| s < first) {
+        if e["ph"] != "X"
+            || tid == 0
+            || !matches!(e["cat"].as_str(), Some("forward" | "backward"))
+            || e["args"]["step"].as_u64().is_none_or(|s| s < first)
+        {
             continue;
         }
         let name = e["name"].as_str().unwrap_or_default();

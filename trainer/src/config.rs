@@ -647,6 +647,13 @@ fn parse_value(raw: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
+/// The replica counts that split `micro_batches` into summation-tree nodes, ascending.
+fn valid_replica_counts(micro_batches: usize) -> Vec<usize> {
+    (1..=micro_batches)
+        .filter(|&d| ops::sum_tree::valid_replicas(micro_batches, d))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -831,11 +838,4 @@ mod tests {
             );
         }
     }
-}
-
-/// The replica counts that split `micro_batches` into summation-tree nodes, ascending.
-fn valid_replica_counts(micro_batches: usize) -> Vec<usize> {
-    (1..=micro_batches)
-        .filter(|&d| ops::sum_tree::valid_replicas(micro_batches, d))
-        .collect()
 }

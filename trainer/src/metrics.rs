@@ -35,6 +35,12 @@ pub struct StepMetrics {
     /// Seconds of the slowest worker's gradient reduction.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub reduce_s: f64,
+    /// The most full-gradient buffers any worker held at once during the step (the fixed
+    /// summation tree's memory: up to ⌊log2 c⌋ + 1 for c micro-batches per replica, vs 1 for a
+    /// plain running sum). Each is a quarter of that stage's `state_bytes`, which counts one; 0 in
+    /// files written before it was recorded.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub gradient_buffers: usize,
     /// When the step ended (Unix seconds).
     #[serde(default)]
     pub end_unix_s: f64,
@@ -56,6 +62,10 @@ pub struct StepMetrics {
 }
 
 fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_usize(v: &usize) -> bool {
     *v == 0
 }
 

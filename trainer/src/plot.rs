@@ -427,6 +427,7 @@ mod tests {
             compute_s: 0.1,
             reduce_bytes: 0,
             reduce_s: 0.0,
+            gradient_buffers: 0,
             end_unix_s: step as f64,
             loss,
             lr: 1e-3,

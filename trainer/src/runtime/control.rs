@@ -149,9 +149,23 @@ pub struct StepCost {
     /// Seconds the gradient reduction took.
     #[serde(default)]
     pub reduce_s: f64,
+    /// When the gradient reduction started (Unix µs, on the same clock as
+    /// [`UnitTime::start_us`]); only when the step was run with `trace` and there are replicas.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reduce_start_us: u64,
+    /// The most full-gradient buffers the stage held at once during the step
+    /// ([`crate::model::Stage::take_peak_gradient_buffers`]): 1 for a plain running sum, up to
+    /// ⌊log2 c⌋ + 1 for the fixed summation tree over c micro-batches. Each is the size of the
+    /// stage's parameters (a quarter of `state_bytes`), which counts one of them.
+    #[serde(default)]
+    pub gradient_buffers: usize,
     /// When each unit ran (only when the step was run with `trace`), in the order computed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unit_times: Vec<UnitTime>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// When one forward or backward unit ran on a stage, for `seqpipe train --trace`.

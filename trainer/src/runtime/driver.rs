@@ -67,6 +67,8 @@ struct StepReplies {
     retained_bytes: u64,
     reduce_bytes: u64,
     reduce_s: f64,
+    /// The most full-gradient buffers any worker held at once.
+    gradient_buffers: usize,
     units: usize,
     compute_s: f64,
     /// Per stage.
@@ -90,6 +92,7 @@ impl StepReplies {
             retained_bytes: 0,
             reduce_bytes: 0,
             reduce_s: 0.0,
+            gradient_buffers: 0,
             units: 0,
             compute_s: 0.0,
             peak_activation_bytes: vec![0; stages],
@@ -134,6 +137,7 @@ impl StepReplies {
         self.retained_bytes += cost.retained_bytes;
         self.reduce_bytes += cost.reduce_bytes;
         self.reduce_s = self.reduce_s.max(cost.reduce_s);
+        self.gradient_buffers = self.gradient_buffers.max(cost.gradient_buffers);
         self.units += cost.units;
         self.compute_s += cost.compute_s;
         self.redone.0 += cost.redone_units;
@@ -595,6 +599,7 @@ impl Driver<'_, '_> {
             retained_bytes: replies.retained_bytes,
             reduce_bytes: replies.reduce_bytes,
             reduce_s: replies.reduce_s,
+            gradient_buffers: replies.gradient_buffers,
             peak_activation_bytes: replies.peak_activation_bytes,
             state_bytes: replies.state_bytes,
             units: replies.units,
@@ -673,6 +678,15 @@ impl Driver<'_, '_> {
                     }
                     if let Some(trace) = &mut self.trace {
                         trace.units(stage, step, &cost.unit_times);
+                        if cost.reduce_start_us > 0 {
+                            trace.reduction(
+                                stage,
+                                step,
+                                cost.reduce_start_us,
+                                (cost.reduce_s * 1e6) as u64,
+                                cost.reduce_bytes,
+                            );
+                        }
                     }
                     replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
                     finished.insert(stage);

@@ -319,6 +319,14 @@ pub fn last_step(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,12 +562,4 @@ mod tests {
         assert_eq!(steps(&records).count(), 1);
         assert_eq!(events(&records).count(), 0);
     }
-}
-
-fn one() -> usize {
-    1
-}
-
-fn is_one(n: &usize) -> bool {
-    *n == 1
 }

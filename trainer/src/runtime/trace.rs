@@ -4,8 +4,11 @@
 //! The file is one JSON object `{"traceEvents": [...], "displayTimeUnit": "ms"}`. All events
 //! belong to process `pid` 1, named after the run directory. Thread (track) 0 is the coordinator,
 //! with one complete slice per step (`step N`: forward, backward and update) and one per
-//! evaluation (`eval`); thread `r + 1` is stage `r`, with one complete slice per forward or
-//! backward unit, named `F0.1` / `B0.1` (micro-batch.segment). Slices are `"ph": "X"` events with
+//! evaluation (`eval`); thread `w + 1` is worker slot `w` (stage `w % p` of replica `w / p`; with
+//! one replica, stage `w`), with one complete slice per forward or backward unit, named `F0.1` /
+//! `B0.1` (micro-batch.segment, the micro-batch counted within the replica), and with replicas one
+//! slice `reduce` (category `reduce`, `args.bytes` sent) per step for the gradient all-reduce.
+//! Slices are `"ph": "X"` events with
 //! `ts` (microseconds since the Unix epoch, so that the stages' processes line up) and `dur`
 //! (microseconds), and `args` holding at least the `step` (units also `cpu_us`, the worker
 //! process's CPU time during the unit). `"ph": "M"` metadata events name the
@@ -88,6 +91,22 @@ impl TraceLog {
                 "args": args,
             }));
         }
+    }
+
+    /// Adds worker slot `slot`'s gradient reduction of step `step`: from `start_us` for `dur_us`,
+    /// `bytes` sent.
+    pub fn reduction(&mut self, slot: usize, step: u64, start_us: u64, dur_us: u64, bytes: u64) {
+        self.stages.insert(slot);
+        self.slices.push(json!({
+            "name": "reduce",
+            "cat": "reduce",
+            "ph": "X",
+            "ts": start_us,
+            "dur": dur_us,
+            "pid": PID,
+            "tid": slot + 1,
+            "args": {"step": step, "bytes": bytes},
+        }));
     }
 
     /// Adds a slice of the coordinator's track: `name` from `start_us` for `dur_us`, with `args`

@@ -585,6 +585,7 @@ impl Worker {
         let adopted_losses = self.reduce_gradients(step, control)?;
         let sums_of_squares = self.stage.grad_sums_of_squares()?;
         let gradient_buffers = self.stage.take_peak_gradient_buffers();
+        self.record.cost.gradient_buffers = gradient_buffers;
         if let Some(dir) = &self.dump_grads {
             self.dump_gradients(dir, step)?;
         }
@@ -665,6 +666,10 @@ impl Worker {
         }
         if let Some(regroup) = regroup {
             self.regroup(regroup)?;
+        }
+        if let Some((epoch, epoch_us)) = self.record.trace_epoch {
+            self.record.cost.reduce_start_us =
+                epoch_us + Instant::now().saturating_duration_since(epoch).as_micros() as u64;
         }
         let group = self.group.as_mut().expect("checked above");
         let (total, cost) = group.all_reduce_nodes(step, shares)?;
