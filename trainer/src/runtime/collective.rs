@@ -135,7 +135,7 @@ impl ReplicaGroup {
         timeout: Duration,
     ) -> Result<Self, CollectiveError> {
         let d = addrs.len();
-        if replica >= d || spec.nodes < d || spec.micro_batches % spec.nodes != 0 {
+        if replica >= d || spec.nodes < d || !spec.micro_batches.is_multiple_of(spec.nodes) {
             return Err(CollectiveError::Tree(format!(
                 "member {replica} of a group of {d} reducing {} shares of {} micro-batches",
                 spec.nodes, spec.micro_batches
