@@ -678,15 +678,6 @@ impl Driver<'_, '_> {
                     }
                     if let Some(trace) = &mut self.trace {
                         trace.units(stage, step, &cost.unit_times);
-                        if cost.reduce_start_us > 0 {
-                            trace.reduction(
-                                stage,
-                                step,
-                                cost.reduce_start_us,
-                                (cost.reduce_s * 1e6) as u64,
-                                cost.reduce_bytes,
-                            );
-                        }
                     }
                     replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
                     finished.insert(stage);
@@ -724,18 +715,70 @@ impl Driver<'_, '_> {
     ) -> Result<StepReplies, LaunchError> {
         let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
         let mut replies = StepReplies::new(p, d, canonical.len());
+        let lost = self.await_backwards(step)?;
+        self.send_reductions(step, lost.as_ref().map(|(r, _)| *r))?;
+        let active = self.pipeline.active_slots();
+        let mut finished = BTreeSet::new();
+        let what = format!("step {step}'s gradient reduction");
+        while finished.len() < active.len() {
+            match self.pipeline.next_reply(&what)? {
+                ToLauncher::StepDone {
+                    stage,
+                    step: s,
+                    sums_of_squares,
+                    loss_sum,
+                    leaving,
+                    adopted_losses,
+                    cost,
+                } if s == step => {
+                    if leaving {
+                        self.pipeline.coordinator().node_leaving(stage);
+                    }
+                    if let Some(trace) = &mut self.trace {
+                        trace.units(stage, step, &cost.unit_times);
+                        if cost.reduce_start_us > 0 {
+                            trace.reduction(
+                                stage,
+                                step,
+                                cost.reduce_start_us,
+                                (cost.reduce_s * 1e6) as u64,
+                                cost.reduce_bytes,
+                            );
+                        }
+                    }
+                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
+                    for (replica, l) in adopted_losses {
+                        if let Some(slot) = replies.loss_sums.get_mut(replica) {
+                            *slot = Some(l);
+                        }
+                    }
+                    finished.insert(stage);
+                }
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected step {step} done, got {other:?}"
+                    )));
+                }
+            }
+        }
+        replies.rerouted = lost;
+        Ok(replies)
+    }
+
+    /// Data parallelism, phase 1: waits until every worker finished its share's backward. A
+    /// failure that takes out workers of one replica only retires that replica (its share is
+    /// re-routed): returns it with the failure. Any other failure ends the step.
+    fn await_backwards(&mut self, step: u64) -> Result<Option<(usize, LaunchError)>, LaunchError> {
+        let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
         let what = format!("step {step}'s forward and backward");
         let mut done = BTreeSet::new();
         let mut lost: Option<(usize, LaunchError)> = None;
-        loop {
-            if self
-                .pipeline
-                .active_slots()
-                .iter()
-                .all(|w| done.contains(w))
-            {
-                break;
-            }
+        while !self
+            .pipeline
+            .active_slots()
+            .iter()
+            .all(|w| done.contains(w))
+        {
             match self.pipeline.next_reply(&what) {
                 Ok(ToLauncher::BackwardDone { stage, step: s }) if s == step => {
                     done.insert(stage);
@@ -766,16 +809,23 @@ impl Driver<'_, '_> {
                 Err(e) => return Err(e),
             }
         }
+        Ok(lost)
+    }
+
+    /// Data parallelism, phase 2: tells every worker to reduce its stage's gradients — after a
+    /// replica was `lost`, in a group of the survivors, the adopter computing the lost share first.
+    fn send_reductions(&mut self, step: u64, lost: Option<usize>) -> Result<(), LaunchError> {
+        let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
         let (generation, _) = self.pipeline.regroup(0);
         for s in 0..p {
             let (_, members) = self.pipeline.regroup(s);
             let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
             for (member, (slot, _)) in members.iter().enumerate() {
-                let adopt = match &lost {
-                    Some((r, _)) if recovery::adopter(*r, d) == slot / p => vec![*r],
+                let adopt = match lost {
+                    Some(r) if recovery::adopter(r, d) == slot / p => vec![r],
                     _ => Vec::new(),
                 };
-                let regroup = lost.as_ref().map(|_| Regroup {
+                let regroup = lost.map(|_| Regroup {
                     generation,
                     member,
                     addrs: addrs.clone(),
@@ -793,43 +843,7 @@ impl Driver<'_, '_> {
         if lost.is_some() {
             self.pipeline.bump_link_generation();
         }
-        let active = self.pipeline.active_slots();
-        let mut finished = BTreeSet::new();
-        let what = format!("step {step}'s gradient reduction");
-        while finished.len() < active.len() {
-            match self.pipeline.next_reply(&what)? {
-                ToLauncher::StepDone {
-                    stage,
-                    step: s,
-                    sums_of_squares,
-                    loss_sum,
-                    leaving,
-                    adopted_losses,
-                    cost,
-                } if s == step => {
-                    if leaving {
-                        self.pipeline.coordinator().node_leaving(stage);
-                    }
-                    if let Some(trace) = &mut self.trace {
-                        trace.units(stage, step, &cost.unit_times);
-                    }
-                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
-                    for (replica, l) in adopted_losses {
-                        if let Some(slot) = replies.loss_sums.get_mut(replica) {
-                            *slot = Some(l);
-                        }
-                    }
-                    finished.insert(stage);
-                }
-                other => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected step {step} done, got {other:?}"
-                    )));
-                }
-            }
-        }
-        replies.rerouted = lost;
-        Ok(replies)
+        Ok(())
     }
 
     /// A `recovered` event for every stage replaced in the middle of `step`.
