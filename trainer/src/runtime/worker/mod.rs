@@ -648,6 +648,13 @@ impl Worker {
                 )));
             }
         };
+        let d = self.cfg.pipeline.replicas;
+        let mut seen = std::collections::BTreeSet::from([self.replica]);
+        if let Some(bad) = adopt.iter().find(|&&r| r >= d || !seen.insert(r)) {
+            return Err(WorkerError::Protocol(format!(
+                "told to compute the share of replica {bad} (of {d}), which is not another lost one"
+            )));
+        }
         let mut losses = Vec::new();
         let own_cost = self.record.cost.clone();
         for replica in adopt {
