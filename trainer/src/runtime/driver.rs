@@ -802,14 +802,30 @@ impl Driver<'_, '_> {
                         "warning: lost replica {replica} during step {step} ({e}); replica \
                          {adopter} computes its micro-batches"
                     );
+                    let writer = self.pipeline.writer_replica();
                     self.pipeline.retire_replica(replica);
                     done.retain(|w| w / p != replica);
+                    if writer == replica {
+                        self.abandon_checkpoint_of_lost_writer(replica)?;
+                    }
                     lost = Some((replica, e));
                 }
                 Err(e) => return Err(e),
             }
         }
         Ok(lost)
+    }
+
+    /// The lost `replica` was writing the checkpoint in flight: the shards it had not uploaded
+    /// will never come, so the checkpoint is given up (the previous committed one stays valid).
+    fn abandon_checkpoint_of_lost_writer(&mut self, replica: usize) -> Result<(), LaunchError> {
+        let metrics = self.metrics.as_mut().expect("metrics");
+        self.checkpoints.poll(self.pipeline, metrics)?;
+        if (0..self.pipeline.stages()).any(|s| self.checkpoints.missing_shard(s).is_some()) {
+            let why = format!("replica {replica}, which was writing it, was lost");
+            self.checkpoints.abandon(metrics, &why);
+        }
+        Ok(())
     }
 
     /// Data parallelism, phase 2: tells every worker to reduce its stage's gradients — after a

@@ -444,8 +444,11 @@ impl<'c> Pipeline<'c> {
         deadline: Instant,
         what: &str,
     ) -> Result<ToLauncher, LaunchError> {
-        if let Some(msg) = self.pending.pop_front() {
-            return Ok(msg);
+        // Replies kept from workers retired since (a lost replica's) no longer count.
+        while let Some(msg) = self.pending.pop_front() {
+            if !reply_stage(&msg).is_some_and(|w| self.retired.contains(&w)) {
+                return Ok(msg);
+            }
         }
         loop {
             match self.next_message(deadline, what)? {
