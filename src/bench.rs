@@ -25,6 +25,32 @@ use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, R
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
 
+/// Every tensor (parameters and AdamW moments) of the newest committed checkpoint at `url`, as raw
+/// bytes, with its step: what the benchmarks compare to check that runs computed the same model.
+fn final_state(
+    url: &str,
+    options: &StoreOptions,
+) -> Result<(u64, std::collections::BTreeMap<String, Vec<u8>>)> {
+    let store = CheckpointStore::open(url, options)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let step = *rt
+        .block_on(store.committed_steps())?
+        .last()
+        .with_context(|| format!("no committed checkpoint at {url}"))?;
+    let manifest = rt.block_on(store.read_manifest(step))?;
+    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
+    let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
+    Ok((
+        step,
+        tensors
+            .into_iter()
+            .map(|(n, d)| (n, d.data.to_vec()))
+            .collect(),
+    ))
+}
+
 /// The model whose state (parameters + AdamW moments) the I/O benchmark writes: ~13.4M parameters,
 /// ~160 MB of state.
 fn bench_model() -> ModelConfig {

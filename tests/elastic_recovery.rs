@@ -590,6 +590,37 @@ fn hung_worker_is_detected_by_timeouts_and_replaced() {
 }
 
 /// A free loopback port for a coordinator.
+/// SIGKILLs node `index` of a local run (its workers and its agent).
+fn kill_node(launcher: u32, index: usize) {
+    let (agent, workers) = nodes_of(launcher)[index].clone();
+    for pid in workers.into_iter().chain([agent]) {
+        Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+}
+
+/// Once the run at `run` has adopted a new plan (it is in the metrics), starts a fresh agent
+/// `spare-1` joining the coordinator at `addr` with `token`, in `dir`.
+fn join_after_replan(run: &Path, addr: &str, token: &str, dir: &Path) -> std::process::Child {
+    let started = Instant::now();
+    while !run_events(run)
+        .iter()
+        .any(|e| matches!(e, RunEvent::Plan(_)))
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    seqpipe()
+        .args(["agent", "--join", addr, "--name", "spare-1"])
+        .arg("--dir")
+        .arg(dir)
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .spawn()
+        .unwrap()
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -616,13 +647,7 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
         .spawn()
         .unwrap();
     wait_for_steps(&run, 3);
-    let (agent, workers) = nodes_of(child.id())[2].clone();
-    for pid in workers.into_iter().chain([agent]) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
+    kill_node(child.id(), 2);
     // An intruder without the token is refused and changes nothing.
     let intruder = seqpipe()
         .args(["agent", "--join", &addr, "--name", "intruder"])
@@ -635,22 +660,8 @@ fn node_killed_then_a_new_node_joins_and_the_pipeline_grows_back() {
     assert!(!intruder.status.success());
     let stderr = String::from_utf8_lossy(&intruder.stderr);
     assert!(stderr.contains("SEQPIPE_JOB_TOKEN"), "{stderr}");
-    // A fresh node joins once the pipeline has shrunk (its new plan is in the metrics).
-    let started = Instant::now();
-    while !run_events(&run)
-        .iter()
-        .any(|e| matches!(e, RunEvent::Plan(_)))
-    {
-        assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let mut spare = seqpipe()
-        .args(["agent", "--join", &addr, "--name", "spare-1"])
-        .arg("--dir")
-        .arg(dir.join("spare"))
-        .env("SEQPIPE_JOB_TOKEN", token)
-        .spawn()
-        .unwrap();
+    // A fresh node joins once the pipeline has shrunk.
+    let mut spare = join_after_replan(&run, &addr, token, &dir.join("spare"));
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
     assert!(
@@ -695,28 +706,8 @@ fn a_joining_node_grows_one_replica_of_three_into_two_replicas_of_two() {
         .spawn()
         .unwrap();
     wait_for_steps(&run, 3);
-    let (agent, workers) = nodes_of(child.id())[3].clone();
-    for pid in workers.into_iter().chain([agent]) {
-        Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .unwrap();
-    }
-    let started = Instant::now();
-    while !run_events(&run)
-        .iter()
-        .any(|e| matches!(e, RunEvent::Plan(_)))
-    {
-        assert!(started.elapsed() < Duration::from_secs(60), "no recovery");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let mut spare = seqpipe()
-        .args(["agent", "--join", &addr, "--name", "spare-1"])
-        .arg("--dir")
-        .arg(dir.join("spare"))
-        .env("SEQPIPE_JOB_TOKEN", token)
-        .spawn()
-        .unwrap();
+    kill_node(child.id(), 3);
+    let mut spare = join_after_replan(&run, &addr, token, &dir.join("spare"));
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{:?}", out.status);
     assert!(spare.wait().unwrap().success());

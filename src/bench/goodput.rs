@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use super::{children_of, is_alive, sigkill};
+use super::{children_of, final_state, is_alive, sigkill};
 use trainer::config::Config;
 use trainer::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
 
@@ -484,29 +484,6 @@ fn disturb(
     Ok((wall_s, done))
 }
 
-/// Every tensor (parameters and optimizer state) of the newest committed checkpoint at `url`, with
-/// its step.
-fn final_state(url: &str) -> Result<(u64, BTreeMap<String, Vec<u8>>)> {
-    let store = checkpoint::CheckpointStore::open(url, &Default::default())?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let step = *rt
-        .block_on(store.committed_steps())?
-        .last()
-        .with_context(|| format!("no committed checkpoint at {url}"))?;
-    let manifest = rt.block_on(store.read_manifest(step))?;
-    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
-    let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
-    Ok((
-        step,
-        tensors
-            .into_iter()
-            .map(|(n, d)| (n, d.data.to_vec()))
-            .collect(),
-    ))
-}
-
 /// `seqpipe bench goodput`.
 pub fn run(args: &GoodputArgs) -> Result<()> {
     ensure!(
@@ -577,8 +554,8 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
     )?;
     let summary = summarize(&noisy.metrics());
 
-    let (reference_step, reference) = final_state(&quiet.url)?;
-    let (final_step, state) = final_state(&noisy.url)?;
+    let (reference_step, reference) = final_state(&quiet.url, &Default::default())?;
+    let (final_step, state) = final_state(&noisy.url, &Default::default())?;
     let bit_identical = reference_step == steps && final_step == steps && state == reference;
     let report = Report {
         steps,

@@ -37,6 +37,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::Value;
 
+use super::final_state;
 use trainer::config::Config;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{Action, MeasuredCosts, generate, replay};
@@ -358,28 +359,6 @@ fn differs(a: &Outcome, b: &Outcome) -> Option<String> {
         .map(|(name, _)| format!("tensor {name} differs"))
 }
 
-/// Every tensor (parameters and AdamW moments) of the newest committed checkpoint at `url`.
-fn final_state(cfg: &Config, url: &str) -> Result<(u64, BTreeMap<String, Vec<u8>>)> {
-    let store = checkpoint::CheckpointStore::open(url, &cfg.checkpoint.store_options())?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let step = *rt
-        .block_on(store.committed_steps())?
-        .last()
-        .with_context(|| format!("no committed checkpoint at {url}"))?;
-    let manifest = rt.block_on(store.read_manifest(step))?;
-    let names: Vec<String> = manifest.tensor_names().map(String::from).collect();
-    let tensors = rt.block_on(store.read_tensors(&manifest, &names))?;
-    Ok((
-        step,
-        tensors
-            .into_iter()
-            .map(|(n, d)| (n, d.data.to_vec()))
-            .collect(),
-    ))
-}
-
 /// The trace's numbers of one worker slot in one step.
 #[derive(Default)]
 struct SlotStep {
@@ -551,7 +530,10 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         replay_s = replay_s.max(replay(&schedule, &costs)?.step_time);
     }
 
-    let (step, tensors) = final_state(cfg, &cfg.checkpoint.resolved_url(run_dir))?;
+    let (step, tensors) = final_state(
+        &cfg.checkpoint.resolved_url(run_dir),
+        &cfg.checkpoint.store_options(),
+    )?;
     Ok((
         ReplicaRun {
             round,

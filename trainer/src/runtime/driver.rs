@@ -663,25 +663,14 @@ impl Driver<'_, '_> {
                 }
                 Err(e) => return Err(e),
             };
-            match msg {
-                ToLauncher::StepDone {
-                    stage,
-                    step: s,
-                    sums_of_squares,
-                    loss_sum,
-                    leaving,
-                    cost,
-                    ..
-                } if s == step => {
-                    if leaving {
-                        self.pipeline.coordinator().node_leaving(stage);
-                    }
-                    if let Some(trace) = &mut self.trace {
-                        trace.units(stage, step, &cost.unit_times);
-                    }
-                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
-                    finished.insert(stage);
+            let msg = match self.take_step_done(step, msg, &mut replies, canonical)? {
+                Ok(slot) => {
+                    finished.insert(slot);
+                    continue;
                 }
+                Err(msg) => msg,
+            };
+            match msg {
                 ToLauncher::LinkDown {
                     stage,
                     peer,
@@ -721,40 +710,12 @@ impl Driver<'_, '_> {
         let mut finished = BTreeSet::new();
         let what = format!("step {step}'s gradient reduction");
         while finished.len() < active.len() {
-            match self.pipeline.next_reply(&what)? {
-                ToLauncher::StepDone {
-                    stage,
-                    step: s,
-                    sums_of_squares,
-                    loss_sum,
-                    leaving,
-                    adopted_losses,
-                    cost,
-                } if s == step => {
-                    if leaving {
-                        self.pipeline.coordinator().node_leaving(stage);
-                    }
-                    if let Some(trace) = &mut self.trace {
-                        trace.units(stage, step, &cost.unit_times);
-                        if cost.reduce_start_us > 0 {
-                            trace.reduction(
-                                stage,
-                                step,
-                                cost.reduce_start_us,
-                                (cost.reduce_s * 1e6) as u64,
-                                cost.reduce_bytes,
-                            );
-                        }
-                    }
-                    replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
-                    for (replica, l) in adopted_losses {
-                        if let Some(slot) = replies.loss_sums.get_mut(replica) {
-                            *slot = Some(l);
-                        }
-                    }
-                    finished.insert(stage);
+            let msg = self.pipeline.next_reply(&what)?;
+            match self.take_step_done(step, msg, &mut replies, canonical)? {
+                Ok(slot) => {
+                    finished.insert(slot);
                 }
-                other => {
+                Err(other) => {
                     return Err(LaunchError::Protocol(format!(
                         "expected step {step} done, got {other:?}"
                     )));
@@ -763,6 +724,55 @@ impl Driver<'_, '_> {
         }
         replies.rerouted = lost;
         Ok(replies)
+    }
+
+    /// Adds `msg` to `replies` if it is a worker's `StepDone` of `step` (its slot), noting a
+    /// leaving node, the trace's units and reduction, and adopted shares' losses; any other
+    /// message is handed back.
+    fn take_step_done(
+        &mut self,
+        step: u64,
+        msg: ToLauncher,
+        replies: &mut StepReplies,
+        canonical: &HashMap<String, usize>,
+    ) -> Result<Result<usize, ToLauncher>, LaunchError> {
+        if !matches!(&msg, ToLauncher::StepDone { step: s, .. } if *s == step) {
+            return Ok(Err(msg));
+        }
+        let ToLauncher::StepDone {
+            stage,
+            sums_of_squares,
+            loss_sum,
+            leaving,
+            adopted_losses,
+            cost,
+            ..
+        } = msg
+        else {
+            unreachable!("checked above");
+        };
+        if leaving {
+            self.pipeline.coordinator().node_leaving(stage);
+        }
+        if let Some(trace) = &mut self.trace {
+            trace.units(stage, step, &cost.unit_times);
+            if cost.reduce_start_us > 0 {
+                trace.reduction(
+                    stage,
+                    step,
+                    cost.reduce_start_us,
+                    (cost.reduce_s * 1e6) as u64,
+                    cost.reduce_bytes,
+                );
+            }
+        }
+        replies.add(stage, sums_of_squares, loss_sum, cost, canonical)?;
+        for (replica, l) in adopted_losses {
+            if let Some(slot) = replies.loss_sums.get_mut(replica) {
+                *slot = Some(l);
+            }
+        }
+        Ok(Ok(stage))
     }
 
     /// Data parallelism, phase 1: waits until every worker finished its share's backward. A
@@ -832,9 +842,12 @@ impl Driver<'_, '_> {
     /// replica was `lost`, in a group of the survivors, the adopter computing the lost share first.
     fn send_reductions(&mut self, step: u64, lost: Option<usize>) -> Result<(), LaunchError> {
         let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
-        let (generation, _) = self.pipeline.regroup(0);
+        let generation = match lost {
+            Some(_) => self.pipeline.next_link_generation(),
+            None => 0,
+        };
         for s in 0..p {
-            let (_, members) = self.pipeline.regroup(s);
+            let members = self.pipeline.regroup(s);
             let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
             for (member, (slot, _)) in members.iter().enumerate() {
                 let adopt = match lost {
@@ -846,7 +859,7 @@ impl Driver<'_, '_> {
                     member,
                     addrs: addrs.clone(),
                 });
-                self.pipeline.send_to(
+                self.pipeline.send(
                     *slot,
                     &ToWorker::Reduce {
                         step,
@@ -855,9 +868,6 @@ impl Driver<'_, '_> {
                     },
                 )?;
             }
-        }
-        if lost.is_some() {
-            self.pipeline.bump_link_generation();
         }
         Ok(())
     }
@@ -910,7 +920,7 @@ impl Driver<'_, '_> {
         let (p, writer) = (self.pipeline.stages(), self.pipeline.writer_replica());
         let active = self.pipeline.active_slots();
         for &slot in &active {
-            self.pipeline.send_to(
+            self.pipeline.send(
                 slot,
                 &ToWorker::Apply {
                     step,

@@ -228,21 +228,22 @@ impl<'c> Pipeline<'c> {
         self.retired.extend(replica * p..(replica + 1) * p);
     }
 
-    /// The reduction addresses of stage `stage`'s workers in the replicas not retired, in replica
-    /// order, under a new link generation: the group that reduces without the retired replicas.
-    pub fn regroup(&mut self, stage: usize) -> (u64, Vec<(usize, String)>) {
+    /// The slots and reduction addresses of stage `stage`'s workers in the replicas not retired,
+    /// in replica order: the group that reduces without the retired replicas.
+    pub fn regroup(&self, stage: usize) -> Vec<(usize, String)> {
         let p = self.stages();
-        let members = (0..self.replicas)
+        (0..self.replicas)
             .map(|r| r * p + stage)
             .filter(|w| !self.retired.contains(w))
             .map(|w| (w, self.reduce_addrs[w].clone()))
-            .collect();
-        (self.link_generation + 1, members)
+            .collect()
     }
 
-    /// Moves the link generation past the groups of [`Pipeline::regroup`].
-    pub fn bump_link_generation(&mut self) {
+    /// A link generation above every earlier one (of the plan, of links rebuilt mid-step and of
+    /// replica groups).
+    pub fn next_link_generation(&mut self) -> u64 {
         self.link_generation += 1;
+        self.link_generation
     }
 
     /// The coordinator whose plan this pipeline runs.
@@ -252,7 +253,7 @@ impl<'c> Pipeline<'c> {
 
     /// Sends `msg` to stage `stage`'s worker. A failed send means its connection is gone (the
     /// worker died, e.g. between two steps): the same failure as a closed connection.
-    fn send(&mut self, stage: usize, msg: &ToWorker) -> Result<(), LaunchError> {
+    pub fn send(&mut self, stage: usize, msg: &ToWorker) -> Result<(), LaunchError> {
         let sent = self.coordinator.send_to_worker(self.conns[stage], msg);
         sent.map_err(|source| LaunchError::WorkerDisconnected {
             stage,
@@ -266,11 +267,6 @@ impl<'c> Pipeline<'c> {
         self.active_slots()
             .into_iter()
             .try_for_each(|slot| self.send(slot, msg))
-    }
-
-    /// Sends `msg` to the worker of `slot`.
-    pub fn send_to(&mut self, slot: usize, msg: &ToWorker) -> Result<(), LaunchError> {
-        self.send(slot, msg)
     }
 
     /// The slot of a worker's control connection (none for a retired worker's).
@@ -461,51 +457,37 @@ impl<'c> Pipeline<'c> {
     }
 
     /// Mid-step recovery, step 1: after `failure` in step `step`, gathers every sign of what was
-    /// lost (waiting until the reports stop for a moment), and asks
-    /// [`recovery::mid_step_stage`] for the one stage to replace; `Err` says why mid-step
-    /// recovery cannot help.
+    /// lost (see [`Pipeline::later_failures`]), and asks [`recovery::mid_step_stage`] for the one
+    /// stage to replace; `Err` says why mid-step recovery cannot help.
     pub fn lost_stage(
         &mut self,
         failure: &LaunchError,
         finished: &BTreeSet<usize>,
     ) -> Result<(usize, Lost), String> {
         let mut signs = self.signs(failure);
-        const QUIET: Duration = Duration::from_millis(300);
-        let mut quiet_since = Instant::now();
-        while quiet_since.elapsed() < QUIET {
-            match self.poll(Instant::now() + Duration::from_millis(20)) {
-                Ok(Some(incoming)) => {
-                    quiet_since = Instant::now();
-                    match incoming {
-                        Incoming::Worker(conn, msg)
-                            if self.stage_of(conn).is_some()
-                                && !matches!(msg, ToLauncher::Failed { .. }) =>
-                        {
-                            self.keep(msg)
-                        }
-                        other => {
-                            if let Err(e) = self.fail_on(other) {
-                                signs.extend(self.signs(&e));
-                            }
-                        }
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => return Err(format!("the coordinator failed: {e}")),
-            }
+        for e in self.later_failures()? {
+            signs.extend(self.signs(&e));
         }
         recovery::mid_step_stage(&signs, finished)
     }
 
     /// Data parallelism, after `failure` during a step's forward and backward: gathers every
-    /// report (until they stop for a moment) and asks [`recovery::lost_replica`] for the one
+    /// report (see [`Pipeline::later_failures`]) and asks [`recovery::lost_replica`] for the one
     /// replica to take out of the step; `Err` says why the step cannot go on.
     pub fn lost_replica(&mut self, failure: &LaunchError) -> Result<usize, String> {
-        let slots_of = |pipeline: &Self, e: &LaunchError| {
-            let plan = pipeline.coordinator.plan();
-            recovery::failed_slots(e, |node| plan.slots_of(node))
-        };
-        let mut failed = vec![slots_of(self, failure)];
+        let later = self.later_failures()?;
+        let plan = self.coordinator.plan();
+        let failed: Vec<_> = std::iter::once(failure)
+            .chain(&later)
+            .map(|e| recovery::failed_slots(e, |node| plan.slots_of(node)))
+            .collect();
+        recovery::lost_replica(&failed, self.stages(), self.replicas)
+    }
+
+    /// The failures reported after a first one, until the reports stop for a moment; the
+    /// workers' other replies are kept for later. `Err` when the coordinator itself failed.
+    fn later_failures(&mut self) -> Result<Vec<LaunchError>, String> {
+        let mut failures = Vec::new();
         const QUIET: Duration = Duration::from_millis(300);
         let mut quiet_since = Instant::now();
         while quiet_since.elapsed() < QUIET {
@@ -521,7 +503,7 @@ impl<'c> Pipeline<'c> {
                         }
                         other => {
                             if let Err(e) = self.fail_on(other) {
-                                failed.push(slots_of(self, &e));
+                                failures.push(e);
                             }
                         }
                     }
@@ -530,7 +512,7 @@ impl<'c> Pipeline<'c> {
                 Err(e) => return Err(format!("the coordinator failed: {e}")),
             }
         }
-        recovery::lost_replica(&failed, self.stages(), self.replicas)
+        Ok(failures)
     }
 
     /// What `error` says about which stages are gone.
@@ -605,8 +587,7 @@ impl<'c> Pipeline<'c> {
             }
         };
         self.conns[stage] = conn;
-        self.link_generation += 1;
-        let link_generation = self.link_generation;
+        let link_generation = self.next_link_generation();
         if stage > 0 {
             self.send(
                 stage - 1,

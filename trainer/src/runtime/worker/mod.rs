@@ -710,29 +710,12 @@ impl Worker {
 
     /// Replaces the replica group by one of the surviving replicas of this stage.
     fn regroup(&mut self, regroup: super::control::Regroup) -> Result<(), WorkerError> {
-        let port = self.reduce_port.as_ref().ok_or_else(|| {
-            WorkerError::Protocol(
-                "a new replica group, but this worker has no reduction port".into(),
-            )
-        })?;
         info!(
             generation = regroup.generation,
             members = regroup.addrs.len(),
             "rebuilding the replica group without the lost replicas"
         );
-        self.group = Some(ReplicaGroup::connect(
-            port,
-            &regroup.addrs,
-            regroup.member,
-            GroupSpec {
-                generation: regroup.generation,
-                micro_batches: self.cfg.pipeline.microbatches,
-                nodes: self.cfg.pipeline.replicas,
-            },
-            &self.token,
-            self.cfg.pipeline.timeout(),
-        )?);
-        Ok(())
+        self.join_group(regroup.member, &regroup.addrs, regroup.generation)
     }
 
     /// Connects to the other replicas of this stage (`addrs`: their reduction ports, by replica),
@@ -741,17 +724,28 @@ impl Worker {
         if addrs.len() <= 1 {
             return Ok(());
         }
+        self.join_group(self.replica, addrs, generation)
+    }
+
+    /// Joins the replica group of the reduction ports `addrs` as member `member`, under link
+    /// generation `generation`; the group reduces the shares of all `pipeline.replicas`.
+    fn join_group(
+        &mut self,
+        member: usize,
+        addrs: &[String],
+        generation: u64,
+    ) -> Result<(), WorkerError> {
         let port = self.reduce_port.as_ref().ok_or_else(|| {
             WorkerError::Protocol("replica links, but this worker has no reduction port".into())
         })?;
         self.group = Some(ReplicaGroup::connect(
             port,
             addrs,
-            self.replica,
+            member,
             GroupSpec {
                 generation,
                 micro_batches: self.cfg.pipeline.microbatches,
-                nodes: addrs.len(),
+                nodes: self.cfg.pipeline.replicas,
             },
             &self.token,
             self.cfg.pipeline.timeout(),
