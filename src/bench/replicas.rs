@@ -10,12 +10,14 @@
 //!   its stage to finish their backward), and the time from the moment the last replica of a
 //!   stage joined to the end (the transfer and summation alone), slowest stage;
 //! - the overlap of the reduction with the backward: the fraction of the reduction's time that
-//!   ran before its worker's last backward unit ended (from the trace's `reduce` and `B…`
-//!   slices). Today the reduction starts only after the whole backward, so this measures 0;
+//!   ran before its replica's last backward unit ended, on any stage (from the trace's `reduce`
+//!   and `B…` slices). A worker reduces as soon as its own stage is through the backward, so
+//!   the later stages' reductions run while the earlier stages still compute;
 //! - the replayed step time: each unit's least CPU time over the measured steps replayed through
 //!   ONE replica's schedule (p stages, c = m/d micro-batches; [`replay`]), for every replica with
-//!   its own times and the slowest taken, plus the reduction after the last replica joined — what
-//!   d·p dedicated devices would take with an interconnect as fast as this machine's loopback —
+//!   its own times and the slowest taken, each stage's reduction (from the moment its last replica
+//!   joined) starting when that stage's backward ends in the replay — what d·p dedicated devices
+//!   would take with an interconnect as fast as this machine's loopback —
 //!   and its speedup over d = 1 of the same round. Beside it, one micro-batch's CPU seconds over
 //!   all stages, which shows how much the units themselves slow down when more workers share
 //!   the cores (memory bandwidth and caches: the CPU time leaves out only the waiting);
@@ -105,10 +107,13 @@ struct ReplicaRun {
     /// Median over the measured steps of the reduction from the moment the last replica of a
     /// stage joined to its end, slowest stage.
     joined_reduce_s: f64,
-    /// Fraction of the reduction's time that ran before its worker's last backward unit ended.
+    /// Fraction of the reduction's time that ran before its replica's last backward unit ended.
     overlap: Option<f64>,
     /// Replay of one replica's schedule with its measured unit times, slowest replica.
     replay_s: f64,
+    /// The replayed step: each stage's reduction after its backward in the replay, slowest
+    /// replica.
+    replayed_s: f64,
     /// Forward + backward CPU seconds of one micro-batch over all stages (slowest replica): how
     /// much the units themselves slow down when more workers share the machine.
     unit_s_per_micro_batch: f64,
@@ -121,9 +126,9 @@ struct ReplicaRun {
 }
 
 impl ReplicaRun {
-    /// The replayed step: one replica's schedule plus the reduction.
+    /// The replayed step: one replica's schedule, each stage's reduction after its backward.
     fn replayed_step_s(&self) -> f64 {
-        self.replay_s + self.joined_reduce_s
+        self.replayed_s
     }
 
     /// Bytes of the gradient buffers beyond the one `state_bytes` counts (largest stage).
@@ -246,11 +251,11 @@ fn print_header(cfg: &Config, args: &ReplicasBenchArgs) {
         args.steps
     );
     println!(
-        "replay = each unit's least CPU time replayed through ONE replica's schedule (p = {} stages, c = m/d micro-batches), slowest replica; cpu/mb = one micro-batch's forward+backward CPU time over all stages; replayed step = replay + reduction after the last replica joined: what d·p dedicated devices would take with this machine's loopback as interconnect",
+        "replay = each unit's least CPU time replayed through ONE replica's schedule (p = {} stages, c = m/d micro-batches), slowest replica; cpu/mb = one micro-batch's forward+backward CPU time over all stages; replayed step = replay with each stage's reduction (after its last replica joined) starting when that stage's backward ends: what d·p dedicated devices would take with this machine's loopback as interconnect",
         cfg.pipeline.stages
     );
     println!(
-        "reduce rec. = slowest worker's reduction as metrics.jsonl records it (includes waiting for the other replicas' backward); overlap = share of the reduction run before the worker's last backward unit ended",
+        "reduce rec. = slowest worker's reduction as metrics.jsonl records it (includes waiting for the other replicas' backward); overlap = share of the reduction run before its replica's last backward unit (any stage) ended",
     );
     println!(
         "wall = this machine's median wall-clock step: it runs d·p workers on {} cores, so it is NOT what d·p devices would see",
@@ -474,26 +479,35 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         }
     }
 
-    // Overlap: reduction time before the worker's last backward ended, over all reductions.
+    // Overlap: reduction time before the replica's last backward (any stage) ended, over all
+    // reductions.
+    let mut backward_end: HashMap<(u64, usize), u64> = HashMap::new();
+    for (&(step, slot), s) in &slots {
+        let end = backward_end.entry((step, slot / p)).or_default();
+        *end = (*end).max(s.last_backward_end_us);
+    }
     let (mut overlapped_us, mut reduce_us) = (0u64, 0u64);
-    for s in slots.values() {
+    for (&(step, slot), s) in &slots {
         if let Some((start, dur)) = s.reduce {
             let end = start + dur;
-            overlapped_us += s.last_backward_end_us.min(end).saturating_sub(start);
+            let backward = backward_end[&(step, slot / p)];
+            overlapped_us += backward.min(end).saturating_sub(start);
             reduce_us += dur;
         }
     }
     let overlap = (d > 1 && reduce_us > 0).then(|| overlapped_us as f64 / reduce_us as f64);
 
-    // The reduction after the last replica of a stage joined: per step, slowest stage.
+    // The reduction after the last replica of a stage joined: per step, slowest stage; and per
+    // stage, its median over the steps.
     let mut joined_per_step: Vec<f64> = Vec::new();
+    let mut joined_by_stage: Vec<Vec<f64>> = vec![Vec::new(); p];
     if d > 1 {
         let mut step_ids: Vec<u64> = slots.keys().map(|(s, _)| *s).collect();
         step_ids.sort_unstable();
         step_ids.dedup();
         for step in step_ids {
             let mut slowest = 0.0f64;
-            for stage in 0..p {
+            for (stage, joined_of_stage) in joined_by_stage.iter_mut().enumerate() {
                 let reds: Vec<(u64, u64)> = (0..d)
                     .filter_map(|r| slots.get(&(step, r * p + stage)).and_then(|s| s.reduce))
                     .collect();
@@ -505,12 +519,15 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
                 }
                 let joined = reds.iter().map(|(s, _)| *s).max().unwrap_or(0);
                 let end = reds.iter().map(|(s, l)| s + l).max().unwrap_or(0);
-                slowest = slowest.max(end.saturating_sub(joined) as f64 * 1e-6);
+                let joined_s = end.saturating_sub(joined) as f64 * 1e-6;
+                joined_of_stage.push(joined_s);
+                slowest = slowest.max(joined_s);
             }
             joined_per_step.push(slowest);
         }
     }
     let joined_reduce_s = median(joined_per_step);
+    let joined_by_stage: Vec<f64> = joined_by_stage.into_iter().map(median).collect();
 
     // Each replica's own unit times through its schedule; the step waits for the slowest.
     let schedule = generate(cfg.pipeline.schedule, p, c, k)?;
@@ -519,7 +536,7 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         .iter()
         .map(|l| l * cfg.train.micro_batch_size)
         .collect();
-    let (mut replay_s, mut unit_s_per_micro_batch) = (0.0f64, 0.0f64);
+    let (mut replay_s, mut replayed_s, mut unit_s_per_micro_batch) = (0.0f64, 0.0f64, 0.0f64);
     for replica in durations {
         let cpu: f64 = replica.iter().flat_map(|stage| stage.values()).sum();
         unit_s_per_micro_batch = unit_s_per_micro_batch.max(cpu / c as f64);
@@ -527,7 +544,14 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
             durations: replica,
             tokens: tokens.clone(),
         };
-        replay_s = replay_s.max(replay(&schedule, &costs)?.step_time);
+        let sim = replay(&schedule, &costs)?;
+        replay_s = replay_s.max(sim.step_time);
+        // Each stage reduces once its own last unit (a backward) is done.
+        for (stage, units) in sim.timeline.iter().enumerate() {
+            let done = units.iter().map(|u| u.end).fold(0.0, f64::max);
+            let reduce = joined_by_stage.get(stage).copied().unwrap_or(0.0);
+            replayed_s = replayed_s.max(done + reduce);
+        }
     }
 
     let (step, tensors) = final_state(
@@ -545,6 +569,7 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
             joined_reduce_s,
             overlap,
             replay_s,
+            replayed_s,
             unit_s_per_micro_batch,
             gradient_buffers,
             param_bytes,

@@ -222,17 +222,20 @@ impl ReplicaGroup {
         partial: Vec<f32>,
     ) -> Result<(Vec<f32>, ReduceCost), CollectiveError> {
         let me = self.replica;
-        self.all_reduce_nodes(step, vec![(me, partial)])
+        self.all_reduce_nodes(step, &[(me, partial)])
     }
 
     /// Sums the tree nodes `parts` (`(node, its partial sum)`, each node a replica's share of the
     /// step's micro-batches) with the other members' in the summation tree's order and returns
     /// the total, the same on every member, with what it cost. Between them the members must hold
-    /// every node of the tree exactly once, all vectors of the same length.
+    /// every node of the tree exactly once, all vectors of the same length. `parts` are only
+    /// read: after a failure (a member lost) the caller still holds its shares and can reduce
+    /// them again in another group. A failed reduction shuts every link of the group down (no
+    /// member stays blocked sending to one that stopped reading); the group is then unusable.
     pub fn all_reduce_nodes(
         &mut self,
         step: u64,
-        parts: Vec<(usize, Vec<f32>)>,
+        parts: &[(usize, Vec<f32>)],
     ) -> Result<(Vec<f32>, ReduceCost), CollectiveError> {
         let started = Instant::now();
         let d = self.replicas();
@@ -413,6 +416,13 @@ impl ReplicaGroup {
                     }
                 }
             }
+            if first_error.is_some() {
+                // Unblock this member's sends (a peer that also failed no longer reads) and tell
+                // every peer at once, rather than after its read timeout.
+                for stream in self.peers.iter().flatten() {
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                }
+            }
             for (q, handle) in sends {
                 let sent = handle
                     .join()
@@ -422,7 +432,12 @@ impl ReplicaGroup {
                 }
             }
             match first_error {
-                Some(e) => Err(e),
+                Some(e) => {
+                    for stream in self.peers.iter().flatten() {
+                        let _ = stream.shutdown(std::net::Shutdown::Both);
+                    }
+                    Err(e)
+                }
                 None => Ok(got),
             }
         })
@@ -736,7 +751,7 @@ mod tests {
                             Duration::from_secs(10),
                         )
                         .unwrap();
-                        group.all_reduce_nodes(4, parts).unwrap().0
+                        group.all_reduce_nodes(4, &parts).unwrap().0
                     })
                 })
                 .collect();
@@ -749,6 +764,92 @@ mod tests {
                     .all(|(a, b)| a.to_bits() == b.to_bits())
             );
             assert_eq!(got.len(), expected.len());
+        }
+    }
+
+    /// A member lost in the middle of the reduction (its process gone: links closed) fails the
+    /// others at once, not after their read timeout; they still hold their shares and reduce them
+    /// again in a group of the survivors, one of which computed the lost member's share, to the
+    /// same bits. Large vectors, so that the frames do not fit in the sockets' buffers.
+    #[test]
+    fn a_member_lost_mid_reduction_fails_the_others_at_once_and_they_reduce_again() {
+        let (m, d, n) = (4, 4, 1 << 21);
+        let leaves: Vec<Vec<f32>> = (0..m).map(|i| leaf(i, n)).collect();
+        let expected = tree_sum(m, &leaves);
+        let timeout = Duration::from_secs(300);
+        let (ports, addrs) = ports(d);
+        // (replica, the shares it still holds) of every survivor.
+        type Held = (usize, Vec<(usize, Vec<f32>)>);
+        let survivors: Vec<Held> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..d)
+                .map(|r| {
+                    let (ports, addrs, leaves) = (&ports, &addrs, &leaves);
+                    scope.spawn(move || {
+                        let mut group = ReplicaGroup::connect(
+                            &ports[r],
+                            addrs,
+                            r,
+                            spec(1, m, d),
+                            "secret",
+                            timeout,
+                        )
+                        .unwrap();
+                        if r == 2 {
+                            // Lost: the links close without a frame sent.
+                            drop(group);
+                            return None;
+                        }
+                        let parts = vec![(r, leaves[r].clone())];
+                        let started = Instant::now();
+                        let err = group.all_reduce_nodes(5, &parts).unwrap_err();
+                        assert!(
+                            started.elapsed() < timeout / 10,
+                            "member {r} failed only after {:?}: {err}",
+                            started.elapsed()
+                        );
+                        Some((r, parts))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect()
+        });
+        // Replica 3 (= adopter(2)) computes 2's share too; the survivors regroup.
+        let (new_ports, new_addrs) = self::ports(survivors.len());
+        let results: Vec<Vec<f32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = survivors
+                .into_iter()
+                .enumerate()
+                .map(|(member, (r, mut parts))| {
+                    if r == 3 {
+                        parts.push((2, leaves[2].clone()));
+                    }
+                    let (ports, addrs) = (&new_ports, &new_addrs);
+                    scope.spawn(move || {
+                        let mut group = ReplicaGroup::connect(
+                            &ports[member],
+                            addrs,
+                            member,
+                            spec(2, m, d),
+                            "secret",
+                            timeout,
+                        )
+                        .unwrap();
+                        group.all_reduce_nodes(5, &parts).unwrap().0
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for got in results {
+            assert_eq!(got.len(), n);
+            assert!(
+                got.iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
         }
     }
 }

@@ -50,6 +50,11 @@ pub enum ToLauncher {
         /// What the step cost this stage (compute, retained boundary tensors, work redone).
         #[serde(default)]
         cost: StepCost,
+        /// Data parallelism: the reduction round whose total the gradients are (0: the plan's
+        /// group; a re-route's [`ToWorker::Reduce`] starts the next). The launcher counts only
+        /// the current round's.
+        #[serde(default)]
+        round: u32,
     },
     /// A link to a neighbouring stage broke in the middle of step `step` (mid-step recovery): the
     /// worker keeps its state and waits for [`ToWorker::Relink`].
@@ -62,9 +67,17 @@ pub enum ToLauncher {
         /// Forward and backward units this stage has completed in the step (its progress record).
         done_units: usize,
     },
-    /// Data parallelism: this worker's share of step `step`'s forward and backward is done; it
-    /// waits for [`ToWorker::Reduce`].
-    BackwardDone { stage: usize, step: u64 },
+    /// Data parallelism: the gradient reduction of round `round` of step `step` failed (a link to
+    /// another replica of the stage broke, most likely because that replica lost a node). The
+    /// worker keeps its share of the step and waits for [`ToWorker::Reduce`] of a later round.
+    ReduceFailed {
+        stage: usize,
+        step: u64,
+        round: u32,
+        /// The replica (member of the group) whose link or message failed, if known.
+        peer: Option<usize>,
+        error: String,
+    },
     /// The optimizer update of a step is applied.
     Updated { stage: usize, step: u64 },
     /// An evaluation pass is done.
@@ -254,12 +267,14 @@ pub enum ToWorker {
         #[serde(default = "yes")]
         snapshot: bool,
     },
-    /// Data parallelism: reduce this stage's gradients of step `step` with the other replicas'.
+    /// Data parallelism, after a replica was lost in step `step`: reduce this stage's gradients
+    /// again, as round `round`, whatever the earlier round's outcome (the worker kept its share).
     /// First compute the shares of the lost replicas in `adopt` (their micro-batches, re-routed
     /// to this worker's replica); with `regroup`, reduce in a new group of the surviving
-    /// replicas instead of the plan's.
+    /// replicas instead of the current one.
     Reduce {
         step: u64,
+        round: u32,
         #[serde(default)]
         adopt: Vec<usize>,
         #[serde(default)]

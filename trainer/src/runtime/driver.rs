@@ -4,7 +4,7 @@
 //! [`super::checkpoint_writer`]) and stops at a step boundary on a signal or a plan change.
 //! `run` starts the pipelines one after another.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -663,7 +663,8 @@ impl Driver<'_, '_> {
                 }
                 Err(e) => return Err(e),
             };
-            let msg = match self.take_step_done(step, msg, &mut replies, canonical)? {
+            let traced = &mut BTreeSet::new();
+            let msg = match self.take_step_done(step, msg, &mut replies, canonical, traced)? {
                 Ok(slot) => {
                     finished.insert(slot);
                     continue;
@@ -692,11 +693,15 @@ impl Driver<'_, '_> {
         Ok(replies)
     }
 
-    /// Data parallelism: waits for every worker's `BackwardDone`, has the replicas of each stage
-    /// reduce their gradients, and waits for every `StepDone`. A failure before the reduction
-    /// that takes out workers of one replica only re-routes that replica's share of the step to
-    /// a surviving replica ([`recovery::lost_replica`], [`recovery::adopter`]): the step completes
-    /// with the same result, bit for bit, and the pipeline is rebuilt at its boundary.
+    /// Data parallelism: waits for every worker's `StepDone` of the current reduction round.
+    /// Each worker reduces its stage's gradients with the other replicas' as soon as its own
+    /// share of the step is through the backward (no barrier: the later stages' reductions
+    /// overlap the earlier stages' backward). A failure that takes out workers of one replica
+    /// only — before or during the reduction — re-routes that replica's share to a surviving
+    /// replica ([`recovery::lost_replica`], [`recovery::adopter`]) and has every survivor reduce
+    /// again without it (the next round, whatever the first round's outcome on each stage): the
+    /// step completes with the same result, bit for bit, and the pipeline is rebuilt at its
+    /// boundary.
     fn forward_backward_replicas(
         &mut self,
         step: u64,
@@ -704,22 +709,68 @@ impl Driver<'_, '_> {
     ) -> Result<StepReplies, LaunchError> {
         let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
         let mut replies = StepReplies::new(p, d, canonical.len());
-        let lost = self.await_backwards(step)?;
-        self.send_reductions(step, lost.as_ref().map(|(r, _)| *r))?;
-        let active = self.pipeline.active_slots();
+        let mut round = 0;
         let mut finished = BTreeSet::new();
-        let what = format!("step {step}'s gradient reduction");
-        while finished.len() < active.len() {
-            let msg = self.pipeline.next_reply(&what)?;
-            match self.take_step_done(step, msg, &mut replies, canonical)? {
-                Ok(slot) => {
-                    finished.insert(slot);
+        // Workers whose reduction of the current round failed: they wait for another round.
+        let mut failed: BTreeMap<usize, String> = BTreeMap::new();
+        let mut traced = BTreeSet::new();
+        let mut lost: Option<(usize, LaunchError)> = None;
+        let what = format!("step {step}'s forward, backward and gradient reduction");
+        loop {
+            let active = self.pipeline.active_slots();
+            if active
+                .iter()
+                .all(|w| finished.contains(w) || failed.contains_key(w))
+            {
+                let Some(error) = failed.values().next().cloned() else {
+                    break;
+                };
+                return Err(LaunchError::ReductionFailed {
+                    step,
+                    slots: failed.into_keys().collect(),
+                    error,
+                });
+            }
+            match self.pipeline.next_reply(&what) {
+                Ok(ToLauncher::ReduceFailed {
+                    stage,
+                    step: s,
+                    round: r,
+                    error,
+                    ..
+                }) if s == step => {
+                    // One of an earlier round is moot: that worker has been told to reduce again.
+                    if r == round {
+                        failed.insert(stage, error);
+                    }
                 }
-                Err(other) => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected step {step} done, got {other:?}"
-                    )));
+                Ok(ToLauncher::StepDone {
+                    step: s, round: r, ..
+                }) if s == step && r != round => {}
+                Ok(msg) => {
+                    match self.take_step_done(step, msg, &mut replies, canonical, &mut traced)? {
+                        Ok(slot) => {
+                            finished.insert(slot);
+                        }
+                        Err(other) => {
+                            return Err(LaunchError::Protocol(format!(
+                                "expected step {step} done, got {other:?}"
+                            )));
+                        }
+                    }
                 }
+                Err(e) if lost.is_none() && self.cfg.elastic.mid_step => {
+                    let Some(replica) = self.reroute(step, &e)? else {
+                        return Err(e);
+                    };
+                    round += 1;
+                    self.send_reductions(step, round, replica)?;
+                    replies = StepReplies::new(p, d, canonical.len());
+                    finished.clear();
+                    failed.clear();
+                    lost = Some((replica, e));
+                }
+                Err(e) => return Err(e),
             }
         }
         replies.rerouted = lost;
@@ -727,14 +778,16 @@ impl Driver<'_, '_> {
     }
 
     /// Adds `msg` to `replies` if it is a worker's `StepDone` of `step` (its slot), noting a
-    /// leaving node, the trace's units and reduction, and adopted shares' losses; any other
-    /// message is handed back.
+    /// leaving node, the trace's units (once per slot: `traced`, a worker that reduced again
+    /// reports them again) and reduction, and adopted shares' losses; any other message is handed
+    /// back.
     fn take_step_done(
         &mut self,
         step: u64,
         msg: ToLauncher,
         replies: &mut StepReplies,
         canonical: &HashMap<String, usize>,
+        traced: &mut BTreeSet<usize>,
     ) -> Result<Result<usize, ToLauncher>, LaunchError> {
         if !matches!(&msg, ToLauncher::StepDone { step: s, .. } if *s == step) {
             return Ok(Err(msg));
@@ -755,7 +808,9 @@ impl Driver<'_, '_> {
             self.pipeline.coordinator().node_leaving(stage);
         }
         if let Some(trace) = &mut self.trace {
-            trace.units(stage, step, &cost.unit_times);
+            if traced.insert(stage) {
+                trace.units(stage, step, &cost.unit_times);
+            }
             if cost.reduce_start_us > 0 {
                 trace.reduction(
                     stage,
@@ -775,55 +830,30 @@ impl Driver<'_, '_> {
         Ok(Ok(stage))
     }
 
-    /// Data parallelism, phase 1: waits until every worker finished its share's backward. A
-    /// failure that takes out workers of one replica only retires that replica (its share is
-    /// re-routed): returns it with the failure. Any other failure ends the step.
-    fn await_backwards(&mut self, step: u64) -> Result<Option<(usize, LaunchError)>, LaunchError> {
-        let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
-        let what = format!("step {step}'s forward and backward");
-        let mut done = BTreeSet::new();
-        let mut lost: Option<(usize, LaunchError)> = None;
-        while !self
-            .pipeline
-            .active_slots()
-            .iter()
-            .all(|w| done.contains(w))
-        {
-            match self.pipeline.next_reply(&what) {
-                Ok(ToLauncher::BackwardDone { stage, step: s }) if s == step => {
-                    done.insert(stage);
-                }
-                Ok(other) => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected step {step}'s backward done, got {other:?}"
-                    )));
-                }
-                Err(e) if lost.is_none() && self.cfg.elastic.mid_step => {
-                    let replica = match self.pipeline.lost_replica(&e) {
-                        Ok(r) => r,
-                        Err(why) => {
-                            warn!(step, %why, "no re-routing: the step is redone");
-                            return Err(e);
-                        }
-                    };
-                    let adopter = recovery::adopter(replica, d);
-                    warn!(step, replica, adopter, error = %e, "a replica was lost mid-step; its micro-batches are re-routed");
-                    eprintln!(
-                        "warning: lost replica {replica} during step {step} ({e}); replica \
-                         {adopter} computes its micro-batches"
-                    );
-                    let writer = self.pipeline.writer_replica();
-                    self.pipeline.retire_replica(replica);
-                    done.retain(|w| w / p != replica);
-                    if writer == replica {
-                        self.abandon_checkpoint_of_lost_writer(replica)?;
-                    }
-                    lost = Some((replica, e));
-                }
-                Err(e) => return Err(e),
+    /// Data parallelism: after `failure` in `step`, whether it took out workers of one replica
+    /// only ([`Pipeline::lost_replica`]); if so, retires that replica (its share is re-routed to
+    /// [`recovery::adopter`]) and returns it. `None`: the step cannot go on (the reason is logged).
+    fn reroute(&mut self, step: u64, failure: &LaunchError) -> Result<Option<usize>, LaunchError> {
+        let d = self.pipeline.replicas();
+        let replica = match self.pipeline.lost_replica(failure) {
+            Ok(r) => r,
+            Err(why) => {
+                warn!(step, %why, "no re-routing: the step is redone");
+                return Ok(None);
             }
+        };
+        let adopter = recovery::adopter(replica, d);
+        warn!(step, replica, adopter, error = %failure, "a replica was lost mid-step; its micro-batches are re-routed");
+        eprintln!(
+            "warning: lost replica {replica} during step {step} ({failure}); replica {adopter} \
+             computes its micro-batches"
+        );
+        let writer = self.pipeline.writer_replica();
+        self.pipeline.retire_replica(replica);
+        if writer == replica {
+            self.abandon_checkpoint_of_lost_writer(replica)?;
         }
-        Ok(lost)
+        Ok(Some(replica))
     }
 
     /// The lost `replica` was writing the checkpoint in flight: the shards it had not uploaded
@@ -838,23 +868,19 @@ impl Driver<'_, '_> {
         Ok(())
     }
 
-    /// Data parallelism, phase 2: tells every worker to reduce its stage's gradients — after a
-    /// replica was `lost`, in a group of the survivors, the adopter computing the lost share first.
-    fn send_reductions(&mut self, step: u64, lost: Option<usize>) -> Result<(), LaunchError> {
+    /// Data parallelism: after replica `lost` was retired in `step`, tells every surviving worker
+    /// to reduce its stage's gradients again as round `round`, in a group of the survivors (a new
+    /// link generation), the adopter computing the lost share first.
+    fn send_reductions(&mut self, step: u64, round: u32, lost: usize) -> Result<(), LaunchError> {
         let (p, d) = (self.pipeline.stages(), self.pipeline.replicas());
-        let generation = match lost {
-            Some(_) => self.pipeline.next_link_generation(),
-            None => 0,
-        };
+        let generation = self.pipeline.next_link_generation();
         for s in 0..p {
             let members = self.pipeline.regroup(s);
             let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
             for (member, (slot, _)) in members.iter().enumerate() {
-                let adopt = match lost {
-                    Some(r) if recovery::adopter(r, d) == slot / p => vec![r],
-                    _ => Vec::new(),
-                };
-                let regroup = lost.map(|_| Regroup {
+                let adopts = recovery::adopter(lost, d) == slot / p;
+                let adopt = if adopts { vec![lost] } else { Vec::new() };
+                let regroup = Some(Regroup {
                     generation,
                     member,
                     addrs: addrs.clone(),
@@ -863,6 +889,7 @@ impl Driver<'_, '_> {
                     *slot,
                     &ToWorker::Reduce {
                         step,
+                        round,
                         adopt,
                         regroup,
                     },

@@ -54,6 +54,16 @@ pub enum LaunchError {
     /// A worker broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// Data parallelism: the gradient reduction of step `step` failed on these workers although
+    /// no worker was lost (a link between replicas broke, or a replica sent something wrong).
+    #[error(
+        "step {step}'s gradient reduction failed on worker slot(s) {slots:?} with no worker lost: {error}"
+    )]
+    ReductionFailed {
+        step: u64,
+        slots: Vec<usize>,
+        error: String,
+    },
     /// Nodes were lost: their agent or their worker died, or a worker hung. The other nodes are
     /// healthy and the run can go on under a new plan.
     #[error("lost node(s) {}: {cause}", lost.iter().map(|l| l.node.to_string()).collect::<Vec<_>>().join(", "))]

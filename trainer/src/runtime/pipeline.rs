@@ -729,7 +729,7 @@ fn reply_stage(msg: &ToLauncher) -> Option<usize> {
         ToLauncher::Hello { stage, .. }
         | ToLauncher::Ready { stage }
         | ToLauncher::StepDone { stage, .. }
-        | ToLauncher::BackwardDone { stage, .. }
+        | ToLauncher::ReduceFailed { stage, .. }
         | ToLauncher::LinkDown { stage, .. }
         | ToLauncher::Updated { stage, .. }
         | ToLauncher::EvalDone { stage, .. }

@@ -112,6 +112,7 @@ pub fn after_error(error: &LaunchError) -> AfterError {
         | LaunchError::WorkerDisconnected { .. }
         | LaunchError::WorkerExited { .. }
         | LaunchError::Timeout { .. }
+        | LaunchError::ReductionFailed { .. }
         | LaunchError::NodesLost { .. } => AfterError::Recover,
         LaunchError::PlanChanged { step, .. } => AfterError::ChangePlan { step: *step },
         LaunchError::Io { .. }

@@ -6,12 +6,15 @@
 //! * [`record`]: what the worker did in the current step (progress, kept tensors, costs);
 //! * [`links`]: the data links to the neighbouring stages;
 //! * [`relink`]: mid-step recovery: what the worker does when a link breaks and is rebuilt;
+//! * [`reduce`]: data parallelism: the gradient reduction with the other replicas of the stage,
+//!   and reducing again after a replica was lost;
 //! * [`state_io`]: the stage's state in and out: checkpoint uploads, peer-snapshot copies,
 //!   restores, gradient dumps.
 
 mod execute;
 mod links;
 mod record;
+mod reduce;
 mod relink;
 mod state_io;
 
@@ -27,7 +30,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
-use super::collective::{CollectiveError, GroupSpec, ReplicaGroup};
+use super::collective::{CollectiveError, ReplicaGroup};
 use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
 use super::kill_switch::{Ending, KillSwitch, Point};
 use super::peer_snapshots::PeerCopier;
@@ -149,6 +152,8 @@ struct Worker {
     first_micro_batch: usize,
     /// The links to the other replicas of its stage (with `pipeline.replicas` > 1).
     group: Option<ReplicaGroup>,
+    /// The shares of the step awaiting its update, kept in case they must be reduced again.
+    kept: Option<reduce::KeptShares>,
     /// Where the other replicas of its stage connect (with `pipeline.replicas` > 1).
     reduce_port: Option<DataPort>,
     prev: Option<TcpLink>,
@@ -425,6 +430,7 @@ impl Worker {
             replica,
             first_micro_batch: replica * local_micro_batches,
             group: None,
+            kept: None,
             reduce_port: None,
             prev: None,
             next: None,
@@ -528,6 +534,7 @@ impl Worker {
                     snapshot,
                 } => {
                     self.apply(lr, clip_coefficient)?;
+                    self.release_shares();
                     control
                         .send(&ToLauncher::Updated { stage: r, step })
                         .map_err(&control_err)?;
@@ -554,7 +561,9 @@ impl Worker {
                 )),
                 ToWorker::InitFrom { dir } => Some(restore_reply(r, 0, self.init_from(&dir))),
                 ToWorker::Shutdown => return Ok(()),
-                other @ (ToWorker::Topology { .. } | ToWorker::Reduce { .. }) => {
+                // A replica was lost during the step: reduce its gradients again.
+                msg @ ToWorker::Reduce { .. } => Some(self.reduce_again(msg, control)?),
+                other @ ToWorker::Topology { .. } => {
                     return Err(WorkerError::Protocol(format!(
                         "unexpected {other:?} while running"
                     )));
@@ -582,19 +591,32 @@ impl Worker {
         }
         let started = Instant::now();
         let loss_sum = self.run_step(step, trace, control)?;
-        let adopted_losses = self.reduce_gradients(step, control)?;
-        let sums_of_squares = self.stage.grad_sums_of_squares()?;
-        let gradient_buffers = self.stage.take_peak_gradient_buffers();
-        self.record.cost.gradient_buffers = gradient_buffers;
-        if let Some(dir) = &self.dump_grads {
-            self.dump_gradients(dir, step)?;
-        }
+        let reply = self.reduce_own_share(step, loss_sum)?;
         debug!(
             step,
             elapsed_s = started.elapsed().as_secs_f64(),
-            gradient_buffers,
+            gradient_buffers = self.record.cost.gradient_buffers,
             "step computed"
         );
+        Ok(reply)
+    }
+
+    /// The report of `step` once its gradients are final (with replicas: reduced in round
+    /// `round`): their sums of squares, the loss sums, costs, and whether this node is leaving.
+    fn step_done(
+        &mut self,
+        step: u64,
+        round: u32,
+        loss_sum: Option<f64>,
+        adopted_losses: Vec<(usize, f64)>,
+    ) -> Result<ToLauncher, WorkerError> {
+        let sums_of_squares = self.stage.grad_sums_of_squares()?;
+        let gradient_buffers = self.stage.take_peak_gradient_buffers();
+        let c = &mut self.record.cost;
+        c.gradient_buffers = c.gradient_buffers.max(gradient_buffers);
+        if let Some(dir) = &self.dump_grads {
+            self.dump_gradients(dir, step)?;
+        }
         Ok(ToLauncher::StepDone {
             stage: self.slot,
             step,
@@ -603,154 +625,8 @@ impl Worker {
             leaving: self.leaving.load(Ordering::SeqCst),
             adopted_losses,
             cost: self.record.cost.clone(),
+            round,
         })
-    }
-
-    /// With data-parallel replicas: says the backward of this replica's share is done, waits
-    /// for the launcher's [`ToWorker::Reduce`], computes the shares of lost replicas it adopts
-    /// (their micro-batches re-routed to this replica), and sums this stage's gradients with the
-    /// other replicas' (in the summation tree's order, so every replica holds the same total, bit
-    /// for bit, whatever the replica count and whoever computed which share). Records what it
-    /// cost; returns the adopted shares' loss sums (last stage).
-    fn reduce_gradients(
-        &mut self,
-        step: u64,
-        control: &mut ControlStream,
-    ) -> Result<Vec<(usize, f64)>, WorkerError> {
-        if self.group.is_none() {
-            return Ok(Vec::new());
-        }
-        let control_err = control_error("launcher");
-        self.stage.finish_gradients()?;
-        let mut shares = vec![(self.replica, self.stage.gradient_vector()?)];
-        control
-            .send(&ToLauncher::BackwardDone {
-                stage: self.slot,
-                step,
-            })
-            .map_err(&control_err)?;
-        let msg = control.recv::<ToWorker>().map_err(&control_err)?;
-        self.at(Point::Message(&msg))?;
-        let (adopt, regroup) = match msg {
-            ToWorker::Reduce {
-                step: s,
-                adopt,
-                regroup,
-            } if s == step => (adopt, regroup),
-            ToWorker::Shutdown => {
-                return Err(WorkerError::Protocol(
-                    "shut down in the middle of a step".into(),
-                ));
-            }
-            other => {
-                return Err(WorkerError::Protocol(format!(
-                    "expected the reduction of step {step}, got {other:?}"
-                )));
-            }
-        };
-        let d = self.cfg.pipeline.replicas;
-        let mut seen = std::collections::BTreeSet::from([self.replica]);
-        if let Some(bad) = adopt.iter().find(|&&r| r >= d || !seen.insert(r)) {
-            return Err(WorkerError::Protocol(format!(
-                "told to compute the share of replica {bad} (of {d}), which is not another lost one"
-            )));
-        }
-        let mut losses = Vec::new();
-        let own_cost = self.record.cost.clone();
-        for replica in adopt {
-            let (share, loss) = self.compute_share(step, replica, control)?;
-            shares.push((replica, share));
-            losses.extend(loss.map(|l| (replica, l)));
-        }
-        let adopted_cost = std::mem::replace(&mut self.record.cost, own_cost);
-        if adopted_cost != self.record.cost {
-            // The adopted shares' units count as work redone because of the loss.
-            let c = &mut self.record.cost;
-            c.redone_units += adopted_cost.units;
-            c.redone_s += adopted_cost.compute_s;
-            c.units += adopted_cost.units;
-            c.compute_s += adopted_cost.compute_s;
-        }
-        if let Some(regroup) = regroup {
-            self.regroup(regroup)?;
-        }
-        if let Some((epoch, epoch_us)) = self.record.trace_epoch {
-            self.record.cost.reduce_start_us =
-                epoch_us + Instant::now().saturating_duration_since(epoch).as_micros() as u64;
-        }
-        let group = self.group.as_mut().expect("checked above");
-        let (total, cost) = group.all_reduce_nodes(step, shares)?;
-        self.stage.set_gradient_vector(&total)?;
-        self.record.cost.reduce_bytes = cost.bytes_sent;
-        self.record.cost.reduce_s = cost.seconds;
-        Ok(losses)
-    }
-
-    /// Runs this stage's part of the lost `replica`'s share of `step` (its micro-batches, through
-    /// this replica's pipeline): the share's gradient sum and, on the last stage, its loss sum.
-    fn compute_share(
-        &mut self,
-        step: u64,
-        replica: usize,
-        control: &mut ControlStream,
-    ) -> Result<(Vec<f32>, Option<f64>), WorkerError> {
-        let own = self.first_micro_batch;
-        let c = self.cfg.pipeline.microbatches / self.cfg.pipeline.replicas;
-        self.first_micro_batch = replica * c;
-        info!(
-            step,
-            replica, "computing a lost replica's share of the step"
-        );
-        let result = self.run_step(step, false, control);
-        self.first_micro_batch = own;
-        let loss = result?;
-        self.stage.finish_gradients()?;
-        Ok((self.stage.gradient_vector()?, loss))
-    }
-
-    /// Replaces the replica group by one of the surviving replicas of this stage.
-    fn regroup(&mut self, regroup: super::control::Regroup) -> Result<(), WorkerError> {
-        info!(
-            generation = regroup.generation,
-            members = regroup.addrs.len(),
-            "rebuilding the replica group without the lost replicas"
-        );
-        self.join_group(regroup.member, &regroup.addrs, regroup.generation)
-    }
-
-    /// Connects to the other replicas of this stage (`addrs`: their reduction ports, by replica),
-    /// when there are any.
-    fn connect_replicas(&mut self, generation: u64, addrs: &[String]) -> Result<(), WorkerError> {
-        if addrs.len() <= 1 {
-            return Ok(());
-        }
-        self.join_group(self.replica, addrs, generation)
-    }
-
-    /// Joins the replica group of the reduction ports `addrs` as member `member`, under link
-    /// generation `generation`; the group reduces the shares of all `pipeline.replicas`.
-    fn join_group(
-        &mut self,
-        member: usize,
-        addrs: &[String],
-        generation: u64,
-    ) -> Result<(), WorkerError> {
-        let port = self.reduce_port.as_ref().ok_or_else(|| {
-            WorkerError::Protocol("replica links, but this worker has no reduction port".into())
-        })?;
-        self.group = Some(ReplicaGroup::connect(
-            port,
-            addrs,
-            member,
-            GroupSpec {
-                generation,
-                micro_batches: self.cfg.pipeline.microbatches,
-                nodes: self.cfg.pipeline.replicas,
-            },
-            &self.token,
-            self.cfg.pipeline.timeout(),
-        )?);
-        Ok(())
     }
 
     /// Clips with `clip_coefficient` and applies AdamW with learning rate `lr`.
