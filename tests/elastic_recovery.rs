@@ -369,6 +369,14 @@ fn replica_chaos(name: &str, default_trials: usize) {
             });
             assert_eq!(next.step, first.step + 1, "trial {}: {next:?}", t.index);
             assert_eq!(next.lost_steps, 0, "trial {}: {next:?}", t.index);
+            // The node was lost in the re-routed step, not in the one the rebuild starts.
+            if t.kills == 1 {
+                for e in t.events() {
+                    if let RunEvent::NodeLost(n) = e {
+                        assert_eq!(n.failed_step, first.step, "trial {}: {n:?}", t.index);
+                    }
+                }
+            }
         } else if t.kills == 1 {
             // Lost outside the forward and backward (in the reduction, the update or between
             // steps): the peer snapshots of the step before, at most that step redone.

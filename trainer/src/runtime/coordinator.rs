@@ -98,6 +98,9 @@ pub struct Coordinator {
     pub(super) exits: BTreeMap<usize, Option<i32>>,
     /// When the current failure was first seen (Unix seconds), for the `node_lost` events.
     failure_seen_at: Option<f64>,
+    /// The step the current failure happened in, when that step still completed (a lost
+    /// replica's share re-routed) and so is already in `metrics.jsonl`; for the `node_lost` events.
+    failure_step: Option<u64>,
     /// Peer snapshots the agents hold: step → node → tensor names.
     held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
     local_agents: Vec<Child>,
@@ -159,6 +162,7 @@ impl Coordinator {
             exits: BTreeMap::new(),
             held: BTreeMap::new(),
             failure_seen_at: None,
+            failure_step: None,
             local_agents: Vec::new(),
             _gate: gate,
             rendezvous: None,
@@ -831,6 +835,13 @@ impl Coordinator {
         self.failure_seen_at.get_or_insert_with(unix_time_s);
     }
 
+    /// Records that the current failure happened in `step`, which completes nonetheless (its lost
+    /// replica's share re-routed): the `node_lost` events name it, not the step after it.
+    pub(super) fn failure_in_completed_step(&mut self, step: u64) {
+        self.failure_seen();
+        self.failure_step.get_or_insert(step);
+    }
+
     /// After a failure (`cause`) and once the workers are stopped: the nodes lost — those declared
     /// lost (`reported`) or whose agent is gone, and those whose worker died by itself (killed, or
     /// failed) rather than because a neighbour failed (exit code [`PEER_FAILURE_EXIT_CODE`]). When
@@ -875,17 +886,18 @@ impl Coordinator {
         let failed_at = Instant::now();
         let failed_step = last_metrics_step(&self.cfg.run.dir.join("metrics.jsonl")) + 1;
         let detected_at_unix_s = self.failure_seen_at.take().unwrap_or_else(unix_time_s);
+        let lost_in_step = self.failure_step.take().unwrap_or(failed_step);
         let stages_before = self.plan().num_stages();
         let mut events = Vec::new();
         for l in lost {
-            warn!(node = %l.node, failed_step, reason = %l.reason, "node lost");
+            warn!(node = %l.node, failed_step = lost_in_step, reason = %l.reason, "node lost");
             eprintln!(
-                "warning: lost node {} during step {failed_step}: {}",
+                "warning: lost node {} during step {lost_in_step}: {}",
                 l.node, l.reason
             );
             events.push(RunEvent::NodeLost(NodeLost {
                 node: l.node.clone(),
-                failed_step,
+                failed_step: lost_in_step,
                 reason: l.reason.clone(),
                 detected_at_unix_s,
                 agent_alive: l.agent_alive,

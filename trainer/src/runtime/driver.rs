@@ -848,6 +848,7 @@ impl Driver<'_, '_> {
             "warning: lost replica {replica} during step {step} ({failure}); replica {adopter} \
              computes its micro-batches"
         );
+        self.pipeline.coordinator().failure_in_completed_step(step);
         let writer = self.pipeline.writer_replica();
         self.pipeline.retire_replica(replica);
         if writer == replica {
