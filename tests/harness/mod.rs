@@ -142,6 +142,8 @@ pub enum Pos {
     LastAction,
     /// Having reported its part of the step done.
     StepDone,
+    /// About to reduce its gradients with the other replicas of its stage, in this round.
+    Reduce(u32),
     /// On receiving this control message (`run_step`, `apply`, `checkpoint`, `restore`,
     /// `restore_peers`, `relink`, `shutdown`) for the step.
     Message(&'static str),
@@ -226,6 +228,7 @@ pub fn reached(point: &Point<'_>, step: u64, pos: Pos) -> bool {
             Pos::LastAction,
         ) => *s == step && index + 1 == *count,
         (Point::StepDone { step: s }, Pos::StepDone) => *s == step,
+        (Point::Reduce { step: s, round }, Pos::Reduce(r)) => *s == step && *round == r,
         (Point::Message(msg), Pos::Message(kind)) => {
             let (k, s) = message_kind(msg);
             k == kind && s.is_none_or(|s| s == step)

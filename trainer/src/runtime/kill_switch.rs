@@ -34,6 +34,9 @@ pub enum Point<'a> {
     Message(&'a ToWorker),
     /// The worker reported its part of step `step` done (`StepDone` is sent).
     StepDone { step: u64 },
+    /// Data parallelism: about to reduce the gradients of step `step` with the other replicas of
+    /// its stage, in reduction round `round`.
+    Reduce { step: u64, round: u32 },
 }
 
 /// What the worker does at a [`Point`].

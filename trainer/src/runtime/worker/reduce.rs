@@ -19,6 +19,7 @@ use tracing::{info, warn};
 use super::{Worker, WorkerError};
 use crate::runtime::collective::{GroupSpec, ReplicaGroup};
 use crate::runtime::control::{ControlStream, Regroup, ToLauncher, ToWorker};
+use crate::runtime::kill_switch::Point;
 
 /// This worker's shares of the step being reduced, kept until the step's update so that the
 /// reduction can be done again after a replica was lost.
@@ -140,6 +141,8 @@ impl Worker {
         }
         let kept = self.kept.as_ref().expect("shares kept before reducing");
         let (step, round) = (kept.step, kept.round);
+        self.at(Point::Reduce { step, round })?;
+        let kept = self.kept.as_ref().expect("shares kept before reducing");
         let group = self.group.as_mut().expect("a replica group");
         match group.all_reduce_nodes(step, &kept.parts) {
             Ok((total, cost)) => {
