@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 use checkpoint::{CheckpointStore, Manifest, StoreOptions};
+use elastic::preemption::NoticeSource;
 use trainer::checkpointing::hf;
 use trainer::checkpointing::shard::from_tensor_data;
 use trainer::checkpointing::state::TrainerState;
@@ -18,6 +19,7 @@ use trainer::model::partition_layers;
 use trainer::plot::{read_metrics, render_plot};
 use trainer::runtime::agent::{AgentArgs, run_agent};
 use trainer::runtime::control::PEER_FAILURE_EXIT_CODE;
+use trainer::runtime::notice_watch::WatchConfig;
 use trainer::runtime::recovery::{ResumePoint, Start};
 use trainer::runtime::run::{LaunchOptions, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
@@ -329,6 +331,19 @@ struct AgentCli {
     /// it sends.
     #[arg(long, hide = true)]
     local: bool,
+    /// Watch this cloud's instance metadata service for a preemption notice (aws spot
+    /// instance-action, gcp preempted, azure scheduled Preempt event) and leave the run at the
+    /// next step boundary when one comes, as on SIGTERM (default: `elastic.preemption_notice` of
+    /// the job config with --rendezvous, else off).
+    #[arg(long, value_name = "aws|gcp|azure|off")]
+    preemption_notice: Option<NoticeSource>,
+    /// The metadata service's address, `http://HOST[:PORT]` (default: the cloud's documented
+    /// 169.254.169.254 or metadata.google.internal).
+    #[arg(long, value_name = "URL")]
+    metadata_endpoint: Option<String>,
+    /// Seconds between two polls of the metadata service.
+    #[arg(long, value_name = "SECONDS")]
+    metadata_poll_s: Option<f64>,
 }
 
 #[derive(Args, Debug)]
@@ -521,7 +536,24 @@ fn agent(a: AgentCli) -> Result<()> {
         }
         None => None,
     };
+    // The flags override the job config's `[elastic]` keys, which override the defaults.
+    let mut notices = job
+        .as_ref()
+        .map_or_else(elastic::ElasticConfig::default, |cfg| cfg.elastic.clone());
+    if let Some(source) = a.preemption_notice {
+        notices.preemption_notice = source;
+    }
+    if let Some(url) = a.metadata_endpoint {
+        notices.metadata_endpoint = url;
+    }
+    if let Some(s) = a.metadata_poll_s {
+        notices.metadata_poll_s = s;
+    }
+    notices
+        .validate()
+        .context("--preemption-notice, --metadata-endpoint, --metadata-poll-s")?;
     run_agent(&AgentArgs {
+        preemption: WatchConfig::from_elastic(&notices),
         join: a.join.unwrap_or_default(),
         job,
         name,

@@ -5,6 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ElasticError;
+use crate::preemption::{self, NoticeSource};
 use crate::seconds::{Zero, checked_seconds, clamped_seconds};
 
 /// The `[elastic]` config section, embedded by the trainer's config tree.
@@ -49,6 +50,17 @@ pub struct ElasticConfig {
     /// from the peer snapshots. Only for a stage whose death is certain (its process or its
     /// node's agent is gone); a node that went silent is fenced and the step redone.
     pub mid_step: bool,
+    /// Which cloud's instance metadata service each agent watches for a preemption notice
+    /// (`aws` spot instance-action, `gcp` preempted, `azure` scheduled Preempt event), or `off`.
+    /// A notice makes the node leave at the next step boundary, as SIGTERM does; a metadata
+    /// service that cannot be reached is warned about once and otherwise ignored. Local agents
+    /// take it from here; `seqpipe agent --preemption-notice` sets it per node.
+    pub preemption_notice: NoticeSource,
+    /// The metadata service's address (`http://HOST[:PORT]`); empty for the cloud's documented
+    /// one (169.254.169.254, metadata.google.internal).
+    pub metadata_endpoint: String,
+    /// Seconds between two polls of the metadata service (GCP: the longest long poll).
+    pub metadata_poll_s: f64,
 }
 
 impl Default for ElasticConfig {
@@ -66,6 +78,9 @@ impl Default for ElasticConfig {
             peer_snapshots: true,
             rendezvous: String::new(),
             mid_step: true,
+            preemption_notice: NoticeSource::Off,
+            metadata_endpoint: String::new(),
+            metadata_poll_s: 2.0,
         }
     }
 }
@@ -95,6 +110,11 @@ impl ElasticConfig {
             ("elastic.dead_after_s", self.dead_after_s, Zero::Refused),
             ("elastic.join_timeout_s", self.join_timeout_s, Zero::Allowed),
             ("elastic.grace_s", self.grace_s, Zero::Allowed),
+            (
+                "elastic.metadata_poll_s",
+                self.metadata_poll_s,
+                Zero::Refused,
+            ),
         ];
         for (key, value, zero) in seconds {
             if let Err(e) = checked_seconds(value, zero) {
@@ -106,6 +126,14 @@ impl ElasticConfig {
                 ElasticError::InvalidConfig {
                     key: "elastic.rendezvous",
                     message: e.to_string(),
+                }
+            })?;
+        }
+        if !self.metadata_endpoint.is_empty() {
+            preemption::client::endpoint(&self.metadata_endpoint).map_err(|message| {
+                ElasticError::InvalidConfig {
+                    key: "elastic.metadata_endpoint",
+                    message,
                 }
             })?;
         }
@@ -140,5 +168,10 @@ impl ElasticConfig {
     /// `grace_s` as a [`Duration`].
     pub fn grace(&self) -> Duration {
         clamped_seconds(self.grace_s)
+    }
+
+    /// `metadata_poll_s` as a [`Duration`].
+    pub fn metadata_poll(&self) -> Duration {
+        clamped_seconds(self.metadata_poll_s)
     }
 }

@@ -7,8 +7,9 @@
 //!
 //! The crate is a pure core, in the manner of torchft's `quorum_compute` and raft-rs: no I/O,
 //! no async, no clock reads. Time is always passed in as an [`std::time::Instant`], so tests
-//! move it by hand. (The one I/O part is the [`etcd`] module, a rendezvous that keeps
-//! membership, leadership and the plan generation in etcd; the core does not use it.) The async
+//! move it by hand. (The I/O parts are the [`etcd`] module, a rendezvous that keeps
+//! membership, leadership and the plan generation in etcd, and [`preemption::client`], which
+//! asks a cloud's metadata service for a preemption notice; the core uses neither.) The async
 //! shell around it (the trainer) feeds events into a [`ClusterState`], calls [`decide()`], acts
 //! on the [`Decision`] (publishes the plan, stops the step, restores state from the [`Tier`]
 //! that [`recovery_tier`] picks) and records it with [`ClusterState::apply`]:
@@ -44,8 +45,10 @@ pub mod config;
 pub mod decide;
 pub mod error;
 pub mod etcd;
+mod http;
 pub mod membership;
 pub mod plan;
+pub mod preemption;
 pub mod seconds;
 
 pub use config::ElasticConfig;

@@ -701,7 +701,7 @@ fn agent_main(
                 for w in &workers {
                     w.switch.notify_leaving();
                 }
-                let _ = sender.send(&FromAgent::Leaving);
+                let _ = sender.send(&FromAgent::Leaving { notice: None });
             }
         }
     }

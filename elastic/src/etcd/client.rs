@@ -13,7 +13,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Value, json};
 
 use super::error::EtcdError;
-use super::http::{self, HttpError};
+use crate::http::{self, HttpError};
 
 /// How long a whole call (connect, request and the complete answer) may take unless
 /// [`EtcdClient::with_timeout`] says otherwise.

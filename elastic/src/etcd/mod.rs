@@ -33,7 +33,6 @@
 
 mod client;
 mod error;
-mod http;
 mod rendezvous;
 #[cfg(feature = "test-support")]
 pub mod testing;

@@ -1,6 +1,7 @@
 //! A node agent (`seqpipe agent --join HOST:PORT`): the one process per node that joins the
 //! coordinator, heartbeats, starts and watches the node's stage workers, reports how they exit,
-//! and turns a preemption notice (SIGTERM) into a graceful leave.
+//! and turns a preemption notice (SIGTERM, or the cloud's, see [`super::notice_watch`]) into a
+//! graceful leave.
 //!
 //! An agent outlives its workers' failures: a killed worker is reported and the node stays in the
 //! run. When the coordinator declares the node dead (fenced), the agent stops its workers and
@@ -15,11 +16,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use elastic::NodeInfo;
+use elastic::preemption::Notice;
 use thiserror::Error;
 use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
 use super::control::{ControlSender, ControlStream, FromAgent, ToAgent};
+use super::notice_watch::{self, WatchConfig};
 use super::peer_input;
 use super::peer_snapshots::{SnapshotStore, serve};
 use crate::config::Config;
@@ -46,6 +49,8 @@ pub struct AgentArgs {
     /// The coordinator started this agent on its own machine (`elastic.local_agents`): paths it
     /// sends (gradient dumps, a test feature) are on this machine too and are honoured.
     pub local: bool,
+    /// The cloud metadata service to watch for preemption notices, if any.
+    pub preemption: Option<WatchConfig>,
 }
 
 /// Why an agent stopped.
@@ -207,15 +212,48 @@ impl Snapshots {
     }
 }
 
+/// Whether this node got a preemption notice: SIGTERM sets `flag`; the cloud's notice is stored
+/// in `cloud` before it sets `flag`, so that the leave names it.
+#[derive(Clone, Default)]
+struct Preempted {
+    flag: Arc<AtomicBool>,
+    cloud: Arc<Mutex<Option<Notice>>>,
+}
+
+impl Preempted {
+    fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// The cloud's notice, if that is what set the flag (else SIGTERM did).
+    fn notice(&self) -> Option<Notice> {
+        self.cloud.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_by_cloud(&self, notice: Notice) {
+        *self.cloud.lock().unwrap_or_else(|p| p.into_inner()) = Some(notice);
+        self.flag.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Runs the agent until the coordinator shuts the run down (or goes away).
 pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
-    let leaving = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving)).map_err(
+    let leaving = Preempted::default();
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving.flag)).map_err(
         |source| AgentError::Io {
             what: "installing the SIGTERM handler".into(),
             source,
         },
     )?;
+    if let Some(watch) = &args.preemption {
+        let leaving = leaving.clone();
+        notice_watch::spawn(watch.clone(), move |notice| leaving.set_by_cloud(notice)).map_err(
+            |source| AgentError::Io {
+                what: "starting the preemption-notice thread".into(),
+                source,
+            },
+        )?;
+    }
     let snapshots = Snapshots::start(args)?;
     if let Some(job) = &args.job {
         return run_with_etcd(args, job, &leaving, &snapshots);
@@ -223,7 +261,7 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
     loop {
         match run_incarnation(args, &leaving, &snapshots)? {
             Ended::Shutdown => return Ok(()),
-            Ended::Fenced if leaving.load(Ordering::SeqCst) => {
+            Ended::Fenced if leaving.is_set() => {
                 info!("left the run after a preemption notice");
                 return Ok(());
             }
@@ -242,7 +280,7 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
 fn run_with_etcd(
     args: &AgentArgs,
     job: &Config,
-    leaving: &AtomicBool,
+    leaving: &Preempted,
     snapshots: &Snapshots,
 ) -> Result<(), AgentError> {
     use elastic::etcd::{EtcdUrl, Rendezvous};
@@ -315,7 +353,7 @@ fn run_with_etcd(
         };
         match run_incarnation(&follow, leaving, snapshots) {
             Ok(Ended::Shutdown) => break Ok(()),
-            Ok(Ended::Fenced) if leaving.load(Ordering::SeqCst) => break Ok(()),
+            Ok(Ended::Fenced) if leaving.is_set() => break Ok(()),
             Ok(Ended::Fenced) => {}
             Err(e @ (AgentError::CoordinatorGone { .. } | AgentError::Connect { .. })) => {
                 warn!(leader = %leader.candidate, error = %e, "lost the coordinator; following the next leader");
@@ -414,7 +452,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
 /// ends.
 fn run_incarnation(
     args: &AgentArgs,
-    leaving: &AtomicBool,
+    leaving: &Preempted,
     snapshots: &Snapshots,
 ) -> Result<Ended, AgentError> {
     let Joined {
@@ -572,7 +610,7 @@ impl Incarnation<'_> {
     /// reports workers that exited.
     fn follow(
         &mut self,
-        leaving: &AtomicBool,
+        leaving: &Preempted,
         messages: &Receiver<std::io::Result<ToAgent>>,
     ) -> Result<Ended, AgentError> {
         loop {
@@ -596,20 +634,25 @@ impl Incarnation<'_> {
 
     /// The work between messages: the heartbeat when due, the leave announcement once, and the
     /// reports of workers that exited.
-    fn tick(&mut self, leaving: &AtomicBool) -> Result<(), AgentError> {
+    fn tick(&mut self, leaving: &Preempted) -> Result<(), AgentError> {
         if self.last_heartbeat.elapsed() >= self.heartbeat {
             self.last_heartbeat = Instant::now();
             if let Err(e) = self.sender.send(&FromAgent::Heartbeat) {
                 return Err(self.gone(e.to_string()));
             }
         }
-        if leaving.load(Ordering::SeqCst) && !self.announced_leave {
+        if leaving.is_set() && !self.announced_leave {
             self.announced_leave = true;
-            warn!("preemption notice: leaving at the next step boundary");
+            let notice = leaving.notice();
+            warn!(
+                reason = %elastic::preemption::leave_reason(notice.as_ref()),
+                "leaving at the next step boundary"
+            );
+            // The coordinator hears why before the workers report the leave with their step.
+            let _ = self.sender.send(&FromAgent::Leaving { notice });
             for w in &self.workers {
                 signal(&w.child, libc::SIGTERM);
             }
-            let _ = self.sender.send(&FromAgent::Leaving);
         }
         for exit in reap(&mut self.workers) {
             // A failed send shows up as a closed connection in the message loop.

@@ -317,8 +317,12 @@ pub enum FromAgent {
     },
     /// The workers of `generation` are stopped (answer to [`ToAgent::StopWorkers`]).
     WorkersStopped { generation: u64 },
-    /// The node got a preemption notice (SIGTERM): it leaves at the next step boundary.
-    Leaving,
+    /// The node got a preemption notice: it leaves at the next step boundary.
+    Leaving {
+        /// The cloud's notice; `None` for SIGTERM.
+        #[serde(default)]
+        notice: Option<elastic::preemption::Notice>,
+    },
     /// The agent holds a peer snapshot of these tensors of the state after `step`.
     SnapshotHeld { step: u64, names: Vec<String> },
 }

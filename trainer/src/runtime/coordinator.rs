@@ -13,6 +13,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
+use elastic::preemption::Notice;
 use elastic::{
     ClusterState, Decision, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy, decide,
 };
@@ -103,6 +104,9 @@ pub struct Coordinator {
     failure_step: Option<u64>,
     /// Peer snapshots the agents hold: step → node → tensor names.
     held: BTreeMap<u64, BTreeMap<NodeId, BTreeSet<String>>>,
+    /// The clouds' preemption notices of leaving nodes (a node leaving without one got SIGTERM),
+    /// for the reason of their `node_left` events.
+    notices: BTreeMap<NodeId, Notice>,
     local_agents: Vec<Child>,
     /// Accepts and authenticates control connections while the coordinator lives.
     _gate: Gate,
@@ -161,6 +165,7 @@ impl Coordinator {
             workers: HashMap::new(),
             exits: BTreeMap::new(),
             held: BTreeMap::new(),
+            notices: BTreeMap::new(),
             failure_seen_at: None,
             failure_step: None,
             local_agents: Vec::new(),
@@ -269,6 +274,7 @@ impl Coordinator {
         ])
         .arg("--dir")
         .arg(&self.cfg.run.dir)
+        .args(preemption_args(&self.cfg.elastic))
         .env(auth::TOKEN_ENV, &self.token)
         .stdin(Stdio::null())
         .stdout(Stdio::from(file))
@@ -748,8 +754,19 @@ impl Coordinator {
                 }
                 None
             }
-            FromAgent::Leaving => {
-                info!(%node, "preemption notice: the node leaves at the next step boundary");
+            FromAgent::Leaving { notice } => {
+                let notice = notice.filter(|n| match n.check() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        warn!(%node, error = %e, "a leaving agent sent a malformed cloud notice");
+                        false
+                    }
+                });
+                let reason = elastic::preemption::leave_reason(notice.as_ref());
+                info!(%node, %reason, "the node leaves at the next step boundary");
+                if let Some(notice) = notice {
+                    self.notices.insert(node.clone(), notice);
+                }
                 let _ = self.state.membership.leave(&node, now);
                 None
             }
@@ -953,7 +970,7 @@ impl Coordinator {
                 events.push(RunEvent::NodeLeft(NodeLeft {
                     node: id.clone(),
                     step,
-                    reason: "preemption notice (SIGTERM)".into(),
+                    reason: elastic::preemption::leave_reason(self.notices.remove(id).as_ref()),
                 }));
             }
         }
@@ -1203,6 +1220,24 @@ fn serve_connection(conn: u64, stream: TcpStream, peer: std::net::SocketAddr, tx
             }
         }
     }
+}
+
+/// The `seqpipe agent` flags that carry `elastic.preemption_notice`, `metadata_endpoint` and
+/// `metadata_poll_s` to a local agent.
+fn preemption_args(elastic: &elastic::ElasticConfig) -> Vec<String> {
+    let mut args = vec![
+        "--preemption-notice".to_string(),
+        elastic.preemption_notice.to_string(),
+        "--metadata-poll-s".to_string(),
+        elastic.metadata_poll_s.to_string(),
+    ];
+    if !elastic.metadata_endpoint.is_empty() {
+        args.extend([
+            "--metadata-endpoint".to_string(),
+            elastic.metadata_endpoint.clone(),
+        ]);
+    }
+    args
 }
 
 #[cfg(test)]

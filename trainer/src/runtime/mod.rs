@@ -12,6 +12,7 @@ pub mod driver;
 pub mod error;
 pub mod events;
 pub mod kill_switch;
+pub mod notice_watch;
 mod peer_input;
 pub mod peer_snapshots;
 pub mod pipeline;

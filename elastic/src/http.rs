@@ -1,25 +1,28 @@
-//! The etcd client's HTTP/1.1, on the maintained `ureq` crate: one `POST` with a JSON body per
-//! call, under a total deadline (resolve, connect, send and the whole response) and with
-//! bounded memory (response headers and body have size limits), so that a slow, broken or
-//! hostile server yields a clear error in time instead of a hang or an allocation it chose.
+//! The crate's HTTP/1.1 (the etcd client's `POST`s, the cloud metadata services' `GET`s and
+//! `PUT`s), on the maintained `ureq` crate: one request per call, under a total deadline
+//! (resolve, connect, send and the whole response) and with bounded memory (response headers
+//! and body have size limits), so that a slow, broken or hostile server yields a clear error in
+//! time instead of a hang or an allocation it chose.
 
 use std::io;
 use std::time::Duration;
 
 use ureq::Agent;
 
-/// The largest response body accepted. etcd's own limit on a request is 1.5 MiB by default and
+/// The largest etcd response body accepted. etcd's own limit on a request is 1.5 MiB by default and
 /// the rendezvous keeps a few small keys, so anything near this is not an etcd answer.
 pub(crate) const MAX_BODY: u64 = 16 << 20;
 
 /// The largest status line plus headers accepted (etcd sends a few hundred bytes).
 pub(crate) const MAX_HEADER: usize = 64 << 10;
 
-/// A response: its status code and its (de-chunked) body.
+/// A response: its status code, headers and (de-chunked) body.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Response {
     /// The HTTP status code, e.g. 200.
     pub status: u16,
+    /// The response headers.
+    pub headers: ureq::http::HeaderMap,
     /// The body, with any chunked framing removed.
     pub body: Vec<u8>,
 }
@@ -44,8 +47,9 @@ pub(crate) enum HttpError {
 /// An HTTP agent whose every call ends within `timeout`, all of it: resolving, connecting,
 /// sending, and receiving the headers and the whole body. It keeps no idle connection (one
 /// connection per call, so that a call never meets a socket the server has since closed),
-/// follows no redirect, ignores proxy environment variables (etcd is reached directly) and
-/// returns error statuses as responses (etcd's JSON errors come with them).
+/// follows no redirect, ignores proxy environment variables (etcd and the metadata services
+/// are reached directly) and returns error statuses as responses (etcd's JSON errors come with
+/// them; a metadata service's 404 is an answer).
 pub(crate) fn agent(timeout: Duration) -> Agent {
     let config = Agent::config_builder()
         .timeout_global(Some(timeout))
@@ -72,29 +76,66 @@ pub(crate) fn post(
     body: &[u8],
     timeout: Duration,
 ) -> Result<Response, HttpError> {
+    let request = ureq::http::Request::post(format!("http://{endpoint}{path}"))
+        .header("Content-Type", "application/json")
+        .body(body)
+        .map_err(|e| convert(e.into(), endpoint, timeout))?;
+    send(agent, request, MAX_BODY, endpoint, timeout)
+}
+
+/// `method url` with `headers` and no body through `agent` (see [`agent`]), accepting a body
+/// of at most `max_body` bytes. `timeout` is the agent's deadline, for the error that reports
+/// it.
+pub(crate) fn call(
+    agent: &Agent,
+    method: ureq::http::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    max_body: u64,
+    timeout: Duration,
+) -> Result<Response, HttpError> {
+    let mut request = ureq::http::Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(&[][..])
+        .map_err(|e| convert(e.into(), url, timeout))?;
+    send(agent, request, max_body, url, timeout)
+}
+
+/// Sends `request` and reads the whole response, its body up to `max_body` bytes.
+fn send(
+    agent: &Agent,
+    request: ureq::http::Request<&[u8]>,
+    max_body: u64,
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<Response, HttpError> {
     let convert = |e| convert(e, endpoint, timeout);
-    let mut response = agent
-        .post(format!("http://{endpoint}{path}"))
-        .content_type("application/json")
-        .send(body)
-        .map_err(convert)?;
+    let mut response = agent.run(request).map_err(convert)?;
     let status = response.status().as_u16();
+    let headers = response.headers().clone();
     let body = response.body_mut();
     // Refuse an announced oversize body before reading any of it.
-    if let Some(len) = body.content_length().filter(|&len| len > MAX_BODY) {
+    if let Some(len) = body.content_length().filter(|&len| len > max_body) {
         return Err(HttpError::Malformed(format!(
             "HTTP {status} announces a body of {len} bytes (Content-Length), more than the \
-             {MAX_BODY} accepted"
+             {max_body} accepted"
         )));
     }
     // Chunked and close-delimited bodies are counted as they arrive; the buffer grows with
     // what was received, never with what a chunk size claims.
     let body = body
         .with_config()
-        .limit(MAX_BODY)
+        .limit(max_body)
         .read_to_vec()
         .map_err(convert)?;
-    Ok(Response { status, body })
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
 }
 
 /// A `ureq` error as an [`HttpError`].
@@ -111,10 +152,18 @@ fn convert(e: ureq::Error, endpoint: &str, timeout: Duration) -> HttpError {
             "the host name resolved to no address",
         )),
         ureq::Error::ConnectionFailed => HttpError::Connect(io::Error::other("connection failed")),
-        // The request's method and headers are fixed: only the URL from `endpoint` can be bad.
+        // The request's method and headers are fixed: only the address in `endpoint` (etcd's
+        // `HOST:PORT`, a metadata service's URL) can be bad.
         e @ (ureq::Error::BadUri(_) | ureq::Error::Http(_)) => HttpError::Connect(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("`{endpoint}` is not a usable HOST:PORT ({e})"),
+            format!(
+                "`{endpoint}` is not a usable {} ({e})",
+                if endpoint.contains("://") {
+                    "URL"
+                } else {
+                    "HOST:PORT"
+                }
+            ),
         )),
         ureq::Error::Io(e) => match e.kind() {
             io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => HttpError::Timeout(timeout),
