@@ -49,6 +49,10 @@ pub struct ElasticConfig {
     /// from the peer snapshots. Only for a stage whose death is certain (its process or its
     /// node's agent is gone); a node that went silent is fenced and the step redone.
     pub mid_step: bool,
+    /// Where the coordinator serves its Prometheus metrics (`GET /metrics`): empty for off (the
+    /// default), or `IP:PORT`, e.g. `127.0.0.1:9100`, or `0.0.0.0:9100` for scrapers on other
+    /// hosts.
+    pub metrics_listen: String,
 }
 
 impl Default for ElasticConfig {
@@ -66,6 +70,7 @@ impl Default for ElasticConfig {
             peer_snapshots: true,
             rendezvous: String::new(),
             mid_step: true,
+            metrics_listen: String::new(),
         }
     }
 }
@@ -108,6 +113,18 @@ impl ElasticConfig {
                     message: e.to_string(),
                 }
             })?;
+        }
+        if !self.metrics_listen.is_empty()
+            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return invalid(
+                "elastic.metrics_listen",
+                format!(
+                    "{:?} is not an IP:PORT address; use e.g. \"127.0.0.1:9100\" (this host \
+                     only), \"0.0.0.0:9100\" (every interface), or \"\" to serve no metrics",
+                    self.metrics_listen
+                ),
+            );
         }
         if self.dead_after_s <= self.heartbeat_s {
             return invalid(

@@ -15,6 +15,8 @@ use super::coordinator::Coordinator;
 use super::driver::Driver;
 pub use super::driver::RunSummary;
 use super::error::LaunchError;
+use super::live_metrics::LiveMetrics;
+use super::metrics_endpoint::MetricsEndpoint;
 use super::pipeline::Pipeline;
 use super::recovery::{self, AfterError, Start};
 use super::trace::TraceLog;
@@ -66,6 +68,7 @@ fn train_pipelines(
     trace: &mut Option<TraceLog>,
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
+    let (live, _endpoint) = serve_metrics(cfg)?;
     let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
     // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
     // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
@@ -82,6 +85,7 @@ fn train_pipelines(
             opts.dump_grads.as_deref(),
             |driver| {
                 driver.recovery = recovery;
+                driver.live = live.clone();
                 driver.trace = trace.take();
                 let result = driver.run(&start, opts.quiet);
                 *trace = driver.trace.take();
@@ -105,6 +109,30 @@ fn train_pipelines(
             },
         }
     }
+}
+
+/// With `elastic.metrics_listen`: the run's live metrics and the endpoint serving them (it stops
+/// when dropped).
+fn serve_metrics(
+    cfg: &Config,
+) -> Result<(Option<Arc<LiveMetrics>>, Option<MetricsEndpoint>), LaunchError> {
+    let listen = &cfg.elastic.metrics_listen;
+    if listen.is_empty() {
+        return Ok((None, None));
+    }
+    let live = Arc::new(LiveMetrics::new());
+    let endpoint =
+        MetricsEndpoint::start(listen, live.clone()).map_err(|source| LaunchError::Io {
+            what: format!(
+                "serving Prometheus metrics on {listen} (elastic.metrics_listen; pick a free port, or \"\" for none)"
+            ),
+            source,
+        })?;
+    eprintln!(
+        "metrics: http://{}/metrics (Prometheus)",
+        endpoint.local_addr()
+    );
+    Ok((Some(live), Some(endpoint)))
 }
 
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
