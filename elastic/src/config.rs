@@ -53,6 +53,10 @@ pub struct ElasticConfig {
     /// default), or `IP:PORT`, e.g. `127.0.0.1:9100`, or `0.0.0.0:9100` for scrapers on other
     /// hosts.
     pub metrics_listen: String,
+    /// Seconds the coordinator keeps serving the final metrics after the run ended, so that a
+    /// scraper that comes every few seconds sees the last step (0 = stop at once; SIGTERM ends
+    /// the wait).
+    pub metrics_linger_s: f64,
 }
 
 impl Default for ElasticConfig {
@@ -71,6 +75,7 @@ impl Default for ElasticConfig {
             rendezvous: String::new(),
             mid_step: true,
             metrics_listen: String::new(),
+            metrics_linger_s: 0.0,
         }
     }
 }
@@ -100,6 +105,11 @@ impl ElasticConfig {
             ("elastic.dead_after_s", self.dead_after_s, Zero::Refused),
             ("elastic.join_timeout_s", self.join_timeout_s, Zero::Allowed),
             ("elastic.grace_s", self.grace_s, Zero::Allowed),
+            (
+                "elastic.metrics_linger_s",
+                self.metrics_linger_s,
+                Zero::Allowed,
+            ),
         ];
         for (key, value, zero) in seconds {
             if let Err(e) = checked_seconds(value, zero) {
@@ -152,6 +162,11 @@ impl ElasticConfig {
     /// `join_timeout_s` as a [`Duration`].
     pub fn join_timeout(&self) -> Duration {
         clamped_seconds(self.join_timeout_s)
+    }
+
+    /// `metrics_linger_s` as a [`Duration`].
+    pub fn metrics_linger(&self) -> Duration {
+        clamped_seconds(self.metrics_linger_s)
     }
 
     /// `grace_s` as a [`Duration`].

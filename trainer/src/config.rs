@@ -804,6 +804,7 @@ mod tests {
             "elastic.dead_after_s",
             "elastic.join_timeout_s",
             "elastic.grace_s",
+            "elastic.metrics_linger_s",
         ];
         for key in keys {
             for value in ["1e300", "1e19", "nan", "inf", "-inf", "-1.0", "2592001.0"] {
