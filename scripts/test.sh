@@ -9,6 +9,8 @@
 #     root `apt-get install`, without root unpacked into ./.deps/etcd and passed as $SEQPIPE_ETCD;
 #   * iproute2 (`ip`) for tests/partition.rs, which also needs root (network namespaces): as root
 #     `apt-get install`; without root that test fails with its own message.
+#   * kubernetes-validate (pip, in ./.venv; it ships the Kubernetes JSON schemas) and shellcheck
+#     (Debian package, as root) for tests/deploy.rs, which checks the deploy/ files with them.
 # Environment:
 #   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
 #                             (no cargo): for running single tests by hand.
@@ -143,6 +145,16 @@ if [ ! -x .venv/bin/weed ]; then
 fi
 export SEQPIPE_WEED="$PWD/.venv/bin/weed"
 
+# tests/deploy.rs validates deploy/kubernetes/*.yaml with it (schemas included, no network).
+if [ ! -x .venv/bin/kubernetes-validate ]; then
+  t=$(now_ms)
+  .venv/bin/pip install --quiet --disable-pip-version-check kubernetes-validate ||
+    die "pip install kubernetes-validate into .venv failed (output above): check access to PyPI, or delete .venv and re-run"
+  [ -x .venv/bin/kubernetes-validate ] || die "pip installed kubernetes-validate but .venv/bin/kubernetes-validate is missing: delete .venv and re-run"
+  note "installed kubernetes-validate into .venv ($(since "$t"))"
+fi
+export SEQPIPE_KUBERNETES_VALIDATE="$PWD/.venv/bin/kubernetes-validate"
+
 nvrtc_dir=$(nvrtc_lib_dir)
 if [ -z "$nvrtc_dir" ]; then
   t=$(now_ms)
@@ -186,6 +198,17 @@ if ! command -v ip >/dev/null 2>&1; then
     note "note: \`ip\` (iproute2) is missing and cannot be installed without root: tests/partition.rs will fail with its own message"
   fi
 fi
+# --- shellcheck for tests/deploy.rs (deploy/slurm/train.sbatch). ---
+if [ -z "${SEQPIPE_SHELLCHECK:-}" ] && ! command -v shellcheck >/dev/null 2>&1; then
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install shellcheck
+    command -v shellcheck >/dev/null 2>&1 || die "apt-get installed shellcheck but there is no shellcheck on PATH"
+    note "installed shellcheck with apt-get ($(since "$t"))"
+  else
+    note "note: shellcheck is missing and cannot be installed without root: tests/deploy.rs will fail with its own message (install it, or set SEQPIPE_SHELLCHECK)"
+  fi
+fi
 if [ "$real_root" != 1 ]; then
   note "note: not root: tests/partition.rs (network namespaces) needs root and will fail with its own message; run it with \`sudo -E cargo test --release --test partition\`"
 fi
@@ -195,6 +218,7 @@ note "dependencies ready in $(since "$deps_start")"
 if [ "${SEQPIPE_TEST_DEPS_ONLY:-0}" = 1 ]; then
   # What the tests read, for running single tests by hand (`eval "$(SEQPIPE_TEST_DEPS_ONLY=1 ./scripts/test.sh)"`).
   printf 'export SEQPIPE_WEED=%q\n' "$SEQPIPE_WEED"
+  printf 'export SEQPIPE_KUBERNETES_VALIDATE=%q\n' "$SEQPIPE_KUBERNETES_VALIDATE"
   [ -z "${SEQPIPE_ETCD:-}" ] || printf 'export SEQPIPE_ETCD=%q\n' "$SEQPIPE_ETCD"
   printf 'export LD_LIBRARY_PATH=%q\n' "$LD_LIBRARY_PATH"
   exit 0

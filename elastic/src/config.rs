@@ -61,6 +61,14 @@ pub struct ElasticConfig {
     pub metadata_endpoint: String,
     /// Seconds between two polls of the metadata service (GCP: the longest long poll).
     pub metadata_poll_s: f64,
+    /// Where the coordinator serves its Prometheus metrics (`GET /metrics`): empty for off (the
+    /// default), or `IP:PORT`, e.g. `127.0.0.1:9100`, or `0.0.0.0:9100` for scrapers on other
+    /// hosts.
+    pub metrics_listen: String,
+    /// Seconds the coordinator keeps serving the final metrics after the run ended, so that a
+    /// scraper that comes every few seconds sees the last step (0 = stop at once; SIGTERM ends
+    /// the wait).
+    pub metrics_linger_s: f64,
 }
 
 impl Default for ElasticConfig {
@@ -81,6 +89,8 @@ impl Default for ElasticConfig {
             preemption_notice: NoticeSource::Off,
             metadata_endpoint: String::new(),
             metadata_poll_s: 2.0,
+            metrics_listen: String::new(),
+            metrics_linger_s: 0.0,
         }
     }
 }
@@ -115,6 +125,11 @@ impl ElasticConfig {
                 self.metadata_poll_s,
                 Zero::Refused,
             ),
+            (
+                "elastic.metrics_linger_s",
+                self.metrics_linger_s,
+                Zero::Allowed,
+            ),
         ];
         for (key, value, zero) in seconds {
             if let Err(e) = checked_seconds(value, zero) {
@@ -136,6 +151,18 @@ impl ElasticConfig {
                     message,
                 }
             })?;
+        }
+        if !self.metrics_listen.is_empty()
+            && self.metrics_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return invalid(
+                "elastic.metrics_listen",
+                format!(
+                    "{:?} is not an IP:PORT address; use e.g. \"127.0.0.1:9100\" (this host \
+                     only), \"0.0.0.0:9100\" (every interface), or \"\" to serve no metrics",
+                    self.metrics_listen
+                ),
+            );
         }
         if self.dead_after_s <= self.heartbeat_s {
             return invalid(
@@ -163,6 +190,11 @@ impl ElasticConfig {
     /// `join_timeout_s` as a [`Duration`].
     pub fn join_timeout(&self) -> Duration {
         clamped_seconds(self.join_timeout_s)
+    }
+
+    /// `metrics_linger_s` as a [`Duration`].
+    pub fn metrics_linger(&self) -> Duration {
+        clamped_seconds(self.metrics_linger_s)
     }
 
     /// `grace_s` as a [`Duration`].

@@ -549,6 +549,7 @@ pub const LOCAL_ONLY_KEYS: &[&str] = &[
     "checkpoint.read_only",
     "elastic.listen",
     "elastic.rendezvous",
+    "elastic.metrics_listen",
 ];
 
 /// A checkpoint's stored config applied onto the local one ([`Config::adopt_stored`]).
@@ -777,6 +778,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("model.heads"), "{err}");
+        let err = Config::default()
+            .with_overrides(&["elastic.metrics_listen=\"localhost\"".into()])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("elastic.metrics_listen") && err.contains("127.0.0.1:9100"),
+            "{err}"
+        );
+        Config::default()
+            .with_overrides(&["elastic.metrics_listen=\"0.0.0.0:9100\"".into()])
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     #[test]
@@ -788,6 +804,7 @@ mod tests {
             "elastic.dead_after_s",
             "elastic.join_timeout_s",
             "elastic.grace_s",
+            "elastic.metrics_linger_s",
         ];
         for key in keys {
             for value in ["1e300", "1e19", "nan", "inf", "-inf", "-1.0", "2592001.0"] {

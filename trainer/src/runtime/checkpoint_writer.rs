@@ -83,7 +83,7 @@ impl CheckpointWriter {
                 "checkpoint of step {prev_step} is still uploading; training waits for it before starting the next one"
             );
             self.finish(pipeline, metrics, Duration::from_secs(3600))?;
-            let _ = metrics.append(&RunEvent::CheckpointWait(CheckpointWait {
+            let _ = metrics.append_event(&RunEvent::CheckpointWait(CheckpointWait {
                 step: state.step,
                 waited_s: waited.elapsed().as_secs_f64(),
             }));
@@ -126,7 +126,7 @@ impl CheckpointWriter {
         if let Some(pending) = self.pending.take() {
             let step = pending.state.step;
             warn!(step, %why, "checkpoint abandoned; the previous committed one stays valid");
-            let _ = metrics.append(&RunEvent::CheckpointFailed(CheckpointFailed {
+            let _ = metrics.append_event(&RunEvent::CheckpointFailed(CheckpointFailed {
                 step,
                 stage: None,
                 error: why.to_string(),
@@ -177,7 +177,7 @@ impl CheckpointWriter {
                 self.pending = None;
                 warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
                 eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
-                let _ = metrics.append(&RunEvent::CheckpointFailed(CheckpointFailed {
+                let _ = metrics.append_event(&RunEvent::CheckpointFailed(CheckpointFailed {
                     step,
                     stage: Some(stage),
                     error,
@@ -217,7 +217,7 @@ impl CheckpointWriter {
             url = self.store.url(),
             "checkpoint committed"
         );
-        let _ = metrics.append(&RunEvent::Checkpoint(CheckpointCommitted {
+        let _ = metrics.append_event(&RunEvent::Checkpoint(CheckpointCommitted {
             step,
             bytes: manifest.total_bytes(),
             upload_s,

@@ -20,6 +20,7 @@ use super::control::{Regroup, StepCost, ToLauncher, ToWorker};
 use super::coordinator::Recovery;
 use super::error::LaunchError;
 use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
+use super::live_metrics::LiveMetrics;
 use super::pipeline::{Pipeline, Replacement};
 use super::recovery::{self, Loaded, ResumePoint, Start};
 use super::trace::{TraceLog, unix_time_s, unix_time_us};
@@ -202,6 +203,9 @@ pub(super) struct Driver<'a, 'c> {
     /// The failure that took a replica out of the last step (its share was re-routed): the
     /// pipeline ends at that step's boundary with it, after a checkpoint of the step.
     rerouted: Option<LaunchError>,
+    /// The run's Prometheus metrics, when `elastic.metrics_listen` serves them: fed by every
+    /// record written to `metrics.jsonl`.
+    pub(super) live: Option<Arc<LiveMetrics>>,
 }
 
 impl<'a, 'c> Driver<'a, 'c> {
@@ -223,6 +227,7 @@ impl<'a, 'c> Driver<'a, 'c> {
             loaded_step: 0,
             trace: None,
             rerouted: None,
+            live: None,
         }
     }
 }
@@ -234,9 +239,17 @@ impl Driver<'_, '_> {
             .expect("metrics opened before the first step")
     }
 
-    fn append(&mut self, record: &impl serde::Serialize) -> Result<(), LaunchError> {
+    fn append_step(&mut self, record: &StepMetrics) -> Result<(), LaunchError> {
         let log = self.metrics();
-        log.append(record).map_err(|source| LaunchError::Io {
+        log.append_step(record).map_err(|source| LaunchError::Io {
+            what: format!("writing {}", log.path().display()),
+            source,
+        })
+    }
+
+    fn append_event(&mut self, event: &RunEvent) -> Result<(), LaunchError> {
+        let log = self.metrics();
+        log.append_event(event).map_err(|source| LaunchError::Io {
             what: format!("writing {}", log.path().display()),
             source,
         })
@@ -418,13 +431,18 @@ impl Driver<'_, '_> {
             source,
         })?;
         self.metrics = Some(
-            MetricsLog::open(&metrics_path).map_err(|source| LaunchError::Io {
-                what: format!("opening {}", metrics_path.display()),
-                source,
-            })?,
+            MetricsLog::open(&metrics_path)
+                .map_err(|source| LaunchError::Io {
+                    what: format!("opening {}", metrics_path.display()),
+                    source,
+                })?
+                .observed_by(self.live.clone()),
         );
+        if let Some(live) = &self.live {
+            live.plan_running(self.pipeline.coordinator().plan());
+        }
         if let Some(step) = resumed_from {
-            self.append(&RunEvent::Resumed(Resumed {
+            self.append_event(&RunEvent::Resumed(Resumed {
                 step,
                 stages: self.cfg.pipeline.stages,
             }))?;
@@ -435,7 +453,7 @@ impl Driver<'_, '_> {
             .map(|r| std::mem::take(&mut r.events))
             .unwrap_or_default();
         for event in &recovery_events {
-            self.append(event)?;
+            self.append_event(event)?;
         }
         Ok(())
     }
@@ -456,7 +474,7 @@ impl Driver<'_, '_> {
         let lost_steps = r.failed_step.saturating_sub(1).saturating_sub(start_step);
         let tier = recovery::recorded_tier(r.tier, resumed, lost_steps);
         bar.suspend(|| info!(recovery_s, lost_steps, %tier, "recovered"));
-        self.append(&RunEvent::Recovered(Recovered {
+        self.append_event(&RunEvent::Recovered(Recovered {
             step,
             recovery_s,
             lost_steps,
@@ -613,11 +631,11 @@ impl Driver<'_, '_> {
             tokens_per_s: tokens as f64 / step_time_s,
             val_loss,
         };
-        self.append(&record)?;
+        self.append_step(&record)?;
         if let Some((replica, failure)) = rerouted {
             let p = self.pipeline.stages();
             let node = self.pipeline.coordinator().node_of(replica * p);
-            self.append(&RunEvent::Recovered(Recovered {
+            self.append_event(&RunEvent::Recovered(Recovered {
                 step,
                 recovery_s: step_started.elapsed().as_secs_f64(),
                 lost_steps: 0,
@@ -910,7 +928,7 @@ impl Driver<'_, '_> {
         let p = self.pipeline.stages();
         for (r, cost) in replaced {
             let cost = cost.clone().unwrap_or_default();
-            self.append(&RunEvent::Recovered(Recovered {
+            self.append_event(&RunEvent::Recovered(Recovered {
                 step,
                 recovery_s: step_started.elapsed().as_secs_f64(),
                 lost_steps: 0,
@@ -987,7 +1005,7 @@ impl Driver<'_, '_> {
             );
             return Err(failure);
         };
-        self.append(&RunEvent::NodeLost(NodeLost {
+        self.append_event(&RunEvent::NodeLost(NodeLost {
             node: lost.node.clone(),
             failed_step: step,
             reason: lost.reason.clone(),

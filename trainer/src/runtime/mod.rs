@@ -12,6 +12,8 @@ pub mod driver;
 pub mod error;
 pub mod events;
 pub mod kill_switch;
+pub mod live_metrics;
+pub mod metrics_endpoint;
 pub mod notice_watch;
 mod peer_input;
 pub mod peer_snapshots;

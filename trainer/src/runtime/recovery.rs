@@ -72,6 +72,16 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// Every tier, cheapest first.
+    pub const ALL: [Tier; 6] = [
+        Self::MidStep,
+        Self::Reroute,
+        Self::Peer,
+        Self::Checkpoint,
+        Self::Handover,
+        Self::Restart,
+    ];
+
     /// The name used in events and logs.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -15,6 +15,8 @@ use super::coordinator::Coordinator;
 use super::driver::Driver;
 pub use super::driver::RunSummary;
 use super::error::LaunchError;
+use super::live_metrics::LiveMetrics;
+use super::metrics_endpoint::MetricsEndpoint;
 use super::pipeline::Pipeline;
 use super::recovery::{self, AfterError, Start};
 use super::trace::TraceLog;
@@ -43,7 +45,11 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
         .trace
         .clone()
         .map(|path| TraceLog::new(path, format!("seqpipe {}", cfg.run.dir.display())));
-    let result = train_pipelines(cfg, opts, &mut trace);
+    let (live, endpoint) = serve_metrics(cfg)?;
+    let result = train_pipelines(cfg, opts, &mut trace, live);
+    if let Some(endpoint) = endpoint {
+        linger(endpoint, cfg.elastic.metrics_linger());
+    }
     if let Some(trace) = trace {
         let written = trace.write().map_err(|source| LaunchError::Io {
             what: format!("writing the trace {}", trace.path().display()),
@@ -59,11 +65,12 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
 }
 
 /// The pipelines of [`run_training`], one after another as nodes come and go; `trace` collects
-/// their steps.
+/// their steps, `live` their metrics.
 fn train_pipelines(
     cfg: &Config,
     opts: &LaunchOptions,
     trace: &mut Option<TraceLog>,
+    live: Option<Arc<LiveMetrics>>,
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
     let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
@@ -82,6 +89,7 @@ fn train_pipelines(
             opts.dump_grads.as_deref(),
             |driver| {
                 driver.recovery = recovery;
+                driver.live = live.clone();
                 driver.trace = trace.take();
                 let result = driver.run(&start, opts.quiet);
                 *trace = driver.trace.take();
@@ -105,6 +113,56 @@ fn train_pipelines(
             },
         }
     }
+}
+
+/// With `elastic.metrics_listen`: the run's live metrics and the endpoint serving them (it stops
+/// when dropped).
+fn serve_metrics(
+    cfg: &Config,
+) -> Result<(Option<Arc<LiveMetrics>>, Option<MetricsEndpoint>), LaunchError> {
+    let listen = &cfg.elastic.metrics_listen;
+    if listen.is_empty() {
+        return Ok((None, None));
+    }
+    let live = Arc::new(LiveMetrics::new());
+    let endpoint =
+        MetricsEndpoint::start(listen, live.clone()).map_err(|source| LaunchError::Io {
+            what: format!(
+                "serving Prometheus metrics on {listen} (elastic.metrics_listen; pick a free port, or \"\" for none)"
+            ),
+            source,
+        })?;
+    eprintln!(
+        "metrics: http://{}/metrics (Prometheus)",
+        endpoint.local_addr()
+    );
+    Ok((Some(live), Some(endpoint)))
+}
+
+/// Keeps serving the final metrics for `elastic.metrics_linger_s` after the run ended (a scraper
+/// that comes every few seconds still sees the last step, checkpoint and recoveries); a SIGINT or
+/// SIGTERM ends the wait.
+fn linger(endpoint: MetricsEndpoint, linger: Duration) {
+    if linger.is_zero() {
+        return;
+    }
+    let signal = match stop_signal() {
+        Ok(signal) => signal,
+        Err(error) => {
+            warn!(%error, "cannot watch for signals: not serving the final metrics");
+            return;
+        }
+    };
+    eprintln!(
+        "metrics: serving the final metrics on http://{}/metrics for {:.0} s (elastic.metrics_linger_s; SIGTERM ends it)",
+        endpoint.local_addr(),
+        linger.as_secs_f64()
+    );
+    let until = Instant::now() + linger;
+    while Instant::now() < until && signal.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(endpoint);
 }
 
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
