@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::free_port;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
@@ -627,14 +629,6 @@ fn join_after_replan(run: &Path, addr: &str, token: &str, dir: &Path) -> std::pr
         .env("SEQPIPE_JOB_TOKEN", token)
         .spawn()
         .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A whole node is killed and a new node joins (`seqpipe agent --join`): the pipeline shrinks to 3

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::free_port;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -20,14 +22,6 @@ const STEPS: u64 = 16;
 
 /// One scrape: sample name (with its labels) → value.
 type Scrape = BTreeMap<String, f64>;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `GET /metrics` on `port` with a plain HTTP/1.1 request; `None` while nothing answers (the run
 /// is starting) or the answer is not a complete exposition.

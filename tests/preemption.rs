@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::free_port;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -289,14 +291,6 @@ fn wait_success(child: &mut Child, limit: Duration) -> bool {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The multi-host way: a coordinator waiting for 4 agents, one of which (`node-2`) watches the

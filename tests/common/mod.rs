@@ -262,3 +262,12 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     ports.dedup();
     ports
 }
+
+/// A free loopback port (bound and released at once).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

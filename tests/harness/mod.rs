@@ -21,6 +21,7 @@
 
 #![allow(dead_code)]
 
+use super::common::free_port;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -106,15 +107,6 @@ pub const UNITS_PER_STAGE: u64 = 4 * 2 * 2;
 /// A fresh, empty directory for a scenario.
 pub fn fresh_dir(name: &str) -> PathBuf {
     super::common::fresh_dir(&format!("scenario-{name}"))
-}
-
-/// A free loopback port (bound and released at once).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -358,14 +358,7 @@ impl Coordinator {
         self.cfg.pipeline.replicas = plan.replicas;
         info!(%reason, "first plan");
         if let Some(r) = &mut self.recovery {
-            r.events.push(RunEvent::Plan(PlanAdopted {
-                generation: plan.generation,
-                stages: plan.num_stages(),
-                replicas: plan.replicas,
-                nodes: plan.stages.clone(),
-                resume_from: None,
-                tier: None,
-            }));
+            r.events.push(RunEvent::Plan(PlanAdopted::of(&plan)));
         }
         Ok(())
     }

@@ -63,6 +63,20 @@ pub struct PlanAdopted {
     pub tier: Option<Tier>,
 }
 
+impl PlanAdopted {
+    /// `plan` as a run starts it: no resume point or tier yet (a caller recovering sets them).
+    pub fn of(plan: &elastic::Plan) -> Self {
+        Self {
+            generation: plan.generation,
+            stages: plan.num_stages(),
+            replicas: plan.replicas,
+            nodes: plan.stages.clone(),
+            resume_from: None,
+            tier: None,
+        }
+    }
+}
+
 /// A node was lost: its agent or its worker died, hung or was cut off.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeLost {

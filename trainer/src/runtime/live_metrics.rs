@@ -214,14 +214,7 @@ impl LiveMetrics {
     /// `metrics.jsonl` (only new plans after a loss, leave or join are recorded), so the
     /// pipeline reports the plan it runs.
     pub fn plan_running(&self, plan: &Plan) {
-        self.plan_adopted(&PlanAdopted {
-            generation: plan.generation,
-            stages: plan.num_stages(),
-            replicas: plan.replicas,
-            nodes: plan.stages.clone(),
-            resume_from: None,
-            tier: None,
-        });
+        self.plan_adopted(&PlanAdopted::of(plan));
     }
 
     fn plan_adopted(&self, plan: &PlanAdopted) {
