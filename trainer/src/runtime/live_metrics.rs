@@ -1,7 +1,7 @@
 //! The run's numbers as Prometheus metrics: the step records and [`RunEvent`]s that go to
 //! `metrics.jsonl` also update these gauges and counters ([`crate::metrics::MetricsLog`] feeds
 //! both from the one record, after the line is written), so a scrape of `GET /metrics` (see
-//! [`super::metrics_endpoint`]) and the file cannot disagree. [`LiveMetrics::encode`] writes the
+//! the `metrics_endpoint` module, which serves it) and the file cannot disagree. [`LiveMetrics::encode`] writes the
 //! text exposition with the official client (`prometheus-client`).
 //!
 //! Counters count what this coordinator process observed since it started (a coordinator that
