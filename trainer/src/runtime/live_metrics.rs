@@ -1,8 +1,8 @@
 //! The run's numbers as Prometheus metrics: the step records and [`RunEvent`]s that go to
 //! `metrics.jsonl` also update these gauges and counters ([`crate::metrics::MetricsLog`] feeds
-//! both from the one record, after the line is written), so a scrape of `GET /metrics` (see
-//! the `metrics_endpoint` module, which serves it) and the file cannot disagree. [`LiveMetrics::encode`] writes the
-//! text exposition with the official client (`prometheus-client`).
+//! both from the one record, after the line is written), so a scrape of `GET /metrics` (served
+//! by the `metrics_endpoint` module) and the file cannot disagree. [`LiveMetrics::encode`] writes
+//! the text exposition with the official client (`prometheus-client`).
 //!
 //! Counters count what this coordinator process observed since it started (a coordinator that
 //! takes over a job starts from zero, as Prometheus expects of a restarted target); gauges say
