@@ -4,8 +4,6 @@
 
 mod common;
 
-use common::free_port;
-
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -14,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{children_of, elastic_job, fresh_dir, records, wait_for_steps};
+use common::{children_of, elastic_job, free_port, fresh_dir, records, wait_for_steps};
 use trainer::runtime::events::{Recovered, RunEvent};
 use trainer::runtime::recovery::Tier;
 

@@ -7,8 +7,6 @@
 
 mod common;
 
-use common::free_port;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -19,8 +17,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_final_state, ckpt_url, elastic_job, final_state, fresh_dir, run_events, run_ok, seqpipe,
-    wait_for_steps,
+    assert_final_state, ckpt_url, elastic_job, final_state, free_port, fresh_dir, run_events,
+    run_ok, seqpipe, wait_for_steps,
 };
 use trainer::runtime::events::RunEvent;
 use trainer::runtime::recovery::Tier;
