@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# seqpipe's training step vs PyTorch eager on the same threads (see scripts/bench-vs-torch.py).
+# seqpipe's training step vs idiomatic PyTorch, eager and torch.compile, on the same threads
+# (see scripts/bench-vs-torch.py).
 # Makes .venv with torch (the CPU wheel index first, plain PyPI if that is unreachable), builds the
 # release binary and runs the comparison.
-# Usage: scripts/bench-vs-torch.sh [--preset a b long] [--steps N] [--threads T]
+# Usage: scripts/bench-vs-torch.sh [--preset a b long] [--steps N] [--threads T] [--rounds R]
+#                                  [--modes eager compile]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
