@@ -681,8 +681,7 @@ impl Driver<'_, '_> {
                 }
                 Err(e) => return Err(e),
             };
-            let traced = &mut BTreeSet::new();
-            let msg = match self.take_step_done(step, msg, &mut replies, canonical, traced)? {
+            let msg = match self.take_step_done(step, msg, &mut replies, canonical)? {
                 Ok(slot) => {
                     finished.insert(slot);
                     continue;
@@ -731,7 +730,6 @@ impl Driver<'_, '_> {
         let mut finished = BTreeSet::new();
         // Workers whose reduction of the current round failed: they wait for another round.
         let mut failed: BTreeMap<usize, String> = BTreeMap::new();
-        let mut traced = BTreeSet::new();
         let mut lost: Option<(usize, LaunchError)> = None;
         let what = format!("step {step}'s forward, backward and gradient reduction");
         loop {
@@ -765,18 +763,16 @@ impl Driver<'_, '_> {
                 Ok(ToLauncher::StepDone {
                     step: s, round: r, ..
                 }) if s == step && r != round => {}
-                Ok(msg) => {
-                    match self.take_step_done(step, msg, &mut replies, canonical, &mut traced)? {
-                        Ok(slot) => {
-                            finished.insert(slot);
-                        }
-                        Err(other) => {
-                            return Err(LaunchError::Protocol(format!(
-                                "expected step {step} done, got {other:?}"
-                            )));
-                        }
+                Ok(msg) => match self.take_step_done(step, msg, &mut replies, canonical)? {
+                    Ok(slot) => {
+                        finished.insert(slot);
                     }
-                }
+                    Err(other) => {
+                        return Err(LaunchError::Protocol(format!(
+                            "expected step {step} done, got {other:?}"
+                        )));
+                    }
+                },
                 Err(e) if lost.is_none() && self.cfg.elastic.mid_step => {
                     let Some(replica) = self.reroute(step, &e)? else {
                         return Err(e);
@@ -796,16 +792,14 @@ impl Driver<'_, '_> {
     }
 
     /// Adds `msg` to `replies` if it is a worker's `StepDone` of `step` (its slot), noting a
-    /// leaving node, the trace's units (once per slot: `traced`, a worker that reduced again
-    /// reports them again) and reduction, and adopted shares' losses; any other message is handed
-    /// back.
+    /// leaving node, the trace's units and reduction, and adopted shares' losses; any other
+    /// message is handed back.
     fn take_step_done(
         &mut self,
         step: u64,
         msg: ToLauncher,
         replies: &mut StepReplies,
         canonical: &HashMap<String, usize>,
-        traced: &mut BTreeSet<usize>,
     ) -> Result<Result<usize, ToLauncher>, LaunchError> {
         if !matches!(&msg, ToLauncher::StepDone { step: s, .. } if *s == step) {
             return Ok(Err(msg));
@@ -826,9 +820,7 @@ impl Driver<'_, '_> {
             self.pipeline.coordinator().node_leaving(stage);
         }
         if let Some(trace) = &mut self.trace {
-            if traced.insert(stage) {
-                trace.units(stage, step, &cost.unit_times);
-            }
+            trace.units(stage, step, &cost.unit_times);
             if cost.reduce_start_us > 0 {
                 trace.reduction(
                     stage,

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose};
 use super::collective::{CollectiveError, ReplicaGroup};
-use super::control::{ControlStream, FailureCause, ToLauncher, ToWorker};
+use super::control::{ControlStream, FailureCause, StepCost, ToLauncher, ToWorker};
 use super::kill_switch::{Ending, KillSwitch, Point};
 use super::peer_snapshots::PeerCopier;
 use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
@@ -603,6 +603,8 @@ impl Worker {
 
     /// The report of `step` once its gradients are final (with replicas: reduced in round
     /// `round`): their sums of squares, the loss sums, costs, and whether this node is leaving.
+    /// The units' times go with the first report only (a worker that reduces again after a lost
+    /// replica reports again).
     fn step_done(
         &mut self,
         step: u64,
@@ -624,7 +626,10 @@ impl Worker {
             loss_sum,
             leaving: self.leaving.load(Ordering::SeqCst),
             adopted_losses,
-            cost: self.record.cost.clone(),
+            cost: StepCost {
+                unit_times: std::mem::take(&mut self.record.cost.unit_times),
+                ..self.record.cost.clone()
+            },
             round,
         })
     }
