@@ -87,86 +87,116 @@ impl LiveMetrics {
             checkpoint_age_s: FloatGauge::default(),
             committed_at_unix_s: Mutex::new(None),
         };
-        let r = &mut m.registry;
-        r.register("step", "The last completed optimizer step", m.step.clone());
-        r.register("loss", "Mean token loss of the last step", m.loss.clone());
+        m.register_progress();
+        m.register_plan();
+        m.register_event_counters();
+        m.register_checkpoint_age();
+        m
+    }
+
+    /// The last step's numbers.
+    fn register_progress(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "step",
+            "The last completed optimizer step",
+            self.step.clone(),
+        );
+        r.register(
+            "loss",
+            "Mean token loss of the last step",
+            self.loss.clone(),
+        );
         r.register(
             "tokens_per_second",
             "Training throughput of the last step (tokens / step time)",
-            m.tokens_per_s.clone(),
+            self.tokens_per_s.clone(),
         );
         r.register_with_unit(
             "step_time",
             "Wall-clock time of the last step (forward, backward, update)",
             Unit::Seconds,
-            m.step_time_s.clone(),
+            self.step_time_s.clone(),
         );
+    }
+
+    /// The plan the pipeline runs.
+    fn register_plan(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "plan_generation",
             "Generation of the plan the pipeline runs",
-            m.generation.clone(),
+            self.generation.clone(),
         );
         r.register(
             "plan_nodes",
             "Nodes in the plan the pipeline runs",
-            m.nodes.clone(),
+            self.nodes.clone(),
         );
         r.register(
             "plan_stages",
             "Pipeline stages (of one replica) in the plan the pipeline runs",
-            m.stages.clone(),
+            self.stages.clone(),
         );
         r.register(
             "plan_replicas",
             "Data-parallel replicas in the plan the pipeline runs",
-            m.replicas.clone(),
+            self.replicas.clone(),
         );
+    }
+
+    /// Counters of the run's events.
+    fn register_event_counters(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "recoveries",
             "Completed recoveries, by how the state was carried over (the `recovered` event's tier)",
-            m.recoveries.clone(),
+            self.recoveries.clone(),
         );
         r.register(
             "nodes_lost",
             "Nodes lost (died, hung or cut off): `node_lost` events",
-            m.nodes_lost.clone(),
+            self.nodes_lost.clone(),
         );
         r.register(
             "nodes_left",
             "Nodes that left at a step boundary after a preemption notice: `node_left` events",
-            m.nodes_left.clone(),
+            self.nodes_left.clone(),
         );
         r.register(
             "nodes_joined",
             "Waiting nodes admitted at a step boundary: `node_joined` events",
-            m.nodes_joined.clone(),
+            self.nodes_joined.clone(),
         );
         r.register(
             "checkpoints",
             "Checkpoints committed",
-            m.checkpoints.clone(),
+            self.checkpoints.clone(),
         );
         r.register(
             "checkpoints_failed",
             "Checkpoints abandoned (the previous committed one stays valid)",
-            m.checkpoints_failed.clone(),
+            self.checkpoints_failed.clone(),
         );
         for tier in Tier::ALL {
-            let _ = m.recoveries.get_or_create(&[("tier", tier.as_str())]);
+            let _ = self.recoveries.get_or_create(&[("tier", tier.as_str())]);
         }
-        let r = &mut m.checkpoint_registry;
+    }
+
+    /// The newest checkpoint, encoded only once one was committed.
+    fn register_checkpoint_age(&mut self) {
+        let r = &mut self.checkpoint_registry;
         r.register(
             "last_checkpoint_step",
             "Step of the newest committed checkpoint",
-            m.checkpoint_step.clone(),
+            self.checkpoint_step.clone(),
         );
         r.register_with_unit(
             "checkpoint_age",
             "Time since the newest checkpoint was committed",
             Unit::Seconds,
-            m.checkpoint_age_s.clone(),
+            self.checkpoint_age_s.clone(),
         );
-        m
     }
 
     /// A step record, as appended to `metrics.jsonl`.
