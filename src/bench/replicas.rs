@@ -479,55 +479,8 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         }
     }
 
-    // Overlap: reduction time before the replica's last backward (any stage) ended, over all
-    // reductions.
-    let mut backward_end: HashMap<(u64, usize), u64> = HashMap::new();
-    for (&(step, slot), s) in &slots {
-        let end = backward_end.entry((step, slot / p)).or_default();
-        *end = (*end).max(s.last_backward_end_us);
-    }
-    let (mut overlapped_us, mut reduce_us) = (0u64, 0u64);
-    for (&(step, slot), s) in &slots {
-        if let Some((start, dur)) = s.reduce {
-            let end = start + dur;
-            let backward = backward_end[&(step, slot / p)];
-            overlapped_us += backward.min(end).saturating_sub(start);
-            reduce_us += dur;
-        }
-    }
-    let overlap = (d > 1 && reduce_us > 0).then(|| overlapped_us as f64 / reduce_us as f64);
-
-    // The reduction after the last replica of a stage joined: per step, slowest stage; and per
-    // stage, its median over the steps.
-    let mut joined_per_step: Vec<f64> = Vec::new();
-    let mut joined_by_stage: Vec<Vec<f64>> = vec![Vec::new(); p];
-    if d > 1 {
-        let mut step_ids: Vec<u64> = slots.keys().map(|(s, _)| *s).collect();
-        step_ids.sort_unstable();
-        step_ids.dedup();
-        for step in step_ids {
-            let mut slowest = 0.0f64;
-            for (stage, joined_of_stage) in joined_by_stage.iter_mut().enumerate() {
-                let reds: Vec<(u64, u64)> = (0..d)
-                    .filter_map(|r| slots.get(&(step, r * p + stage)).and_then(|s| s.reduce))
-                    .collect();
-                if reds.len() != d {
-                    bail!(
-                        "step {step}: stage {stage} has {} reductions traced, not {d}",
-                        reds.len()
-                    );
-                }
-                let joined = reds.iter().map(|(s, _)| *s).max().unwrap_or(0);
-                let end = reds.iter().map(|(s, l)| s + l).max().unwrap_or(0);
-                let joined_s = end.saturating_sub(joined) as f64 * 1e-6;
-                joined_of_stage.push(joined_s);
-                slowest = slowest.max(joined_s);
-            }
-            joined_per_step.push(slowest);
-        }
-    }
-    let joined_reduce_s = median(joined_per_step);
-    let joined_by_stage: Vec<f64> = joined_by_stage.into_iter().map(median).collect();
+    let overlap = overlap(&slots, p, d);
+    let (joined_reduce_s, joined_by_stage) = joined_reductions(&slots, p, d)?;
 
     // Each replica's own unit times through its schedule; the step waits for the slowest.
     let schedule = generate(cfg.pipeline.schedule, p, c, k)?;
@@ -580,5 +533,65 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
             tensors,
             losses,
         },
+    ))
+}
+
+/// The share of the reductions' time (all workers, all measured steps) that ran before the
+/// worker's replica finished its backward on every stage; `None` without replicas.
+fn overlap(slots: &HashMap<(u64, usize), SlotStep>, p: usize, d: usize) -> Option<f64> {
+    let mut backward_end: HashMap<(u64, usize), u64> = HashMap::new();
+    for (&(step, slot), s) in slots {
+        let end = backward_end.entry((step, slot / p)).or_default();
+        *end = (*end).max(s.last_backward_end_us);
+    }
+    let (mut overlapped_us, mut reduce_us) = (0u64, 0u64);
+    for (&(step, slot), s) in slots {
+        if let Some((start, dur)) = s.reduce {
+            let end = start + dur;
+            let backward = backward_end[&(step, slot / p)];
+            overlapped_us += backward.min(end).saturating_sub(start);
+            reduce_us += dur;
+        }
+    }
+    (d > 1 && reduce_us > 0).then(|| overlapped_us as f64 / reduce_us as f64)
+}
+
+/// The reduction from the moment the last replica of a stage joined to its end: the median over
+/// the measured steps of the slowest stage's, and each stage's median (zeros without replicas).
+fn joined_reductions(
+    slots: &HashMap<(u64, usize), SlotStep>,
+    p: usize,
+    d: usize,
+) -> Result<(f64, Vec<f64>)> {
+    let mut joined_per_step: Vec<f64> = Vec::new();
+    let mut joined_by_stage: Vec<Vec<f64>> = vec![Vec::new(); p];
+    if d > 1 {
+        let mut step_ids: Vec<u64> = slots.keys().map(|(s, _)| *s).collect();
+        step_ids.sort_unstable();
+        step_ids.dedup();
+        for step in step_ids {
+            let mut slowest = 0.0f64;
+            for (stage, joined_of_stage) in joined_by_stage.iter_mut().enumerate() {
+                let reds: Vec<(u64, u64)> = (0..d)
+                    .filter_map(|r| slots.get(&(step, r * p + stage)).and_then(|s| s.reduce))
+                    .collect();
+                if reds.len() != d {
+                    bail!(
+                        "step {step}: stage {stage} has {} reductions traced, not {d}",
+                        reds.len()
+                    );
+                }
+                let joined = reds.iter().map(|(s, _)| *s).max().unwrap_or(0);
+                let end = reds.iter().map(|(s, l)| s + l).max().unwrap_or(0);
+                let joined_s = end.saturating_sub(joined) as f64 * 1e-6;
+                joined_of_stage.push(joined_s);
+                slowest = slowest.max(joined_s);
+            }
+            joined_per_step.push(slowest);
+        }
+    }
+    Ok((
+        median(joined_per_step),
+        joined_by_stage.into_iter().map(median).collect(),
     ))
 }
