@@ -392,6 +392,36 @@ impl Coordinator {
         }
     }
 
+    /// After the pipeline failed to start: reads what arrives until nothing has for `quiet` (at
+    /// most `grace`), so that [`Coordinator::losses`] knows of the agents that died with the
+    /// failure and of the worker exits their agents report; returns the nodes reported lost
+    /// meanwhile.
+    pub(super) fn gather_failure_reports(&mut self, quiet: Duration, grace: Duration) -> Vec<Lost> {
+        let deadline = Instant::now() + grace;
+        let mut quiet_since = Instant::now();
+        let mut lost = Vec::new();
+        while Instant::now() < deadline && quiet_since.elapsed() < quiet {
+            match self.poll(Instant::now() + Duration::from_millis(5)) {
+                Ok(Some(Incoming::NodeLost(node, reason, cause))) => {
+                    quiet_since = Instant::now();
+                    lost.push(Lost {
+                        node,
+                        reason,
+                        cause,
+                        agent_alive: false,
+                    });
+                }
+                Ok(Some(incoming)) => {
+                    quiet_since = Instant::now();
+                    self.unexpected(incoming);
+                }
+                Ok(None) => {}
+                Err(_) => break,
+            }
+        }
+        lost
+    }
+
     /// Tells every agent of the plan to start its workers with `config`; logs and config go to the
     /// session's directory under each agent's directory.
     pub(super) fn start_workers(
@@ -432,9 +462,13 @@ impl Coordinator {
     ) -> ToAgent {
         let plan = self.plan();
         let snapshot_to: Vec<String> = if self.cfg.elastic.peer_snapshots {
+            // The buddy first: its copy survives the loss of this whole node, and a loss early
+            // in the next step finds the state there sooner.
             let buddies = elastic::buddies(plan);
-            std::iter::once(node)
-                .chain(buddies.get(node))
+            buddies
+                .get(node)
+                .into_iter()
+                .chain(std::iter::once(node))
                 .filter_map(|n| self.state.membership.get(n).map(|m| m.info.addr.clone()))
                 .collect()
         } else {
@@ -939,16 +973,18 @@ impl Coordinator {
     }
 
     /// Step `step` is complete and its checkpoint scheduled: nodes leave or join here, if any want
-    /// to. Returns the decision's reason when the plan changes (the caller commits a checkpoint of
-    /// `step` and restarts the pipeline under the new plan).
-    pub(super) fn at_step_boundary(&mut self, step: u64) -> Option<String> {
+    /// to. Returns the decision's reason when the plan changes (the caller keeps the state of
+    /// `step` — peer snapshots or a checkpoint — and restarts the pipeline under the new plan),
+    /// and whether a new plan is ready now (otherwise the run waits for nodes, or stops: only a
+    /// committed checkpoint keeps the state then).
+    pub(super) fn at_step_boundary(&mut self, step: u64) -> Option<(String, bool)> {
         let now = Instant::now();
         self.state.step = step + 1;
         self.state.at_step_boundary = true;
         let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
         // A node lost mid-step (its stage was replaced for the rest of the step) leaves the plan
         // here too — or, with too few nodes left, the run waits for joiners or stops.
-        (decision != Decision::Continue).then_some(reason)
+        (decision != Decision::Continue).then(|| (reason, decision.plan().is_some()))
     }
 
     /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of
@@ -1068,15 +1104,34 @@ impl Coordinator {
         if !self.cfg.elastic.peer_snapshots {
             return None;
         }
-        let params: Vec<String> = crate::model::params::param_specs(&self.cfg.model)
-            .into_iter()
-            .map(|s| s.name)
-            .collect();
+        let params = self.param_names();
         recovery::peer_coverage(
             &self.held,
             |step| crate::checkpointing::shard::with_moments(&params, step > 0),
             |n| self.agent_alive(n),
         )
+    }
+
+    /// Whether the peer snapshots of `step` cover the whole model on agents that stay past this
+    /// step boundary (alive, and not leaving): the next plan can start from them, with no
+    /// checkpoint.
+    pub(super) fn peers_hold(&self, step: u64) -> bool {
+        if !self.cfg.elastic.peer_snapshots {
+            return false;
+        }
+        let names = crate::checkpointing::shard::with_moments(&self.param_names(), step > 0);
+        let staying = |n: &NodeId| {
+            self.agent_alive(n) && self.state.membership.status(n) != Some(&NodeStatus::Leaving)
+        };
+        recovery::peer_holders(&self.held, step, &names, staying).is_some()
+    }
+
+    /// The model's parameter names.
+    fn param_names(&self) -> Vec<String> {
+        crate::model::params::param_specs(&self.cfg.model)
+            .into_iter()
+            .map(|s| s.name)
+            .collect()
     }
 
     /// Connections of agents whose node is dead (it left, or was declared dead).

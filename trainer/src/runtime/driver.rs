@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use ops::sum_tree::SumTree;
@@ -55,9 +55,15 @@ enum Boundary {
     Continue,
     /// A signal asked the run to stop (its final checkpoint is started).
     Stop,
-    /// The plan changes (the checkpoint of this step is committed): the pipeline restarts.
+    /// The plan changes (the nodes that stay hold this step's peer snapshots, or its checkpoint
+    /// is committed): the pipeline restarts.
     PlanChange(String),
 }
+
+/// How long a plan change waits for the peer snapshots of its step before it commits a checkpoint
+/// instead. A stage's copy is its state, sent over TCP right after the update: it normally lands
+/// within milliseconds, and one that takes longer is stuck behind a slow or failing agent.
+const PEER_SNAPSHOT_WAIT: Duration = Duration::from_secs(2);
 
 /// What the stages reported for one step's forward and backward.
 struct StepReplies {
@@ -529,7 +535,16 @@ impl Driver<'_, '_> {
         } else {
             None
         };
-        if interrupted || plan_change.is_some() || cfg.checkpoint.due(step, cfg.train.steps) {
+        let due = cfg.checkpoint.due(step, cfg.train.steps);
+        // The next plan starts from the peer snapshots of this step when the nodes that stay hold
+        // them: a handover then needs no checkpoint (whose upload would stall the run). A run
+        // that must wait for nodes, or stops, keeps the step in a committed checkpoint.
+        let by_peers = plan_change.as_ref().is_some_and(|(_, planned)| *planned)
+            && !due
+            && self
+                .pipeline
+                .await_peer_snapshots(step, PEER_SNAPSHOT_WAIT)?;
+        if interrupted || due || (plan_change.is_some() && !by_peers) {
             let state = self.trainer_state(step, record.lr, record.loss);
             self.checkpoints.begin(
                 self.pipeline,
@@ -542,7 +557,7 @@ impl Driver<'_, '_> {
         if interrupted {
             return Ok(Boundary::Stop);
         }
-        let Some(reason) = plan_change else {
+        let Some((reason, _)) = plan_change else {
             return Ok(Boundary::Continue);
         };
         self.checkpoints.finish(

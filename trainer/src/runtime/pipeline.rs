@@ -465,7 +465,7 @@ impl<'c> Pipeline<'c> {
         finished: &BTreeSet<usize>,
     ) -> Result<(usize, Lost), String> {
         let mut signs = self.signs(failure);
-        for e in self.later_failures()? {
+        for e in self.later_failures(failure)? {
             signs.extend(self.signs(&e));
         }
         recovery::mid_step_stage(&signs, finished)
@@ -475,7 +475,7 @@ impl<'c> Pipeline<'c> {
     /// report (see [`Pipeline::later_failures`]) and asks [`recovery::lost_replica`] for the one
     /// replica to take out of the step; `Err` says why the step cannot go on.
     pub fn lost_replica(&mut self, failure: &LaunchError) -> Result<usize, String> {
-        let later = self.later_failures()?;
+        let later = self.later_failures(failure)?;
         let plan = self.coordinator.plan();
         let failed: Vec<_> = std::iter::once(failure)
             .chain(&later)
@@ -484,14 +484,15 @@ impl<'c> Pipeline<'c> {
         recovery::lost_replica(&failed, self.stages(), self.replicas)
     }
 
-    /// The failures reported after a first one, until the reports stop for a moment; the
+    /// The failures reported after `first`, until they are all in ([`Pipeline::gathered`]: a
+    /// few tens of milliseconds after a SIGKILL, once every stage shown lost is known dead); the
     /// workers' other replies are kept for later. `Err` when the coordinator itself failed.
-    fn later_failures(&mut self) -> Result<Vec<LaunchError>, String> {
+    fn later_failures(&mut self, first: &LaunchError) -> Result<Vec<LaunchError>, String> {
         let mut failures = Vec::new();
-        const QUIET: Duration = Duration::from_millis(300);
+        let mut signs = self.signs(first);
         let mut quiet_since = Instant::now();
-        while quiet_since.elapsed() < QUIET {
-            match self.poll(Instant::now() + Duration::from_millis(20)) {
+        while !self.gathered(&signs, quiet_since.elapsed()) {
+            match self.poll(Instant::now() + Duration::from_millis(5)) {
                 Ok(Some(incoming)) => {
                     quiet_since = Instant::now();
                     match incoming {
@@ -503,6 +504,7 @@ impl<'c> Pipeline<'c> {
                         }
                         other => {
                             if let Err(e) = self.fail_on(other) {
+                                signs.extend(self.signs(&e));
                                 failures.push(e);
                             }
                         }
@@ -513,6 +515,57 @@ impl<'c> Pipeline<'c> {
             }
         }
         Ok(failures)
+    }
+
+    /// Whether the reports of a failure are all in, `quiet` after the last one: [`SETTLED_QUIET`]
+    /// once they settle what was lost ([`recovery::signs_settled`]; a few more milliseconds let
+    /// the signs of losses at the same moment, such as a node and its buddy, arrive too), else
+    /// [`GATHER_QUIET`].
+    fn gathered(&self, signs: &[Sign], quiet: Duration) -> bool {
+        quiet >= GATHER_QUIET
+            || (quiet >= SETTLED_QUIET && recovery::signs_settled(signs, &self.open_stages()))
+    }
+
+    /// The signs of what this pipeline already knows is gone: nodes declared lost (only their
+    /// stages whose worker is not connected: a stage replaced mid-step is not lost), and workers
+    /// whose exit their agent reported.
+    fn known_losses(&self) -> Vec<Sign> {
+        let open = self.open_stages();
+        let plan = self.coordinator.plan();
+        let mut signs: Vec<Sign> = self
+            .lost
+            .iter()
+            .map(|l| Sign::Lost {
+                stages: plan
+                    .stages_of(&l.node)
+                    .into_iter()
+                    .filter(|s| !open.contains(s))
+                    .collect(),
+                lost: l.clone(),
+            })
+            .collect();
+        for &stage in self.coordinator.exits.keys() {
+            if !self.retired.contains(&stage) && !open.contains(&stage) {
+                let node = self.coordinator.node_of(stage);
+                signs.push(Sign::Lost {
+                    stages: vec![stage],
+                    lost: Lost {
+                        agent_alive: self.coordinator.agent_alive(&node),
+                        node,
+                        reason: format!("the worker of stage {stage} exited"),
+                        cause: LossCause::WorkerExited,
+                    },
+                });
+            }
+        }
+        signs
+    }
+
+    /// The stages (slots) whose worker's control connection is open.
+    fn open_stages(&self) -> BTreeSet<usize> {
+        (0..self.conns.len())
+            .filter(|&w| self.coordinator.worker_connected(self.conns[w]))
+            .collect()
     }
 
     /// What `error` says about which stages are gone.
@@ -690,28 +743,59 @@ impl<'c> Pipeline<'c> {
         }
     }
 
+    /// Waits up to `timeout` until the agents' peer snapshots of `step` cover the model on nodes
+    /// that stay past this step boundary ([`Coordinator::peers_hold`]): whether they do. The
+    /// workers' other messages are kept for later; a failure is the error.
+    pub fn await_peer_snapshots(
+        &mut self,
+        step: u64,
+        timeout: Duration,
+    ) -> Result<bool, LaunchError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.coordinator.peers_hold(step) {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            match self.poll(Instant::now() + Duration::from_millis(5))? {
+                Some(Incoming::Worker(conn, msg))
+                    if self.stage_of(conn).is_some()
+                        && !matches!(msg, ToLauncher::Failed { .. }) =>
+                {
+                    self.keep(msg)
+                }
+                Some(other) => self.fail_on(other)?,
+                None => {}
+            }
+        }
+    }
+
     /// Asks every worker to exit, then has the agents make sure they have.
     pub fn shutdown(&mut self) {
         let _ = self.broadcast(&ToWorker::Shutdown);
         self.coordinator.stop_workers(Duration::from_secs(10));
     }
 
-    /// After a failure (`cause`): waits up to `grace` for the workers' exits to be reported, then
-    /// has the agents stop the rest. Returns the nodes lost: those whose agent is gone, and those
-    /// whose worker died by itself (killed, or failed) — as opposed to workers that stopped only
-    /// because a neighbour failed (exit code [`PEER_FAILURE_EXIT_CODE`]), whose nodes are healthy.
-    /// When nothing died, the stages a neighbour found silent are the lost ones (hung or cut off).
-    pub fn stop_after_failure(&mut self, cause: &str, grace: Duration) -> Vec<Lost> {
-        // Workers next to a dead one exit at once (broken link); the others wait for the launcher
-        // and never exit by themselves. Stop waiting once nothing has changed for a short while.
-        const QUIET: Duration = Duration::from_millis(300);
+    /// After `failure`: waits up to `grace` for the workers' exits to be reported (until they are
+    /// all in, see [`Pipeline::gathered`]), then has the agents stop the rest. Returns the nodes lost: those whose
+    /// agent is gone, and those whose worker died by itself (killed, or failed) — as opposed to
+    /// workers that stopped only because a neighbour failed (exit code
+    /// [`PEER_FAILURE_EXIT_CODE`]), whose nodes are healthy. When nothing died, the stages a
+    /// neighbour found silent are the lost ones (hung or cut off).
+    pub fn stop_after_failure(&mut self, failure: &LaunchError, grace: Duration) -> Vec<Lost> {
         let deadline = Instant::now() + grace;
+        let mut signs = self.signs(failure);
+        signs.extend(self.known_losses());
         let mut quiet_since = Instant::now();
-        while Instant::now() < deadline && quiet_since.elapsed() < QUIET {
-            match self.poll(Instant::now() + Duration::from_millis(20)) {
+        while Instant::now() < deadline && !self.gathered(&signs, quiet_since.elapsed()) {
+            match self.poll(Instant::now() + Duration::from_millis(5)) {
                 Ok(Some(incoming)) => {
                     quiet_since = Instant::now();
-                    let _ = self.fail_on(incoming);
+                    if let Err(e) = self.fail_on(incoming) {
+                        signs.extend(self.signs(&e));
+                    }
                 }
                 Ok(None) => {}
                 Err(_) => break,
@@ -719,9 +803,19 @@ impl<'c> Pipeline<'c> {
         }
         self.coordinator.stop_workers(Duration::from_secs(5));
         let reported = std::mem::take(&mut self.lost);
-        self.coordinator.losses(cause, &reported, &self.suspects)
+        self.coordinator
+            .losses(&failure.to_string(), &reported, &self.suspects)
     }
 }
+
+/// How long the launcher keeps gathering the reports of a failure whose signs do not settle what
+/// was lost (a worker's own error, a timeout, a silent node): until no report came for this long.
+pub(super) const GATHER_QUIET: Duration = Duration::from_millis(300);
+
+/// How long the launcher keeps gathering the reports of a failure once they settle what was lost:
+/// losses at the same moment (a rack, a node and its buddy) show up within it, and are recovered
+/// from together.
+const SETTLED_QUIET: Duration = Duration::from_millis(50);
 
 /// The stage a reply comes from.
 fn reply_stage(msg: &ToLauncher) -> Option<usize> {

@@ -221,6 +221,38 @@ pub fn mid_step_stage(signs: &[Sign], finished: &BTreeSet<usize>) -> Result<(usi
     }
 }
 
+/// Whether the signs gathered after a failure settle what was lost, so that the launcher can act
+/// at once instead of waiting for the reports to stop: nothing is unclear or unproven, and every
+/// stage shown lost has a verdict — its agent reported the worker's exit (the node lives), or the
+/// node's agent is gone and the worker's own control connection has closed too (it is not in
+/// `open`, the stages whose worker connection is still open). A closed worker connection alone
+/// is no verdict: whether the node died with it shows a few milliseconds later, when its agent
+/// reports the exit or its own connection closes, and a recovery that misses it would place a
+/// stage on a dead node; and a close still in flight would later be taken for the replacement's.
+pub fn signs_settled(signs: &[Sign], open: &BTreeSet<usize>) -> bool {
+    let mut shown: BTreeSet<usize> = BTreeSet::new();
+    let mut exited: BTreeSet<usize> = BTreeSet::new();
+    let mut node_gone: BTreeSet<usize> = BTreeSet::new();
+    for sign in signs {
+        let Sign::Lost { stages, lost } = sign else {
+            return false;
+        };
+        match lost.cause {
+            LossCause::WorkerExited => exited.extend(stages),
+            LossCause::AgentDisconnected
+            | LossCause::AgentRestarted
+            | LossCause::AgentUnreachable => node_gone.extend(stages),
+            LossCause::WorkerDisconnected => {}
+            LossCause::WorkerFailed | LossCause::Hung | LossCause::Silent => return false,
+        }
+        shown.extend(stages);
+    }
+    !shown.is_empty()
+        && shown
+            .iter()
+            .all(|s| exited.contains(s) || (node_gone.contains(s) && !open.contains(s)))
+}
+
 /// The worker slots an error of a data-parallel pipeline shows gone (`slots_of` maps a node to
 /// its slots), or `None` when it does not show which: a timeout, a permanent failure, a protocol
 /// error. A worker that failed by itself counts as gone (it exits).
@@ -457,6 +489,64 @@ pub fn recorded_tier(tier: Tier, resumed: bool, lost_steps: u64) -> Tier {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sign(stages: &[usize], cause: LossCause) -> Sign {
+        Sign::Lost {
+            stages: stages.to_vec(),
+            lost: Lost {
+                node: NodeId::new("n"),
+                reason: "test".into(),
+                cause,
+                agent_alive: matches!(cause, LossCause::WorkerExited),
+            },
+        }
+    }
+
+    #[test]
+    fn a_closed_worker_connection_settles_nothing_until_its_node_has_a_verdict() {
+        use LossCause::*;
+        let none = BTreeSet::new();
+        assert!(!signs_settled(&[], &none));
+        assert!(!signs_settled(&[sign(&[1], WorkerDisconnected)], &none));
+        // A worker kill: its agent reports the exit.
+        assert!(signs_settled(
+            &[sign(&[1], WorkerDisconnected), sign(&[1], WorkerExited)],
+            &none
+        ));
+        // A node kill: its agent's connection closes, and the worker's (before or after).
+        let stage_1_open = BTreeSet::from([1]);
+        assert!(!signs_settled(
+            &[sign(&[1], AgentDisconnected)],
+            &stage_1_open
+        ));
+        assert!(signs_settled(
+            &[
+                sign(&[1], AgentDisconnected),
+                sign(&[1], WorkerDisconnected)
+            ],
+            &none
+        ));
+        assert!(signs_settled(&[sign(&[3], AgentRestarted)], &none));
+        // Two stages lost, one still without a verdict.
+        assert!(!signs_settled(
+            &[sign(&[1], WorkerExited), sign(&[2], WorkerDisconnected)],
+            &none
+        ));
+    }
+
+    #[test]
+    fn unclear_or_unproven_signs_never_settle() {
+        use LossCause::*;
+        let none = BTreeSet::new();
+        for cause in [WorkerFailed, Hung, Silent] {
+            let signs = [sign(&[1], WorkerExited), sign(&[2], cause)];
+            assert!(!signs_settled(&signs, &none));
+        }
+        assert!(!signs_settled(
+            &[sign(&[1], WorkerExited), Sign::Unclear],
+            &none
+        ));
+    }
 
     fn lost(node: &str, cause: LossCause, agent_alive: bool) -> Lost {
         Lost {

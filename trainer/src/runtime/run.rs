@@ -17,7 +17,7 @@ pub use super::driver::RunSummary;
 use super::error::LaunchError;
 use super::live_metrics::LiveMetrics;
 use super::metrics_endpoint::MetricsEndpoint;
-use super::pipeline::Pipeline;
+use super::pipeline::{GATHER_QUIET, Pipeline};
 use super::recovery::{self, AfterError, Start};
 use super::trace::TraceLog;
 use crate::config::Config;
@@ -208,9 +208,15 @@ fn with_pipeline<T>(
         Ok(pipeline) => pipeline,
         Err(e) => {
             // A node that fails while the pipeline starts is lost like one that fails later.
+            let recover = recovery::after_error(&e) == AfterError::Recover;
+            let reported = if recover {
+                coordinator.gather_failure_reports(GATHER_QUIET, Duration::from_secs(2))
+            } else {
+                Vec::new()
+            };
             coordinator.stop_workers(Duration::from_secs(5));
-            let lost = if recovery::after_error(&e) == AfterError::Recover {
-                coordinator.losses(&e.to_string(), &[], &Default::default())
+            let lost = if recover {
+                coordinator.losses(&e.to_string(), &reported, &Default::default())
             } else {
                 Vec::new()
             };
@@ -233,7 +239,7 @@ fn with_pipeline<T>(
         Err(e) if recovery::after_error(&e) == AfterError::Recover => {
             pipeline.coordinator().failure_seen();
             let cause = e.to_string();
-            let lost = pipeline.stop_after_failure(&cause, Duration::from_secs(2));
+            let lost = pipeline.stop_after_failure(&e, Duration::from_secs(2));
             if lost.is_empty() {
                 Err(e)
             } else {

@@ -210,6 +210,10 @@ impl Worker {
         restore(&mut self.stage, &mut self.optimizer, tensors, step)?;
         self.stage.reset_step();
         info!(step, tensors = names.len(), "restored from peer snapshots");
+        // Under this plan the copies sit on other agents than the ones just read: copy the state
+        // there at once, so that a loss in the next step finds its step-start state even when
+        // it takes out an agent that served this restore.
+        self.copy_to_peers(step);
         Ok(())
     }
 
