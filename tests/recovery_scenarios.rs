@@ -703,3 +703,42 @@ fn too_few_nodes_is_a_clear_failure() {
         "the run ({STEPS} steps) stopped at step 3's boundary"
     );
 }
+
+/// A node killed while a rebuilt pipeline starts: stage 2's node dies in step 3 (repaired
+/// mid-step), and the 3-stage pipeline of the next boundary loses the node of its stage 1 as it
+/// connects. That node is lost and the run goes on with two stages, bit-identical; its healthy
+/// neighbour, whose connection to it failed, is not counted lost (it was, when a failed connect
+/// at start-up ended the worker as an error of its own rather than a neighbour's).
+#[test]
+fn a_node_killed_while_a_rebuilt_pipeline_starts_is_recovered() {
+    let in_start = |id: &WorkerId, point: &trainer::runtime::kill_switch::Point<'_>| {
+        id.generation == 2
+            && id.stage == 1
+            && matches!(
+                point,
+                trainer::runtime::kill_switch::Point::Message(
+                    trainer::runtime::control::ToWorker::Topology { .. }
+                )
+            )
+    };
+    let out = run(
+        "start-kill",
+        4,
+        &[],
+        vec![
+            Rule::at(2, 3, Pos::Action(20), kill_its_node(3)),
+            Rule::matching(in_start, |c, id| {
+                c.kill_node(&id.node);
+                Verdict::Kill
+            }),
+        ],
+    );
+    assert!(out.result.is_ok(), "{:?}\n{:#?}", out.result, out.events);
+    let mut lost = out.lost_nodes();
+    lost.sort();
+    lost.dedup();
+    assert_eq!(lost, [node(1), node(2)], "{:#?}", out.events);
+    let plans = out.plans();
+    assert_eq!(plans.last().map(|p| p.stages), Some(2), "{plans:#?}");
+    out.assert_bit_identical();
+}

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{Worker, WorkerError, io_error, register, resolve};
 use crate::runtime::auth::{self, Purpose};
-use crate::runtime::transport::{DataPort, TcpLink, connect_retrying};
+use crate::runtime::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 
 impl Worker {
     /// Connects to the next stage and accepts the previous stage's connection (the data port is
@@ -39,17 +39,21 @@ impl Worker {
         timeout: Duration,
     ) -> Result<(), WorkerError> {
         let r = self.index();
-        let io = io_error;
         let addr = resolve(next)?;
-        let mut stream = connect_retrying(&addr, timeout)
-            .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
+        // A neighbour that cannot be reached or authenticated is the neighbour's failure: this
+        // worker stops as a healthy one (a transport error), so its node is not counted lost.
+        let peer = format!("stage {} at {next}", r + 1);
+        let link_err = |source| TransportError::Io {
+            peer: peer.clone(),
+            source,
+        };
+        let mut stream = connect_retrying(&addr, timeout).map_err(link_err)?;
         register(self.kill_switch.as_ref(), &stream)
-            .map_err(io(format!("connecting to stage {} at {next}", r + 1)))?;
-        auth::connect(&mut stream, &self.token, Purpose::Data)
-            .map_err(io(format!("authenticating to stage {} at {next}", r + 1)))?;
+            .map_err(io_error(format!("connecting to {peer}")))?;
+        auth::connect(&mut stream, &self.token, Purpose::Data).map_err(link_err)?;
         self.next = Some(
             TcpLink::new(stream, r + 1, generation, timeout, self.max_tensor_bytes())
-                .map_err(io("next-stage link".into()))?,
+                .map_err(io_error("next-stage link".into()))?,
         );
         Ok(())
     }
@@ -66,9 +70,10 @@ impl Worker {
             .data_port
             .as_ref()
             .ok_or_else(|| WorkerError::Protocol("the data port is gone; cannot relink".into()))?;
-        let stream = port
-            .next(timeout)
-            .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
+        let stream = port.next(timeout).map_err(|source| TransportError::Io {
+            peer: format!("stage {} (waiting for it to connect)", r - 1),
+            source,
+        })?;
         register(self.kill_switch.as_ref(), &stream)
             .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
         self.prev = Some(

@@ -278,7 +278,9 @@ fn start(
         worker.index(),
         control.sender(),
     )?);
-    match control.recv::<ToWorker>().map_err(control_err)? {
+    let topology = control.recv::<ToWorker>().map_err(control_err)?;
+    worker.at(Point::Message(&topology))?;
+    match topology {
         ToWorker::Topology {
             generation,
             prev,
