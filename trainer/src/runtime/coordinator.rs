@@ -108,6 +108,8 @@ pub struct Coordinator {
     /// for the reason of their `node_left` events.
     notices: BTreeMap<NodeId, Notice>,
     local_agents: Vec<Child>,
+    /// The nodes of `local_agents`: their workers log under this run's directory.
+    local_names: BTreeSet<NodeId>,
     /// Accepts and authenticates control connections while the coordinator lives.
     _gate: Gate,
     /// The etcd rendezvous (`elastic.rendezvous`), where the generation and plan are published.
@@ -169,6 +171,7 @@ impl Coordinator {
             failure_seen_at: None,
             failure_step: None,
             local_agents: Vec::new(),
+            local_names: BTreeSet::new(),
             _gate: gate,
             rendezvous: None,
         };
@@ -291,6 +294,7 @@ impl Coordinator {
             source,
         })?;
         self.local_agents.push(child);
+        self.local_names.insert(NodeId::new(name));
         Ok(())
     }
 
@@ -302,6 +306,39 @@ impl Coordinator {
     /// Where this session's configs and logs go on the coordinator's machine.
     pub(super) fn session_dir(&self) -> std::path::PathBuf {
         self.cfg.run.dir.join(&self.session)
+    }
+
+    /// Where the workers' logs are, for a timeout message: this run's directory for local agents,
+    /// and each agent's `--dir` on its node.
+    pub(super) fn logs_hint(&self) -> String {
+        let logs = self.session_dir().join("logs");
+        if self
+            .plan()
+            .nodes
+            .iter()
+            .all(|n| self.local_names.contains(n))
+        {
+            logs.display().to_string()
+        } else {
+            format!(
+                "{} (local agents) and {}/logs under each node agent's --dir",
+                logs.display(),
+                std::path::Path::new(&self.session).display()
+            )
+        }
+    }
+
+    /// Where the log of `stage`'s worker on `node` is, for failure messages: under this run's
+    /// directory for a local agent, else on that node, under its agent's `--dir`.
+    pub(super) fn worker_log(&self, node: &NodeId, stage: usize) -> String {
+        let relative = std::path::Path::new(&self.session)
+            .join("logs")
+            .join(format!("stage-{stage}.log"));
+        if self.local_names.contains(node) {
+            self.cfg.run.dir.join(relative).display().to_string()
+        } else {
+            format!("{} in the --dir of node {node}'s agent", relative.display())
+        }
     }
 
     /// The adopted plan.

@@ -2,7 +2,7 @@
 //! per stage, wires the workers to their neighbours, and exchanges control messages with them. The
 //! training loop that uses it is in `driver`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,8 @@ pub struct Pipeline<'c> {
     /// Nodes declared lost while this pipeline ran.
     lost: Vec<Lost>,
     timeout: Duration,
-    logs_dir: PathBuf,
+    /// Stage → the node of its mid-step replacement, where that worker logs.
+    hosts: BTreeMap<usize, NodeId>,
     /// Stage → its worker's data address.
     data_addrs: Vec<String>,
     /// The workers' config (TOML), for a replacement.
@@ -77,7 +78,6 @@ impl<'c> Pipeline<'c> {
         worker_cfg.checkpoint.url = cfg.checkpoint.resolved_url(&cfg.run.dir);
         let worker_config = worker_cfg.to_toml();
         coordinator.start_workers(&worker_config, dump_grads)?;
-        let logs_dir = coordinator.session_dir().join("logs");
         let mut pipeline = Self {
             coordinator,
             conns: Vec::new(),
@@ -87,7 +87,7 @@ impl<'c> Pipeline<'c> {
             // Longer than the workers' per-message timeout: a worker that waits on a silent
             // neighbour gives up first and names it.
             timeout: 2 * cfg.pipeline.timeout() + Duration::from_secs(1),
-            logs_dir,
+            hosts: BTreeMap::new(),
             data_addrs: Vec::new(),
             worker_config,
             dump_grads: dump_grads.map(Path::to_path_buf),
@@ -169,7 +169,7 @@ impl<'c> Pipeline<'c> {
         LaunchError::Timeout {
             what: what.to_string(),
             timeout: self.timeout,
-            logs: self.logs_dir.display().to_string(),
+            logs: self.coordinator.logs_hint(),
         }
     }
 
@@ -278,10 +278,12 @@ impl<'c> Pipeline<'c> {
     }
 
     fn log_of(&self, stage: usize) -> String {
-        self.logs_dir
-            .join(format!("stage-{stage}.log"))
-            .display()
-            .to_string()
+        let node = self
+            .hosts
+            .get(&stage)
+            .cloned()
+            .unwrap_or_else(|| self.coordinator.node_of(stage));
+        self.coordinator.worker_log(&node, stage)
     }
 
     /// The next thing the coordinator heard (what was set aside first), or `None` at `deadline`.
@@ -690,6 +692,7 @@ impl<'c> Pipeline<'c> {
             self.send(stage, &ToWorker::Checkpoint { step: c })?;
         }
         self.send(stage, &ToWorker::RunStep { step, trace })?;
+        self.hosts.insert(stage, host.clone());
         Ok(Replacement { stage, lost, host })
     }
 
