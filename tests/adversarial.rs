@@ -8,11 +8,11 @@ mod common;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{
     assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir,
-    listening_ports, losses, run_events, run_ok, seqpipe, wait_for_steps,
+    listening_ports, losses, run_events, run_ok, seqpipe, steps_done, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
 use trainer::runtime::auth::{self, Purpose};
@@ -211,8 +211,10 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
 /// compute), no healthy node is blamed, and the result is bit-identical to an undisturbed run.
 #[test]
 fn silent_connections_do_not_stall_a_mid_step_recovery() {
-    // Long enough that the 800 connections are open well before the run ends.
-    const STEPS: u64 = 120;
+    // Long enough that the 800 connections are open well before the run ends, also on a fast
+    // machine that is busy: CI ran 120 steps in 4.3 s while a sequential connect loop, slowed by
+    // full accept queues, had opened only 729.
+    const STEPS: u64 = 240;
     let dir = fresh_dir("adv-silent");
     let job = |run: &Path| {
         let mut cmd = elastic_job(run, STEPS);
@@ -231,18 +233,36 @@ fn silent_connections_do_not_stall_a_mid_step_recovery() {
             .into_iter()
             .map(|agent| (agent, children_of(agent)))
             .collect();
-        let mut silent = Vec::new();
-        for (_, workers) in &nodes {
-            for &worker in workers {
-                for port in listening_ports(worker) {
-                    for _ in 0..200 {
-                        if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
-                            silent.push(s);
-                        }
-                    }
-                }
-            }
-        }
+        // One connecting thread per port, so that a port whose accept queue is full for a moment
+        // (its accept thread starved on a busy machine) does not hold up the others.
+        let opened = Instant::now();
+        let connectors: Vec<_> = nodes
+            .iter()
+            .flat_map(|(_, workers)| workers.iter().flat_map(|&w| listening_ports(w)))
+            .map(|port| {
+                std::thread::spawn(move || {
+                    (0..200)
+                        .filter_map(|_| {
+                            TcpStream::connect_timeout(
+                                &([127, 0, 0, 1], port).into(),
+                                Duration::from_secs(10),
+                            )
+                            .ok()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let silent: Vec<TcpStream> = connectors
+            .into_iter()
+            .flat_map(|c| c.join().unwrap())
+            .collect();
+        eprintln!(
+            "attempt {attempt}: {} silent connections open after {:.2} s, at step {}",
+            silent.len(),
+            opened.elapsed().as_secs_f64(),
+            steps_done(&run)
+        );
         let ports: Vec<Vec<u16>> = nodes
             .iter()
             .flat_map(|(_, w)| w.iter().map(|&p| listening_ports(p)))
