@@ -331,6 +331,32 @@ fn kill_while_the_last_checkpoint_is_written() {
     out.assert_bit_identical();
 }
 
+/// A worker killed during the evaluation after the last step: every worker has applied step 6's
+/// update and the agents hold its peer snapshots, but the run has not recorded step 6 (its loss
+/// is summed after the evaluation). Those snapshots must not count: the run redoes step 6 from
+/// step 5's and ends normally (it used to restore step 6 and fail with "no record of that step").
+#[test]
+fn kill_in_the_evaluation_after_the_last_step() {
+    let out = run(
+        "last-eval",
+        4,
+        &["train.eval_every=100", "train.eval_batches=1"],
+        vec![Rule::at(1, STEPS, Pos::Message("eval"), kill_it(STEPS + 1))],
+    );
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    let r = out.assert_recovery(Tier::Peer, 0, (4, 4));
+    assert_eq!(r.step, STEPS);
+    assert_eq!(out.plans()[0].resume_from, Some(STEPS - 1));
+    let recorded: Vec<u64> = out
+        .records
+        .iter()
+        .filter_map(|r| r.as_step())
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(recorded, (1..=STEPS).collect::<Vec<_>>());
+    out.assert_bit_identical();
+}
+
 /// Without peer snapshots a lost stage has no step-start state for a mid-step replacement: the
 /// run resumes from the newest committed checkpoint (step 2), redoing steps 3 and 4.
 #[test]

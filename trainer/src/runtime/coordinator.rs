@@ -1135,8 +1135,9 @@ impl Coordinator {
         Ok(tier)
     }
 
-    /// The newest step whose peer snapshots, on the agents still alive, cover the whole model
-    /// (parameters and AdamW moments), with the agents that hold it.
+    /// The newest step before the one to run next (`state.step`) whose peer snapshots, on the
+    /// agents still alive, cover the whole model (parameters and AdamW moments), with the agents
+    /// that hold it.
     fn peer_coverage(&self) -> Option<(u64, Vec<NodeId>)> {
         if !self.cfg.elastic.peer_snapshots {
             return None;
@@ -1144,6 +1145,7 @@ impl Coordinator {
         let params = self.param_names();
         recovery::peer_coverage(
             &self.held,
+            self.state.step,
             |step| crate::checkpointing::shard::with_moments(&params, step > 0),
             |n| self.agent_alive(n),
         )

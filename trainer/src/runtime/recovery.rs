@@ -436,14 +436,18 @@ pub fn peer_holders(
         .then(|| alive.iter().map(|(n, _)| (*n).clone()).collect())
 }
 
-/// Decision 5b: the newest step whose peer snapshots on live nodes cover the whole model
-/// (`names_at(step)`: its parameters, with AdamW moments after step 0), with the nodes holding it.
+/// Decision 5b: the newest step before `interrupted_step` whose peer snapshots on live nodes cover
+/// the whole model (`names_at(step)`: its parameters, with AdamW moments after step 0), with the
+/// nodes holding it. The interrupted step's own snapshots do not count: a loss during its update
+/// can leave them complete while the run never recorded the step (its loss, its learning rate),
+/// so the step is redone from the one before.
 pub fn peer_coverage(
     held: &Held,
+    interrupted_step: u64,
     names_at: impl Fn(u64) -> Vec<String>,
     live: impl Fn(&NodeId) -> bool,
 ) -> Option<(u64, Vec<NodeId>)> {
-    held.keys().rev().find_map(|&step| {
+    held.range(..interrupted_step).rev().find_map(|(&step, _)| {
         peer_holders(held, step, &names_at(step), &live).map(|nodes| (step, nodes))
     })
 }
@@ -642,6 +646,23 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].cause, LossCause::AgentDisconnected);
         assert!(!got[0].agent_alive);
+    }
+
+    #[test]
+    fn snapshots_of_the_interrupted_step_do_not_count() {
+        let names = |_: u64| vec!["w".to_string()];
+        let held: Held = (5..=8)
+            .map(|step| {
+                let nodes = BTreeMap::from([(NodeId::new("a"), BTreeSet::from(["w".to_string()]))]);
+                (step, nodes)
+            })
+            .collect();
+        // Step 8's update finished on every worker (its snapshots are complete), but the run lost
+        // a node before it recorded step 8: it redoes step 8 from step 7.
+        let (step, nodes) = peer_coverage(&held, 8, names, |_| true).unwrap();
+        assert_eq!((step, nodes), (7, vec![NodeId::new("a")]));
+        assert_eq!(peer_coverage(&held, 9, names, |_| true).unwrap().0, 8);
+        assert_eq!(peer_coverage(&held, 5, names, |_| true), None);
     }
 
     #[test]
