@@ -50,6 +50,12 @@ pub struct GoodputArgs {
     /// Directory for both runs (default: a fresh one under the temp dir, deleted after a success).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Rounds, alternating an undisturbed and a disturbed run (round i uses seed + i): single
+    /// runs of the default job vary by about ±10% on a busy 2-core machine, so the ETTR reported
+    /// last is over all rounds (their undisturbed wall times summed over their disturbed ones),
+    /// with every round printed.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: u64,
     /// Give up on the disturbed run after this many seconds (default: 120 + 20 x the undisturbed
     /// wall time); failures that arrive faster than the job recovers can keep it from finishing.
     #[arg(long)]
@@ -221,6 +227,11 @@ fn mean_step_s(lines: &str) -> Option<f64> {
 /// The goodput line printed last: everything measured, as one JSON object.
 #[derive(Debug, Serialize)]
 struct Report {
+    /// The round (0-based); `None` in the summary over all rounds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    round: Option<u64>,
+    /// How many disturbed runs the numbers below cover (1 for a round).
+    runs: u64,
     steps: u64,
     failures_per_step: f64,
     seed: u64,
@@ -496,6 +507,11 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
         "--rejoin-after-s must be 0 or more, got {}",
         args.rejoin_after_s
     );
+    ensure!(
+        (1..=1000).contains(&args.rounds),
+        "--rounds must be 1 to 1000, got {}",
+        args.rounds
+    );
     let mut sets = args.overrides.clone();
     if let Some(steps) = args.steps {
         sets.push(format!("train.steps={steps}"));
@@ -507,7 +523,6 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
         cfg.elastic.local_agents,
         "bench goodput kills the nodes of a local run: elastic.local_agents must be true"
     );
-    let steps = cfg.train.steps;
     let job = Job {
         exe: std::env::current_exe()?,
         config: args.config.clone(),
@@ -518,34 +533,83 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
     let base = args.dir.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("seqpipe-bench-goodput-{}", std::process::id()))
     });
-
     println!(
-        "job: {} steps, {} stages ({} layers, d_model {}); failures: {} per step, seed {}, replacement node {}s after a node kill",
-        steps,
+        "job: {} steps, {} stages ({} layers, d_model {}); failures: {} per step, seeds {}..{}, replacement node {}s after a node kill; {} round(s) of an undisturbed and a disturbed run",
+        cfg.train.steps,
         cfg.pipeline.stages,
         cfg.model.layers,
         cfg.model.d_model,
         args.failures_per_step,
         args.seed,
-        args.rejoin_after_s
+        args.seed + args.rounds - 1,
+        args.rejoin_after_s,
+        args.rounds,
     );
-    let mut quiet = job.launch(&base.join("undisturbed"))?;
+    let mut reports = Vec::new();
+    for round in 0..args.rounds {
+        let dir = if args.rounds == 1 {
+            base.clone()
+        } else {
+            base.join(format!("round-{round}"))
+        };
+        let report = one_round(&job, args, cfg.train.steps, round, &dir)?;
+        if args.rounds > 1 {
+            println!("round {round} (seed {}):", report.seed);
+            print_table(&report);
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        let identical = report.bit_identical;
+        reports.push(report);
+        ensure!(
+            identical,
+            "round {round}: the disturbed run's final state differs from the undisturbed run's; both runs are kept in {}",
+            dir.display()
+        );
+    }
+    let total = summary_of(&reports);
+    if args.rounds > 1 {
+        let ettrs: Vec<String> = reports.iter().map(|r| format!("{:.3}", r.ettr)).collect();
+        println!(
+            "all {} rounds (ETTR per round: {}):",
+            args.rounds,
+            ettrs.join(" ")
+        );
+    }
+    print_table(&total);
+    println!("{}", serde_json::to_string(&total)?);
+    if args.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&base);
+    }
+    Ok(())
+}
+
+/// One round: the job undisturbed in `dir/undisturbed`, then under the failures of seed
+/// `args.seed + round` (at the rate of this round's undisturbed step time) in `dir/disturbed`.
+fn one_round(
+    job: &Job,
+    args: &GoodputArgs,
+    steps: u64,
+    round: u64,
+    dir: &Path,
+) -> Result<Report> {
+    let seed = args.seed + round;
+    let mut quiet = job.launch(&dir.join("undisturbed"))?;
     let status = quiet.child.wait()?;
     let undisturbed_s = quiet.started.elapsed().as_secs_f64();
     quiet.check(status, "undisturbed")?;
     let step_s = mean_step_s(&quiet.metrics()).context("the undisturbed run recorded no steps")?;
     let mean_gap_s = step_s / args.failures_per_step;
     println!(
-        "undisturbed: {undisturbed_s:.3}s, {step_s:.4}s per step; mean time between failures {mean_gap_s:.3}s"
+        "round {round}: undisturbed {undisturbed_s:.3}s, {step_s:.4}s per step; mean time between failures {mean_gap_s:.3}s (seed {seed})"
     );
 
-    let mut noisy = job.launch(&base.join("disturbed"))?;
+    let mut noisy = job.launch(&dir.join("disturbed"))?;
     let (disturbed_s, done) = disturb(
         &mut noisy,
-        &job,
-        FailureSchedule::new(args.seed, Duration::from_secs_f64(mean_gap_s)),
+        job,
+        FailureSchedule::new(seed, Duration::from_secs_f64(mean_gap_s)),
         Duration::from_secs_f64(args.rejoin_after_s),
-        &base.join("replacement-nodes"),
+        &dir.join("replacement-nodes"),
         Duration::from_secs_f64(
             args.give_up_after_s
                 .unwrap_or(120.0 + 20.0 * undisturbed_s)
@@ -556,11 +620,12 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
 
     let (reference_step, reference) = final_state(&quiet.url, &Default::default())?;
     let (final_step, state) = final_state(&noisy.url, &Default::default())?;
-    let bit_identical = reference_step == steps && final_step == steps && state == reference;
-    let report = Report {
+    Ok(Report {
+        round: Some(round),
+        runs: 1,
         steps,
         failures_per_step: args.failures_per_step,
-        seed: args.seed,
+        seed,
         rejoin_after_s: args.rejoin_after_s,
         undisturbed_step_s: step_s,
         mean_failure_gap_s: mean_gap_s,
@@ -578,19 +643,53 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
         disturbed_step_records: summary.step_records,
         final_step,
         tensors: state.len(),
-        bit_identical,
-    };
-    print_table(&report);
-    println!("{}", serde_json::to_string(&report)?);
-    ensure!(
-        bit_identical,
-        "the disturbed run's final state (step {final_step}) differs from the undisturbed run's (step {reference_step}); both runs are kept in {}",
-        base.display()
-    );
-    if args.dir.is_none() {
-        let _ = std::fs::remove_dir_all(&base);
+        bit_identical: reference_step == steps && final_step == steps && state == reference,
+    })
+}
+
+/// The rounds taken together: wall times, kills, recoveries and work redone summed (so the ETTR
+/// is the summed undisturbed time over the summed disturbed time), bit-identical only if every
+/// round was; the seed is the first round's.
+fn summary_of(rounds: &[Report]) -> Report {
+    let first = &rounds[0];
+    let sum_f = |f: fn(&Report) -> f64| rounds.iter().map(f).sum::<f64>();
+    let sum_u = |f: fn(&Report) -> u64| rounds.iter().map(f).sum::<u64>();
+    let mut kills: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut recoveries: BTreeMap<String, u64> = BTreeMap::new();
+    for r in rounds {
+        for (k, n) in &r.kills {
+            *kills.entry(k).or_default() += n;
+        }
+        for (k, n) in &r.recoveries {
+            *recoveries.entry(k.clone()).or_default() += n;
+        }
     }
-    Ok(())
+    let (undisturbed_s, disturbed_s) = (sum_f(|r| r.undisturbed_s), sum_f(|r| r.disturbed_s));
+    Report {
+        round: None,
+        runs: rounds.len() as u64,
+        steps: first.steps,
+        failures_per_step: first.failures_per_step,
+        seed: first.seed,
+        rejoin_after_s: first.rejoin_after_s,
+        undisturbed_step_s: sum_f(|r| r.undisturbed_step_s) / rounds.len() as f64,
+        mean_failure_gap_s: sum_f(|r| r.mean_failure_gap_s) / rounds.len() as f64,
+        undisturbed_s,
+        disturbed_s,
+        ettr: ettr(undisturbed_s, disturbed_s),
+        kills,
+        replacement_nodes_started: sum_u(|r| r.replacement_nodes_started),
+        recoveries,
+        lost_steps: sum_u(|r| r.lost_steps),
+        redone_units: sum_u(|r| r.redone_units),
+        recovery_s: sum_f(|r| r.recovery_s),
+        nodes_lost: sum_u(|r| r.nodes_lost),
+        nodes_joined: sum_u(|r| r.nodes_joined),
+        disturbed_step_records: sum_u(|r| r.disturbed_step_records),
+        final_step: rounds.iter().map(|r| r.final_step).min().unwrap_or(0),
+        tensors: first.tensors,
+        bit_identical: rounds.iter().all(|r| r.bit_identical),
+    }
 }
 
 fn print_table(r: &Report) {
@@ -619,7 +718,10 @@ fn print_table(r: &Report) {
             "work redone",
             format!(
                 "{} completed steps, {} mid-step units; {} step records for {} steps",
-                r.lost_steps, r.redone_units, r.disturbed_step_records, r.steps
+                r.lost_steps,
+                r.redone_units,
+                r.disturbed_step_records,
+                r.steps * r.runs
             ),
         ),
         ("recovery time (sum)", format!("{:.3} s", r.recovery_s)),
