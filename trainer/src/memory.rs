@@ -152,8 +152,18 @@ pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
 
 /// `MemAvailable` of `/proc/meminfo` in bytes, if it can be read.
 pub fn available_memory() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+/// `MemTotal` of `/proc/meminfo` in bytes, if it can be read.
+pub fn total_memory() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+/// A `/proc/meminfo` line's value (kB) in bytes.
+fn meminfo(key: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib.saturating_mul(1024))
 }
