@@ -24,6 +24,7 @@ pub mod linear;
 pub mod lm_head;
 pub mod memory;
 pub mod norm;
+pub mod pool;
 pub mod rope;
 pub mod softmax;
 pub mod sum_tree;

@@ -585,13 +585,7 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
 
 /// One round: the job undisturbed in `dir/undisturbed`, then under the failures of seed
 /// `args.seed + round` (at the rate of this round's undisturbed step time) in `dir/disturbed`.
-fn one_round(
-    job: &Job,
-    args: &GoodputArgs,
-    steps: u64,
-    round: u64,
-    dir: &Path,
-) -> Result<Report> {
+fn one_round(job: &Job, args: &GoodputArgs, steps: u64, round: u64, dir: &Path) -> Result<Report> {
     let seed = args.seed + round;
     let mut quiet = job.launch(&dir.join("undisturbed"))?;
     let status = quiet.child.wait()?;

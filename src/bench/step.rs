@@ -21,6 +21,7 @@ use serde::Serialize;
 use trainer::model::params::{decays, param_count};
 use trainer::model::{Mode, ModelConfig, Stage, StageInput, StageLayout, StageOutput};
 use trainer::schedule::Unit;
+use trainer::usage::ProcessUsage;
 
 /// Benchmarked model and batch shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -100,6 +101,10 @@ struct Report {
     median_ms: f64,
     tokens_per_s: f64,
     peak_rss_mb: f64,
+    /// Minor page faults per timed step (the process's, as `getrusage` counts them).
+    page_faults_per_step: f64,
+    /// The share of the timed steps' CPU time spent in the kernel.
+    cpu_system_share: f64,
     losses: Vec<f64>,
     lr: f64,
     weight_decay: f64,
@@ -120,6 +125,12 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
             std::env::set_var("CANDLE_NUM_THREADS", t.to_string());
         }
     }
+    // The kernels run inside their pool, as in a stage worker (see `ops::pool`).
+    ops::pool::run_in_pool("bench", 0, || measure(args))?
+}
+
+/// The timed steps of `seqpipe bench step`, on the calling thread's compute pool.
+fn measure(args: &StepBenchArgs) -> Result<()> {
     let (model, batch, seq_len) = args.preset.shape();
     let layout = StageLayout {
         stage: 0,
@@ -142,7 +153,11 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
     let mut first_grads = None;
     let unit = Unit::new(0, 0);
     let loss_scale = 1.0 / (batch * seq_len) as f64;
+    let mut usage = ProcessUsage::default();
     for step in 0..=args.steps {
+        if step == 1 {
+            usage = ProcessUsage::now();
+        }
         let started = Instant::now();
         stage.begin_step(1);
         let out = stage.forward(
@@ -177,6 +192,8 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
             step_ms.push(ms);
         }
     }
+    let usage = ProcessUsage::now().since(&usage);
+    let cpu_s = (usage.user + usage.system).as_secs_f64();
     let peak_rss_mb = peak_rss_bytes()? as f64 / (1 << 20) as f64;
     let median_ms = median(&step_ms);
     let report = Report {
@@ -190,6 +207,12 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
         tokens_per_s: (batch * seq_len) as f64 / (median_ms / 1e3),
         step_ms,
         peak_rss_mb,
+        page_faults_per_step: usage.minor_faults as f64 / args.steps.max(1) as f64,
+        cpu_system_share: if cpu_s > 0.0 {
+            usage.system.as_secs_f64() / cpu_s
+        } else {
+            0.0
+        },
         losses,
         lr: LR,
         weight_decay: WEIGHT_DECAY,
@@ -223,11 +246,13 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
             report.preset, report.params, report.batch, report.seq_len, report.threads
         );
         println!(
-            "median {:.1} ms/step over {} steps ({:.0} tokens/s), peak RSS {:.0} MiB, loss {:.4} -> {:.4}",
+            "median {:.1} ms/step over {} steps ({:.0} tokens/s), peak RSS {:.0} MiB, {:.0} page faults/step, {:.1}% of CPU time in the kernel, loss {:.4} -> {:.4}",
             report.median_ms,
             report.steps,
             report.tokens_per_s,
             report.peak_rss_mb,
+            report.page_faults_per_step,
+            100.0 * report.cpu_system_share,
             report.losses[0],
             report.losses[report.losses.len() - 1]
         );

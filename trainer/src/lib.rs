@@ -14,3 +14,4 @@ pub mod plot;
 pub mod runtime;
 pub mod schedule;
 pub mod svg;
+pub mod usage;

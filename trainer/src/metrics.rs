@@ -46,6 +46,17 @@ pub struct StepMetrics {
     /// files written before it was recorded.
     #[serde(default, skip_serializing_if = "is_zero_usize")]
     pub gradient_buffers: usize,
+    /// Minor page faults of the worker processes since their previous step reports, summed
+    /// (the first step counts the workers' start): none in a steady state that reuses its
+    /// buffers; 0 in files written before it was recorded.
+    #[serde(default)]
+    pub page_faults: u64,
+    /// CPU seconds of the worker processes in user mode since their previous reports, summed.
+    #[serde(default)]
+    pub cpu_user_s: f64,
+    /// CPU seconds of the worker processes in the kernel since their previous reports, summed.
+    #[serde(default)]
+    pub cpu_system_s: f64,
     /// When the step ended (Unix seconds).
     #[serde(default)]
     pub end_unix_s: f64,

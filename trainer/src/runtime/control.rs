@@ -172,6 +172,17 @@ pub struct StepCost {
     /// stage's parameters (a quarter of `state_bytes`), which counts one of them.
     #[serde(default)]
     pub gradient_buffers: usize,
+    /// Minor page faults of the worker's process since its previous step report (this step's
+    /// units, the previous update, peer copies, checkpoint snapshots): none in a steady state
+    /// that reuses its buffers.
+    #[serde(default)]
+    pub page_faults: u64,
+    /// CPU seconds of the worker's process in user mode since its previous step report.
+    #[serde(default)]
+    pub cpu_user_s: f64,
+    /// CPU seconds of the worker's process in the kernel since its previous step report.
+    #[serde(default)]
+    pub cpu_system_s: f64,
     /// When each unit ran (only when the step was run with `trace`), in the order computed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unit_times: Vec<UnitTime>,

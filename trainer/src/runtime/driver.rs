@@ -78,6 +78,10 @@ struct StepReplies {
     gradient_buffers: usize,
     units: usize,
     compute_s: f64,
+    /// What the worker processes used since their previous reports, summed.
+    page_faults: u64,
+    cpu_user_s: f64,
+    cpu_system_s: f64,
     /// Per stage.
     peak_activation_bytes: Vec<u64>,
     /// Per stage.
@@ -102,6 +106,9 @@ impl StepReplies {
             gradient_buffers: 0,
             units: 0,
             compute_s: 0.0,
+            page_faults: 0,
+            cpu_user_s: 0.0,
+            cpu_system_s: 0.0,
             peak_activation_bytes: vec![0; stages],
             state_bytes: vec![0; stages],
             replaced: Vec::new(),
@@ -147,6 +154,9 @@ impl StepReplies {
         self.gradient_buffers = self.gradient_buffers.max(cost.gradient_buffers);
         self.units += cost.units;
         self.compute_s += cost.compute_s;
+        self.page_faults += cost.page_faults;
+        self.cpu_user_s += cost.cpu_user_s;
+        self.cpu_system_s += cost.cpu_system_s;
         self.redone.0 += cost.redone_units;
         self.redone.1 += cost.redone_s;
         if let Some(peak) = self.peak_activation_bytes.get_mut(stage) {
@@ -637,6 +647,9 @@ impl Driver<'_, '_> {
             state_bytes: replies.state_bytes,
             units: replies.units,
             compute_s: replies.compute_s,
+            page_faults: replies.page_faults,
+            cpu_user_s: replies.cpu_user_s,
+            cpu_system_s: replies.cpu_system_s,
             end_unix_s: unix_time_s(),
             loss,
             lr,

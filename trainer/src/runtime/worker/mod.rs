@@ -40,6 +40,7 @@ use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, open_source};
 use crate::model::{ModelError, Stage, partition_layers};
 use crate::schedule::{Delivered, ScheduleError, generate};
+use crate::usage::ProcessUsage;
 use execute::ValidSchedule;
 use record::StepRecord;
 use state_io::Checkpoints;
@@ -174,10 +175,23 @@ struct Worker {
     replay_skip: Delivered,
     /// See [`WorkerArgs::kill_switch`].
     kill_switch: Option<KillSwitch>,
+    /// The process's resource usage at the previous step report.
+    usage: ProcessUsage,
 }
 
 /// Runs a worker until the launcher says shut down. Errors are also reported to the launcher.
+/// The worker runs inside its compute pool (`RAYON_NUM_THREADS` threads, see [`ops::pool`]), so
+/// that its kernels' parallel loops start from there.
 pub fn run_worker(args: WorkerArgs) -> Result<(), WorkerError> {
+    let name = format!("stage-{}", args.stage);
+    ops::pool::run_in_pool(&name, 0, || serve_in_pool(args)).map_err(|source| WorkerError::Io {
+        what: "starting the worker's compute threads".into(),
+        source,
+    })?
+}
+
+/// [`run_worker`], on a thread of the compute pool.
+fn serve_in_pool(args: WorkerArgs) -> Result<(), WorkerError> {
     let control_err = |source| WorkerError::Control {
         addr: args.control.clone(),
         source,
@@ -445,6 +459,7 @@ impl Worker {
             record: StepRecord::default(),
             replay_skip: Delivered::default(),
             kill_switch: None,
+            usage: ProcessUsage::now(),
         })
     }
 
@@ -618,6 +633,12 @@ impl Worker {
         let gradient_buffers = self.stage.take_peak_gradient_buffers();
         let c = &mut self.record.cost;
         c.gradient_buffers = c.gradient_buffers.max(gradient_buffers);
+        let now = ProcessUsage::now();
+        let used = now.since(&self.usage);
+        self.usage = now;
+        c.page_faults += used.minor_faults;
+        c.cpu_user_s += used.user.as_secs_f64();
+        c.cpu_system_s += used.system.as_secs_f64();
         if let Some(dir) = &self.dump_grads {
             self.dump_gradients(dir, step)?;
         }
