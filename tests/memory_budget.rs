@@ -223,3 +223,90 @@ fn bench_schedule_measures_every_configuration() {
         "only 1F1B is over the budget:\n{stdout}"
     );
 }
+
+/// A remote node whose machine cannot hold its stage: its agent estimates the stage's memory
+/// against the machine's available memory before starting a worker, refuses, and the run stops at
+/// once with the numbers and the node's name (without the check, the worker died in an
+/// allocation abort that the coordinator took for a lost node, and recovered into the same abort
+/// until `max_restarts` ran out).
+#[test]
+fn a_remote_node_too_small_for_its_stage_refuses_it_and_the_run_stops_with_the_numbers() {
+    let dir = fresh_dir("node-too-small");
+    let addr = format!("127.0.0.1:{}", common::free_port());
+    let token = "node-memory-test";
+    // One stage of about 0.5 TB by the estimate (16-byte state for each of its 3.3e10
+    // parameters): more than any test machine has, far below the coordinator's own 1 PiB bound.
+    let sets = [
+        "model.vocab_size=1000000",
+        "model.d_model=16384",
+        "model.heads=128",
+        "model.layers=1",
+        "model.max_seq_len=16",
+        "train.seq_len=16",
+        "train.micro_batch_size=1",
+        "train.eval_every=0",
+        "train.steps=1",
+        "pipeline.stages=1",
+        "pipeline.microbatches=1",
+        "pipeline.splits=1",
+        "elastic.local_agents=false",
+        "elastic.join_timeout_s=60",
+    ];
+    let mut train = seqpipe();
+    train.args(["train", "-q"]);
+    for s in sets {
+        train.args(["--set", s]);
+    }
+    let run = dir.join("run");
+    let coordinator = train
+        .args(["--set", &format!("run.dir={}", run.display())])
+        .args(["--set", &format!("elastic.listen={addr}")])
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let agent_dir = dir.join("agent");
+    let mut agent = seqpipe()
+        .args(["agent", "--join", &addr, "--name", "small-node"])
+        .args(["--connect-timeout-s", "30", "--dir"])
+        .arg(&agent_dir)
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = coordinator.wait_with_output().unwrap();
+    let _ = agent.kill();
+    let agent_out = agent.wait_with_output().unwrap();
+    let (stderr, agent_log) = (
+        String::from_utf8_lossy(&out.stderr).to_string(),
+        String::from_utf8_lossy(&agent_out.stderr).to_string(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stderr}\nagent:\n{agent_log}");
+    for want in [
+        "node small-node cannot run worker slot(s) [0]",
+        "the model does not fit in memory",
+        "this node's available memory (MemAvailable)",
+        "model.vocab_size = 1000000",
+        "model.d_model = 16384",
+    ] {
+        assert!(
+            stderr.contains(want),
+            "missing {want:?} in:\n{stderr}\nagent:\n{agent_log}"
+        );
+    }
+    assert!(
+        !stderr.contains("recover") && !stderr.contains("lost"),
+        "a node too small must stop the run, not be recovered from:\n{stderr}"
+    );
+    assert!(
+        agent_log.contains("refusing to start workers"),
+        "agent:\n{agent_log}"
+    );
+    assert!(
+        !agent_log.contains("worker started"),
+        "the agent started a worker:\n{agent_log}"
+    );
+}

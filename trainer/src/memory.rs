@@ -53,16 +53,19 @@ impl StageMemory {
     params = largest.params,
     state = human(largest.state_bytes),
     activations = human(largest.activation_bytes),
-    all = if *local { format!("; all {stages} stages on this machine together need {}", human(*total)) } else { String::new() },
+    all = match together {
+        Some(n) => format!("; the {n} stage(s) on this machine together need {}", human(*total)),
+        None => String::new(),
+    },
     have = human(*available),
 )]
 pub struct MemoryError {
     /// The stage that needs the most.
     pub largest: StageMemory,
-    /// The sum over the stages.
+    /// The sum over the stages on this machine (all of them with `elastic.local_agents`).
     pub total: u64,
-    /// Whether every stage runs on this machine (`elastic.local_agents`).
-    pub local: bool,
+    /// How many stages share this machine, when their sum is what did not fit.
+    pub together: Option<usize>,
     /// Bytes available.
     pub available: u64,
     /// What `available` is ("this machine's available memory (MemAvailable)", ...).
@@ -205,9 +208,49 @@ pub fn check(cfg: &Config, available: Option<u64>) -> Result<Vec<StageMemory>, B
     Err(Box::new(MemoryError {
         largest,
         total,
-        local,
+        together: local.then_some(stages.len()),
         available,
         what,
+        vocab: m.vocab_size,
+        d_model: m.d_model,
+        layers: m.layers,
+        mbs: t.micro_batch_size,
+        seq_len: t.seq_len,
+        stages: cfg.pipeline.stages,
+    }))
+}
+
+/// Refuses to start the workers of `slots` (worker slots: replica · stages + stage) of `cfg` on
+/// this machine when, by the estimate, they need more than `available` bytes together (a remote
+/// node's `MemAvailable`): what an agent checks before it starts its workers, so that a node too
+/// small for its stages says so instead of dying in an allocation abort that looks like a lost
+/// node. `Ok` when the config cannot be split (the workers report that themselves).
+pub fn check_node(cfg: &Config, slots: &[usize], available: u64) -> Result<(), Box<MemoryError>> {
+    let Some(all) = estimate(cfg) else {
+        return Ok(());
+    };
+    let p = all.len();
+    let mine: Vec<&StageMemory> = slots
+        .iter()
+        .filter_map(|&s| all.get(s % p.max(1)))
+        .collect();
+    let Some(largest) = mine.iter().max_by_key(|s| s.total()).map(|s| (*s).clone()) else {
+        return Ok(());
+    };
+    let total = mine
+        .iter()
+        .map(|s| s.total())
+        .fold(0u64, u64::saturating_add);
+    if total <= available {
+        return Ok(());
+    }
+    let (m, t) = (&cfg.model, &cfg.train);
+    Err(Box::new(MemoryError {
+        largest,
+        total,
+        together: Some(mine.len()),
+        available,
+        what: "this node's available memory (MemAvailable)".to_string(),
         vocab: m.vocab_size,
         d_model: m.d_model,
         layers: m.layers,
@@ -242,6 +285,31 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("GiB") && err.contains("parameters"), "{err}");
+    }
+
+    #[test]
+    fn a_node_checks_the_sum_of_its_own_stages() {
+        let cfg = Config::default();
+        let stages = estimate(&cfg).unwrap();
+        let (one, two) = (stages[1].total(), stages[1].total() + stages[2].total());
+        assert!(check_node(&cfg, &[1], one).is_ok());
+        assert!(check_node(&cfg, &[1, 2], two).is_ok());
+        let err = check_node(&cfg, &[1, 2], two - 1).unwrap_err();
+        assert_eq!(
+            (err.total, err.together, err.available),
+            (two, Some(2), two - 1)
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("the 2 stage(s) on this machine together need")
+                && text.contains("this node's available memory"),
+            "{text}"
+        );
+        // Worker slots of a second replica map to their stages.
+        let p = cfg.pipeline.stages;
+        assert!(check_node(&cfg, &[p + 1], one).is_ok());
+        assert!(check_node(&cfg, &[p + 1], one - 1).is_err());
+        assert!(check_node(&cfg, &[], 0).is_ok());
     }
 
     #[test]

@@ -684,7 +684,20 @@ impl Incarnation<'_> {
                 };
                 check_start(&start, self.args.slots, self.args.local)
                     .map_err(|e| bad_message(self.args, e))?;
-                self.start_workers(start);
+                if !start.keep_running {
+                    stop(&mut self.workers, u64::MAX);
+                }
+                match self.memory_refusal(&start) {
+                    Some(error) => {
+                        warn!(stages = ?start.stages, %error, "refusing to start workers that do not fit in this node's memory");
+                        let _ = self.sender.send(&FromAgent::CannotStart {
+                            generation: start.generation,
+                            stages: start.stages,
+                            error,
+                        });
+                    }
+                    None => self.start_workers(start),
+                }
             }
             ToAgent::StopWorkers { generation } => {
                 stop(&mut self.workers, generation);
@@ -700,12 +713,24 @@ impl Incarnation<'_> {
         Ok(None)
     }
 
-    /// Starts the workers of a checked `StartWorkers` (after stopping the running ones unless it
+    /// Why this node cannot run the stages of `start`: by the estimate they need more than its
+    /// available memory ([`crate::memory::check_node`]). Local agents share the coordinator's
+    /// machine, which checked every stage together before the run started; a config that does not
+    /// parse is left to the workers to report.
+    fn memory_refusal(&self, start: &StartRequest) -> Option<String> {
+        if self.args.local {
+            return None;
+        }
+        let cfg = Config::from_toml(&start.config, "the coordinator's config").ok()?;
+        let available = crate::memory::available_memory()?;
+        crate::memory::check_node(&cfg, &start.stages, available)
+            .err()
+            .map(|e| e.to_string())
+    }
+
+    /// Starts the workers of a checked `StartWorkers` (the running ones were stopped unless it
     /// keeps them); a worker that cannot start is reported as exited.
     fn start_workers(&mut self, start: StartRequest) {
-        if !start.keep_running {
-            stop(&mut self.workers, u64::MAX);
-        }
         for &stage in &start.stages {
             let spec = WorkerSpec {
                 host: &self.host,

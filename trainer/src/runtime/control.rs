@@ -328,6 +328,14 @@ pub enum FromAgent {
     },
     /// The workers of `generation` are stopped (answer to [`ToAgent::StopWorkers`]).
     WorkersStopped { generation: u64 },
+    /// The node cannot run the worker slots `stages` of `generation` (answer to
+    /// [`ToAgent::StartWorkers`]): by the estimate they need more memory than the node has
+    /// (`error` says how much); none was started.
+    CannotStart {
+        generation: u64,
+        stages: Vec<usize>,
+        error: String,
+    },
     /// The node got a preemption notice: it leaves at the next step boundary.
     Leaving {
         /// The cloud's notice; `None` for SIGTERM.

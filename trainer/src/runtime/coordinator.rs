@@ -62,6 +62,12 @@ pub(super) enum Incoming {
     /// A node of the current plan is gone (its agent disconnected, restarted or stopped
     /// heartbeating), with why and how.
     NodeLost(NodeId, String, LossCause),
+    /// An agent of the current plan refused to start its workers (they would not fit in memory).
+    CannotStart {
+        node: NodeId,
+        stages: Vec<usize>,
+        error: String,
+    },
 }
 
 /// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
@@ -859,6 +865,22 @@ impl Coordinator {
                 })
             }
             FromAgent::WorkersStopped { .. } => None,
+            FromAgent::CannotStart {
+                generation,
+                stages,
+                error,
+            } => {
+                let current = self.state.current.as_ref();
+                if !current.is_some_and(|p| p.admits(generation)) {
+                    return None;
+                }
+                warn!(%node, ?stages, %error, "the node cannot run its stages");
+                Some(Incoming::CannotStart {
+                    node,
+                    stages,
+                    error,
+                })
+            }
             FromAgent::SnapshotHeld { step, names } => {
                 self.held
                     .entry(step)

@@ -82,6 +82,13 @@ pub enum LaunchError {
     /// so the run stops instead of recovering).
     #[error("stage {stage}: {error}")]
     OverBudget { stage: usize, error: String },
+    /// A node of the plan cannot run its stages (its agent's memory check refused them).
+    #[error("node {node} cannot run worker slot(s) {stages:?}: {error}")]
+    NodeTooSmall {
+        node: elastic::NodeId,
+        stages: Vec<usize>,
+        error: String,
+    },
     /// A worker failed in a way that would recur on any node (see
     /// [`FailureCause::Permanent`]): the run stops with its message.
     #[error("stage {stage}: {error}")]

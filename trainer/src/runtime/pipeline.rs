@@ -366,6 +366,15 @@ impl<'c> Pipeline<'c> {
                     cause: reason,
                 })
             }
+            Incoming::CannotStart {
+                node,
+                stages,
+                error,
+            } => Err(LaunchError::NodeTooSmall {
+                node,
+                stages,
+                error,
+            }),
             Incoming::Hello(conn, msg) | Incoming::Worker(conn, msg) => {
                 warn!(
                     conn,

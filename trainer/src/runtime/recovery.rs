@@ -131,6 +131,7 @@ pub fn after_error(error: &LaunchError) -> AfterError {
         | LaunchError::Checkpoint(_)
         | LaunchError::Run(_)
         | LaunchError::OverBudget { .. }
+        | LaunchError::NodeTooSmall { .. }
         | LaunchError::Permanent { .. } => AfterError::Stop,
     }
 }
