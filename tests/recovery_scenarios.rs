@@ -529,6 +529,36 @@ fn joining_node_grows_the_pipeline_at_the_boundary() {
     out.assert_bit_identical();
 }
 
+/// A node joins a 3-stage run during step 2, and is lost while the boundary's checkpoint is
+/// written, after the coordinator announced the growth and stopped the pipeline for it: the
+/// pipeline restarts on its three nodes (it used to fail with "the plan was to change but the
+/// elastic core kept it", found by `bench goodput`).
+#[test]
+fn a_joiner_lost_before_its_growth_is_adopted_restarts_the_same_nodes() {
+    let out = run(
+        "join-lost",
+        3,
+        &["pipeline.stages=3"],
+        vec![
+            Rule::at(0, 2, Pos::Action(0), |c, _| {
+                c.start_agent("node-3");
+                Verdict::Go
+            }),
+            Rule::at(0, 2, Pos::Message("checkpoint"), |c, _| {
+                c.kill_node("node-3");
+                Verdict::Go
+            }),
+        ],
+    );
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    out.assert_recovery(Tier::Handover, 0, (3, 3));
+    assert!(out.joined().is_empty(), "{:#?}", out.events);
+    let plans = out.plans();
+    assert_eq!(plans.len(), 1, "{plans:?}");
+    assert_eq!((plans[0].stages, plans[0].resume_from), (3, Some(2)));
+    out.assert_bit_identical();
+}
+
 /// A node killed in step 2 (no mid-step recovery) shrinks the pipeline to 3 stages from the peer
 /// snapshots; a new node joins in step 4 and the pipeline grows back to 4 at that boundary.
 #[test]

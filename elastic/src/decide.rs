@@ -107,7 +107,8 @@ pub enum Decision {
         /// Joiners admitted by the recovery, in the order they joined.
         joined: Vec<NodeId>,
     },
-    /// Admit joiners at this step boundary (also the first plan of a run).
+    /// Admit joiners at this step boundary (also the first plan of a run, and, with no joiner,
+    /// the same nodes again under a new generation: see [`restart_plan`]).
     Grow {
         /// The new plan (generation + 1).
         plan: Plan,
@@ -514,6 +515,32 @@ fn waits_note(joined: &[NodeId]) -> String {
         "{} {verb} for the next step boundary to join",
         named(joined)
     )
+}
+
+/// The current plan's nodes again, under the next generation from `state.step`: for a pipeline
+/// that stopped at a step boundary to change its plan when [`decide`] no longer changes it (the
+/// node that joined there was lost before the new plan was adopted), so that it restarts where
+/// it stopped, fenced from the workers it stopped. A `Grow` that admits nobody; `None` without a
+/// current plan, or when a node of the plan is no longer a member.
+pub fn restart_plan(state: &ClusterState) -> Option<(Decision, String)> {
+    let plan = state.current.as_ref()?;
+    let nodes: Vec<&NodeInfo> = plan
+        .nodes
+        .iter()
+        .map(|id| state.membership.get(id).map(|m| &m.info))
+        .collect::<Option<_>>()?;
+    let (new, text) = new_plan(&nodes, state, plan.generation + 1);
+    let reason = format!(
+        "the plan change at step {} was undone before it was adopted; restarting on the same nodes: {text}",
+        state.step
+    );
+    Some((
+        Decision::Grow {
+            plan: new,
+            joined: Vec::new(),
+        },
+        reason,
+    ))
 }
 
 /// The plan of `nodes` under the state's replica policy, and how it reads in a reason.

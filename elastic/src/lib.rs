@@ -52,7 +52,7 @@ pub mod preemption;
 pub mod seconds;
 
 pub use config::ElasticConfig;
-pub use decide::{ClusterState, Decision, Tier, buddies, decide, recovery_tier};
+pub use decide::{ClusterState, Decision, Tier, buddies, decide, recovery_tier, restart_plan};
 pub use error::ElasticError;
 pub use membership::{Member, Membership, NodeId, NodeInfo, NodeStatus};
 pub use plan::{Generation, Plan, ReplicaPolicy, best_layout, plan_for, plan_layout};

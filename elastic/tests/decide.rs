@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use elastic::{
     ClusterState, Decision, ElasticConfig, NodeId, NodeInfo, ReplicaPolicy, buddies, decide,
+    restart_plan,
 };
 
 /// A coordinator core with a hand-moved clock.
@@ -201,6 +202,35 @@ fn joiners_wait_for_a_step_boundary() {
         "node c joined at step 4; plan: 4 stages on a, b, c (generation 2)"
     );
     assert_eq!(sim.state.restarts, 0, "growing is not a restart");
+}
+
+/// A joiner announced at a boundary and lost before the growth was adopted: `decide` keeps the
+/// plan, and `restart_plan` gives the same nodes under the next generation (the stopped pipeline
+/// restarts, fenced from its old workers).
+#[test]
+fn a_growth_undone_before_adoption_restarts_the_same_nodes() {
+    let mut sim = Sim::started(cfg(), 8, &["a", "b"]);
+    sim.join("c", 1, 1.0);
+    sim.boundary(3);
+    assert!(matches!(sim.peek(2.0).0, Decision::Grow { .. }));
+    sim.fail("c", 2.5);
+    let (d, r) = sim.peek(3.0);
+    assert_eq!(d, Decision::Continue, "{r}");
+    let (d, r) = restart_plan(&sim.state).unwrap();
+    let Decision::Grow { plan, joined } = &d else {
+        panic!("{r}")
+    };
+    assert!(joined.is_empty());
+    assert_eq!((plan.generation, plan.step), (2, 3));
+    assert_eq!(plan.stages, ids("a b"));
+    assert_eq!(
+        r,
+        "the plan change at step 3 was undone before it was adopted; restarting on the same nodes: \
+         2 stages on a, b (generation 2)"
+    );
+    sim.state.apply(&d, sim.at(3.0));
+    assert_eq!(sim.state.restarts, 0, "not a recovery");
+    assert!(restart_plan(&ClusterState::new(8)).is_none(), "no plan yet");
 }
 
 #[test]

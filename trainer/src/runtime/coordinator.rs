@@ -1093,7 +1093,18 @@ impl Coordinator {
         let mut waiting_reason = String::new();
         let plan = loop {
             let now = Instant::now();
-            let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
+            let (decision, reason) = match decide(now, &self.state, &self.cfg.elastic) {
+                // The pipeline stopped for a change that is no longer wanted (its joiner was lost
+                // again): it restarts on the nodes it had.
+                (Decision::Continue, reason) => {
+                    elastic::restart_plan(&self.state).ok_or_else(|| {
+                        LaunchError::Protocol(format!(
+                            "the pipeline stopped for a plan change but there is no plan to restart: {reason}"
+                        ))
+                    })?
+                }
+                other => other,
+            };
             self.state.apply(&decision, now);
             match decision {
                 Decision::Recover { plan, .. }
@@ -1120,7 +1131,7 @@ impl Coordinator {
                 }
                 Decision::Continue => {
                     return Err(LaunchError::Protocol(format!(
-                        "the plan was to change but the elastic core kept it: {reason}"
+                        "the elastic core kept a plan it was asked to restart: {reason}"
                     )));
                 }
             }
