@@ -7,6 +7,7 @@
 //! time) in [`replicas`].
 
 pub mod goodput;
+pub mod overhead;
 pub mod replicas;
 pub mod schedule;
 pub mod step;
@@ -286,6 +287,13 @@ pub fn checkpoint_bench(
     );
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// A free loopback port for a run's coordinator.
+pub(crate) fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// The pids of a process's children (a local run: launcher -> agents -> workers).

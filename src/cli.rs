@@ -206,6 +206,9 @@ enum BenchCommand {
     Recovery(RecoveryBenchArgs),
     /// Training step time, throughput and peak memory of a whole model in one process.
     Step(crate::bench::step::StepBenchArgs),
+    /// The runtime's cost around the kernels: a one-stage `train` against `bench step` of the
+    /// same model and batch, and the default job's CPU and wall time outside units, per unit.
+    Overhead(crate::bench::overhead::OverheadArgs),
     /// GPipe, 1F1B and Seq1F1B on real pipeline runs: peak activation bytes per stage, and step
     /// time and bubble replayed from the measured unit times.
     Schedule(crate::bench::schedule::ScheduleBenchArgs),
@@ -485,6 +488,7 @@ fn bench(cmd: BenchCommand) -> Result<()> {
             stall_steps,
         } => crate::bench::checkpoint_bench(&urls, stages, rounds, stall_steps),
         BenchCommand::Step(args) => crate::bench::step::run(&args),
+        BenchCommand::Overhead(args) => crate::bench::overhead::run(&args),
         BenchCommand::Schedule(args) => crate::bench::schedule::run(&args),
         BenchCommand::Goodput(args) => crate::bench::goodput::run(&args),
         BenchCommand::Replicas(args) => crate::bench::replicas::run(&args),

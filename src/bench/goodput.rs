@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use super::{children_of, final_state, is_alive, sigkill};
+use super::{children_of, final_state, free_port, is_alive, sigkill};
 use trainer::config::Config;
 use trainer::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
 
@@ -340,13 +340,6 @@ impl Launched {
         }
         Ok(())
     }
-}
-
-/// A free loopback port for a run's coordinator.
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// A random job token (so replacement nodes can join and nothing else can).

@@ -33,6 +33,10 @@ pub struct StepMetrics {
     /// Seconds the stages spent computing them, summed.
     #[serde(default)]
     pub compute_s: f64,
+    /// CPU seconds the worker processes used during those units, summed (what `cpu_user_s` +
+    /// `cpu_system_s` has beyond it went to the runtime around the units).
+    #[serde(default)]
+    pub compute_cpu_s: f64,
     /// Bytes the workers sent in the gradient reduction between data-parallel replicas, summed
     /// (0 with one replica).
     #[serde(default, skip_serializing_if = "is_zero_u64")]

@@ -425,6 +425,7 @@ mod tests {
             state_bytes: vec![],
             units: 4,
             compute_s: 0.1,
+            compute_cpu_s: 0.0,
             reduce_bytes: 0,
             reduce_s: 0.0,
             gradient_buffers: 0,

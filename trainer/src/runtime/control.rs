@@ -141,6 +141,11 @@ pub struct StepCost {
     pub units: usize,
     /// Seconds spent in forward and backward units.
     pub compute_s: f64,
+    /// CPU seconds the worker's process used during those units (the rest of
+    /// [`StepCost::cpu_user_s`] + [`StepCost::cpu_system_s`] went to the runtime around them:
+    /// the update, messages, copies, peer snapshots).
+    #[serde(default)]
+    pub compute_cpu_s: f64,
     /// Bytes of boundary tensors (activations sent down, gradients sent up) kept for mid-step
     /// recovery until the step's update.
     pub retained_bytes: u64,

@@ -78,6 +78,7 @@ struct StepReplies {
     gradient_buffers: usize,
     units: usize,
     compute_s: f64,
+    compute_cpu_s: f64,
     /// What the worker processes used since their previous reports, summed.
     page_faults: u64,
     cpu_user_s: f64,
@@ -106,6 +107,7 @@ impl StepReplies {
             gradient_buffers: 0,
             units: 0,
             compute_s: 0.0,
+            compute_cpu_s: 0.0,
             page_faults: 0,
             cpu_user_s: 0.0,
             cpu_system_s: 0.0,
@@ -154,6 +156,7 @@ impl StepReplies {
         self.gradient_buffers = self.gradient_buffers.max(cost.gradient_buffers);
         self.units += cost.units;
         self.compute_s += cost.compute_s;
+        self.compute_cpu_s += cost.compute_cpu_s;
         self.page_faults += cost.page_faults;
         self.cpu_user_s += cost.cpu_user_s;
         self.cpu_system_s += cost.cpu_system_s;
@@ -647,6 +650,7 @@ impl Driver<'_, '_> {
             state_bytes: replies.state_bytes,
             units: replies.units,
             compute_s: replies.compute_s,
+            compute_cpu_s: replies.compute_cpu_s,
             page_faults: replies.page_faults,
             cpu_user_s: replies.cpu_user_s,
             cpu_system_s: replies.cpu_system_s,

@@ -68,6 +68,8 @@ impl StepRecord {
     pub(super) fn computed(&mut self, action: Action, started: UnitStart, redone: bool) {
         let elapsed = started.wall.elapsed();
         let seconds = elapsed.as_secs_f64();
+        let cpu = process_cpu_time().saturating_sub(started.cpu);
+        self.cost.compute_cpu_s += cpu.as_secs_f64();
         if let Some((epoch, epoch_us)) = self.trace_epoch {
             self.cost.unit_times.push(UnitTime {
                 unit: action.unit(),
@@ -75,7 +77,7 @@ impl StepRecord {
                 start_us: epoch_us
                     + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,
-                cpu_us: process_cpu_time().saturating_sub(started.cpu).as_micros() as u64,
+                cpu_us: cpu.as_micros() as u64,
                 redone,
             });
         }
