@@ -9,7 +9,7 @@
 //! newest step that the live agents cover completely.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufReader, BufWriter};
+use std::io::{BufReader, BufWriter, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{self, Gate, Purpose};
 use super::kill_switch::KillSwitch;
-use super::wire::{Frame, Limits, read_frame, write_frame};
+use super::wire::{Frame, Limits, read_frame, write_frame, write_frame_parts};
 use crate::checkpointing::shard::to_tensor_data;
 
 /// How many steps an agent keeps.
@@ -57,21 +57,32 @@ enum Reply {
     Tensors { tensors: Vec<TensorMeta> },
 }
 
-fn pack(tensors: &[(String, TensorData)]) -> (Vec<TensorMeta>, Vec<u8>) {
-    let mut payload = Vec::with_capacity(tensors.iter().map(|(_, t)| t.data.len()).sum());
-    let metas = tensors
+/// What a frame says of `tensors`, whose bytes follow in its payload in this order.
+fn metas(tensors: &[(String, TensorData)]) -> Vec<TensorMeta> {
+    tensors
         .iter()
-        .map(|(name, t)| {
-            payload.extend_from_slice(&t.data);
-            TensorMeta {
-                name: name.clone(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-                len: t.data.len(),
-            }
+        .map(|(name, t)| TensorMeta {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            len: t.data.len(),
         })
-        .collect();
-    (metas, payload)
+        .collect()
+}
+
+/// The payload of `tensors`, as the parts it is written from (no copy).
+fn parts(tensors: &[(String, TensorData)]) -> Vec<&[u8]> {
+    tensors.iter().map(|(_, t)| &t.data[..]).collect()
+}
+
+/// Writes a frame of `header` whose payload is the bytes of `tensors`.
+fn write_tensors(
+    w: &mut impl Write,
+    header: &impl Serialize,
+    tensors: &[(String, TensorData)],
+) -> std::io::Result<()> {
+    let header = serde_json::to_vec(header).map_err(std::io::Error::other)?;
+    write_frame_parts(w, &header, &parts(tensors))
 }
 
 /// Splits a payload into its tensors. Every number in `metas` is the peer's claim: lengths must
@@ -215,11 +226,10 @@ fn serve_connection(
                         })
                         .unwrap_or_default()
                 };
-                let (tensors, payload) = pack(&found);
-                write_frame(
-                    &mut writer,
-                    &Frame::new(&Reply::Tensors { tensors }, payload),
-                )?;
+                let reply = Reply::Tensors {
+                    tensors: metas(&found),
+                };
+                write_tensors(&mut writer, &reply, &found)?;
             }
         }
     }
@@ -258,8 +268,13 @@ impl Peer {
         })
     }
 
-    fn call(&mut self, request: &Request, payload: Vec<u8>) -> std::io::Result<(Reply, Vec<u8>)> {
-        write_frame(&mut self.writer, &Frame::new(request, payload))?;
+    /// Sends `request` with the bytes of `tensors` as its payload; the answer.
+    fn call(
+        &mut self,
+        request: &Request,
+        tensors: &[(String, TensorData)],
+    ) -> std::io::Result<(Reply, Vec<u8>)> {
+        write_tensors(&mut self.writer, request, tensors)?;
         let frame = read_frame(&mut self.reader, Limits::SNAPSHOT)?;
         Ok((frame.header()?, frame.payload))
     }
@@ -312,17 +327,16 @@ impl PeerCopier {
                         mark_done();
                         continue;
                     };
-                    let (metas, payload) = pack(&data);
                     let request = Request::Put {
                         step,
-                        tensors: metas,
+                        tensors: metas(&data),
                     };
                     for addr in &destinations {
                         let result = match peers.remove(addr) {
                             Some(p) => Ok(p),
                             None => Peer::connect(addr, &token, timeout, switch.as_ref()),
                         }
-                        .and_then(|mut p| p.call(&request, payload.clone()).map(|r| (p, r)));
+                        .and_then(|mut p| p.call(&request, &data).map(|r| (p, r)));
                         match result {
                             Ok((peer, (Reply::Stored, _))) => {
                                 peers.insert(addr.clone(), peer);
@@ -335,7 +349,7 @@ impl PeerCopier {
                     }
                     debug!(
                         step,
-                        bytes = payload.len(),
+                        bytes = data.iter().map(|(_, t)| t.data.len()).sum::<usize>(),
                         seconds = started.elapsed().as_secs_f64(),
                         "peer snapshots sent"
                     );
@@ -402,7 +416,7 @@ pub fn fetch(
             names: missing.iter().cloned().collect(),
         };
         let reply = Peer::connect(addr, token, timeout, None).and_then(|mut p| {
-            let (reply, payload) = p.call(&request, Vec::new())?;
+            let (reply, payload) = p.call(&request, &[])?;
             Ok((p.addr, reply, payload))
         });
         match reply {
@@ -502,17 +516,17 @@ mod tests {
         let timeout = Duration::from_secs(5);
         let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
         for step in 1..=3u64 {
-            let (metas, payload) = pack(&[
+            let tensors = [
                 ("a".into(), tensor(&[step as f32, 1.0])),
                 ("b".into(), tensor(&[2.0])),
-            ]);
+            ];
             let (reply, _) = peer
                 .call(
                     &Request::Put {
                         step,
-                        tensors: metas,
+                        tensors: metas(&tensors),
                     },
-                    payload,
+                    &tensors,
                 )
                 .unwrap();
             assert!(matches!(reply, Reply::Stored));

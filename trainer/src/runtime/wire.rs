@@ -77,13 +77,22 @@ impl Frame {
 
 /// Writes one frame.
 pub fn write_frame(w: &mut impl Write, frame: &Frame) -> io::Result<()> {
+    write_frame_parts(w, &frame.header, &[&frame.payload])
+}
+
+/// Writes one frame whose payload is `parts` one after the other, without gathering them into
+/// one buffer first (a peer snapshot's tensors).
+pub fn write_frame_parts(w: &mut impl Write, header: &[u8], parts: &[&[u8]]) -> io::Result<()> {
+    let payload_len: usize = parts.iter().map(|p| p.len()).sum();
     let mut prefix = [0u8; 16];
     prefix[..4].copy_from_slice(MAGIC);
-    prefix[4..8].copy_from_slice(&(frame.header.len() as u32).to_le_bytes());
-    prefix[8..].copy_from_slice(&(frame.payload.len() as u64).to_le_bytes());
+    prefix[4..8].copy_from_slice(&(header.len() as u32).to_le_bytes());
+    prefix[8..].copy_from_slice(&(payload_len as u64).to_le_bytes());
     w.write_all(&prefix)?;
-    w.write_all(&frame.header)?;
-    w.write_all(&frame.payload)?;
+    w.write_all(header)?;
+    for part in parts {
+        w.write_all(part)?;
+    }
     w.flush()
 }
 
