@@ -217,6 +217,54 @@ pub fn ettr(undisturbed_s: f64, disturbed_s: f64) -> f64 {
     undisturbed_s / disturbed_s
 }
 
+/// The median `step_time_s` of a run's clean steps: not its first step, not a step that a
+/// `recovered` event names or follows (those carry a recovery, or a rebuilt pipeline's first
+/// allocations), and run on as many stages as the first step (a pipeline shrunk by a loss may be
+/// slower: that is the failure's cost, not the machine's speed). How fast the machine ran the
+/// job's ordinary steps during that run.
+pub fn clean_median_step_s(lines: &str) -> Option<f64> {
+    let records = parse_records(lines);
+    let touched: std::collections::BTreeSet<u64> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Event(RunEvent::Recovered(r)) => Some([r.step, r.step + 1]),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let first = steps(&records).min_by_key(|s| s.step)?;
+    let (first, stages) = (first.step, first.peak_activation_bytes.len());
+    let mut times: Vec<f64> = steps(&records)
+        .filter(|s| s.step != first && !touched.contains(&s.step))
+        .filter(|s| s.peak_activation_bytes.len() == stages)
+        .map(|s| s.step_time_s)
+        .collect();
+    if times.is_empty() {
+        return None;
+    }
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    Some(if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    })
+}
+
+/// ETTR with the machine's speed drift taken out: the undisturbed wall time rescaled by how fast
+/// the disturbed run's clean steps ran compared with the undisturbed run's
+/// ([`clean_median_step_s`] of each), over the disturbed wall time. On a shared machine whose
+/// speed wanders by ±20% between runs a minute apart, this separates what the failures cost from
+/// what the machine did.
+pub fn speed_corrected_ettr(
+    undisturbed_s: f64,
+    disturbed_s: f64,
+    undisturbed_step_s: f64,
+    disturbed_step_s: f64,
+) -> f64 {
+    undisturbed_s * (disturbed_step_s / undisturbed_step_s) / disturbed_s
+}
+
 /// The mean of the `step_time_s` of a run's step records (the undisturbed seconds per step).
 fn mean_step_s(lines: &str) -> Option<f64> {
     let records = parse_records(lines);
@@ -241,6 +289,12 @@ struct Report {
     undisturbed_s: f64,
     disturbed_s: f64,
     ettr: f64,
+    /// Median seconds of the clean steps of each run ([`clean_median_step_s`]).
+    undisturbed_clean_step_s: f64,
+    disturbed_clean_step_s: f64,
+    /// [`speed_corrected_ettr`]; over all rounds, the rescaled undisturbed times summed over the
+    /// disturbed ones.
+    ettr_speed_corrected: f64,
     kills: BTreeMap<&'static str, u64>,
     replacement_nodes_started: u64,
     recoveries: BTreeMap<String, u64>,
@@ -561,9 +615,12 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
     }
     let total = summary_of(&reports);
     if args.rounds > 1 {
-        let ettrs: Vec<String> = reports.iter().map(|r| format!("{:.3}", r.ettr)).collect();
+        let ettrs: Vec<String> = reports
+            .iter()
+            .map(|r| format!("{:.3} ({:.3})", r.ettr, r.ettr_speed_corrected))
+            .collect();
         println!(
-            "all {} rounds (ETTR per round: {}):",
+            "all {} rounds (ETTR per round, speed-corrected in brackets: {}):",
             args.rounds,
             ettrs.join(" ")
         );
@@ -604,6 +661,8 @@ fn one_round(job: &Job, args: &GoodputArgs, steps: u64, round: u64, dir: &Path) 
         ),
     )?;
     let summary = summarize(&noisy.metrics());
+    let clean_u = clean_median_step_s(&quiet.metrics()).unwrap_or(step_s);
+    let clean_d = clean_median_step_s(&noisy.metrics()).unwrap_or(clean_u);
 
     let (reference_step, reference) = final_state(&quiet.url, &Default::default())?;
     let (final_step, state) = final_state(&noisy.url, &Default::default())?;
@@ -619,6 +678,9 @@ fn one_round(job: &Job, args: &GoodputArgs, steps: u64, round: u64, dir: &Path) 
         undisturbed_s,
         disturbed_s,
         ettr: ettr(undisturbed_s, disturbed_s),
+        undisturbed_clean_step_s: clean_u,
+        disturbed_clean_step_s: clean_d,
+        ettr_speed_corrected: speed_corrected_ettr(undisturbed_s, disturbed_s, clean_u, clean_d),
         kills: BTreeMap::from([("worker", done.worker_kills), ("node", done.node_kills)]),
         replacement_nodes_started: done.spares_started,
         recoveries: summary.recoveries.clone(),
@@ -652,6 +714,8 @@ fn summary_of(rounds: &[Report]) -> Report {
         }
     }
     let (undisturbed_s, disturbed_s) = (sum_f(|r| r.undisturbed_s), sum_f(|r| r.disturbed_s));
+    let rescaled =
+        sum_f(|r| r.undisturbed_s * r.disturbed_clean_step_s / r.undisturbed_clean_step_s);
     Report {
         round: None,
         runs: rounds.len() as u64,
@@ -664,6 +728,9 @@ fn summary_of(rounds: &[Report]) -> Report {
         undisturbed_s,
         disturbed_s,
         ettr: ettr(undisturbed_s, disturbed_s),
+        undisturbed_clean_step_s: sum_f(|r| r.undisturbed_clean_step_s) / rounds.len() as f64,
+        disturbed_clean_step_s: sum_f(|r| r.disturbed_clean_step_s) / rounds.len() as f64,
+        ettr_speed_corrected: rescaled / disturbed_s,
         kills,
         replacement_nodes_started: sum_u(|r| r.replacement_nodes_started),
         recoveries,
@@ -693,6 +760,13 @@ fn print_table(r: &Report) {
         ("undisturbed wall time", format!("{:.3} s", r.undisturbed_s)),
         ("disturbed wall time", format!("{:.3} s", r.disturbed_s)),
         ("ETTR", format!("{:.4}", r.ettr)),
+        (
+            "ETTR, speed-corrected",
+            format!(
+                "{:.4} (clean steps: undisturbed {:.4} s, disturbed {:.4} s)",
+                r.ettr_speed_corrected, r.undisturbed_clean_step_s, r.disturbed_clean_step_s
+            ),
+        ),
         (
             "kills",
             format!(
@@ -831,5 +905,36 @@ mod tests {
         assert_eq!((s.nodes_lost, s.nodes_joined, s.step_records), (1, 1, 2));
         assert_eq!(mean_step_s(&lines), Some(0.375));
         assert_eq!(ettr(9.0, 10.0), 0.9);
+    }
+
+    #[test]
+    fn clean_steps_leave_out_the_first_and_those_a_recovery_touched() {
+        let on = |stages: usize, n: u64, t: f64| {
+            format!(
+                r#"{{"step":{n},"peak_activation_bytes":{:?},"end_unix_s":{n}.0,"loss":1.0,"lr":0.1,"grad_norm":1.0,"tokens":8,"step_time_s":{t},"tokens_per_s":1.0}}"#,
+                vec![1; stages]
+            )
+        };
+        let step = |n: u64, t: f64| on(4, n, t);
+        let recovered = r#"{"at_unix_s":1.0,"event":"recovered","lost_steps":0,"recovery_s":0.5,"stages_after":4,"stages_before":4,"step":3,"tier":"mid_step"}"#;
+        // Step 1 (start), steps 3 and 4 (the recovery and the one after) and step 7 (on 3 stages)
+        // are not clean.
+        let lines = [
+            step(1, 9.0),
+            step(2, 0.30),
+            recovered.to_string(),
+            step(3, 2.0),
+            step(4, 0.9),
+            step(5, 0.32),
+            step(6, 0.34),
+            on(3, 7, 0.5),
+        ]
+        .join("\n");
+        assert_eq!(clean_median_step_s(&lines), Some(0.32));
+        assert_eq!(clean_median_step_s(&step(1, 0.5)), None);
+        // The undisturbed run took 20 s at 0.4 s per clean step; the disturbed one 18 s at 0.3:
+        // at its speed the job would have taken 15 s undisturbed.
+        let corrected = speed_corrected_ettr(20.0, 18.0, 0.4, 0.3);
+        assert!((corrected - 15.0 / 18.0).abs() < 1e-12, "{corrected}");
     }
 }
