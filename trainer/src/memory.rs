@@ -84,6 +84,34 @@ pub struct MemoryError {
     pub stages: usize,
 }
 
+impl MemoryError {
+    /// The error for `cfg`, whose `largest` stage (or `together` stages, `total` bytes) did not
+    /// fit in `available` bytes of `what`.
+    fn new(
+        cfg: &Config,
+        largest: StageMemory,
+        total: u64,
+        together: Option<usize>,
+        available: u64,
+        what: String,
+    ) -> Box<Self> {
+        let (m, t) = (&cfg.model, &cfg.train);
+        Box::new(Self {
+            largest,
+            total,
+            together,
+            available,
+            what,
+            vocab: m.vocab_size,
+            d_model: m.d_model,
+            layers: m.layers,
+            mbs: t.micro_batch_size,
+            seq_len: t.seq_len,
+            stages: cfg.pipeline.stages,
+        })
+    }
+}
+
 /// Bytes as GiB (or bytes when small), for messages.
 fn human(bytes: u64) -> String {
     if bytes == u64::MAX {
@@ -204,20 +232,10 @@ pub fn check(cfg: &Config, available: Option<u64>) -> Result<Vec<StageMemory>, B
     if need <= available {
         return Ok(stages);
     }
-    let (m, t) = (&cfg.model, &cfg.train);
-    Err(Box::new(MemoryError {
-        largest,
-        total,
-        together: local.then_some(stages.len()),
-        available,
-        what,
-        vocab: m.vocab_size,
-        d_model: m.d_model,
-        layers: m.layers,
-        mbs: t.micro_batch_size,
-        seq_len: t.seq_len,
-        stages: cfg.pipeline.stages,
-    }))
+    let together = local.then_some(stages.len());
+    Err(MemoryError::new(
+        cfg, largest, total, together, available, what,
+    ))
 }
 
 /// Refuses to start the workers of `slots` (worker slots: replica · stages + stage) of `cfg` on
@@ -244,20 +262,15 @@ pub fn check_node(cfg: &Config, slots: &[usize], available: u64) -> Result<(), B
     if total <= available {
         return Ok(());
     }
-    let (m, t) = (&cfg.model, &cfg.train);
-    Err(Box::new(MemoryError {
+    let what = "this node's available memory (MemAvailable)".to_string();
+    Err(MemoryError::new(
+        cfg,
         largest,
         total,
-        together: Some(mine.len()),
+        Some(mine.len()),
         available,
-        what: "this node's available memory (MemAvailable)".to_string(),
-        vocab: m.vocab_size,
-        d_model: m.d_model,
-        layers: m.layers,
-        mbs: t.micro_batch_size,
-        seq_len: t.seq_len,
-        stages: cfg.pipeline.stages,
-    }))
+        what,
+    ))
 }
 
 #[cfg(test)]
