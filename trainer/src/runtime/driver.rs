@@ -621,23 +621,14 @@ impl Driver<'_, '_> {
             None
         };
         if let Some(trace) = &mut self.trace {
-            let step_us = (step_time_s * 1e6) as u64;
-            trace.coordinator(
-                &format!("step {step}"),
-                step,
-                step_started_us,
-                step_us,
-                json!({"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens as f64 / step_time_s}),
-            );
+            let per_s = tokens as f64 / step_time_s;
+            let args = json!({"loss": loss, "grad_norm": grad_norm, "tokens_per_s": per_s});
+            let (name, step_us) = (format!("step {step}"), (step_time_s * 1e6) as u64);
+            trace.coordinator(&name, step, step_started_us, step_us, args);
             if let Some(v) = val_loss {
                 let eval_us = unix_time_us().saturating_sub(eval_started_us);
-                trace.coordinator(
-                    "eval",
-                    step,
-                    eval_started_us,
-                    eval_us,
-                    json!({"val_loss": v}),
-                );
+                let args = json!({"val_loss": v});
+                trace.coordinator("eval", step, eval_started_us, eval_us, args);
             }
         }
         let record = StepMetrics {
