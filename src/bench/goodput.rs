@@ -21,6 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
+use super::step::median;
 use super::{children_of, final_state, free_port, is_alive, sigkill};
 use trainer::config::Config;
 use trainer::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
@@ -234,21 +235,12 @@ pub fn clean_median_step_s(lines: &str) -> Option<f64> {
         .collect();
     let first = steps(&records).min_by_key(|s| s.step)?;
     let (first, stages) = (first.step, first.peak_activation_bytes.len());
-    let mut times: Vec<f64> = steps(&records)
+    let times: Vec<f64> = steps(&records)
         .filter(|s| s.step != first && !touched.contains(&s.step))
         .filter(|s| s.peak_activation_bytes.len() == stages)
         .map(|s| s.step_time_s)
         .collect();
-    if times.is_empty() {
-        return None;
-    }
-    times.sort_by(f64::total_cmp);
-    let n = times.len();
-    Some(if n % 2 == 1 {
-        times[n / 2]
-    } else {
-        (times[n / 2 - 1] + times[n / 2]) / 2.0
-    })
+    (!times.is_empty()).then(|| median(&times))
 }
 
 /// ETTR with the machine's speed drift taken out: the undisturbed wall time rescaled by how fast
@@ -600,7 +592,8 @@ pub fn run(args: &GoodputArgs) -> Result<()> {
             base.join(format!("round-{round}"))
         };
         let report = one_round(&job, args, cfg.train.steps, round, &dir)?;
-        if args.rounds > 1 {
+        // With one round the summary below is that round, unless the round fails its check.
+        if args.rounds > 1 || !report.bit_identical {
             println!("round {round} (seed {}):", report.seed);
             print_table(&report);
             println!("{}", serde_json::to_string(&report)?);

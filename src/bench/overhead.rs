@@ -25,7 +25,7 @@ use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
 use serde::Serialize;
 
-use super::step::Preset;
+use super::step::{Preset, median};
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::runtime::events::{parse_records, steps};
@@ -126,7 +126,7 @@ pub fn run(args: &OverheadArgs) -> Result<()> {
         );
         rounds.push(r);
     }
-    let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
+    let med = |f: fn(&Round) -> f64| median(&rounds.iter().map(f).collect::<Vec<_>>());
     let summary = serde_json::json!({
         "preset": args.preset,
         "threads": args.threads,
@@ -239,7 +239,7 @@ fn boundary_tokens_per_s(records: &[StepMetrics]) -> Option<f64> {
         .windows(2)
         .map(|w| w[1].tokens as f64 / (w[1].end_unix_s - w[0].end_unix_s))
         .collect();
-    (!rates.is_empty()).then(|| median(rates))
+    (!rates.is_empty()).then(|| median(&rates))
 }
 
 /// Per unit, the medians over the steps after the first: worker CPU ms outside units, stage wall
@@ -247,30 +247,16 @@ fn boundary_tokens_per_s(records: &[StepMetrics]) -> Option<f64> {
 fn outside_units(records: &[StepMetrics], stages: usize) -> Option<(f64, f64, usize, f64)> {
     let timed = records.get(1..).filter(|t| !t.is_empty())?;
     let per_unit = |f: &dyn Fn(&StepMetrics) -> f64| {
-        median(
-            timed
-                .iter()
-                .map(|r| 1e3 * f(r) / r.units.max(1) as f64)
-                .collect(),
-        )
+        let values: Vec<f64> = timed
+            .iter()
+            .map(|r| 1e3 * f(r) / r.units.max(1) as f64)
+            .collect();
+        median(&values)
     };
     let cpu = per_unit(&|r| r.cpu_user_s + r.cpu_system_s - r.compute_cpu_s);
     let wall = per_unit(&|r| stages as f64 * r.step_time_s - r.compute_s);
-    let step_s = median(timed.iter().map(|r| r.step_time_s).collect());
+    let step_s = median(&timed.iter().map(|r| r.step_time_s).collect::<Vec<_>>());
     Some((cpu, wall, timed[0].units, step_s))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 #[cfg(test)]
