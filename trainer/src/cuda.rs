@@ -20,8 +20,6 @@ pub fn require_runnable_device(model: &ModelConfig) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
         gpu::libraries_present()?;
-        bail!(
-            "model.device = \"cuda\": the pipeline runtime does not run CUDA stages yet (the kernels and a one-GPU trainer exist: `seqpipe gpu check`, `seqpipe gpu bench`); set model.device = \"cpu\""
-        )
+        bail!(crate::model::compute::NO_CUDA_STAGES)
     }
 }

@@ -36,13 +36,6 @@ pub fn snapshot(stage: &Stage, optimizer: &AdamW) -> Vec<(String, Tensor)> {
     out
 }
 
-/// Every tensor name a stage must read to restore itself (parameters, and moments when the
-/// optimizer has taken a step).
-pub fn names_to_restore(stage: &Stage, with_moments_too: bool) -> Vec<String> {
-    let params: Vec<String> = stage.params().iter().map(|(n, _)| n.to_string()).collect();
-    with_moments(&params, with_moments_too)
-}
-
 /// `params`, followed by their AdamW moments' names when `moments`.
 pub fn with_moments(params: &[String], moments: bool) -> Vec<String> {
     let mut names = params.to_vec();

@@ -2,12 +2,14 @@
 //! (micro-batch, segment) unit.
 
 pub mod block;
+pub mod compute;
 pub mod config;
 pub mod norm;
 pub mod params;
 pub mod partition;
 pub mod stage;
 
+pub use compute::{CpuStage, StageCompute, StageSpec, UpdateSettings, build_stage};
 pub use config::{ModelConfig, Norm, Position};
 pub use partition::{StageLayout, partition_layers};
 pub use stage::{Mode, ModelError, Stage, StageInput, StageOutput};

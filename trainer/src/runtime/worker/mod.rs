@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use checkpoint::CheckpointError;
-use ops::adamw::{AdamW, AdamWConfig};
+use ops::adamw::AdamWConfig;
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
@@ -38,7 +38,9 @@ use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, open_source};
-use crate::model::{ModelError, Stage, partition_layers};
+use crate::model::{
+    ModelError, StageCompute, StageSpec, UpdateSettings, build_stage, partition_layers,
+};
 use crate::schedule::{Delivered, ScheduleError, generate};
 use crate::usage::ProcessUsage;
 use execute::ValidSchedule;
@@ -140,8 +142,7 @@ pub struct WorkerArgs {
 /// A running worker.
 struct Worker {
     cfg: Config,
-    stage: Stage,
-    optimizer: AdamW,
+    stage: Box<dyn StageCompute>,
     data: Option<Box<dyn TokenSource>>,
     schedule: ValidSchedule,
     segment_lengths: Vec<usize>,
@@ -416,8 +417,21 @@ impl Worker {
         let segment_lengths = cfg.segment_lengths()?;
         let (first, last) = (layout.is_first(), layout.is_last());
         info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
-        let mut stage = Stage::new(&cfg.model, layout, segment_lengths.clone(), cfg.train.seed)?;
-        stage.set_memory_budget(cfg.train.memory_budget());
+        let t = &cfg.train;
+        let stage = build_stage(
+            &cfg.model,
+            StageSpec {
+                layout,
+                segment_lengths: segment_lengths.clone(),
+                seed: t.seed,
+                adamw: AdamWConfig {
+                    beta1: t.beta1,
+                    beta2: t.beta2,
+                    eps: t.eps,
+                },
+                memory_budget: t.memory_budget(),
+            },
+        )?;
         let data = if first || last {
             Some(open_source(&cfg.data, cfg.model.vocab_size)?)
         } else {
@@ -429,16 +443,9 @@ impl Worker {
             local_micro_batches,
             cfg.pipeline.splits,
         )?)?;
-        let t = &cfg.train;
-        let optimizer = AdamW::new(AdamWConfig {
-            beta1: t.beta1,
-            beta2: t.beta2,
-            eps: t.eps,
-        });
         Ok(Self {
             cfg,
             stage,
-            optimizer,
             data,
             schedule,
             segment_lengths,
@@ -556,7 +563,7 @@ impl Worker {
                         .send(&ToLauncher::Updated { stage: r, step })
                         .map_err(&control_err)?;
                     if snapshot {
-                        self.copy_to_peers(step);
+                        self.copy_to_peers(step)?;
                     }
                     None
                 }
@@ -660,13 +667,12 @@ impl Worker {
     /// Clips with `clip_coefficient` and applies AdamW with learning rate `lr`.
     fn apply(&mut self, lr: f64, clip_coefficient: f64) -> Result<(), WorkerError> {
         let t = &self.cfg.train;
-        self.stage.apply_update(
-            &mut self.optimizer,
+        self.stage.apply_update(UpdateSettings {
             lr,
             clip_coefficient,
-            t.weight_decay,
-            t.decay_embeddings,
-        )?;
+            weight_decay: t.weight_decay,
+            decay_embeddings: t.decay_embeddings,
+        })?;
         Ok(())
     }
 }

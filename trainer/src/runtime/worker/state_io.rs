@@ -13,9 +13,7 @@ use tracing::info;
 
 use super::{Worker, WorkerError, io_error};
 use crate::checkpointing::hf;
-use crate::checkpointing::shard::{
-    from_tensor_data, names_to_restore, restore, snapshot, to_tensor_data,
-};
+use crate::checkpointing::shard::{from_tensor_data, to_tensor_data, with_moments};
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
 use crate::runtime::control::{ControlSender, ToLauncher};
@@ -133,7 +131,7 @@ impl Worker {
     /// Snapshots the state after `step` and hands it to the uploader (the step's only stall).
     pub(super) fn queue_checkpoint(&self, step: u64) -> Result<(), WorkerError> {
         let started = Instant::now();
-        let tensors = snapshot(&self.stage, &self.optimizer);
+        let tensors = self.stage.state()?;
         let snapshot_s = started.elapsed().as_secs_f64();
         let checkpoints = self
             .checkpoints
@@ -150,10 +148,11 @@ impl Worker {
     }
 
     /// Copies the state after `step` to the agents' memory (when peer snapshots are on).
-    pub(super) fn copy_to_peers(&self, step: u64) {
+    pub(super) fn copy_to_peers(&self, step: u64) -> Result<(), WorkerError> {
         if let Some(copier) = &self.peer_copier {
-            copier.copy(step, snapshot(&self.stage, &self.optimizer));
+            copier.copy(step, self.stage.state()?);
         }
+        Ok(())
     }
 
     /// Loads this stage's tensors (by name, whatever the partition that wrote them) from the
@@ -174,7 +173,7 @@ impl Worker {
                 ),
             }
         })?;
-        let names = names_to_restore(&self.stage, state.optimizer_step > 0);
+        let names = with_moments(&self.stage.param_names(), state.optimizer_step > 0);
         let tensors = ckpt
             .runtime
             .block_on(ckpt.store.read_tensors(&manifest, &names))?;
@@ -182,13 +181,7 @@ impl Worker {
             .iter()
             .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        restore(
-            &mut self.stage,
-            &mut self.optimizer,
-            tensors,
-            state.optimizer_step,
-        )?;
-        self.stage.reset_step();
+        self.stage.load_state(tensors, state.optimizer_step)?;
         info!(step, tensors = names.len(), "restored from checkpoint");
         Ok(())
     }
@@ -199,7 +192,7 @@ impl Worker {
         step: u64,
         sources: &[String],
     ) -> Result<(), WorkerError> {
-        let names = names_to_restore(&self.stage, step > 0);
+        let names = with_moments(&self.stage.param_names(), step > 0);
         let timeout = self.cfg.pipeline.timeout();
         let tensors = peer_snapshots::fetch(sources, step, &names, &self.token, timeout)
             .map_err(WorkerError::Protocol)?;
@@ -207,21 +200,19 @@ impl Worker {
             .iter()
             .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        restore(&mut self.stage, &mut self.optimizer, tensors, step)?;
-        self.stage.reset_step();
+        self.stage.load_state(tensors, step)?;
         info!(step, tensors = names.len(), "restored from peer snapshots");
         // Under this plan the copies sit on other agents than the ones just read: copy the state
         // there at once, so that a loss in the next step finds its step-start state even when
         // it takes out an agent that served this restore.
-        self.copy_to_peers(step);
-        Ok(())
+        self.copy_to_peers(step)
     }
 
     /// Loads initial parameters from a Hugging Face GPT-2 directory (fresh optimizer).
     pub(super) fn init_from(&mut self, dir: &Path) -> Result<(), WorkerError> {
-        let names = names_to_restore(&self.stage, false);
+        let names = with_moments(&self.stage.param_names(), false);
         let tensors = hf::import(&self.cfg.model, dir, &names)?;
-        restore(&mut self.stage, &mut self.optimizer, tensors, 0)?;
+        self.stage.load_state(tensors, 0)?;
         info!(dir = %dir.display(), "initialized from a Hugging Face directory");
         Ok(())
     }
@@ -230,18 +221,7 @@ impl Worker {
     pub(super) fn dump_gradients(&self, dir: &Path, step: u64) -> Result<(), WorkerError> {
         let io = io_error(format!("writing gradients to {}", dir.display()));
         std::fs::create_dir_all(dir).map_err(io)?;
-        let grads: HashMap<String, Tensor> = self
-            .stage
-            .params()
-            .specs()
-            .iter()
-            .filter_map(|s| {
-                self.stage
-                    .grads()
-                    .get(&s.name)
-                    .map(|g| (s.name.clone(), g.clone()))
-            })
-            .collect();
+        let grads: HashMap<String, Tensor> = self.stage.gradients()?.into_iter().collect();
         candle_core::safetensors::save(
             &grads,
             dir.join(format!("step-{step}-stage-{}.safetensors", self.index())),
