@@ -17,7 +17,9 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use crate::cpu::{Float, Mat, Threads, View, contiguous, dispatch_float, matmul, tensor};
+use crate::cpu::{
+    Float, Mat, Threads, View, contiguous, dispatch_float, lane_max, lane_sum, matmul, tensor,
+};
 use crate::error::Result;
 use crate::memory::SavedTensors;
 use crate::util::{dims4, expect_float, shape_err};
@@ -165,15 +167,12 @@ fn forward<T: Float>(
                         for (i, row) in probs.chunks_mut(lk).enumerate() {
                             let visible = p + t0 + i + 1;
                             let (seen, masked) = row.split_at_mut(visible);
-                            let max = seen
-                                .iter()
-                                .fold(T::neg_infinity(), |m, &x| num_traits::Float::max(m, x))
-                                * scale;
-                            let mut sum = T::zero();
-                            for x in seen.iter_mut() {
-                                *x = (*x * scale - max).exp_fast();
-                                sum += *x;
-                            }
+                            let max = lane_max(seen) * scale;
+                            // The exponentials first, then their sum in lanes: both loops
+                            // vectorize (a running sum would serialize the exponentials).
+                            seen.iter_mut()
+                                .for_each(|x| *x = (*x * scale - max).exp_fast());
+                            let sum = lane_sum(seen);
                             let inv = T::one() / sum;
                             seen.iter_mut().for_each(|x| *x *= inv);
                             masked.fill(T::zero());

@@ -223,6 +223,53 @@ fn add_in_order<T: Float>(partials: Vec<Vec<T>>, len: usize) -> Vec<T> {
     total
 }
 
+/// Lanes of [`lane_sum`] and [`lane_max`]: one AVX register of f32.
+const LANES: usize = 8;
+
+/// The sum of `xs` in a fixed order that vectorizes: lane `j` sums `xs[j]`, `xs[j + 8]`, …, then
+/// the lanes are added in order. The order depends only on `xs.len()`, never on the thread count.
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(xs: &[T]) -> T {
+    lane_sum_by(xs, |x| x)
+}
+
+/// `f` of every element of `xs`, summed in the order of [`lane_sum`] (so that
+/// `lane_sum_by(xs, f)` equals `lane_sum` of the mapped values, bit for bit).
+#[inline(always)]
+pub(crate) fn lane_sum_by<T: Float>(xs: &[T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [T::zero(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f(x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(rest) {
+        *a += f(x);
+    }
+    acc.into_iter().fold(T::zero(), |s, a| s + a)
+}
+
+/// The largest of `xs` (`-inf` for none; NaNs are ignored, as by `f32::max`), in lanes that
+/// vectorize. Exact: the maximum does not depend on the order.
+#[inline(always)]
+pub(crate) fn lane_max<T: Float>(xs: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = num_traits::Float::max(*a, x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(rest) {
+        *a = num_traits::Float::max(*a, x);
+    }
+    acc.into_iter()
+        .fold(T::neg_infinity(), num_traits::Float::max)
+}
+
 /// `acc += row`, elementwise.
 pub(crate) fn add_assign<T: Float>(acc: &mut [T], row: &[T]) {
     acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
@@ -342,6 +389,32 @@ pub(crate) fn matmul<T: Float>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lane_reductions_are_exact_where_they_must_be_and_fixed_in_order() {
+        for n in [0usize, 1, 7, 8, 9, 31, 1000] {
+            let xs: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37)
+                .collect();
+            let seq: f64 = xs.iter().map(|&x| x as f64).sum();
+            let lanes = lane_sum(&xs);
+            assert!(
+                (lanes as f64 - seq).abs() <= 1e-4 * (1.0 + seq.abs()),
+                "n={n}: {lanes} vs {seq}"
+            );
+            // The mapped sum is the sum of the mapped values, bit for bit.
+            let mapped: Vec<f32> = xs.iter().map(|&x| exp_f32(x * 0.1)).collect();
+            assert_eq!(
+                lane_sum_by(&xs, |x| exp_f32(x * 0.1)).to_bits(),
+                lane_sum(&mapped).to_bits()
+            );
+            let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(lane_max(&xs).to_bits(), max.to_bits(), "n={n}");
+        }
+        // NaNs are ignored, as by f32::max; an all-NaN row has no maximum.
+        assert_eq!(lane_max(&[1.0f32, f32::NAN, 3.0, f32::NAN]), 3.0);
+        assert_eq!(lane_max::<f32>(&[]), f32::NEG_INFINITY);
+    }
 
     #[test]
     fn exp_f32_is_within_two_ulps() {

@@ -5,16 +5,16 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use crate::cpu::{Float, View, contiguous, dispatch_float, tensor};
+use crate::cpu::{
+    Float, View, contiguous, dispatch_float, lane_max, lane_sum, lane_sum_by, tensor,
+};
 use crate::error::Result;
 use crate::util::{check_indices, dims2, expect_float, shape_err};
 
 /// The largest logit of a row.
 #[inline]
 fn row_max<T: Float>(row: &[T]) -> T {
-    row.iter()
-        .copied()
-        .fold(T::neg_infinity(), num_traits::Float::max)
+    lane_max(row)
 }
 
 /// `-log softmax(row)[target] = log(sum) - (row[target] - max)`.
@@ -45,13 +45,13 @@ pub(crate) fn rows_loss<T: Float>(
             let target_logit = row[target];
             let max = row_max(row);
             let Some(scale) = grad_scale else {
-                let sum = row.iter().map(|&l| (l - max).exp_fast()).sum();
+                let sum = lane_sum_by(row, |l| (l - max).exp_fast());
                 *loss = row_loss(target_logit, max, sum).to_f64();
                 return;
             };
             // The same sum as without the gradient, keeping the exponentials.
             row.iter_mut().for_each(|l| *l = (*l - max).exp_fast());
-            let sum: T = row.iter().copied().sum();
+            let sum = lane_sum(row);
             *loss = row_loss(target_logit, max, sum).to_f64();
             let factor = scale / sum;
             row.iter_mut().for_each(|e| *e *= factor);
