@@ -119,6 +119,14 @@ fn block(t0: usize, s: usize, p: usize) -> (usize, usize, usize) {
     (t0, t1, p + t1)
 }
 
+/// The first `len` elements of `scratch`, grown (with zeros) when it is shorter; old contents stay.
+fn reuse<T: Float>(scratch: &mut Vec<T>, len: usize) -> &mut [T] {
+    if scratch.len() < len {
+        scratch.resize(len, T::zero());
+    }
+    &mut scratch[..len]
+}
+
 /// Scores of queries `q_blk` `(nb, D)` against keys `k` `(lk, D)` into `scores` `(nb, lk)`.
 fn block_scores<T: Float>(scores: &mut [T], q_blk: &[T], k: &[T], nb: usize, lk: usize, d: usize) {
     matmul(
@@ -159,11 +167,13 @@ fn forward<T: Float>(
                 out.par_chunks_mut(Q_BLOCK * d)
                     .zip(lse.par_chunks_mut(Q_BLOCK))
                     .enumerate()
-                    .for_each(|(blk, (out, lse))| {
+                    // One score buffer per task, reused by its blocks: the gemm overwrites
+                    // every entry it is given, so it is never cleared.
+                    .for_each_init(Vec::new, |scratch, (blk, (out, lse))| {
                         let (t0, t1, lk) = block(blk * Q_BLOCK, s, p);
                         let nb = t1 - t0;
-                        let mut probs = vec![T::zero(); nb * lk]; // (nb, lk)
-                        block_scores(&mut probs, &q[t0 * d..t1 * d], k, nb, lk, d);
+                        let probs = reuse(scratch, nb * lk); // (nb, lk)
+                        block_scores(probs, &q[t0 * d..t1 * d], k, nb, lk, d);
                         for (i, row) in probs.chunks_mut(lk).enumerate() {
                             let visible = p + t0 + i + 1;
                             let (seen, masked) = row.split_at_mut(visible);
@@ -182,7 +192,7 @@ fn forward<T: Float>(
                             out,
                             d,
                             false,
-                            Mat::rows(&probs, nb, lk, lk),
+                            Mat::rows(probs, nb, lk, lk),
                             Mat::rows(v, lk, d, d),
                             Threads::One,
                         );
@@ -308,13 +318,17 @@ fn head_backward<T: Float>(
     sh: Shape,
 ) {
     let Shape { s, p, d, .. } = sh;
+    // Score buffers for the largest block, reused by every block: the gemms overwrite every entry
+    // they are given, so they are never cleared.
+    let most = Q_BLOCK.min(s) * sh.l();
+    let (mut probs_buf, mut ds_buf) = (vec![T::zero(); most], vec![T::zero(); most]);
     for t0 in (0..s).step_by(Q_BLOCK) {
         let (t0, t1, lk) = block(t0, s, p);
         let nb = t1 - t0;
         let (q_blk, d_out_blk) = (&x.q[t0 * d..t1 * d], &x.d_out[t0 * d..t1 * d]);
         // probs = exp(scale * q k^T - lse) on the visible keys, 0 elsewhere. // (nb, lk)
-        let mut probs = vec![T::zero(); nb * lk];
-        block_scores(&mut probs, q_blk, x.k, nb, lk, d);
+        let probs = &mut probs_buf[..nb * lk];
+        block_scores(probs, q_blk, x.k, nb, lk, d);
         for (i, row) in probs.chunks_mut(lk).enumerate() {
             let (seen, masked) = row.split_at_mut(p + t0 + i + 1);
             let lse = x.lse[t0 + i];
@@ -327,13 +341,13 @@ fn head_backward<T: Float>(
             &mut dv[..lk * d],
             d,
             true,
-            Mat::transposed(&probs, lk, nb, lk),
+            Mat::transposed(probs, lk, nb, lk),
             Mat::rows(d_out_blk, nb, d, d),
             Threads::One,
         );
         // dprobs = d_out v^T, then ds = scale * probs * (dprobs - sum(d_out * out)). // (nb, lk)
-        let mut ds = vec![T::zero(); nb * lk];
-        block_scores(&mut ds, d_out_blk, x.v, nb, lk, d);
+        let ds = &mut ds_buf[..nb * lk];
+        block_scores(ds, d_out_blk, x.v, nb, lk, d);
         for (i, (ds, probs)) in ds.chunks_mut(lk).zip(probs.chunks(lk)).enumerate() {
             let t = t0 + i;
             let delta: T = d_out_blk[i * d..(i + 1) * d]
@@ -350,7 +364,7 @@ fn head_backward<T: Float>(
             &mut dq[t0 * d..t1 * d],
             d,
             false,
-            Mat::rows(&ds, nb, lk, lk),
+            Mat::rows(ds, nb, lk, lk),
             Mat::rows(x.k, lk, d, d),
             Threads::One,
         );
@@ -358,7 +372,7 @@ fn head_backward<T: Float>(
             &mut dk[..lk * d],
             d,
             true,
-            Mat::transposed(&ds, lk, nb, lk),
+            Mat::transposed(ds, lk, nb, lk),
             Mat::rows(q_blk, nb, d, d),
             Threads::One,
         );
