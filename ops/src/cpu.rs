@@ -237,37 +237,38 @@ pub(crate) fn lane_sum<T: Float>(xs: &[T]) -> T {
 /// `lane_sum_by(xs, f)` equals `lane_sum` of the mapped values, bit for bit).
 #[inline(always)]
 pub(crate) fn lane_sum_by<T: Float>(xs: &[T], f: impl Fn(T) -> T) -> T {
-    let mut acc = [T::zero(); LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f(x);
-        }
-    }
-    for (a, &x) in acc.iter_mut().zip(rest) {
-        *a += f(x);
-    }
-    acc.into_iter().fold(T::zero(), |s, a| s + a)
+    lane_fold(xs, T::zero(), |a, x| a + f(x), |s, a| s + a)
 }
 
 /// The largest of `xs` (`-inf` for none; NaNs are ignored, as by `f32::max`), in lanes that
 /// vectorize. Exact: the maximum does not depend on the order.
 #[inline(always)]
 pub(crate) fn lane_max<T: Float>(xs: &[T]) -> T {
-    let mut acc = [T::neg_infinity(); LANES];
+    let max = num_traits::Float::max;
+    lane_fold(xs, T::neg_infinity(), max, max)
+}
+
+/// Folds `xs` in [`LANES`] lanes starting at `init` (lane `j` takes `xs[j]`, `xs[j + 8]`, … in
+/// order, through `step`), then combines the lanes in order, from `init`, with `combine`.
+#[inline(always)]
+fn lane_fold<T: Float>(
+    xs: &[T],
+    init: T,
+    step: impl Fn(T, T) -> T,
+    combine: impl Fn(T, T) -> T,
+) -> T {
+    let mut acc = [init; LANES];
     let chunks = xs.chunks_exact(LANES);
     let rest = chunks.remainder();
     for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
-            *a = num_traits::Float::max(*a, x);
+            *a = step(*a, x);
         }
     }
     for (a, &x) in acc.iter_mut().zip(rest) {
-        *a = num_traits::Float::max(*a, x);
+        *a = step(*a, x);
     }
-    acc.into_iter()
-        .fold(T::neg_infinity(), num_traits::Float::max)
+    acc.into_iter().fold(init, combine)
 }
 
 /// `acc += row`, elementwise.

@@ -139,11 +139,6 @@ impl CpuStage {
             optimizer: AdamW::new(spec.adamw),
         })
     }
-
-    /// The stage's kernels and parameters.
-    pub fn stage(&self) -> &Stage {
-        &self.stage
-    }
 }
 
 impl StageCompute for CpuStage {
