@@ -677,7 +677,7 @@ mod tests {
                 group.all_reduce(3, vec![1.0; 10]).unwrap_err()
             });
             let bad = scope.spawn(|| {
-                let mut group = ReplicaGroup::connect(
+                let group = ReplicaGroup::connect(
                     &ports[1],
                     &addrs,
                     1,
@@ -686,11 +686,26 @@ mod tests {
                     Duration::from_secs(10),
                 )
                 .unwrap();
-                // Another step's numbers: replica 0 must refuse them.
-                let _ = group.all_reduce(4, vec![1.0; 10]);
+                // Another step's numbers, the chunk a member reducing step 4 sends replica 0:
+                // replica 0 must refuse them. Written directly rather than by a reduction of
+                // step 4, which would refuse replica 0's chunk in turn and shut the link down,
+                // possibly before its own chunk had gone out.
+                let wrong_step = ChunkHeader {
+                    generation: 1,
+                    step: 4,
+                    phase: Phase::Partial,
+                    from: 1,
+                    chunk: 0,
+                    nodes: vec![1],
+                    len: 5,
+                };
+                let link = group.peers[0].as_ref().unwrap();
+                write_frame(&mut &*link, &Frame::new(&wrong_step, to_bytes(&[1.0; 5]))).unwrap();
+                // Kept open until replica 0 has read it.
+                group
             });
-            bad.join().unwrap();
             let err = good.join().unwrap();
+            drop(bad.join().unwrap());
             assert_eq!(err.replica(), Some(1), "{err}");
             assert!(err.to_string().contains("bad message"), "{err}");
         });
