@@ -82,14 +82,13 @@ mod enabled {
 
     use anyhow::{Context, Result, bail};
     use candle_core::DType;
-    use gpu::model::{GptGpu, GptShape, Update};
+    use gpu::stage::{GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
     use gpu::{Gpu, Precision};
     use ops::adamw::AdamWConfig;
     use serde::Serialize;
 
     use super::{CheckArgs, GpuBenchArgs};
     use crate::bench::step::{median, random_batch};
-    use trainer::model::config::Norm;
     use trainer::model::params::{decays, param_count};
     use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
     use trainer::schedule::Unit;
@@ -198,44 +197,65 @@ mod enabled {
         // reference gradients.
         let mut stage = Stage::new(&model, layout, vec![seq], args.seed)?;
         let mut params = Vec::new();
-        let mut decayed = std::collections::HashSet::new();
+        let mut weight_decay = Vec::new();
         for spec in stage.params().specs() {
             let t = stage.params().get(&spec.name)?;
-            let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            params.push((spec.name.clone(), spec.shape.clone(), values));
-            if decays(spec.kind, false) {
-                decayed.insert(spec.name.clone());
-            }
+            params.push(StageParam {
+                name: spec.name.clone(),
+                dims: spec.shape.clone(),
+                values: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            });
+            weight_decay.push(if decays(spec.kind, false) {
+                WEIGHT_DECAY
+            } else {
+                0.0
+            });
         }
         let (inputs, targets) = random_batch(&model, batch, seq, args.seed)?;
         let host_inputs = inputs.flatten_all()?.to_vec1::<u32>()?;
         let host_targets = targets.to_vec1::<u32>()?;
-        let shape = GptShape {
-            vocab: model.vocab_size,
-            layers: model.layers,
-            d_model: model.d_model,
-            heads: model.heads,
-            ffn: model.ffn(),
-            max_seq_len: model.max_seq_len,
-            eps: model.norm_eps as f32,
-            rms: model.norm == Norm::RmsNorm,
+        let plan = StagePlan {
+            model: trainer::model::cuda_stage::gpu_shape(&model),
+            layers: 0..model.layers,
+            first: true,
+            last: true,
+            segments: vec![seq],
         };
         let free_before = g.memory()?.0;
-        let mut m = GptGpu::new(&g, shape, params, &|n| decayed.contains(n), batch, seq)
-            .context("building the model on the GPU")?;
+        // The pipeline's CUDA stage, holding the whole model: one micro-batch of one segment.
+        let mut m = GpuStage::new(g, plan, params).context("building the model on the GPU")?;
         let loss_scale = 1.0 / (batch * seq) as f64;
         let adamw = AdamWConfig::default();
-        let update = Update {
-            lr: LR,
-            weight_decay: WEIGHT_DECAY,
-            grad_clip: GRAD_CLIP,
-            betas: (adamw.beta1, adamw.beta2, adamw.eps),
+        let betas = (adamw.beta1, adamw.beta2, adamw.eps);
+        let step = |m: &mut GpuStage| -> Result<f64> {
+            m.begin_step(1);
+            let out = m.forward(
+                (0, 0),
+                UnitInput::Tokens(&host_inputs),
+                Some(&host_targets),
+                loss_scale,
+                true,
+            )?;
+            let UnitOutput::LossSum(loss) = out else {
+                bail!("a stage holding the whole model ends in the loss");
+            };
+            m.backward((0, 0), None)?;
+            m.finish_gradients()?;
+            Ok(loss)
+        };
+        let update = |m: &mut GpuStage| -> Result<()> {
+            // Global-norm clipping as the runtime does it: sums of squares in canonical order.
+            let sums = m.grad_sums_of_squares()?;
+            let norm = ops::clip::global_norm(sums.into_iter().map(|(_, s)| s));
+            let clip = ops::clip::clip_coefficient(norm, GRAD_CLIP);
+            m.apply_update(LR, clip, &weight_decay, betas)?;
+            Ok(())
         };
         let mut losses = Vec::new();
         let mut grad_check = None;
         if args.check {
             stage.begin_step(1);
-            let loss_gpu = m.forward_backward(&g, &host_inputs, &host_targets, loss_scale)?;
+            let loss_gpu = step(&mut m)?;
             let out = stage.forward(
                 Unit::new(0, 0),
                 StageInput::Tokens(inputs.clone()),
@@ -249,7 +269,7 @@ mod enabled {
             stage.backward(Unit::new(0, 0), None)?;
             stage.finish_gradients()?;
             let mut worst = (0.0f64, String::new());
-            for (name, _, got) in m.download_grads(&g)? {
+            for (name, _, got) in m.gradients()? {
                 let want = stage
                     .grads()
                     .get(&name)
@@ -271,7 +291,7 @@ mod enabled {
                     worst = (rel, name);
                 }
             }
-            m.update(&g, &update)?;
+            update(&mut m)?;
             losses.push(loss_gpu * loss_scale);
             grad_check = Some(GradCheck {
                 worst_rel_l2: worst.0,
@@ -282,21 +302,26 @@ mod enabled {
             });
         }
         let mut step_ms = Vec::new();
-        for step in 0..args.warmup + args.steps {
-            g.sync()?;
+        for i in 0..args.warmup + args.steps {
+            m.gpu().sync()?;
             let started = Instant::now();
-            let loss = m.forward_backward(&g, &host_inputs, &host_targets, loss_scale)?;
-            m.update(&g, &update)?;
-            g.sync()?;
+            let loss = step(&mut m)?;
+            update(&mut m)?;
+            m.gpu().sync()?;
             let ms = started.elapsed().as_secs_f64() * 1e3;
             losses.push(loss * loss_scale);
-            if step >= args.warmup {
+            if i >= args.warmup {
                 step_ms.push(ms);
             }
         }
+        let g = m.gpu();
         let free_after = g.memory()?.0;
         let mut hasher = blake3::Hasher::new();
-        for (name, _, values) in m.download_params(&g)? {
+        for (name, _, values) in m
+            .state()?
+            .into_iter()
+            .filter(|(n, _, _)| !n.starts_with("optim."))
+        {
             hasher.update(name.as_bytes());
             for v in values {
                 hasher.update(&v.to_le_bytes());

@@ -21,6 +21,7 @@ pub const KERNELS: &[&str] = &[
     "add_bias",
     "add",
     "add_assign",
+    "copy_rows",
     "bias_gelu_forward",
     "gelu_backward",
     "norm_forward",

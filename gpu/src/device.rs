@@ -88,6 +88,13 @@ pub fn libraries_present() -> Result<()> {
     Ok(())
 }
 
+/// How many CUDA devices the driver shows (after [`libraries_present`]).
+pub fn device_count() -> Result<usize> {
+    libraries_present()?;
+    let count = CudaContext::device_count().during(|| "counting devices".into())?;
+    Ok(count.max(0) as usize)
+}
+
 /// A device buffer of `T` with its raw address (kernels take raw addresses; offsets are plain
 /// pointer arithmetic in elements through [`Buf::at`]).
 pub struct Buf<T> {
@@ -234,6 +241,14 @@ impl Gpu {
         self.ctx.mem_get_info().during(|| "reading memory".into())
     }
 
+    /// Makes this GPU's context current on the calling thread (a stage may be driven from
+    /// whichever thread of its worker's pool runs the unit).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .during(|| "binding the context to this thread".into())
+    }
+
     /// Waits for all queued work; reports an error any earlier launch left.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().during(|| "synchronizing".into())
@@ -281,6 +296,27 @@ impl Gpu {
         self.stream
             .clone_dtoh(&buf.slice)
             .during(|| format!("copying {} elements to the host", buf.len()))
+    }
+
+    /// A host copy of the first `n` elements of the buffer.
+    pub fn download_prefix<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &Buf<T>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        if n > buf.len() {
+            return shape(
+                "download",
+                format!("{n} elements from a buffer of {}", buf.len()),
+            );
+        }
+        let mut out = vec![T::default(); n];
+        if n > 0 {
+            self.stream
+                .memcpy_dtoh(&buf.slice.slice(..n), &mut out)
+                .during(|| format!("copying {n} elements to the host"))?;
+        }
+        Ok(out)
     }
 
     /// Sets every element to zero.

@@ -135,6 +135,20 @@ extern "C" __global__ void add_assign(float* out, const float* a, long long tota
     if (i < total) out[i] += a[i];
 }
 
+// Copies b blocks of `rows` rows of `width` floats: block i from src rows src_row0.. of the i-th
+// group of src_rows rows to dst rows dst_row0.. of the i-th group of dst_rows rows (a segment's
+// rows into or out of a whole-sequence K/V cache).
+extern "C" __global__ void copy_rows(float* dst, const float* src, int b, int rows, int width, int dst_rows,
+                                     int dst_row0, int src_rows, int src_row0) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)b * rows * width;
+    if (idx >= total) return;
+    int e = idx % width;
+    int r = (idx / width) % rows;
+    int i = idx / ((long long)width * rows);
+    dst[((size_t)i * dst_rows + dst_row0 + r) * width + e] = src[((size_t)i * src_rows + src_row0 + r) * width + e];
+}
+
 #define GELU_K0 0.7978845608028654f
 #define GELU_K1 0.044715f
 
@@ -267,7 +281,7 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 //
 // Queries: positions P..P+s of each sequence; element (b, t, h, e) of q at
 // q[(b*s + t) * q_stride + h*D + e]. Keys/values: positions 0..L = P+s, element (b, l, h, e) at
-// k[(b*L + l) * kv_stride + h*D + e]. Query t sees keys 0..=P+t. Output y (B*s, H*D) row-major,
+// k[(b*kv_rows + l) * kv_stride + h*D + e] (kv_rows >= L: a K/V cache may hold the whole sequence). Query t sees keys 0..=P+t. Output y (B*s, H*D) row-major,
 // lse (B, H, s): log-sum-exp of the scaled, masked scores (saved for the backward).
 //
 // One thread owns one query row (its q and accumulator live in registers); a block of BR threads
@@ -280,13 +294,13 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 // barriers: the tile of the previous iteration is no longer read when this one is written.
 template <int D>
 __device__ __forceinline__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* k, const float* v, int b,
-                                             int h, int L, int k0, int keys, int kv_stride) {
+                                             int h, int kv_rows, int k0, int keys, int kv_stride) {
     __syncthreads();
     for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
         int r = idx / D, e = idx % D;
         int l_idx = k0 + r;
         bool ok = l_idx < keys;
-        size_t off = ((size_t)b * L + (ok ? l_idx : 0)) * kv_stride + h * D + e;
+        size_t off = ((size_t)b * kv_rows + (ok ? l_idx : 0)) * kv_stride + h * D + e;
         ks[r][e] = ok ? k[off] : 0.0f;
         vs[r][e] = ok ? v[off] : 0.0f;
     }
@@ -296,13 +310,12 @@ __device__ __forceinline__ void load_kv_tile(float (*ks)[D], float (*vs)[D], con
 template <int D>
 __device__ void attn_forward(float* y, float* lse, const float* q, const float* k, const float* v,
                              int b_count, int h_count, int s, int p, int q_stride, int kv_stride,
-                             float scale) {
+                             int kv_rows, float scale) {
     __shared__ float ks[BC][D];
     __shared__ float vs[BC][D];
     int bh = blockIdx.y;
     int b = bh / h_count, h = bh % h_count;
     int t = blockIdx.x * BR + threadIdx.x;
-    int L = p + s;
     bool active = t < s;
     float qr[D], acc[D];
     const float* qrow = q + ((size_t)b * s + (active ? t : 0)) * q_stride + h * D;
@@ -316,7 +329,7 @@ __device__ void attn_forward(float* y, float* lse, const float* q, const float* 
     int keys = p + t_last + 1;  // keys some query of this block sees
     int visible = active ? p + t + 1 : 0;
     for (int k0 = 0; k0 < keys; k0 += BC) {
-        load_kv_tile<D>(ks, vs, k, v, b, h, L, k0, keys, kv_stride);
+        load_kv_tile<D>(ks, vs, k, v, b, h, kv_rows, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
         if (n_here <= 0) continue;
         float sc[BC];
@@ -377,13 +390,12 @@ extern "C" __global__ void attn_backward_delta(float* delta, const float* dy, co
 template <int D>
 __device__ void attn_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
                                  const float* lse, const float* delta, int b_count, int h_count, int s, int p,
-                                 int q_stride, int kv_stride, float scale) {
+                                 int q_stride, int kv_stride, int kv_rows, float scale) {
     __shared__ float ks[BC][D];
     __shared__ float vs[BC][D];
     int bh = blockIdx.y;
     int b = bh / h_count, h = bh % h_count;
     int t = blockIdx.x * BR + threadIdx.x;
-    int L = p + s;
     bool active = t < s;
     int tt = active ? t : 0;
     float qr[D], dor[D], acc[D];
@@ -401,7 +413,7 @@ __device__ void attn_backward_dq(float* dq, const float* q, const float* k, cons
     int keys = p + t_last + 1;
     int visible = active ? p + t + 1 : 0;
     for (int k0 = 0; k0 < keys; k0 += BC) {
-        load_kv_tile<D>(ks, vs, k, v, b, h, L, k0, keys, kv_stride);
+        load_kv_tile<D>(ks, vs, k, v, b, h, kv_rows, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
         for (int r = 0; r < n_here; ++r) {
             float dot = 0.0f, dp = 0.0f;
@@ -424,11 +436,14 @@ __device__ void attn_backward_dq(float* dq, const float* q, const float* k, cons
 }
 
 // dK, dV: one thread per key position l of 0..L; walks the queries that see it (t >= l - P) in
-// tiles of BC held in shared memory. dk, dv (B*L, H*D) row-major, written (not accumulated).
+// tiles of BC held in shared memory. dk, dv: rows of H*D floats, kv_rows per sequence like k and v
+// (row l of sequence b at (b*kv_rows + l)); written, or added to with `accumulate` (the dK/dV of
+// a K/V prefix gathers every later segment's share, in backward order: no atomics).
 template <int D>
 __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
                                    const float* dy, const float* lse, const float* delta, int b_count,
-                                   int h_count, int s, int p, int q_stride, int kv_stride, float scale) {
+                                   int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
+                                   int accumulate, float scale) {
     __shared__ float qs[BC][D];
     __shared__ float ds_[BC][D];
     __shared__ float ls[BC];
@@ -440,8 +455,8 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
     bool active = l < L;
     int ll = active ? l : 0;
     float kr[D], vr[D], adk[D], adv[D];
-    const float* krow = k + ((size_t)b * L + ll) * kv_stride + h * D;
-    const float* vrow = v + ((size_t)b * L + ll) * kv_stride + h * D;
+    const float* krow = k + ((size_t)b * kv_rows + ll) * kv_stride + h * D;
+    const float* vrow = v + ((size_t)b * kv_rows + ll) * kv_stride + h * D;
     #pragma unroll
     for (int e = 0; e < D; ++e) {
         kr[e] = krow[e];
@@ -490,12 +505,12 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
         }
     }
     if (active) {
-        float* ok_ = dk + ((size_t)b * L + l) * (h_count * D) + h * D;
-        float* ov = dv + ((size_t)b * L + l) * (h_count * D) + h * D;
+        float* ok_ = dk + ((size_t)b * kv_rows + l) * (h_count * D) + h * D;
+        float* ov = dv + ((size_t)b * kv_rows + l) * (h_count * D) + h * D;
         #pragma unroll
         for (int e = 0; e < D; ++e) {
-            ok_[e] = adk[e];
-            ov[e] = adv[e];
+            ok_[e] = accumulate ? ok_[e] + adk[e] : adk[e];
+            ov[e] = accumulate ? ov[e] + adv[e] : adv[e];
         }
     }
 }
@@ -503,19 +518,21 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
 #define ATTN_INSTANCES(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(BR) attn_forward_d##D(                                   \
         float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
-        int q_stride, int kv_stride, float scale) {                                                        \
-        attn_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, scale);                          \
+        int q_stride, int kv_stride, int kv_rows, float scale) {                                           \
+        attn_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, kv_rows, scale);                 \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(BR) attn_backward_dq_d##D(                               \
         float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
-        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, float scale) {        \
-        attn_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, scale);          \
+        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows,          \
+        float scale) {                                                                                     \
+        attn_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows, scale); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(BR) attn_backward_dkdv_d##D(                             \
         float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
         const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
-        float scale) {                                                                                     \
-        attn_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, scale);    \
+        int kv_rows, int accumulate, float scale) {                                                        \
+        attn_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows,   \
+                              accumulate, scale);                                                          \
     }
 
 ATTN_INSTANCES(16)
@@ -553,14 +570,16 @@ extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, con
 // Optimizer and gradient norm.
 
 // AdamW, one pass (ops/src/adamw.rs): g = grad * grad_scale; m, v updated; p = p * decay - lr_bc1 * m /
-// (sqrt(v * inv_bc2) + eps).
+// (sqrt(v * inv_bc2) + eps). `one_b1`, `one_b2` are 1 - beta1, 1 - beta2 rounded once from f64 on the
+// host, as the CPU's (1.0f - beta1 in f32 would differ in the last bits).
 extern "C" __global__ void adamw(float* p, float* m, float* v, const float* grad, long long n, float grad_scale,
-                                 float beta1, float beta2, float eps, float inv_bc2, float lr_bc1, float decay) {
+                                 float beta1, float beta2, float one_b1, float one_b2, float eps, float inv_bc2,
+                                 float lr_bc1, float decay) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = grad[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * (g * g);
+    float mi = beta1 * m[i] + one_b1 * g;
+    float vi = beta2 * v[i] + one_b2 * (g * g);
     float upd = mi * lr_bc1 / (sqrtf(vi * inv_bc2) + eps);
     p[i] = p[i] * decay - upd;
     m[i] = mi;

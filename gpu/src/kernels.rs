@@ -17,7 +17,8 @@ fn blocks(total: usize) -> u32 {
 }
 
 /// Shape of one attention call: `b` sequences, `h` heads of width `d`, `s` queries over a prefix
-/// of `p` keys (so `p + s` keys), with the row strides (in floats) of the query and key/value rows.
+/// of `p` keys (so `p + s` keys), with the row strides (in floats) of the query and key/value rows
+/// and the rows each sequence takes in the key/value buffers (and in dK/dV).
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
     /// Sequences B.
@@ -34,10 +35,13 @@ pub struct AttnShape {
     pub q_stride: usize,
     /// Floats between consecutive key (and value) rows.
     pub kv_stride: usize,
+    /// Rows per sequence in the key/value buffers and in dK/dV: at least `p + s` (more when they
+    /// are a K/V cache of whole sequences).
+    pub kv_rows: usize,
 }
 
 impl AttnShape {
-    fn args(&self, op: &'static str) -> Result<[Arg; 6]> {
+    fn args(&self, op: &'static str) -> Result<[Arg; 7]> {
         if !crate::compile::HEAD_DIMS.contains(&self.d) {
             return shape(
                 op,
@@ -48,6 +52,15 @@ impl AttnShape {
                 ),
             );
         }
+        if self.kv_rows < self.p + self.s {
+            return shape(
+                op,
+                format!(
+                    "{} key/value rows per sequence cannot hold a prefix of {} and {} queries",
+                    self.kv_rows, self.p, self.s
+                ),
+            );
+        }
         Ok([
             Arg::I(int(self.b, op, "batch")?),
             Arg::I(int(self.h, op, "heads")?),
@@ -55,6 +68,7 @@ impl AttnShape {
             Arg::I(int(self.p, op, "prefix")?),
             Arg::I(int(self.q_stride, op, "q stride")?),
             Arg::I(int(self.kv_stride, op, "kv stride")?),
+            Arg::I(int(self.kv_rows, op, "kv rows")?),
         ])
     }
 }
@@ -235,6 +249,47 @@ impl Gpu {
             (blocks(total), 1, 1),
             THREADS,
             &[Arg::P(out), Arg::P(a), Arg::P(b), Arg::L(total as i64)],
+        )
+    }
+
+    /// Copies `b` blocks of `rows` rows of `width` floats: block `i` from rows `src_row0..` of the
+    /// `i`-th group of `src_rows` rows of `src` to rows `dst_row0..` of the `i`-th group of
+    /// `dst_rows` rows of `dst` (a segment's rows into or out of a K/V cache of whole sequences).
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_rows(
+        &self,
+        dst: u64,
+        (dst_rows, dst_row0): (usize, usize),
+        src: u64,
+        (src_rows, src_row0): (usize, usize),
+        b: usize,
+        rows: usize,
+        width: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_rows";
+        if dst_row0 + rows > dst_rows || src_row0 + rows > src_rows {
+            return shape(
+                OP,
+                format!(
+                    "{rows} rows from row {src_row0} of {src_rows} to row {dst_row0} of {dst_rows}"
+                ),
+            );
+        }
+        self.launch(
+            OP,
+            (blocks(b * rows * width), 1, 1),
+            THREADS,
+            &[
+                Arg::P(dst),
+                Arg::P(src),
+                Arg::I(int(b, OP, "b")?),
+                Arg::I(int(rows, OP, "rows")?),
+                Arg::I(int(width, OP, "width")?),
+                Arg::I(int(dst_rows, OP, "dst rows")?),
+                Arg::I(int(dst_row0, OP, "dst row")?),
+                Arg::I(int(src_rows, OP, "src rows")?),
+                Arg::I(int(src_row0, OP, "src row")?),
+            ],
         )
     }
 
@@ -459,14 +514,16 @@ impl Gpu {
                 a[3],
                 a[4],
                 a[5],
+                a[6],
                 Arg::F(scale),
             ],
         )
     }
 
-    /// Backward of [`Gpu::attention_forward`]: writes `dq (b·s, h·d)` and `dk`, `dv
-    /// (b·(p+s), h·d)` (rows `0..p` of each sequence: this segment's gradient for the prefix).
-    /// `delta` holds `b·h·s` floats of scratch.
+    /// Backward of [`Gpu::attention_forward`]: writes `dq (b·s, h·d)` and `dk`, `dv` (rows of
+    /// `h·d`, `kv_rows` per sequence; rows `0..p+s` of each, rows `0..p` being this segment's
+    /// gradient for the prefix), or adds to them with `accumulate_kv` (a K/V cache's gradient gathering every later
+    /// segment's share). `delta` holds `b·h·s` floats of scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &self,
@@ -482,6 +539,7 @@ impl Gpu {
         delta: u64,
         sh: AttnShape,
         scale: f32,
+        accumulate_kv: bool,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
         let a = sh.args(OP)?;
@@ -513,10 +571,11 @@ impl Gpu {
             a[3],
             a[4],
             a[5],
-            Arg::F(scale),
+            a[6],
         ];
         let mut args = vec![Arg::P(dq)];
         args.extend(common);
+        args.push(Arg::F(scale));
         self.launch(
             &format!("attn_backward_dq_d{}", sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
@@ -525,6 +584,8 @@ impl Gpu {
         )?;
         let mut args = vec![Arg::P(dk), Arg::P(dv)];
         args.extend(common);
+        args.push(Arg::I(accumulate_kv as i32));
+        args.push(Arg::F(scale));
         self.launch(
             &format!("attn_backward_dkdv_d{}", sh.d),
             (
@@ -577,7 +638,7 @@ impl Gpu {
         g: u64,
         n: usize,
         grad_scale: f32,
-        (beta1, beta2, eps): (f32, f32, f32),
+        (beta1, beta2, eps): (f64, f64, f64),
         (inv_bc2, lr_bc1, decay): (f32, f32, f32),
     ) -> Result<()> {
         self.launch(
@@ -591,9 +652,11 @@ impl Gpu {
                 Arg::P(g),
                 Arg::L(n as i64),
                 Arg::F(grad_scale),
-                Arg::F(beta1),
-                Arg::F(beta2),
-                Arg::F(eps),
+                Arg::F(beta1 as f32),
+                Arg::F(beta2 as f32),
+                Arg::F((1.0 - beta1) as f32),
+                Arg::F((1.0 - beta2) as f32),
+                Arg::F(eps as f32),
                 Arg::F(inv_bc2),
                 Arg::F(lr_bc1),
                 Arg::F(decay),

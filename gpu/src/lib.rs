@@ -1,7 +1,7 @@
 //! CUDA stages for seqpipe: the GPU counterparts of the CPU kernels in `ops`, compiled at run time
 //! by NVRTC for the device's compute capability (`kernels.cu`), matrix products through cuBLAS, and
-//! a GPT trained with them (`model`). The CPU kernels stay the oracle: `oracle` runs every kernel
-//! on random inputs on both and reports their relative differences.
+//! a pipeline stage of a GPT built from them (`stage`). The CPU kernels stay the oracle: `oracle`
+//! runs every kernel on random inputs on both and reports their relative differences.
 //!
 //! Nothing here links CUDA at build time: cudarc loads `libcuda`, `libnvrtc` and `libcublas` when a
 //! [`Gpu`] is opened, and their absence is a [`GpuError`], never a panic. The kernels compile to
@@ -13,9 +13,9 @@ pub mod compile;
 mod device;
 mod error;
 mod kernels;
-pub mod model;
 pub mod oracle;
+pub mod stage;
 
-pub use device::{Buf, Gpu, Precision, libraries_present};
+pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
 pub use kernels::AttnShape;

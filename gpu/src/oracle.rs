@@ -132,8 +132,11 @@ pub fn check_all(gpu: &mut Gpu, seed: u64) -> Result<Vec<Comparison>> {
             (128, 64, 64),
             (16, 50, 0),
         ] {
-            attention(&mut c, d, s, p)?;
+            attention(&mut c, d, s, p, 0)?;
         }
+        // As the pipeline stage calls it: K/V in a cache of whole sequences (rows past the prefix
+        // and segment hold other data), dK/dV added to an accumulator.
+        attention(&mut c, 64, 40, 30, 25)?;
         embedding(&mut c)?;
         rope(&mut c)?;
         adamw_and_norm(&mut c)?;
@@ -387,7 +390,23 @@ fn to_rows(x: &[f32], b: usize, h: usize, l: usize, d: usize) -> Vec<f32> {
     out
 }
 
-fn attention(c: &mut Checker, d: usize, s: usize, p: usize) -> Result<()> {
+/// `rows` (B·l rows of `width`) spread over groups of `l + extra` rows, the extra rows `fill`.
+fn pad_rows(rows: &[f32], b: usize, l: usize, extra: usize, width: usize, fill: f32) -> Vec<f32> {
+    let mut out = vec![fill; b * (l + extra) * width];
+    for bi in 0..b {
+        let (src, dst) = (bi * l * width, bi * (l + extra) * width);
+        out[dst..dst + l * width].copy_from_slice(&rows[src..src + l * width]);
+    }
+    out
+}
+
+/// What the dK/dV accumulators hold before a cached attention's backward adds to them (exact in
+/// binary, so subtracting it back loses nothing of the gradient's precision above its ulp).
+const PRIOR: f32 = 0.5;
+
+/// Causal prefix attention against the CPU's. With `extra > 0` the keys and values sit in a cache
+/// of `p + s + extra` rows per sequence and dK/dV are added to accumulators holding [`PRIOR`].
+fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Result<()> {
     let (b, h) = (2, 3);
     let l = p + s;
     let (qv, q) = c.tensor(&[b, h, s, d], 1.0)?;
@@ -399,21 +418,27 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize) -> Result<()> {
     let (dq, dk, dv) = ops(ops::causal_prefix_attention_backward(
         &ctx, &k, &v, &dy, scale,
     ))?;
+    let cached = extra > 0;
+    let rows = l + extra;
+    // Junk in the cache's unused rows (finite: a kernel that reads them shows up as an error).
+    let kv_rows = |x: &[f32]| pad_rows(&to_rows(x, b, h, l, d), b, l, extra, h * d, 7.0);
     let gpu = &*c.gpu;
     let qd = gpu.upload(&to_rows(&qv, b, h, s, d))?;
-    let kd = gpu.upload(&to_rows(&kv, b, h, l, d))?;
-    let vd = gpu.upload(&to_rows(&vv, b, h, l, d))?;
+    let kd = gpu.upload(&kv_rows(&kv))?;
+    let vd = gpu.upload(&kv_rows(&vv))?;
     let dyd = gpu.upload(&to_rows(&dyv, b, h, s, d))?;
     let (yd, lse, delta) = (
         c.poisoned(b * s * h * d)?,
         c.poisoned(b * h * s)?,
         gpu.zeros::<f32>(b * h * s)?,
     );
-    let (dqd, dkd, dvd) = (
-        c.poisoned(b * s * h * d)?,
-        c.poisoned(b * l * h * d)?,
-        c.poisoned(b * l * h * d)?,
-    );
+    let dqd = c.poisoned(b * s * h * d)?;
+    let (dkd, dvd) = if cached {
+        let prior = vec![PRIOR; b * rows * h * d];
+        (gpu.upload(&prior)?, gpu.upload(&prior)?)
+    } else {
+        (c.poisoned(b * l * h * d)?, c.poisoned(b * l * h * d)?)
+    };
     let sh = AttnShape {
         b,
         h,
@@ -422,6 +447,7 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize) -> Result<()> {
         p,
         q_stride: h * d,
         kv_stride: h * d,
+        kv_rows: rows,
     };
     gpu.attention_forward(
         yd.ptr(),
@@ -445,18 +471,49 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize) -> Result<()> {
         delta.ptr(),
         sh,
         scale as f32,
+        cached,
     )?;
-    let tag = format!("(D {d}, segment {s}, prefix {p})");
-    let pairs = [
-        ("forward y", &yd, &y, s),
-        ("backward dQ", &dqd, &dq, s),
-        ("backward dK", &dkd, &dk, l),
-        ("backward dV", &dvd, &dv, l),
-    ];
-    for (name, got, want, rows) in pairs {
+    let tag = if cached {
+        format!("(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added)")
+    } else {
+        format!("(D {d}, segment {s}, prefix {p})")
+    };
+    for (name, got, want) in [("forward y", &yd, &y), ("backward dQ", &dqd, &dq)] {
         let a = c.gpu.download(got)?;
-        let b_ = to_rows(&host(want)?, b, h, rows, d);
+        let b_ = to_rows(&host(want)?, b, h, s, d);
         c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
+    }
+    for (name, got, want) in [("backward dK", &dkd, &dk), ("backward dV", &dvd, &dv)] {
+        let a = c.gpu.download(got)?;
+        let b_ = to_rows(&host(want)?, b, h, l, d);
+        if !cached {
+            c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
+            continue;
+        }
+        // The accumulators started at PRIOR: the used rows must hold PRIOR + the gradient, the
+        // unused ones PRIOR still.
+        let width = h * d;
+        let (mut used, mut unused) = (Vec::new(), Vec::new());
+        for (r, row) in a.chunks(width).enumerate() {
+            if r % rows < l {
+                used.extend(row.iter().map(|x| x - PRIOR));
+            } else {
+                unused.extend_from_slice(row);
+            }
+        }
+        c.compare(
+            format!("attention {name} {tag}"),
+            Precision::Fp32,
+            &used,
+            &b_,
+        );
+        let prior = vec![PRIOR; unused.len()];
+        c.compare(
+            format!("attention {name} rows past the segment untouched {tag}"),
+            Precision::Fp32,
+            &unused,
+            &prior,
+        );
     }
     let a = c.gpu.download(&lse)?;
     let b_ = host(&ctx.lse)?;
@@ -570,7 +627,7 @@ fn adamw_and_norm(c: &mut Checker) -> Result<()> {
             gd.ptr(),
             n,
             clip as f32,
-            (b1 as f32, b2 as f32, cfg.eps as f32),
+            (b1, b2, cfg.eps),
             (inv_bc2 as f32, lr_bc1 as f32, (1.0 - lr * wd) as f32),
         )?;
     }

@@ -92,8 +92,13 @@ pub trait StageCompute: Send {
     fn take_peak_gradient_buffers(&mut self) -> usize;
 }
 
-/// Why a CUDA config cannot run in the pipeline yet, and what to do.
-pub const NO_CUDA_STAGES: &str = "model.device = \"cuda\": the pipeline runtime does not run CUDA stages yet (`seqpipe gpu check` and `seqpipe gpu bench` run the CUDA kernels); set model.device = \"cpu\"";
+/// The environment variable naming a worker's CUDA device ordinal (set by its agent: the worker's
+/// slot on its node); a CUDA stage opens it modulo the number of visible devices, so several stages
+/// may share one GPU. Unset: device 0.
+pub const CUDA_DEVICE_ENV: &str = "SEQPIPE_CUDA_DEVICE";
+
+/// Why a CUDA config cannot run in a binary built without CUDA, and what to do.
+pub const NO_CUDA_BUILD: &str = "model.device = \"cuda\": this seqpipe was built without CUDA support; rebuild with `cargo build --release --features cuda`, or set model.device = \"cpu\"";
 
 /// What [`build_stage`] needs besides the model.
 #[derive(Clone, Debug)]
@@ -110,16 +115,20 @@ pub struct StageSpec {
     pub memory_budget: Option<usize>,
 }
 
-/// The stage for `model.device`. Only the CPU implementation is built into the runtime so far: a
-/// CUDA config is refused before any worker starts ([`crate::cuda::require_runnable_device`]), and
-/// here too, with the same advice.
+/// The stage for `model.device`: [`CpuStage`], or (in a binary built with `--features cuda`)
+/// [`super::cuda_stage::CudaStage`] on the worker's GPU. A CUDA config that cannot run here is
+/// refused before any worker starts ([`crate::cuda::require_runnable_device`]), and here too, with
+/// the same advice.
 pub fn build_stage(
     model: &ModelConfig,
     spec: StageSpec,
 ) -> Result<Box<dyn StageCompute>, ModelError> {
     match model.device {
         DeviceKind::Cpu => Ok(Box::new(CpuStage::new(model, spec)?)),
-        DeviceKind::Cuda => Err(ModelError::Device(NO_CUDA_STAGES.into())),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => Ok(Box::new(super::cuda_stage::CudaStage::new(model, spec)?)),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => Err(ModelError::Device(NO_CUDA_BUILD.into())),
     }
 }
 
@@ -413,8 +422,9 @@ mod tests {
         assert_eq!(names, a.param_names());
     }
 
+    /// Without the `cuda` feature, or (the test machines) without a driver: the advice either way.
     #[test]
-    fn a_cuda_stage_is_refused_with_advice() {
+    fn a_cuda_stage_without_a_gpu_is_refused_with_advice() {
         let model = ModelConfig {
             device: DeviceKind::Cuda,
             ..tiny()

@@ -4,6 +4,8 @@
 pub mod block;
 pub mod compute;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_stage;
 pub mod norm;
 pub mod params;
 pub mod partition;

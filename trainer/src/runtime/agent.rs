@@ -106,6 +106,8 @@ pub enum AgentError {
 struct RunningWorker {
     generation: u64,
     stage: usize,
+    /// Its CUDA device ordinal ([`cuda_device`]).
+    device: usize,
     child: Child,
     log: PathBuf,
 }
@@ -731,11 +733,15 @@ impl Incarnation<'_> {
     /// Starts the workers of a checked `StartWorkers` (the running ones were stopped unless it
     /// keeps them); a worker that cannot start is reported as exited.
     fn start_workers(&mut self, start: StartRequest) {
+        let mut used: Vec<usize> = self.workers.iter().map(|w| w.device).collect();
         for &stage in &start.stages {
+            let device = cuda_device(self.args.local, stage, &used);
+            used.push(device);
             let spec = WorkerSpec {
                 host: &self.host,
                 generation: start.generation,
                 stage,
+                device,
                 config: &start.config,
                 snapshot_to: &start.snapshot_to,
                 session: &start.session,
@@ -857,11 +863,23 @@ fn signal(child: &Child, sig: i32) {
     }
 }
 
+/// The CUDA device of a new worker of `stage` (a `model.device = "cuda"` stage opens it, modulo the
+/// GPUs it sees): the lowest not `used` by this node's running workers, so a node's slots map onto
+/// its GPUs; on a local agent (one per stage, all on the launcher's machine) the worker's global
+/// slot.
+fn cuda_device(local: bool, stage: usize, used: &[usize]) -> usize {
+    if local {
+        return stage;
+    }
+    (0..).find(|d| !used.contains(d)).expect("a free ordinal")
+}
+
 /// What one worker is started with.
 struct WorkerSpec<'a> {
     host: &'a str,
     generation: u64,
     stage: usize,
+    device: usize,
     config: &'a str,
     snapshot_to: &'a [String],
     session: &'a str,
@@ -873,6 +891,7 @@ fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, Ag
         host,
         generation,
         stage,
+        device,
         config,
         snapshot_to,
         session,
@@ -915,7 +934,8 @@ fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, Ag
         cmd.args(["--snapshot-to", addr]);
     }
     cmd.env("RAYON_NUM_THREADS", &threads)
-        .env("CANDLE_NUM_THREADS", &threads);
+        .env("CANDLE_NUM_THREADS", &threads)
+        .env(crate::model::compute::CUDA_DEVICE_ENV, device.to_string());
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", &cfg.run.log);
     }
@@ -934,6 +954,7 @@ fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, Ag
     Ok(RunningWorker {
         generation,
         stage,
+        device,
         child,
         log,
     })
@@ -1056,6 +1077,15 @@ mod tests {
             };
             refused(&start, 2, false, "session");
         }
+    }
+
+    #[test]
+    fn each_worker_of_a_node_gets_its_own_gpu() {
+        assert_eq!(cuda_device(false, 7, &[]), 0);
+        assert_eq!(cuda_device(false, 7, &[0, 2]), 1);
+        assert_eq!(cuda_device(false, 7, &[1, 0]), 2);
+        // Local agents share the launcher's machine: the global slot picks the GPU.
+        assert_eq!(cuda_device(true, 3, &[0, 1, 2]), 3);
     }
 
     #[test]

@@ -1,0 +1,1454 @@
+//! One pipeline stage on a GPU, driven one Seq1F1B unit (micro-batch, segment) at a time: the
+//! blocks `layers` of a GPT-2 style model (learned positions, pre-norm blocks with layer or RMS
+//! norm, fused QKV, tanh-GELU MLP), with the embeddings on the first stage and the final norm, the
+//! untied LM head and the cross-entropy (in row chunks) on the last — the arithmetic of the CPU
+//! stage (`trainer/src/model/stage.rs`), under the same parameter names, so weights move between
+//! the two unchanged and the CPU stage is the oracle of its gradients. `seqpipe gpu bench` runs one
+//! stage holding the whole model.
+//!
+//! Each in-flight micro-batch keeps, per held block, the fused QKV rows of its finished segments
+//! (a `(B, T, 3C)` cache of whole sequences: a segment attends to the keys and values of every
+//! earlier one) and the dK/dV those rows receive from later segments' backwards, which run first
+//! (`(B, T, C)` each, added to in backward order by the attention kernel: no atomics). A unit's
+//! saved activations live in buffers of its micro-batch, sized at the first forward and reused
+//! when the micro-batch is done: a steady-state step allocates nothing.
+//!
+//! Gradients: each micro-batch accumulates into its own flat buffer (parameters in canonical order,
+//! each row-major), which joins the canonical summation tree ([`ops::SumTree`]) when its backward
+//! completes; the tree adds on the device in a fixed order, so the step's sum does not depend on
+//! how the micro-batches were split between data-parallel replicas or in which order they
+//! completed. Everything crosses this type's interface on the host (`&[f32]`, `Vec<f32>`).
+
+use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::ops::Range;
+
+use ops::SumTree;
+
+use crate::device::{Buf, Gpu};
+use crate::error::{GpuError, Result, shape};
+use crate::kernels::AttnShape;
+
+/// The model's shape (the `[model]` section's fields the GPU path uses).
+#[derive(Clone, Debug)]
+pub struct GptShape {
+    /// Vocabulary V.
+    pub vocab: usize,
+    /// Blocks L.
+    pub layers: usize,
+    /// Width C.
+    pub d_model: usize,
+    /// Heads H.
+    pub heads: usize,
+    /// MLP width F.
+    pub ffn: usize,
+    /// Rows of the position table.
+    pub max_seq_len: usize,
+    /// Norm epsilon.
+    pub eps: f32,
+    /// RMS norm instead of layer norm.
+    pub rms: bool,
+}
+
+/// A host tensor `(name, dims, values)`.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+/// The part of the model a stage holds and how its sequences are cut.
+#[derive(Clone, Debug)]
+pub struct StagePlan {
+    /// The whole model's shape.
+    pub model: GptShape,
+    /// The blocks this stage holds.
+    pub layers: Range<usize>,
+    /// Holds the embeddings.
+    pub first: bool,
+    /// Holds the final norm and the LM head.
+    pub last: bool,
+    /// Lengths of the segments every sequence is cut into, in order.
+    pub segments: Vec<usize>,
+}
+
+/// One parameter handed to [`GpuStage::new`], in canonical order.
+#[derive(Clone, Debug)]
+pub struct StageParam {
+    /// Global name (`h.3.attn.c_attn.weight`).
+    pub name: String,
+    /// Dimensions.
+    pub dims: Vec<usize>,
+    /// Initial values, row-major.
+    pub values: Vec<f32>,
+}
+
+/// What flows into a unit's forward.
+pub enum UnitInput<'a> {
+    /// First stage: the segment's token ids, `B·s` of them (row-major `(B, s)`).
+    Tokens(&'a [u32]),
+    /// Later stages: the previous stage's hidden states `(B·s, C)`.
+    Hidden(&'a [f32]),
+}
+
+/// What a unit's forward produces.
+pub enum UnitOutput {
+    /// Hidden states `(B·s, C)` for the next stage.
+    Hidden(Vec<f32>),
+    /// Last stage: the sum of the segment's token losses (unscaled), added in row order.
+    LossSum(f64),
+}
+
+/// Where a parameter lives in the flat buffers.
+struct Slot {
+    name: String,
+    dims: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// A norm layer's output `(N, C)` and per-row statistics for one unit.
+struct NormActs {
+    out: Buf<f32>,
+    mean: Buf<f32>,
+    rstd: Buf<f32>,
+}
+
+/// Saved activations of one block for one unit (rows N = B·s).
+struct BlockActs {
+    x: Buf<f32>, // (N, C) block input
+    ln1: NormActs,
+    qkv: Buf<f32>, // (N, 3C) this segment's QKV
+    y: Buf<f32>,   // (N, C) attention output
+    lse: Buf<f32>, // (B, H, s)
+    x1: Buf<f32>,
+    ln2: NormActs,
+    u: Buf<f32>, // (N, F)
+    g: Buf<f32>, // (N, F)
+}
+
+/// Saved activations of one unit.
+struct UnitActs {
+    blocks: Vec<BlockActs>,
+    out: Buf<f32>, // (N, C) the last block's output
+    // First stage.
+    ids: Buf<u32>,
+    host_ids: Vec<u32>,
+    // Last stage.
+    lnf: NormActs,
+    dhead: Buf<f32>, // (N, C) d(lnf) computed with the loss
+    targets: Buf<u32>,
+    losses: Buf<f32>,
+    /// The forward ran (in training mode) and the backward has not.
+    pending: bool,
+}
+
+/// The K/V caches and saved units of one micro-batch.
+struct MicroBatch {
+    qkv: Vec<Buf<f32>>, // per held block: (B, T, 3C)
+    dk: Vec<Buf<f32>>,  // per held block: (B, T, C)
+    dv: Vec<Buf<f32>>,
+    units: Vec<UnitActs>, // per segment
+    /// Positions `0..kv_len` of every sequence are cached.
+    kv_len: usize,
+}
+
+/// Backward scratch shared by every unit (sized for the longest segment).
+struct Scratch {
+    dx: Buf<f32>,
+    dtmp: Buf<f32>,
+    dln: Buf<f32>,
+    dqkv: Buf<f32>, // three (N, C) planes
+    dff: Buf<f32>,
+    delta: Buf<f32>,
+    columns: Buf<f32>,
+    logits: Buf<f32>, // (chunk, V)
+}
+
+/// Rows of logits that exist at once.
+const CHUNK_ROWS: usize = 4096;
+
+/// The step's gradients: per-micro-batch accumulators and their summation tree.
+#[derive(Default)]
+struct StepGrads {
+    micro_batches: usize,
+    accumulating: BTreeMap<usize, Buf<f32>>,
+    held: BTreeMap<usize, Buf<f32>>,
+    tree: Option<SumTree<Buf<f32>>>,
+    total: Option<Buf<f32>>,
+    peak_buffers: usize,
+}
+
+impl StepGrads {
+    fn buffers(&self) -> usize {
+        self.accumulating.len()
+            + self.held.len()
+            + self.tree.as_ref().map_or(0, SumTree::depth)
+            + usize::from(self.total.is_some())
+    }
+}
+
+/// A pipeline stage on one GPU.
+pub struct GpuStage {
+    gpu: Gpu,
+    plan: StagePlan,
+    starts: Vec<usize>,
+    seq: usize,
+    slots: Vec<Slot>,
+    index: HashMap<String, usize>,
+    numel: usize,
+    values: Buf<f32>,
+    m: Buf<f32>,
+    v: Buf<f32>,
+    adam_step: u64,
+    /// Rows per micro-batch, fixed by the first forward (every buffer is sized from it).
+    batch: Option<usize>,
+    scratch: Option<Scratch>,
+    in_flight: BTreeMap<usize, MicroBatch>,
+    spare_micro_batches: Vec<MicroBatch>,
+    spare_grads: Vec<Buf<f32>>,
+    grads: StepGrads,
+    peak_activation_bytes: usize,
+}
+
+// SAFETY: a `Gpu` holds a raw cuBLAS handle, which makes it `!Send`. The stage owns its `Gpu`
+// outright, is driven by one thread at a time (`&mut self` or `&self`, never shared: not `Sync`),
+// and makes the context current on the calling thread at the start of every method that touches the
+// device ([`Gpu::bind`]); cuBLAS handles may be used from any thread that does not use them
+// concurrently.
+unsafe impl Send for GpuStage {}
+
+impl Drop for GpuStage {
+    fn drop(&mut self) {
+        // The buffers are freed after this, on whichever thread drops the stage: the context must
+        // be current there.
+        let _ = self.gpu.bind();
+    }
+}
+
+fn order(op: &'static str, reason: impl Into<String>) -> GpuError {
+    GpuError::Shape {
+        op,
+        reason: reason.into(),
+    }
+}
+
+impl GpuStage {
+    /// Uploads `params` (every parameter the plan's layers need, in canonical order) onto `gpu`.
+    pub fn new(gpu: Gpu, plan: StagePlan, params: Vec<StageParam>) -> Result<GpuStage> {
+        const OP: &str = "GpuStage::new";
+        gpu.bind()?;
+        let (c, h) = (plan.model.d_model, plan.model.heads);
+        if h == 0 || !c.is_multiple_of(h) {
+            return shape(OP, format!("d_model {c} is not a multiple of heads {h}"));
+        }
+        if !crate::compile::HEAD_DIMS.contains(&(c / h)) {
+            return shape(
+                OP,
+                format!(
+                    "head width {} has no attention kernel (have {:?})",
+                    c / h,
+                    crate::compile::HEAD_DIMS
+                ),
+            );
+        }
+        let seq: usize = plan.segments.iter().sum();
+        if plan.segments.is_empty() || plan.segments.contains(&0) || seq > plan.model.max_seq_len {
+            return shape(
+                OP,
+                format!(
+                    "segments {:?} do not cut a sequence of at most {} positions",
+                    plan.segments, plan.model.max_seq_len
+                ),
+            );
+        }
+        let starts = plan
+            .segments
+            .iter()
+            .scan(0, |acc, len| {
+                let start = *acc;
+                *acc += len;
+                Some(start)
+            })
+            .collect();
+        let mut slots = Vec::new();
+        let mut index = HashMap::new();
+        let mut host = Vec::new();
+        for p in params {
+            let len: usize = p.dims.iter().product();
+            if p.values.len() != len {
+                return shape(
+                    OP,
+                    format!(
+                        "{}: {} values for dims {:?}",
+                        p.name,
+                        p.values.len(),
+                        p.dims
+                    ),
+                );
+            }
+            index.insert(p.name.clone(), slots.len());
+            slots.push(Slot {
+                name: p.name,
+                dims: p.dims,
+                offset: host.len(),
+                len,
+            });
+            host.extend(p.values);
+        }
+        let numel = host.len();
+        let stage = GpuStage {
+            values: gpu.upload(&host)?,
+            m: gpu.zeros(numel)?,
+            v: gpu.zeros(numel)?,
+            gpu,
+            starts,
+            seq,
+            slots,
+            index,
+            numel,
+            adam_step: 0,
+            batch: None,
+            scratch: None,
+            in_flight: BTreeMap::new(),
+            spare_micro_batches: Vec::new(),
+            spare_grads: Vec::new(),
+            grads: StepGrads::default(),
+            peak_activation_bytes: 0,
+            plan,
+        };
+        for (name, dims) in stage.expected_params() {
+            match stage.index.get(&name) {
+                None => return shape(OP, format!("parameter {name} is missing")),
+                Some(&i) if stage.slots[i].dims != dims => {
+                    return shape(
+                        OP,
+                        format!(
+                            "parameter {name} has dims {:?}, the model needs {dims:?}",
+                            stage.slots[i].dims
+                        ),
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(stage)
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The parameters' names, in canonical order.
+    pub fn param_names(&self) -> Vec<String> {
+        self.slots.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// Parameter values held (the length of [`GpuStage::gradient_vector`]).
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Bytes of the training state: parameters, one gradient buffer, two moments.
+    pub fn state_bytes(&self) -> usize {
+        4 * 4 * self.numel
+    }
+
+    /// Every parameter the plan needs, with its dims (linear weights `(out, in)`).
+    fn expected_params(&self) -> Vec<(String, Vec<usize>)> {
+        let m = &self.plan.model;
+        let (v, c, f) = (m.vocab, m.d_model, m.ffn);
+        let mut out = Vec::new();
+        if self.plan.first {
+            out.push(("wte.weight".to_string(), vec![v, c]));
+            out.push(("wpe.weight".to_string(), vec![m.max_seq_len, c]));
+        }
+        for l in self.plan.layers.clone() {
+            let mut local = vec![
+                ("ln_1.weight", vec![c]),
+                ("attn.c_attn.weight", vec![3 * c, c]),
+                ("attn.c_attn.bias", vec![3 * c]),
+                ("attn.c_proj.weight", vec![c, c]),
+                ("attn.c_proj.bias", vec![c]),
+                ("ln_2.weight", vec![c]),
+                ("mlp.c_fc.weight", vec![f, c]),
+                ("mlp.c_fc.bias", vec![f]),
+                ("mlp.c_proj.weight", vec![c, f]),
+                ("mlp.c_proj.bias", vec![c]),
+            ];
+            if !m.rms {
+                local.extend([("ln_1.bias", vec![c]), ("ln_2.bias", vec![c])]);
+            }
+            out.extend(local.into_iter().map(|(p, d)| (format!("h.{l}.{p}"), d)));
+        }
+        if self.plan.last {
+            out.push(("ln_f.weight".into(), vec![c]));
+            if !m.rms {
+                out.push(("ln_f.bias".into(), vec![c]));
+            }
+            out.push(("lm_head.weight".into(), vec![v, c]));
+        }
+        out
+    }
+
+    /// Address of parameter `name` in `buf` (values, or a gradient buffer); 0 when the stage has
+    /// no such parameter (the norm biases of an RMS-norm model).
+    fn at(&self, buf: &Buf<f32>, name: &str) -> u64 {
+        self.index
+            .get(name)
+            .map_or(0, |&i| buf.at(self.slots[i].offset))
+    }
+
+    /// Address of parameter `name`'s gradient in the flat gradient buffer at `acc`; 0 when the
+    /// stage has no such parameter.
+    fn grad_at(&self, acc: u64, name: &str) -> u64 {
+        self.index
+            .get(name)
+            .map_or(0, |&i| acc + (self.slots[i].offset * 4) as u64)
+    }
+
+    /// Linear layer `name` (`h.3.mlp.c_fc`): `y (n, out) = x (n, in) W^T`, plus its bias when
+    /// `bias`.
+    fn linear_forward(
+        &self,
+        y: u64,
+        x: u64,
+        name: &str,
+        (n, d_in, d_out): (usize, usize, usize),
+        bias: bool,
+    ) -> Result<()> {
+        let b = if bias {
+            self.at(&self.values, &format!("{name}.bias"))
+        } else {
+            0
+        };
+        let w = self.at(&self.values, &format!("{name}.weight"));
+        self.gpu.linear_forward(y, x, w, b, n, d_in, d_out)
+    }
+
+    /// Backward of [`GpuStage::linear_forward`]: `dx = dy W`, the weight (and with `bias` the
+    /// bias) gradient added to the gradient buffer at `acc`; `sc` is column-sum scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        dx: u64,
+        dy: u64,
+        x: u64,
+        name: &str,
+        (n, d_in, d_out): (usize, usize, usize),
+        bias: bool,
+        (acc, sc): (u64, &Buf<f32>),
+    ) -> Result<()> {
+        let weight = format!("{name}.weight");
+        let db = if bias {
+            self.grad_at(acc, &format!("{name}.bias"))
+        } else {
+            0
+        };
+        let (dw, w) = (self.grad_at(acc, &weight), self.at(&self.values, &weight));
+        self.gpu
+            .linear_backward(dx, dw, db, dy, x, w, n, d_in, d_out, sc)
+    }
+
+    /// The attention of a segment `start..start + len` of `b` sequences: queries in the unit's
+    /// `(N, 3C)` QKV rows, keys and values in the micro-batch's cache of whole sequences.
+    fn attn_shape(&self, b: usize, start: usize, len: usize) -> AttnShape {
+        let (c, h) = (self.plan.model.d_model, self.plan.model.heads);
+        AttnShape {
+            b,
+            h,
+            d: c / h,
+            s: len,
+            p: start,
+            q_stride: 3 * c,
+            kv_stride: 3 * c,
+            kv_rows: self.seq,
+        }
+    }
+
+    /// Buffers of a norm layer over `rows` rows.
+    fn norm_acts(&self, rows: usize) -> Result<NormActs> {
+        let c = self.plan.model.d_model;
+        Ok(NormActs {
+            out: self.gpu.zeros(rows * c)?,
+            mean: self.gpu.zeros(rows)?,
+            rstd: self.gpu.zeros(rows)?,
+        })
+    }
+
+    /// Norm layer `name` (`h.3.ln_1`, `ln_f`) over `n` rows of `x` into `acts`.
+    fn norm_forward(&self, acts: &NormActs, x: u64, name: &str, n: usize) -> Result<()> {
+        let m = &self.plan.model;
+        self.gpu.norm_forward(
+            acts.out.ptr(),
+            acts.mean.ptr(),
+            acts.rstd.ptr(),
+            x,
+            self.at(&self.values, &format!("{name}.weight")),
+            self.at(&self.values, &format!("{name}.bias")),
+            n,
+            m.d_model,
+            m.eps,
+            m.rms,
+        )
+    }
+
+    /// Backward of [`GpuStage::norm_forward`]: `dx` = d(input) from `dy`, the weight (and bias)
+    /// gradients added to the gradient buffer at `acc`; `sc` is column-sum scratch.
+    fn norm_backward(
+        &self,
+        dx: u64,
+        dy: u64,
+        x: u64,
+        acts: &NormActs,
+        name: &str,
+        (n, acc, sc): (usize, u64, &Buf<f32>),
+    ) -> Result<()> {
+        let m = &self.plan.model;
+        let weight = format!("{name}.weight");
+        self.gpu.norm_backward(
+            dx,
+            self.grad_at(acc, &weight),
+            self.grad_at(acc, &format!("{name}.bias")),
+            dy,
+            x,
+            acts.mean.ptr(),
+            acts.rstd.ptr(),
+            self.at(&self.values, &weight),
+            n,
+            m.d_model,
+            m.rms,
+            sc,
+        )
+    }
+
+    /// Starts a step of `micro_batches` micro-batches: forgets the last step's gradients.
+    pub fn begin_step(&mut self, micro_batches: usize) {
+        self.clear_grads();
+        self.grads.micro_batches = micro_batches;
+        self.grads.tree = Some(SumTree::new(micro_batches));
+    }
+
+    fn clear_grads(&mut self) {
+        // Buffers freed below need the context current on this thread.
+        let _ = self.gpu.bind();
+        let g = std::mem::take(&mut self.grads);
+        self.spare_grads.extend(g.accumulating.into_values());
+        self.spare_grads.extend(g.held.into_values());
+        self.spare_grads.extend(g.total);
+        self.grads.peak_buffers = g.peak_buffers;
+    }
+
+    /// Drops every in-flight unit and gradient (an aborted step).
+    pub fn reset_step(&mut self) {
+        let mbs = std::mem::take(&mut self.in_flight);
+        for mb in mbs.into_values() {
+            self.recycle(mb);
+        }
+        self.clear_grads();
+    }
+
+    /// Keeps a micro-batch's buffers for the next one, forgetting what they held.
+    fn recycle(&mut self, mut mb: MicroBatch) {
+        mb.kv_len = 0;
+        for unit in &mut mb.units {
+            unit.pending = false;
+        }
+        self.spare_micro_batches.push(mb);
+    }
+
+    fn take_grad_buffer(&mut self) -> Result<Buf<f32>> {
+        match self.spare_grads.pop() {
+            Some(mut b) => {
+                self.gpu.clear(&mut b)?;
+                Ok(b)
+            }
+            None => self.gpu.zeros(self.numel),
+        }
+    }
+
+    /// The accumulator of micro-batch `mb` (created zeroed on first use in a step).
+    fn accumulator(&mut self, mb: usize) -> Result<u64> {
+        const OP: &str = "GpuStage::accumulator";
+        let Some(tree) = &self.grads.tree else {
+            return Err(order(OP, "no step was begun (begin_step)"));
+        };
+        if mb >= self.grads.micro_batches {
+            return Err(order(
+                OP,
+                format!(
+                    "micro-batch {mb} out of range: the step has {}",
+                    self.grads.micro_batches
+                ),
+            ));
+        }
+        if self.grads.total.is_some() || mb < tree.pushed() || self.grads.held.contains_key(&mb) {
+            return Err(order(
+                OP,
+                format!("micro-batch {mb}'s backward already completed this step"),
+            ));
+        }
+        if !self.grads.accumulating.contains_key(&mb) {
+            let buf = self.take_grad_buffer()?;
+            self.grads.accumulating.insert(mb, buf);
+            let n = self.grads.buffers();
+            self.grads.peak_buffers = self.grads.peak_buffers.max(n);
+        }
+        Ok(self.grads.accumulating[&mb].ptr())
+    }
+
+    /// Micro-batch `mb`'s backward is complete: its gradient joins the tree.
+    fn complete(&mut self, mb: usize) -> Result<()> {
+        const OP: &str = "GpuStage::complete";
+        let g = self
+            .grads
+            .accumulating
+            .remove(&mb)
+            .ok_or_else(|| order(OP, format!("micro-batch {mb} completed, none of it ran")))?;
+        self.grads.held.insert(mb, g);
+        let (gpu, numel, spare) = (&self.gpu, self.numel, &mut self.spare_grads);
+        let tree = self.grads.tree.as_mut().expect("accumulator checked");
+        let mut add = |left: Buf<f32>, right: Buf<f32>| -> Result<Buf<f32>> {
+            gpu.add_assign(left.ptr(), right.ptr(), numel)?;
+            spare.push(right);
+            Ok(left)
+        };
+        while let Some(g) = self.grads.held.remove(&tree.pushed()) {
+            let next = tree.pushed();
+            tree.push(next, next + 1, g, &mut add).map_err(tree_error)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the step's gradients in the tree (idempotent).
+    pub fn finish_gradients(&mut self) -> Result<()> {
+        const OP: &str = "GpuStage::finish_gradients";
+        if self.grads.total.is_some() {
+            return Ok(());
+        }
+        let Some(tree) = self.grads.tree.take() else {
+            return Err(order(OP, "no step was begun (begin_step)"));
+        };
+        if tree.pushed() != self.grads.micro_batches || !self.grads.accumulating.is_empty() {
+            let done = tree.pushed() + self.grads.held.len();
+            self.grads.tree = Some(tree);
+            return Err(order(
+                OP,
+                format!(
+                    "{done} of {} micro-batches completed their backward",
+                    self.grads.micro_batches
+                ),
+            ));
+        }
+        self.grads.total = Some(tree.finish().map_err(tree_error)?);
+        Ok(())
+    }
+
+    fn total(&self, op: &'static str) -> Result<&Buf<f32>> {
+        self.grads
+            .total
+            .as_ref()
+            .ok_or_else(|| order(op, "the step's gradients are not summed (finish_gradients)"))
+    }
+
+    /// The step's summed gradients, flat in canonical order.
+    pub fn gradient_vector(&self) -> Result<Vec<f32>> {
+        self.gpu.bind()?;
+        let total = self.total("GpuStage::gradient_vector")?;
+        self.gpu.download(total)
+    }
+
+    /// Replaces the step's summed gradients (after the data-parallel reduction).
+    pub fn set_gradient_vector(&mut self, v: &[f32]) -> Result<()> {
+        const OP: &str = "GpuStage::set_gradient_vector";
+        self.gpu.bind()?;
+        if v.len() != self.numel {
+            return shape(
+                OP,
+                format!("{} values for {} parameters", v.len(), self.numel),
+            );
+        }
+        let mut total =
+            self.grads.total.take().ok_or_else(|| {
+                order(OP, "the step's gradients are not summed (finish_gradients)")
+            })?;
+        let written = self.gpu.write(&mut total, v);
+        self.grads.total = Some(total);
+        written
+    }
+
+    /// Per-parameter sums of squares of the summed gradients, in canonical order.
+    pub fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>> {
+        self.gpu.bind()?;
+        self.finish_gradients()?;
+        let total = self.total("GpuStage::grad_sums_of_squares")?;
+        let list: Vec<(u64, usize)> = self
+            .slots
+            .iter()
+            .map(|s| (total.at(s.offset), s.len))
+            .collect();
+        let sums = self.gpu.sums_of_squares(&list)?;
+        Ok(self.param_names().into_iter().zip(sums).collect())
+    }
+
+    /// Scales the gradients by `clip` (at most 1), applies AdamW (`lr`, `weight_decay[i]` for
+    /// parameter `i`, `betas = (beta1, beta2, eps)`) and clears the gradients.
+    pub fn apply_update(
+        &mut self,
+        lr: f64,
+        clip: f64,
+        weight_decay: &[f64],
+        (b1, b2, eps): (f64, f64, f64),
+    ) -> Result<()> {
+        const OP: &str = "GpuStage::apply_update";
+        self.gpu.bind()?;
+        if weight_decay.len() != self.slots.len() {
+            return shape(
+                OP,
+                format!(
+                    "{} weight decays for {} parameters",
+                    weight_decay.len(),
+                    self.slots.len()
+                ),
+            );
+        }
+        self.finish_gradients()?;
+        self.adam_step += 1;
+        let t = self.adam_step as f64;
+        let inv_bc2 = 1.0 / (1.0 - b2.powf(t));
+        let lr_bc1 = lr / (1.0 - b1.powf(t));
+        let total = self.total(OP)?;
+        for (s, &wd) in self.slots.iter().zip(weight_decay) {
+            self.gpu.adamw(
+                self.values.at(s.offset),
+                self.m.at(s.offset),
+                self.v.at(s.offset),
+                total.at(s.offset),
+                s.len,
+                clip.min(1.0) as f32,
+                (b1, b2, eps),
+                (inv_bc2 as f32, lr_bc1 as f32, (1.0 - lr * wd) as f32),
+            )?;
+        }
+        self.clear_grads();
+        Ok(())
+    }
+
+    /// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
+    fn split(&self, host: &[f32], prefix: &str) -> Vec<NamedTensor> {
+        self.slots
+            .iter()
+            .map(|s| {
+                (
+                    format!("{prefix}{}", s.name),
+                    s.dims.clone(),
+                    host[s.offset..s.offset + s.len].to_vec(),
+                )
+            })
+            .collect()
+    }
+
+    /// Host copies `(name, dims, values)` of the parameters, then (once the optimizer has
+    /// stepped) of the moments as `optim.m.<name>` and `optim.v.<name>` in the same order.
+    pub fn state(&self) -> Result<Vec<NamedTensor>> {
+        self.gpu.bind()?;
+        let mut out = self.split(&self.gpu.download(&self.values)?, "");
+        if self.adam_step > 0 {
+            let m = self.split(&self.gpu.download(&self.m)?, "optim.m.");
+            let v = self.split(&self.gpu.download(&self.v)?, "optim.v.");
+            for (m, v) in m.into_iter().zip(v) {
+                out.push(m);
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The step's summed gradients by parameter `(name, dims, values)`.
+    pub fn gradients(&self) -> Result<Vec<NamedTensor>> {
+        Ok(self.split(&self.gradient_vector()?, ""))
+    }
+
+    /// Replaces the state: `lookup(name)` gives the values of every parameter and, when
+    /// `optimizer_step > 0`, of `optim.m.<name>` and `optim.v.<name>`. Drops any step in flight.
+    pub fn load_state(
+        &mut self,
+        lookup: &mut dyn FnMut(&str, usize) -> Result<Vec<f32>>,
+        optimizer_step: u64,
+    ) -> Result<()> {
+        self.gpu.bind()?;
+        self.reset_step();
+        let gather = |prefix: &str, lookup: &mut dyn FnMut(&str, usize) -> Result<Vec<f32>>| {
+            let mut host = Vec::with_capacity(self.numel);
+            for s in &self.slots {
+                host.extend(lookup(&format!("{prefix}{}", s.name), s.len)?);
+            }
+            Ok::<_, GpuError>(host)
+        };
+        let values = gather("", lookup)?;
+        let (m, v) = if optimizer_step > 0 {
+            (gather("optim.m.", lookup)?, gather("optim.v.", lookup)?)
+        } else {
+            (vec![0.0; self.numel], vec![0.0; self.numel])
+        };
+        self.gpu.write(&mut self.values, &values)?;
+        self.gpu.write(&mut self.m, &m)?;
+        self.gpu.write(&mut self.v, &v)?;
+        self.adam_step = optimizer_step;
+        Ok(())
+    }
+
+    /// The most bytes of live activations since the last call.
+    pub fn take_peak_activation_bytes(&mut self) -> usize {
+        let now = self.activation_bytes();
+        std::mem::replace(&mut self.peak_activation_bytes, now).max(now)
+    }
+
+    /// The most full-gradient buffers held at once since the last call.
+    pub fn take_peak_gradient_buffers(&mut self) -> usize {
+        let now = self.grads.buffers();
+        std::mem::replace(&mut self.grads.peak_buffers, now).max(now)
+    }
+
+    /// Bytes of one micro-batch's caches and saved units (what [`GpuStage::new_micro_batch`]
+    /// allocates).
+    fn micro_batch_bytes(&self) -> usize {
+        let Some(b) = self.batch else { return 0 };
+        let (c, f, h) = (
+            self.plan.model.d_model,
+            self.plan.model.ffn,
+            self.plan.model.heads,
+        );
+        let layers = self.plan.layers.len();
+        let n = b * self.seq;
+        // Per held block: the QKV cache and dK/dV (5C a position), the saved activations (x, ln1,
+        // y, x1, ln2: C each; qkv 3C; u, g: F each; four norm statistics) and the log-sum-exps.
+        let blocks = layers * (n * (5 * c + 8 * c + 2 * f + 4) + b * h * self.seq);
+        let first = if self.plan.first { n } else { 0 };
+        let last = if self.plan.last { n * (2 * c + 4) } else { 0 };
+        4 * (blocks + n * c + first + last)
+    }
+
+    /// Bytes of the activations held now (in-flight micro-batches).
+    pub fn activation_bytes(&self) -> usize {
+        self.in_flight.len() * self.micro_batch_bytes()
+    }
+
+    fn seg(&self, segment: usize, op: &'static str) -> Result<(usize, usize)> {
+        match self.plan.segments.get(segment) {
+            Some(&len) => Ok((self.starts[segment], len)),
+            None => Err(order(
+                op,
+                format!(
+                    "segment {segment} out of range (the step has {})",
+                    self.plan.segments.len()
+                ),
+            )),
+        }
+    }
+
+    /// Sizes every buffer for micro-batches of `b` rows (once).
+    fn fix_batch(&mut self, b: usize, op: &'static str) -> Result<()> {
+        match self.batch {
+            Some(have) if have == b => return Ok(()),
+            Some(have) => {
+                return shape(
+                    op,
+                    format!("micro-batches of {b} rows, the stage runs {have}"),
+                );
+            }
+            None => {}
+        }
+        if b == 0 {
+            return shape(op, "a micro-batch of no rows");
+        }
+        let m = &self.plan.model;
+        let (c, f, h, v) = (m.d_model, m.ffn, m.heads, m.vocab);
+        let longest = *self.plan.segments.iter().max().expect("checked in new");
+        let n = b * longest;
+        let chunk = CHUNK_ROWS.min(n);
+        let widest = f.max(3 * c).max(v);
+        let z = |len: usize| self.gpu.zeros::<f32>(len);
+        self.scratch = Some(Scratch {
+            dx: z(n * c)?,
+            dtmp: z(n * c)?,
+            dln: z(n * c)?,
+            dqkv: z(3 * n * c)?,
+            dff: z(n * f)?,
+            delta: z(b * h * longest)?,
+            columns: z(2 * Gpu::column_scratch_len(n.max(chunk), widest))?,
+            logits: if self.plan.last { z(chunk * v)? } else { z(1)? },
+        });
+        self.batch = Some(b);
+        Ok(())
+    }
+
+    fn new_micro_batch(&self) -> Result<MicroBatch> {
+        let b = self.batch.expect("fixed before");
+        let m = &self.plan.model;
+        let (c, f, h) = (m.d_model, m.ffn, m.heads);
+        let z = |len: usize| self.gpu.zeros::<f32>(len);
+        let layers = self.plan.layers.len();
+        let mut units = Vec::new();
+        for &s in &self.plan.segments {
+            let n = b * s;
+            let mut blocks = Vec::new();
+            for _ in 0..layers {
+                blocks.push(BlockActs {
+                    x: z(n * c)?,
+                    ln1: self.norm_acts(n)?,
+                    qkv: z(n * 3 * c)?,
+                    y: z(n * c)?,
+                    lse: z(b * h * s)?,
+                    x1: z(n * c)?,
+                    ln2: self.norm_acts(n)?,
+                    u: z(n * f)?,
+                    g: z(n * f)?,
+                });
+            }
+            let last = self.plan.last;
+            let rows = |k: usize| if last { k } else { 1 };
+            units.push(UnitActs {
+                blocks,
+                out: z(n * c)?,
+                ids: self.gpu.zeros(if self.plan.first { n } else { 1 })?,
+                host_ids: Vec::new(),
+                lnf: self.norm_acts(rows(n))?,
+                dhead: z(rows(n * c))?,
+                targets: self.gpu.zeros(rows(n))?,
+                losses: z(rows(n))?,
+                pending: false,
+            });
+        }
+        let t = self.seq;
+        let mut mb = MicroBatch {
+            qkv: Vec::new(),
+            dk: Vec::new(),
+            dv: Vec::new(),
+            units,
+            kv_len: 0,
+        };
+        for _ in 0..layers {
+            mb.qkv.push(z(b * t * 3 * c)?);
+            mb.dk.push(z(b * t * c)?);
+            mb.dv.push(z(b * t * c)?);
+        }
+        Ok(mb)
+    }
+
+    /// Forward of unit `(micro_batch, segment)`. On the last stage `targets` (`B·s` ids) are
+    /// required; in training mode the loss gradient (scaled by `loss_scale`) is computed with the
+    /// loss and the head's weight gradient accumulated. `train = false` (evaluation) keeps only
+    /// the K/V caches, until the micro-batch's last segment.
+    pub fn forward(
+        &mut self,
+        (micro_batch, segment): (usize, usize),
+        input: UnitInput,
+        targets: Option<&[u32]>,
+        loss_scale: f64,
+        train: bool,
+    ) -> Result<UnitOutput> {
+        const OP: &str = "GpuStage::forward";
+        self.gpu.bind()?;
+        let (_, len) = self.seg(segment, OP)?;
+        let c = self.plan.model.d_model;
+        let rows = match (&input, self.plan.first) {
+            (UnitInput::Tokens(ids), true) => ids.len(),
+            (UnitInput::Hidden(x), false) => x.len() / c,
+            _ => {
+                return Err(order(
+                    OP,
+                    "tokens go to the first stage, hidden states to the others",
+                ));
+            }
+        };
+        let width = if self.plan.first { 1 } else { c };
+        if rows == 0 || !rows.is_multiple_of(len) || rows * width != input_len(&input) {
+            return shape(
+                OP,
+                format!(
+                    "{} input values do not fit a segment of {len} positions",
+                    input_len(&input)
+                ),
+            );
+        }
+        let b = rows / len;
+        self.fix_batch(b, OP)?;
+        let n = b * len;
+        if self.plan.last {
+            match targets {
+                Some(t) if t.len() == n => {}
+                Some(t) => {
+                    return shape(OP, format!("{} targets for {n} positions", t.len()));
+                }
+                None => return Err(order(OP, "the last stage needs the segment's targets")),
+            }
+        }
+        let (mut mb, was_in_flight) = match self.in_flight.remove(&micro_batch) {
+            Some(mb) => (mb, true),
+            None => match self.spare_micro_batches.pop() {
+                Some(mb) => (mb, false),
+                None => (self.new_micro_batch()?, false),
+            },
+        };
+        let result = self.forward_in(
+            &mut mb,
+            (micro_batch, segment),
+            input,
+            targets,
+            loss_scale,
+            train,
+        );
+        // A failed forward changes nothing it was given: the K/V count and the pending units move
+        // only when it succeeds.
+        let done_eval = !train && segment + 1 == self.plan.segments.len();
+        if (result.is_err() && !was_in_flight) || (result.is_ok() && done_eval) {
+            self.recycle(mb);
+        } else {
+            self.in_flight.insert(micro_batch, mb);
+        }
+        let now = self.activation_bytes();
+        self.peak_activation_bytes = self.peak_activation_bytes.max(now);
+        result
+    }
+
+    fn forward_in(
+        &mut self,
+        mb: &mut MicroBatch,
+        (micro_batch, segment): (usize, usize),
+        input: UnitInput,
+        targets: Option<&[u32]>,
+        loss_scale: f64,
+        train: bool,
+    ) -> Result<UnitOutput> {
+        const OP: &str = "GpuStage::forward";
+        let (start, len) = self.seg(segment, OP)?;
+        if mb.kv_len != start {
+            return Err(order(
+                OP,
+                format!(
+                    "unit ({micro_batch}, {segment}) needs the K/V of positions 0..{start} but 0..{} are cached (segments run in order)",
+                    mb.kv_len
+                ),
+            ));
+        }
+        if segment == 0 {
+            // A fresh micro-batch: later segments' backwards add into these.
+            for buf in mb.dk.iter_mut().chain(mb.dv.iter_mut()) {
+                self.gpu.clear(buf)?;
+            }
+        }
+        let b = self.batch.expect("fixed");
+        let m = self.plan.model.clone();
+        let (c, f, h) = (m.d_model, m.ffn, m.heads);
+        let d = c / h;
+        let n = b * len;
+        let t_all = self.seq;
+        let unit = &mut mb.units[segment];
+        let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
+        match input {
+            UnitInput::Tokens(ids) => {
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.vocab) {
+                    return shape(
+                        OP,
+                        format!(
+                            "token id {bad} is not below the vocabulary size {}",
+                            m.vocab
+                        ),
+                    );
+                }
+                self.gpu.write(&mut unit.ids, ids)?;
+                unit.host_ids = ids.to_vec();
+                self.gpu.embed_forward(
+                    x0,
+                    unit.ids.ptr(),
+                    self.at(&self.values, "wte.weight"),
+                    self.at(&self.values, "wpe.weight"),
+                    n,
+                    c,
+                    len,
+                    start,
+                )?;
+            }
+            UnitInput::Hidden(x) => {
+                // Into the first block's input buffer (or the output buffer of a stage with no
+                // blocks, which only adds the head).
+                let dst = match unit.blocks.first_mut() {
+                    Some(a) => &mut a.x,
+                    None => &mut unit.out,
+                };
+                self.gpu.write(dst, x)?;
+            }
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        let p = |name: String| self.at(&self.values, &name);
+        for (slot, layer) in self.plan.layers.clone().enumerate() {
+            let pre = format!("h.{layer}");
+            let a = &unit.blocks[slot];
+            let gpu = &self.gpu;
+            self.norm_forward(&a.ln1, a.x.ptr(), &format!("{pre}.ln_1"), n)?;
+            let qkv_shape = (n, c, 3 * c);
+            self.linear_forward(
+                a.qkv.ptr(),
+                a.ln1.out.ptr(),
+                &format!("{pre}.attn.c_attn"),
+                qkv_shape,
+                true,
+            )?;
+            // This segment's rows join the micro-batch's cache, then attend to all of it.
+            let cache = &mb.qkv[slot];
+            gpu.copy_rows(
+                cache.ptr(),
+                (t_all, start),
+                a.qkv.ptr(),
+                (len, 0),
+                b,
+                len,
+                3 * c,
+            )?;
+            let sh = self.attn_shape(b, start, len);
+            gpu.attention_forward(
+                a.y.ptr(),
+                a.lse.ptr(),
+                a.qkv.ptr(),
+                cache.at(c),
+                cache.at(2 * c),
+                sh,
+                scale,
+            )?;
+            self.linear_forward(
+                a.x1.ptr(),
+                a.y.ptr(),
+                &format!("{pre}.attn.c_proj"),
+                (n, c, c),
+                true,
+            )?;
+            gpu.add_assign(a.x1.ptr(), a.x.ptr(), n * c)?;
+            self.norm_forward(&a.ln2, a.x1.ptr(), &format!("{pre}.ln_2"), n)?;
+            // The bias joins in the GELU pass.
+            self.linear_forward(
+                a.u.ptr(),
+                a.ln2.out.ptr(),
+                &format!("{pre}.mlp.c_fc"),
+                (n, c, f),
+                false,
+            )?;
+            gpu.bias_gelu_forward(
+                a.g.ptr(),
+                a.u.ptr(),
+                p(format!("{pre}.mlp.c_fc.bias")),
+                n,
+                f,
+            )?;
+            let out = unit
+                .blocks
+                .get(slot + 1)
+                .map_or(unit.out.ptr(), |next| next.x.ptr());
+            self.linear_forward(
+                out,
+                a.g.ptr(),
+                &format!("{pre}.mlp.c_proj"),
+                (n, f, c),
+                true,
+            )?;
+            gpu.add_assign(out, a.x1.ptr(), n * c)?;
+        }
+        mb.kv_len = start + len;
+        let unit = &mut mb.units[segment];
+        if !self.plan.last {
+            unit.pending = train;
+            return Ok(UnitOutput::Hidden(
+                self.gpu.download_prefix(&unit.out, n * c)?,
+            ));
+        }
+        let targets = targets.expect("checked by forward");
+        self.gpu.write(&mut unit.targets, targets)?;
+        self.norm_forward(&unit.lnf, unit.out.ptr(), "ln_f", n)?;
+        // The head's weight gradient is computed with the loss (the logits never exist whole), so
+        // it goes into the micro-batch's accumulator here, in forward order: a micro-batch holds
+        // its gradient buffer from its first forward on the last stage (counted in the peak).
+        let dw = if train {
+            let acc = self.accumulator(micro_batch)?;
+            acc + (self.slots[self.index["lm_head.weight"]].offset * 4) as u64
+        } else {
+            0
+        };
+        let unit = &mut mb.units[segment];
+        let scratch = self.scratch.as_ref().expect("sized by fix_batch");
+        let w = self.at(&self.values, "lm_head.weight");
+        let v = m.vocab;
+        let chunk = CHUNK_ROWS.min(n);
+        for r0 in (0..n).step_by(chunk) {
+            let rows = chunk.min(n - r0);
+            let hh = unit.lnf.out.at(r0 * c);
+            let logits = scratch.logits.ptr();
+            self.gpu
+                .gemm(logits, hh, w, (rows, v, c), false, true, 0.0)?;
+            self.gpu.softmax_cross_entropy(
+                logits,
+                unit.losses.at(r0),
+                unit.targets.at(r0),
+                rows,
+                v,
+                loss_scale as f32,
+                train,
+            )?;
+            if train {
+                // d(lnf) = dlogits W (rows, C); dW += dlogits^T lnf.
+                self.gpu.gemm(
+                    unit.dhead.at(r0 * c),
+                    logits,
+                    w,
+                    (rows, c, v),
+                    false,
+                    false,
+                    0.0,
+                )?;
+                self.gpu
+                    .gemm(dw, logits, hh, (v, c, rows), true, false, 1.0)?;
+            }
+        }
+        unit.pending = train;
+        let losses = self.gpu.download_prefix(&unit.losses, n)?;
+        Ok(UnitOutput::LossSum(losses.iter().map(|&x| x as f64).sum()))
+    }
+
+    /// Backward of unit `(micro_batch, segment)`: `d_out (B·s, C)` from the next stage (none on
+    /// the last stage, which starts from its loss). Returns the gradient for the previous stage
+    /// (none on the first stage).
+    pub fn backward(
+        &mut self,
+        (micro_batch, segment): (usize, usize),
+        d_out: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>> {
+        const OP: &str = "GpuStage::backward";
+        self.gpu.bind()?;
+        let (start, len) = self.seg(segment, OP)?;
+        let Some(mut mb) = self.in_flight.remove(&micro_batch) else {
+            return Err(order(
+                OP,
+                format!("unit ({micro_batch}, {segment}): backward before forward"),
+            ));
+        };
+        let result = if !mb.units[segment].pending {
+            Err(order(
+                OP,
+                format!("unit ({micro_batch}, {segment}): backward before forward, or twice"),
+            ))
+        } else if mb.kv_len != start + len {
+            Err(order(
+                OP,
+                format!(
+                    "unit ({micro_batch}, {segment}): backward must follow the backward of every later segment"
+                ),
+            ))
+        } else {
+            self.backward_in(&mut mb, (micro_batch, segment), d_out)
+        };
+        if result.is_ok() {
+            mb.units[segment].pending = false;
+            mb.kv_len = start;
+        }
+        if result.is_ok() && segment == 0 {
+            self.recycle(mb);
+            self.complete(micro_batch)?;
+        } else {
+            self.in_flight.insert(micro_batch, mb);
+        }
+        result
+    }
+
+    fn backward_in(
+        &mut self,
+        mb: &mut MicroBatch,
+        (micro_batch, segment): (usize, usize),
+        d_out: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>> {
+        const OP: &str = "GpuStage::backward";
+        let acc_ptr = self.accumulator(micro_batch)?;
+        let Some(mut scratch) = self.scratch.take() else {
+            return Err(order(OP, "backward before any forward"));
+        };
+        let result = self.backward_units(mb, (micro_batch, segment), &mut scratch, acc_ptr, d_out);
+        self.scratch = Some(scratch);
+        result
+    }
+
+    /// [`GpuStage::backward_in`] with the scratch taken out (and always put back by the caller).
+    fn backward_units(
+        &self,
+        mb: &mut MicroBatch,
+        (_, segment): (usize, usize),
+        scratch: &mut Scratch,
+        acc_ptr: u64,
+        d_out: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>> {
+        const OP: &str = "GpuStage::backward";
+        let (start, len) = self.seg(segment, OP)?;
+        let b = self.batch.expect("fixed by the forward");
+        let m = &self.plan.model;
+        let (c, f, h) = (m.d_model, m.ffn, m.heads);
+        let d = c / h;
+        let n = b * len;
+        let t_all = self.seq;
+        let offset = |name: &str| self.grad_at(acc_ptr, name);
+        let p = |name: &str| self.at(&self.values, name);
+        let gpu = &self.gpu;
+        let unit = &mb.units[segment];
+        let sc = &scratch.columns;
+        match (self.plan.last, d_out) {
+            (true, None) => self.norm_backward(
+                scratch.dx.ptr(),
+                unit.dhead.ptr(),
+                unit.out.ptr(),
+                &unit.lnf,
+                "ln_f",
+                (n, acc_ptr, sc),
+            )?,
+            (false, Some(dy)) if dy.len() == n * c => gpu.write(&mut scratch.dx, dy)?,
+            (false, Some(dy)) => {
+                return shape(
+                    OP,
+                    format!("{} gradient values for {n} positions × {c}", dy.len()),
+                );
+            }
+            _ => {
+                return Err(order(
+                    OP,
+                    "the last stage starts backward from its loss, the others from the next stage's gradient",
+                ));
+            }
+        }
+        let (dx, dtmp, dln, dqkv, dff, delta) = (
+            scratch.dx.ptr(),
+            scratch.dtmp.ptr(),
+            scratch.dln.ptr(),
+            &scratch.dqkv,
+            scratch.dff.ptr(),
+            scratch.delta.ptr(),
+        );
+        for (slot, layer) in self.plan.layers.clone().enumerate().rev() {
+            let a = &unit.blocks[slot];
+            let name = |x: &str| format!("h.{layer}.{x}");
+            let grads = (acc_ptr, sc);
+            self.linear_backward(
+                dff,
+                dx,
+                a.g.ptr(),
+                &name("mlp.c_proj"),
+                (n, f, c),
+                true,
+                grads,
+            )?;
+            gpu.gelu_backward(dff, dff, a.u.ptr(), n * f)?;
+            gpu.column_sum(offset(&name("mlp.c_fc.bias")), dff, n, f, true, sc)?;
+            let ln2 = a.ln2.out.ptr();
+            self.linear_backward(dln, dff, ln2, &name("mlp.c_fc"), (n, c, f), false, grads)?;
+            self.norm_backward(
+                dtmp,
+                dln,
+                a.x1.ptr(),
+                &a.ln2,
+                &name("ln_2"),
+                (n, acc_ptr, sc),
+            )?;
+            gpu.add_assign(dx, dtmp, n * c)?; // d(x1)
+            self.linear_backward(
+                dln,
+                dx,
+                a.y.ptr(),
+                &name("attn.c_proj"),
+                (n, c, c),
+                true,
+                grads,
+            )?;
+            // dQ into the first plane; dK/dV of the whole prefix added to the micro-batch's
+            // accumulators (later segments already added theirs), then this segment's rows of
+            // them gathered into the second and third planes.
+            let cache = &mb.qkv[slot];
+            let sh = self.attn_shape(b, start, len);
+            gpu.attention_backward(
+                dqkv.ptr(),
+                mb.dk[slot].ptr(),
+                mb.dv[slot].ptr(),
+                a.qkv.ptr(),
+                cache.at(c),
+                cache.at(2 * c),
+                a.y.ptr(),
+                dln,
+                a.lse.ptr(),
+                delta,
+                sh,
+                1.0 / (d as f32).sqrt(),
+                true,
+            )?;
+            for (plane, acc) in [(1, &mb.dk[slot]), (2, &mb.dv[slot])] {
+                gpu.copy_rows(
+                    dqkv.at(plane * n * c),
+                    (len, 0),
+                    acc.ptr(),
+                    (t_all, start),
+                    b,
+                    len,
+                    c,
+                )?;
+            }
+            let w = p(&name("attn.c_attn.weight"));
+            let dw = offset(&name("attn.c_attn.weight"));
+            let db = offset(&name("attn.c_attn.bias"));
+            for i in 0..3 {
+                let dy = dqkv.at(i * n * c);
+                let w_i = w + (i * c * c * 4) as u64;
+                gpu.gemm(
+                    dln,
+                    dy,
+                    w_i,
+                    (n, c, c),
+                    false,
+                    false,
+                    if i == 0 { 0.0 } else { 1.0 },
+                )?;
+                gpu.gemm(
+                    dw + (i * c * c * 4) as u64,
+                    dy,
+                    a.ln1.out.ptr(),
+                    (c, c, n),
+                    true,
+                    false,
+                    1.0,
+                )?;
+                gpu.column_sum(db + (i * c * 4) as u64, dy, n, c, true, sc)?;
+            }
+            self.norm_backward(
+                dtmp,
+                dln,
+                a.x.ptr(),
+                &a.ln1,
+                &name("ln_1"),
+                (n, acc_ptr, sc),
+            )?;
+            gpu.add_assign(dx, dtmp, n * c)?; // d(x)
+        }
+        if self.plan.first {
+            gpu.embed_backward_tokens(offset("wte.weight"), dx, &unit.host_ids, c)?;
+            gpu.embed_backward_positions(offset("wpe.weight"), dx, b, len, c, start)?;
+            Ok(None)
+        } else {
+            Ok(Some(gpu.download_prefix(&scratch.dx, n * c)?))
+        }
+    }
+}
+
+fn input_len(input: &UnitInput) -> usize {
+    match input {
+        UnitInput::Tokens(ids) => ids.len(),
+        UnitInput::Hidden(x) => x.len(),
+    }
+}
+
+fn tree_error(e: ops::SumTreeError<GpuError>) -> GpuError {
+    match e {
+        ops::SumTreeError::Add(e) => e,
+        other => GpuError::Shape {
+            op: "GpuStage gradient tree",
+            reason: other.to_string(),
+        },
+    }
+}

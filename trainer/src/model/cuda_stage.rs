@@ -1,0 +1,339 @@
+//! A pipeline stage on a GPU ([`gpu::stage::GpuStage`]) behind [`StageCompute`]: converts the
+//! host tensors the runtime passes (token ids, hidden states, gradients, named state) to and from
+//! the device stage's flat host slices, initializes the weights as the CPU stage does (same names,
+//! same values for a seed), and opens the worker's GPU.
+//!
+//! What the CUDA kernels do not cover is refused when the stage is built, with what to do: RoPE
+//! positions and f64 stages.
+
+use candle_core::{DType, Device, Tensor};
+use gpu::stage::{GptShape, GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
+use gpu::{Gpu, GpuError, Precision};
+use ops::adamw::AdamWConfig;
+
+use super::compute::{CUDA_DEVICE_ENV, StageCompute, StageSpec, UpdateSettings};
+use super::config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
+use super::params::{ParamSpec, component_params, decays, init_param};
+use super::partition::StageLayout;
+use super::stage::{Mode, ModelError, StageInput, StageOutput};
+use crate::schedule::Unit;
+
+/// A stage whose kernels run on a GPU.
+pub struct CudaStage {
+    stage: GpuStage,
+    /// `train.memory_budget_bytes`, applied to the device memory the stage holds.
+    memory_budget: Option<usize>,
+    layout: StageLayout,
+    specs: Vec<ParamSpec>,
+    adamw: AdamWConfig,
+    d_model: usize,
+}
+
+fn device_err(e: GpuError) -> ModelError {
+    ModelError::Device(e.to_string())
+}
+
+/// The device ordinal of this worker: [`CUDA_DEVICE_ENV`] if set, else 0.
+fn ordinal() -> Result<usize, ModelError> {
+    match std::env::var(CUDA_DEVICE_ENV) {
+        Ok(v) => v.trim().parse().map_err(|_| {
+            ModelError::Device(format!(
+                "{CUDA_DEVICE_ENV}={v:?} is not a device ordinal (a non-negative integer)"
+            ))
+        }),
+        Err(_) => Ok(0),
+    }
+}
+
+fn precision(p: PrecisionKind) -> Precision {
+    match p {
+        PrecisionKind::Fp32 => Precision::Fp32,
+        PrecisionKind::Tf32 => Precision::Tf32,
+        PrecisionKind::Bf16 => Precision::Bf16,
+    }
+}
+
+impl CudaStage {
+    /// Opens the worker's GPU and builds the stage with the weights the CPU stage would start
+    /// from.
+    pub fn new(model: &ModelConfig, spec: StageSpec) -> Result<Self, ModelError> {
+        if model.position == Position::Rope {
+            return Err(ModelError::Device(
+                "model.device = \"cuda\" supports learned positions only (model.position = \"learned\"); RoPE stages run on the CPU (model.device = \"cpu\")".into(),
+            ));
+        }
+        let ordinal = ordinal()?;
+        let gpu = visible_devices()
+            .and_then(|count| {
+                Gpu::open(ordinal % count, precision(model.precision)).map_err(device_err)
+            })
+            .map_err(|e| {
+                ModelError::Device(format!(
+                    "model.device = \"cuda\": {e} (or set model.device = \"cpu\")"
+                ))
+            })?;
+        let specs: Vec<ParamSpec> = spec
+            .layout
+            .components()
+            .into_iter()
+            .flat_map(|c| component_params(model, c))
+            .collect();
+        let mut params = Vec::with_capacity(specs.len());
+        for s in &specs {
+            let t = init_param(s, spec.seed, DType::F32, &Device::Cpu)?;
+            params.push(StageParam {
+                name: s.name.clone(),
+                dims: s.shape.clone(),
+                values: t.flatten_all()?.to_vec1::<f32>()?,
+            });
+        }
+        let plan = StagePlan {
+            model: gpu_shape(model),
+            layers: spec.layout.layers.clone(),
+            first: spec.layout.is_first(),
+            last: spec.layout.is_last(),
+            segments: spec.segment_lengths.clone(),
+        };
+        let stage = GpuStage::new(gpu, plan, params).map_err(device_err)?;
+        Ok(Self {
+            stage,
+            memory_budget: spec.memory_budget,
+            layout: spec.layout,
+            specs,
+            adamw: spec.adamw,
+            d_model: model.d_model,
+        })
+    }
+
+    fn named(
+        list: Vec<(String, Vec<usize>, Vec<f32>)>,
+    ) -> Result<Vec<(String, Tensor)>, ModelError> {
+        list.into_iter()
+            .map(|(name, dims, values)| {
+                Ok((
+                    name,
+                    Tensor::from_vec(values, dims.as_slice(), &Device::Cpu)?,
+                ))
+            })
+            .collect()
+    }
+}
+
+/// The `[model]` fields the GPU stage uses.
+pub fn gpu_shape(model: &ModelConfig) -> GptShape {
+    GptShape {
+        vocab: model.vocab_size,
+        layers: model.layers,
+        d_model: model.d_model,
+        heads: model.heads,
+        ffn: model.ffn(),
+        max_seq_len: model.max_seq_len,
+        eps: model.norm_eps as f32,
+        rms: model.norm == Norm::RmsNorm,
+    }
+}
+
+/// Devices the driver shows, at least one (else the error says what to do).
+fn visible_devices() -> Result<usize, ModelError> {
+    let count = gpu::device_count().map_err(device_err)?;
+    if count == 0 {
+        return Err(device_err(GpuError::NoDevice {
+            count: 0,
+            ordinal: 0,
+        }));
+    }
+    Ok(count)
+}
+
+fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl StageCompute for CudaStage {
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cuda
+    }
+
+    fn layout(&self) -> &StageLayout {
+        &self.layout
+    }
+
+    fn param_names(&self) -> Vec<String> {
+        self.stage.param_names()
+    }
+
+    fn begin_step(&mut self, micro_batches: usize) {
+        self.stage.begin_step(micro_batches);
+    }
+
+    fn forward(
+        &mut self,
+        unit: Unit,
+        input: StageInput,
+        targets: Option<&Tensor>,
+        loss_scale: f64,
+        mode: Mode,
+    ) -> Result<StageOutput, ModelError> {
+        let (ids, hidden);
+        let input = match input {
+            StageInput::Tokens(t) => {
+                ids = t.flatten_all()?.to_vec1::<u32>()?;
+                UnitInput::Tokens(&ids)
+            }
+            StageInput::Hidden(x) => {
+                hidden = host_f32(&x)?;
+                UnitInput::Hidden(&hidden)
+            }
+        };
+        let targets = targets
+            .map(|t| t.flatten_all()?.to_vec1::<u32>())
+            .transpose()?;
+        let out = self
+            .stage
+            .forward(
+                (unit.micro_batch, unit.segment),
+                input,
+                targets.as_deref(),
+                loss_scale,
+                mode == Mode::Train,
+            )
+            .map_err(device_err)?;
+        if let Some(budget) = self.memory_budget {
+            let (state, activations) = (self.stage.state_bytes(), self.stage.activation_bytes());
+            if state + activations > budget {
+                return Err(ModelError::OverBudget {
+                    unit,
+                    state,
+                    activations,
+                    budget,
+                });
+            }
+        }
+        Ok(match out {
+            UnitOutput::LossSum(l) => StageOutput::LossSum(l),
+            UnitOutput::Hidden(x) => {
+                let rows = x.len() / self.d_model;
+                StageOutput::Hidden(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?)
+            }
+        })
+    }
+
+    fn backward(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let d = d_out.as_ref().map(host_f32).transpose()?;
+        let dx = self
+            .stage
+            .backward((unit.micro_batch, unit.segment), d.as_deref())
+            .map_err(device_err)?;
+        dx.map(|x| {
+            let rows = x.len() / self.d_model;
+            Ok(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?)
+        })
+        .transpose()
+    }
+
+    fn finish_gradients(&mut self) -> Result<(), ModelError> {
+        self.stage.finish_gradients().map_err(device_err)
+    }
+
+    fn gradient_vector(&self) -> Result<Vec<f32>, ModelError> {
+        self.stage.gradient_vector().map_err(device_err)
+    }
+
+    fn set_gradient_vector(&mut self, v: &[f32]) -> Result<(), ModelError> {
+        if v.len() != self.stage.numel() {
+            return Err(ModelError::GradientLength {
+                expected: self.stage.numel(),
+                got: v.len(),
+            });
+        }
+        self.stage.set_gradient_vector(v).map_err(device_err)
+    }
+
+    fn gradients(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        Self::named(self.stage.gradients().map_err(device_err)?)
+    }
+
+    fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>, ModelError> {
+        self.stage.grad_sums_of_squares().map_err(device_err)
+    }
+
+    fn apply_update(&mut self, u: UpdateSettings) -> Result<(), ModelError> {
+        let wd: Vec<f64> = self
+            .specs
+            .iter()
+            .map(|s| {
+                if decays(s.kind, u.decay_embeddings) {
+                    u.weight_decay
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let a = &self.adamw;
+        self.stage
+            .apply_update(u.lr, u.clip_coefficient, &wd, (a.beta1, a.beta2, a.eps))
+            .map_err(device_err)
+    }
+
+    fn reset_step(&mut self) {
+        self.stage.reset_step();
+    }
+
+    /// Copies the device state to the host (synchronously: the copy is consistent with the step
+    /// that just ended).
+    fn state(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        Self::named(self.stage.state().map_err(device_err)?)
+    }
+
+    fn load_state(
+        &mut self,
+        tensors: Vec<(String, Tensor)>,
+        optimizer_step: u64,
+    ) -> Result<(), ModelError> {
+        let by_name: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+        let mut missing = None;
+        let mut lookup = |name: &str, len: usize| -> gpu::Result<Vec<f32>> {
+            let found = by_name
+                .get(name)
+                .map(|t| host_f32(t).map_err(|e| e.to_string()))
+                .unwrap_or_else(|| Err(format!("{name} is missing")));
+            match found {
+                Ok(v) if v.len() == len => Ok(v),
+                Ok(v) => Err(GpuError::Shape {
+                    op: "load_state",
+                    reason: format!("{name}: {} values, the stage holds {len}", v.len()),
+                }),
+                Err(e) => {
+                    missing.get_or_insert(name.to_string());
+                    Err(GpuError::Shape {
+                        op: "load_state",
+                        reason: e,
+                    })
+                }
+            }
+        };
+        let loaded = self.stage.load_state(&mut lookup, optimizer_step);
+        match (loaded, missing) {
+            (Err(_), Some(name)) if !by_name.contains_key(&name) => {
+                Err(ModelError::MissingParam(name))
+            }
+            (r, _) => r.map_err(device_err),
+        }
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.stage.state_bytes()
+    }
+
+    fn take_peak_activation_bytes(&mut self) -> usize {
+        self.stage.take_peak_activation_bytes()
+    }
+
+    fn take_peak_gradient_buffers(&mut self) -> usize {
+        self.stage.take_peak_gradient_buffers()
+    }
+}
