@@ -8,13 +8,20 @@
 #     1. every CUDA kernel against the CPU oracle (relative error per kernel and precision),
 #     2. whole-model FP32 gradients on the GPU against the CPU stage's (presets a, b, long, gpt2),
 #     3. determinism: two runs of the same bf16 job give bit-identical weights,
-#     4. GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
+#     4. the pipeline runtime with CUDA stages (`seqpipe train --set model.device=cuda`, several
+#        stages on the one GPU, host-staged links): first-step gradients against the CPU stages',
+#        2 vs 4 stages bit-identical, stop + resume bit-identical, one worker SIGKILLed mid-run and
+#        the run still bit-identical, bf16 loss falling, and a GPT-2 124M job on synthetic data,
+#     5. GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
 #        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed.
 #   Everything goes to $OUT (default ./gpu-out): report.txt (the summary), one JSON line per run
-#   in runs.jsonl, and the logs. ROUNDS (default 2) and STEPS (default 10) can be set.
+#   in runs.jsonl, and the logs. ROUNDS (default 2) and STEPS (default 10) can be set; SECTIONS
+#   (default "1 2 3 4 5") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=.gpu-bin/seqpipe
+BIN=${BIN:-.gpu-bin/seqpipe}
+# The pipeline section's device; DEVICE=cpu rehearses it on a machine without a GPU.
+DEVICE=${DEVICE:-cuda}
 
 pack() {
   command -v cargo >/dev/null 2>&1 || export PATH="$HOME/.cargo/bin:$PATH"
@@ -32,9 +39,13 @@ cuda_libs() {
   local dirs links
   dirs=$(python3 - <<'PY'
 import glob, os
-import nvidia
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except ImportError:  # no CUDA wheels (a DEVICE=cpu rehearsal)
+    roots = []
 seen = []
-for root in nvidia.__path__:
+for root in roots:
     for lib in glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True):
         d = os.path.dirname(lib)
         if d not in seen:
@@ -53,19 +64,38 @@ run() {
   OUT=${OUT:-$PWD/gpu-out}
   ROUNDS=${ROUNDS:-2}
   STEPS=${STEPS:-10}
+  SECTIONS=${SECTIONS:-1 2 3 4 5}
   mkdir -p "$OUT"
-  export LD_LIBRARY_PATH="$(cuda_libs)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  local libs
+  libs=$(cuda_libs)
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export SEQPIPE_CACHE="$OUT/cache" PYTHONUNBUFFERED=1
-  local report="$OUT/report.txt" runs="$OUT/runs.jsonl"
+  report="$OUT/report.txt" runs="$OUT/runs.jsonl" started=$SECONDS
   : > "$report"; : > "$runs"
-  say() { echo "$@" | tee -a "$report"; }
   say "== machine"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$report"
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" 2>&1 | tee -a "$report"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$report" || true
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" 2>&1 | tee -a "$report" || true
+  for section in $SECTIONS; do
+    case $section in
+      1) kernels ;;
+      2) gradients ;;
+      3) determinism ;;
+      4) pipeline ;;
+      5) bench ;;
+      *) say "no section $section" ;;
+    esac
+  done
+}
+
+say() { echo "$@" | tee -a "$report"; }
+
+kernels() {
   say "== 1. kernels vs the CPU oracle"
-  local started=$SECONDS
   "$BIN" gpu check 2>&1 | tee -a "$report" || say "KERNEL CHECK FAILED"
   say "(kernel check: $((SECONDS - started)) s)"
+}
+
+gradients() {
   say "== 2. whole-model FP32 gradients vs the CPU stage (same weights and batch)"
   for spec in "a" "b" "long" "gpt2 --batch 1"; do
     # shellcheck disable=SC2086
@@ -80,12 +110,117 @@ PY
       say "$spec: GRADIENT CHECK FAILED: $(tail -3 "$OUT/check.err")"
     fi
   done
+}
+
+determinism() {
   say "== 3. determinism (gpt2, bf16, two runs of $STEPS steps)"
   local h1 h2
   h1=$("$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
   h2=$("$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
   if [ "$h1" = "$h2" ]; then say "bit-identical weights after $STEPS steps: $h1"; else say "WEIGHTS DIFFER: $h1 vs $h2"; fi
-  say "== 4. training step, bf16: seqpipe vs PyTorch eager and torch.compile ($ROUNDS alternating rounds)"
+}
+
+# One `seqpipe train` of the pipeline checks into $T/NAME (further arguments are train's); its last
+# lines go to the report.
+train_job() {
+  local name=$1 t0=$SECONDS
+  shift
+  if "$BIN" train -q --set run.dir="$T/$name" "$@" > "$T/$name.out" 2>&1; then
+    say "$name: $(grep '^done:' "$T/$name.out" | tail -1) ($((SECONDS - t0)) s)"
+  else
+    say "$name: TRAIN FAILED ($((SECONDS - t0)) s): $(tail -5 "$T/$name.out")"
+    return 1
+  fi
+}
+
+# The pid of the running `seqpipe worker` of stage $1 whose command line mentions $2 (read from
+# /proc: no procps needed).
+worker_pid() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys
+stage, mark = sys.argv[1], sys.argv[2]
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        continue
+    args = [a.decode(errors="replace") for a in args]
+    if "worker" in args and "--stage" in args and args[args.index("--stage") + 1] == stage and any(mark in a for a in args):
+        print(pid)
+        break
+PY
+}
+
+compare() { python3 scripts/gpu-pipeline-check.py "$@" 2>&1 | tee -a "$report" || true; }
+
+pipeline() {
+  say "== 4. the pipeline runtime with CUDA stages (default job: 4 stages on the one GPU, host-staged links)"
+  T="$OUT/train"
+  rm -rf "$T"; mkdir -p "$T"
+  # Every run of a comparison shares the LR schedule (decay over 24 steps) and checkpoints every 6.
+  local job=(--set train.eval_every=0 --set train.decay_steps=24 --set checkpoint.every=6)
+  local cuda=("${job[@]}" --set model.device="$DEVICE" --set model.precision=fp32)
+  train_job cpu4 "${job[@]}" --set train.steps=12 --dump-grads "$T/cpu4-grads" || true
+  train_job cuda4 "${cuda[@]}" --set train.steps=12 --dump-grads "$T/cuda4-grads" || return 0
+  say "-- first-step gradients, CUDA stages (fp32) vs CPU stages:"
+  compare grads "$T/cpu4-grads" "$T/cuda4-grads" --bound 1e-4
+  say "-- per-step losses, CUDA vs CPU (within 1e-3 relative after 12 steps):"
+  compare losses "$T/cpu4" "$T/cuda4" --rel 1e-3
+  train_job cuda2 "${cuda[@]}" --set train.steps=12 --set pipeline.stages=2 || true
+  say "-- 2 stages vs 4 stages on the GPU (bit-identical):"
+  compare losses "$T/cuda4" "$T/cuda2"
+  compare state "$T/cuda4/checkpoints" "$T/cuda2/checkpoints"
+  train_job cuda-split "${cuda[@]}" --set train.steps=6 || true
+  if "$BIN" resume -q "$T/cuda-split" --set train.steps=12 --set pipeline.stages=3 > "$T/cuda-split-resume.out" 2>&1; then
+    say "-- 6 steps, stop, resume for 6 more, onto 3 stages (bit-identical to the straight run):"
+  else
+    say "RESUME FAILED: $(tail -5 "$T/cuda-split-resume.out")"
+  fi
+  compare losses "$T/cuda4" "$T/cuda-split"
+  compare state "$T/cuda4/checkpoints" "$T/cuda-split/checkpoints"
+  say "-- chaos: SIGKILL of stage 1's worker after step 8 of 24 (the run recovers, bit-identical):"
+  train_job calm "${cuda[@]}" --set train.steps=24 || true
+  "$BIN" train -q --set run.dir="$T/chaos" "${cuda[@]}" --set train.steps=24 > "$T/chaos.out" 2>&1 &
+  local launcher=$! killed=""
+  for _ in $(seq 600); do
+    if grep -q '"step":8,' "$T/chaos/metrics.jsonl" 2>/dev/null; then
+      killed=$(worker_pid 1 "$T/chaos/")
+      [ -n "$killed" ] && kill -KILL "$killed"
+      break
+    fi
+    sleep 0.1
+  done
+  if wait "$launcher"; then say "chaos: killed worker pid ${killed:-NONE}; $(grep '^done:' "$T/chaos.out" | tail -1)"; else say "CHAOS RUN FAILED: $(tail -5 "$T/chaos.out")"; fi
+  python3 - "$T/chaos/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+events = [json.loads(l) for l in open(sys.argv[1]) if '"recovered"' in l]
+for e in events:
+    print(f"recovered at step {e['step']}: tier {e['tier']}, {e['recovery_s']:.2f} s, {e['lost_steps']} steps lost, {e.get('redone_units', 0)} units redone")
+if not events:
+    print("NO RECOVERY EVENT: the kill did not land")
+PY
+  compare losses "$T/calm" "$T/chaos"
+  compare state "$T/calm/checkpoints" "$T/chaos/checkpoints"
+  say "-- bf16 matrix products, default job, 60 steps (loss must fall):"
+  train_job bf16 --set model.device="$DEVICE" --set model.precision=bf16 --set train.eval_every=0 || true
+  say "-- GPT-2 124M shape on synthetic data, 2 stages, bf16, 20 steps:"
+  [ "$DEVICE" = cuda ] || return 0
+  train_job gpt2 --set model.device=cuda --set model.precision=bf16 --set model.vocab_size=50257 \
+    --set model.layers=12 --set model.d_model=768 --set model.heads=12 --set model.max_seq_len=1024 \
+    --set train.seq_len=1024 --set train.micro_batch_size=4 --set pipeline.microbatches=8 \
+    --set pipeline.stages=2 --set train.steps=20 --set train.warmup_steps=5 --set train.lr=6e-4 \
+    --set train.min_lr=6e-5 --set train.eval_every=0 --set checkpoint.every=0 || true
+  python3 - "$T/gpt2/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+steps = [r for r in rows if "loss" in r and "event" not in r]
+tps = sorted(r["tokens_per_s"] for r in steps[3:]) or [0]
+print(f"gpt2 pipeline: loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f} over {len(steps)} steps, median {tps[len(tps) // 2]:.0f} tokens/s after step 3")
+PY
+}
+
+bench() {
+  say "== 5. training step, bf16: seqpipe vs PyTorch eager and torch.compile ($ROUNDS alternating rounds)"
   for preset in gpt2 a b long; do
     for round in $(seq "$ROUNDS"); do
       "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"
