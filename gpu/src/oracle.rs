@@ -404,6 +404,40 @@ fn pad_rows(rows: &[f32], b: usize, l: usize, extra: usize, width: usize, fill: 
 /// binary, so subtracting it back loses nothing of the gradient's precision above its ulp).
 const PRIOR: f32 = 0.5;
 
+/// A dK or dV of `l` rows per sequence (rows of `width`) against the CPU's `want`. With `extra >
+/// 0` the GPU's accumulator has `l + extra` rows per sequence and started at [`PRIOR`]: the used
+/// rows must hold PRIOR + the gradient, the unused ones PRIOR still.
+fn compare_kv_grad(
+    c: &mut Checker,
+    what: &str,
+    got: &crate::Buf<f32>,
+    want: &[f32],
+    (l, extra, width): (usize, usize, usize),
+) -> Result<()> {
+    let a = c.gpu.download(got)?;
+    if extra == 0 {
+        c.compare(what, Precision::Fp32, &a, want);
+        return Ok(());
+    }
+    let (mut used, mut unused) = (Vec::new(), Vec::new());
+    for (r, row) in a.chunks(width).enumerate() {
+        if r % (l + extra) < l {
+            used.extend(row.iter().map(|x| x - PRIOR));
+        } else {
+            unused.extend_from_slice(row);
+        }
+    }
+    c.compare(what, Precision::Fp32, &used, want);
+    let prior = vec![PRIOR; unused.len()];
+    c.compare(
+        format!("{what}: rows past the segment untouched"),
+        Precision::Fp32,
+        &unused,
+        &prior,
+    );
+    Ok(())
+}
+
 /// Causal prefix attention against the CPU's. With `extra > 0` the keys and values sit in a cache
 /// of `p + s + extra` rows per sequence and dK/dV are added to accumulators holding [`PRIOR`].
 fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Result<()> {
@@ -484,36 +518,14 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
         c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
     }
     for (name, got, want) in [("backward dK", &dkd, &dk), ("backward dV", &dvd, &dv)] {
-        let a = c.gpu.download(got)?;
-        let b_ = to_rows(&host(want)?, b, h, l, d);
-        if !cached {
-            c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
-            continue;
-        }
-        // The accumulators started at PRIOR: the used rows must hold PRIOR + the gradient, the
-        // unused ones PRIOR still.
-        let width = h * d;
-        let (mut used, mut unused) = (Vec::new(), Vec::new());
-        for (r, row) in a.chunks(width).enumerate() {
-            if r % rows < l {
-                used.extend(row.iter().map(|x| x - PRIOR));
-            } else {
-                unused.extend_from_slice(row);
-            }
-        }
-        c.compare(
-            format!("attention {name} {tag}"),
-            Precision::Fp32,
-            &used,
-            &b_,
-        );
-        let prior = vec![PRIOR; unused.len()];
-        c.compare(
-            format!("attention {name} rows past the segment untouched {tag}"),
-            Precision::Fp32,
-            &unused,
-            &prior,
-        );
+        let want = to_rows(&host(want)?, b, h, l, d);
+        compare_kv_grad(
+            c,
+            &format!("attention {name} {tag}"),
+            got,
+            &want,
+            (l, extra, h * d),
+        )?;
     }
     let a = c.gpu.download(&lse)?;
     let b_ = host(&ctx.lse)?;

@@ -149,6 +149,14 @@ struct MicroBatch {
     kv_len: usize,
 }
 
+/// The rows a unit covers: `b` sequences, positions `start..start + len` of each.
+#[derive(Clone, Copy)]
+struct UnitShape {
+    b: usize,
+    start: usize,
+    len: usize,
+}
+
 /// Backward scratch shared by every unit (sized for the longest segment).
 struct Scratch {
     dx: Buf<f32>,
@@ -463,6 +471,12 @@ impl GpuStage {
         }
     }
 
+    /// `1 / sqrt(head width)`.
+    fn attn_scale(&self) -> f32 {
+        let m = &self.plan.model;
+        1.0 / ((m.d_model / m.heads) as f32).sqrt()
+    }
+
     /// Buffers of a norm layer over `rows` rows.
     fn norm_acts(&self, rows: usize) -> Result<NormActs> {
         let c = self.plan.model.d_model;
@@ -766,31 +780,37 @@ impl GpuStage {
         Ok(self.split(&self.gradient_vector()?, ""))
     }
 
-    /// Replaces the state: `lookup(name)` gives the values of every parameter and, when
-    /// `optimizer_step > 0`, of `optim.m.<name>` and `optim.v.<name>`. Drops any step in flight.
+    /// Replaces the state: the parameters' `values` and, when the optimizer has taken
+    /// `optimizer_step > 0` steps, AdamW's `moments` (m, v), each flat in canonical order
+    /// ([`GpuStage::gradient_vector`]'s layout; no moments: zeros). Drops any step in flight.
     pub fn load_state(
         &mut self,
-        lookup: &mut dyn FnMut(&str, usize) -> Result<Vec<f32>>,
+        values: &[f32],
+        moments: Option<(&[f32], &[f32])>,
         optimizer_step: u64,
     ) -> Result<()> {
+        const OP: &str = "GpuStage::load_state";
         self.gpu.bind()?;
+        let lens = [
+            Some(values.len()),
+            moments.map(|m| m.0.len()),
+            moments.map(|m| m.1.len()),
+        ];
+        if let Some(bad) = lens.into_iter().flatten().find(|&l| l != self.numel) {
+            return shape(OP, format!("{bad} values for {} parameters", self.numel));
+        }
         self.reset_step();
-        let gather = |prefix: &str, lookup: &mut dyn FnMut(&str, usize) -> Result<Vec<f32>>| {
-            let mut host = Vec::with_capacity(self.numel);
-            for s in &self.slots {
-                host.extend(lookup(&format!("{prefix}{}", s.name), s.len)?);
+        self.gpu.write(&mut self.values, values)?;
+        match moments {
+            Some((m, v)) => {
+                self.gpu.write(&mut self.m, m)?;
+                self.gpu.write(&mut self.v, v)?;
             }
-            Ok::<_, GpuError>(host)
-        };
-        let values = gather("", lookup)?;
-        let (m, v) = if optimizer_step > 0 {
-            (gather("optim.m.", lookup)?, gather("optim.v.", lookup)?)
-        } else {
-            (vec![0.0; self.numel], vec![0.0; self.numel])
-        };
-        self.gpu.write(&mut self.values, &values)?;
-        self.gpu.write(&mut self.m, &m)?;
-        self.gpu.write(&mut self.v, &v)?;
+            None => {
+                self.gpu.clear(&mut self.m)?;
+                self.gpu.clear(&mut self.v)?;
+            }
+        }
         self.adam_step = optimizer_step;
         Ok(())
     }
@@ -1036,22 +1056,16 @@ impl GpuStage {
             }
         }
         let b = self.batch.expect("fixed");
-        let m = self.plan.model.clone();
-        let (c, f, h) = (m.d_model, m.ffn, m.heads);
-        let d = c / h;
+        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab);
         let n = b * len;
-        let t_all = self.seq;
         let unit = &mut mb.units[segment];
         let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
         match input {
             UnitInput::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.vocab) {
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
                     return shape(
                         OP,
-                        format!(
-                            "token id {bad} is not below the vocabulary size {}",
-                            m.vocab
-                        ),
+                        format!("token id {bad} is not below the vocabulary size {vocab}"),
                     );
                 }
                 self.gpu.write(&mut unit.ids, ids)?;
@@ -1077,137 +1091,116 @@ impl GpuStage {
                 self.gpu.write(dst, x)?;
             }
         }
-        let scale = 1.0 / (d as f32).sqrt();
-        let p = |name: String| self.at(&self.values, &name);
+        let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layers.clone().enumerate() {
-            let pre = format!("h.{layer}");
-            let a = &unit.blocks[slot];
-            let gpu = &self.gpu;
-            self.norm_forward(&a.ln1, a.x.ptr(), &format!("{pre}.ln_1"), n)?;
-            let qkv_shape = (n, c, 3 * c);
-            self.linear_forward(
-                a.qkv.ptr(),
-                a.ln1.out.ptr(),
-                &format!("{pre}.attn.c_attn"),
-                qkv_shape,
-                true,
-            )?;
-            // This segment's rows join the micro-batch's cache, then attend to all of it.
-            let cache = &mb.qkv[slot];
-            gpu.copy_rows(
-                cache.ptr(),
-                (t_all, start),
-                a.qkv.ptr(),
-                (len, 0),
-                b,
-                len,
-                3 * c,
-            )?;
-            let sh = self.attn_shape(b, start, len);
-            gpu.attention_forward(
-                a.y.ptr(),
-                a.lse.ptr(),
-                a.qkv.ptr(),
-                cache.at(c),
-                cache.at(2 * c),
-                sh,
-                scale,
-            )?;
-            self.linear_forward(
-                a.x1.ptr(),
-                a.y.ptr(),
-                &format!("{pre}.attn.c_proj"),
-                (n, c, c),
-                true,
-            )?;
-            gpu.add_assign(a.x1.ptr(), a.x.ptr(), n * c)?;
-            self.norm_forward(&a.ln2, a.x1.ptr(), &format!("{pre}.ln_2"), n)?;
-            // The bias joins in the GELU pass.
-            self.linear_forward(
-                a.u.ptr(),
-                a.ln2.out.ptr(),
-                &format!("{pre}.mlp.c_fc"),
-                (n, c, f),
-                false,
-            )?;
-            gpu.bias_gelu_forward(
-                a.g.ptr(),
-                a.u.ptr(),
-                p(format!("{pre}.mlp.c_fc.bias")),
-                n,
-                f,
-            )?;
             let out = unit
                 .blocks
                 .get(slot + 1)
                 .map_or(unit.out.ptr(), |next| next.x.ptr());
-            self.linear_forward(
-                out,
-                a.g.ptr(),
-                &format!("{pre}.mlp.c_proj"),
-                (n, f, c),
-                true,
-            )?;
-            gpu.add_assign(out, a.x1.ptr(), n * c)?;
+            self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
         }
         mb.kv_len = start + len;
         let unit = &mut mb.units[segment];
-        if !self.plan.last {
-            unit.pending = train;
-            return Ok(UnitOutput::Hidden(
-                self.gpu.download_prefix(&unit.out, n * c)?,
-            ));
-        }
-        let targets = targets.expect("checked by forward");
+        let output = if self.plan.last {
+            // The head's weight gradient is computed with the loss (the logits never exist
+            // whole), so it goes into the micro-batch's accumulator here, in forward order: a
+            // micro-batch holds its gradient buffer from its first forward on the last stage
+            // (counted in the peak).
+            let dw = if train {
+                let acc = self.accumulator(micro_batch)?;
+                self.grad_at(acc, "lm_head.weight")
+            } else {
+                0
+            };
+            let targets = targets.expect("checked by forward");
+            UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
+        } else {
+            UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
+        };
+        unit.pending = train;
+        Ok(output)
+    }
+
+    /// One block's forward for one unit: `a.x` in, `out` (the next block's input) out; the
+    /// segment's QKV rows join the micro-batch's `cache` of this block first.
+    fn block_forward(
+        &self,
+        a: &BlockActs,
+        out: u64,
+        cache: &Buf<f32>,
+        layer: usize,
+        UnitShape { b, start, len }: UnitShape,
+    ) -> Result<()> {
+        let m = &self.plan.model;
+        let (c, f, gpu) = (m.d_model, m.ffn, &self.gpu);
+        let n = b * len;
+        let pre = format!("h.{layer}");
+        self.norm_forward(&a.ln1, a.x.ptr(), &format!("{pre}.ln_1"), n)?;
+        let qkv_shape = (n, c, 3 * c);
+        let (qkv, ln1) = (a.qkv.ptr(), a.ln1.out.ptr());
+        self.linear_forward(qkv, ln1, &format!("{pre}.attn.c_attn"), qkv_shape, true)?;
+        gpu.copy_rows(cache.ptr(), (self.seq, start), qkv, (len, 0), b, len, 3 * c)?;
+        let (sh, scale) = (self.attn_shape(b, start, len), self.attn_scale());
+        let (y, lse) = (a.y.ptr(), a.lse.ptr());
+        gpu.attention_forward(y, lse, qkv, cache.at(c), cache.at(2 * c), sh, scale)?;
+        let x1 = a.x1.ptr();
+        self.linear_forward(x1, y, &format!("{pre}.attn.c_proj"), (n, c, c), true)?;
+        gpu.add_assign(x1, a.x.ptr(), n * c)?;
+        self.norm_forward(&a.ln2, x1, &format!("{pre}.ln_2"), n)?;
+        // The bias joins in the GELU pass.
+        let (u, g) = (a.u.ptr(), a.g.ptr());
+        self.linear_forward(
+            u,
+            a.ln2.out.ptr(),
+            &format!("{pre}.mlp.c_fc"),
+            (n, c, f),
+            false,
+        )?;
+        let fc_bias = self.at(&self.values, &format!("{pre}.mlp.c_fc.bias"));
+        gpu.bias_gelu_forward(g, u, fc_bias, n, f)?;
+        self.linear_forward(out, g, &format!("{pre}.mlp.c_proj"), (n, f, c), true)?;
+        gpu.add_assign(out, x1, n * c)
+    }
+
+    /// The final norm, LM head and cross-entropy of a unit's `n` rows in row chunks: the summed
+    /// loss; with `dw` non-zero (training) d(ln_f) into `unit.dhead` and the head's weight
+    /// gradient added at `dw`.
+    fn head_forward(
+        &self,
+        unit: &mut UnitActs,
+        targets: &[u32],
+        dw: u64,
+        n: usize,
+        loss_scale: f64,
+    ) -> Result<f64> {
+        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab);
+        let train = dw != 0;
         self.gpu.write(&mut unit.targets, targets)?;
         self.norm_forward(&unit.lnf, unit.out.ptr(), "ln_f", n)?;
-        // The head's weight gradient is computed with the loss (the logits never exist whole), so
-        // it goes into the micro-batch's accumulator here, in forward order: a micro-batch holds
-        // its gradient buffer from its first forward on the last stage (counted in the peak).
-        let dw = if train {
-            let acc = self.accumulator(micro_batch)?;
-            acc + (self.slots[self.index["lm_head.weight"]].offset * 4) as u64
-        } else {
-            0
-        };
-        let unit = &mut mb.units[segment];
         let scratch = self.scratch.as_ref().expect("sized by fix_batch");
-        let w = self.at(&self.values, "lm_head.weight");
-        let v = m.vocab;
+        let (w, logits) = (
+            self.at(&self.values, "lm_head.weight"),
+            scratch.logits.ptr(),
+        );
         let chunk = CHUNK_ROWS.min(n);
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
             let hh = unit.lnf.out.at(r0 * c);
-            let logits = scratch.logits.ptr();
+            let (losses, targets) = (unit.losses.at(r0), unit.targets.at(r0));
             self.gpu
                 .gemm(logits, hh, w, (rows, v, c), false, true, 0.0)?;
-            self.gpu.softmax_cross_entropy(
-                logits,
-                unit.losses.at(r0),
-                unit.targets.at(r0),
-                rows,
-                v,
-                loss_scale as f32,
-                train,
-            )?;
+            let grad_scale = loss_scale as f32;
+            let gpu = &self.gpu;
+            gpu.softmax_cross_entropy(logits, losses, targets, rows, v, grad_scale, train)?;
             if train {
                 // d(lnf) = dlogits W (rows, C); dW += dlogits^T lnf.
-                self.gpu.gemm(
-                    unit.dhead.at(r0 * c),
-                    logits,
-                    w,
-                    (rows, c, v),
-                    false,
-                    false,
-                    0.0,
-                )?;
-                self.gpu
-                    .gemm(dw, logits, hh, (v, c, rows), true, false, 1.0)?;
+                let dh = unit.dhead.at(r0 * c);
+                gpu.gemm(dh, logits, w, (rows, c, v), false, false, 0.0)?;
+                gpu.gemm(dw, logits, hh, (v, c, rows), true, false, 1.0)?;
             }
         }
-        unit.pending = train;
         let losses = self.gpu.download_prefix(&unit.losses, n)?;
-        Ok(UnitOutput::LossSum(losses.iter().map(|&x| x as f64).sum()))
+        Ok(losses.iter().map(|&x| x as f64).sum())
     }
 
     /// Backward of unit `(micro_batch, segment)`: `d_out (B·s, C)` from the next stage (none on
@@ -1240,7 +1233,7 @@ impl GpuStage {
                 ),
             ))
         } else {
-            self.backward_in(&mut mb, (micro_batch, segment), d_out)
+            self.backward_in(&mb, (micro_batch, segment), d_out)
         };
         if result.is_ok() {
             mb.units[segment].pending = false;
@@ -1257,7 +1250,7 @@ impl GpuStage {
 
     fn backward_in(
         &mut self,
-        mb: &mut MicroBatch,
+        mb: &MicroBatch,
         (micro_batch, segment): (usize, usize),
         d_out: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>> {
@@ -1274,7 +1267,7 @@ impl GpuStage {
     /// [`GpuStage::backward_in`] with the scratch taken out (and always put back by the caller).
     fn backward_units(
         &self,
-        mb: &mut MicroBatch,
+        mb: &MicroBatch,
         (_, segment): (usize, usize),
         scratch: &mut Scratch,
         acc_ptr: u64,
@@ -1283,13 +1276,9 @@ impl GpuStage {
         const OP: &str = "GpuStage::backward";
         let (start, len) = self.seg(segment, OP)?;
         let b = self.batch.expect("fixed by the forward");
-        let m = &self.plan.model;
-        let (c, f, h) = (m.d_model, m.ffn, m.heads);
-        let d = c / h;
+        let c = self.plan.model.d_model;
         let n = b * len;
-        let t_all = self.seq;
         let offset = |name: &str| self.grad_at(acc_ptr, name);
-        let p = |name: &str| self.at(&self.values, name);
         let gpu = &self.gpu;
         let unit = &mb.units[segment];
         let sc = &scratch.columns;
@@ -1316,116 +1305,12 @@ impl GpuStage {
                 ));
             }
         }
-        let (dx, dtmp, dln, dqkv, dff, delta) = (
-            scratch.dx.ptr(),
-            scratch.dtmp.ptr(),
-            scratch.dln.ptr(),
-            &scratch.dqkv,
-            scratch.dff.ptr(),
-            scratch.delta.ptr(),
-        );
+        let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layers.clone().enumerate().rev() {
-            let a = &unit.blocks[slot];
-            let name = |x: &str| format!("h.{layer}.{x}");
-            let grads = (acc_ptr, sc);
-            self.linear_backward(
-                dff,
-                dx,
-                a.g.ptr(),
-                &name("mlp.c_proj"),
-                (n, f, c),
-                true,
-                grads,
-            )?;
-            gpu.gelu_backward(dff, dff, a.u.ptr(), n * f)?;
-            gpu.column_sum(offset(&name("mlp.c_fc.bias")), dff, n, f, true, sc)?;
-            let ln2 = a.ln2.out.ptr();
-            self.linear_backward(dln, dff, ln2, &name("mlp.c_fc"), (n, c, f), false, grads)?;
-            self.norm_backward(
-                dtmp,
-                dln,
-                a.x1.ptr(),
-                &a.ln2,
-                &name("ln_2"),
-                (n, acc_ptr, sc),
-            )?;
-            gpu.add_assign(dx, dtmp, n * c)?; // d(x1)
-            self.linear_backward(
-                dln,
-                dx,
-                a.y.ptr(),
-                &name("attn.c_proj"),
-                (n, c, c),
-                true,
-                grads,
-            )?;
-            // dQ into the first plane; dK/dV of the whole prefix added to the micro-batch's
-            // accumulators (later segments already added theirs), then this segment's rows of
-            // them gathered into the second and third planes.
-            let cache = &mb.qkv[slot];
-            let sh = self.attn_shape(b, start, len);
-            gpu.attention_backward(
-                dqkv.ptr(),
-                mb.dk[slot].ptr(),
-                mb.dv[slot].ptr(),
-                a.qkv.ptr(),
-                cache.at(c),
-                cache.at(2 * c),
-                a.y.ptr(),
-                dln,
-                a.lse.ptr(),
-                delta,
-                sh,
-                1.0 / (d as f32).sqrt(),
-                true,
-            )?;
-            for (plane, acc) in [(1, &mb.dk[slot]), (2, &mb.dv[slot])] {
-                gpu.copy_rows(
-                    dqkv.at(plane * n * c),
-                    (len, 0),
-                    acc.ptr(),
-                    (t_all, start),
-                    b,
-                    len,
-                    c,
-                )?;
-            }
-            let w = p(&name("attn.c_attn.weight"));
-            let dw = offset(&name("attn.c_attn.weight"));
-            let db = offset(&name("attn.c_attn.bias"));
-            for i in 0..3 {
-                let dy = dqkv.at(i * n * c);
-                let w_i = w + (i * c * c * 4) as u64;
-                gpu.gemm(
-                    dln,
-                    dy,
-                    w_i,
-                    (n, c, c),
-                    false,
-                    false,
-                    if i == 0 { 0.0 } else { 1.0 },
-                )?;
-                gpu.gemm(
-                    dw + (i * c * c * 4) as u64,
-                    dy,
-                    a.ln1.out.ptr(),
-                    (c, c, n),
-                    true,
-                    false,
-                    1.0,
-                )?;
-                gpu.column_sum(db + (i * c * 4) as u64, dy, n, c, true, sc)?;
-            }
-            self.norm_backward(
-                dtmp,
-                dln,
-                a.x.ptr(),
-                &a.ln1,
-                &name("ln_1"),
-                (n, acc_ptr, sc),
-            )?;
-            gpu.add_assign(dx, dtmp, n * c)?; // d(x)
+            let caches = (&mb.qkv[slot], &mb.dk[slot], &mb.dv[slot]);
+            self.block_backward(&unit.blocks[slot], caches, layer, rows, scratch, acc_ptr)?;
         }
+        let dx = scratch.dx.ptr();
         if self.plan.first {
             gpu.embed_backward_tokens(offset("wte.weight"), dx, &unit.host_ids, c)?;
             gpu.embed_backward_positions(offset("wpe.weight"), dx, b, len, c, start)?;
@@ -1433,6 +1318,104 @@ impl GpuStage {
         } else {
             Ok(Some(gpu.download_prefix(&scratch.dx, n * c)?))
         }
+    }
+
+    /// One block's backward for one unit: `scratch.dx` holds d(output) and becomes d(input); the
+    /// parameter gradients are added at `acc`, dK/dV of the whole prefix to the micro-batch's
+    /// accumulators `dk`, `dv` (later segments already added theirs).
+    fn block_backward(
+        &self,
+        a: &BlockActs,
+        (cache, dk, dv): (&Buf<f32>, &Buf<f32>, &Buf<f32>),
+        layer: usize,
+        UnitShape { b, start, len }: UnitShape,
+        scratch: &Scratch,
+        acc: u64,
+    ) -> Result<()> {
+        let m = &self.plan.model;
+        let (c, f, gpu) = (m.d_model, m.ffn, &self.gpu);
+        let n = b * len;
+        let (dx, dtmp, dln, dff) = (
+            scratch.dx.ptr(),
+            scratch.dtmp.ptr(),
+            scratch.dln.ptr(),
+            scratch.dff.ptr(),
+        );
+        let (dqkv, sc) = (&scratch.dqkv, &scratch.columns);
+        let grads = (acc, sc);
+        let name = |x: &str| format!("h.{layer}.{x}");
+        // MLP branch: out = x1 + mlp(ln2(x1)); dx holds d(out).
+        self.linear_backward(
+            dff,
+            dx,
+            a.g.ptr(),
+            &name("mlp.c_proj"),
+            (n, f, c),
+            true,
+            grads,
+        )?;
+        gpu.gelu_backward(dff, dff, a.u.ptr(), n * f)?;
+        gpu.column_sum(
+            self.grad_at(acc, &name("mlp.c_fc.bias")),
+            dff,
+            n,
+            f,
+            true,
+            sc,
+        )?;
+        let ln2 = a.ln2.out.ptr();
+        self.linear_backward(dln, dff, ln2, &name("mlp.c_fc"), (n, c, f), false, grads)?;
+        self.norm_backward(dtmp, dln, a.x1.ptr(), &a.ln2, &name("ln_2"), (n, acc, sc))?;
+        gpu.add_assign(dx, dtmp, n * c)?; // d(x1)
+        // Attention branch: x1 = x + proj(attn(ln1(x))).
+        self.linear_backward(
+            dln,
+            dx,
+            a.y.ptr(),
+            &name("attn.c_proj"),
+            (n, c, c),
+            true,
+            grads,
+        )?;
+        // dQ into the first plane of dqkv; dK/dV added to the accumulators, then this segment's
+        // rows of them gathered into the second and third planes.
+        let (q, k, v) = (a.qkv.ptr(), cache.at(c), cache.at(2 * c));
+        let (sh, scale) = (self.attn_shape(b, start, len), self.attn_scale());
+        let (y, lse, delta) = (a.y.ptr(), a.lse.ptr(), scratch.delta.ptr());
+        gpu.attention_backward(
+            dqkv.ptr(),
+            dk.ptr(),
+            dv.ptr(),
+            q,
+            k,
+            v,
+            y,
+            dln,
+            lse,
+            delta,
+            sh,
+            scale,
+            true,
+        )?;
+        for (plane, acc_kv) in [(1, dk), (2, dv)] {
+            let dst = dqkv.at(plane * n * c);
+            gpu.copy_rows(dst, (len, 0), acc_kv.ptr(), (self.seq, start), b, len, c)?;
+        }
+        // c_attn backward with dqkv as three (N, C) planes: weight rows [iC, (i+1)C) and the bias
+        // thirds get one product each; d(ln1) = the sum of the three dy_i W_i.
+        let w = self.at(&self.values, &name("attn.c_attn.weight"));
+        let dw = self.grad_at(acc, &name("attn.c_attn.weight"));
+        let db = self.grad_at(acc, &name("attn.c_attn.bias"));
+        for i in 0..3 {
+            let dy = dqkv.at(i * n * c);
+            let (w_i, dw_i) = (w + (i * c * c * 4) as u64, dw + (i * c * c * 4) as u64);
+            let beta = if i == 0 { 0.0 } else { 1.0 };
+            gpu.gemm(dln, dy, w_i, (n, c, c), false, false, beta)?;
+            gpu.gemm(dw_i, dy, a.ln1.out.ptr(), (c, c, n), true, false, 1.0)?;
+            gpu.column_sum(db + (i * c * 4) as u64, dy, n, c, true, sc)?;
+        }
+        self.norm_backward(dtmp, dln, a.x.ptr(), &a.ln1, &name("ln_1"), (n, acc, sc))?;
+        gpu.add_assign(dx, dtmp, n * c) // d(x)
     }
 }
 

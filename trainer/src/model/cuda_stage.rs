@@ -57,21 +57,12 @@ impl CudaStage {
     /// Opens the worker's GPU and builds the stage with the weights the CPU stage would start
     /// from.
     pub fn new(model: &ModelConfig, spec: StageSpec) -> Result<Self, ModelError> {
-        if model.position == Position::Rope {
-            return Err(ModelError::Device(
-                "model.device = \"cuda\" supports learned positions only (model.position = \"learned\"); RoPE stages run on the CPU (model.device = \"cpu\")".into(),
-            ));
-        }
-        let ordinal = ordinal()?;
-        let gpu = visible_devices()
-            .and_then(|count| {
-                Gpu::open(ordinal % count, precision(model.precision)).map_err(device_err)
-            })
-            .map_err(|e| {
-                ModelError::Device(format!(
-                    "model.device = \"cuda\": {e} (or set model.device = \"cpu\")"
-                ))
-            })?;
+        let count = runnable(model)?;
+        let gpu = Gpu::open(ordinal()? % count, precision(model.precision)).map_err(|e| {
+            ModelError::Device(format!(
+                "model.device = \"cuda\": {e} (or set model.device = \"cpu\")"
+            ))
+        })?;
         let specs: Vec<ParamSpec> = spec
             .layout
             .components()
@@ -133,16 +124,26 @@ pub fn gpu_shape(model: &ModelConfig) -> GptShape {
     }
 }
 
-/// Devices the driver shows, at least one (else the error says what to do).
-fn visible_devices() -> Result<usize, ModelError> {
-    let count = gpu::device_count().map_err(device_err)?;
-    if count == 0 {
-        return Err(device_err(GpuError::NoDevice {
+/// Whether `model` can run on CUDA stages here: learned positions, and a GPU the driver shows.
+/// `Ok` holds the number of GPUs; the error says what to do.
+pub fn runnable(model: &ModelConfig) -> Result<usize, ModelError> {
+    if model.position == Position::Rope {
+        return Err(ModelError::Device(
+            "model.device = \"cuda\" supports learned positions only (model.position = \"learned\"); RoPE models run on the CPU (model.device = \"cpu\")".into(),
+        ));
+    }
+    let count = gpu::device_count().and_then(|count| match count {
+        0 => Err(GpuError::NoDevice {
             count: 0,
             ordinal: 0,
-        }));
-    }
-    Ok(count)
+        }),
+        n => Ok(n),
+    });
+    count.map_err(|e| {
+        ModelError::Device(format!(
+            "model.device = \"cuda\": {e} (or set model.device = \"cpu\")"
+        ))
+    })
 }
 
 fn host_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
@@ -294,35 +295,37 @@ impl StageCompute for CudaStage {
         tensors: Vec<(String, Tensor)>,
         optimizer_step: u64,
     ) -> Result<(), ModelError> {
-        let by_name: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
-        let mut missing = None;
-        let mut lookup = |name: &str, len: usize| -> gpu::Result<Vec<f32>> {
-            let found = by_name
-                .get(name)
-                .map(|t| host_f32(t).map_err(|e| e.to_string()))
-                .unwrap_or_else(|| Err(format!("{name} is missing")));
-            match found {
-                Ok(v) if v.len() == len => Ok(v),
-                Ok(v) => Err(GpuError::Shape {
-                    op: "load_state",
-                    reason: format!("{name}: {} values, the stage holds {len}", v.len()),
-                }),
-                Err(e) => {
-                    missing.get_or_insert(name.to_string());
-                    Err(GpuError::Shape {
-                        op: "load_state",
-                        reason: e,
-                    })
+        let mut by_name: std::collections::HashMap<String, Tensor> = tensors.into_iter().collect();
+        // Every parameter (prefixed with `prefix`) in canonical order, flat, with the CPU stage's
+        // errors for a missing or misshapen one.
+        let mut gather = |prefix: &str| -> Result<Vec<f32>, ModelError> {
+            let mut flat = Vec::with_capacity(self.stage.numel());
+            for spec in &self.specs {
+                let name = format!("{prefix}{}", spec.name);
+                let t = by_name
+                    .remove(&name)
+                    .ok_or_else(|| ModelError::MissingParam(name.clone()))?;
+                if t.dims() != spec.shape.as_slice() {
+                    return Err(ModelError::Shape {
+                        name,
+                        expected: spec.shape.clone(),
+                        got: t.dims().to_vec(),
+                    });
                 }
+                flat.extend(host_f32(&t)?);
             }
+            Ok(flat)
         };
-        let loaded = self.stage.load_state(&mut lookup, optimizer_step);
-        match (loaded, missing) {
-            (Err(_), Some(name)) if !by_name.contains_key(&name) => {
-                Err(ModelError::MissingParam(name))
-            }
-            (r, _) => r.map_err(device_err),
-        }
+        let values = gather("")?;
+        let moments = if optimizer_step > 0 {
+            Some((gather("optim.m.")?, gather("optim.v.")?))
+        } else {
+            None
+        };
+        let moments = moments.as_ref().map(|(m, v)| (m.as_slice(), v.as_slice()));
+        self.stage
+            .load_state(&values, moments, optimizer_step)
+            .map_err(device_err)
     }
 
     fn state_bytes(&self) -> usize {
