@@ -203,19 +203,31 @@ PY
   compare state "$T/calm/checkpoints" "$T/chaos/checkpoints"
   say "-- bf16 matrix products, default job, 60 steps (loss must fall):"
   train_job bf16 --set model.device="$DEVICE" --set model.precision=bf16 --set train.eval_every=0 || true
-  say "-- GPT-2 124M shape on synthetic data, 2 stages, bf16, 20 steps:"
+  say "-- GPT-2 124M shape on synthetic data, 2 stages, bf16, 20 steps, peer snapshots after every"
+  say "   step and a checkpoint every 5 (state copied to pinned host memory behind the compute):"
   [ "$DEVICE" = cuda ] || return 0
   train_job gpt2 --set model.device=cuda --set model.precision=bf16 --set model.vocab_size=50257 \
     --set model.layers=12 --set model.d_model=768 --set model.heads=12 --set model.max_seq_len=1024 \
     --set train.seq_len=1024 --set train.micro_batch_size=4 --set pipeline.microbatches=8 \
     --set pipeline.stages=2 --set train.steps=20 --set train.warmup_steps=5 --set train.lr=6e-4 \
-    --set train.min_lr=6e-5 --set train.eval_every=0 --set checkpoint.every=0 || true
+    --set train.min_lr=6e-5 --set train.eval_every=0 --set checkpoint.every=5 \
+    --set checkpoint.keep_last=1 || true
   python3 - "$T/gpt2/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 steps = [r for r in rows if "loss" in r and "event" not in r]
 tps = sorted(r["tokens_per_s"] for r in steps[3:]) or [0]
 print(f"gpt2 pipeline: loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f} over {len(steps)} steps, median {tps[len(tps) // 2]:.0f} tokens/s after step 3")
+ckpts = [r for r in rows if r.get("event") == "checkpoint"]
+for c in ckpts:
+    print(f"checkpoint of step {c['step']}: {c['bytes'] / 1e6:.0f} MB, the step stalled {1e3 * c['snapshot_s']:.2f} ms for the snapshot, upload {c['upload_s']:.2f} s")
+if not ckpts:
+    print("NO CHECKPOINT EVENT")
+times = {r["step"]: r["step_time_s"] for r in steps}
+after = [times[c["step"] + 1] for c in ckpts if c["step"] + 1 in times]
+plain = sorted(t for s, t in times.items() if s > 3 and s - 1 not in {c["step"] for c in ckpts})
+if after and plain:
+    print(f"step time after a checkpoint {1e3 * sum(after) / len(after):.1f} ms vs median {1e3 * plain[len(plain) // 2]:.1f} ms otherwise")
 PY
 }
 

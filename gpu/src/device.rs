@@ -1,8 +1,9 @@
 //! One GPU opened for a stage: the CUDA context and stream, the compiled kernels, a cuBLAS handle,
 //! device buffers, and the launch and matrix-product primitives every kernel wrapper uses.
 //!
-//! All work goes to one stream, in order, so no buffer needs event tracking (it is switched off:
-//! it would add two events per launch). Buffers are plain `cuMemAlloc` allocations.
+//! All compute goes to one stream, in order, so no buffer needs event tracking (it is switched off:
+//! it would add two events per launch). Buffers are plain `cuMemAlloc` allocations. A second stream
+//! only copies state to the host behind the compute ([`crate::offload`]), ordered by explicit events.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -98,7 +99,7 @@ pub fn device_count() -> Result<usize> {
 /// A device buffer of `T` with its raw address (kernels take raw addresses; offsets are plain
 /// pointer arithmetic in elements through [`Buf::at`]).
 pub struct Buf<T> {
-    slice: CudaSlice<T>,
+    pub(crate) slice: CudaSlice<T>,
     ptr: u64,
 }
 
@@ -147,6 +148,7 @@ pub(crate) fn int(n: usize, op: &'static str, what: &str) -> Result<i32> {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    copies: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
     blas: blas::cublasHandle_t,
     precision: Precision,
@@ -175,6 +177,9 @@ impl Gpu {
         // SAFETY: one stream does all the work, in order (module comment).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
+        let copies = ctx
+            .new_stream()
+            .during(|| "creating the copy stream".into())?;
         let (major, minor) = ctx
             .compute_capability()
             .during(|| "reading the compute capability".into())?;
@@ -208,6 +213,7 @@ impl Gpu {
         Ok(Gpu {
             ctx,
             stream,
+            copies,
             functions,
             blas: handle,
             precision,
@@ -234,6 +240,21 @@ impl Gpu {
     /// Changes how matrix products compute.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// The context.
+    pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream all compute runs on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The stream that copies state to the host behind the compute.
+    pub(crate) fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copies
     }
 
     /// `(free, total)` device memory in bytes.

@@ -6,6 +6,9 @@
 //! Nothing here links CUDA at build time: cudarc loads `libcuda`, `libnvrtc` and `libcublas` when a
 //! [`Gpu`] is opened, and their absence is a [`GpuError`], never a panic. The kernels compile to
 //! PTX without a GPU ([`compile::compile_ptx`]), which the tests do for sm_80 and sm_90.
+//!
+//! State copies to the host run on a second stream behind the compute (`offload`), so a
+//! checkpoint or peer snapshot costs the step only the queueing of the copy.
 
 #![deny(missing_docs)]
 
@@ -13,6 +16,7 @@ pub mod compile;
 mod device;
 mod error;
 mod kernels;
+pub mod offload;
 pub mod oracle;
 pub mod stage;
 

@@ -18,16 +18,22 @@
 //! completes; the tree adds on the device in a fixed order, so the step's sum does not depend on
 //! how the micro-batches were split between data-parallel replicas or in which order they
 //! completed. Everything crosses this type's interface on the host (`&[f32]`, `Vec<f32>`).
+//!
+//! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
+//! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
+//! returns at once; the next update waits for that copy on the device before it overwrites them.
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use ops::SumTree;
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::AttnShape;
+use crate::offload::{Download, Fence, StagingPool};
 
 /// The model's shape (the `[model]` section's fields the GPU path uses).
 #[derive(Clone, Debug)]
@@ -198,13 +204,17 @@ pub struct GpuStage {
     plan: StagePlan,
     starts: Vec<usize>,
     seq: usize,
-    slots: Vec<Slot>,
+    slots: Arc<[Slot]>,
     index: HashMap<String, usize>,
     numel: usize,
     values: Buf<f32>,
     m: Buf<f32>,
     v: Buf<f32>,
     adam_step: u64,
+    /// Pinned host buffers of state downloads.
+    staging: Arc<StagingPool>,
+    /// The newest state download still in flight: wait for it before writing values, m or v.
+    copy_fence: Option<Fence>,
     /// Rows per micro-batch, fixed by the first forward (every buffer is sized from it).
     batch: Option<usize>,
     scratch: Option<Scratch>,
@@ -225,9 +235,49 @@ unsafe impl Send for GpuStage {}
 impl Drop for GpuStage {
     fn drop(&mut self) {
         // The buffers are freed after this, on whichever thread drops the stage: the context must
-        // be current there.
+        // be current there, and a state download still reading them must come first.
+        let _ = self.await_downloads();
         let _ = self.gpu.bind();
     }
+}
+
+/// The state after an update on its way to the host ([`GpuStage::begin_state_download`]); resolve
+/// it, on any thread, with [`PendingState::wait`].
+pub struct PendingState {
+    download: Download,
+    slots: Arc<[Slot]>,
+}
+
+impl PendingState {
+    /// Waits for the copy and returns the state as [`GpuStage::state`] does.
+    pub fn wait(self) -> Result<Vec<NamedTensor>> {
+        let mut flat = self.download.wait()?.into_iter();
+        let values = flat.next().unwrap_or_default();
+        let mut out = split(&self.slots, &values, "");
+        if let (Some(m), Some(v)) = (flat.next(), flat.next()) {
+            let m = split(&self.slots, &m, "optim.m.");
+            let v = split(&self.slots, &v, "optim.v.");
+            for (m, v) in m.into_iter().zip(v) {
+                out.push(m);
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
+fn split(slots: &[Slot], host: &[f32], prefix: &str) -> Vec<NamedTensor> {
+    slots
+        .iter()
+        .map(|s| {
+            (
+                format!("{prefix}{}", s.name),
+                s.dims.clone(),
+                host[s.offset..s.offset + s.len].to_vec(),
+            )
+        })
+        .collect()
 }
 
 fn order(op: &'static str, reason: impl Into<String>) -> GpuError {
@@ -308,9 +358,11 @@ impl GpuStage {
             gpu,
             starts,
             seq,
-            slots,
+            slots: slots.into(),
             index,
             numel,
+            staging: Arc::default(),
+            copy_fence: None,
             adam_step: 0,
             batch: None,
             scratch: None,
@@ -724,6 +776,7 @@ impl GpuStage {
             );
         }
         self.finish_gradients()?;
+        self.await_downloads()?;
         self.adam_step += 1;
         let t = self.adam_step as f64;
         let inv_bc2 = 1.0 / (1.0 - b2.powf(t));
@@ -745,39 +798,47 @@ impl GpuStage {
         Ok(())
     }
 
-    /// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
-    fn split(&self, host: &[f32], prefix: &str) -> Vec<NamedTensor> {
-        self.slots
-            .iter()
-            .map(|s| {
-                (
-                    format!("{prefix}{}", s.name),
-                    s.dims.clone(),
-                    host[s.offset..s.offset + s.len].to_vec(),
-                )
-            })
-            .collect()
-    }
-
     /// Host copies `(name, dims, values)` of the parameters, then (once the optimizer has
     /// stepped) of the moments as `optim.m.<name>` and `optim.v.<name>` in the same order.
     pub fn state(&self) -> Result<Vec<NamedTensor>> {
-        self.gpu.bind()?;
-        let mut out = self.split(&self.gpu.download(&self.values)?, "");
+        // Waited for before returning, so nothing is left for the next update to wait for.
+        self.download_state()
+            .and_then(|(pending, _)| pending.wait())
+    }
+
+    /// Starts copying the state (as [`GpuStage::state`] returns it) to the host behind the queued
+    /// compute and returns without waiting: the step goes on while the copy runs, and the next
+    /// update or restore waits for it on the device.
+    pub fn begin_state_download(&mut self) -> Result<PendingState> {
+        let (pending, fence) = self.download_state()?;
+        self.copy_fence = Some(fence);
+        Ok(pending)
+    }
+
+    fn download_state(&self) -> Result<(PendingState, Fence)> {
+        let mut sources = vec![&self.values];
         if self.adam_step > 0 {
-            let m = self.split(&self.gpu.download(&self.m)?, "optim.m.");
-            let v = self.split(&self.gpu.download(&self.v)?, "optim.v.");
-            for (m, v) in m.into_iter().zip(v) {
-                out.push(m);
-                out.push(v);
-            }
+            sources.extend([&self.m, &self.v]);
         }
-        Ok(out)
+        let (download, fence) = self.gpu.begin_download(&sources, &self.staging)?;
+        let pending = PendingState {
+            download,
+            slots: Arc::clone(&self.slots),
+        };
+        Ok((pending, fence))
+    }
+
+    /// Orders the compute after every state download queued so far (before writing the state).
+    fn await_downloads(&mut self) -> Result<()> {
+        match self.copy_fence.take() {
+            Some(fence) => self.gpu.wait_for(&fence),
+            None => Ok(()),
+        }
     }
 
     /// The step's summed gradients by parameter `(name, dims, values)`.
     pub fn gradients(&self) -> Result<Vec<NamedTensor>> {
-        Ok(self.split(&self.gradient_vector()?, ""))
+        Ok(split(&self.slots, &self.gradient_vector()?, ""))
     }
 
     /// Replaces the state: the parameters' `values` and, when the optimizer has taken
@@ -800,6 +861,7 @@ impl GpuStage {
             return shape(OP, format!("{bad} values for {} parameters", self.numel));
         }
         self.reset_step();
+        self.await_downloads()?;
         self.gpu.write(&mut self.values, values)?;
         match moments {
             Some((m, v)) => {

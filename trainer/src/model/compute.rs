@@ -15,6 +15,7 @@ use ops::adamw::{AdamW, AdamWConfig};
 
 use super::config::{DeviceKind, ModelConfig};
 use super::partition::StageLayout;
+use super::snapshot::StateSnapshot;
 use super::stage::{Mode, ModelError, Stage, StageInput, StageOutput};
 use crate::checkpointing::shard;
 use crate::schedule::Unit;
@@ -77,6 +78,12 @@ pub trait StageCompute: Send {
     /// A consistent host copy of the state: the parameters, then AdamW's moments
     /// (`optim.m.<name>`, `optim.v.<name>`) once the optimizer has taken a step.
     fn state(&self) -> Result<Vec<(String, Tensor)>, ModelError>;
+    /// The state after the last update for a checkpoint or peer snapshot, taken without waiting
+    /// for it to reach the host where the device allows (a GPU copies it behind the next step's
+    /// compute; its next update waits for the copy on the device).
+    fn snapshot(&mut self) -> Result<StateSnapshot, ModelError> {
+        Ok(StateSnapshot::ready(self.state()?))
+    }
     /// Replaces the state with `tensors` (every parameter; the moments too when
     /// `optimizer_step > 0`) and drops any step in flight.
     fn load_state(

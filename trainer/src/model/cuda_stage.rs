@@ -15,6 +15,7 @@ use super::compute::{CUDA_DEVICE_ENV, StageCompute, StageSpec, UpdateSettings};
 use super::config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 use super::params::{ParamSpec, component_params, decays, init_param};
 use super::partition::StageLayout;
+use super::snapshot::StateSnapshot;
 use super::stage::{Mode, ModelError, StageInput, StageOutput};
 use crate::schedule::Unit;
 
@@ -288,6 +289,13 @@ impl StageCompute for CudaStage {
     /// that just ended).
     fn state(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
         Self::named(self.stage.state().map_err(device_err)?)
+    }
+
+    fn snapshot(&mut self) -> Result<StateSnapshot, ModelError> {
+        let pending = self.stage.begin_state_download().map_err(device_err)?;
+        Ok(StateSnapshot::pending(move || {
+            Self::named(pending.wait().map_err(device_err)?)
+        }))
     }
 
     fn load_state(

@@ -9,9 +9,11 @@ pub mod cuda_stage;
 pub mod norm;
 pub mod params;
 pub mod partition;
+pub mod snapshot;
 pub mod stage;
 
 pub use compute::{CpuStage, StageCompute, StageSpec, UpdateSettings, build_stage};
 pub use config::{ModelConfig, Norm, Position};
 pub use partition::{StageLayout, partition_layers};
+pub use snapshot::StateSnapshot;
 pub use stage::{Mode, ModelError, Stage, StageInput, StageOutput};

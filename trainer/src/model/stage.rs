@@ -88,6 +88,9 @@ pub enum ModelError {
     /// The configured device cannot run the stage.
     #[error("{0}")]
     Device(String),
+    /// Copying the stage's state off its device (for a checkpoint or peer snapshot) failed.
+    #[error("copying the stage's state to the host failed: {0}")]
+    StateCopy(String),
     /// The stage holds more than its memory budget (`train.memory_budget_bytes`).
     #[error(
         "memory budget exceeded: after the forward of micro-batch {} segment {} the stage holds {} (parameters, gradients and AdamW moments {} + live activations {}), over train.memory_budget_bytes = {}; use pipeline.schedule = \"seq1f1b\" with more pipeline.splits, a smaller train.micro_batch_size or more pipeline.stages, or raise the budget",

@@ -15,7 +15,6 @@ use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
 use checkpoint::{Dtype, TensorData};
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
@@ -24,6 +23,7 @@ use super::auth::{self, Gate, Purpose};
 use super::kill_switch::KillSwitch;
 use super::wire::{Frame, Limits, read_frame, write_frame, write_frame_parts};
 use crate::checkpointing::shard::to_tensor_data;
+use crate::model::StateSnapshot;
 
 /// How many steps an agent keeps.
 const KEPT_STEPS: usize = 2;
@@ -283,7 +283,7 @@ impl Peer {
 /// A copy of a stage's state waiting to be sent.
 struct CopyJob {
     step: u64,
-    tensors: Vec<(String, Tensor)>,
+    snapshot: StateSnapshot,
 }
 
 /// The worker's background sender of peer snapshots.
@@ -311,21 +311,30 @@ impl PeerCopier {
             .name("peer-copy".into())
             .spawn(move || {
                 let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
-                for CopyJob { step, tensors } in queue {
+                for CopyJob { step, snapshot } in queue {
                     let started = Instant::now();
-                    let data: Result<Vec<_>, _> = tensors
-                        .iter()
-                        .map(|(n, t)| Ok::<_, candle_core::Error>((n.clone(), to_tensor_data(t)?)))
-                        .collect();
+                    let data: Result<Vec<_>, String> = snapshot
+                        .tensors()
+                        .map_err(|e| e.to_string())
+                        .and_then(|tensors| {
+                            tensors
+                                .iter()
+                                .map(|(n, t)| Ok((n.clone(), to_tensor_data(t)?)))
+                                .collect::<Result<Vec<_>, candle_core::Error>>()
+                                .map_err(|e| e.to_string())
+                        });
                     let mark_done = || {
                         let (newest, changed) = &*done;
                         *newest.lock().unwrap_or_else(|p| p.into_inner()) = step;
                         changed.notify_all();
                     };
-                    let Ok(data) = data else {
-                        warn!(step, "cannot read the state for a peer snapshot");
-                        mark_done();
-                        continue;
+                    let data = match data {
+                        Ok(data) => data,
+                        Err(error) => {
+                            warn!(step, %error, "cannot read the state for a peer snapshot");
+                            mark_done();
+                            continue;
+                        }
                     };
                     let request = Request::Put {
                         step,
@@ -384,10 +393,10 @@ impl PeerCopier {
     }
 
     /// Queues the state after `step` (the tensors are immutable: nothing is copied here).
-    pub fn copy(&self, step: u64, tensors: Vec<(String, Tensor)>) {
+    pub fn copy(&self, step: u64, snapshot: StateSnapshot) {
         self.queued
             .fetch_max(step, std::sync::atomic::Ordering::SeqCst);
-        if self.jobs.send(CopyJob { step, tensors }).is_err() {
+        if self.jobs.send(CopyJob { step, snapshot }).is_err() {
             warn!(
                 step,
                 "the peer-copy thread stopped; no peer snapshot of this step"

@@ -45,7 +45,7 @@ use crate::schedule::{Delivered, ScheduleError, generate};
 use crate::usage::ProcessUsage;
 use execute::ValidSchedule;
 use record::StepRecord;
-use state_io::Checkpoints;
+use state_io::{Checkpoints, TakenSnapshot};
 
 /// Why a worker stopped.
 #[derive(Debug, Error)]
@@ -168,6 +168,8 @@ struct Worker {
     leaving: Arc<AtomicBool>,
     /// Sends the state after every step to the agents' memory (tier-1 recovery).
     peer_copier: Option<PeerCopier>,
+    /// The newest state snapshot taken; dropped whenever the state changes.
+    snapshot: Option<TakenSnapshot>,
     /// The data port, kept to accept a relink from a replacement of the previous stage.
     data_port: Option<DataPort>,
     /// What this worker did in the current step (mid-step recovery).
@@ -462,6 +464,7 @@ impl Worker {
             token: String::new(),
             leaving: Arc::new(AtomicBool::new(false)),
             peer_copier: None,
+            snapshot: None,
             data_port: None,
             record: StepRecord::default(),
             replay_skip: Delivered::default(),
@@ -667,6 +670,7 @@ impl Worker {
     /// Clips with `clip_coefficient` and applies AdamW with learning rate `lr`.
     fn apply(&mut self, lr: f64, clip_coefficient: f64) -> Result<(), WorkerError> {
         let t = &self.cfg.train;
+        self.snapshot = None;
         self.stage.apply_update(UpdateSettings {
             lr,
             clip_coefficient,

@@ -16,14 +16,24 @@ use crate::checkpointing::hf;
 use crate::checkpointing::shard::{from_tensor_data, to_tensor_data, with_moments};
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
+use crate::model::StateSnapshot;
 use crate::runtime::control::{ControlSender, ToLauncher};
 use crate::runtime::peer_snapshots;
 
 /// A snapshot waiting for the uploader.
 struct UploadJob {
     step: u64,
-    tensors: Vec<(String, Tensor)>,
+    snapshot: StateSnapshot,
     snapshot_s: f64,
+}
+
+/// The newest state snapshot a worker took (a peer copy and a checkpoint of one step share it).
+pub(super) struct TakenSnapshot {
+    /// The step the state follows.
+    step: u64,
+    state: StateSnapshot,
+    /// How long taking it held up the worker.
+    seconds: f64,
 }
 
 /// The worker's checkpoint store and its background uploader.
@@ -92,11 +102,22 @@ impl Uploader {
     fn upload(&self, job: UploadJob) -> ToLauncher {
         let UploadJob {
             step,
-            tensors,
+            snapshot,
             snapshot_s,
         } = job;
         let stage = self.stage;
         let started = Instant::now();
+        let tensors = match snapshot.tensors() {
+            Ok(tensors) => tensors,
+            Err(e) => {
+                return ToLauncher::ShardFailed {
+                    stage,
+                    step,
+                    error: e.to_string(),
+                };
+            }
+        };
+        let copy_s = started.elapsed().as_secs_f64();
         let result = tensors
             .iter()
             .map(|(n, t)| Ok((n.clone(), to_tensor_data(t)?)))
@@ -112,6 +133,7 @@ impl Uploader {
                 info!(
                     step,
                     bytes = shard.size,
+                    copy_wait_s = copy_s,
                     seconds = started.elapsed().as_secs_f64(),
                     "checkpoint shard uploaded"
                 );
@@ -128,11 +150,39 @@ impl Uploader {
 }
 
 impl Worker {
-    /// Snapshots the state after `step` and hands it to the uploader (the step's only stall).
-    pub(super) fn queue_checkpoint(&self, step: u64) -> Result<(), WorkerError> {
+    /// The state after `step` (taken now, or the snapshot a peer copy of `step` already took)
+    /// and the seconds taking it held up the worker. On a GPU the copy runs behind the next
+    /// step's compute: taking it only queues the copy.
+    fn snapshot(&mut self, step: u64) -> Result<(StateSnapshot, f64), WorkerError> {
+        if let Some(taken) = &self.snapshot
+            && taken.step == step
+        {
+            return Ok((taken.state.clone(), taken.seconds));
+        }
         let started = Instant::now();
-        let tensors = self.stage.state()?;
-        let snapshot_s = started.elapsed().as_secs_f64();
+        let state = self.stage.snapshot()?;
+        let seconds = started.elapsed().as_secs_f64();
+        self.snapshot = Some(TakenSnapshot {
+            step,
+            state: state.clone(),
+            seconds,
+        });
+        Ok((state, seconds))
+    }
+
+    /// Replaces the stage's state (`StageCompute::load_state`), forgetting the last snapshot.
+    fn load_state(
+        &mut self,
+        tensors: Vec<(String, Tensor)>,
+        optimizer_step: u64,
+    ) -> Result<(), WorkerError> {
+        self.snapshot = None;
+        Ok(self.stage.load_state(tensors, optimizer_step)?)
+    }
+
+    /// Snapshots the state after `step` and hands it to the uploader (the step's only stall).
+    pub(super) fn queue_checkpoint(&mut self, step: u64) -> Result<(), WorkerError> {
+        let (snapshot, snapshot_s) = self.snapshot(step)?;
         let checkpoints = self
             .checkpoints
             .as_ref()
@@ -141,16 +191,19 @@ impl Worker {
             .uploads
             .send(UploadJob {
                 step,
-                tensors,
+                snapshot,
                 snapshot_s,
             })
             .map_err(|_| WorkerError::Protocol("the checkpoint uploader stopped".into()))
     }
 
     /// Copies the state after `step` to the agents' memory (when peer snapshots are on).
-    pub(super) fn copy_to_peers(&self, step: u64) -> Result<(), WorkerError> {
-        if let Some(copier) = &self.peer_copier {
-            copier.copy(step, self.stage.state()?);
+    pub(super) fn copy_to_peers(&mut self, step: u64) -> Result<(), WorkerError> {
+        if self.peer_copier.is_some() {
+            let (snapshot, _) = self.snapshot(step)?;
+            if let Some(copier) = &self.peer_copier {
+                copier.copy(step, snapshot);
+            }
         }
         Ok(())
     }
@@ -181,7 +234,7 @@ impl Worker {
             .iter()
             .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        self.stage.load_state(tensors, state.optimizer_step)?;
+        self.load_state(tensors, state.optimizer_step)?;
         info!(step, tensors = names.len(), "restored from checkpoint");
         Ok(())
     }
@@ -200,7 +253,7 @@ impl Worker {
             .iter()
             .map(|(n, d)| Ok((n.clone(), from_tensor_data(d)?)))
             .collect::<Result<Vec<_>, candle_core::Error>>()?;
-        self.stage.load_state(tensors, step)?;
+        self.load_state(tensors, step)?;
         info!(step, tensors = names.len(), "restored from peer snapshots");
         // Under this plan the copies sit on other agents than the ones just read: copy the state
         // there at once, so that a loss in the next step finds its step-start state even when
@@ -212,7 +265,7 @@ impl Worker {
     pub(super) fn init_from(&mut self, dir: &Path) -> Result<(), WorkerError> {
         let names = with_moments(&self.stage.param_names(), false);
         let tensors = hf::import(&self.cfg.model, dir, &names)?;
-        self.stage.load_state(tensors, 0)?;
+        self.load_state(tensors, 0)?;
         info!(dir = %dir.display(), "initialized from a Hugging Face directory");
         Ok(())
     }

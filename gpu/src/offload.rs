@@ -1,0 +1,159 @@
+//! Copies of device buffers to the host that run behind the compute: the copy stream starts once
+//! the compute queued so far is done, writes into page-locked (pinned) host buffers, and signals an
+//! event. The thread that queued the copy returns at once; a consumer on another thread (the
+//! checkpoint uploader, the peer-snapshot sender) waits for the event and reads the values.
+//!
+//! The compute stream may go on reading the copied buffers; before it *writes* one (the next
+//! optimizer step, a restore) it must wait for the copy's [`Fence`], on the device, which costs the
+//! host nothing. Pinned buffers are reused through a [`StagingPool`]: allocating gigabytes of
+//! page-locked memory takes longer than the copy itself.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, PinnedHostSlice};
+
+use crate::device::{Buf, Gpu};
+use crate::error::{DriverContext, Result, shape};
+
+/// Pinned host buffers kept for the next download of the same sizes.
+#[derive(Default)]
+pub struct StagingPool {
+    free: Mutex<Vec<Vec<PinnedHostSlice<f32>>>>,
+}
+
+impl StagingPool {
+    /// A set of pinned buffers of lengths `lens`: a free one, or newly allocated.
+    fn take(&self, gpu: &Gpu, lens: &[usize]) -> Result<Vec<PinnedHostSlice<f32>>> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let fits = |set: &Vec<PinnedHostSlice<f32>>| {
+            set.len() == lens.len() && set.iter().zip(lens).all(|(b, &n)| b.len() == n.max(1))
+        };
+        if let Some(i) = free.iter().position(fits) {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        lens.iter()
+            .map(|&n| {
+                // SAFETY: the buffer is written by the copy before anything reads it. No
+                // write-combining (the default of `alloc_pinned`): the host reads these buffers,
+                // and reads of write-combined memory are uncached and many times slower.
+                unsafe { gpu.ctx().alloc_pinned_with_flags::<f32>(n.max(1), 0) }
+                    .during(|| format!("allocating {n} pinned host elements"))
+            })
+            .collect()
+    }
+
+    /// Returns a set for reuse. At most two sets are kept (a checkpoint and a peer snapshot of
+    /// different steps may be in flight at once); more are freed.
+    fn give_back(&self, set: Vec<PinnedHostSlice<f32>>) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < 2 {
+            free.push(set);
+        }
+    }
+}
+
+/// The point on the copy stream after which the copied buffers may be overwritten.
+#[derive(Clone)]
+pub struct Fence(Arc<CudaEvent>);
+
+/// A download in flight: wait for it, on any thread, with [`Download::wait`].
+pub struct Download {
+    pinned: Option<Vec<PinnedHostSlice<f32>>>,
+    lens: Vec<usize>,
+    done: Arc<CudaEvent>,
+    pool: Arc<StagingPool>,
+}
+
+impl Download {
+    /// Blocks (sleeping, not spinning) until the copy is done, then returns the host values, one
+    /// vector per source buffer, and gives the pinned buffers back to the pool.
+    pub fn wait(mut self) -> Result<Vec<Vec<f32>>> {
+        self.done
+            .synchronize()
+            .during(|| "waiting for a copy to the host".into())?;
+        let pinned = self.pinned.take().unwrap_or_default();
+        let values = pinned
+            .iter()
+            .zip(&self.lens)
+            .map(|(p, &n)| {
+                p.as_slice()
+                    .map(|s| s[..n].to_vec())
+                    .during(|| "reading a pinned buffer".into())
+            })
+            .collect::<Result<Vec<_>>>();
+        self.pool.give_back(pinned);
+        values
+    }
+}
+
+impl Drop for Download {
+    fn drop(&mut self) {
+        // Not waited for: the copy may still be writing the pinned buffers, which must not be
+        // freed or reused before it is done.
+        if let Some(pinned) = self.pinned.take() {
+            if self.done.synchronize().is_ok() {
+                self.pool.give_back(pinned);
+            } else {
+                // The copy's fate is unknown: leak the buffers rather than free memory a DMA
+                // engine might still write.
+                std::mem::forget(pinned);
+            }
+        }
+    }
+}
+
+impl Gpu {
+    /// Starts copying `sources` (whole) to the host on the copy stream, after all the compute
+    /// queued so far. Returns the download and the fence the compute stream must wait for
+    /// ([`Gpu::wait_for`]) before it overwrites any of `sources`.
+    pub fn begin_download(
+        &self,
+        sources: &[&Buf<f32>],
+        pool: &Arc<StagingPool>,
+    ) -> Result<(Download, Fence)> {
+        if sources.is_empty() {
+            return shape("begin_download", "nothing to download");
+        }
+        self.bind()?;
+        let lens: Vec<usize> = sources.iter().map(|b| b.len()).collect();
+        let mut pinned = pool.take(self, &lens)?;
+        let copies = self.copy_stream();
+        let queued = self
+            .stream()
+            .record_event(None)
+            .during(|| "marking the compute queued so far".into())?;
+        copies
+            .wait(&queued)
+            .during(|| "ordering the copy after the compute".into())?;
+        for (src, dst) in sources.iter().zip(pinned.iter_mut()) {
+            copies
+                .memcpy_dtoh(&src.slice, dst)
+                .during(|| format!("queueing a copy of {} elements to the host", src.len()))?;
+        }
+        // Blocking sync: a consumer waiting for a long copy sleeps instead of spinning a core.
+        let done = Arc::new(
+            copies
+                .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+                .during(|| "marking the end of a copy".into())?,
+        );
+        Ok((
+            Download {
+                pinned: Some(pinned),
+                lens,
+                done: Arc::clone(&done),
+                pool: Arc::clone(pool),
+            },
+            Fence(done),
+        ))
+    }
+
+    /// Makes the compute stream wait (on the device; the host goes on) until `fence` is passed.
+    pub fn wait_for(&self, fence: &Fence) -> Result<()> {
+        self.bind()?;
+        self.stream()
+            .wait(&fence.0)
+            .during(|| "ordering the compute after a copy to the host".into())
+    }
+}
