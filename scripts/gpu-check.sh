@@ -13,10 +13,13 @@
 #        2 vs 4 stages bit-identical, stop + resume bit-identical, one worker SIGKILLed mid-run and
 #        the run still bit-identical, bf16 loss falling, and a GPT-2 124M job on synthetic data,
 #     5. GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
-#        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed.
+#        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed,
+#     6. the NCCL link (`seqpipe gpu link`): bit-exact round trips and bandwidth between two ranks,
+#        then rank 1 SIGKILLed and the waiting receive aborted by the watchdog, not hung (needs two
+#        GPUs, or NCCL >= 2.30, which allows two ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
 #   Everything goes to $OUT (default ./gpu-out): report.txt (the summary), one JSON line per run
 #   in runs.jsonl, and the logs. ROUNDS (default 2) and STEPS (default 10) can be set; SECTIONS
-#   (default "1 2 3 4 5") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone.
+#   (default "1 2 3 4 5 6") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.gpu-bin/seqpipe}
@@ -64,7 +67,7 @@ run() {
   OUT=${OUT:-$PWD/gpu-out}
   ROUNDS=${ROUNDS:-2}
   STEPS=${STEPS:-10}
-  SECTIONS=${SECTIONS:-1 2 3 4 5}
+  SECTIONS=${SECTIONS:-1 2 3 4 5 6}
   mkdir -p "$OUT"
   local libs
   libs=$(cuda_libs)
@@ -82,6 +85,7 @@ run() {
       3) determinism ;;
       4) pipeline ;;
       5) bench ;;
+      6) link ;;
       *) say "no section $section" ;;
     esac
   done
@@ -250,6 +254,25 @@ for r in rows:
     steps = " ".join(f"{x:.1f}" for x in r["step_ms"])
     print(f"{r['impl']:<14} {r['preset']:<6} {r['precision']:<5} {r['batch']:>5} {r['seq_len']:>5} {r['median_ms']:>10.2f} {r['tokens_per_s']:>11.0f} {100*r['mfu']:>6.1f}% {r['peak_mem_mib']:>8.0f}  {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}  {steps}")
 PY
+}
+
+link() {
+  say "== 6. NCCL link between two ranks (bit-exact round trips, bandwidth, abort on a killed peer)"
+  # Two ranks on the one GPU need NCCL >= 2.30 and this switch; older NCCL reports "skipped".
+  if NCCL_MULTI_RANK_GPU_ENABLE=1 timeout 300 "$BIN" gpu link > "$OUT/link.json" 2> "$OUT/link.err"; then
+    python3 - "$OUT/link.json" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+if "skipped" in r:
+    print("skipped:", r["skipped"])
+else:
+    rt = sorted(r["round_trip_ms"])
+    print(f"NCCL {r['nccl']} on {r['gpu']} devices {r['devices']}: {r['mib']:.1f} MiB per transfer, round trip median {rt[len(rt) // 2]:.3f} ms = {r['nccl_gb_per_s']:.1f} GB/s; host copies (d2h + h2d) {r['host_copies_gb_per_s']:.1f} GB/s; bit-exact {r['bit_exact']}")
+    print(f"killed peer: abort tripped after {r['abort_tripped_after_s']:.0f} s, the receive ended after {r['abort_s']:.2f} s with: {r['abort_error']}; GPU usable after: {r['usable_after_abort']}")
+PY
+  else
+    say "NCCL LINK CHECK FAILED: $(tail -5 "$OUT/link.err") $(tail -c 600 "$OUT/link.json")"
+  fi
 }
 
 case "${1:-}" in

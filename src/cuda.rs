@@ -1,5 +1,6 @@
 //! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle) and
-//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU). The check that
+//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU); `seqpipe gpu link`
+//! is in `cuda_link`. The check that
 //! refuses `model.device = "cuda"` where it cannot run is the library's
 //! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
 //! to build with it.
@@ -14,6 +15,9 @@ pub enum GpuCommand {
     Check(CheckArgs),
     /// Train a whole GPT on one GPU: step time, tokens/s, MFU, device memory (one JSON line).
     Bench(GpuBenchArgs),
+    /// Check the NCCL link between two GPUs: bit-exact transfers, bandwidth, and an abort
+    /// instead of a hang when the peer is killed (one JSON line).
+    Link(crate::cuda_link::LinkArgs),
 }
 
 /// Flags of `seqpipe gpu check`.
@@ -73,6 +77,7 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
     match cmd {
         GpuCommand::Check(args) => enabled::check(&args),
         GpuCommand::Bench(args) => enabled::bench(&args),
+        GpuCommand::Link(args) => crate::cuda_link::run(&args),
     }
 }
 

@@ -4,6 +4,7 @@
 mod bench;
 mod cli;
 mod cuda;
+mod cuda_link;
 mod malloc;
 
 #[global_allocator]

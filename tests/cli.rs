@@ -450,6 +450,13 @@ fn cuda_device_without_a_gpu_is_a_clear_error() {
         err.contains("--features cuda") || err.contains("driver library could not be loaded"),
         "{err}"
     );
+    // The NCCL link check looks for libnccl first (cudarc panics on a missing library).
+    let err = run_err(seqpipe().args(["gpu", "link"]));
+    assert!(
+        err.contains("--features cuda") || err.contains("NCCL library could not be loaded"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
     let err = run_err(seqpipe().args(["train", "--set", "model.precision=fp8"]));
     assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
 }

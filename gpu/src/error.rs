@@ -41,6 +41,24 @@ pub enum GpuError {
         /// cuBLAS's error.
         source: cudarc::cublas::result::CublasError,
     },
+    /// An NCCL call failed.
+    #[error("NCCL failed during {during}: {detail}")]
+    Nccl {
+        /// What was being done.
+        during: String,
+        /// NCCL's result code and message.
+        detail: String,
+    },
+    /// An NCCL link was aborted instead of waiting for a peer that does not answer.
+    #[error(
+        "NCCL link aborted during {during}: {why}; the peer is treated as lost (recovery rebuilds the link)"
+    )]
+    LinkAborted {
+        /// What was being done.
+        during: String,
+        /// Why it was aborted.
+        why: String,
+    },
     /// NVRTC could not compile the kernels.
     #[error("NVRTC could not compile kernels.cu for {arch}: {log}")]
     Compile {

@@ -8,7 +8,8 @@
 //! PTX without a GPU ([`compile::compile_ptx`]), which the tests do for sm_80 and sm_90.
 //!
 //! State copies to the host run on a second stream behind the compute (`offload`), so a
-//! checkpoint or peer snapshot costs the step only the queueing of the copy.
+//! checkpoint or peer snapshot costs the step only the queueing of the copy. `nccl` links the GPUs
+//! of two neighbouring stages directly, with a watchdog that aborts instead of hanging.
 
 #![deny(missing_docs)]
 
@@ -16,6 +17,7 @@ pub mod compile;
 mod device;
 mod error;
 mod kernels;
+pub mod nccl;
 pub mod offload;
 pub mod oracle;
 pub mod stage;

@@ -119,6 +119,38 @@ impl Gpu {
         self.bind()?;
         let lens: Vec<usize> = sources.iter().map(|b| b.len()).collect();
         let mut pinned = pool.take(self, &lens)?;
+        let done = match self.queue_download(sources, &mut pinned) {
+            Ok(done) => Arc::new(done),
+            Err(e) => {
+                // Copies queued before the failure may still be writing `pinned`, and dropping a
+                // pinned buffer does not wait for them (its own event is never recorded with
+                // event tracking off): drain the copy stream first, or leak the buffers.
+                if self.copy_stream().synchronize().is_ok() {
+                    pool.give_back(pinned);
+                } else {
+                    std::mem::forget(pinned);
+                }
+                return Err(e);
+            }
+        };
+        Ok((
+            Download {
+                pinned: Some(pinned),
+                lens,
+                done: Arc::clone(&done),
+                pool: Arc::clone(pool),
+            },
+            Fence(done),
+        ))
+    }
+
+    /// Queues the copies of `sources` into `pinned` on the copy stream, after all the compute
+    /// queued so far, and returns the event that marks their end.
+    fn queue_download(
+        &self,
+        sources: &[&Buf<f32>],
+        pinned: &mut [PinnedHostSlice<f32>],
+    ) -> Result<CudaEvent> {
         let copies = self.copy_stream();
         let queued = self
             .stream()
@@ -133,20 +165,9 @@ impl Gpu {
                 .during(|| format!("queueing a copy of {} elements to the host", src.len()))?;
         }
         // Blocking sync: a consumer waiting for a long copy sleeps instead of spinning a core.
-        let done = Arc::new(
-            copies
-                .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-                .during(|| "marking the end of a copy".into())?,
-        );
-        Ok((
-            Download {
-                pinned: Some(pinned),
-                lens,
-                done: Arc::clone(&done),
-                pool: Arc::clone(pool),
-            },
-            Fence(done),
-        ))
+        copies
+            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .during(|| "marking the end of a copy".into())
     }
 
     /// Makes the compute stream wait (on the device; the host goes on) until `fence` is passed.

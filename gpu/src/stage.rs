@@ -236,7 +236,10 @@ impl Drop for GpuStage {
     fn drop(&mut self) {
         // The buffers are freed after this, on whichever thread drops the stage: the context must
         // be current there, and a state download still reading them must come first.
-        let _ = self.await_downloads();
+        if self.await_downloads().is_err() {
+            // The compute stream could not be ordered after the copy: wait for it on the host.
+            let _ = self.gpu.copy_stream().synchronize();
+        }
         let _ = self.gpu.bind();
     }
 }
@@ -829,11 +832,13 @@ impl GpuStage {
     }
 
     /// Orders the compute after every state download queued so far (before writing the state).
+    /// The fence is kept when the wait cannot be queued, so a later write (or the drop) tries again.
     fn await_downloads(&mut self) -> Result<()> {
-        match self.copy_fence.take() {
-            Some(fence) => self.gpu.wait_for(&fence),
-            None => Ok(()),
+        if let Some(fence) = &self.copy_fence {
+            self.gpu.wait_for(fence)?;
         }
+        self.copy_fence = None;
+        Ok(())
     }
 
     /// The step's summed gradients by parameter `(name, dims, values)`.
