@@ -19,7 +19,10 @@
 #        GPUs, or NCCL >= 2.30, which allows two ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
 #   Everything goes to $OUT (default ./gpu-out): report.txt (the summary), one JSON line per run
 #   in runs.jsonl, and the logs. ROUNDS (default 2) and STEPS (default 10) can be set; SECTIONS
-#   (default "1 2 3 4 5 6") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone.
+#   (default "1 2 3 4 5 6") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone, and
+#   PRESETS (default "gpt2 a b long") the presets of section 5. A device call runs at most 10
+#   minutes: split the run, e.g. SECTIONS="1 2 3", then "4", then SECTIONS=5 PRESETS=gpt2, then
+#   SECTIONS=5 PRESETS="a b long", then "6" (torch.compile compiles for a minute or so per process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.gpu-bin/seqpipe}
@@ -72,7 +75,8 @@ run() {
   local libs
   libs=$(cuda_libs)
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export SEQPIPE_CACHE="$OUT/cache" PYTHONUNBUFFERED=1
+  # The PTX cache outlives one device call (the machine stays up between calls while it is warm).
+  export SEQPIPE_CACHE="${SEQPIPE_CACHE:-/tmp/seqpipe-cache}" PYTHONUNBUFFERED=1
   report="$OUT/report.txt" runs="$OUT/runs.jsonl" started=$SECONDS
   : > "$report"; : > "$runs"
   say "== machine"
@@ -237,7 +241,7 @@ PY
 
 bench() {
   say "== 5. training step, bf16: seqpipe vs PyTorch eager and torch.compile ($ROUNDS alternating rounds)"
-  for preset in gpt2 a b long; do
+  for preset in ${PRESETS:-gpt2 a b long}; do
     for round in $(seq "$ROUNDS"); do
       "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"
       for mode in eager compile; do
