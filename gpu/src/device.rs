@@ -158,6 +158,9 @@ pub struct Gpu {
 
 impl Drop for Gpu {
     fn drop(&mut self) {
+        // cuBLAS frees the handle's workspace in the current context: make it this GPU's (the
+        // `Gpu` may be dropped on another thread than the one that last used it).
+        let _ = self.ctx.bind_to_thread();
         // SAFETY: the handle was created by `open` and is destroyed once.
         let _ = unsafe { cudarc::cublas::result::destroy_handle(self.blas) };
     }
@@ -430,8 +433,10 @@ impl Gpu {
                 blas::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let ldb = if tb { ki } else { ni };
-        let lda = if ta { mi } else { ki };
+        // cuBLAS rejects a leading dimension of 0 (even with k = 0, where C is only scaled by
+        // beta): a stored width of 0 becomes 1.
+        let ldb = (if tb { ki } else { ni }).max(1);
+        let lda = (if ta { mi } else { ki }).max(1);
         let alpha = 1.0f32;
         // SAFETY: the addresses point to buffers of at least the sizes the shapes imply (each
         // caller checks them), and the handle is bound to this GPU's stream.

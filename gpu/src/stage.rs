@@ -1060,8 +1060,18 @@ impl GpuStage {
         self.fix_batch(b, OP)?;
         let n = b * len;
         if self.plan.last {
+            let vocab = self.plan.model.vocab;
             match targets {
-                Some(t) if t.len() == n => {}
+                Some(t) if t.len() == n => {
+                    // The cross-entropy kernel reads the logit at the target unchecked: an id past
+                    // the vocabulary reads another row (or past the buffer), a silently wrong loss.
+                    if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+                        return shape(
+                            OP,
+                            format!("target id {bad} is not below the vocabulary size {vocab}"),
+                        );
+                    }
+                }
                 Some(t) => {
                     return shape(OP, format!("{} targets for {n} positions", t.len()));
                 }
@@ -1116,6 +1126,16 @@ impl GpuStage {
                 ),
             ));
         }
+        // The head's weight gradient is computed with the loss (the logits never exist whole), so
+        // on the last stage it goes into the micro-batch's accumulator in the forward, in forward
+        // order: a micro-batch holds its gradient buffer from its first forward there (counted in
+        // the peak). Taken first, so that a step not begun (or a micro-batch out of its range)
+        // fails before any work.
+        let head_acc = if train && self.plan.last {
+            Some(self.accumulator(micro_batch)?)
+        } else {
+            None
+        };
         if segment == 0 {
             // A fresh micro-batch: later segments' backwards add into these.
             for buf in mb.dk.iter_mut().chain(mb.dv.iter_mut()) {
@@ -1166,25 +1186,17 @@ impl GpuStage {
                 .map_or(unit.out.ptr(), |next| next.x.ptr());
             self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
         }
-        mb.kv_len = start + len;
         let unit = &mut mb.units[segment];
         let output = if self.plan.last {
-            // The head's weight gradient is computed with the loss (the logits never exist
-            // whole), so it goes into the micro-batch's accumulator here, in forward order: a
-            // micro-batch holds its gradient buffer from its first forward on the last stage
-            // (counted in the peak).
-            let dw = if train {
-                let acc = self.accumulator(micro_batch)?;
-                self.grad_at(acc, "lm_head.weight")
-            } else {
-                0
-            };
+            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, "lm_head.weight"));
             let targets = targets.expect("checked by forward");
             UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
         } else {
             UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
         };
         unit.pending = train;
+        // Only now: a unit that failed anywhere leaves the K/V count where it was.
+        mb.kv_len = start + len;
         Ok(output)
     }
 
