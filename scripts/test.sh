@@ -11,6 +11,8 @@
 #     `apt-get install`; without root that test fails with its own message.
 #   * kubernetes-validate (pip, in ./.venv; it ships the Kubernetes JSON schemas) and shellcheck
 #     (Debian package, as root) for tests/deploy.rs, which checks the deploy/ files with them.
+#   * a C++20 compiler (`c++`, Debian package g++, as root; or $CXX) for gpu/tests/emulated_kernels.rs,
+#     which runs every CUDA kernel on the CPU.
 # Environment:
 #   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
 #                             (no cargo): for running single tests by hand.
@@ -207,6 +209,17 @@ if [ -z "${SEQPIPE_SHELLCHECK:-}" ] && ! command -v shellcheck >/dev/null 2>&1; 
     note "installed shellcheck with apt-get ($(since "$t"))"
   else
     note "note: shellcheck is missing and cannot be installed without root: tests/deploy.rs will fail with its own message (install it, or set SEQPIPE_SHELLCHECK)"
+  fi
+fi
+# --- a C++20 compiler for gpu/tests/emulated_kernels.rs (the CUDA kernels run on the CPU). ---
+if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null 2>&1; then
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install g++
+    command -v c++ >/dev/null 2>&1 || die "apt-get installed g++ but there is no c++ on PATH"
+    note "installed g++ with apt-get ($(since "$t"))"
+  else
+    note "note: no C++ compiler (c++) and none can be installed without root: gpu/tests/emulated_kernels.rs will fail with its own message (install g++, or set CXX)"
   fi
 fi
 if [ "$real_root" != 1 ]; then

@@ -54,11 +54,15 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// The architecture option for compute capability `(major, minor)`, e.g. `sm_90`.
+/// The oldest compute capability CUDA 13's NVRTC compiles for (Turing); older GPUs are refused
+/// when opened.
+pub const OLDEST_CAPABILITY: (i32, i32) = (7, 5);
+
+/// The architecture option for compute capability `(major, minor)` (at least
+/// [`OLDEST_CAPABILITY`]), e.g. `sm_90`.
 pub fn arch_for(major: i32, minor: i32) -> &'static str {
     // NVRTC takes a `&'static str`; the handful of capabilities seqpipe targets are listed.
     match (major, minor) {
-        (7, 0) => "sm_70",
         (7, 5) => "sm_75",
         (8, 0) => "sm_80",
         (8, 6) => "sm_86",
@@ -70,7 +74,7 @@ pub fn arch_for(major: i32, minor: i32) -> &'static str {
         (m, _) if m >= 10 => "sm_100",
         (9, _) => "sm_90",
         (8, _) => "sm_80",
-        _ => "sm_70",
+        _ => "sm_75",
     }
 }
 

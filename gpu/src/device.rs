@@ -186,6 +186,10 @@ impl Gpu {
         let (major, minor) = ctx
             .compute_capability()
             .during(|| "reading the compute capability".into())?;
+        if (major, minor) < compile::OLDEST_CAPABILITY {
+            let name = ctx.name().unwrap_or_else(|_| format!("device {ordinal}"));
+            return Err(GpuError::UnsupportedDevice { name, major, minor });
+        }
         let arch = compile::arch_for(major, minor);
         let module = ctx
             .load_module(compile::cached_ptx(arch)?)
@@ -372,6 +376,15 @@ impl Gpu {
         })?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
+        }
+        // The hardware's grid limits: a launch past them would fail with a bare driver error.
+        if grid.0 > i32::MAX as u32 || grid.1 > 65_535 || grid.2 > 65_535 {
+            return Err(GpuError::Shape {
+                op: "launch",
+                reason: format!(
+                    "kernel {name}: grid {grid:?} exceeds CUDA's limits (x < 2^31, y and z at most 65535); use a smaller batch or fewer heads per stage"
+                ),
+            });
         }
         // Each argument's bytes live in `storage`; the driver reads them through `params`.
         let mut storage: Vec<[u8; 8]> = args

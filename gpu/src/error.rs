@@ -25,6 +25,18 @@ pub enum GpuError {
         /// Device asked for.
         ordinal: usize,
     },
+    /// The GPU is older than CUDA 13 supports.
+    #[error(
+        "{name} has compute capability {major}.{minor}; the CUDA kernels need 7.5 (Turing) or newer: use a newer GPU or model.device = \"cpu\""
+    )]
+    UnsupportedDevice {
+        /// The device's name.
+        name: String,
+        /// Compute capability, major.
+        major: i32,
+        /// Compute capability, minor.
+        minor: i32,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver call failed during {during}: {source}")]
     Driver {

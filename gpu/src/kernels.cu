@@ -556,7 +556,8 @@ extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, con
     sum = block_sum(sum, scratch);
     float lse = mx + logf(sum);
     unsigned int tgt = targets[r];
-    if (threadIdx.x == 0) loss[r] = lse - row[tgt];
+    // A target outside the vocabulary would read past the row: its loss is NaN instead.
+    if (threadIdx.x == 0) loss[r] = tgt < (unsigned int)v ? lse - row[tgt] : __int_as_float(0x7fc00000);
     __syncthreads();
     if (!want_grad) return;
     float inv = 1.0f / sum;

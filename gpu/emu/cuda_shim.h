@@ -1,0 +1,77 @@
+// The subset of CUDA that gpu/src/kernels.cu uses, emulated on the CPU so that every kernel runs
+// in the test suite on machines without a GPU (gpu/tests/emulated_kernels.rs): a block's threads
+// are std::threads, __syncthreads() is a barrier over them, a warp shuffle is a barrier over the
+// warp's lanes around a shared exchange slot, and __shared__ variables are function statics.
+// It checks indexing, barriers, shuffles and numerics; not timing, memory coalescing or the
+// compiler's floating-point contractions (the GPU run compares against the CPU oracle for those).
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+#undef INFINITY
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+inline std::barrier<>* g_block_bar = nullptr;
+inline std::barrier<>* g_warp_bar[32];
+inline double g_shfl[32][32];
+
+#define __global__
+#define __device__
+#define __forceinline__
+#define __launch_bounds__(x)
+#define __shared__ static
+
+inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    g_shfl[w][lane] = v;
+    g_warp_bar[w]->arrive_and_wait();
+    float r = (float)g_shfl[w][lane ^ o];
+    g_warp_bar[w]->arrive_and_wait();
+    return r;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+#include <math.h>
+
+// Runs kernel body `f` on `grid` blocks of `block` threads. One std::thread per thread of a block,
+// reused for every block in turn: all of them finish a block (a barrier) before any starts the
+// next, so the statics that stand for __shared__ memory are never shared between two blocks.
+template <class F>
+void launch(dim3 grid, unsigned block, F f) {
+    gridDim = grid;
+    blockDim = dim3{block, 1, 1};
+    std::barrier<> sync(block), next_block(block);
+    g_block_bar = &sync;
+    unsigned warps = (block + 31) / 32;
+    for (unsigned w = 0; w < warps; ++w) g_warp_bar[w] = new std::barrier<>(std::min(32u, block - w * 32));
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+        threads.emplace_back([&, t] {
+            threadIdx = dim3{t, 0, 0};
+            for (unsigned z = 0; z < grid.z; ++z)
+                for (unsigned y = 0; y < grid.y; ++y)
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        blockIdx = dim3{x, y, z};
+                        f();
+                        next_block.arrive_and_wait();
+                    }
+        });
+    for (auto& t : threads) t.join();
+    for (unsigned w = 0; w < warps; ++w) delete g_warp_bar[w];
+}
