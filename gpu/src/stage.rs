@@ -269,6 +269,37 @@ impl PendingState {
     }
 }
 
+/// The parameters laid out flat in their given (canonical) order: their slots, the slot of each
+/// name, and the values.
+fn flatten(params: Vec<StageParam>) -> Result<(Vec<Slot>, HashMap<String, usize>, Vec<f32>)> {
+    let mut slots = Vec::new();
+    let mut index = HashMap::new();
+    let mut host = Vec::new();
+    for p in params {
+        let len: usize = p.dims.iter().product();
+        if p.values.len() != len {
+            return shape(
+                "GpuStage::new",
+                format!(
+                    "{}: {} values for dims {:?}",
+                    p.name,
+                    p.values.len(),
+                    p.dims
+                ),
+            );
+        }
+        index.insert(p.name.clone(), slots.len());
+        slots.push(Slot {
+            name: p.name,
+            dims: p.dims,
+            offset: host.len(),
+            len,
+        });
+        host.extend(p.values);
+    }
+    Ok((slots, index, host))
+}
+
 /// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
 fn split(slots: &[Slot], host: &[f32], prefix: &str) -> Vec<NamedTensor> {
     slots
@@ -328,31 +359,7 @@ impl GpuStage {
                 Some(start)
             })
             .collect();
-        let mut slots = Vec::new();
-        let mut index = HashMap::new();
-        let mut host = Vec::new();
-        for p in params {
-            let len: usize = p.dims.iter().product();
-            if p.values.len() != len {
-                return shape(
-                    OP,
-                    format!(
-                        "{}: {} values for dims {:?}",
-                        p.name,
-                        p.values.len(),
-                        p.dims
-                    ),
-                );
-            }
-            index.insert(p.name.clone(), slots.len());
-            slots.push(Slot {
-                name: p.name,
-                dims: p.dims,
-                offset: host.len(),
-                len,
-            });
-            host.extend(p.values);
-        }
+        let (slots, index, host) = flatten(params)?;
         let numel = host.len();
         let stage = GpuStage {
             values: gpu.upload(&host)?,
