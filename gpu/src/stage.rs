@@ -269,9 +269,15 @@ impl PendingState {
     }
 }
 
-/// The parameters laid out flat in their given (canonical) order: their slots, the slot of each
-/// name, and the values.
-fn flatten(params: Vec<StageParam>) -> Result<(Vec<Slot>, HashMap<String, usize>, Vec<f32>)> {
+/// The parameters laid out flat in their given (canonical) order.
+struct Flat {
+    slots: Vec<Slot>,
+    /// The slot of each name.
+    index: HashMap<String, usize>,
+    values: Vec<f32>,
+}
+
+fn flatten(params: Vec<StageParam>) -> Result<Flat> {
     let mut slots = Vec::new();
     let mut index = HashMap::new();
     let mut host = Vec::new();
@@ -297,7 +303,11 @@ fn flatten(params: Vec<StageParam>) -> Result<(Vec<Slot>, HashMap<String, usize>
         });
         host.extend(p.values);
     }
-    Ok((slots, index, host))
+    Ok(Flat {
+        slots,
+        index,
+        values: host,
+    })
 }
 
 /// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
@@ -359,7 +369,11 @@ impl GpuStage {
                 Some(start)
             })
             .collect();
-        let (slots, index, host) = flatten(params)?;
+        let Flat {
+            slots,
+            index,
+            values: host,
+        } = flatten(params)?;
         let numel = host.len();
         let stage = GpuStage {
             values: gpu.upload(&host)?,
