@@ -247,3 +247,7 @@ python3 scripts/check-runtime-deps.py >/dev/null
 # of candle between the binary and the test harnesses.
 # --features seqpipe/cuda: the CUDA path builds and its kernels compile (NVRTC) without a GPU.
 cargo test --release --workspace --features seqpipe/cuda
+# The CUDA stage's host code on the CPU emulation of the GPU (gpu's `emulate` feature: the same
+# kernels.cu under a CUDA shim), against the CPU stages: a two-stage Seq1F1B step, snapshots,
+# determinism. A separate build of the gpu and trainer crates (the feature replaces the device).
+cargo test --release -p trainer --features emulate-gpu --test emulated_cuda_stage

@@ -14,49 +14,15 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
+pub use crate::types::Precision;
+use crate::types::{Arg, int, pack};
 
-/// How matrix products compute (element-wise kernels and attention are FP32 in every mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Precision {
-    /// FP32 inputs and arithmetic (cuBLAS `COMPUTE_32F`).
-    Fp32,
-    /// FP32 inputs, TF32 tensor cores (`COMPUTE_32F_FAST_TF32`).
-    Tf32,
-    /// FP32 inputs rounded to BF16 for the tensor cores, FP32 accumulation
-    /// (`COMPUTE_32F_FAST_16BF`); master weights, gradients and AdamW state stay FP32.
-    Bf16,
-}
-
-impl Precision {
-    /// Every precision, in the order reports list them.
-    pub const ALL: [Precision; 3] = [Precision::Fp32, Precision::Tf32, Precision::Bf16];
-
-    /// `fp32`, `tf32` or `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-        }
-    }
-
-    fn compute_type(self) -> blas::cublasComputeType_t {
-        match self {
-            Precision::Fp32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            Precision::Tf32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            Precision::Bf16 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Precision::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown precision `{s}`: expected fp32, tf32 or bf16"))
+/// cuBLAS's compute type for `p`.
+fn compute_type(p: Precision) -> blas::cublasComputeType_t {
+    match p {
+        Precision::Fp32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        Precision::Tf32 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        Precision::Bf16 => blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
     }
 }
 
@@ -124,24 +90,6 @@ impl<T> Buf<T> {
         debug_assert!(i <= self.len());
         self.ptr + (i * std::mem::size_of::<T>()) as u64
     }
-}
-
-/// One argument of a kernel launch.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Arg {
-    /// A device address.
-    P(u64),
-    /// An `int`.
-    I(i32),
-    /// A `long long`.
-    L(i64),
-    /// A `float`.
-    F(f32),
-}
-
-/// `n` as a kernel's `int`, or a shape error naming `what`.
-pub(crate) fn int(n: usize, op: &'static str, what: &str) -> Result<i32> {
-    i32::try_from(n).or_else(|_| shape(op, format!("{what} = {n} does not fit a 32-bit int")))
 }
 
 /// An opened GPU.
@@ -387,19 +335,7 @@ impl Gpu {
             });
         }
         // Each argument's bytes live in `storage`; the driver reads them through `params`.
-        let mut storage: Vec<[u8; 8]> = args
-            .iter()
-            .map(|a| {
-                let mut b = [0u8; 8];
-                match *a {
-                    Arg::P(p) => b.copy_from_slice(&p.to_ne_bytes()),
-                    Arg::L(l) => b.copy_from_slice(&l.to_ne_bytes()),
-                    Arg::I(i) => b[..4].copy_from_slice(&i.to_ne_bytes()),
-                    Arg::F(x) => b[..4].copy_from_slice(&x.to_ne_bytes()),
-                }
-                b
-            })
-            .collect();
+        let mut storage = pack(args);
         let mut params: Vec<*mut c_void> = storage
             .iter_mut()
             .map(|b| b.as_mut_ptr() as *mut c_void)
@@ -472,7 +408,7 @@ impl Gpu {
                 c as *mut c_void,
                 blas::cudaDataType_t::CUDA_R_32F,
                 ni,
-                self.precision.compute_type(),
+                compute_type(self.precision),
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };

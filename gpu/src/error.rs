@@ -96,6 +96,7 @@ pub enum GpuError {
 pub type Result<T, E = GpuError> = std::result::Result<T, E>;
 
 /// Attaches a description to driver errors.
+#[cfg_attr(feature = "emulate", allow(dead_code))]
 pub(crate) trait DriverContext<T> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T>;
 }

@@ -2,8 +2,9 @@
 //! pair), taking device addresses and shapes; every shape is checked to fit the kernel's `int`s.
 //! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
 
-use crate::device::{Arg, Buf, Gpu, int};
+use crate::device::{Buf, Gpu};
 use crate::error::{Result, shape};
+use crate::types::{Arg, int};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;

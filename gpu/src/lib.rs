@@ -10,17 +10,32 @@
 //! State copies to the host run on a second stream behind the compute (`offload`), so a
 //! checkpoint or peer snapshot costs the step only the queueing of the copy. `nccl` links the GPUs
 //! of two neighbouring stages directly, with a watchdog that aborts instead of hanging.
+//!
+//! With the `emulate` feature (tests only) there is no CUDA at all: `device_emu` runs the same
+//! `kernels.cu` on the CPU through the CUDA shim of `emu/` and the matrix products as plain loops,
+//! so the whole GPU stage — its Seq1F1B bookkeeping, caches, gradient tree and state copies — is
+//! tested against the CPU stage on machines without a GPU.
 
 #![deny(missing_docs)]
 
 pub mod compile;
+#[cfg(not(feature = "emulate"))]
+mod device;
+#[cfg(feature = "emulate")]
+#[path = "device_emu.rs"]
 mod device;
 mod error;
 mod kernels;
+#[cfg(not(feature = "emulate"))]
 pub mod nccl;
+#[cfg(not(feature = "emulate"))]
+pub mod offload;
+#[cfg(feature = "emulate")]
+#[path = "offload_emu.rs"]
 pub mod offload;
 pub mod oracle;
 pub mod stage;
+mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};

@@ -170,6 +170,14 @@ impl Gpu {
             .during(|| "marking the end of a copy".into())
     }
 
+    /// Waits on the host until every copy queued so far is done (when the compute stream cannot
+    /// be ordered after them).
+    pub fn drain_copies(&self) -> Result<()> {
+        self.copy_stream()
+            .synchronize()
+            .during(|| "waiting for the copies to the host".into())
+    }
+
     /// Makes the compute stream wait (on the device; the host goes on) until `fence` is passed.
     pub fn wait_for(&self, fence: &Fence) -> Result<()> {
         self.bind()?;

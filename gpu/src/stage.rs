@@ -238,7 +238,7 @@ impl Drop for GpuStage {
         // be current there, and a state download still reading them must come first.
         if self.await_downloads().is_err() {
             // The compute stream could not be ordered after the copy: wait for it on the host.
-            let _ = self.gpu.copy_stream().synchronize();
+            let _ = self.gpu.drain_copies();
         }
         let _ = self.gpu.bind();
     }

@@ -1,0 +1,286 @@
+//! The `emulate` feature's stand-in for `device`: the same API, with no GPU. Buffers are host
+//! allocations addressed by their raw addresses (as device buffers are), kernels run through the
+//! CPU emulation of `kernels.cu` (`emu/launcher.cpp`, built by build.rs), and matrix products are
+//! plain loops with cuBLAS's row/column conventions. Everything is synchronous. Tests only: it is
+//! slow, and exists to run the GPU stage's host code against the CPU stage.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ffi::{CString, c_char, c_void};
+use std::marker::PhantomData;
+use std::sync::Mutex;
+
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+
+use crate::error::{GpuError, Result, shape};
+pub use crate::types::Precision;
+use crate::types::{Arg, int, pack};
+
+unsafe extern "C" {
+    fn seqpipe_emu_launch(
+        name: *const c_char,
+        gx: u32,
+        gy: u32,
+        gz: u32,
+        block: u32,
+        params: *mut *mut c_void,
+    ) -> i32;
+}
+
+/// The emulated kernels share globals (the grid, barriers): one launch at a time per process.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+/// Always present: nothing is loaded.
+pub fn libraries_present() -> Result<()> {
+    Ok(())
+}
+
+/// One emulated device.
+pub fn device_count() -> Result<usize> {
+    Ok(1)
+}
+
+/// A host allocation of `T` addressed like a device buffer.
+pub struct Buf<T> {
+    ptr: u64,
+    len: usize,
+    layout: Layout,
+    _marker: PhantomData<T>,
+}
+
+// SAFETY: the allocation is owned by the buffer and only touched through it or by launches the
+// owner makes, as a device buffer is.
+unsafe impl<T> Send for Buf<T> {}
+unsafe impl<T> Sync for Buf<T> {}
+
+impl<T> Drop for Buf<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc` with this layout.
+        unsafe { dealloc(self.ptr as *mut u8, self.layout) };
+    }
+}
+
+impl<T> Buf<T> {
+    fn alloc(n: usize) -> Buf<T> {
+        let layout = Layout::array::<T>(n.max(1)).expect("a buffer size that fits memory");
+        // SAFETY: the layout is non-zero-sized.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        assert!(
+            !ptr.is_null(),
+            "out of memory allocating an emulated buffer"
+        );
+        Buf {
+            ptr: ptr as u64,
+            len: n.max(1),
+            layout,
+            _marker: PhantomData,
+        }
+    }
+
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Address of element `i` (which must be at most `len`).
+    pub fn at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len());
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    fn slice(&self) -> &[T] {
+        // SAFETY: `len` initialized elements (zeroed at allocation, then written as `T`).
+        unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.len) }
+    }
+}
+
+/// The emulated GPU.
+pub struct Gpu {
+    precision: Precision,
+}
+
+impl Gpu {
+    /// Opens the emulated device (any ordinal).
+    pub fn open(_ordinal: usize, precision: Precision) -> Result<Gpu> {
+        Ok(Gpu { precision })
+    }
+
+    /// `emulated`.
+    pub fn name(&self) -> &str {
+        "emulated (CPU)"
+    }
+
+    /// `emulated`.
+    pub fn arch(&self) -> &'static str {
+        "emulated"
+    }
+
+    /// How matrix products compute (all FP32 here).
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Changes how matrix products compute.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
+    /// A nominal 1 TiB free of 1 TiB.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok((1 << 40, 1 << 40))
+    }
+
+    /// Nothing to bind.
+    pub fn bind(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Everything is synchronous.
+    pub fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A zeroed buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buf<T>> {
+        Ok(Buf::alloc(n))
+    }
+
+    /// A buffer holding a copy of `host`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<Buf<T>> {
+        if host.is_empty() {
+            return shape("upload", "nothing to upload");
+        }
+        let mut b = Buf::alloc(host.len());
+        self.write(&mut b, host)?;
+        Ok(b)
+    }
+
+    /// Overwrites `dst` (from its start) with `host`.
+    pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
+        if host.len() > dst.len() {
+            return shape(
+                "write",
+                format!("{} elements into a buffer of {}", host.len(), dst.len()),
+            );
+        }
+        // SAFETY: `dst` holds at least `host.len()` elements and does not overlap `host`.
+        unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), dst.ptr as *mut T, host.len()) };
+        Ok(())
+    }
+
+    /// A host copy of the buffer.
+    pub fn download<T: DeviceRepr + Clone>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
+        Ok(buf.slice().to_vec())
+    }
+
+    /// A host copy of the first `n` elements of the buffer.
+    pub fn download_prefix<T: DeviceRepr + Default + Clone>(
+        &self,
+        buf: &Buf<T>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        if n > buf.len() {
+            return shape(
+                "download",
+                format!("{n} elements from a buffer of {}", buf.len()),
+            );
+        }
+        Ok(buf.slice()[..n].to_vec())
+    }
+
+    /// Sets every element to zero.
+    pub fn clear<T: DeviceRepr + ValidAsZeroBits>(&self, buf: &mut Buf<T>) -> Result<()> {
+        // SAFETY: the buffer's own allocation; all-zero bytes are a valid `T`.
+        unsafe { std::ptr::write_bytes(buf.ptr as *mut T, 0, buf.len) };
+        Ok(())
+    }
+
+    /// Runs kernel `name` on `grid` × `block` emulated threads with `args`.
+    pub(crate) fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let mut storage = pack(args);
+        let mut params: Vec<*mut c_void> = storage
+            .iter_mut()
+            .map(|b| b.as_mut_ptr() as *mut c_void)
+            .collect();
+        let c_name = CString::new(name).expect("kernel names have no NUL");
+        let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the arguments are packed as the kernel's C signature reads them (the wrappers
+        // in `kernels` are checked against it), and every address is a live buffer.
+        let status = unsafe {
+            seqpipe_emu_launch(
+                c_name.as_ptr(),
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                params.as_mut_ptr(),
+            )
+        };
+        if status != 0 {
+            return Err(GpuError::Shape {
+                op: "launch",
+                reason: format!("no emulated kernel named {name}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm` (cuBLAS) computes it,
+    /// with FP32 accumulation in `k` order.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        beta: f32,
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        int(m, OP, "m")?;
+        int(n, OP, "n")?;
+        int(k, OP, "k")?;
+        let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f32;
+                for p in 0..k {
+                    // SAFETY: the callers size A, B and C for these shapes (as for cuBLAS).
+                    let (x, y) = unsafe {
+                        (
+                            *a.add(if ta { p * m + i } else { i * k + p }),
+                            *b.add(if tb { j * k + p } else { p * n + j }),
+                        )
+                    };
+                    acc += x * y;
+                }
+                // SAFETY: as above.
+                unsafe {
+                    let dst = c.add(i * n + j);
+                    *dst = if beta == 0.0 { acc } else { acc + beta * *dst };
+                }
+            }
+        }
+        Ok(())
+    }
+}
