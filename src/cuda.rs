@@ -77,7 +77,12 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
     match cmd {
         GpuCommand::Check(args) => enabled::check(&args),
         GpuCommand::Bench(args) => enabled::bench(&args),
+        #[cfg(not(feature = "emulate-gpu"))]
         GpuCommand::Link(args) => crate::cuda_link::run(&args),
+        #[cfg(feature = "emulate-gpu")]
+        GpuCommand::Link(_) => {
+            anyhow::bail!("this seqpipe runs CUDA stages on an emulated GPU: it has no NCCL")
+        }
     }
 }
 

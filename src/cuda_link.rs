@@ -32,7 +32,7 @@ pub struct LinkArgs {
     serve: Option<String>,
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", not(feature = "emulate-gpu")))]
 impl LinkArgs {
     fn elements(&self) -> usize {
         ((self.mib * 1024.0 * 1024.0) / 4.0).max(1.0) as usize
@@ -43,11 +43,12 @@ impl LinkArgs {
     }
 }
 
-// Without the `cuda` feature `seqpipe gpu` refuses every command before it gets here.
-#[cfg(feature = "cuda")]
+// Without the `cuda` feature `seqpipe gpu` refuses every command before it gets here; an
+// emulated GPU (`emulate-gpu`) has no NCCL.
+#[cfg(all(feature = "cuda", not(feature = "emulate-gpu")))]
 pub use enabled::run;
 
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", not(feature = "emulate-gpu")))]
 mod enabled {
     use std::process::{Child, Command, Stdio};
     use std::time::Instant;
