@@ -7,12 +7,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Command;
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{children_of, elastic_job, free_port, fresh_dir, records, wait_for_steps};
+use common::{children_of, elastic_job, free_port, fresh_dir, records, steps_done, wait_for_steps};
 use trainer::runtime::events::{Recovered, RunEvent};
 use trainer::runtime::recovery::Tier;
 
@@ -85,26 +85,55 @@ fn counters_and_plan_follow_the_events_of_a_run_that_loses_a_node() {
     run_losing(Victim::Node);
 }
 
+/// Starts the job with its metrics endpoint on a free port and waits for its first step. The port
+/// is free when picked, but another test's process may take it before the launcher binds it: the
+/// launcher then exits with "Address already in use", and the job starts again on another port.
+fn start_serving_metrics(run: &std::path::Path, log_path: &std::path::Path) -> (Child, u16) {
+    for _ in 0..5 {
+        let port = free_port();
+        let _ = std::fs::remove_dir_all(run);
+        std::fs::create_dir_all(run).unwrap();
+        let mut child = elastic_job(run, STEPS)
+            .args([
+                "--set",
+                &format!("elastic.metrics_listen=\"127.0.0.1:{port}\""),
+                // Long enough for any scraper on a busy machine; the test ends it with SIGTERM.
+                "--set",
+                "elastic.metrics_linger_s=600",
+            ])
+            .stderr(std::fs::File::create(log_path).unwrap())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while steps_done(run) < 1 {
+            if let Some(status) = child.try_wait().unwrap() {
+                let log = std::fs::read_to_string(log_path).unwrap_or_default();
+                assert!(
+                    log.contains("Address already in use"),
+                    "the job exited ({status}) before its first step:\n{log}"
+                );
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the job did not start"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if steps_done(run) >= 1 {
+            return (child, port);
+        }
+    }
+    panic!("five free ports were all taken before the launcher could bind them")
+}
+
 /// Runs the job, SIGKILLs `victim` of its second node after step 3, scrapes all along, and checks
 /// the scrapes against `metrics.jsonl`.
 fn run_losing(victim: Victim) {
     let dir = fresh_dir(&format!("metrics-endpoint-{victim:?}"));
     let run = dir.join("run");
-    let port = free_port();
-    let mut job = elastic_job(&run, STEPS);
-    job.args([
-        "--set",
-        &format!("elastic.metrics_listen=\"127.0.0.1:{port}\""),
-        // Long enough for any scraper on a busy machine; the test ends it with SIGTERM.
-        "--set",
-        "elastic.metrics_linger_s=600",
-    ]);
-    std::fs::create_dir_all(&run).unwrap();
     let log_path = dir.join("launcher.log");
-    let mut child = job
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut child, port) = start_serving_metrics(&run, &log_path);
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
 
     // Scrape all along the run, from a thread of its own.
