@@ -15,7 +15,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
 pub use crate::types::Precision;
-use crate::types::{Arg, int, pack};
+use crate::types::{Arg, fits, int, pack};
 
 /// cuBLAS's compute type for `p`.
 fn compute_type(p: Precision) -> blas::cublasComputeType_t {
@@ -256,12 +256,7 @@ impl Gpu {
 
     /// Overwrites `dst` (from its start) with `host`.
     pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
-        if host.len() > dst.len() {
-            return shape(
-                "write",
-                format!("{} elements into a buffer of {}", host.len(), dst.len()),
-            );
-        }
+        fits("write", host.len(), "into", dst.len())?;
         self.stream
             .memcpy_htod(host, &mut dst.slice)
             .during(|| format!("copying {} elements to the device", host.len()))
@@ -280,12 +275,7 @@ impl Gpu {
         buf: &Buf<T>,
         n: usize,
     ) -> Result<Vec<T>> {
-        if n > buf.len() {
-            return shape(
-                "download",
-                format!("{n} elements from a buffer of {}", buf.len()),
-            );
-        }
+        fits("download", n, "from", buf.len())?;
         let mut out = vec![T::default(); n];
         if n > 0 {
             self.stream

@@ -13,7 +13,7 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{GpuError, Result, shape};
 pub use crate::types::Precision;
-use crate::types::{Arg, int, pack};
+use crate::types::{Arg, fits, int, pack};
 
 unsafe extern "C" {
     fn seqpipe_emu_launch(
@@ -166,12 +166,7 @@ impl Gpu {
 
     /// Overwrites `dst` (from its start) with `host`.
     pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
-        if host.len() > dst.len() {
-            return shape(
-                "write",
-                format!("{} elements into a buffer of {}", host.len(), dst.len()),
-            );
-        }
+        fits("write", host.len(), "into", dst.len())?;
         // SAFETY: `dst` holds at least `host.len()` elements and does not overlap `host`.
         unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), dst.ptr as *mut T, host.len()) };
         Ok(())
@@ -188,12 +183,7 @@ impl Gpu {
         buf: &Buf<T>,
         n: usize,
     ) -> Result<Vec<T>> {
-        if n > buf.len() {
-            return shape(
-                "download",
-                format!("{n} elements from a buffer of {}", buf.len()),
-            );
-        }
+        fits("download", n, "from", buf.len())?;
         Ok(buf.slice()[..n].to_vec())
     }
 

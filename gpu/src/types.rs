@@ -74,3 +74,12 @@ pub(crate) fn pack(args: &[Arg]) -> Vec<[u8; 8]> {
         })
         .collect()
 }
+
+/// That `n` elements fit a buffer of `len` (`op` moves them `into` or `from` it), or a shape
+/// error saying both sizes.
+pub(crate) fn fits(op: &'static str, n: usize, preposition: &str, len: usize) -> Result<()> {
+    if n > len {
+        return shape(op, format!("{n} elements {preposition} a buffer of {len}"));
+    }
+    Ok(())
+}
