@@ -204,6 +204,12 @@ import json, sys
 events = [json.loads(l) for l in open(sys.argv[1]) if '"recovered"' in l]
 for e in events:
     print(f"recovered at step {e['step']}: tier {e['tier']}, {e['recovery_s']:.2f} s, {e['lost_steps']} steps lost, {e.get('redone_units', 0)} units redone")
+    # The bound of one worker's loss: a mid-step recovery redoes no completed step; peer
+    # snapshots lag training by at most one step (the kill may land while the newest one is
+    # still being copied, the likelier the busier the machine), so at most one is redone.
+    bound = {"mid_step": 0, "peer": 1}.get(e["tier"])
+    if bound is None or e["lost_steps"] > bound:
+        print("RECOVERY WORSE THAN ITS BOUND: a lost worker is recovered mid-step or from the peer snapshots, losing at most 1 completed step")
 if not events:
     print("NO RECOVERY EVENT: the kill did not land")
 PY

@@ -431,6 +431,7 @@ fn train_command(args: TrainArgs) -> Result<ExitCode> {
             quiet: args.quiet,
             start,
             trace: args.trace,
+            listening: None,
         },
     )
 }
@@ -448,6 +449,7 @@ fn resume_command(args: ResumeArgs) -> Result<ExitCode> {
             quiet: args.quiet,
             start: Start::Resume(point),
             trace: None,
+            listening: None,
         },
     )
 }

@@ -21,7 +21,6 @@
 
 #![allow(dead_code)]
 
-use super::common::free_port;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -816,26 +815,23 @@ fn run_cluster(
     let started = Instant::now();
     let dir = fresh_dir(name);
     let run_dir = dir.join("run");
-    let addr = format!("127.0.0.1:{}", free_port());
     let mut all: Vec<String> = base_sets();
     all.extend(sets.iter().map(|s| s.to_string()));
     all.push(format!("run.dir={}", run_dir.display()));
-    all.push(format!("elastic.listen={addr}"));
+    // Port 0: the coordinator binds a free port and says which (a port picked here and bound
+    // there could be taken in between by the many sockets of the scenarios running beside it).
+    all.push("elastic.listen=127.0.0.1:0".into());
     let cfg = Config::load(None, &all).expect("the scenario's config");
-    let cluster = Arc::new(Cluster::new(
-        dir.clone(),
-        cfg.clone(),
-        addr,
-        rules,
-        reap_late,
-    ));
+    let (listening, bound) = channel();
+    let job = cfg.clone();
     let coordinator = std::thread::Builder::new()
         .name("coordinator".into())
         .spawn(move || {
             run_training(
-                &cfg,
+                &job,
                 &LaunchOptions {
                     quiet: true,
+                    listening: Some(listening),
                     ..LaunchOptions::default()
                 },
             )
@@ -843,6 +839,20 @@ fn run_cluster(
             .map_err(|e| e.to_string())
         })
         .unwrap();
+    let addr = match bound.recv_timeout(SCENARIO_LIMIT) {
+        Ok(addr) => addr,
+        Err(_) => panic!(
+            "scenario {name}: the coordinator never listened: {:?}",
+            coordinator.join()
+        ),
+    };
+    let cluster = Arc::new(Cluster::new(
+        dir.clone(),
+        cfg.clone(),
+        addr,
+        rules,
+        reap_late,
+    ));
     for i in 0..nodes {
         cluster.start_agent(&format!("node-{i}"));
     }

@@ -125,8 +125,14 @@ pub struct Coordinator {
 impl Coordinator {
     /// Binds the control port (`elastic.listen`) and starts accepting connections. With
     /// `elastic.local_agents`, starts one agent per pipeline stage on this machine. Configs and
-    /// logs go to `session` under the run directory (and under each agent's directory).
-    pub fn start(cfg: Config, start: Start, session: &str) -> Result<Self, LaunchError> {
+    /// logs go to `session` under the run directory (and under each agent's directory). The
+    /// address it listens on goes to `listening` as soon as it is bound, before any node joins.
+    pub fn start(
+        cfg: Config,
+        start: Start,
+        session: &str,
+        listening: Option<&Sender<String>>,
+    ) -> Result<Self, LaunchError> {
         let io = |what: &str| {
             let what = what.to_string();
             move |source| LaunchError::Io {
@@ -155,6 +161,10 @@ impl Coordinator {
         let gate =
             accept_loop(listener, token.clone(), tx).map_err(io("starting the coordinator"))?;
         info!(%addr, "coordinator listening");
+        if let Some(listening) = listening {
+            // Nobody waiting for it any more is that program's business, not the run's.
+            let _ = listening.send(addr.clone());
+        }
         let mut state = ClusterState::new(cfg.model.layers);
         state.replicas = ReplicaPolicy {
             wanted: cfg.pipeline.replicas,

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use tracing::warn;
@@ -34,6 +35,9 @@ pub struct LaunchOptions {
     pub start: Start,
     /// Write a Chrome trace of every step's units here (see [`super::trace`]).
     pub trace: Option<PathBuf>,
+    /// The coordinator sends the address it listens on here once bound: how a program that set
+    /// `elastic.listen` to port 0 (free, chosen by the system) learns where its agents connect.
+    pub listening: Option<Sender<String>>,
 }
 
 /// Trains `cfg`: an embedded coordinator plans the pipeline on the nodes that join it (by default
@@ -73,7 +77,8 @@ fn train_pipelines(
     live: Option<Arc<LiveMetrics>>,
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
-    let mut coordinator = Coordinator::start(cfg.clone(), opts.start.clone(), "")?;
+    let mut coordinator =
+        Coordinator::start(cfg.clone(), opts.start.clone(), "", opts.listening.as_ref())?;
     // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
     // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
     // still be running.
@@ -168,7 +173,7 @@ fn linger(endpoint: MetricsEndpoint, linger: Duration) {
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
 /// Its workers' config and logs go to `<run.dir>/eval/`.
 pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
-    let mut coordinator = Coordinator::start(cfg.clone(), start.clone(), "eval")?;
+    let mut coordinator = Coordinator::start(cfg.clone(), start.clone(), "eval", None)?;
     let cfg = coordinator.cfg.clone();
     let result = with_pipeline(&mut coordinator, &cfg, None, |driver| {
         let step = driver.load(start)?;
