@@ -44,6 +44,44 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     g_warp_bar[w]->arrive_and_wait();
     return r;
 }
+inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+// mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for one warp, with the fragment layout of the PTX
+// ISA (see mma_bf16 in kernels.cu): every lane posts its fragments, then computes its own four
+// outputs from the whole tiles, summing the 16 exact products in k order.
+inline unsigned int g_mma[32][32][6];
+inline float bf16_value(unsigned int reg, int high) {
+    unsigned int u = (high ? reg >> 16 : reg & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline void emu_mma_bf16(float* d, const unsigned int* a, const unsigned int* b) {
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    for (int i = 0; i < 4; ++i) g_mma[w][lane][i] = a[i];
+    g_mma[w][lane][4] = b[0];
+    g_mma[w][lane][5] = b[1];
+    g_warp_bar[w]->arrive_and_wait();
+    auto A = [&](int row, int k) {
+        int holder = (row % 8) * 4 + (k % 8) / 2, reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        return bf16_value(g_mma[w][holder][reg], k % 2);
+    };
+    auto B = [&](int k, int col) {
+        int holder = col * 4 + (k % 8) / 2, reg = 4 + (k >= 8 ? 1 : 0);
+        return bf16_value(g_mma[w][holder][reg], k % 2);
+    };
+    int g = lane / 4, j = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        int row = g + (i >= 2 ? 8 : 0), col = 2 * j + (i & 1);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
+        d[i] += sum;
+    }
+    g_warp_bar[w]->arrive_and_wait();
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }

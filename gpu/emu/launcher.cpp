@@ -16,7 +16,9 @@ static void call(void (*k)(A...), void** p) {
     call_with(k, p, std::index_sequence_for<A...>{});
 }
 
-#define ATTN(X, D) X(attn_forward_d##D) X(attn_backward_dq_d##D) X(attn_backward_dkdv_d##D)
+#define ATTN(X, D)                                                                                   \
+    X(attn_forward_d##D) X(attn_backward_dq_d##D) X(attn_backward_dkdv_d##D) X(attn_tc_forward_d##D) \
+        X(attn_tc_backward_dq_d##D) X(attn_tc_backward_dkdv_d##D)
 #define KERNELS(X)                                                                                   \
     X(embed_forward) X(embed_backward_tokens) X(embed_backward_positions) X(column_sum_partial)       \
     X(column_sum_finish) X(add_bias) X(add) X(add_assign) X(copy_rows) X(bias_gelu_forward)          \

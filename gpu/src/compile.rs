@@ -43,7 +43,15 @@ pub fn attention_kernels() -> Vec<String> {
     HEAD_DIMS
         .iter()
         .flat_map(|d| {
-            ["attn_forward", "attn_backward_dq", "attn_backward_dkdv"].map(|k| format!("{k}_d{d}"))
+            [
+                "attn_forward",
+                "attn_backward_dq",
+                "attn_backward_dkdv",
+                "attn_tc_forward",
+                "attn_tc_backward_dq",
+                "attn_tc_backward_dkdv",
+            ]
+            .map(|k| format!("{k}_d{d}"))
         })
         .collect()
 }

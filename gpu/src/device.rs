@@ -102,6 +102,8 @@ pub struct Gpu {
     precision: Precision,
     name: String,
     arch: &'static str,
+    /// Compute capability 8.0 or later: BF16 `mma.sync` for the attention in BF16 mode.
+    bf16_mma: bool,
 }
 
 impl Drop for Gpu {
@@ -174,6 +176,7 @@ impl Gpu {
             precision,
             name,
             arch,
+            bf16_mma: (major, minor) >= (8, 0),
         })
     }
 
@@ -195,6 +198,11 @@ impl Gpu {
     /// Changes how matrix products compute.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Whether the attention runs on tensor cores (BF16 mode, compute capability 8.0 or later).
+    pub fn attention_on_tensor_cores(&self) -> bool {
+        self.precision == Precision::Bf16 && self.bf16_mma
     }
 
     /// The context.

@@ -134,6 +134,12 @@ impl Gpu {
         self.precision = precision;
     }
 
+    /// Whether the attention runs on (emulated) tensor cores: in BF16 mode, as on a GPU of compute
+    /// capability 8.0 or later.
+    pub fn attention_on_tensor_cores(&self) -> bool {
+        self.precision == Precision::Bf16
+    }
+
     /// A nominal 1 TiB free of 1 TiB.
     pub fn memory(&self) -> Result<(usize, usize)> {
         Ok((1 << 40, 1 << 40))

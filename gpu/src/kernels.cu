@@ -541,6 +541,413 @@ ATTN_INSTANCES(64)
 ATTN_INSTANCES(128)
 
 // ---------------------------------------------------------------------------------------------
+// The same attention on tensor cores (bf16 operands, fp32 accumulation and softmax), for
+// `model.precision = "bf16"` on compute capability 8.0 and later: same arguments, layouts and
+// outputs as the FP32 kernels above, blocks of 4 warps (TC_THREADS) over TC_ROWS rows. Each warp
+// owns 16 rows (queries; keys in the dK/dV pass) and multiplies 16×8×16 tiles with mma.sync; the
+// products' operands are rounded to bf16 (round to nearest even), everything else stays fp32.
+// Deterministic like the rest: no atomics, every sum in a fixed order.
+
+#define TC_ROWS 64
+#define TC_THREADS 128
+#define TC_COLS 64  // keys (forward, dQ) or queries (dK/dV) per shared-memory tile
+#define TC_PAD 8    // bf16 padding per shared row, against bank conflicts
+
+// The bf16 nearest to x (round to nearest even; a NaN stays a NaN), as the low 16 bits.
+__device__ __forceinline__ unsigned int bf16_bits(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// Two bf16 in one register: `lo` (the element of lower index) in bits 0..15.
+__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
+    return bf16_bits(lo) | (bf16_bits(hi) << 16);
+}
+// Two neighbouring bf16 of a shared tile (at an even index: 4-byte aligned) as one register.
+__device__ __forceinline__ unsigned int pair_at(const unsigned short* p) {
+#if defined(__CUDA_ARCH__)
+    return *reinterpret_cast<const unsigned int*>(p);
+#else
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 16);
+#endif
+}
+
+// d += a·b for one warp: a 16×16 (row-major), b 16×8 (column-major) in bf16, d 16×8 in fp32.
+// Fragments as the PTX ISA lays out mma.m16n8k16, with g = lane / 4 and j = lane % 4:
+//   a[0] = A(g, 2j..2j+1)   a[1] = A(g+8, 2j..2j+1)   a[2] = A(g, 2j+8..2j+9)   a[3] = A(g+8, 2j+8..2j+9)
+//   b[0] = B(2j..2j+1, g)   b[1] = B(2j+8..2j+9, g)
+//   d[0], d[1] = D(g, 2j), D(g, 2j+1)                  d[2], d[3] = D(g+8, 2j), D(g+8, 2j+1)
+// (cuda_shim.h emulates it with the same layout on the CPU.)
+__device__ __forceinline__ void mma_bf16(float* d, const unsigned int* a, const unsigned int* b) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the host launches these kernels on compute capability 8.0 and later only
+#endif
+#else
+    emu_mma_bf16(d, a, b);
+#endif
+}
+
+// The A fragments of a 16-row band of an fp32 matrix (row r of the band at src + r * stride,
+// rows from `rows` on read as zeros), each element times `mul`: a[kk][0..4] for columns 16kk...
+template <int D>
+__device__ __forceinline__ void load_a_rows(unsigned int (*a)[4], const float* src, size_t stride, int rows,
+                                            float mul) {
+    int g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    const float* r0 = src + (size_t)(g < rows ? g : 0) * stride;
+    const float* r8 = src + (size_t)(g + 8 < rows ? g + 8 : 0) * stride;
+    float z0 = g < rows ? mul : 0.0f, z8 = g + 8 < rows ? mul : 0.0f;
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        int c = 16 * kk + 2 * j;
+        a[kk][0] = pack_bf16(r0[c] * z0, r0[c + 1] * z0);
+        a[kk][1] = pack_bf16(r8[c] * z8, r8[c + 1] * z8);
+        a[kk][2] = pack_bf16(r0[c + 8] * z0, r0[c + 9] * z0);
+        a[kk][3] = pack_bf16(r8[c + 8] * z8, r8[c + 9] * z8);
+    }
+}
+
+// An A fragment from a 16×16 block of fp32 accumulators: n-tiles `lo` (columns 0..7) and `hi`
+// (columns 8..15) in the d layout of mma_bf16.
+__device__ __forceinline__ void acc_to_a(unsigned int* a, const float* lo, const float* hi) {
+    a[0] = pack_bf16(lo[0], lo[1]);
+    a[1] = pack_bf16(lo[2], lo[3]);
+    a[2] = pack_bf16(hi[0], hi[1]);
+    a[3] = pack_bf16(hi[2], hi[3]);
+}
+
+// Rows `first`..first+TC_COLS of an fp32 matrix into shared bf16 (zeros from row `count` on),
+// each element times `mul`: rows of D, row r of the source at src + r * stride.
+template <int D>
+__device__ __forceinline__ void load_tile_bf16(unsigned short (*dst)[D + TC_PAD], const float* src, size_t stride,
+                                               int first, int count, float mul) {
+    for (int idx = threadIdx.x; idx < TC_COLS * D; idx += TC_THREADS) {
+        int r = idx / D, e = idx % D;
+        bool ok = first + r < count;
+        dst[r][e] = (unsigned short)bf16_bits(ok ? src[(size_t)(ok ? first + r : 0) * stride + e] * mul : 0.0f);
+    }
+}
+
+// Row max and sum over the 4 lanes that hold one row's accumulators.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int D>
+__device__ void attn_tc_forward(float* y, float* lse, const float* q, const float* k, const float* v, int b_count,
+                                int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {
+    __shared__ unsigned short ks[TC_COLS][D + TC_PAD];
+    __shared__ unsigned short vs[TC_COLS][D + TC_PAD];
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int row0 = blockIdx.x * TC_ROWS + warp * 16;  // this warp's first query
+    int rows = max(0, min(16, s - row0));
+    unsigned int qa[D / 16][4];
+    load_a_rows<D>(qa, q + ((size_t)b * s + min(row0, s - 1)) * q_stride + h * D, q_stride, rows, scale);
+    float o[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = -INFINITY, m8 = -INFINITY, l0 = 0.0f, l8 = 0.0f;  // rows g and g + 8
+    int t_last = min(s, (int)(blockIdx.x + 1) * TC_ROWS) - 1;
+    int keys = p + t_last + 1;
+    int warp_keys = rows > 0 ? p + row0 + rows : 0;  // keys this warp's queries see
+    const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
+    const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
+    for (int k0 = 0; k0 < keys; k0 += TC_COLS) {
+        __syncthreads();
+        load_tile_bf16<D>(ks, kb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+        load_tile_bf16<D>(vs, vb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+        __syncthreads();
+        if (k0 >= warp_keys) continue;
+        float sc[TC_COLS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < TC_COLS / 8; ++n) {
+            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int bf[2] = {pair_at(&ks[8 * n + g][16 * kk + 2 * j]), pair_at(&ks[8 * n + g][16 * kk + 8 + 2 * j])};
+                mma_bf16(sc[n], qa[kk], bf);
+            }
+        }
+        // Causal mask: query row0 + r sees keys 0..=p + row0 + r.
+        float mx0 = -INFINITY, mx8 = -INFINITY;
+        #pragma unroll
+        for (int n = 0; n < TC_COLS / 8; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
+                bool ok = r < rows && key <= p + row0 + r;
+                sc[n][i] = ok ? sc[n][i] : -INFINITY;
+                if (i < 2) mx0 = fmaxf(mx0, sc[n][i]); else mx8 = fmaxf(mx8, sc[n][i]);
+            }
+        float n0 = fmaxf(m0, quad_max(mx0)), n8 = fmaxf(m8, quad_max(mx8));
+        // A row that has seen no key yet keeps m = -inf: its probabilities are 0, not NaN.
+        float c0 = n0 == -INFINITY ? 1.0f : expf(m0 - n0), c8 = n8 == -INFINITY ? 1.0f : expf(m8 - n8);
+        float base0 = n0 == -INFINITY ? 0.0f : n0, base8 = n8 == -INFINITY ? 0.0f : n8;
+        l0 *= c0;
+        l8 *= c8;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= c0; o[n][1] *= c0; o[n][2] *= c8; o[n][3] *= c8;
+        }
+        #pragma unroll
+        for (int n = 0; n < TC_COLS / 8; ++n) {
+            sc[n][0] = expf(sc[n][0] - base0); sc[n][1] = expf(sc[n][1] - base0);
+            sc[n][2] = expf(sc[n][2] - base8); sc[n][3] = expf(sc[n][3] - base8);
+            l0 += sc[n][0] + sc[n][1];
+            l8 += sc[n][2] + sc[n][3];
+        }
+        m0 = n0;
+        m8 = n8;
+        // o += P·V, P (16 × TC_COLS) straight from the score accumulators.
+        #pragma unroll
+        for (int kk = 0; kk < TC_COLS / 16; ++kk) {
+            unsigned int pa[4];
+            acc_to_a(pa, sc[2 * kk], sc[2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                int key = 16 * kk + 2 * j, col = 8 * n + g;
+                unsigned int bf[2] = {(unsigned int)vs[key][col] | ((unsigned int)vs[key + 1][col] << 16),
+                                      (unsigned int)vs[key + 8][col] | ((unsigned int)vs[key + 9][col] << 16)};
+                mma_bf16(o[n], pa, bf);
+            }
+        }
+    }
+    l0 = quad_sum(l0);
+    l8 = quad_sum(l8);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = g + 8 * half;
+        if (r >= rows) continue;
+        float l = half ? l8 : l0, m = half ? m8 : m0, inv = 1.0f / l;
+        float* yrow = y + ((size_t)b * s + row0 + r) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            yrow[8 * n + 2 * j] = o[n][2 * half] * inv;
+            yrow[8 * n + 2 * j + 1] = o[n][2 * half + 1] * inv;
+        }
+        if (j == 0) lse[((size_t)b * h_count + h) * s + row0 + r] = m + logf(l);
+    }
+}
+
+// dQ on tensor cores: each warp owns 16 queries and walks the visible keys like the forward,
+// recomputing P from the saved log-sum-exp; dq written (not accumulated).
+template <int D>
+__device__ void attn_tc_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
+                                    const float* lse, const float* delta, int b_count, int h_count, int s, int p,
+                                    int q_stride, int kv_stride, int kv_rows, float scale) {
+    __shared__ unsigned short ks[TC_COLS][D + TC_PAD];
+    __shared__ unsigned short vs[TC_COLS][D + TC_PAD];
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int row0 = blockIdx.x * TC_ROWS + warp * 16;
+    int rows = max(0, min(16, s - row0));
+    int first = min(row0, s - 1);
+    unsigned int qa[D / 16][4], da[D / 16][4];
+    load_a_rows<D>(qa, q + ((size_t)b * s + first) * q_stride + h * D, q_stride, rows, scale);
+    load_a_rows<D>(da, dy + ((size_t)b * s + first) * (h_count * D) + h * D, (size_t)h_count * D, rows, 1.0f);
+    size_t stat = ((size_t)b * h_count + h) * s;
+    float lse0 = g < rows ? lse[stat + row0 + g] : 0.0f, lse8 = g + 8 < rows ? lse[stat + row0 + g + 8] : 0.0f;
+    float dl0 = g < rows ? delta[stat + row0 + g] : 0.0f, dl8 = g + 8 < rows ? delta[stat + row0 + g + 8] : 0.0f;
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    int t_last = min(s, (int)(blockIdx.x + 1) * TC_ROWS) - 1;
+    int keys = p + t_last + 1;
+    int warp_keys = rows > 0 ? p + row0 + rows : 0;
+    const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
+    const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
+    for (int k0 = 0; k0 < keys; k0 += TC_COLS) {
+        __syncthreads();
+        load_tile_bf16<D>(ks, kb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+        load_tile_bf16<D>(vs, vb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+        __syncthreads();
+        if (k0 >= warp_keys) continue;
+        float sc[TC_COLS / 8][4], dp[TC_COLS / 8][4];
+        #pragma unroll
+        for (int n = 0; n < TC_COLS / 8; ++n) {
+            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int kf[2] = {pair_at(&ks[8 * n + g][16 * kk + 2 * j]), pair_at(&ks[8 * n + g][16 * kk + 8 + 2 * j])};
+                unsigned int vf[2] = {pair_at(&vs[8 * n + g][16 * kk + 2 * j]), pair_at(&vs[8 * n + g][16 * kk + 8 + 2 * j])};
+                mma_bf16(sc[n], qa[kk], kf);
+                mma_bf16(dp[n], da[kk], vf);
+            }
+            // dS = P ∘ (dP − delta), P = exp(S − lse) where visible, else 0.
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
+                bool ok = r < rows && key <= p + row0 + r;
+                float pr = ok ? expf(sc[n][i] - (i >= 2 ? lse8 : lse0)) : 0.0f;
+                sc[n][i] = pr * (dp[n][i] - (i >= 2 ? dl8 : dl0));
+            }
+        }
+        // dQ += dS·K
+        #pragma unroll
+        for (int kk = 0; kk < TC_COLS / 16; ++kk) {
+            unsigned int sa[4];
+            acc_to_a(sa, sc[2 * kk], sc[2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                int key = 16 * kk + 2 * j, col = 8 * n + g;
+                unsigned int bf[2] = {(unsigned int)ks[key][col] | ((unsigned int)ks[key + 1][col] << 16),
+                                      (unsigned int)ks[key + 8][col] | ((unsigned int)ks[key + 9][col] << 16)};
+                mma_bf16(acc[n], sa, bf);
+            }
+        }
+    }
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = g + 8 * half;
+        if (r >= rows) continue;
+        float* out = dq + ((size_t)b * s + row0 + r) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            out[8 * n + 2 * j] = acc[n][2 * half] * scale;
+            out[8 * n + 2 * j + 1] = acc[n][2 * half + 1] * scale;
+        }
+    }
+}
+
+// dK, dV on tensor cores: each warp owns 16 key positions of 0..L and walks the queries that see
+// them in tiles of TC_COLS; written, or added to with `accumulate`, like the FP32 kernel.
+template <int D>
+__device__ void attn_tc_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
+                                      const float* dy, const float* lse, const float* delta, int b_count,
+                                      int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
+                                      int accumulate, float scale) {
+    __shared__ unsigned short qs[TC_COLS][D + TC_PAD];
+    __shared__ unsigned short ds_[TC_COLS][D + TC_PAD];
+    __shared__ float ls[TC_COLS];
+    __shared__ float dl[TC_COLS];
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int L = p + s;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int key0 = blockIdx.x * TC_ROWS + warp * 16;  // this warp's first key
+    int rows = max(0, min(16, L - key0));
+    int first = min(key0, L - 1);
+    unsigned int ka[D / 16][4], va[D / 16][4];
+    load_a_rows<D>(ka, k + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
+    load_a_rows<D>(va, v + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
+    float adk[D / 8][4], adv[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        adk[n][0] = adk[n][1] = adk[n][2] = adk[n][3] = 0.0f;
+        adv[n][0] = adv[n][1] = adv[n][2] = adv[n][3] = 0.0f;
+    }
+    // First query any key of this block is seen by: t = l_first - P (at least 0).
+    int t_start = max(0, (int)blockIdx.x * TC_ROWS - p);
+    int warp_first = rows > 0 ? max(0, key0 - p) : s;  // first query that sees a key of this warp
+    const float* qb = q + (size_t)b * s * q_stride + h * D;
+    const float* db = dy + (size_t)b * s * (h_count * D) + h * D;
+    size_t stat = ((size_t)b * h_count + h) * s;
+    for (int t0 = t_start; t0 < s; t0 += TC_COLS) {
+        __syncthreads();
+        load_tile_bf16<D>(qs, qb + (size_t)t0 * q_stride, q_stride, 0, s - t0, scale);
+        load_tile_bf16<D>(ds_, db + (size_t)t0 * (h_count * D), (size_t)h_count * D, 0, s - t0, 1.0f);
+        for (int r = threadIdx.x; r < TC_COLS; r += TC_THREADS) {
+            bool ok = t0 + r < s;
+            ls[r] = ok ? lse[stat + t0 + r] : 0.0f;
+            dl[r] = ok ? delta[stat + t0 + r] : 0.0f;
+        }
+        __syncthreads();
+        if (t0 + TC_COLS <= warp_first) continue;
+        float pt[TC_COLS / 8][4], dpt[TC_COLS / 8][4];  // P^T, dP^T: rows keys, columns queries
+        #pragma unroll
+        for (int n = 0; n < TC_COLS / 8; ++n) {
+            pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
+            dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int qf[2] = {pair_at(&qs[8 * n + g][16 * kk + 2 * j]), pair_at(&qs[8 * n + g][16 * kk + 8 + 2 * j])};
+                unsigned int df[2] = {pair_at(&ds_[8 * n + g][16 * kk + 2 * j]), pair_at(&ds_[8 * n + g][16 * kk + 8 + 2 * j])};
+                mma_bf16(pt[n], ka[kk], qf);
+                mma_bf16(dpt[n], va[kk], df);
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int r = g + (i >= 2 ? 8 : 0), c = 8 * n + 2 * j + (i & 1), t = t0 + c;
+                bool ok = r < rows && t < s && key0 + r <= p + t;
+                float pr = ok ? expf(pt[n][i] - ls[c]) : 0.0f;
+                pt[n][i] = pr;
+                dpt[n][i] = pr * (dpt[n][i] - dl[c]);  // dS^T
+            }
+        }
+        // dV += P^T·dO, dK += dS^T·(scale q)
+        #pragma unroll
+        for (int kk = 0; kk < TC_COLS / 16; ++kk) {
+            unsigned int pa[4], sa[4];
+            acc_to_a(pa, pt[2 * kk], pt[2 * kk + 1]);
+            acc_to_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                int t = 16 * kk + 2 * j, col = 8 * n + g;
+                unsigned int dof[2] = {(unsigned int)ds_[t][col] | ((unsigned int)ds_[t + 1][col] << 16),
+                                       (unsigned int)ds_[t + 8][col] | ((unsigned int)ds_[t + 9][col] << 16)};
+                unsigned int qf[2] = {(unsigned int)qs[t][col] | ((unsigned int)qs[t + 1][col] << 16),
+                                      (unsigned int)qs[t + 8][col] | ((unsigned int)qs[t + 9][col] << 16)};
+                mma_bf16(adv[n], pa, dof);
+                mma_bf16(adk[n], sa, qf);
+            }
+        }
+    }
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = g + 8 * half;
+        if (r >= rows) continue;
+        size_t at = ((size_t)b * kv_rows + key0 + r) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                size_t i = at + 8 * n + 2 * j + e;
+                float gk = adk[n][2 * half + e], gv = adv[n][2 * half + e];
+                dk[i] = accumulate ? dk[i] + gk : gk;
+                dv[i] = accumulate ? dv[i] + gv : gv;
+            }
+    }
+}
+
+#define ATTN_TC_INSTANCES(D)                                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc_forward_d##D(                        \
+        float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
+        int q_stride, int kv_stride, int kv_rows, float scale) {                                           \
+        attn_tc_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, kv_rows, scale);              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc_backward_dq_d##D(                    \
+        float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
+        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows,          \
+        float scale) {                                                                                     \
+        attn_tc_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows,      \
+                               scale);                                                                     \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc_backward_dkdv_d##D(                  \
+        float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
+        const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
+        int kv_rows, int accumulate, float scale) {                                                        \
+        attn_tc_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride,         \
+                                 kv_rows, accumulate, scale);                                              \
+    }
+
+ATTN_TC_INSTANCES(16)
+ATTN_TC_INSTANCES(32)
+ATTN_TC_INSTANCES(64)
+ATTN_TC_INSTANCES(128)
+
+// ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over a chunk of logits, in place: one block per row. logits (R, V) become
 // grad_scale * (softmax - onehot(target)); loss[r] = logsumexp - logit[target].
 extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, const unsigned int* targets, int v,

@@ -74,8 +74,18 @@ impl AttnShape {
     }
 }
 
-/// Threads per attention block (one query or key row each): `BR` of kernels.cu.
+/// Query (or key) rows per attention block: `BR` and `TC_ROWS` of kernels.cu.
 const ATTN_ROWS: usize = 64;
+
+/// The attention kernels' name prefix and threads per block: FP32 on CUDA cores (a thread per
+/// row) or BF16 on tensor cores (four warps of 16 rows).
+fn attention_kernels(tensor_cores: bool) -> (&'static str, u32) {
+    if tensor_cores {
+        ("attn_tc_", 128)
+    } else {
+        ("attn_", ATTN_ROWS as u32)
+    }
+}
 
 impl Gpu {
     /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table).
@@ -499,10 +509,11 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_forward";
         let a = sh.args(OP)?;
+        let (prefix, threads) = attention_kernels(self.attention_on_tensor_cores());
         self.launch(
-            &format!("attn_forward_d{}", sh.d),
+            &format!("{prefix}forward_d{}", sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
-            ATTN_ROWS as u32,
+            threads,
             &[
                 Arg::P(y),
                 Arg::P(lse),
@@ -577,10 +588,11 @@ impl Gpu {
         let mut args = vec![Arg::P(dq)];
         args.extend(common);
         args.push(Arg::F(scale));
+        let (prefix, threads) = attention_kernels(self.attention_on_tensor_cores());
         self.launch(
-            &format!("attn_backward_dq_d{}", sh.d),
+            &format!("{prefix}backward_dq_d{}", sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
-            ATTN_ROWS as u32,
+            threads,
             &args,
         )?;
         let mut args = vec![Arg::P(dk), Arg::P(dv)];
@@ -588,13 +600,13 @@ impl Gpu {
         args.push(Arg::I(accumulate_kv as i32));
         args.push(Arg::F(scale));
         self.launch(
-            &format!("attn_backward_dkdv_d{}", sh.d),
+            &format!("{prefix}backward_dkdv_d{}", sh.d),
             (
                 (sh.p + sh.s).div_ceil(ATTN_ROWS) as u32,
                 (sh.b * sh.h) as u32,
                 1,
             ),
-            ATTN_ROWS as u32,
+            threads,
             &args,
         )
     }

@@ -137,6 +137,15 @@ pub fn check_all(gpu: &mut Gpu, seed: u64) -> Result<Vec<Comparison>> {
         // As the pipeline stage calls it: K/V in a cache of whole sequences (rows past the prefix
         // and segment hold other data), dK/dV added to an accumulator.
         attention(&mut c, 64, 40, 30, 25)?;
+        // BF16 mode's attention on tensor cores (compute capability 8.0 and later).
+        c.gpu.set_precision(Precision::Bf16);
+        if c.gpu.attention_on_tensor_cores() {
+            for (d, s, p) in [(64, 128, 0), (64, 96, 160), (32, 70, 33), (128, 64, 64)] {
+                attention(&mut c, d, s, p, 0)?;
+            }
+            attention(&mut c, 64, 40, 30, 25)?;
+        }
+        c.gpu.set_precision(Precision::Fp32);
         embedding(&mut c)?;
         rope(&mut c)?;
         adamw_and_norm(&mut c)?;
@@ -410,13 +419,14 @@ const PRIOR: f32 = 0.5;
 fn compare_kv_grad(
     c: &mut Checker,
     what: &str,
+    precision: Precision,
     got: &crate::Buf<f32>,
     want: &[f32],
     (l, extra, width): (usize, usize, usize),
 ) -> Result<()> {
     let a = c.gpu.download(got)?;
     if extra == 0 {
-        c.compare(what, Precision::Fp32, &a, want);
+        c.compare(what, precision, &a, want);
         return Ok(());
     }
     let (mut used, mut unused) = (Vec::new(), Vec::new());
@@ -427,7 +437,7 @@ fn compare_kv_grad(
             unused.extend_from_slice(row);
         }
     }
-    c.compare(what, Precision::Fp32, &used, want);
+    c.compare(what, precision, &used, want);
     let prior = vec![PRIOR; unused.len()];
     c.compare(
         format!("{what}: rows past the segment untouched"),
@@ -440,7 +450,13 @@ fn compare_kv_grad(
 
 /// Causal prefix attention against the CPU's. With `extra > 0` the keys and values sit in a cache
 /// of `p + s + extra` rows per sequence and dK/dV are added to accumulators holding [`PRIOR`].
+/// In BF16 mode on tensor cores, the BF16 bound applies.
 fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Result<()> {
+    let precision = if c.gpu.attention_on_tensor_cores() {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    };
     let (b, h) = (2, 3);
     let l = p + s;
     let (qv, q) = c.tensor(&[b, h, s, d], 1.0)?;
@@ -515,13 +531,14 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
     for (name, got, want) in [("forward y", &yd, &y), ("backward dQ", &dqd, &dq)] {
         let a = c.gpu.download(got)?;
         let b_ = to_rows(&host(want)?, b, h, s, d);
-        c.compare(format!("attention {name} {tag}"), Precision::Fp32, &a, &b_);
+        c.compare(format!("attention {name} {tag}"), precision, &a, &b_);
     }
     for (name, got, want) in [("backward dK", &dkd, &dk), ("backward dV", &dvd, &dv)] {
         let want = to_rows(&host(want)?, b, h, l, d);
         compare_kv_grad(
             c,
             &format!("attention {name} {tag}"),
+            precision,
             got,
             &want,
             (l, extra, h * d),
@@ -529,12 +546,7 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
     }
     let a = c.gpu.download(&lse)?;
     let b_ = host(&ctx.lse)?;
-    c.compare(
-        format!("attention forward lse {tag}"),
-        Precision::Fp32,
-        &a,
-        &b_,
-    );
+    c.compare(format!("attention forward lse {tag}"), precision, &a, &b_);
     Ok(())
 }
 

@@ -3,7 +3,9 @@
 
 use crate::error::{Result, shape};
 
-/// How matrix products compute (element-wise kernels and attention are FP32 in every mode).
+/// How matrix products compute. Element-wise kernels are FP32 in every mode; so is attention, except
+/// in `Bf16` mode on compute capability 8.0 and later (the emulation included), where its products
+/// run on tensor cores with BF16 operands (`attn_tc_*` of kernels.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
     /// FP32 inputs and arithmetic (cuBLAS `COMPUTE_32F`).
@@ -11,7 +13,8 @@ pub enum Precision {
     /// FP32 inputs, TF32 tensor cores (`COMPUTE_32F_FAST_TF32`).
     Tf32,
     /// FP32 inputs rounded to BF16 for the tensor cores, FP32 accumulation
-    /// (`COMPUTE_32F_FAST_16BF`); master weights, gradients and AdamW state stay FP32.
+    /// (`COMPUTE_32F_FAST_16BF`), attention included; master weights, gradients and AdamW state
+    /// stay FP32.
     Bf16,
 }
 

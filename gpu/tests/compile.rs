@@ -12,9 +12,11 @@ fn require_nvrtc() {
 }
 
 #[test]
-fn every_kernel_compiles_for_ampere_and_hopper() {
+fn every_kernel_compiles_for_ampere_and_hopper_and_the_oldest_target() {
     require_nvrtc();
-    for arch in ["sm_80", "sm_90"] {
+    // Turing (sm_75, the oldest GPU accepted) has no BF16 mma: its tensor-core attention kernels
+    // compile to a trap, and the host never launches them there.
+    for (arch, bf16_mma) in [("sm_75", false), ("sm_80", true), ("sm_90", true)] {
         let ptx = compile_ptx(arch).unwrap_or_else(|e| panic!("{e}"));
         let text = ptx.to_src();
         assert!(
@@ -26,13 +28,18 @@ fn every_kernel_compiles_for_ampere_and_hopper() {
             .map(|s| s.to_string())
             .chain(attention_kernels())
             .collect();
-        assert_eq!(names.len(), KERNELS.len() + 3 * HEAD_DIMS.len());
+        assert_eq!(names.len(), KERNELS.len() + 6 * HEAD_DIMS.len());
         for name in names {
             assert!(
                 text.contains(&format!(".entry {name}(")),
                 "kernel {name} is missing from the PTX for {arch}"
             );
         }
+        assert_eq!(
+            text.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+            bf16_mma,
+            "BF16 mma in the PTX for {arch}"
+        );
     }
 }
 

@@ -1,6 +1,6 @@
 //! Every CUDA kernel, run on the CPU: `gpu/emu/kernels_emulated.cpp` includes `kernels.cu` under a
 //! CUDA shim (`gpu/emu/cuda_shim.h`: a block's threads are OS threads, `__syncthreads` a barrier,
-//! warp shuffles emulated) and compares each output with a double-precision reference. So the
+//! warp shuffles and tensor-core `mma` emulated) and compares each output with a double-precision reference. So the
 //! kernels' indexing, tails, barriers and numerics are tested on every machine the suite runs on,
 //! not only in a GPU session. Needs a C++20 compiler (`c++`, or `$CXX`; scripts/test.sh installs
 //! g++).
@@ -44,10 +44,16 @@ fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu(
         String::from_utf8_lossy(&run.stderr)
     );
     // Every output was compared: attention (y, lse, dq, dk, dv in both dK/dV modes) at nine
-    // shapes, the norms, cross-entropy, column sums, GELU, embeddings, RoPE, AdamW, sums of squares.
+    // shapes in FP32 and six on tensor cores (BF16 operands), the norms, cross-entropy, column
+    // sums, GELU, embeddings, RoPE, AdamW, sums of squares.
     let checked = stdout.lines().filter(|l| l.starts_with("ok")).count();
+    let tensor_cores = stdout
+        .lines()
+        .filter(|l| l.contains("tensor cores"))
+        .count();
+    assert_eq!(tensor_cores, 48, "{stdout}");
     assert!(
-        checked >= 110,
+        checked >= 160,
         "only {checked} outputs were checked:\n{stdout}"
     );
     assert!(stdout.contains("0 failures"), "{stdout}");

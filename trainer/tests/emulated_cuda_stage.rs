@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use ops::adamw::AdamWConfig;
-use trainer::model::config::DeviceKind;
+use trainer::model::config::{DeviceKind, PrecisionKind};
 use trainer::model::{
     Mode, ModelConfig, StageCompute, StageInput, StageOutput, StageSpec, UpdateSettings,
     build_stage, partition_layers,
@@ -214,6 +214,30 @@ fn a_two_stage_seq1f1b_step_on_emulated_cuda_stages_matches_the_cpu_stages() {
                 "after step {n}, stage {s}: {name} differs by {worst:.2e}"
             );
         }
+    }
+}
+
+/// BF16 mode runs the attention on (emulated) tensor cores, with BF16 operands (the emulation's
+/// matrix products stay FP32): a step's loss and gradients stay within BF16 rounding of the FP32
+/// stages', and differ from them (the tensor-core kernels did run).
+#[test]
+fn a_bf16_step_with_tensor_core_attention_stays_within_bf16_rounding_of_fp32() {
+    let mut fp32 = stages(&model(DeviceKind::Cuda));
+    let mut bf16 = stages(&ModelConfig {
+        precision: PrecisionKind::Bf16,
+        ..model(DeviceKind::Cuda)
+    });
+    let (l32, l16) = (step(&mut fp32, 0), step(&mut bf16, 0));
+    assert!(
+        ((l32 - l16) / l32).abs() < 1e-2,
+        "loss {l16} in BF16, {l32} in FP32"
+    );
+    for (s, (a, b)) in fp32.iter().zip(&bf16).enumerate() {
+        let (worst, name) = worst_rel(&b.gradients().unwrap(), &a.gradients().unwrap());
+        assert!(
+            worst > 0.0 && worst < 2e-2,
+            "stage {s}: gradient of {name} differs by {worst:.2e} (relative L2) between BF16 and FP32"
+        );
     }
 }
 
