@@ -251,3 +251,6 @@ cargo test --release --workspace --features seqpipe/cuda
 # kernels.cu under a CUDA shim), against the CPU stages: a two-stage Seq1F1B step, snapshots,
 # determinism. A separate build of the gpu and trainer crates (the feature replaces the device).
 cargo test --release -p trainer --features emulate-gpu --test emulated_cuda_stage
+# Section 1 of scripts/gpu-check.sh (`seqpipe gpu check`, every kernel against the CPU oracle) on
+# a seqpipe binary whose GPU is that emulation.
+cargo test --release -p seqpipe --features emulate-gpu --test emulated_gpu_check
