@@ -259,10 +259,10 @@ bench() {
   python3 - "$runs" <<'PY' | tee -a "$report"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'impl':<14} {'preset':<6} {'prec':<5} {'batch':>5} {'seq':>5} {'median ms':>10} {'tokens/s':>11} {'MFU':>7} {'mem MiB':>8}  loss first->last  every step (ms)")
+print(f"{'impl':<14} {'preset':<6} {'prec':<5} {'attention':<12} {'batch':>5} {'seq':>5} {'median ms':>10} {'tokens/s':>11} {'MFU':>7} {'mem MiB':>8}  loss first->last  every step (ms)")
 for r in rows:
     steps = " ".join(f"{x:.1f}" for x in r["step_ms"])
-    print(f"{r['impl']:<14} {r['preset']:<6} {r['precision']:<5} {r['batch']:>5} {r['seq_len']:>5} {r['median_ms']:>10.2f} {r['tokens_per_s']:>11.0f} {100*r['mfu']:>6.1f}% {r['peak_mem_mib']:>8.0f}  {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}  {steps}")
+    print(f"{r['impl']:<14} {r['preset']:<6} {r['precision']:<5} {r.get('attention', 'sdpa'):<12} {r['batch']:>5} {r['seq_len']:>5} {r['median_ms']:>10.2f} {r['tokens_per_s']:>11.0f} {100*r['mfu']:>6.1f}% {r['peak_mem_mib']:>8.0f}  {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}  {steps}")
 PY
 }
 
