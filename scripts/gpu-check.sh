@@ -3,6 +3,8 @@
 #
 #   scripts/gpu-check.sh pack   (here, with a Rust toolchain) builds `--features cuda`, strips the
 #                               binary into .gpu-bin/ (git-ignored; carry it to the GPU machine)
+#                               and compiles the kernels for sm_80 and sm_90 into .gpu-bin/cache
+#                               (NVRTC here: each device call then skips a minute of compiling)
 #   scripts/gpu-check.sh run    (on the GPU machine: no Rust, no registry) finds the CUDA
 #                               libraries of the machine's Python wheels, then runs
 #     1. every CUDA kernel against the CPU oracle (relative error per kernel and precision),
@@ -34,9 +36,12 @@ pack() {
   cargo build --release --features cuda
   mkdir -p .gpu-bin
   strip -o "$BIN" target/release/seqpipe
+  # NVRTC comes with the test dependencies (./.venv); the GPU machine then loads this PTX.
+  eval "$(SEQPIPE_TEST_DEPS_ONLY=1 ./scripts/test.sh)"
+  SEQPIPE_CACHE=.gpu-bin/cache "$BIN" gpu ptx --arch sm_80 --arch sm_90
   mkdir -p .git/info
   grep -qx '/.gpu-bin/' .git/info/exclude 2>/dev/null || echo '/.gpu-bin/' >> .git/info/exclude
-  ls -la "$BIN"
+  du -sh .gpu-bin
 }
 
 # Directories of the CUDA libraries shipped in the machine's Python wheels (nvidia-*), with a
@@ -75,8 +80,11 @@ run() {
   local libs
   libs=$(cuda_libs)
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  # The PTX cache outlives one device call (the machine stays up between calls while it is warm).
+  # The PTX cache outlives one device call (the machine stays up between calls while it is warm),
+  # and starts with the kernels `pack` compiled.
   export SEQPIPE_CACHE="${SEQPIPE_CACHE:-/tmp/seqpipe-cache}" PYTHONUNBUFFERED=1
+  mkdir -p "$SEQPIPE_CACHE/ptx"
+  cp -n .gpu-bin/cache/ptx/*.ptx "$SEQPIPE_CACHE/ptx/" 2>/dev/null || true
   report="$OUT/report.txt" runs="$OUT/runs.jsonl" started=$SECONDS
   : > "$report"; : > "$runs"
   say "== machine"

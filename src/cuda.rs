@@ -1,6 +1,6 @@
-//! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle) and
-//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU); `seqpipe gpu link`
-//! is in `cuda_link`. The check that
+//! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle),
+//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU) and `seqpipe gpu ptx`
+//! (the kernels compiled ahead of time into the PTX cache); `seqpipe gpu link` is in `cuda_link`. The check that
 //! refuses `model.device = "cuda"` where it cannot run is the library's
 //! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
 //! to build with it.
@@ -18,6 +18,17 @@ pub enum GpuCommand {
     /// Check the NCCL link between two GPUs: bit-exact transfers, bandwidth, and an abort
     /// instead of a hang when the peer is killed (one JSON line).
     Link(crate::cuda_link::LinkArgs),
+    /// Compile the CUDA kernels (NVRTC only, no GPU needed) into the PTX cache (`$SEQPIPE_CACHE`,
+    /// default `~/.cache/seqpipe`), so that GPU processes load them instead of compiling at start.
+    Ptx(PtxArgs),
+}
+
+/// Flags of `seqpipe gpu ptx`.
+#[derive(Args, Debug)]
+pub struct PtxArgs {
+    /// Target architectures (repeatable): sm_75, sm_80, sm_86, sm_89, sm_90, sm_100, sm_120.
+    #[arg(long = "arch", default_values_t = ["sm_80".to_string(), "sm_90".to_string()])]
+    archs: Vec<String>,
 }
 
 /// Flags of `seqpipe gpu check`.
@@ -76,6 +87,7 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
     #[cfg(feature = "cuda")]
     match cmd {
         GpuCommand::Check(args) => enabled::check(&args),
+        GpuCommand::Ptx(args) => enabled::ptx(&args),
         GpuCommand::Bench(args) => enabled::bench(&args),
         #[cfg(not(feature = "emulate-gpu"))]
         GpuCommand::Link(args) => crate::cuda_link::run(&args),
@@ -97,7 +109,7 @@ mod enabled {
     use ops::adamw::AdamWConfig;
     use serde::Serialize;
 
-    use super::{CheckArgs, GpuBenchArgs};
+    use super::{CheckArgs, GpuBenchArgs, PtxArgs};
     use crate::bench::step::{median, random_batch};
     use trainer::model::params::{decays, param_count};
     use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
@@ -143,6 +155,36 @@ mod enabled {
         }
         if !failed.is_empty() {
             bail!("{} kernel outputs exceed their bounds", failed.len());
+        }
+        Ok(())
+    }
+
+    /// Fills the PTX cache for each architecture asked for (compiling what it lacks).
+    pub(super) fn ptx(args: &PtxArgs) -> Result<()> {
+        for name in &args.archs {
+            let Some(&arch) = gpu::compile::ARCHS.iter().find(|a| **a == name.as_str()) else {
+                bail!(
+                    "unknown architecture {name}: use one of {}",
+                    gpu::compile::ARCHS.join(", ")
+                );
+            };
+            let path = gpu::compile::cache_file(arch)
+                .context("no cache directory: set SEQPIPE_CACHE (or HOME)")?;
+            let cached = path.exists();
+            let started = Instant::now();
+            gpu::compile::cached_ptx(arch)?;
+            if !path.exists() {
+                bail!(
+                    "compiled for {arch}, but could not write {}",
+                    path.display()
+                );
+            }
+            let how = if cached {
+                "already cached".to_string()
+            } else {
+                format!("compiled in {:.1} s", started.elapsed().as_secs_f64())
+            };
+            println!("{arch}: {} ({how})", path.display());
         }
         Ok(())
     }

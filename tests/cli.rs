@@ -457,6 +457,12 @@ fn cuda_device_without_a_gpu_is_a_clear_error() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+    // Filling the PTX cache needs no GPU, but a known architecture.
+    let err = run_err(seqpipe().args(["gpu", "ptx", "--arch", "sm_91"]));
+    assert!(
+        err.contains("--features cuda") || (err.contains("sm_91") && err.contains("sm_90")),
+        "{err}"
+    );
     let err = run_err(seqpipe().args(["train", "--set", "model.precision=fp8"]));
     assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
 }

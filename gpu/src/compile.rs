@@ -112,10 +112,21 @@ pub fn compile_ptx(arch: &'static str) -> Result<Ptx> {
     })
 }
 
-/// [`compile_ptx`] through a cache under `$SEQPIPE_CACHE` (default `~/.cache/seqpipe/ptx`).
-pub fn cached_ptx(arch: &'static str) -> Result<Ptx> {
+/// The architectures `seqpipe gpu ptx` accepts: those [`arch_for`] returns.
+pub const ARCHS: &[&str] = &[
+    "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
+];
+
+/// Where [`cached_ptx`] keeps the kernels of `arch` (this source, these options), if anywhere.
+pub fn cache_file(arch: &'static str) -> Option<PathBuf> {
     let key = blake3::hash(format!("{arch}\n{:?}\n{SOURCE}", options(arch).options).as_bytes());
-    let path = cache_dir().map(|d| d.join(format!("kernels-{arch}-{}.ptx", &key.to_hex()[..16])));
+    cache_dir().map(|d| d.join(format!("kernels-{arch}-{}.ptx", &key.to_hex()[..16])))
+}
+
+/// [`compile_ptx`] through a cache under `$SEQPIPE_CACHE` (default `~/.cache/seqpipe/ptx`).
+/// `seqpipe gpu ptx` fills it ahead of time (NVRTC only, no GPU), e.g. once for a cluster's image.
+pub fn cached_ptx(arch: &'static str) -> Result<Ptx> {
+    let path = cache_file(arch);
     if let Some(path) = &path
         && let Ok(text) = std::fs::read_to_string(path)
     {
