@@ -20,7 +20,8 @@
 #        then rank 1 SIGKILLed and the waiting receive aborted by the watchdog, not hung (needs two
 #        GPUs, or NCCL >= 2.30, which allows two ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
 #   Everything goes to $OUT (default ./gpu-out): report.txt (the summary), one JSON line per run
-#   in runs.jsonl, and the logs. ROUNDS (default 2) and STEPS (default 10) can be set; SECTIONS
+#   in runs.jsonl, and the logs. ROUNDS (default 2), STEPS (default 10) and LIMIT (seconds per
+#   command, default 300) can be set; SECTIONS
 #   (default "1 2 3 4 5 6") picks sections, e.g. SECTIONS="4" to rerun the pipeline checks alone, and
 #   PRESETS (default "gpt2 a b long") the presets of section 5. A device call runs at most 10
 #   minutes: split the run, e.g. SECTIONS="1 2 3", then "4", then SECTIONS=5 PRESETS=gpt2, then
@@ -105,9 +106,13 @@ run() {
 
 say() { echo "$@" | tee -a "$report"; }
 
+# Runs a command for at most LIMIT seconds (default 300; exit 124 past it): a hang on the GPU then
+# costs one command, not the rest of a 10-minute device call.
+limit() { timeout -k 10 "${LIMIT:-300}" "$@"; }
+
 kernels() {
   say "== 1. kernels vs the CPU oracle"
-  "$BIN" gpu check 2>&1 | tee -a "$report" || say "KERNEL CHECK FAILED"
+  limit "$BIN" gpu check 2>&1 | tee -a "$report" || say "KERNEL CHECK FAILED"
   say "(kernel check: $((SECONDS - started)) s)"
 }
 
@@ -115,7 +120,7 @@ gradients() {
   say "== 2. whole-model FP32 gradients vs the CPU stage (same weights and batch)"
   for spec in "a" "b" "long" "gpt2 --batch 1"; do
     # shellcheck disable=SC2086
-    if "$BIN" gpu bench --preset $spec --precision fp32 --check --warmup 0 --steps 2 > "$OUT/check.json" 2> "$OUT/check.err"; then
+    if limit "$BIN" gpu bench --preset $spec --precision fp32 --check --warmup 0 --steps 2 > "$OUT/check.json" 2> "$OUT/check.err"; then
       python3 - "$OUT/check.json" "$spec" <<'PY' | tee -a "$report"
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
@@ -131,8 +136,8 @@ PY
 determinism() {
   say "== 3. determinism (gpt2, bf16, two runs of $STEPS steps)"
   local h1 h2
-  h1=$("$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
-  h2=$("$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
+  h1=$(limit "$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
+  h2=$(limit "$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "$STEPS" | tee -a "$runs" | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['final_params_blake3'])")
   if [ "$h1" = "$h2" ]; then say "bit-identical weights after $STEPS steps: $h1"; else say "WEIGHTS DIFFER: $h1 vs $h2"; fi
 }
 
@@ -141,7 +146,7 @@ determinism() {
 train_job() {
   local name=$1 t0=$SECONDS
   shift
-  if "$BIN" train -q --set run.dir="$T/$name" "$@" > "$T/$name.out" 2>&1; then
+  if limit "$BIN" train -q --set run.dir="$T/$name" "$@" > "$T/$name.out" 2>&1; then
     say "$name: $(grep '^done:' "$T/$name.out" | tail -1) ($((SECONDS - t0)) s)"
   else
     say "$name: TRAIN FAILED ($((SECONDS - t0)) s): $(tail -5 "$T/$name.out")"
@@ -187,7 +192,7 @@ pipeline() {
   compare losses "$T/cuda4" "$T/cuda2"
   compare state "$T/cuda4/checkpoints" "$T/cuda2/checkpoints"
   train_job cuda-split "${cuda[@]}" --set train.steps=6 || true
-  if "$BIN" resume -q "$T/cuda-split" --set train.steps=12 --set pipeline.stages=3 > "$T/cuda-split-resume.out" 2>&1; then
+  if limit "$BIN" resume -q "$T/cuda-split" --set train.steps=12 --set pipeline.stages=3 > "$T/cuda-split-resume.out" 2>&1; then
     say "-- 6 steps, stop, resume for 6 more, onto 3 stages (bit-identical to the straight run):"
   else
     say "RESUME FAILED: $(tail -5 "$T/cuda-split-resume.out")"
@@ -196,7 +201,7 @@ pipeline() {
   compare state "$T/cuda4/checkpoints" "$T/cuda-split/checkpoints"
   say "-- chaos: SIGKILL of stage 1's worker after step 8 of 24 (the run recovers, bit-identical):"
   train_job calm "${cuda[@]}" --set train.steps=24 || true
-  "$BIN" train -q --set run.dir="$T/chaos" "${cuda[@]}" --set train.steps=24 > "$T/chaos.out" 2>&1 &
+  limit "$BIN" train -q --set run.dir="$T/chaos" "${cuda[@]}" --set train.steps=24 > "$T/chaos.out" 2>&1 &
   local launcher=$! killed=""
   for _ in $(seq 600); do
     if grep -q '"step":8,' "$T/chaos/metrics.jsonl" 2>/dev/null; then
@@ -257,9 +262,9 @@ bench() {
   say "== 5. training step, bf16: seqpipe vs PyTorch eager and torch.compile ($ROUNDS alternating rounds)"
   for preset in ${PRESETS:-gpt2 a b long}; do
     for round in $(seq "$ROUNDS"); do
-      "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"
+      limit "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"
       for mode in eager compile; do
-        python3 scripts/gpu-torch-bench.py --preset "$preset" --precision bf16 --mode "$mode" --steps "$STEPS" >> "$runs" 2>> "$OUT/torch.err" || say "torch $mode $preset failed: $(tail -2 "$OUT/torch.err")"
+        limit python3 scripts/gpu-torch-bench.py --preset "$preset" --precision bf16 --mode "$mode" --steps "$STEPS" >> "$runs" 2>> "$OUT/torch.err" || say "torch $mode $preset failed: $(tail -2 "$OUT/torch.err")"
       done
       say "(round $round of $preset done at $((SECONDS - started)) s)"
     done
