@@ -29,6 +29,7 @@ inline double g_shfl[32][32];
 #define __forceinline__
 #define __launch_bounds__(x)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 inline float __int_as_float(int i) {

@@ -563,7 +563,8 @@ __device__ __forceinline__ unsigned int bf16_bits(float x) {
 __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
     return bf16_bits(lo) | (bf16_bits(hi) << 16);
 }
-// Two neighbouring bf16 of a shared tile (at an even index: 4-byte aligned) as one register.
+// Two neighbouring bf16 of a shared tile as one register: at an even index of a row of even length
+// in a 16-byte aligned tile, so the 32-bit load is aligned.
 __device__ __forceinline__ unsigned int pair_at(const unsigned short* p) {
 #if defined(__CUDA_ARCH__)
     return *reinterpret_cast<const unsigned int*>(p);
@@ -647,8 +648,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <int D>
 __device__ void attn_tc_forward(float* y, float* lse, const float* q, const float* k, const float* v, int b_count,
                                 int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {
-    __shared__ unsigned short ks[TC_COLS][D + TC_PAD];
-    __shared__ unsigned short vs[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short ks[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short vs[TC_COLS][D + TC_PAD];
     int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
     int row0 = blockIdx.x * TC_ROWS + warp * 16;  // this warp's first query
@@ -747,8 +748,8 @@ template <int D>
 __device__ void attn_tc_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
                                     const float* lse, const float* delta, int b_count, int h_count, int s, int p,
                                     int q_stride, int kv_stride, int kv_rows, float scale) {
-    __shared__ unsigned short ks[TC_COLS][D + TC_PAD];
-    __shared__ unsigned short vs[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short ks[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short vs[TC_COLS][D + TC_PAD];
     int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
     int row0 = blockIdx.x * TC_ROWS + warp * 16;
@@ -829,8 +830,8 @@ __device__ void attn_tc_backward_dkdv(float* dk, float* dv, const float* q, cons
                                       const float* dy, const float* lse, const float* delta, int b_count,
                                       int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
                                       int accumulate, float scale) {
-    __shared__ unsigned short qs[TC_COLS][D + TC_PAD];
-    __shared__ unsigned short ds_[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short qs[TC_COLS][D + TC_PAD];
+    __shared__ __align__(16) unsigned short ds_[TC_COLS][D + TC_PAD];
     __shared__ float ls[TC_COLS];
     __shared__ float dl[TC_COLS];
     int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
