@@ -7,10 +7,12 @@
 #pragma once
 #include <algorithm>
 #include <barrier>
+#include <condition_variable>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 #undef INFINITY
@@ -88,9 +90,61 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 #include <math.h>
 
-// Runs kernel body `f` on `grid` blocks of `block` threads. One std::thread per thread of a block,
-// reused for every block in turn: all of them finish a block (a barrier) before any starts the
-// next, so the statics that stand for __shared__ memory are never shared between two blocks.
+// The OS threads that stand for a block's threads, kept across launches (creating a block's
+// threads anew at every launch was most of an emulated training step's time). `run(n, job)` runs
+// job(t) on threads t = 0..n-1 at once and returns when all have finished; one run at a time (the
+// callers launch one kernel at a time). Never destroyed: its idle threads die with the process.
+class ThreadPool {
+  public:
+    void run(unsigned n, const std::function<void(unsigned)>& job) {
+        std::unique_lock<std::mutex> lk(m_);
+        // A thread made here starts having seen no run: it takes part in this one.
+        while (threads_.size() < n) {
+            unsigned id = (unsigned)threads_.size();
+            threads_.emplace_back([this, id] { loop(id); });
+            threads_.back().detach();
+        }
+        job_ = &job;
+        width_ = n;
+        left_ = n;
+        ++generation_;
+        wake_.notify_all();
+        done_.wait(lk, [&] { return left_ == 0; });
+        job_ = nullptr;
+    }
+
+  private:
+    void loop(unsigned id) {
+        unsigned long long seen = 0;
+        for (;;) {
+            const std::function<void(unsigned)>* job;
+            {
+                std::unique_lock<std::mutex> lk(m_);
+                wake_.wait(lk, [&] { return generation_ != seen; });
+                seen = generation_;
+                if (id >= width_) continue;  // not needed by this run (a narrower block)
+                job = job_;
+            }
+            (*job)(id);
+            std::lock_guard<std::mutex> lk(m_);
+            if (--left_ == 0) done_.notify_one();
+        }
+    }
+    std::mutex m_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> threads_;
+    const std::function<void(unsigned)>* job_ = nullptr;
+    unsigned width_ = 0, left_ = 0;
+    unsigned long long generation_ = 0;
+};
+inline ThreadPool& thread_pool() {
+    static ThreadPool* pool = new ThreadPool;
+    return *pool;
+}
+
+// Runs kernel body `f` on `grid` blocks of `block` threads: thread t of the pool is thread t of
+// every block in turn, and all of them finish a block (a barrier) before any starts the next, so
+// the statics that stand for __shared__ memory are never shared between two blocks.
 template <class F>
 void launch(dim3 grid, unsigned block, F f) {
     gridDim = grid;
@@ -99,18 +153,16 @@ void launch(dim3 grid, unsigned block, F f) {
     g_block_bar = &sync;
     unsigned warps = (block + 31) / 32;
     for (unsigned w = 0; w < warps; ++w) g_warp_bar[w] = new std::barrier<>(std::min(32u, block - w * 32));
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block; ++t)
-        threads.emplace_back([&, t] {
-            threadIdx = dim3{t, 0, 0};
-            for (unsigned z = 0; z < grid.z; ++z)
-                for (unsigned y = 0; y < grid.y; ++y)
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        blockIdx = dim3{x, y, z};
-                        f();
-                        next_block.arrive_and_wait();
-                    }
-        });
-    for (auto& t : threads) t.join();
+    std::function<void(unsigned)> job = [&](unsigned t) {
+        threadIdx = dim3{t, 0, 0};
+        for (unsigned z = 0; z < grid.z; ++z)
+            for (unsigned y = 0; y < grid.y; ++y)
+                for (unsigned x = 0; x < grid.x; ++x) {
+                    blockIdx = dim3{x, y, z};
+                    f();
+                    next_block.arrive_and_wait();
+                }
+    };
+    thread_pool().run(block, job);
     for (unsigned w = 0; w < warps; ++w) delete g_warp_bar[w];
 }
