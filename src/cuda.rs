@@ -236,6 +236,69 @@ mod enabled {
         }
     }
 
+    /// The CPU stage's initial weights as the GPU stage takes them, and each one's weight decay.
+    fn initial_params(stage: &Stage) -> Result<(Vec<StageParam>, Vec<f64>)> {
+        let mut params = Vec::new();
+        let mut weight_decay = Vec::new();
+        for spec in stage.params().specs() {
+            let t = stage.params().get(&spec.name)?;
+            params.push(StageParam {
+                name: spec.name.clone(),
+                dims: spec.shape.clone(),
+                values: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            });
+            weight_decay.push(if decays(spec.kind, false) {
+                WEIGHT_DECAY
+            } else {
+                0.0
+            });
+        }
+        Ok((params, weight_decay))
+    }
+
+    /// The GPU gradient furthest from the CPU stage's (relative L2; NaN counts as the worst).
+    fn worst_gradient(m: &GpuStage, stage: &Stage) -> Result<(f64, String)> {
+        let mut worst = (0.0f64, String::new());
+        for (name, _, got) in m.gradients()? {
+            let want = stage
+                .grads()
+                .get(&name)
+                .with_context(|| format!("the CPU stage has no gradient for {name}"))?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let (mut num, mut den) = (0f64, 0f64);
+            for (a, b) in got.iter().zip(&want) {
+                num += (*a as f64 - *b as f64).powi(2);
+                den += (*b as f64).powi(2);
+            }
+            let rel = if den > 0.0 {
+                (num / den).sqrt()
+            } else {
+                num.sqrt()
+            };
+            if rel.is_nan() || rel > worst.0 {
+                worst = (rel, name);
+            }
+        }
+        Ok(worst)
+    }
+
+    /// BLAKE3 of the parameters (names and values, AdamW moments left out).
+    fn params_hash(m: &GpuStage) -> Result<String> {
+        let mut hasher = blake3::Hasher::new();
+        for (name, _, values) in m
+            .state()?
+            .into_iter()
+            .filter(|(n, _, _)| !n.starts_with("optim."))
+        {
+            hasher.update(name.as_bytes());
+            for v in values {
+                hasher.update(&v.to_le_bytes());
+            }
+        }
+        Ok(hasher.finalize().to_hex().to_string())
+    }
+
     pub(super) fn bench(args: &GpuBenchArgs) -> Result<()> {
         let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
         let (model, preset_batch, seq) = args.preset.shape();
@@ -252,21 +315,7 @@ mod enabled {
         // The CPU stage gives the initial weights (same seed, same names) and, with --check, the
         // reference gradients.
         let mut stage = Stage::new(&model, layout, vec![seq], args.seed)?;
-        let mut params = Vec::new();
-        let mut weight_decay = Vec::new();
-        for spec in stage.params().specs() {
-            let t = stage.params().get(&spec.name)?;
-            params.push(StageParam {
-                name: spec.name.clone(),
-                dims: spec.shape.clone(),
-                values: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
-            });
-            weight_decay.push(if decays(spec.kind, false) {
-                WEIGHT_DECAY
-            } else {
-                0.0
-            });
-        }
+        let (params, weight_decay) = initial_params(&stage)?;
         let (inputs, targets) = random_batch(&model, batch, seq, args.seed)?;
         let host_inputs = inputs.flatten_all()?.to_vec1::<u32>()?;
         let host_targets = targets.to_vec1::<u32>()?;
@@ -324,29 +373,7 @@ mod enabled {
             };
             stage.backward(Unit::new(0, 0), None)?;
             stage.finish_gradients()?;
-            let mut worst = (0.0f64, String::new());
-            for (name, _, got) in m.gradients()? {
-                let want = stage
-                    .grads()
-                    .get(&name)
-                    .with_context(|| format!("the CPU stage has no gradient for {name}"))?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let (mut num, mut den) = (0f64, 0f64);
-                for (a, b) in got.iter().zip(&want) {
-                    num += (*a as f64 - *b as f64).powi(2);
-                    den += (*b as f64).powi(2);
-                }
-                let rel = if den > 0.0 {
-                    (num / den).sqrt()
-                } else {
-                    num.sqrt()
-                };
-                // NaN counts as the worst.
-                if rel.is_nan() || rel > worst.0 {
-                    worst = (rel, name);
-                }
-            }
+            let worst = worst_gradient(&m, &stage)?;
             update(&mut m)?;
             losses.push(loss_gpu * loss_scale);
             grad_check = Some(GradCheck {
@@ -372,17 +399,6 @@ mod enabled {
         }
         let g = m.gpu();
         let free_after = g.memory()?.0;
-        let mut hasher = blake3::Hasher::new();
-        for (name, _, values) in m
-            .state()?
-            .into_iter()
-            .filter(|(n, _, _)| !n.starts_with("optim."))
-        {
-            hasher.update(name.as_bytes());
-            for v in values {
-                hasher.update(&v.to_le_bytes());
-            }
-        }
         let params = param_count(&model);
         let flops_per_token =
             6.0 * params as f64 + 12.0 * (model.layers * model.d_model * seq) as f64;
@@ -410,7 +426,7 @@ mod enabled {
             peak_mem_mib: free_before.saturating_sub(free_after) as f64 / (1u64 << 20) as f64,
             step_ms,
             losses,
-            final_params_blake3: hasher.finalize().to_hex().to_string(),
+            final_params_blake3: params_hash(&m)?,
             grad_check,
         };
         println!("{}", serde_json::to_string(&report)?);
