@@ -263,8 +263,32 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     ports
 }
 
-/// A free loopback port (bound and released at once).
+/// A loopback port that is free now and likely to stay free until a job binds it: picked at
+/// random in 3000..10000, below both the kernel's ephemeral range (where the outgoing connections
+/// and port-0 listeners of the tests running beside this one land: a port from there, released,
+/// was once taken by a neighbour's socket before the job could bind it) and the range the
+/// SeaweedFS fixture draws from (10000..32000). Checked by binding it.
 pub fn free_port() -> u16 {
+    static PICKS: AtomicUsize = AtomicUsize::new(0);
+    const LOW: u32 = 3_000;
+    const HIGH: u32 = 10_000;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().rotate_left(16);
+    for attempt in 0..256u32 {
+        let pick = PICKS.fetch_add(1, Ordering::Relaxed) as u32;
+        // A multiplicative hash spreads consecutive picks over the range.
+        let mixed = seed
+            .wrapping_add(pick.wrapping_mul(0x9E37_79B9))
+            .wrapping_add(attempt)
+            .wrapping_mul(0x85EB_CA6B);
+        let port = (LOW + (mixed >> 8) % (HIGH - LOW)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    // Every pick was taken (a crowded range): a port from the ephemeral range after all.
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
