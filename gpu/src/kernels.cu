@@ -623,6 +623,23 @@ __device__ __forceinline__ void acc_to_a(unsigned int* a, const float* lo, const
     a[3] = pack_bf16(hi[2], hi[3]);
 }
 
+// B fragments from a shared bf16 tile `t` (rows of D + TC_PAD). `b_transposed`: the block whose
+// column c is tile row n0 + c and whose row k is tile column k0 + k (B = Tᵀ, e.g. keys as columns
+// of QKᵀ); `b_as_is`: the block of tile rows k0.. and columns n0.. as it lies (e.g. V in PV).
+template <int D>
+__device__ __forceinline__ void b_transposed(unsigned int* b, const unsigned short (*t)[D + TC_PAD], int n0, int k0) {
+    int g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    b[0] = pair_at(&t[n0 + g][k0 + 2 * j]);
+    b[1] = pair_at(&t[n0 + g][k0 + 8 + 2 * j]);
+}
+template <int D>
+__device__ __forceinline__ void b_as_is(unsigned int* b, const unsigned short (*t)[D + TC_PAD], int k0, int n0) {
+    int g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int r = k0 + 2 * j, c = n0 + g;
+    b[0] = (unsigned int)t[r][c] | ((unsigned int)t[r + 1][c] << 16);
+    b[1] = (unsigned int)t[r + 8][c] | ((unsigned int)t[r + 9][c] << 16);
+}
+
 // Rows `first`..first+TC_COLS of an fp32 matrix into shared bf16 (zeros from row `count` on),
 // each element times `mul`: rows of D, row r of the source at src + r * stride.
 template <int D>
@@ -633,6 +650,17 @@ __device__ __forceinline__ void load_tile_bf16(unsigned short (*dst)[D + TC_PAD]
         bool ok = first + r < count;
         dst[r][e] = (unsigned short)bf16_bits(ok ? src[(size_t)(ok ? first + r : 0) * stride + e] * mul : 0.0f);
     }
+}
+
+// Keys/values k0..k0+TC_COLS of one sequence and head (rows of `kb`, `vb`; zeros from `keys` on)
+// into shared memory, between barriers: the previous tiles are no longer read when these are written.
+template <int D>
+__device__ __forceinline__ void load_kv_tiles_bf16(unsigned short (*ks)[D + TC_PAD], unsigned short (*vs)[D + TC_PAD],
+                                                   const float* kb, const float* vb, int kv_stride, int k0, int keys) {
+    __syncthreads();
+    load_tile_bf16<D>(ks, kb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+    load_tile_bf16<D>(vs, vb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
+    __syncthreads();
 }
 
 // Row max and sum over the 4 lanes that hold one row's accumulators.
@@ -656,9 +684,7 @@ __device__ void attn_tc_forward(float* y, float* lse, const float* q, const floa
     int rows = max(0, min(16, s - row0));
     unsigned int qa[D / 16][4];
     load_a_rows<D>(qa, q + ((size_t)b * s + min(row0, s - 1)) * q_stride + h * D, q_stride, rows, scale);
-    float o[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float o[D / 8][4] = {};
     float m0 = -INFINITY, m8 = -INFINITY, l0 = 0.0f, l8 = 0.0f;  // rows g and g + 8
     int t_last = min(s, (int)(blockIdx.x + 1) * TC_ROWS) - 1;
     int keys = p + t_last + 1;
@@ -666,21 +692,17 @@ __device__ void attn_tc_forward(float* y, float* lse, const float* q, const floa
     const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
     const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
     for (int k0 = 0; k0 < keys; k0 += TC_COLS) {
-        __syncthreads();
-        load_tile_bf16<D>(ks, kb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
-        load_tile_bf16<D>(vs, vb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
-        __syncthreads();
+        load_kv_tiles_bf16<D>(ks, vs, kb, vb, kv_stride, k0, keys);
         if (k0 >= warp_keys) continue;
-        float sc[TC_COLS / 8][4];
+        float sc[TC_COLS / 8][4] = {};
         #pragma unroll
-        for (int n = 0; n < TC_COLS / 8; ++n) {
-            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        for (int n = 0; n < TC_COLS / 8; ++n)
             #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned int bf[2] = {pair_at(&ks[8 * n + g][16 * kk + 2 * j]), pair_at(&ks[8 * n + g][16 * kk + 8 + 2 * j])};
+                unsigned int bf[2];
+                b_transposed<D>(bf, ks, 8 * n, 16 * kk);
                 mma_bf16(sc[n], qa[kk], bf);
             }
-        }
         // Causal mask: query row0 + r sees keys 0..=p + row0 + r.
         float mx0 = -INFINITY, mx8 = -INFINITY;
         #pragma unroll
@@ -718,9 +740,8 @@ __device__ void attn_tc_forward(float* y, float* lse, const float* q, const floa
             acc_to_a(pa, sc[2 * kk], sc[2 * kk + 1]);
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) {
-                int key = 16 * kk + 2 * j, col = 8 * n + g;
-                unsigned int bf[2] = {(unsigned int)vs[key][col] | ((unsigned int)vs[key + 1][col] << 16),
-                                      (unsigned int)vs[key + 8][col] | ((unsigned int)vs[key + 9][col] << 16)};
+                unsigned int bf[2];
+                b_as_is<D>(bf, vs, 16 * kk, 8 * n);
                 mma_bf16(o[n], pa, bf);
             }
         }
@@ -761,29 +782,23 @@ __device__ void attn_tc_backward_dq(float* dq, const float* q, const float* k, c
     size_t stat = ((size_t)b * h_count + h) * s;
     float lse0 = g < rows ? lse[stat + row0 + g] : 0.0f, lse8 = g + 8 < rows ? lse[stat + row0 + g + 8] : 0.0f;
     float dl0 = g < rows ? delta[stat + row0 + g] : 0.0f, dl8 = g + 8 < rows ? delta[stat + row0 + g + 8] : 0.0f;
-    float acc[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float acc[D / 8][4] = {};
     int t_last = min(s, (int)(blockIdx.x + 1) * TC_ROWS) - 1;
     int keys = p + t_last + 1;
     int warp_keys = rows > 0 ? p + row0 + rows : 0;
     const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
     const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
     for (int k0 = 0; k0 < keys; k0 += TC_COLS) {
-        __syncthreads();
-        load_tile_bf16<D>(ks, kb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
-        load_tile_bf16<D>(vs, vb + (size_t)k0 * kv_stride, kv_stride, 0, keys - k0, 1.0f);
-        __syncthreads();
+        load_kv_tiles_bf16<D>(ks, vs, kb, vb, kv_stride, k0, keys);
         if (k0 >= warp_keys) continue;
-        float sc[TC_COLS / 8][4], dp[TC_COLS / 8][4];
+        float sc[TC_COLS / 8][4] = {}, dp[TC_COLS / 8][4] = {};
         #pragma unroll
         for (int n = 0; n < TC_COLS / 8; ++n) {
-            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
             #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned int kf[2] = {pair_at(&ks[8 * n + g][16 * kk + 2 * j]), pair_at(&ks[8 * n + g][16 * kk + 8 + 2 * j])};
-                unsigned int vf[2] = {pair_at(&vs[8 * n + g][16 * kk + 2 * j]), pair_at(&vs[8 * n + g][16 * kk + 8 + 2 * j])};
+                unsigned int kf[2], vf[2];
+                b_transposed<D>(kf, ks, 8 * n, 16 * kk);
+                b_transposed<D>(vf, vs, 8 * n, 16 * kk);
                 mma_bf16(sc[n], qa[kk], kf);
                 mma_bf16(dp[n], da[kk], vf);
             }
@@ -803,9 +818,8 @@ __device__ void attn_tc_backward_dq(float* dq, const float* q, const float* k, c
             acc_to_a(sa, sc[2 * kk], sc[2 * kk + 1]);
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) {
-                int key = 16 * kk + 2 * j, col = 8 * n + g;
-                unsigned int bf[2] = {(unsigned int)ks[key][col] | ((unsigned int)ks[key + 1][col] << 16),
-                                      (unsigned int)ks[key + 8][col] | ((unsigned int)ks[key + 9][col] << 16)};
+                unsigned int bf[2];
+                b_as_is<D>(bf, ks, 16 * kk, 8 * n);
                 mma_bf16(acc[n], sa, bf);
             }
         }
@@ -843,12 +857,7 @@ __device__ void attn_tc_backward_dkdv(float* dk, float* dv, const float* q, cons
     unsigned int ka[D / 16][4], va[D / 16][4];
     load_a_rows<D>(ka, k + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
     load_a_rows<D>(va, v + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
-    float adk[D / 8][4], adv[D / 8][4];
-    #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        adk[n][0] = adk[n][1] = adk[n][2] = adk[n][3] = 0.0f;
-        adv[n][0] = adv[n][1] = adv[n][2] = adv[n][3] = 0.0f;
-    }
+    float adk[D / 8][4] = {}, adv[D / 8][4] = {};
     // First query any key of this block is seen by: t = l_first - P (at least 0).
     int t_start = max(0, (int)blockIdx.x * TC_ROWS - p);
     int warp_first = rows > 0 ? max(0, key0 - p) : s;  // first query that sees a key of this warp
@@ -866,15 +875,14 @@ __device__ void attn_tc_backward_dkdv(float* dk, float* dv, const float* q, cons
         }
         __syncthreads();
         if (t0 + TC_COLS <= warp_first) continue;
-        float pt[TC_COLS / 8][4], dpt[TC_COLS / 8][4];  // P^T, dP^T: rows keys, columns queries
+        float pt[TC_COLS / 8][4] = {}, dpt[TC_COLS / 8][4] = {};  // P^T, dP^T: rows keys, columns queries
         #pragma unroll
         for (int n = 0; n < TC_COLS / 8; ++n) {
-            pt[n][0] = pt[n][1] = pt[n][2] = pt[n][3] = 0.0f;
-            dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.0f;
             #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned int qf[2] = {pair_at(&qs[8 * n + g][16 * kk + 2 * j]), pair_at(&qs[8 * n + g][16 * kk + 8 + 2 * j])};
-                unsigned int df[2] = {pair_at(&ds_[8 * n + g][16 * kk + 2 * j]), pair_at(&ds_[8 * n + g][16 * kk + 8 + 2 * j])};
+                unsigned int qf[2], df[2];
+                b_transposed<D>(qf, qs, 8 * n, 16 * kk);
+                b_transposed<D>(df, ds_, 8 * n, 16 * kk);
                 mma_bf16(pt[n], ka[kk], qf);
                 mma_bf16(dpt[n], va[kk], df);
             }
@@ -895,11 +903,9 @@ __device__ void attn_tc_backward_dkdv(float* dk, float* dv, const float* q, cons
             acc_to_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
             #pragma unroll
             for (int n = 0; n < D / 8; ++n) {
-                int t = 16 * kk + 2 * j, col = 8 * n + g;
-                unsigned int dof[2] = {(unsigned int)ds_[t][col] | ((unsigned int)ds_[t + 1][col] << 16),
-                                       (unsigned int)ds_[t + 8][col] | ((unsigned int)ds_[t + 9][col] << 16)};
-                unsigned int qf[2] = {(unsigned int)qs[t][col] | ((unsigned int)qs[t + 1][col] << 16),
-                                      (unsigned int)qs[t + 8][col] | ((unsigned int)qs[t + 9][col] << 16)};
+                unsigned int dof[2], qf[2];
+                b_as_is<D>(dof, ds_, 16 * kk, 8 * n);
+                b_as_is<D>(qf, qs, 16 * kk, 8 * n);
                 mma_bf16(adv[n], pa, dof);
                 mma_bf16(adk[n], sa, qf);
             }
