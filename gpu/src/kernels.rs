@@ -79,7 +79,7 @@ const ATTN_ROWS: usize = 64;
 
 /// The attention kernels' name prefix and threads per block: FP32 on CUDA cores (a thread per
 /// row) or BF16 on tensor cores (four warps of 16 rows).
-fn attention_kernels(tensor_cores: bool) -> (&'static str, u32) {
+fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
     if tensor_cores {
         ("attn_tc_", 128)
     } else {
@@ -509,7 +509,7 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_forward";
         let a = sh.args(OP)?;
-        let (prefix, threads) = attention_kernels(self.attention_on_tensor_cores());
+        let (prefix, threads) = attention_variant(self.attention_on_tensor_cores());
         self.launch(
             &format!("{prefix}forward_d{}", sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
@@ -588,7 +588,7 @@ impl Gpu {
         let mut args = vec![Arg::P(dq)];
         args.extend(common);
         args.push(Arg::F(scale));
-        let (prefix, threads) = attention_kernels(self.attention_on_tensor_cores());
+        let (prefix, threads) = attention_variant(self.attention_on_tensor_cores());
         self.launch(
             &format!("{prefix}backward_dq_d{}", sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
