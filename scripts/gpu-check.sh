@@ -19,7 +19,9 @@
 #        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed,
 #     6. the NCCL link (`seqpipe gpu link`): bit-exact round trips and bandwidth between two ranks,
 #        then rank 1 SIGKILLed and the waiting receive aborted by the watchdog, not hung (needs two
-#        GPUs, or NCCL >= 2.30, which allows two ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1).
+#        GPUs, or NCCL >= 2.30, which allows two ranks on one GPU with NCCL_MULTI_RANK_GPU_ENABLE=1);
+#        then the pipeline over NCCL device links (`pipeline.transport=nccl`) against host-staged
+#        links, straight and with a stage SIGKILLed mid-run, bit-identical.
 #   Everything goes to $OUT (default ./gpu-out): report.txt (the summary), one JSON line per run
 #   in runs.jsonl, and the logs. ROUNDS (default 2), STEPS (default 10) and LIMIT (seconds per
 #   command, default 300) can be set; SECTIONS
@@ -176,6 +178,38 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
 PY
 }
 
+# Runs job $1 in the background, SIGKILLs its stage 1 worker once step $2 is recorded, waits for
+# the run, and checks each recovery against its tier's bound.
+chaos_job() {
+  local name=$1 after=$2
+  shift 2
+  limit "$BIN" train -q --set run.dir="$T/$name" "$@" > "$T/$name.out" 2>&1 &
+  local launcher=$! killed=""
+  for _ in $(seq 600); do
+    if grep -q "\"step\":$after," "$T/$name/metrics.jsonl" 2>/dev/null; then
+      killed=$(worker_pid 1 "$T/$name/")
+      [ -n "$killed" ] && kill -KILL "$killed"
+      break
+    fi
+    sleep 0.1
+  done
+  if wait "$launcher"; then say "$name: killed worker pid ${killed:-NONE}; $(grep '^done:' "$T/$name.out" | tail -1)"; else say "CHAOS RUN FAILED: $(tail -5 "$T/$name.out")"; fi
+  python3 - "$T/$name/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+events = [json.loads(l) for l in open(sys.argv[1]) if '"recovered"' in l]
+for e in events:
+    print(f"recovered at step {e['step']}: tier {e['tier']}, {e['recovery_s']:.2f} s, {e['lost_steps']} steps lost, {e.get('redone_units', 0)} units redone")
+    # The bound of one worker's loss: a mid-step recovery redoes no completed step; peer
+    # snapshots lag training by at most one step (the kill may land while the newest one is
+    # still being copied, the likelier the busier the machine), so at most one is redone.
+    bound = {"mid_step": 0, "peer": 1}.get(e["tier"])
+    if bound is None or e["lost_steps"] > bound:
+        print("RECOVERY WORSE THAN ITS BOUND: a lost worker is recovered mid-step or from the peer snapshots, losing at most 1 completed step")
+if not events:
+    print("NO RECOVERY EVENT: the kill did not land")
+PY
+}
+
 compare() { python3 scripts/gpu-pipeline-check.py "$@" 2>&1 | tee -a "$report" || true; }
 
 pipeline() {
@@ -205,31 +239,7 @@ pipeline() {
   compare state "$T/cuda4/checkpoints" "$T/cuda-split/checkpoints"
   say "-- chaos: SIGKILL of stage 1's worker after step 8 of 24 (the run recovers, bit-identical):"
   train_job calm "${cuda[@]}" --set train.steps=24 || true
-  limit "$BIN" train -q --set run.dir="$T/chaos" "${cuda[@]}" --set train.steps=24 > "$T/chaos.out" 2>&1 &
-  local launcher=$! killed=""
-  for _ in $(seq 600); do
-    if grep -q '"step":8,' "$T/chaos/metrics.jsonl" 2>/dev/null; then
-      killed=$(worker_pid 1 "$T/chaos/")
-      [ -n "$killed" ] && kill -KILL "$killed"
-      break
-    fi
-    sleep 0.1
-  done
-  if wait "$launcher"; then say "chaos: killed worker pid ${killed:-NONE}; $(grep '^done:' "$T/chaos.out" | tail -1)"; else say "CHAOS RUN FAILED: $(tail -5 "$T/chaos.out")"; fi
-  python3 - "$T/chaos/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
-import json, sys
-events = [json.loads(l) for l in open(sys.argv[1]) if '"recovered"' in l]
-for e in events:
-    print(f"recovered at step {e['step']}: tier {e['tier']}, {e['recovery_s']:.2f} s, {e['lost_steps']} steps lost, {e.get('redone_units', 0)} units redone")
-    # The bound of one worker's loss: a mid-step recovery redoes no completed step; peer
-    # snapshots lag training by at most one step (the kill may land while the newest one is
-    # still being copied, the likelier the busier the machine), so at most one is redone.
-    bound = {"mid_step": 0, "peer": 1}.get(e["tier"])
-    if bound is None or e["lost_steps"] > bound:
-        print("RECOVERY WORSE THAN ITS BOUND: a lost worker is recovered mid-step or from the peer snapshots, losing at most 1 completed step")
-if not events:
-    print("NO RECOVERY EVENT: the kill did not land")
-PY
+  chaos_job chaos 8 "${cuda[@]}" --set train.steps=24
   compare losses "$T/calm" "$T/chaos"
   compare state "$T/calm/checkpoints" "$T/chaos/checkpoints"
   say "-- bf16 matrix products, default job, 60 steps (loss must fall):"
@@ -299,7 +309,30 @@ else:
 PY
   else
     say "NCCL LINK CHECK FAILED: $(tail -5 "$OUT/link.err") $(tail -c 600 "$OUT/link.json")"
+    return 0
   fi
+  grep -q '"skipped"' "$OUT/link.json" && return 0
+  say "-- the pipeline over NCCL device links (pipeline.transport=nccl; boundary tensors stay on the"
+  say "   GPU, headers over TCP) against host-staged links, 3 stages, fp32, 12 steps (bit-identical):"
+  T="$OUT/nccl"
+  rm -rf "$T"; mkdir -p "$T"
+  local job=(--set train.eval_every=0 --set train.decay_steps=12 --set checkpoint.every=6
+    --set model.device=cuda --set model.precision=fp32 --set pipeline.stages=3)
+  train_job tcp3 "${job[@]}" --set train.steps=12 || return 0
+  NCCL_MULTI_RANK_GPU_ENABLE=1 train_job nccl3 "${job[@]}" --set train.steps=12 --set pipeline.transport=nccl || return 0
+  compare losses "$T/tcp3" "$T/nccl3"
+  compare state "$T/tcp3/checkpoints" "$T/nccl3/checkpoints"
+  python3 - "$T/tcp3/metrics.jsonl" "$T/nccl3/metrics.jsonl" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+for path, name in zip(sys.argv[1:], ("tcp", "nccl")):
+    times = sorted(json.loads(l)["step_time_s"] for l in open(path) if '"loss"' in l and '"event"' not in l)[2:]
+    print(f"{name}: median step {1e3 * times[len(times) // 2]:.1f} ms over steps 3..12")
+PY
+  say "-- chaos over NCCL device links: SIGKILL of stage 1's worker after step 4 (replaced mid-step, the"
+  say "   neighbours join new device links and resend from their kept buffers; bit-identical):"
+  NCCL_MULTI_RANK_GPU_ENABLE=1 chaos_job nccl-chaos 4 "${job[@]}" --set train.steps=12 --set pipeline.transport=nccl
+  compare losses "$T/tcp3" "$T/nccl-chaos"
+  compare state "$T/tcp3/checkpoints" "$T/nccl-chaos/checkpoints"
 }
 
 case "${1:-}" in

@@ -254,3 +254,6 @@ cargo test --release -p trainer --features emulate-gpu --test emulated_cuda_stag
 # Section 1 of scripts/gpu-check.sh (`seqpipe gpu check`, every kernel against the CPU oracle) on
 # a seqpipe binary whose GPU is that emulation.
 cargo test --release -p seqpipe --features emulate-gpu --test emulated_gpu_check
+# The pipeline over NCCL device links (pipeline.transport = "nccl") on that emulation and its
+# emulated NCCL link: a stage SIGKILLed mid-step is replaced and the run stays bit-identical to TCP.
+cargo test --release -p seqpipe --features emulate-gpu --test emulated_nccl_pipeline

@@ -422,7 +422,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
 /// `seqpipe train`: a run from the config, fresh, resumed or initialised from Hugging Face weights.
 fn train_command(args: TrainArgs) -> Result<ExitCode> {
     let cfg = args.config.load()?;
-    trainer::cuda::require_runnable_device(&cfg.model)?;
+    trainer::cuda::require_runnable_device(&cfg)?;
     let start = args.start.start()?;
     train(
         cfg,
@@ -440,7 +440,7 @@ fn train_command(args: TrainArgs) -> Result<ExitCode> {
 /// (or the chosen) committed checkpoint.
 fn resume_command(args: ResumeArgs) -> Result<ExitCode> {
     let cfg = resume_config(&args.target, &args.overrides, args.step)?;
-    trainer::cuda::require_runnable_device(&cfg.model)?;
+    trainer::cuda::require_runnable_device(&cfg)?;
     let point = args.step.map_or(ResumePoint::Latest, ResumePoint::Step);
     train(
         cfg,
@@ -467,7 +467,7 @@ fn eval(args: EvalArgs) -> Result<ExitCode> {
         // through an empty in-memory one rather than creating its directory.
         cfg.checkpoint.url = "memory://".into();
     }
-    trainer::cuda::require_runnable_device(&cfg.model)?;
+    trainer::cuda::require_runnable_device(&cfg)?;
     init_logging(&cfg.run.log);
     trainer::memory::check(&cfg, None)?;
     let (step, val_loss) = run_evaluation(&cfg, &start)?;

@@ -97,7 +97,7 @@ impl<T> Buf<T> {
         self.ptr + (i * std::mem::size_of::<T>()) as u64
     }
 
-    fn slice(&self) -> &[T] {
+    pub(crate) fn slice(&self) -> &[T] {
         // SAFETY: `len` initialized elements (zeroed at allocation, then written as `T`).
         unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.len) }
     }

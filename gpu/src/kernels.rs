@@ -263,6 +263,11 @@ impl Gpu {
         )
     }
 
+    /// Copies `n` floats from `src` to `dst` (device to device, on the compute stream).
+    pub fn copy_values(&self, dst: u64, src: u64, n: usize) -> Result<()> {
+        self.copy_rows(dst, (1, 0), src, (1, 0), 1, 1, n)
+    }
+
     /// Copies `b` blocks of `rows` rows of `width` floats: block `i` from rows `src_row0..` of the
     /// `i`-th group of `src_rows` rows of `src` to rows `dst_row0..` of the `i`-th group of
     /// `dst_rows` rows of `dst` (a segment's rows into or out of a K/V cache of whole sequences).

@@ -9,12 +9,13 @@
 //!
 //! State copies to the host run on a second stream behind the compute (`offload`), so a
 //! checkpoint or peer snapshot costs the step only the queueing of the copy. `nccl` links the GPUs
-//! of two neighbouring stages directly, with a watchdog that aborts instead of hanging.
+//! of two neighbouring stages directly, with a watchdog that aborts instead of hanging; a stage
+//! keeps the boundary tensors of such links on its GPU (`stage`'s device links).
 //!
 //! With the `emulate` feature (tests only) there is no CUDA at all: `device_emu` runs the same
 //! `kernels.cu` on the CPU through the CUDA shim of `emu/` and the matrix products as plain loops,
 //! so the whole GPU stage — its Seq1F1B bookkeeping, caches, gradient tree and state copies — is
-//! tested against the CPU stage on machines without a GPU.
+//! tested against the CPU stage on machines without a GPU; `nccl_emu` stands in for NCCL.
 
 #![deny(missing_docs)]
 
@@ -26,7 +27,11 @@ mod device;
 mod device;
 mod error;
 mod kernels;
+pub mod link;
 #[cfg(not(feature = "emulate"))]
+pub mod nccl;
+#[cfg(feature = "emulate")]
+#[path = "nccl_emu.rs"]
 pub mod nccl;
 #[cfg(not(feature = "emulate"))]
 pub mod offload;

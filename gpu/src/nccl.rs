@@ -1,6 +1,10 @@
 //! A point-to-point NCCL link between the GPUs of two neighbouring pipeline stages: a two-rank
-//! communicator (rank 0 the earlier stage) whose sends and receives run on the compute stream,
-//! device memory to device memory, with no host copy.
+//! communicator (rank 0 the earlier stage) whose sends and receives run on a stream of its own,
+//! device memory to device memory, with no host copy. Each transfer starts after the compute queued
+//! before it (an event), so a send reads a finished output and a receive does not overwrite a
+//! buffer the compute still reads. A pipeline uses one link per direction between two stages: on
+//! one stream a send waiting for its receiver would hold up the receive of the other direction
+//! queued behind it (the 1F1B deadlock).
 //!
 //! NCCL waits forever for a peer that died. This link never does: the communicator is
 //! non-blocking (`blocking = 0`), every call and every transfer is awaited by polling with a
@@ -15,7 +19,6 @@
 
 use std::ffi::CStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -23,6 +26,8 @@ use cudarc::nccl::{result, sys};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{DriverContext, GpuError, Result, shape};
+pub use crate::link::{Abort, LinkId};
+use crate::link::{check_alive, check_transfer};
 
 /// Checks that `libnccl` can be loaded (cudarc panics on a missing library at the first call).
 pub fn nccl_present() -> Result<()> {
@@ -58,74 +63,12 @@ pub fn shares_one_gpu(version: (u32, u32, u32)) -> bool {
         && std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1")
 }
 
-/// The rendezvous of one link: NCCL's 128-byte unique id (it holds the creating host's address).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct LinkId([u8; 128]);
-
 impl LinkId {
     /// A new id (on the earlier stage, which then sends it to the later one).
     pub fn new() -> Result<LinkId> {
         nccl_present()?;
         let id = result::get_uniqueid().map_err(|e| nccl_error("creating a link id", e.0))?;
-        Ok(LinkId(id.internal.map(|c| c as u8)))
-    }
-
-    /// The bytes to send to the peer.
-    pub fn to_bytes(self) -> [u8; 128] {
-        self.0
-    }
-
-    /// The id a peer sent. Any 128 bytes are accepted here; a forged id can only make the
-    /// rendezvous fail or time out, which [`NcclLink::connect`] reports.
-    pub fn from_bytes(bytes: [u8; 128]) -> LinkId {
-        LinkId(bytes)
-    }
-
-    /// The id as a hex string (for a command line).
-    pub fn to_hex(self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-
-    /// Parses [`LinkId::to_hex`]'s form.
-    pub fn from_hex(hex: &str) -> Result<LinkId> {
-        let bad = || GpuError::Shape {
-            op: "LinkId::from_hex",
-            reason: format!(
-                "{:?} is not a link id (256 hex digits)",
-                hex.chars().take(40).collect::<String>()
-            ),
-        };
-        if hex.len() != 256 || !hex.is_ascii() {
-            return Err(bad());
-        }
-        let mut out = [0u8; 128];
-        for (i, byte) in out.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-        }
-        Ok(LinkId(out))
-    }
-}
-
-impl std::fmt::Debug for LinkId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The id holds a host address and a secret-ish magic: never log it whole.
-        write!(f, "LinkId({}…)", &self.to_hex()[..8])
-    }
-}
-
-/// Trips a link from another thread: its current or next wait aborts the communicator.
-#[derive(Clone, Default)]
-pub struct Abort(Arc<AtomicBool>);
-
-impl Abort {
-    /// Asks the link to abort (the peer is gone).
-    pub fn abort(&self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-
-    /// Whether [`Abort::abort`] was called.
-    pub fn is_aborted(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        Ok(LinkId::from_bytes(id.internal.map(|c| c as u8)))
     }
 }
 
@@ -133,7 +76,10 @@ impl Abort {
 pub struct NcclLink {
     comm: sys::ncclComm_t,
     rank: usize,
+    /// The link's own stream: its transfers.
     stream: Arc<CudaStream>,
+    /// The GPU's compute stream, which each transfer starts after.
+    compute: Arc<CudaStream>,
     abort: Abort,
     /// Aborted (by a trip, a timeout or an error): every later call fails.
     dead: bool,
@@ -154,8 +100,8 @@ impl Drop for NcclLink {
 }
 
 impl NcclLink {
-    /// Joins link `id` as `rank` (0: the earlier stage, 1: the later) on `gpu`'s device and
-    /// compute stream, waiting at most `timeout` for the peer.
+    /// Joins link `id` as `rank` (0: the earlier stage, 1: the later) on `gpu`'s device, with a
+    /// stream of its own, waiting at most `timeout` for the peer.
     pub fn connect(
         gpu: &Gpu,
         id: LinkId,
@@ -171,10 +117,14 @@ impl NcclLink {
         }
         nccl_present()?;
         gpu.bind()?;
+        let stream = gpu
+            .ctx()
+            .new_stream()
+            .during(|| "creating a link's stream".into())?;
         let mut config = non_blocking_config();
         let mut comm = std::ptr::null_mut();
         let unique = sys::ncclUniqueId {
-            internal: id.0.map(|b| b as ::core::ffi::c_char),
+            internal: id.to_bytes().map(|b| b as ::core::ffi::c_char),
         };
         // SAFETY: `comm` and `config` outlive the call; the id is 128 plain bytes.
         let status =
@@ -182,7 +132,8 @@ impl NcclLink {
         let mut link = NcclLink {
             comm,
             rank,
-            stream: Arc::clone(gpu.stream()),
+            stream,
+            compute: Arc::clone(gpu.stream()),
             abort,
             dead: comm.is_null(),
         };
@@ -211,11 +162,12 @@ impl NcclLink {
         self.rank
     }
 
-    /// Queues a send of the first `n` elements of `buf` to the peer on the compute stream (after
-    /// the work queued so far) and waits until NCCL has taken the call (not the transfer: see
-    /// [`NcclLink::wait`]).
+    /// Queues a send of the first `n` elements of `buf` to the peer on the link's stream, after the
+    /// compute queued so far, and waits until NCCL has taken the call (not the transfer: see
+    /// [`NcclLink::wait`]). `buf` must not be written until the transfer is done.
     pub fn send(&mut self, buf: &Buf<f32>, n: usize, deadline: Instant) -> Result<()> {
         self.check_len("send", buf, n)?;
+        self.after_compute()?;
         let peer = 1 - self.rank as i32;
         // SAFETY: `buf` holds at least `n` elements and lives until the stream passes the send
         // (the caller waits, or orders later writes on the same stream).
@@ -232,9 +184,12 @@ impl NcclLink {
         self.after_call("queueing a send", status, deadline)
     }
 
-    /// Queues a receive of `n` elements into `buf` from the peer on the compute stream.
+    /// Receives `n` elements into `buf` from the peer, on the link's stream after the compute
+    /// queued so far, and waits until they are there (see [`NcclLink::wait`]): work queued after
+    /// it may read `buf`.
     pub fn recv(&mut self, buf: &mut Buf<f32>, n: usize, deadline: Instant) -> Result<()> {
         self.check_len("recv", buf, n)?;
+        self.after_compute()?;
         let peer = 1 - self.rank as i32;
         // SAFETY: as in `send`; the stream orders later reads after the receive.
         let status = unsafe {
@@ -247,12 +202,24 @@ impl NcclLink {
                 self.stream.cu_stream() as _,
             )
         };
-        self.after_call("queueing a receive", status, deadline)
+        self.after_call("queueing a receive", status, deadline)?;
+        self.wait(deadline)
     }
 
-    /// Waits until everything queued on the compute stream so far (the link's transfers
-    /// included) is done, polling so that a trip of the [`Abort`], an NCCL error or the deadline
-    /// ends the wait by aborting the link instead of hanging.
+    /// Makes the link's stream wait for the compute queued so far (on the device).
+    fn after_compute(&mut self) -> Result<()> {
+        let queued = self
+            .compute
+            .record_event(None)
+            .during(|| "marking the compute a transfer follows".into())?;
+        self.stream
+            .wait(&queued)
+            .during(|| "ordering a transfer after the compute".into())
+    }
+
+    /// Waits until every transfer queued on the link so far is done, polling so that a trip of
+    /// the [`Abort`], an NCCL error or the deadline ends the wait by aborting the link instead of
+    /// hanging.
     pub fn wait(&mut self, deadline: Instant) -> Result<()> {
         self.alive("waiting for a transfer")?;
         let done: CudaEvent = self
@@ -274,20 +241,11 @@ impl NcclLink {
     }
 
     fn check_len(&self, op: &'static str, buf: &Buf<f32>, n: usize) -> Result<()> {
-        if n == 0 || n > buf.len() {
-            return shape(op, format!("{n} elements of a buffer of {}", buf.len()));
-        }
-        self.alive(op)
+        check_transfer(op, n, buf.len(), self.dead)
     }
 
     fn alive(&self, what: &str) -> Result<()> {
-        if self.dead {
-            return Err(GpuError::LinkAborted {
-                during: what.into(),
-                why: "the link was aborted earlier; rebuild it with a new LinkId".into(),
-            });
-        }
-        Ok(())
+        check_alive(what, self.dead)
     }
 
     /// After a non-blocking call: an error kills the link; in progress: wait for it to settle.
@@ -352,18 +310,9 @@ impl NcclLink {
 
     /// Aborts the link if it was tripped or the deadline passed.
     fn check_abort(&mut self, what: &str, deadline: Instant) -> Result<()> {
-        let why = if self.abort.is_aborted() {
-            "the peer was declared lost".to_string()
-        } else if Instant::now() >= deadline {
-            "the deadline passed with the peer silent".to_string()
-        } else {
-            return Ok(());
-        };
-        self.kill();
-        Err(GpuError::LinkAborted {
-            during: what.into(),
-            why,
-        })
+        self.abort
+            .check(what, deadline)
+            .inspect_err(|_| self.kill())
     }
 
     /// Aborts the communicator (once): any kernel still waiting on the peer is torn down.
@@ -442,23 +391,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn link_ids_round_trip_through_hex_and_bad_ones_are_refused() {
-        let id = LinkId::from_bytes(std::array::from_fn(|i| (i * 7) as u8));
-        assert_eq!(LinkId::from_hex(&id.to_hex()).unwrap(), id);
-        assert_eq!(format!("{id:?}"), "LinkId(00070e15…)");
-        for bad in [
-            "",
-            "zz",
-            &"g".repeat(256),
-            &"0".repeat(255),
-            &"é".repeat(128),
-        ] {
-            let err = LinkId::from_hex(bad).unwrap_err().to_string();
-            assert!(err.contains("is not a link id"), "{err}");
-        }
-    }
-
-    #[test]
     fn the_config_asks_for_a_non_blocking_communicator() {
         let c = non_blocking_config();
         assert_eq!((c.magic, c.blocking, c.version), (0xcafe_beef, 0, 23000));
@@ -468,15 +400,6 @@ mod tests {
     #[test]
     fn sharing_a_gpu_needs_nccl_2_30() {
         assert!(!shares_one_gpu((2, 28, 3)));
-    }
-
-    #[test]
-    fn an_abort_handle_trips_every_clone() {
-        let a = Abort::default();
-        let b = a.clone();
-        assert!(!b.is_aborted());
-        a.abort();
-        assert!(b.is_aborted());
     }
 
     /// Without NCCL (CI, this machine) the presence check turns cudarc's panic into a clear

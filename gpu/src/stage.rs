@@ -17,7 +17,9 @@
 //! each row-major), which joins the canonical summation tree ([`ops::SumTree`]) when its backward
 //! completes; the tree adds on the device in a fixed order, so the step's sum does not depend on
 //! how the micro-batches were split between data-parallel replicas or in which order they
-//! completed. Everything crosses this type's interface on the host (`&[f32]`, `Vec<f32>`).
+//! completed. Everything crosses this type's interface on the host (`&[f32]`, `Vec<f32>`), except
+//! the boundary tensors of device links to the neighbouring stages (`links`): those are received
+//! into, kept in and sent from buffers of the stage.
 //!
 //! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
@@ -34,6 +36,10 @@ use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::AttnShape;
 use crate::offload::{Download, Fence, StagingPool};
+
+mod links;
+pub use links::Side;
+use links::{Flow, Links};
 
 /// The model's shape (the `[model]` section's fields the GPU path uses).
 #[derive(Clone, Debug)]
@@ -91,14 +97,43 @@ pub enum UnitInput<'a> {
     Tokens(&'a [u32]),
     /// Later stages: the previous stage's hidden states `(B·s, C)`.
     Hidden(&'a [f32]),
+    /// Later stages: the hidden states received for this unit on the previous stage's device link
+    /// ([`GpuStage::receive_activation`]).
+    Received,
 }
 
 /// What a unit's forward produces.
 pub enum UnitOutput {
     /// Hidden states `(B·s, C)` for the next stage.
     Hidden(Vec<f32>),
+    /// Hidden states kept on the device for the next stage's device link (this many values;
+    /// [`GpuStage::send_activation`] sends them).
+    Kept(usize),
     /// Last stage: the sum of the segment's token losses (unscaled), added in row order.
     LossSum(f64),
+}
+
+/// What a unit's backward produces for the previous stage.
+#[derive(Debug, PartialEq)]
+pub enum UnitGrad {
+    /// First stage: nothing leaves.
+    None,
+    /// The gradient of the unit's input `(B·s, C)`.
+    Hidden(Vec<f32>),
+    /// The gradient kept on the device for the previous stage's device link (this many values;
+    /// [`GpuStage::send_grad`] sends it).
+    Kept(usize),
+}
+
+/// Where a unit's backward starts.
+#[derive(Clone, Copy)]
+enum GradIn<'a> {
+    /// The last stage: from its loss.
+    Loss,
+    /// The next stage's gradient, from the host.
+    Host(&'a [f32]),
+    /// The next stage's gradient, received on its device link.
+    Received,
 }
 
 /// Where a parameter lives in the flat buffers.
@@ -223,6 +258,8 @@ pub struct GpuStage {
     spare_grads: Vec<Buf<f32>>,
     grads: StepGrads,
     peak_activation_bytes: usize,
+    /// Device links to the neighbouring stages and their boundary tensors.
+    links: Links,
 }
 
 // SAFETY: a `Gpu` holds a raw cuBLAS handle, which makes it `!Send`. The stage owns its `Gpu`
@@ -395,6 +432,7 @@ impl GpuStage {
             spare_grads: Vec::new(),
             grads: StepGrads::default(),
             peak_activation_bytes: 0,
+            links: Links::default(),
             plan,
         };
         for (name, dims) in stage.expected_params() {
@@ -934,9 +972,10 @@ impl GpuStage {
         4 * (blocks + n * c + first + last)
     }
 
-    /// Bytes of the activations held now (in-flight micro-batches).
+    /// Bytes of the activations held now (in-flight micro-batches, and the boundary tensors of
+    /// device links).
     pub fn activation_bytes(&self) -> usize {
-        self.in_flight.len() * self.micro_batch_bytes()
+        self.in_flight.len() * self.micro_batch_bytes() + self.links.bytes()
     }
 
     fn seg(&self, segment: usize, op: &'static str) -> Result<(usize, usize)> {
@@ -1057,9 +1096,17 @@ impl GpuStage {
         self.gpu.bind()?;
         let (_, len) = self.seg(segment, OP)?;
         let c = self.plan.model.d_model;
+        let in_len = match &input {
+            UnitInput::Tokens(ids) => ids.len(),
+            UnitInput::Hidden(x) => x.len(),
+            UnitInput::Received => {
+                self.links
+                    .received_len(Flow::Activation, (micro_batch, segment), OP)?
+            }
+        };
         let rows = match (&input, self.plan.first) {
             (UnitInput::Tokens(ids), true) => ids.len(),
-            (UnitInput::Hidden(x), false) => x.len() / c,
+            (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
             _ => {
                 return Err(order(
                     OP,
@@ -1068,13 +1115,10 @@ impl GpuStage {
             }
         };
         let width = if self.plan.first { 1 } else { c };
-        if rows == 0 || !rows.is_multiple_of(len) || rows * width != input_len(&input) {
+        if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
             return shape(
                 OP,
-                format!(
-                    "{} input values do not fit a segment of {len} positions",
-                    input_len(&input)
-                ),
+                format!("{in_len} input values do not fit a segment of {len} positions"),
             );
         }
         let b = rows / len;
@@ -1164,9 +1208,55 @@ impl GpuStage {
             }
         }
         let b = self.batch.expect("fixed");
-        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab);
+        let c = self.plan.model.d_model;
         let n = b * len;
         let unit = &mut mb.units[segment];
+        self.load_input(unit, input, (micro_batch, segment), b)?;
+        let rows = UnitShape { b, start, len };
+        for (slot, layer) in self.plan.layers.clone().enumerate() {
+            let out = unit
+                .blocks
+                .get(slot + 1)
+                .map_or(unit.out.ptr(), |next| next.x.ptr());
+            self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
+        }
+        let unit = &mut mb.units[segment];
+        let output = if self.plan.last {
+            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, "lm_head.weight"));
+            let targets = targets.expect("checked by forward");
+            UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
+        } else if self.links.linked(Side::Next) {
+            let out = unit.out.ptr();
+            self.links.keep(
+                &self.gpu,
+                Flow::Activation,
+                (micro_batch, segment),
+                out,
+                n * c,
+            )?;
+            UnitOutput::Kept(n * c)
+        } else {
+            UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
+        };
+        unit.pending = train;
+        // Only now: a unit that failed anywhere leaves the K/V count where it was.
+        mb.kv_len = start + len;
+        Ok(output)
+    }
+
+    /// Puts unit `(micro_batch, segment)`'s input (`b` rows of its segment) where its first block
+    /// reads it: the embedded tokens, or the hidden states from the host or the device link.
+    fn load_input(
+        &mut self,
+        unit: &mut UnitActs,
+        input: UnitInput,
+        (micro_batch, segment): (usize, usize),
+        b: usize,
+    ) -> Result<()> {
+        const OP: &str = "GpuStage::forward";
+        let (start, len) = self.seg(segment, OP)?;
+        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab);
+        let n = b * len;
         let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
         match input {
             UnitInput::Tokens(ids) => {
@@ -1198,27 +1288,16 @@ impl GpuStage {
                 };
                 self.gpu.write(dst, x)?;
             }
+            UnitInput::Received => {
+                let received =
+                    self.links
+                        .take_received(Flow::Activation, (micro_batch, segment), OP)?;
+                let copied = self.gpu.copy_values(x0, received.buf.ptr(), n * c);
+                self.links.give_back(received);
+                copied?;
+            }
         }
-        let rows = UnitShape { b, start, len };
-        for (slot, layer) in self.plan.layers.clone().enumerate() {
-            let out = unit
-                .blocks
-                .get(slot + 1)
-                .map_or(unit.out.ptr(), |next| next.x.ptr());
-            self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
-        }
-        let unit = &mut mb.units[segment];
-        let output = if self.plan.last {
-            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, "lm_head.weight"));
-            let targets = targets.expect("checked by forward");
-            UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
-        } else {
-            UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
-        };
-        unit.pending = train;
-        // Only now: a unit that failed anywhere leaves the K/V count where it was.
-        mb.kv_len = start + len;
-        Ok(output)
+        Ok(())
     }
 
     /// One block's forward for one unit: `a.x` in, `out` (the next block's input) out; the
@@ -1305,12 +1384,27 @@ impl GpuStage {
 
     /// Backward of unit `(micro_batch, segment)`: `d_out (B·s, C)` from the next stage (none on
     /// the last stage, which starts from its loss). Returns the gradient for the previous stage
-    /// (none on the first stage).
-    pub fn backward(
+    /// (none on the first stage), kept on the device when a device link to the previous stage
+    /// was joined.
+    pub fn backward(&mut self, unit: (usize, usize), d_out: Option<&[f32]>) -> Result<UnitGrad> {
+        let from = match d_out {
+            Some(d) => GradIn::Host(d),
+            None => GradIn::Loss,
+        };
+        self.backward_from(unit, from)
+    }
+
+    /// [`GpuStage::backward`] of a unit whose output gradient was received on the next stage's
+    /// device link ([`GpuStage::receive_grad`]).
+    pub fn backward_received(&mut self, unit: (usize, usize)) -> Result<UnitGrad> {
+        self.backward_from(unit, GradIn::Received)
+    }
+
+    fn backward_from(
         &mut self,
         (micro_batch, segment): (usize, usize),
-        d_out: Option<&[f32]>,
-    ) -> Result<Option<Vec<f32>>> {
+        d_out: GradIn,
+    ) -> Result<UnitGrad> {
         const OP: &str = "GpuStage::backward";
         self.gpu.bind()?;
         let (start, len) = self.seg(segment, OP)?;
@@ -1352,14 +1446,43 @@ impl GpuStage {
         &mut self,
         mb: &MicroBatch,
         (micro_batch, segment): (usize, usize),
-        d_out: Option<&[f32]>,
-    ) -> Result<Option<Vec<f32>>> {
+        d_out: GradIn,
+    ) -> Result<UnitGrad> {
         const OP: &str = "GpuStage::backward";
         let acc_ptr = self.accumulator(micro_batch)?;
+        let received = match d_out {
+            GradIn::Received => Some(self.links.take_received(
+                Flow::Grad,
+                (micro_batch, segment),
+                OP,
+            )?),
+            _ => None,
+        };
         let Some(mut scratch) = self.scratch.take() else {
+            if let Some(held) = received {
+                self.links.give_back(held);
+            }
             return Err(order(OP, "backward before any forward"));
         };
-        let result = self.backward_units(mb, (micro_batch, segment), &mut scratch, acc_ptr, d_out);
+        let dy = match (&received, d_out) {
+            (Some(held), _) => Dy::Device(held.buf.ptr(), held.n),
+            (None, GradIn::Host(d)) => Dy::Host(d),
+            (None, _) => Dy::Loss,
+        };
+        let result = self.backward_units(mb, (micro_batch, segment), &mut scratch, acc_ptr, dy);
+        if let Some(held) = received {
+            self.links.give_back(held);
+        }
+        let dx = scratch.dx.ptr();
+        let result = result.and_then(|values| match values {
+            None => Ok(UnitGrad::None),
+            Some(n) if self.links.linked(Side::Prev) => {
+                let unit = (micro_batch, segment);
+                self.links.keep(&self.gpu, Flow::Grad, unit, dx, n)?;
+                Ok(UnitGrad::Kept(n))
+            }
+            Some(n) => Ok(UnitGrad::Hidden(self.gpu.download_prefix(&scratch.dx, n)?)),
+        });
         self.scratch = Some(scratch);
         result
     }
@@ -1371,8 +1494,8 @@ impl GpuStage {
         (_, segment): (usize, usize),
         scratch: &mut Scratch,
         acc_ptr: u64,
-        d_out: Option<&[f32]>,
-    ) -> Result<Option<Vec<f32>>> {
+        d_out: Dy,
+    ) -> Result<Option<usize>> {
         const OP: &str = "GpuStage::backward";
         let (start, len) = self.seg(segment, OP)?;
         let b = self.batch.expect("fixed by the forward");
@@ -1383,7 +1506,7 @@ impl GpuStage {
         let unit = &mb.units[segment];
         let sc = &scratch.columns;
         match (self.plan.last, d_out) {
-            (true, None) => self.norm_backward(
+            (true, Dy::Loss) => self.norm_backward(
                 scratch.dx.ptr(),
                 unit.dhead.ptr(),
                 unit.out.ptr(),
@@ -1391,11 +1514,20 @@ impl GpuStage {
                 "ln_f",
                 (n, acc_ptr, sc),
             )?,
-            (false, Some(dy)) if dy.len() == n * c => gpu.write(&mut scratch.dx, dy)?,
-            (false, Some(dy)) => {
+            (false, Dy::Host(dy)) if dy.len() == n * c => gpu.write(&mut scratch.dx, dy)?,
+            (false, Dy::Device(dy, len)) if len == n * c => {
+                gpu.copy_values(scratch.dx.ptr(), dy, n * c)?
+            }
+            (false, Dy::Host(dy)) => {
                 return shape(
                     OP,
                     format!("{} gradient values for {n} positions × {c}", dy.len()),
+                );
+            }
+            (false, Dy::Device(_, len)) => {
+                return shape(
+                    OP,
+                    format!("{len} received gradient values for {n} positions × {c}"),
                 );
             }
             _ => {
@@ -1416,7 +1548,7 @@ impl GpuStage {
             gpu.embed_backward_positions(offset("wpe.weight"), dx, b, len, c, start)?;
             Ok(None)
         } else {
-            Ok(Some(gpu.download_prefix(&scratch.dx, n * c)?))
+            Ok(Some(n * c))
         }
     }
 
@@ -1519,11 +1651,13 @@ impl GpuStage {
     }
 }
 
-fn input_len(input: &UnitInput) -> usize {
-    match input {
-        UnitInput::Tokens(ids) => ids.len(),
-        UnitInput::Hidden(x) => x.len(),
-    }
+/// The output gradient a unit's backward starts from, where it lies.
+#[derive(Clone, Copy)]
+enum Dy<'a> {
+    Loss,
+    Host(&'a [f32]),
+    /// A device buffer's address and length.
+    Device(u64, usize),
 }
 
 fn tree_error(e: ops::SumTreeError<GpuError>) -> GpuError {

@@ -12,6 +12,7 @@ use thiserror::Error;
 use crate::checkpointing::CheckpointConfig;
 use crate::data::DataConfig;
 use crate::model::ModelConfig;
+use crate::model::config::DeviceKind;
 use crate::schedule::{FlopsModel, Partition, ScheduleKind, segment_lengths};
 
 /// The embedded default config (`configs/tiny.toml`).
@@ -163,6 +164,21 @@ pub struct PipelineConfig {
     pub attention_cost: f64,
     /// Seconds to wait for a peer (connection or message) before declaring it failed.
     pub timeout_s: f64,
+    /// How boundary tensors cross between neighbouring stages: `tcp` (through the host, over the
+    /// data links) or `nccl` (GPU to GPU over NCCL links, with only their headers on TCP; needs
+    /// `model.device = "cuda"` and libnccl).
+    pub transport: StageTransport,
+}
+
+/// How boundary tensors cross between neighbouring stages (`pipeline.transport`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageTransport {
+    /// Through the host, over the TCP data links (any device).
+    #[default]
+    Tcp,
+    /// Device to device over NCCL links between CUDA stages; headers over TCP.
+    Nccl,
 }
 
 impl PipelineConfig {
@@ -183,6 +199,7 @@ impl Default for PipelineConfig {
             partition: Partition::Compute,
             attention_cost: 1.0,
             timeout_s: 60.0,
+            transport: StageTransport::Tcp,
         }
     }
 }
@@ -486,6 +503,13 @@ impl Config {
             );
         }
         seconds("pipeline.timeout_s", p.timeout_s, Zero::Refused)?;
+        if p.transport == StageTransport::Nccl && m.device != DeviceKind::Cuda {
+            return invalid(
+                "pipeline.transport",
+                "\"nccl\" links the GPUs of CUDA stages: set model.device = \"cuda\", or use \"tcp\""
+                    .into(),
+            );
+        }
         self.elastic.validate()?;
         let c = &self.checkpoint;
         if c.keep_last == 0 {
@@ -729,6 +753,23 @@ mod tests {
         assert_eq!(cfg.pipeline.schedule, ScheduleKind::OneFOneB);
         assert_eq!(cfg.run.dir, PathBuf::from("/tmp/x"));
         assert_eq!(cfg.train.lr, 0.5);
+    }
+
+    #[test]
+    fn nccl_transport_needs_cuda_stages() {
+        let tcp = Config::default();
+        assert_eq!(tcp.pipeline.transport, StageTransport::Tcp);
+        let nccl = tcp
+            .with_overrides(&["pipeline.transport=nccl".into()])
+            .unwrap();
+        assert_eq!(nccl.pipeline.transport, StageTransport::Nccl);
+        let err = nccl.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("pipeline.transport") && err.contains("model.device = \"cuda\""),
+            "{err}"
+        );
+        let cuda = nccl.with_overrides(&["model.device=cuda".into()]).unwrap();
+        cuda.validate().unwrap();
     }
 
     #[test]

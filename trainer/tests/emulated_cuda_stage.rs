@@ -14,8 +14,8 @@ use candle_core::{DType, Device, Tensor};
 use ops::adamw::AdamWConfig;
 use trainer::model::config::{DeviceKind, PrecisionKind};
 use trainer::model::{
-    Mode, ModelConfig, StageCompute, StageInput, StageOutput, StageSpec, UpdateSettings,
-    build_stage, partition_layers,
+    LinkedInput, LinkedOutput, Mode, ModelConfig, Neighbour, StageCompute, StageInput, StageOutput,
+    StageSpec, UpdateSettings, build_stage, partition_layers,
 };
 use trainer::schedule::Unit;
 
@@ -275,4 +275,146 @@ fn emulated_cuda_stages_are_deterministic_and_resume_bit_exactly_from_a_snapshot
             }
         }
     }
+}
+
+/// One training step of a stage over device links, on its own thread (its neighbour runs on
+/// another): stage 0 runs the forwards and sends, then receives the gradients and runs the
+/// backwards; stage 1 receives, computes the loss, and sends the gradients back. Returns stage 1's
+/// loss.
+fn linked_step(stage: &mut dyn StageCompute, index: usize, n: usize) -> f64 {
+    let scale = 1.0 / (MICRO_BATCHES * ROWS * SEQ) as f64;
+    let deadline = || std::time::Instant::now() + std::time::Duration::from_secs(60);
+    stage.begin_step(MICRO_BATCHES);
+    let links = stage.device_links().expect("a CUDA stage has device links");
+    links.release_boundaries(deadline()).unwrap();
+    let units: Vec<Unit> = (0..MICRO_BATCHES)
+        .flat_map(|mb| (0..SEGMENTS.len()).map(move |seg| Unit::new(mb, seg)))
+        .collect();
+    let mut loss = 0.0;
+    for &unit in &units {
+        let (ids, targets) = batch(n, unit.micro_batch, unit.segment);
+        if index == 0 {
+            let out = links
+                .forward_linked(unit, LinkedInput::Tokens(ids), None, scale, Mode::Train)
+                .unwrap();
+            assert_eq!(
+                out,
+                LinkedOutput::Kept {
+                    rows: ROWS * SEGMENTS[unit.segment]
+                }
+            );
+            links.send_activation(unit, deadline()).unwrap();
+        } else {
+            let rows = ROWS * SEGMENTS[unit.segment];
+            links.receive_activation(unit, rows, deadline()).unwrap();
+            let out = links
+                .forward_linked(
+                    unit,
+                    LinkedInput::Received,
+                    Some(&targets),
+                    scale,
+                    Mode::Train,
+                )
+                .unwrap();
+            let LinkedOutput::LossSum(l) = out else {
+                panic!("the last stage kept hidden states: {out:?}")
+            };
+            loss += l * scale;
+        }
+    }
+    for &unit in units.iter().rev() {
+        if index == 0 {
+            let rows = ROWS * SEGMENTS[unit.segment];
+            links.receive_grad(unit, rows, deadline()).unwrap();
+            assert_eq!(links.backward_linked(unit).unwrap(), None);
+        } else {
+            let kept = links.backward_linked(unit).unwrap();
+            assert_eq!(kept, Some(ROWS * SEGMENTS[unit.segment]));
+            links.send_grad(unit, deadline()).unwrap();
+        }
+    }
+    stage.finish_gradients().unwrap();
+    loss
+}
+
+/// Device links (NCCL on a GPU; here the emulated link between two threads) carry a step's
+/// boundary tensors from device to device, one link per direction: the step's loss and every
+/// gradient are bit-identical to the same stages exchanging host tensors, step after step (the
+/// kept buffers are released and reused). A neighbour that is gone makes a receive wait until the
+/// TCP link's flag is set, and then fail as a lost link, never hang.
+#[test]
+fn device_links_carry_a_step_bit_identically_and_a_lost_neighbour_ends_a_wait() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    let mut host = stages(&model(DeviceKind::Cuda));
+    let mut linked = stages(&model(DeviceKind::Cuda));
+    let mut s1 = linked.pop().unwrap();
+    let mut s0 = linked.pop().unwrap();
+    let ids = s0.device_links().unwrap().new_link_ids().unwrap();
+    let gone0 = Arc::new(AtomicBool::new(false));
+    let timeout = Duration::from_secs(30);
+    let steps = 2;
+    let later = std::thread::spawn(move || {
+        let links = s1.device_links().unwrap();
+        let flag = Arc::new(AtomicBool::new(false));
+        links
+            .join_link(Neighbour::Prev, ids, timeout, flag)
+            .unwrap();
+        let mut out = Vec::new();
+        for n in 0..steps {
+            let loss = linked_step(s1.as_mut(), 1, n);
+            out.push((loss, s1.gradients().unwrap()));
+            update(std::slice::from_mut(&mut s1));
+        }
+        out
+    });
+    s0.device_links()
+        .unwrap()
+        .join_link(Neighbour::Next, ids, timeout, Arc::clone(&gone0))
+        .unwrap();
+    let mut first = Vec::new();
+    for n in 0..steps {
+        linked_step(s0.as_mut(), 0, n);
+        first.push(s0.gradients().unwrap());
+        update(std::slice::from_mut(&mut s0));
+    }
+    let second = later.join().unwrap();
+    for n in 0..steps {
+        let loss = step(&mut host, n);
+        assert_eq!(second[n].0.to_bits(), loss.to_bits(), "step {n}: loss");
+        for (s, got) in [&first[n], &second[n].1].into_iter().enumerate() {
+            let want = host[s].gradients().unwrap();
+            for ((name, a), (_, b)) in got.iter().zip(&want) {
+                assert_eq!(
+                    values(a),
+                    values(b),
+                    "step {n}, stage {s}: gradient of {name}"
+                );
+            }
+        }
+        update(&mut host);
+    }
+    // Stage 1 is gone (its thread ended and dropped it): a receive from it waits until the flag
+    // of the TCP link to it is set.
+    let trip = {
+        let gone = Arc::clone(&gone0);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            gone.store(true, Ordering::SeqCst);
+        })
+    };
+    let started = Instant::now();
+    let err = s0
+        .device_links()
+        .unwrap()
+        .receive_grad(Unit::new(0, 1), ROWS * SEGMENTS[1], started + timeout)
+        .unwrap_err();
+    trip.join().unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300), "{err}");
+    assert!(
+        matches!(&err, trainer::model::ModelError::Link(why) if why.contains("declared lost")),
+        "{err}"
+    );
 }

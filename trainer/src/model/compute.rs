@@ -5,10 +5,16 @@
 //! Every tensor crosses this interface on the host (candle CPU tensors): a unit's input and output
 //! activations and gradients, which the worker sends to its neighbours over TCP, and the named state
 //! of checkpoints and peer snapshots. A device stage copies them in and out, so its link to a
-//! neighbour is host-staged by construction, wherever the neighbour runs.
+//! neighbour is host-staged, wherever the neighbour runs — unless the stage offers
+//! [`DeviceLinks`] and the run asks for them (`pipeline.transport = "nccl"`): then boundary tensors
+//! go from device to device and only their headers cross the host.
 //!
 //! [`CpuStage`] is the CPU implementation: the [`Stage`] kernels of `ops` and AdamW. It is the
 //! oracle every other device is checked against.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use ops::adamw::{AdamW, AdamWConfig};
@@ -97,6 +103,94 @@ pub trait StageCompute: Send {
     fn take_peak_activation_bytes(&mut self) -> usize;
     /// The most full-gradient buffers held at once since the last call.
     fn take_peak_gradient_buffers(&mut self) -> usize;
+    /// The stage's device links, if its device has them (a CUDA stage; not the CPU).
+    fn device_links(&mut self) -> Option<&mut dyn DeviceLinks> {
+        None
+    }
+}
+
+/// Which neighbouring stage a device link goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Neighbour {
+    /// The previous stage: activations come from it, gradients go to it.
+    Prev,
+    /// The next stage.
+    Next,
+}
+
+/// What flows into a unit's forward over device links.
+pub enum LinkedInput {
+    /// First stage: the segment's token ids `(B, s)`.
+    Tokens(Tensor),
+    /// The hidden states received for the unit ([`DeviceLinks::receive_activation`]).
+    Received,
+}
+
+/// What a unit's forward over device links produced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LinkedOutput {
+    /// Hidden states of `rows` rows, kept on the device for [`DeviceLinks::send_activation`].
+    Kept { rows: usize },
+    /// Last stage: the unit's summed token loss, scaled as [`StageCompute::forward`]'s.
+    LossSum(f64),
+}
+
+/// Links between the devices of neighbouring stages (NCCL between GPUs): the stage receives its
+/// units' inputs into, and sends their outputs from, buffers on its device, and the worker moves
+/// only the tensor headers over its TCP links. Each link is two, one per direction, so that a send
+/// waiting for its receiver never holds up the other direction.
+///
+/// Outputs stay kept until [`DeviceLinks::release_boundaries`] (the next step), so that they can
+/// be sent again to a replacement of a lost neighbour. Every wait ends by the deadline or when the
+/// `peer_gone` flag of the link is set (the worker's TCP link to that peer sets it when it dies),
+/// with [`ModelError::Link`]: a lost neighbour never hangs the stage.
+pub trait DeviceLinks {
+    /// The two ids (one per direction) of a new link to the next stage, to hand to it.
+    fn new_link_ids(&self) -> Result<[[u8; 128]; 2], ModelError>;
+    /// Joins the link to `side` from its ids (created by the earlier stage), waiting at most
+    /// `timeout` for the peer; a link joined earlier to that side is aborted first.
+    fn join_link(
+        &mut self,
+        side: Neighbour,
+        ids: [[u8; 128]; 2],
+        timeout: Duration,
+        peer_gone: Arc<AtomicBool>,
+    ) -> Result<(), ModelError>;
+    /// Receives unit `unit`'s input (`rows` rows) from the previous stage; returns once it is on
+    /// the device.
+    fn receive_activation(
+        &mut self,
+        unit: Unit,
+        rows: usize,
+        deadline: Instant,
+    ) -> Result<(), ModelError>;
+    /// Receives unit `unit`'s output gradient (`rows` rows) from the next stage.
+    fn receive_grad(
+        &mut self,
+        unit: Unit,
+        rows: usize,
+        deadline: Instant,
+    ) -> Result<(), ModelError>;
+    /// Queues the send of unit `unit`'s kept output to the next stage.
+    fn send_activation(&mut self, unit: Unit, deadline: Instant) -> Result<(), ModelError>;
+    /// Queues the send of unit `unit`'s kept input gradient to the previous stage.
+    fn send_grad(&mut self, unit: Unit, deadline: Instant) -> Result<(), ModelError>;
+    /// Waits for the queued sends and frees every kept or unread boundary tensor.
+    fn release_boundaries(&mut self, deadline: Instant) -> Result<(), ModelError>;
+    /// Forward of one unit (see [`StageCompute::forward`]) whose output, unless this is the last
+    /// stage, is kept for the next stage's link.
+    fn forward_linked(
+        &mut self,
+        unit: Unit,
+        input: LinkedInput,
+        targets: Option<&Tensor>,
+        loss_scale: f64,
+        mode: Mode,
+    ) -> Result<LinkedOutput, ModelError>;
+    /// Backward of one unit from the gradient received for it (the last stage: from its loss);
+    /// the input gradient, unless this is the first stage, is kept for the previous stage's link:
+    /// its rows.
+    fn backward_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError>;
 }
 
 /// The environment variable naming a worker's CUDA device ordinal (set by its agent: the worker's

@@ -5,13 +5,26 @@
 //!
 //! What the CUDA kernels do not cover is refused when the stage is built, with what to do: RoPE
 //! positions and f64 stages.
+//!
+//! It also offers [`DeviceLinks`]: NCCL links to the neighbouring stages' GPUs
+//! (`pipeline.transport = "nccl"`), with the boundary tensors kept on the device.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use gpu::stage::{GptShape, GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
+use gpu::nccl::{Abort, LinkId};
+use gpu::stage::{
+    GptShape, GpuStage, Side, StageParam, StagePlan, UnitGrad, UnitInput, UnitOutput,
+};
 use gpu::{Gpu, GpuError, Precision};
 use ops::adamw::AdamWConfig;
 
-use super::compute::{CUDA_DEVICE_ENV, StageCompute, StageSpec, UpdateSettings};
+use super::compute::{
+    CUDA_DEVICE_ENV, DeviceLinks, LinkedInput, LinkedOutput, Neighbour, StageCompute, StageSpec,
+    UpdateSettings,
+};
 use super::config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 use super::params::{ParamSpec, component_params, decays, init_param};
 use super::partition::StageLayout;
@@ -32,6 +45,21 @@ pub struct CudaStage {
 
 fn device_err(e: GpuError) -> ModelError {
     ModelError::Device(e.to_string())
+}
+
+/// A device link's failure is the neighbour's loss; any other is the device's.
+fn link_err(e: GpuError) -> ModelError {
+    match e {
+        GpuError::LinkAborted { .. } | GpuError::Nccl { .. } => ModelError::Link(e.to_string()),
+        e => device_err(e),
+    }
+}
+
+fn side(n: Neighbour) -> Side {
+    match n {
+        Neighbour::Prev => Side::Prev,
+        Neighbour::Next => Side::Next,
+    }
 }
 
 /// The device ordinal of this worker: [`CUDA_DEVICE_ENV`] if set, else 0.
@@ -95,6 +123,42 @@ impl CudaStage {
             adamw: spec.adamw,
             d_model: model.d_model,
         })
+    }
+
+    /// The device stage's forward of `unit`, then the memory budget's check.
+    fn run_forward(
+        &mut self,
+        unit: Unit,
+        input: UnitInput,
+        targets: Option<&Tensor>,
+        loss_scale: f64,
+        mode: Mode,
+    ) -> Result<UnitOutput, ModelError> {
+        let targets = targets
+            .map(|t| t.flatten_all()?.to_vec1::<u32>())
+            .transpose()?;
+        let out = self
+            .stage
+            .forward(
+                (unit.micro_batch, unit.segment),
+                input,
+                targets.as_deref(),
+                loss_scale,
+                mode == Mode::Train,
+            )
+            .map_err(link_err)?;
+        if let Some(budget) = self.memory_budget {
+            let (state, activations) = (self.stage.state_bytes(), self.stage.activation_bytes());
+            if state + activations > budget {
+                return Err(ModelError::OverBudget {
+                    unit,
+                    state,
+                    activations,
+                    budget,
+                });
+            }
+        }
+        Ok(out)
     }
 
     fn named(
@@ -187,37 +251,20 @@ impl StageCompute for CudaStage {
                 UnitInput::Hidden(&hidden)
             }
         };
-        let targets = targets
-            .map(|t| t.flatten_all()?.to_vec1::<u32>())
-            .transpose()?;
-        let out = self
-            .stage
-            .forward(
-                (unit.micro_batch, unit.segment),
-                input,
-                targets.as_deref(),
-                loss_scale,
-                mode == Mode::Train,
-            )
-            .map_err(device_err)?;
-        if let Some(budget) = self.memory_budget {
-            let (state, activations) = (self.stage.state_bytes(), self.stage.activation_bytes());
-            if state + activations > budget {
-                return Err(ModelError::OverBudget {
-                    unit,
-                    state,
-                    activations,
-                    budget,
-                });
-            }
-        }
-        Ok(match out {
-            UnitOutput::LossSum(l) => StageOutput::LossSum(l),
+        match self.run_forward(unit, input, targets, loss_scale, mode)? {
+            UnitOutput::LossSum(l) => Ok(StageOutput::LossSum(l)),
             UnitOutput::Hidden(x) => {
                 let rows = x.len() / self.d_model;
-                StageOutput::Hidden(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?)
+                Ok(StageOutput::Hidden(Tensor::from_vec(
+                    x,
+                    (rows, self.d_model),
+                    &Device::Cpu,
+                )?))
             }
-        })
+            UnitOutput::Kept(_) => Err(ModelError::Device(
+                "a forward from the host kept its output for a device link; drive a linked stage through DeviceLinks".into(),
+            )),
+        }
     }
 
     fn backward(
@@ -230,11 +277,16 @@ impl StageCompute for CudaStage {
             .stage
             .backward((unit.micro_batch, unit.segment), d.as_deref())
             .map_err(device_err)?;
-        dx.map(|x| {
-            let rows = x.len() / self.d_model;
-            Ok(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?)
-        })
-        .transpose()
+        match dx {
+            UnitGrad::None => Ok(None),
+            UnitGrad::Hidden(x) => {
+                let rows = x.len() / self.d_model;
+                Ok(Some(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?))
+            }
+            UnitGrad::Kept(_) => Err(ModelError::Device(
+                "a backward from the host kept its gradient for a device link; drive a linked stage through DeviceLinks".into(),
+            )),
+        }
     }
 
     fn finish_gradients(&mut self) -> Result<(), ModelError> {
@@ -346,5 +398,117 @@ impl StageCompute for CudaStage {
 
     fn take_peak_gradient_buffers(&mut self) -> usize {
         self.stage.take_peak_gradient_buffers()
+    }
+
+    fn device_links(&mut self) -> Option<&mut dyn DeviceLinks> {
+        Some(self)
+    }
+}
+
+impl DeviceLinks for CudaStage {
+    fn new_link_ids(&self) -> Result<[[u8; 128]; 2], ModelError> {
+        Ok([
+            LinkId::new().map_err(device_err)?.to_bytes(),
+            LinkId::new().map_err(device_err)?.to_bytes(),
+        ])
+    }
+
+    fn join_link(
+        &mut self,
+        n: Neighbour,
+        ids: [[u8; 128]; 2],
+        timeout: Duration,
+        peer_gone: Arc<AtomicBool>,
+    ) -> Result<(), ModelError> {
+        let ids = ids.map(LinkId::from_bytes);
+        self.stage
+            .join_link(side(n), ids, timeout, Abort::from(peer_gone))
+            .map_err(link_err)
+    }
+
+    fn receive_activation(
+        &mut self,
+        unit: Unit,
+        rows: usize,
+        deadline: Instant,
+    ) -> Result<(), ModelError> {
+        let n = rows * self.d_model;
+        self.stage
+            .receive_activation((unit.micro_batch, unit.segment), n, deadline)
+            .map_err(link_err)
+    }
+
+    fn receive_grad(
+        &mut self,
+        unit: Unit,
+        rows: usize,
+        deadline: Instant,
+    ) -> Result<(), ModelError> {
+        let n = rows * self.d_model;
+        self.stage
+            .receive_grad((unit.micro_batch, unit.segment), n, deadline)
+            .map_err(link_err)
+    }
+
+    fn send_activation(&mut self, unit: Unit, deadline: Instant) -> Result<(), ModelError> {
+        self.stage
+            .send_activation((unit.micro_batch, unit.segment), deadline)
+            .map_err(link_err)
+    }
+
+    fn send_grad(&mut self, unit: Unit, deadline: Instant) -> Result<(), ModelError> {
+        self.stage
+            .send_grad((unit.micro_batch, unit.segment), deadline)
+            .map_err(link_err)
+    }
+
+    fn release_boundaries(&mut self, deadline: Instant) -> Result<(), ModelError> {
+        self.stage.release_boundaries(deadline).map_err(link_err)
+    }
+
+    fn forward_linked(
+        &mut self,
+        unit: Unit,
+        input: LinkedInput,
+        targets: Option<&Tensor>,
+        loss_scale: f64,
+        mode: Mode,
+    ) -> Result<LinkedOutput, ModelError> {
+        let ids;
+        let input = match input {
+            LinkedInput::Tokens(t) => {
+                ids = t.flatten_all()?.to_vec1::<u32>()?;
+                UnitInput::Tokens(&ids)
+            }
+            LinkedInput::Received => UnitInput::Received,
+        };
+        match self.run_forward(unit, input, targets, loss_scale, mode)? {
+            UnitOutput::LossSum(l) => Ok(LinkedOutput::LossSum(l)),
+            UnitOutput::Kept(n) => Ok(LinkedOutput::Kept {
+                rows: n / self.d_model,
+            }),
+            UnitOutput::Hidden(_) => Err(ModelError::Device(
+                "a linked forward's output went to the host: join the link to the next stage first"
+                    .into(),
+            )),
+        }
+    }
+
+    fn backward_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError> {
+        let at = (unit.micro_batch, unit.segment);
+        let dx = if self.layout.is_last() {
+            self.stage.backward(at, None)
+        } else {
+            self.stage.backward_received(at)
+        }
+        .map_err(link_err)?;
+        match dx {
+            UnitGrad::None => Ok(None),
+            UnitGrad::Kept(n) => Ok(Some(n / self.d_model)),
+            UnitGrad::Hidden(_) => Err(ModelError::Device(
+                "a linked backward's gradient went to the host: join the link to the previous stage first"
+                    .into(),
+            )),
+        }
     }
 }

@@ -12,7 +12,10 @@ pub mod partition;
 pub mod snapshot;
 pub mod stage;
 
-pub use compute::{CpuStage, StageCompute, StageSpec, UpdateSettings, build_stage};
+pub use compute::{
+    CpuStage, DeviceLinks, LinkedInput, LinkedOutput, Neighbour, StageCompute, StageSpec,
+    UpdateSettings, build_stage,
+};
 pub use config::{ModelConfig, Norm, Position};
 pub use partition::{StageLayout, partition_layers};
 pub use snapshot::StateSnapshot;

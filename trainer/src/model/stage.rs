@@ -88,6 +88,9 @@ pub enum ModelError {
     /// The configured device cannot run the stage.
     #[error("{0}")]
     Device(String),
+    /// A device link to a neighbouring stage failed or was aborted (the neighbour is lost).
+    #[error("device link: {0}")]
+    Link(String),
     /// Copying the stage's state off its device (for a checkpoint or peer snapshot) failed.
     #[error("copying the stage's state to the host failed: {0}")]
     StateCopy(String),

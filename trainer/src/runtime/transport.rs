@@ -3,11 +3,17 @@
 //! [`Transport`] is what the stage runtime sees; [`TcpLink`] implements it over one TCP connection per
 //! neighbour pair (activations flow down it, gradients up). A reader thread drains the socket into a
 //! queue so that two stages sending to each other at once never deadlock.
+//!
+//! With device links between the stages (`pipeline.transport = "nccl"`) the values go from device
+//! to device and the TCP link carries the rest: the links' ids when they are built, each tensor's
+//! header ([`TcpLink::send_header`]), and — through [`TcpLink::peer_gone`] — the news that the peer
+//! is gone, which ends any wait on the device link.
 
 use std::io::{self, BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -41,6 +47,17 @@ pub struct TensorHeader {
     pub unit: Unit,
     /// Tensor shape (f32, row-major).
     pub shape: Vec<usize>,
+    /// The values follow on the device link, not in this frame.
+    #[serde(default)]
+    pub on_device: bool,
+}
+
+/// The first frame on a link between stages with device links: the ids of the device link (one
+/// per direction), from the earlier stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct LinkIdsHeader {
+    generation: u64,
+    ids: usize,
 }
 
 /// Transport failures, naming the peer.
@@ -189,6 +206,18 @@ pub struct TcpLink {
     timeout: Duration,
     writer: BufWriter<TcpStream>,
     incoming: Receiver<io::Result<Frame>>,
+    /// Set by the reader thread when the connection breaks.
+    gone: Arc<AtomicBool>,
+    /// The largest boundary tensor a header may announce.
+    max_tensor_bytes: u64,
+}
+
+/// A dropped link is closed: its reader thread holds a clone of the socket, which would otherwise
+/// keep the connection open and the peer waiting.
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        let _ = self.writer.get_ref().shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl TcpLink {
@@ -206,12 +235,17 @@ impl TcpLink {
         stream.set_nodelay(true)?;
         let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let (tx, incoming) = channel();
+        let gone = Arc::new(AtomicBool::new(false));
+        let broke = Arc::clone(&gone);
         std::thread::Builder::new()
             .name(format!("recv-{peer}"))
             .spawn(move || {
                 loop {
                     let frame = read_frame(&mut reader, limits);
                     let stop = frame.is_err();
+                    if stop {
+                        broke.store(true, Ordering::SeqCst);
+                    }
                     if tx.send(frame).is_err() || stop {
                         break;
                     }
@@ -224,7 +258,114 @@ impl TcpLink {
             timeout,
             writer: BufWriter::with_capacity(1 << 20, stream),
             incoming,
+            gone,
+            max_tensor_bytes,
         })
+    }
+
+    /// A flag set once this link's connection breaks (the peer died or closed it): a device link
+    /// to the same peer aborts its waits on it.
+    pub fn peer_gone(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.gone)
+    }
+
+    /// Sends the ids of the device link to the peer (the later stage).
+    pub fn send_link_ids(&mut self, ids: &[[u8; 128]; 2]) -> Result<(), TransportError> {
+        let header = LinkIdsHeader {
+            generation: self.generation,
+            ids: ids.len(),
+        };
+        write_frame(&mut self.writer, &Frame::new(&header, ids.concat()))
+            .map_err(|e| self.io_error(e))
+    }
+
+    /// Reads the ids of the device link from the peer (the earlier stage).
+    pub fn recv_link_ids(&mut self) -> Result<[[u8; 128]; 2], TransportError> {
+        let frame = self.next_frame()?;
+        let header: LinkIdsHeader = frame.header().map_err(|e| self.io_error(e))?;
+        let expected = LinkIdsHeader {
+            generation: self.generation,
+            ids: 2,
+        };
+        if header != expected || frame.payload.len() != 256 {
+            return Err(TransportError::Unexpected {
+                peer: self.peer.clone(),
+                expected: format!("{expected:?} and 256 bytes"),
+                got: format!("{header:?} and {} bytes", frame.payload.len()),
+            });
+        }
+        let id = |i: usize| -> [u8; 128] {
+            frame.payload[128 * i..128 * (i + 1)]
+                .try_into()
+                .expect("128 bytes")
+        };
+        Ok([id(0), id(1)])
+    }
+
+    /// Sends the header of a tensor whose values follow on the device link.
+    pub fn send_header(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        shape: &[usize],
+    ) -> Result<(), TransportError> {
+        let header = self.header(step, payload, unit, shape.to_vec(), true);
+        write_frame(&mut self.writer, &Frame::new(&header, Vec::new()))
+            .map_err(|e| self.io_error(e))
+    }
+
+    /// Receives the header of the next tensor, which must be the `payload` of `unit` in `step`
+    /// with its values on the device link: its shape, at most the run's largest boundary tensor.
+    pub fn recv_header(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+    ) -> Result<Vec<usize>, TransportError> {
+        let frame = self.next_frame()?;
+        let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
+        let expected = self.header(step, payload, unit, header.shape.clone(), true);
+        if header != expected || !frame.payload.is_empty() {
+            return Err(TransportError::Unexpected {
+                peer: self.peer.clone(),
+                expected: format!("{expected:?} with no values"),
+                got: format!("{header:?} with {} bytes", frame.payload.len()),
+            });
+        }
+        let bytes = header
+            .shape
+            .iter()
+            .try_fold(4u64, |acc, &d| acc.checked_mul(d as u64));
+        match bytes {
+            Some(b) if b <= self.max_tensor_bytes => Ok(header.shape),
+            _ => Err(TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: format!(
+                    "shape {:?} is larger than the run's largest boundary tensor ({} bytes)",
+                    header.shape, self.max_tensor_bytes
+                ),
+            }),
+        }
+    }
+
+    /// The header of the `payload` of `unit` in `step` on this link's generation.
+    fn header(
+        &self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        shape: Vec<usize>,
+        on_device: bool,
+    ) -> TensorHeader {
+        TensorHeader {
+            generation: self.generation,
+            step,
+            payload,
+            unit,
+            shape,
+            on_device,
+        }
     }
 
     /// Tells the peer (a replacement stage) which `payload` units of `step` this side already has.
@@ -297,26 +438,14 @@ impl Transport for TcpLink {
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(bad)?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let header = TensorHeader {
-            generation: self.generation,
-            step,
-            payload,
-            unit,
-            shape: tensor.dims().to_vec(),
-        };
+        let header = self.header(step, payload, unit, tensor.dims().to_vec(), false);
         write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
     }
 
     fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError> {
         let frame = self.next_frame()?;
         let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
-        let expected = TensorHeader {
-            generation: self.generation,
-            step,
-            payload,
-            unit,
-            shape: header.shape.clone(),
-        };
+        let expected = self.header(step, payload, unit, header.shape.clone(), false);
         if header != expected {
             return Err(TransportError::Unexpected {
                 peer: self.peer.clone(),
@@ -397,6 +526,48 @@ mod tests {
         assert!(err.to_string().contains("generation: 2"), "{err}");
     }
 
+    /// With device links the TCP link carries the links' ids and each tensor's header; a header
+    /// must name the expected unit, carry no values, and announce at most the run's largest
+    /// boundary tensor. The reader thread's end sets the peer-gone flag.
+    #[test]
+    fn device_link_ids_and_headers_cross_and_are_checked() {
+        let unit = Unit::new(1, 0);
+        let (mut a, mut b) = pair(4, 4);
+        let ids = [[7u8; 128], [9u8; 128]];
+        a.send_link_ids(&ids).unwrap();
+        assert_eq!(b.recv_link_ids().unwrap(), ids);
+        a.send_header(2, Payload::Activation, unit, &[6, 8])
+            .unwrap();
+        assert_eq!(
+            b.recv_header(2, Payload::Activation, unit).unwrap(),
+            vec![6, 8]
+        );
+        // Values where a header was expected, or the reverse, are protocol errors.
+        let t = Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
+        a.send(2, Payload::Activation, unit, &t).unwrap();
+        let err = b.recv_header(2, Payload::Activation, unit).unwrap_err();
+        assert!(matches!(err, TransportError::Unexpected { .. }), "{err}");
+        a.send_header(2, Payload::Grad, unit, &[2, 2]).unwrap();
+        let err = b.recv(2, Payload::Grad, unit).unwrap_err();
+        assert!(matches!(err, TransportError::Unexpected { .. }), "{err}");
+        // 1 MiB is the pair's limit: a header announcing more is refused.
+        a.send_header(2, Payload::Grad, unit, &[1 << 20, 2])
+            .unwrap();
+        let err = b.recv_header(2, Payload::Grad, unit).unwrap_err();
+        assert!(err.to_string().contains("largest boundary tensor"), "{err}");
+        a.send_header(2, Payload::Grad, unit, &[usize::MAX, 3])
+            .unwrap();
+        assert!(b.recv_header(2, Payload::Grad, unit).is_err());
+        let gone = b.peer_gone();
+        assert!(!gone.load(Ordering::SeqCst));
+        drop(a);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the flag was not set");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// A shape whose product overflows, or that disagrees with the payload, is a bad tensor; a
     /// payload over the link's limit breaks the link. Neither panics.
     #[test]
@@ -416,6 +587,7 @@ mod tests {
                 payload: Payload::Activation,
                 unit,
                 shape,
+                on_device: false,
             };
             write_frame(&mut raw, &Frame::new(&header, vec![0u8; 8])).unwrap();
             let err = link.recv(1, Payload::Activation, unit).unwrap_err();

@@ -1,5 +1,7 @@
 //! Running one step's (or one evaluation's) action list over the transport: receive, compute,
-//! send, in the validated schedule's order.
+//! send, in the validated schedule's order. With device links (`pipeline.transport = "nccl"`)
+//! the values of boundary tensors stay on the stage's device: the TCP links carry their headers
+//! and the stage receives, keeps and sends the values ([`crate::model::DeviceLinks`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -9,8 +11,11 @@ use ops::sum_tree::SumTree;
 
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
+use crate::config::{ConfigError, StageTransport};
 use crate::data::{Split, micro_batch_tokens};
-use crate::model::{Mode, StageInput, StageOutput};
+use crate::model::{
+    DeviceLinks, LinkedInput, LinkedOutput, Mode, ModelError, StageCompute, StageInput, StageOutput,
+};
 use crate::runtime::control::ControlStream;
 use crate::runtime::kill_switch::Point;
 use crate::runtime::trace::unix_time_us;
@@ -33,6 +38,25 @@ impl ValidSchedule {
     }
 }
 
+/// A boundary tensor between a link and the stage.
+#[derive(Clone, Debug)]
+pub(super) enum Boundary {
+    /// On the host (the TCP link carries its values).
+    Host(Tensor),
+    /// On the stage's device (received on, or kept for, a device link): `rows × width` values.
+    Device { rows: usize, width: usize },
+}
+
+impl Boundary {
+    /// Bytes of its values.
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Boundary::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Boundary::Device { rows, width } => rows * width * 4,
+        }
+    }
+}
+
 /// The tokens of the micro-batches in flight: `rows × (seq_len + 1)`.
 struct MicroBatchTokens {
     tokens: HashMap<usize, Vec<u32>>,
@@ -41,8 +65,8 @@ struct MicroBatchTokens {
 /// The per-call state of [`Worker::execute`].
 struct ExecState {
     tokens: MicroBatchTokens,
-    inbox: HashMap<Unit, Tensor>,
-    outbox: HashMap<Unit, Tensor>,
+    inbox: HashMap<Unit, Boundary>,
+    outbox: HashMap<Unit, Boundary>,
     /// Last stage: each micro-batch's sum of token losses, over its segments in order.
     losses: Option<BTreeMap<usize, f64>>,
     loss_scale: f64,
@@ -93,6 +117,13 @@ impl Worker {
     ) -> Result<Option<f64>, WorkerError> {
         let schedule = schedule.get();
         let last = self.stage.layout().is_last();
+        if self.linked() {
+            // What the last step (or evaluation) kept for its links is no longer needed.
+            let deadline = Instant::now() + self.cfg.pipeline.timeout();
+            device_links(&mut self.stage)?
+                .release_boundaries(deadline)
+                .map_err(|e| link_failure("a neighbouring stage".into(), e))?;
+        }
         let mut state = ExecState {
             tokens: MicroBatchTokens {
                 tokens: HashMap::new(),
@@ -162,8 +193,8 @@ impl Worker {
         let train = mode == Mode::Train;
         match action {
             Action::RecvActivation(u) => {
-                let t = link(&mut self.prev, "previous")?.recv(step, Payload::Activation, u)?;
-                state.inbox.insert(u, t);
+                let b = self.receive_boundary(step, Payload::Activation, u)?;
+                state.inbox.insert(u, b);
             }
             Action::Forward(u) => self.forward(u, state, split, step, mode)?,
             Action::SendActivation(u) => {
@@ -171,8 +202,8 @@ impl Worker {
                 self.send_boundary(train, step, action, t)?;
             }
             Action::RecvGrad(u) => {
-                let t = link(&mut self.next, "next")?.recv(step, Payload::Grad, u)?;
-                state.inbox.insert(u, t);
+                let b = self.receive_boundary(step, Payload::Grad, u)?;
+                state.inbox.insert(u, b);
             }
             Action::Backward(u) => {
                 let started = UnitStart::now();
@@ -181,7 +212,18 @@ impl Worker {
                 } else {
                     Some(take(&mut state.inbox, u)?)
                 };
-                if let Some(dx) = self.stage.backward(u, d_out)? {
+                let width = self.cfg.model.d_model;
+                let dx = match d_out {
+                    Some(Boundary::Device { .. }) | None if self.linked() => {
+                        device_links(&mut self.stage)?
+                            .backward_linked(u)?
+                            .map(|rows| Boundary::Device { rows, width })
+                    }
+                    Some(Boundary::Host(t)) => self.stage.backward(u, Some(t))?.map(Boundary::Host),
+                    None => self.stage.backward(u, None)?.map(Boundary::Host),
+                    Some(Boundary::Device { .. }) => return Err(not_linked()),
+                };
+                if let Some(dx) = dx {
                     state.outbox.insert(u, dx);
                 }
                 let redone = self.record.delivered.replays(action);
@@ -209,9 +251,9 @@ impl Worker {
         let (first, last) = (layout.is_first(), layout.is_last());
         let started = UnitStart::now();
         let input = if first {
-            StageInput::Tokens(self.segment_tokens(&mut state.tokens, split, step, u, 0)?)
+            Input::Tokens(self.segment_tokens(&mut state.tokens, split, step, u, 0)?)
         } else {
-            StageInput::Hidden(take(&mut state.inbox, u)?)
+            Input::Boundary(take(&mut state.inbox, u)?)
         };
         let targets = if last {
             Some(
@@ -224,14 +266,43 @@ impl Worker {
         if u.segment + 1 == self.segment_lengths.len() {
             state.tokens.tokens.remove(&u.micro_batch);
         }
-        match self
-            .stage
-            .forward(u, input, targets.as_ref(), state.loss_scale, mode)?
-        {
-            StageOutput::Hidden(h) => {
-                state.outbox.insert(u, h);
+        let loss_scale = state.loss_scale;
+        let output = if self.linked() {
+            let input = match input {
+                Input::Tokens(t) => LinkedInput::Tokens(t),
+                Input::Boundary(Boundary::Device { .. }) => LinkedInput::Received,
+                Input::Boundary(Boundary::Host(_)) => return Err(not_linked()),
+            };
+            let width = self.cfg.model.d_model;
+            match device_links(&mut self.stage)?.forward_linked(
+                u,
+                input,
+                targets.as_ref(),
+                loss_scale,
+                mode,
+            )? {
+                LinkedOutput::Kept { rows } => Output::Boundary(Boundary::Device { rows, width }),
+                LinkedOutput::LossSum(l) => Output::LossSum(l),
             }
-            StageOutput::LossSum(l) => {
+        } else {
+            let input = match input {
+                Input::Tokens(t) => StageInput::Tokens(t),
+                Input::Boundary(Boundary::Host(t)) => StageInput::Hidden(t),
+                Input::Boundary(Boundary::Device { .. }) => return Err(not_linked()),
+            };
+            match self
+                .stage
+                .forward(u, input, targets.as_ref(), loss_scale, mode)?
+            {
+                StageOutput::Hidden(h) => Output::Boundary(Boundary::Host(h)),
+                StageOutput::LossSum(l) => Output::LossSum(l),
+            }
+        };
+        match output {
+            Output::Boundary(b) => {
+                state.outbox.insert(u, b);
+            }
+            Output::LossSum(l) => {
                 *state
                     .losses
                     .as_mut()
@@ -256,21 +327,71 @@ impl Worker {
         train: bool,
         step: u64,
         action: Action,
-        t: Tensor,
+        b: Boundary,
     ) -> Result<(), WorkerError> {
         let (payload, u) = boundary(action).expect("a send action");
         if train {
-            self.record.retain(payload, u, &t);
+            self.record.retain(payload, u, &b);
             if self.record.delivered.skips(action) {
                 return Ok(());
             }
         }
-        let (side, which) = match payload {
-            Payload::Activation => (&mut self.next, "next"),
-            Payload::Grad => (&mut self.prev, "previous"),
+        let r = self.index();
+        let (side, which, peer) = match payload {
+            Payload::Activation => (&mut self.next, "next", r + 1),
+            Payload::Grad => (&mut self.prev, "previous", r.wrapping_sub(1)),
         };
-        link(side, which)?.send(step, payload, u, &t)?;
-        Ok(())
+        let deadline = Instant::now() + self.cfg.pipeline.timeout();
+        let to = Peer {
+            link: link(side, which)?,
+            stage: peer,
+        };
+        send_on(to, self.stage.as_mut(), (step, payload, u), &b, deadline)
+    }
+
+    /// Whether boundary tensors cross device links (`pipeline.transport = "nccl"`).
+    pub(super) fn linked(&self) -> bool {
+        self.cfg.pipeline.transport == StageTransport::Nccl
+    }
+
+    /// Receives the next boundary tensor from its neighbour, which must be the `payload` of unit
+    /// `u`: over the TCP link, or (with device links) its header over TCP and its values onto
+    /// the stage's device.
+    fn receive_boundary(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        u: Unit,
+    ) -> Result<Boundary, WorkerError> {
+        let r = self.index();
+        let (side, which, peer) = match payload {
+            Payload::Activation => (&mut self.prev, "previous", r.wrapping_sub(1)),
+            Payload::Grad => (&mut self.next, "next", r + 1),
+        };
+        let tcp = link(side, which)?;
+        if self.cfg.pipeline.transport == StageTransport::Tcp {
+            return Ok(Boundary::Host(tcp.recv(step, payload, u)?));
+        }
+        let shape = tcp.recv_header(step, payload, u)?;
+        let width = self.cfg.model.d_model;
+        let rows = match shape[..] {
+            [rows, w] if w == width && rows > 0 => rows,
+            _ => {
+                return Err(TransportError::BadTensor {
+                    peer: format!("stage {peer}"),
+                    reason: format!("shape {shape:?} is not (rows, d_model = {width})"),
+                }
+                .into());
+            }
+        };
+        let deadline = Instant::now() + self.cfg.pipeline.timeout();
+        let links = device_links(&mut self.stage)?;
+        match payload {
+            Payload::Activation => links.receive_activation(u, rows, deadline),
+            Payload::Grad => links.receive_grad(u, rows, deadline),
+        }
+        .map_err(|e| link_failure(format!("stage {peer}"), e))?;
+        Ok(Boundary::Device { rows, width })
     }
 
     /// Token ids `(B, s)` of unit `u`'s segment, shifted by `shift` (0 = inputs, 1 = targets).
@@ -346,6 +467,82 @@ pub(super) fn boundary(action: Action) -> Option<(Payload, Unit)> {
     }
 }
 
+/// The input of a unit's forward as the worker holds it.
+enum Input {
+    Tokens(Tensor),
+    Boundary(Boundary),
+}
+
+/// The output of a unit's forward as the worker holds it.
+enum Output {
+    Boundary(Boundary),
+    LossSum(f64),
+}
+
+/// A neighbour's TCP link and its stage index.
+pub(super) struct Peer<'a> {
+    pub(super) link: &'a mut TcpLink,
+    pub(super) stage: usize,
+}
+
+/// Sends boundary tensor `b`, the `payload` of unit `u` in `step`, to a neighbour: its values over
+/// the TCP link, or its header over TCP and its values (kept on the stage's device) over the
+/// device link.
+pub(super) fn send_on(
+    to: Peer,
+    stage: &mut dyn StageCompute,
+    (step, payload, u): (u64, Payload, Unit),
+    b: &Boundary,
+    deadline: Instant,
+) -> Result<(), WorkerError> {
+    match b {
+        Boundary::Host(t) => Ok(to.link.send(step, payload, u, t)?),
+        Boundary::Device { rows, width } => {
+            to.link.send_header(step, payload, u, &[*rows, *width])?;
+            let links = stage.device_links().ok_or_else(no_device_links)?;
+            match payload {
+                Payload::Activation => links.send_activation(u, deadline),
+                Payload::Grad => links.send_grad(u, deadline),
+            }
+            .map_err(|e| link_failure(format!("stage {}", to.stage), e))
+        }
+    }
+}
+
+/// The stage's device links (`pipeline.transport = "nccl"`).
+pub(super) fn device_links(
+    stage: &mut Box<dyn StageCompute>,
+) -> Result<&mut dyn DeviceLinks, WorkerError> {
+    stage.device_links().ok_or_else(no_device_links)
+}
+
+fn no_device_links() -> WorkerError {
+    WorkerError::Config(ConfigError::Invalid {
+        key: "pipeline.transport",
+        message: "\"nccl\" needs stages with device links (model.device = \"cuda\")".into(),
+    })
+}
+
+/// A tensor of one transport where the run uses the other (a bug: both sides follow the config).
+fn not_linked() -> WorkerError {
+    WorkerError::Protocol(
+        "a boundary tensor on the host where pipeline.transport says device links, or the reverse"
+            .into(),
+    )
+}
+
+/// A device link's failure is the neighbour's, like a broken TCP link (so mid-step recovery
+/// rebuilds it); any other failure is the stage's.
+pub(super) fn link_failure(peer: String, e: ModelError) -> WorkerError {
+    match e {
+        ModelError::Link(why) => WorkerError::Transport(TransportError::Io {
+            peer,
+            source: std::io::Error::other(why),
+        }),
+        e => WorkerError::Model(e),
+    }
+}
+
 /// The link `which` ("previous" or "next"), or a protocol error when this stage has none there.
 pub(super) fn link<'a>(
     link: &'a mut Option<TcpLink>,
@@ -358,7 +555,7 @@ pub(super) fn link<'a>(
     })
 }
 
-fn take(map: &mut HashMap<Unit, Tensor>, u: Unit) -> Result<Tensor, WorkerError> {
+fn take(map: &mut HashMap<Unit, Boundary>, u: Unit) -> Result<Boundary, WorkerError> {
     map.remove(&u).ok_or_else(|| {
         WorkerError::Protocol(format!("no tensor for unit {u:?} (schedule out of order)"))
     })

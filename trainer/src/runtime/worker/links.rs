@@ -1,9 +1,14 @@
 //! The data links to the neighbouring stages: connecting to the next stage, accepting the previous
-//! one on the data port, at start and again when a link is rebuilt.
+//! one on the data port, at start and again when a link is rebuilt. With device links
+//! (`pipeline.transport = "nccl"`) each TCP link is followed by a device link to the same
+//! neighbour: the earlier stage creates its ids and sends them as the TCP link's first frame, and
+//! both join it; the TCP link's breaking aborts the device link's waits.
 
 use std::time::Duration;
 
+use super::execute::{device_links, link, link_failure};
 use super::{Worker, WorkerError, io_error, register, resolve};
+use crate::model::Neighbour;
 use crate::runtime::auth::{self, Purpose};
 use crate::runtime::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 
@@ -55,7 +60,7 @@ impl Worker {
             TcpLink::new(stream, r + 1, generation, timeout, self.max_tensor_bytes())
                 .map_err(io_error("next-stage link".into()))?,
         );
-        Ok(())
+        self.join_device_link(Neighbour::Next, timeout)
     }
 
     /// Takes the previous stage's connection from the data port (authenticated off this thread,
@@ -80,7 +85,33 @@ impl Worker {
             TcpLink::new(stream, r - 1, generation, timeout, self.max_tensor_bytes())
                 .map_err(io_error("previous-stage link".into()))?,
         );
-        Ok(())
+        self.join_device_link(Neighbour::Prev, timeout)
+    }
+
+    /// With device links: joins the one to `side`, whose TCP link was just made (the earlier
+    /// stage creates the ids and sends them over it). A link joined earlier to that side (to a
+    /// neighbour since lost) is aborted.
+    fn join_device_link(&mut self, side: Neighbour, timeout: Duration) -> Result<(), WorkerError> {
+        if !self.linked() {
+            return Ok(());
+        }
+        let r = self.index();
+        let (tcp, peer) = match side {
+            Neighbour::Next => (link(&mut self.next, "next")?, r + 1),
+            Neighbour::Prev => (link(&mut self.prev, "previous")?, r.wrapping_sub(1)),
+        };
+        let links = device_links(&mut self.stage)?;
+        let ids = match side {
+            Neighbour::Next => {
+                let ids = links.new_link_ids()?;
+                tcp.send_link_ids(&ids)?;
+                ids
+            }
+            Neighbour::Prev => tcp.recv_link_ids()?,
+        };
+        links
+            .join_link(side, ids, timeout, tcp.peer_gone())
+            .map_err(|e| link_failure(format!("stage {peer}"), e))
     }
 
     /// The largest boundary tensor of the run (a micro-batch's hidden states over the whole

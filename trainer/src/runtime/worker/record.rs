@@ -5,9 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
-
 use super::WorkerError;
+use super::execute::Boundary;
 use crate::runtime::control::{StepCost, UnitTime};
 use crate::runtime::transport::Payload;
 use crate::schedule::{Action, Delivered, Unit};
@@ -20,8 +19,8 @@ pub(super) struct StepRecord {
     /// How many actions of the stage's list have completed (a send the stage was stopped on by a
     /// broken link counts: its tensor is kept and goes out again on the rebuilt link).
     pub(super) done_actions: usize,
-    /// The boundary tensors sent in the step.
-    retained: HashMap<(Payload, Unit), Tensor>,
+    /// The boundary tensors sent in the step (on the host, or kept on the stage's device).
+    retained: HashMap<(Payload, Unit), Boundary>,
     /// Forward and backward units computed in the step.
     pub(super) done_units: usize,
     pub(super) cost: StepCost,
@@ -49,13 +48,13 @@ impl StepRecord {
     }
 
     /// Keeps a boundary tensor sent in the step.
-    pub(super) fn retain(&mut self, payload: Payload, u: Unit, t: &Tensor) {
-        self.cost.retained_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-        self.retained.insert((payload, u), t.clone());
+    pub(super) fn retain(&mut self, payload: Payload, u: Unit, b: &Boundary) {
+        self.cost.retained_bytes += b.bytes() as u64;
+        self.retained.insert((payload, u), b.clone());
     }
 
     /// A boundary tensor kept by [`StepRecord::retain`].
-    pub(super) fn retained(&self, payload: Payload, u: Unit) -> Result<&Tensor, WorkerError> {
+    pub(super) fn retained(&self, payload: Payload, u: Unit) -> Result<&Boundary, WorkerError> {
         self.retained.get(&(payload, u)).ok_or_else(|| {
             WorkerError::Protocol(format!(
                 "no {payload:?} of unit {u} was kept in step {} to send again",

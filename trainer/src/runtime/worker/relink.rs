@@ -9,10 +9,12 @@
 
 use tracing::{info, warn};
 
-use super::execute::{boundary, link};
+use std::time::Instant;
+
+use super::execute::{Peer, boundary, link, send_on};
 use super::{Worker, WorkerError, control_error};
 use crate::runtime::control::{ControlStream, Side, ToLauncher, ToWorker};
-use crate::runtime::transport::{Payload, Transport};
+use crate::runtime::transport::Payload;
 use crate::schedule::{Action, Delivered, neighbour_relink};
 
 impl Worker {
@@ -95,9 +97,12 @@ impl Worker {
             Side::Next => (link(&mut self.next, "next")?, Payload::Grad),
         };
         link.send_have(step, received, &plan.have)?;
+        let deadline = Instant::now() + timeout;
         for &action in &plan.resend {
             let (payload, u) = boundary(action).expect("re-sends are sends");
-            link.send(step, payload, u, self.record.retained(payload, u)?)?;
+            let to = Peer { link, stage: lost };
+            let kept = self.record.retained(payload, u)?;
+            send_on(to, self.stage.as_mut(), (step, payload, u), kept, deadline)?;
         }
         info!(
             step,
