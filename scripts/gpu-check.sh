@@ -15,7 +15,9 @@
 #        stages on the one GPU, host-staged links): first-step gradients against the CPU stages',
 #        2 vs 4 stages bit-identical, stop + resume bit-identical, one worker SIGKILLed mid-run and
 #        the run still bit-identical, bf16 loss falling, and a GPT-2 124M job on synthetic data,
-#     5. GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
+#     5. the step's matrix products timed in FP32, TF32 and BF16 (FP32 operands rounded by cuBLAS,
+#        as now, against BF16 operands with and without the casts: `seqpipe gpu gemm`), then
+#        GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
 #        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed,
 #     6. the NCCL link (`seqpipe gpu link`): bit-exact round trips and bandwidth between two ranks,
 #        then rank 1 SIGKILLed and the waiting receive aborted by the watchdog, not hung (needs two
@@ -274,6 +276,25 @@ PY
 
 bench() {
   say "== 5. training step, bf16: seqpipe vs PyTorch eager and torch.compile ($ROUNDS alternating rounds)"
+  say "-- the step's matrix products (GPT-2 124M, 8 x 1024 rows) in each way BF16 mode could feed cuBLAS:"
+  if limit "$BIN" gpu gemm > "$OUT/gemm.json" 2> "$OUT/gemm.err"; then
+    python3 - "$OUT/gemm.json" <<'PY' 2>&1 | tee -a "$report" || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+ways = [w for w, _ in r["totals_ms"]]
+print(f"{'product':<36} {'m x n x k':>20} " + " ".join(f"{w[:22]:>23}" for w in ways))
+rows = {}
+for t in r["times"]:
+    rows.setdefault((t["what"], tuple(t["mnk"])), {})[t["how"]] = t
+for (what, mnk), by in rows.items():
+    print(f"{what:<36} {'x'.join(map(str, mnk)):>20} " + " ".join(f"{by[w]['ms']:>9.3f} ms {by[w]['tflops']:>6.0f} TF" for w in ways))
+print("sum (one block + one head chunk): " + ", ".join(f"{w} {ms:.2f} ms" for w, ms in r["totals_ms"]))
+fast = dict(r["totals_ms"])["bf16 fast (fp32 operands)"]
+print(f"bf16 operands vs fp32 operands (fast): {fast / dict(r['totals_ms'])['bf16 operands']:.2f}x faster, {fast / dict(r['totals_ms'])['bf16 operands + casts']:.2f}x with the casts; results differ by {r['bf16_operands_vs_fast_rel_l2']:.1e} (rel L2)")
+PY
+  else
+    say "GEMM BENCHMARK FAILED: $(tail -5 "$OUT/gemm.err")"
+  fi
   for preset in ${PRESETS:-gpt2 a b long}; do
     for round in $(seq "$ROUNDS"); do
       limit "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"

@@ -1,5 +1,6 @@
 //! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle),
-//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU) and `seqpipe gpu ptx`
+//! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU), `seqpipe gpu gemm`
+//! (the step's matrix products timed in each way BF16 mode could feed cuBLAS) and `seqpipe gpu ptx`
 //! (the kernels compiled ahead of time into the PTX cache); `seqpipe gpu link` is in `cuda_link`. The check that
 //! refuses `model.device = "cuda"` where it cannot run is the library's
 //! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
@@ -15,6 +16,9 @@ pub enum GpuCommand {
     Check(CheckArgs),
     /// Train a whole GPT on one GPU: step time, tokens/s, MFU, device memory (one JSON line).
     Bench(GpuBenchArgs),
+    /// Time a GPT step's matrix products in FP32, TF32 and BF16 (FP32 operands rounded by cuBLAS,
+    /// BF16 operands, BF16 operands rounded first): one JSON object.
+    Gemm(GemmArgs),
     /// Check the NCCL link between two GPUs: bit-exact transfers, bandwidth, and an abort
     /// instead of a hang when the peer is killed (one JSON line).
     Link(crate::cuda_link::LinkArgs),
@@ -29,6 +33,26 @@ pub struct PtxArgs {
     /// Target architectures (repeatable): sm_75, sm_80, sm_86, sm_89, sm_90, sm_100, sm_120.
     #[arg(long = "arch", default_values_t = ["sm_80".to_string(), "sm_90".to_string()])]
     archs: Vec<String>,
+}
+
+/// Flags of `seqpipe gpu gemm`.
+#[derive(Args, Debug)]
+pub struct GemmArgs {
+    /// Rows of the products (tokens of a micro-batch; GPT-2 124M at 8 x 1024 by default).
+    #[arg(long, default_value_t = 8192)]
+    rows: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 768)]
+    d_model: usize,
+    /// Vocabulary of the LM head.
+    #[arg(long, default_value_t = 50257)]
+    vocab: usize,
+    /// Timed runs of each product (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
 }
 
 /// Flags of `seqpipe gpu check`.
@@ -89,11 +113,14 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
         GpuCommand::Check(args) => enabled::check(&args),
         GpuCommand::Ptx(args) => enabled::ptx(&args),
         GpuCommand::Bench(args) => enabled::bench(&args),
+        GpuCommand::Gemm(args) => enabled::gemm(&args),
         #[cfg(not(feature = "emulate-gpu"))]
         GpuCommand::Link(args) => crate::cuda_link::run(&args),
         #[cfg(feature = "emulate-gpu")]
         GpuCommand::Link(_) => {
-            anyhow::bail!("this seqpipe runs CUDA stages on an emulated GPU: it has no NCCL")
+            anyhow::bail!(
+                "this seqpipe runs CUDA stages on an emulated GPU: `gpu link` checks a real NCCL, which it does not load"
+            )
         }
     }
 }
@@ -109,7 +136,7 @@ mod enabled {
     use ops::adamw::AdamWConfig;
     use serde::Serialize;
 
-    use super::{CheckArgs, GpuBenchArgs, PtxArgs};
+    use super::{CheckArgs, GemmArgs, GpuBenchArgs, PtxArgs};
     use crate::bench::step::{median, random_batch};
     use trainer::model::params::{decays, param_count};
     use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
@@ -156,6 +183,18 @@ mod enabled {
         if !failed.is_empty() {
             bail!("{} kernel outputs exceed their bounds", failed.len());
         }
+        Ok(())
+    }
+
+    /// Times the products of a step in every way and prints the report as one JSON object.
+    pub(super) fn gemm(args: &GemmArgs) -> Result<()> {
+        let mut g = Gpu::open(args.device, Precision::Bf16)?;
+        let shape = (args.rows, args.d_model, args.vocab, gpu::stage::CHUNK_ROWS);
+        let report = gpu::gemm_bench::run(&mut g, shape, args.reps)?;
+        let mut json = serde_json::to_value(&report)?;
+        json["gpu"] = g.name().into();
+        json["arch"] = g.arch().into();
+        println!("{json}");
         Ok(())
     }
 

@@ -24,7 +24,7 @@ static void call(void (*k)(A...), void** p) {
     X(column_sum_finish) X(add_bias) X(add) X(add_assign) X(copy_rows) X(bias_gelu_forward)          \
     X(gelu_backward) X(norm_forward) X(norm_backward_input) X(norm_backward_params_partial) X(rope)  \
     X(attn_backward_delta) X(softmax_cross_entropy) X(adamw) X(sum_squares_partial)                   \
-    X(sum_squares_finish) ATTN(X, 16) ATTN(X, 32) ATTN(X, 64) ATTN(X, 128)
+    X(sum_squares_finish) X(to_bf16) ATTN(X, 16) ATTN(X, 32) ATTN(X, 64) ATTN(X, 128)
 
 extern "C" int seqpipe_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned block,
                                   void** params) {

@@ -33,6 +33,7 @@ pub const KERNELS: &[&str] = &[
     "adamw",
     "sum_squares_partial",
     "sum_squares_finish",
+    "to_bf16",
 ];
 
 /// Head widths the attention kernels are instantiated for.

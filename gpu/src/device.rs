@@ -367,6 +367,45 @@ impl Gpu {
         tb: bool,
         beta: f32,
     ) -> Result<()> {
+        let types = (
+            blas::cudaDataType_t::CUDA_R_32F,
+            compute_type(self.precision),
+        );
+        self.gemm_typed(c, a, b, (m, n, k), (ta, tb), beta, types)
+    }
+
+    /// [`Gpu::gemm`] of BF16 operands (16-bit words, as [`Gpu::to_bf16`] writes them) into an
+    /// FP32 `C`, accumulating in FP32: what the BF16 mode's products compute, without cuBLAS
+    /// reading FP32 operands.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_bf16(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        beta: f32,
+    ) -> Result<()> {
+        let types = (
+            blas::cudaDataType_t::CUDA_R_16BF,
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        );
+        self.gemm_typed(c, a, b, (m, n, k), (ta, tb), beta, types)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_typed(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        beta: f32,
+        (operands, compute): (blas::cudaDataType_t, blas::cublasComputeType_t),
+    ) -> Result<()> {
         const OP: &str = "gemm";
         let (mi, ni, ki) = (int(m, OP, "m")?, int(n, OP, "n")?, int(k, OP, "k")?);
         if m == 0 || n == 0 {
@@ -397,16 +436,16 @@ impl Gpu {
                 ki,
                 &alpha as *const f32 as *const c_void,
                 b as *const c_void,
-                blas::cudaDataType_t::CUDA_R_32F,
+                operands,
                 ldb,
                 a as *const c_void,
-                blas::cudaDataType_t::CUDA_R_32F,
+                operands,
                 lda,
                 &beta as *const f32 as *const c_void,
                 c as *mut c_void,
                 blas::cudaDataType_t::CUDA_R_32F,
                 ni,
-                compute_type(self.precision),
+                compute,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };

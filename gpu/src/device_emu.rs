@@ -252,22 +252,50 @@ impl Gpu {
         tb: bool,
         beta: f32,
     ) -> Result<()> {
+        // SAFETY: the callers size A and B for these shapes (as for cuBLAS).
+        let operand = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
+        self.gemm_with(c, (a, b), (m, n, k), (ta, tb), beta, operand)
+    }
+
+    /// [`Gpu::gemm`] of BF16 operands (16-bit words), as `device::Gpu::gemm_bf16`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_bf16(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        beta: f32,
+    ) -> Result<()> {
+        // SAFETY: as in `gemm`, for 16-bit elements.
+        let operand =
+            |p: u64, i: usize| f32::from_bits((unsafe { *(p as *const u16).add(i) } as u32) << 16);
+        self.gemm_with(c, (a, b), (m, n, k), (ta, tb), beta, operand)
+    }
+
+    /// The loops of the products: `operand(base, index)` reads an element of A or B.
+    fn gemm_with(
+        &self,
+        c: u64,
+        (a, b): (u64, u64),
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        beta: f32,
+        operand: impl Fn(u64, usize) -> f32,
+    ) -> Result<()> {
         const OP: &str = "gemm";
         int(m, OP, "m")?;
         int(n, OP, "n")?;
         int(k, OP, "k")?;
-        let (a, b, c) = (a as *const f32, b as *const f32, c as *mut f32);
+        let c = c as *mut f32;
         for i in 0..m {
             for j in 0..n {
                 let mut acc = 0.0f32;
                 for p in 0..k {
-                    // SAFETY: the callers size A, B and C for these shapes (as for cuBLAS).
-                    let (x, y) = unsafe {
-                        (
-                            *a.add(if ta { p * m + i } else { i * k + p }),
-                            *b.add(if tb { j * k + p } else { p * n + j }),
-                        )
-                    };
+                    let x = operand(a, if ta { p * m + i } else { i * k + p });
+                    let y = operand(b, if tb { j * k + p } else { p * n + j });
                     acc += x * y;
                 }
                 // SAFETY: as above.

@@ -563,6 +563,12 @@ __device__ __forceinline__ unsigned int bf16_bits(float x) {
 __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
     return bf16_bits(lo) | (bf16_bits(hi) << 16);
 }
+
+// out = bf16(x), round to nearest even (matrix-product operands in BF16).
+extern "C" __global__ void to_bf16(unsigned short* out, const float* x, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < total) out[i] = (unsigned short)bf16_bits(x[i]);
+}
 // Two neighbouring bf16 of a shared tile as one register: at an even index of a row of even length
 // in a 16-byte aligned tile, so the 32-bit load is aligned.
 __device__ __forceinline__ unsigned int pair_at(const unsigned short* p) {

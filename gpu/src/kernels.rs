@@ -309,6 +309,16 @@ impl Gpu {
         )
     }
 
+    /// `out = bf16(x)` over `total` floats (round to nearest even), as 16-bit words.
+    pub fn to_bf16(&self, out: u64, x: u64, total: usize) -> Result<()> {
+        self.launch(
+            "to_bf16",
+            (blocks(total), 1, 1),
+            THREADS,
+            &[Arg::P(out), Arg::P(x), Arg::L(total as i64)],
+        )
+    }
+
     /// `out += a` over `total` floats.
     pub fn add_assign(&self, out: u64, a: u64, total: usize) -> Result<()> {
         self.launch(

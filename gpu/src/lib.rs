@@ -26,6 +26,7 @@ mod device;
 #[path = "device_emu.rs"]
 mod device;
 mod error;
+pub mod gemm_bench;
 mod kernels;
 pub mod link;
 #[cfg(not(feature = "emulate"))]

@@ -210,8 +210,8 @@ struct Scratch {
     logits: Buf<f32>, // (chunk, V)
 }
 
-/// Rows of logits that exist at once.
-const CHUNK_ROWS: usize = 4096;
+/// Rows of the LM head's logits that exist at once (the logits of a whole batch never do).
+pub const CHUNK_ROWS: usize = 4096;
 
 /// The step's gradients: per-micro-batch accumulators and their summation tree.
 #[derive(Default)]

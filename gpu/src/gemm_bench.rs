@@ -1,0 +1,251 @@
+//! The matrix products of a GPT's training step, timed side by side in the ways BF16 mode could
+//! feed cuBLAS: FP32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (what the stage does now: cuBLAS
+//! rounds the operands itself), BF16 operands already rounded, and BF16 operands rounded first by
+//! [`Gpu::to_bf16`] (what keeping BF16 copies would cost where they are not kept), with TF32 and
+//! FP32 beside. `seqpipe gpu gemm` prints them; the GPU check runs it, so the first GPU session
+//! learns whether BF16 operand copies would pay before anyone builds them.
+//!
+//! The shapes are one block's linear layers (forward, input gradient, weight gradient, as the
+//! stage calls them) and one chunk of the LM head, for `rows` rows of a `d_model`-wide model.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::device::{Buf, Gpu, Precision};
+use crate::error::Result;
+
+/// One product of the step: its name and row-major `(m, n, k)` with A and B transposed or not.
+struct Product {
+    what: String,
+    mnk: (usize, usize, usize),
+    ta: bool,
+    tb: bool,
+}
+
+/// A product's time in one way of computing it.
+#[derive(Debug, Serialize)]
+pub struct GemmTime {
+    /// The product (`c_fc forward`, `lm_head weight gradient`, ...).
+    pub what: String,
+    /// `(m, n, k)`.
+    pub mnk: (usize, usize, usize),
+    /// How: `fp32`, `tf32`, `bf16 fast (fp32 operands)`, `bf16 operands`, `bf16 operands + casts`.
+    pub how: &'static str,
+    /// Median milliseconds per product.
+    pub ms: f64,
+    /// Tera-FLOP/s (2·m·n·k per product).
+    pub tflops: f64,
+}
+
+/// Everything `seqpipe gpu gemm` reports.
+#[derive(Debug, Serialize)]
+pub struct GemmReport {
+    /// Every product in every way.
+    pub times: Vec<GemmTime>,
+    /// Summed milliseconds of all products, per way (one block's products and one head chunk).
+    pub totals_ms: Vec<(&'static str, f64)>,
+    /// Worst relative L2 difference between the BF16-operand products and the fast-BF16 ones
+    /// (both round the operands to BF16: near 0 when cuBLAS rounds them to nearest as
+    /// [`Gpu::to_bf16`] does).
+    pub bf16_operands_vs_fast_rel_l2: f64,
+}
+
+const WAYS: [&str; 5] = [
+    "fp32",
+    "tf32",
+    "bf16 fast (fp32 operands)",
+    "bf16 operands",
+    "bf16 operands + casts",
+];
+
+fn products(rows: usize, c: usize, vocab: usize, head_rows: usize) -> Vec<Product> {
+    let mut out = Vec::new();
+    let linears = [
+        ("c_attn", c, 3 * c),
+        ("attn.c_proj", c, c),
+        ("c_fc", c, 4 * c),
+        ("mlp.c_proj", 4 * c, c),
+    ];
+    // As `Gpu::linear_forward` and `Gpu::linear_backward` call them.
+    for (name, d_in, d_out) in linears {
+        let p = |what: &str, mnk, ta, tb| Product {
+            what: format!("{name} {what}"),
+            mnk,
+            ta,
+            tb,
+        };
+        out.push(p("forward", (rows, d_out, d_in), false, true));
+        out.push(p("input gradient", (rows, d_in, d_out), false, false));
+        out.push(p("weight gradient", (d_out, d_in, rows), true, false));
+    }
+    // As the stage's head runs one chunk of rows.
+    let r = head_rows.min(rows);
+    let h = |what: &str, mnk, ta, tb| Product {
+        what: format!("lm_head {what}"),
+        mnk,
+        ta,
+        tb,
+    };
+    out.push(h("forward (one chunk)", (r, vocab, c), false, true));
+    out.push(h("input gradient (one chunk)", (r, c, vocab), false, false));
+    out.push(h("weight gradient (one chunk)", (vocab, c, r), true, false));
+    out
+}
+
+/// Times every product of a `d_model = c` model at `rows` rows (`vocab` for the head, chunks of
+/// `head_rows`) in every way, `reps` times each after one untimed run; returns the report.
+pub fn run(
+    gpu: &mut Gpu,
+    (rows, c, vocab, head_rows): (usize, usize, usize, usize),
+    reps: usize,
+) -> Result<GemmReport> {
+    gpu.bind()?;
+    let list = products(rows, c, vocab, head_rows);
+    let biggest = |f: fn(&Product) -> usize| list.iter().map(f).max().unwrap_or(1);
+    let a_len = biggest(|p| p.mnk.0 * p.mnk.2);
+    let b_len = biggest(|p| p.mnk.1 * p.mnk.2);
+    let c_len = biggest(|p| p.mnk.0 * p.mnk.1);
+    let random = |n: usize, salt: u64| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| {
+                let x = (i ^ salt).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                (x as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            })
+            .collect()
+    };
+    let a = gpu.upload(&random(a_len, 1))?;
+    let b = gpu.upload(&random(b_len, 2))?;
+    let out: Buf<f32> = gpu.zeros(c_len)?;
+    let fast: Buf<f32> = gpu.zeros(c_len)?;
+    let (a16, b16): (Buf<u16>, Buf<u16>) = (gpu.zeros(a_len)?, gpu.zeros(b_len)?);
+    let mut times = Vec::new();
+    let mut worst: f64 = 0.0;
+    let before = gpu.precision();
+    for p in &list {
+        let (m, n, k) = p.mnk;
+        for how in WAYS {
+            let once = |gpu: &mut Gpu, dst: u64| -> Result<()> {
+                match how {
+                    "fp32" | "tf32" | "bf16 fast (fp32 operands)" => {
+                        gpu.set_precision(match how {
+                            "fp32" => Precision::Fp32,
+                            "tf32" => Precision::Tf32,
+                            _ => Precision::Bf16,
+                        });
+                        gpu.gemm(dst, a.ptr(), b.ptr(), p.mnk, p.ta, p.tb, 0.0)
+                    }
+                    "bf16 operands + casts" => {
+                        gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
+                        gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
+                        gpu.gemm_bf16(dst, a16.ptr(), b16.ptr(), p.mnk, p.ta, p.tb, 0.0)
+                    }
+                    _ => gpu.gemm_bf16(dst, a16.ptr(), b16.ptr(), p.mnk, p.ta, p.tb, 0.0),
+                }
+            };
+            if how == "bf16 operands" {
+                // Operands rounded once, outside the timing.
+                gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
+                gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
+            }
+            let dst = if how == "bf16 fast (fp32 operands)" {
+                fast.ptr()
+            } else {
+                out.ptr()
+            };
+            once(gpu, dst)?;
+            gpu.sync()?;
+            let mut ms = Vec::with_capacity(reps);
+            for _ in 0..reps.max(1) {
+                let started = Instant::now();
+                once(gpu, dst)?;
+                gpu.sync()?;
+                ms.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+            ms.sort_by(f64::total_cmp);
+            let median = ms[ms.len() / 2];
+            times.push(GemmTime {
+                what: p.what.clone(),
+                mnk: p.mnk,
+                how,
+                ms: median,
+                tflops: 2.0 * (m * n * k) as f64 / (median * 1e-3) / 1e12,
+            });
+            if how == "bf16 operands" {
+                let (x, y) = (
+                    gpu.download_prefix(&out, m * n)?,
+                    gpu.download_prefix(&fast, m * n)?,
+                );
+                worst = worst.max(rel_l2(&x, &y));
+            }
+        }
+    }
+    gpu.set_precision(before);
+    // The buffers are freed on return: nothing may still read them.
+    gpu.sync()?;
+    let totals_ms = WAYS
+        .iter()
+        .map(|&how| {
+            let sum = times.iter().filter(|t| t.how == how).map(|t| t.ms).sum();
+            (how, sum)
+        })
+        .collect();
+    Ok(GemmReport {
+        times,
+        totals_ms,
+        bf16_operands_vs_fast_rel_l2: worst,
+    })
+}
+
+fn rel_l2(x: &[f32], y: &[f32]) -> f64 {
+    let (num, den) = x.iter().zip(y).fold((0.0, 0.0), |(n, d), (&p, &q)| {
+        let e = p as f64 - q as f64;
+        (n + e * e, d + (q as f64) * (q as f64))
+    });
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[cfg(all(test, feature = "emulate"))]
+mod tests {
+    use super::*;
+
+    /// Round to nearest even, in Rust: what `to_bf16` must give.
+    fn bf16_bits(x: f32) -> u16 {
+        let u = x.to_bits();
+        if u & 0x7fff_ffff > 0x7f80_0000 {
+            return ((u >> 16) | 0x40) as u16;
+        }
+        ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+    }
+
+    #[test]
+    fn to_bf16_rounds_to_nearest_even_and_keeps_nans_and_infinities() {
+        let gpu = Gpu::open(0, Precision::Bf16).unwrap();
+        // Ties (exactly halfway) round to the even neighbour, both ways; a NaN stays a NaN.
+        let x: Vec<f32> = [
+            1.0,
+            -2.5,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x3f80_8001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            1e-40,
+        ]
+        .into_iter()
+        .chain((0..1000).map(|i| (i as f32 * 0.7731).sin() * 3.0))
+        .collect();
+        let buf = gpu.upload(&x).unwrap();
+        let out: Buf<u16> = gpu.zeros(x.len()).unwrap();
+        gpu.to_bf16(out.ptr(), buf.ptr(), x.len()).unwrap();
+        let got = gpu.download(&out).unwrap();
+        let want: Vec<u16> = x.iter().map(|&v| bf16_bits(v)).collect();
+        assert_eq!(got, want);
+        assert_eq!(&got[2..4], &[0x3f80, 0x3f82]);
+        assert_eq!(got[4], 0x3f81);
+        assert_eq!(got[7] & 0x7f80, 0x7f80);
+        assert_ne!(got[7] & 0x7f, 0);
+    }
+}
