@@ -17,7 +17,8 @@
 #        the run still bit-identical, bf16 loss falling, and a GPT-2 124M job on synthetic data,
 #     5. the step's matrix products timed in FP32, TF32 and BF16 (FP32 operands rounded by cuBLAS,
 #        as now, against BF16 operands with and without the casts: `seqpipe gpu gemm`), then
-#        GPT-2 124M (and presets a, b, long) training steps, bf16: seqpipe against PyTorch eager
+#        GPT-2 124M (and presets a, b, long) training steps, bf16 (GPT-2 also with
+#        --bf16-operands, the casts paid in the step): seqpipe against PyTorch eager
 #        and torch.compile (scripts/gpu-torch-bench.py), alternating rounds, every round printed,
 #     6. the NCCL link (`seqpipe gpu link`): bit-exact round trips and bandwidth between two ranks,
 #        then rank 1 SIGKILLed and the waiting receive aborted by the watchdog, not hung (needs two
@@ -298,6 +299,10 @@ PY
   for preset in ${PRESETS:-gpt2 a b long}; do
     for round in $(seq "$ROUNDS"); do
       limit "$BIN" gpu bench --preset "$preset" --precision bf16 --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe $preset failed: $(tail -2 "$OUT/bench.err")"
+      # The same step with every product's operands rounded into BF16 copies first (gpt2 only).
+      if [ "$preset" = gpt2 ]; then
+        limit "$BIN" gpu bench --preset "$preset" --precision bf16 --bf16-operands --steps "$STEPS" >> "$runs" 2>> "$OUT/bench.err" || say "seqpipe (bf16 operands) $preset failed: $(tail -2 "$OUT/bench.err")"
+      fi
       for mode in eager compile; do
         limit python3 scripts/gpu-torch-bench.py --preset "$preset" --precision bf16 --mode "$mode" --steps "$STEPS" >> "$runs" 2>> "$OUT/torch.err" || say "torch $mode $preset failed: $(tail -2 "$OUT/torch.err")"
       done
@@ -307,10 +312,10 @@ PY
   python3 - "$runs" <<'PY' | tee -a "$report"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'impl':<14} {'preset':<6} {'prec':<5} {'attention':<12} {'batch':>5} {'seq':>5} {'median ms':>10} {'tokens/s':>11} {'MFU':>7} {'mem MiB':>8}  loss first->last  every step (ms)")
+print(f"{'impl':<24} {'preset':<6} {'prec':<5} {'attention':<12} {'batch':>5} {'seq':>5} {'median ms':>10} {'tokens/s':>11} {'MFU':>7} {'mem MiB':>8}  loss first->last  every step (ms)")
 for r in rows:
     steps = " ".join(f"{x:.1f}" for x in r["step_ms"])
-    print(f"{r['impl']:<14} {r['preset']:<6} {r['precision']:<5} {r.get('attention', 'sdpa'):<12} {r['batch']:>5} {r['seq_len']:>5} {r['median_ms']:>10.2f} {r['tokens_per_s']:>11.0f} {100*r['mfu']:>6.1f}% {r['peak_mem_mib']:>8.0f}  {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}  {steps}")
+    print(f"{r['impl']:<24} {r['preset']:<6} {r['precision']:<5} {r.get('attention', 'sdpa'):<12} {r['batch']:>5} {r['seq_len']:>5} {r['median_ms']:>10.2f} {r['tokens_per_s']:>11.0f} {100*r['mfu']:>6.1f}% {r['peak_mem_mib']:>8.0f}  {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}  {steps}")
 PY
 }
 

@@ -97,6 +97,10 @@ pub struct GpuBenchArgs {
     /// and batch (slow for big presets: the CPU runs the step too).
     #[arg(long)]
     check: bool,
+    /// With `--precision bf16`: round every product's operands into BF16 copies first (instead of
+    /// cuBLAS reading FP32 operands); reported as impl `seqpipe (bf16 operands)`.
+    #[arg(long)]
+    bf16_operands: bool,
 }
 
 /// Runs a `seqpipe gpu` command.
@@ -345,7 +349,8 @@ mod enabled {
         if batch == 0 || args.steps == 0 {
             bail!("--batch and --steps must be at least 1");
         }
-        let g = Gpu::open(args.device, precision)?;
+        let mut g = Gpu::open(args.device, precision)?;
+        g.set_bf16_operands(args.bf16_operands);
         let layout = StageLayout {
             stage: 0,
             stages: 1,
@@ -444,7 +449,11 @@ mod enabled {
         let median_ms = median(&step_ms);
         let tokens_per_s = (batch * seq) as f64 / (median_ms / 1e3);
         let report = Report {
-            implementation: "seqpipe",
+            implementation: if g.bf16_operands() {
+                "seqpipe (bf16 operands)"
+            } else {
+                "seqpipe"
+            },
             gpu: g.name().to_string(),
             preset: args.preset,
             precision: precision.name(),

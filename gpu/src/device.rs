@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
+use crate::kernels::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, fits, int, pack};
 
@@ -104,6 +105,8 @@ pub struct Gpu {
     arch: &'static str,
     /// Compute capability 8.0 or later: BF16 `mma.sync` for the attention in BF16 mode.
     bf16_mma: bool,
+    /// BF16 copies of the products' operands, when BF16 mode rounds them first.
+    pub(crate) operands: OperandScratch,
 }
 
 impl Drop for Gpu {
@@ -177,6 +180,7 @@ impl Gpu {
             name,
             arch,
             bf16_mma: (major, minor) >= (8, 0),
+            operands: OperandScratch::default(),
         })
     }
 
@@ -355,9 +359,10 @@ impl Gpu {
 
     /// Row-major `C (m, n) = alpha · op(A) op(B) + beta · C` with `op(A)` `(m, k)` and `op(B)`
     /// `(k, n)`; `ta`/`tb` say that `A` is stored `(k, m)` / `B` is stored `(n, k)`. Leading
-    /// dimensions are the stored row widths. FP32 in and out; the arithmetic follows the precision.
+    /// dimensions are the stored row widths. FP32 in and out; the arithmetic follows the precision
+    /// (see [`Gpu::gemm`], which the stage calls).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm(
+    pub(crate) fn gemm_f32(
         &self,
         c: u64,
         a: u64,

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{GpuError, Result, shape};
+use crate::kernels::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, fits, int, pack};
 
@@ -106,12 +107,17 @@ impl<T> Buf<T> {
 /// The emulated GPU.
 pub struct Gpu {
     precision: Precision,
+    /// BF16 copies of the products' operands, when BF16 mode rounds them first.
+    pub(crate) operands: OperandScratch,
 }
 
 impl Gpu {
     /// Opens the emulated device (any ordinal).
     pub fn open(_ordinal: usize, precision: Precision) -> Result<Gpu> {
-        Ok(Gpu { precision })
+        Ok(Gpu {
+            precision,
+            operands: OperandScratch::default(),
+        })
     }
 
     /// `emulated`.
@@ -239,10 +245,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm` (cuBLAS) computes it,
-    /// with FP32 accumulation in `k` order.
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm_f32` (cuBLAS) computes
+    /// it, with FP32 accumulation in `k` order.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm(
+    pub(crate) fn gemm_f32(
         &self,
         c: u64,
         a: u64,

@@ -133,7 +133,7 @@ pub fn run(
                             "tf32" => Precision::Tf32,
                             _ => Precision::Bf16,
                         });
-                        gpu.gemm(dst, a.ptr(), b.ptr(), p.mnk, p.ta, p.tb, 0.0)
+                        gpu.gemm_f32(dst, a.ptr(), b.ptr(), p.mnk, p.ta, p.tb, 0.0)
                     }
                     "bf16 operands + casts" => {
                         gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
@@ -247,5 +247,41 @@ mod tests {
         assert_eq!(got[4], 0x3f81);
         assert_eq!(got[7] & 0x7f80, 0x7f80);
         assert_ne!(got[7] & 0x7f, 0);
+    }
+
+    /// With BF16 operands on, every product of BF16 mode is the BF16 product of rounded copies
+    /// (bit for bit), the copies grow with the products, and FP32 mode ignores the switch.
+    #[test]
+    fn bf16_operand_mode_rounds_both_operands_of_every_product() {
+        let mut gpu = Gpu::open(0, Precision::Bf16).unwrap();
+        let values = |n: usize, s: f32| -> Vec<f32> {
+            (0..n).map(|i| ((i as f32 + s) * 0.377).sin()).collect()
+        };
+        for (m, n, k, ta, tb) in [(3, 5, 7, false, true), (9, 4, 33, true, false)] {
+            let (a, b) = (values(m * k, 0.5), values(k * n, 1.5));
+            let (da, db) = (gpu.upload(&a).unwrap(), gpu.upload(&b).unwrap());
+            let c: Buf<f32> = gpu.zeros(m * n).unwrap();
+            let run = |gpu: &mut Gpu, on: bool, precision| {
+                gpu.set_bf16_operands(on);
+                gpu.set_precision(precision);
+                gpu.gemm(c.ptr(), da.ptr(), db.ptr(), (m, n, k), ta, tb, 0.0)
+                    .unwrap();
+                gpu.download(&c).unwrap()
+            };
+            let plain = run(&mut gpu, false, Precision::Bf16);
+            let rounded = run(&mut gpu, true, Precision::Bf16);
+            assert!(gpu.bf16_operands());
+            let (a16, b16): (Buf<u16>, Buf<u16>) =
+                (gpu.zeros(m * k).unwrap(), gpu.zeros(k * n).unwrap());
+            gpu.to_bf16(a16.ptr(), da.ptr(), m * k).unwrap();
+            gpu.to_bf16(b16.ptr(), db.ptr(), k * n).unwrap();
+            gpu.gemm_bf16(c.ptr(), a16.ptr(), b16.ptr(), (m, n, k), ta, tb, 0.0)
+                .unwrap();
+            assert_eq!(rounded, gpu.download(&c).unwrap());
+            assert_ne!(rounded, plain);
+            assert!(rel_l2(&rounded, &plain) < 1e-2);
+            assert_eq!(run(&mut gpu, true, Precision::Fp32), plain);
+            assert!(!gpu.bf16_operands());
+        }
     }
 }

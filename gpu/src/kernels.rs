@@ -2,9 +2,19 @@
 //! pair), taking device addresses and shapes; every shape is checked to fit the kernel's `int`s.
 //! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
 
-use crate::device::{Buf, Gpu};
+use std::cell::RefCell;
+
+use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
 use crate::types::{Arg, int};
+
+/// BF16 copies of a product's two operands, for BF16 mode with [`Gpu::set_bf16_operands`]: grown
+/// to the largest product seen and reused (products run in order on one stream).
+#[derive(Default)]
+pub(crate) struct OperandScratch {
+    on: bool,
+    bufs: RefCell<[Option<Buf<u16>>; 2]>,
+}
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -88,6 +98,50 @@ fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
 }
 
 impl Gpu {
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_f32` for the layout), the one entry
+    /// point of the stage's products. In BF16 mode cuBLAS reads the FP32 operands and rounds them
+    /// itself, or — with [`Gpu::set_bf16_operands`] — the operands are first rounded into BF16
+    /// copies by [`Gpu::to_bf16`] and multiplied as BF16 ([`Gpu::gemm_bf16`]); both accumulate in
+    /// FP32. `seqpipe gpu gemm` times the two.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        beta: f32,
+    ) -> Result<()> {
+        if !self.bf16_operands() || m == 0 || n == 0 || k == 0 {
+            return self.gemm_f32(c, a, b, (m, n, k), ta, tb, beta);
+        }
+        let mut bufs = self.operands.bufs.borrow_mut();
+        for (slot, len) in bufs.iter_mut().zip([m * k, k * n]) {
+            if slot.as_ref().is_none_or(|buf| buf.len() < len) {
+                *slot = Some(self.zeros(len)?);
+            }
+        }
+        let [Some(a16), Some(b16)] = &*bufs else {
+            unreachable!("both operand copies were just made")
+        };
+        self.to_bf16(a16.ptr(), a, m * k)?;
+        self.to_bf16(b16.ptr(), b, k * n)?;
+        self.gemm_bf16(c, a16.ptr(), b16.ptr(), (m, n, k), ta, tb, beta)
+    }
+
+    /// Whether BF16 mode's products round their operands into BF16 copies first (instead of
+    /// cuBLAS reading them as FP32); off by default.
+    pub fn set_bf16_operands(&mut self, on: bool) {
+        self.operands.on = on;
+    }
+
+    /// Whether products run on BF16 operand copies: BF16 mode with [`Gpu::set_bf16_operands`].
+    pub fn bf16_operands(&self) -> bool {
+        self.operands.on && self.precision() == Precision::Bf16
+    }
+
     /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table).
     #[allow(clippy::too_many_arguments)]
     pub fn embed_forward(
