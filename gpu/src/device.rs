@@ -16,7 +16,7 @@ use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
 use crate::kernels::OperandScratch;
 pub use crate::types::Precision;
-use crate::types::{Arg, fits, int, pack};
+use crate::types::{Arg, Operands, fits, int, pack};
 
 /// cuBLAS's compute type for `p`.
 fn compute_type(p: Precision) -> blas::cublasComputeType_t {
@@ -359,49 +359,10 @@ impl Gpu {
 
     /// Row-major `C (m, n) = alpha · op(A) op(B) + beta · C` with `op(A)` `(m, k)` and `op(B)`
     /// `(k, n)`; `ta`/`tb` say that `A` is stored `(k, m)` / `B` is stored `(n, k)`. Leading
-    /// dimensions are the stored row widths. FP32 in and out; the arithmetic follows the precision
-    /// (see [`Gpu::gemm`], which the stage calls).
+    /// dimensions are the stored row widths. `C` is FP32; FP32 operands compute as the precision
+    /// says, BF16 ones with FP32 accumulation (see [`Gpu::gemm`], which the stage calls).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_f32(
-        &self,
-        c: u64,
-        a: u64,
-        b: u64,
-        (m, n, k): (usize, usize, usize),
-        ta: bool,
-        tb: bool,
-        beta: f32,
-    ) -> Result<()> {
-        let types = (
-            blas::cudaDataType_t::CUDA_R_32F,
-            compute_type(self.precision),
-        );
-        self.gemm_typed(c, a, b, (m, n, k), (ta, tb), beta, types)
-    }
-
-    /// [`Gpu::gemm`] of BF16 operands (16-bit words, as [`Gpu::to_bf16`] writes them) into an
-    /// FP32 `C`, accumulating in FP32: what the BF16 mode's products compute, without cuBLAS
-    /// reading FP32 operands.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_bf16(
-        &self,
-        c: u64,
-        a: u64,
-        b: u64,
-        (m, n, k): (usize, usize, usize),
-        ta: bool,
-        tb: bool,
-        beta: f32,
-    ) -> Result<()> {
-        let types = (
-            blas::cudaDataType_t::CUDA_R_16BF,
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        );
-        self.gemm_typed(c, a, b, (m, n, k), (ta, tb), beta, types)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_typed(
+    pub(crate) fn gemm_of(
         &self,
         c: u64,
         a: u64,
@@ -409,8 +370,18 @@ impl Gpu {
         (m, n, k): (usize, usize, usize),
         (ta, tb): (bool, bool),
         beta: f32,
-        (operands, compute): (blas::cudaDataType_t, blas::cublasComputeType_t),
+        operands: Operands,
     ) -> Result<()> {
+        let (operands, compute) = match operands {
+            Operands::F32 => (
+                blas::cudaDataType_t::CUDA_R_32F,
+                compute_type(self.precision),
+            ),
+            Operands::Bf16 => (
+                blas::cudaDataType_t::CUDA_R_16BF,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+        };
         const OP: &str = "gemm";
         let (mi, ni, ki) = (int(m, OP, "m")?, int(n, OP, "n")?, int(k, OP, "k")?);
         if m == 0 || n == 0 {

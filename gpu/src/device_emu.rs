@@ -14,7 +14,7 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::OperandScratch;
 pub use crate::types::Precision;
-use crate::types::{Arg, fits, int, pack};
+use crate::types::{Arg, Operands, fits, int, pack};
 
 unsafe extern "C" {
     fn seqpipe_emu_launch(
@@ -245,40 +245,33 @@ impl Gpu {
         Ok(())
     }
 
-    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm_f32` (cuBLAS) computes
-    /// it, with FP32 accumulation in `k` order.
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm_of` (cuBLAS) computes
+    /// it, with FP32 accumulation in `k` order (FP32 operands are multiplied as FP32 whatever the
+    /// precision).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_f32(
+    pub(crate) fn gemm_of(
         &self,
         c: u64,
         a: u64,
         b: u64,
-        (m, n, k): (usize, usize, usize),
-        ta: bool,
-        tb: bool,
+        mnk: (usize, usize, usize),
+        transposed: (bool, bool),
         beta: f32,
+        operands: Operands,
     ) -> Result<()> {
-        // SAFETY: the callers size A and B for these shapes (as for cuBLAS).
-        let operand = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
-        self.gemm_with(c, (a, b), (m, n, k), (ta, tb), beta, operand)
-    }
-
-    /// [`Gpu::gemm`] of BF16 operands (16-bit words), as `device::Gpu::gemm_bf16`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_bf16(
-        &self,
-        c: u64,
-        a: u64,
-        b: u64,
-        (m, n, k): (usize, usize, usize),
-        ta: bool,
-        tb: bool,
-        beta: f32,
-    ) -> Result<()> {
-        // SAFETY: as in `gemm`, for 16-bit elements.
-        let operand =
-            |p: u64, i: usize| f32::from_bits((unsafe { *(p as *const u16).add(i) } as u32) << 16);
-        self.gemm_with(c, (a, b), (m, n, k), (ta, tb), beta, operand)
+        // SAFETY (both): the callers size A and B for these shapes (as for cuBLAS).
+        match operands {
+            Operands::F32 => {
+                let operand = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
+                self.gemm_with(c, (a, b), mnk, transposed, beta, operand)
+            }
+            Operands::Bf16 => {
+                let operand = |p: u64, i: usize| {
+                    f32::from_bits((unsafe { *(p as *const u16).add(i) } as u32) << 16)
+                };
+                self.gemm_with(c, (a, b), mnk, transposed, beta, operand)
+            }
+        }
     }
 
     /// The loops of the products: `operand(base, index)` reads an element of A or B.

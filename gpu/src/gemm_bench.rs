@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::Result;
+use crate::types::Operands;
 
 /// One product of the step: its name and row-major `(m, n, k)` with A and B transposed or not.
 struct Product {
@@ -124,6 +125,7 @@ pub fn run(
     let before = gpu.precision();
     for p in &list {
         let (m, n, k) = p.mnk;
+        let t = (p.ta, p.tb);
         for how in WAYS {
             let once = |gpu: &mut Gpu, dst: u64| -> Result<()> {
                 match how {
@@ -133,14 +135,14 @@ pub fn run(
                             "tf32" => Precision::Tf32,
                             _ => Precision::Bf16,
                         });
-                        gpu.gemm_f32(dst, a.ptr(), b.ptr(), p.mnk, p.ta, p.tb, 0.0)
+                        gpu.gemm_of(dst, a.ptr(), b.ptr(), p.mnk, t, 0.0, Operands::F32)
                     }
                     "bf16 operands + casts" => {
                         gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
                         gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
-                        gpu.gemm_bf16(dst, a16.ptr(), b16.ptr(), p.mnk, p.ta, p.tb, 0.0)
+                        gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16)
                     }
-                    _ => gpu.gemm_bf16(dst, a16.ptr(), b16.ptr(), p.mnk, p.ta, p.tb, 0.0),
+                    _ => gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16),
                 }
             };
             if how == "bf16 operands" {
@@ -153,17 +155,7 @@ pub fn run(
             } else {
                 out.ptr()
             };
-            once(gpu, dst)?;
-            gpu.sync()?;
-            let mut ms = Vec::with_capacity(reps);
-            for _ in 0..reps.max(1) {
-                let started = Instant::now();
-                once(gpu, dst)?;
-                gpu.sync()?;
-                ms.push(started.elapsed().as_secs_f64() * 1e3);
-            }
-            ms.sort_by(f64::total_cmp);
-            let median = ms[ms.len() / 2];
+            let median = median_ms(gpu, reps, |gpu| once(gpu, dst))?;
             times.push(GemmTime {
                 what: p.what.clone(),
                 mnk: p.mnk,
@@ -195,6 +187,25 @@ pub fn run(
         totals_ms,
         bf16_operands_vs_fast_rel_l2: worst,
     })
+}
+
+/// Median milliseconds of `reps` runs of `product` (each waited for), after one untimed run.
+fn median_ms(
+    gpu: &mut Gpu,
+    reps: usize,
+    mut product: impl FnMut(&mut Gpu) -> Result<()>,
+) -> Result<f64> {
+    product(gpu)?;
+    gpu.sync()?;
+    let mut ms = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let started = Instant::now();
+        product(gpu)?;
+        gpu.sync()?;
+        ms.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
 }
 
 fn rel_l2(x: &[f32], y: &[f32]) -> f64 {
@@ -275,7 +286,8 @@ mod tests {
                 (gpu.zeros(m * k).unwrap(), gpu.zeros(k * n).unwrap());
             gpu.to_bf16(a16.ptr(), da.ptr(), m * k).unwrap();
             gpu.to_bf16(b16.ptr(), db.ptr(), k * n).unwrap();
-            gpu.gemm_bf16(c.ptr(), a16.ptr(), b16.ptr(), (m, n, k), ta, tb, 0.0)
+            let (a16, b16) = (a16.ptr(), b16.ptr());
+            gpu.gemm_of(c.ptr(), a16, b16, (m, n, k), (ta, tb), 0.0, Operands::Bf16)
                 .unwrap();
             assert_eq!(rounded, gpu.download(&c).unwrap());
             assert_ne!(rounded, plain);

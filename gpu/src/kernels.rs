@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
-use crate::types::{Arg, int};
+use crate::types::{Arg, Operands, int};
 
 /// BF16 copies of a product's two operands, for BF16 mode with [`Gpu::set_bf16_operands`]: grown
 /// to the largest product seen and reused (products run in order on one stream).
@@ -98,10 +98,10 @@ fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
 }
 
 impl Gpu {
-    /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_f32` for the layout), the one entry
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_of` for the layout), the one entry
     /// point of the stage's products. In BF16 mode cuBLAS reads the FP32 operands and rounds them
     /// itself, or — with [`Gpu::set_bf16_operands`] — the operands are first rounded into BF16
-    /// copies by [`Gpu::to_bf16`] and multiplied as BF16 ([`Gpu::gemm_bf16`]); both accumulate in
+    /// copies by [`Gpu::to_bf16`] and multiplied as BF16 ([`Operands::Bf16`]); both accumulate in
     /// FP32. `seqpipe gpu gemm` times the two.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm(
@@ -115,7 +115,7 @@ impl Gpu {
         beta: f32,
     ) -> Result<()> {
         if !self.bf16_operands() || m == 0 || n == 0 || k == 0 {
-            return self.gemm_f32(c, a, b, (m, n, k), ta, tb, beta);
+            return self.gemm_of(c, a, b, (m, n, k), (ta, tb), beta, Operands::F32);
         }
         let mut bufs = self.operands.bufs.borrow_mut();
         for (slot, len) in bufs.iter_mut().zip([m * k, k * n]) {
@@ -128,7 +128,8 @@ impl Gpu {
         };
         self.to_bf16(a16.ptr(), a, m * k)?;
         self.to_bf16(b16.ptr(), b, k * n)?;
-        self.gemm_bf16(c, a16.ptr(), b16.ptr(), (m, n, k), ta, tb, beta)
+        let (a16, b16) = (a16.ptr(), b16.ptr());
+        self.gemm_of(c, a16, b16, (m, n, k), (ta, tb), beta, Operands::Bf16)
     }
 
     /// Whether BF16 mode's products round their operands into BF16 copies first (instead of

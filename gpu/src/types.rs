@@ -86,3 +86,13 @@ pub(crate) fn fits(op: &'static str, n: usize, preposition: &str, len: usize) ->
     }
     Ok(())
 }
+
+/// What a matrix product reads: FP32 operands, or BF16 ones (16-bit words, as `to_bf16` writes
+/// them). `C` is FP32 either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Operands {
+    /// FP32; the arithmetic follows the GPU's precision.
+    F32,
+    /// BF16, multiplied with FP32 accumulation.
+    Bf16,
+}
