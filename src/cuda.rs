@@ -67,6 +67,18 @@ pub struct CheckArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Check only these kernels (`attention`, alias `attn`: what scripts/gpu-check.sh runs under
+    /// compute-sanitizer's racecheck, too slow for the whole set).
+    #[arg(long, value_enum)]
+    only: Option<KernelSet>,
+}
+
+/// The kernel sets `seqpipe gpu check --only` can pick.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelSet {
+    /// The FP32 and BF16 (tensor-core) attention kernels, forward and backward.
+    #[value(alias = "attn")]
+    Attention,
 }
 
 /// Flags of `seqpipe gpu bench`.
@@ -155,7 +167,11 @@ mod enabled {
 
     pub(super) fn check(args: &CheckArgs) -> Result<()> {
         let mut g = Gpu::open(args.device, Precision::Fp32)?;
-        let results = gpu::oracle::check_all(&mut g, args.seed)?;
+        let which = match args.only {
+            None => gpu::oracle::Kernels::All,
+            Some(super::KernelSet::Attention) => gpu::oracle::Kernels::Attention,
+        };
+        let results = gpu::oracle::check(&mut g, args.seed, which)?;
         let failed: Vec<_> = results.iter().filter(|c| !c.passed()).collect();
         if args.json {
             println!(
@@ -163,11 +179,12 @@ mod enabled {
                 serde_json::json!({"gpu": g.name(), "arch": g.arch(), "kernels": results, "failed": failed.len()})
             );
         } else {
-            println!(
-                "{} ({}): every kernel vs the CPU oracle",
-                g.name(),
-                g.arch()
-            );
+            let which = if args.only.is_some() {
+                "the attention kernels"
+            } else {
+                "every kernel"
+            };
+            println!("{} ({}): {which} vs the CPU oracle", g.name(), g.arch());
             println!(
                 "{:<55} {:>6} {:>10} {:>10} {:>8}  ok",
                 "kernel output", "prec", "rel L2", "rel max", "bound"
