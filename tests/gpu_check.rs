@@ -1,29 +1,302 @@
-//! `scripts/gpu-check.sh` runs on a lent GPU machine only now and then, in one go: its pipeline
-//! section (CUDA stages against CPU stages, 2 vs 4 stages, stop + resume, a SIGKILLed worker) must
-//! not find its own bugs there. `DEVICE=cpu` rehearses that section here with CPU stages, where
-//! every comparison must hold bit for bit.
+//! `scripts/gpu-check.sh run` runs on a lent GPU machine only now and then, for a few 10-minute
+//! commands: its first pass must bring back a complete report whatever fails, and must not find
+//! its own bugs there. These tests rehearse that pass here, end to end.
+//!
+//! What is real and what is stood in:
+//! - real: the script itself (every step, its time limits, its report, the log archive), the
+//!   `seqpipe` binary for everything that can run without a GPU, and the whole pipeline part with
+//!   `DEVICE=cpu` (CPU stages: 2 vs 4 stages, stop + resume, a SIGKILLed worker, bf16), whose
+//!   comparisons must hold bit for bit;
+//! - stood in: `BIN` is a wrapper that records every command line and execs the real binary,
+//!   except for three chosen commands: `gpu check --only attention` hangs (sleeps), the FP32
+//!   gradient check of preset b exits 1, and the first GPT-2 bf16 determinism run prints a cut-off
+//!   JSON line. `compute-sanitizer` is a stand-in on PATH that records its arguments, runs the
+//!   program, and reports one memcheck error. PyTorch is made absent (a `torch.py` that raises
+//!   ImportError), as on this machine. The other `gpu …` commands reach the real binary and fail
+//!   honestly: there is no GPU here.
 
 mod common;
 
+use std::path::Path;
+use std::time::{Duration, Instant};
+
 use common::fresh_dir;
 
-#[test]
-fn the_gpu_checks_pipeline_section_rehearses_on_cpu() {
-    let out = fresh_dir("gpu-check");
-    let status = std::process::Command::new("bash")
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check.sh"))
+/// The stand-ins the script runs: `bin/seqpipe` (the wrapper), `bin/compute-sanitizer`, and
+/// `py/torch.py`. Both shell stand-ins append their command line to `calls`.
+fn stand_ins(dir: &Path) {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(dir.join("py")).unwrap();
+    let calls = dir.join("calls");
+    let wrapper = format!(
+        r#"#!/usr/bin/env bash
+echo "seqpipe $*" >> '{calls}'
+case "$*" in
+  "gpu check --json --only attention") exec sleep 100000 ;;
+  "gpu bench --preset b --precision fp32 --check --warmup 0 --steps 2")
+    echo "stand-in failure of the preset b gradient check" >&2; exit 1 ;;
+  "gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "*)
+    if mkdir '{dir}/garbled' 2>/dev/null; then echo '{{"impl": "seqpipe", "losses": [10.9'; exit 0; fi ;;
+esac
+exec '{real}' "$@"
+"#,
+        calls = calls.display(),
+        dir = dir.display(),
+        real = env!("CARGO_BIN_EXE_seqpipe"),
+    );
+    let sanitizer = format!(
+        r#"#!/usr/bin/env bash
+echo "compute-sanitizer $*" >> '{calls}'
+tool=memcheck log=/dev/null code=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --tool) tool=$2; shift 2 ;;
+    --error-exitcode) code=$2; shift 2 ;;
+    --log-file) log=$2; shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+"$@"
+rc=$?
+if [ "$tool" = memcheck ]; then
+  printf '========= COMPUTE-SANITIZER\n========= Invalid __global__ read of size 4 bytes\n=========     at attn_forward_d64+0x1a0\n=========\n========= ERROR SUMMARY: 1 error\n' > "$log"
+  exit "$code"
+fi
+printf '========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n' > "$log"
+exit "$rc"
+"#,
+        calls = calls.display(),
+    );
+    for (name, text) in [("seqpipe", wrapper), ("compute-sanitizer", sanitizer)] {
+        let path = bin.join(name);
+        std::fs::write(&path, text).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::write(
+        dir.join("py/torch.py"),
+        "raise ImportError('PyTorch stands absent in this rehearsal')\n",
+    )
+    .unwrap();
+}
+
+/// `gpu-check.sh run` (pass 1) with the stand-ins; extra environment on top. Returns the exit
+/// code, the report, the recorded command lines and the wall time.
+fn first_pass(dir: &Path, env: &[(&str, &str)]) -> (Option<i32>, String, String, Duration) {
+    stand_ins(dir);
+    let path = format!(
+        "{}:{}",
+        dir.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = std::process::Command::new("bash");
+    cmd.arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check.sh"))
         .arg("run")
-        .env("BIN", env!("CARGO_BIN_EXE_seqpipe"))
+        .env("PATH", path)
+        .env("PYTHONPATH", dir.join("py"))
+        .env("BIN", dir.join("bin/seqpipe"))
         .env("DEVICE", "cpu")
-        .env("SECTIONS", "4")
-        .env("OUT", &out)
+        .env("OUT", dir.join("out"))
+        .env("WORK", dir.join("work"))
+        .env("RAYON_NUM_THREADS", "1")
+        .env("CANDLE_NUM_THREADS", "1")
         .env("RUST_LOG", "warn")
-        .status()
-        .expect("bash runs");
-    let whole = std::fs::read_to_string(out.join("report.txt")).expect("a report");
-    assert!(status.success(), "gpu-check.sh failed:\n{whole}");
-    // The machine section before it reports nvidia-smi and PyTorch, absent here.
-    let report = &whole[whole.find("== 4.").expect("the pipeline section ran")..];
+        .env_remove("PASS")
+        .env_remove("SECTIONS")
+        .env_remove("LIMIT");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let started = Instant::now();
+    let status = cmd.status().expect("bash runs");
+    let took = started.elapsed();
+    let report = std::fs::read_to_string(dir.join("out/report.txt")).expect("a report");
+    let calls = std::fs::read_to_string(dir.join("calls")).unwrap_or_default();
+    (status.code(), report, calls, took)
+}
+
+/// The report's status line of step `name` (`ok`, `FAILED`, … then the name); panics unless there
+/// is exactly one.
+fn status_of<'a>(report: &'a str, name: &str) -> &'a str {
+    let lines: Vec<&str> = report
+        .lines()
+        .filter(|l| {
+            ["ok ", "FAILED ", "TIMED OUT ", "NOT RUN "]
+                .iter()
+                .any(|s| l.starts_with(s))
+                && l.split_whitespace()
+                    .skip_while(|w| ["ok", "FAILED", "TIMED", "OUT", "NOT", "RUN"].contains(w))
+                    .next()
+                    .is_some_and(|w| w == name || w == format!("{name}:"))
+        })
+        .collect();
+    assert_eq!(lines.len(), 1, "one status line for {name}:\n{report}");
+    lines[0]
+}
+
+/// The steps of pass 1 in order, with DEVICE=cpu.
+const PASS1_STEPS: &[&str] = &[
+    "nvidia-smi",
+    "torch",
+    "gpu-info",
+    "kernels-memcheck",
+    "kernels-racecheck",
+    "grads-fp32-a",
+    "grads-fp32-b",
+    "grads-fp32-long",
+    "grads-fp32-gpt2",
+    "determinism-1",
+    "determinism-2",
+    "train-cpu4",
+    "train-cuda4",
+    "compare-grads-cuda4-cpu4",
+    "compare-losses-cuda4-cpu4",
+    "train-cuda2",
+    "compare-losses-cuda2",
+    "compare-state-cuda2",
+    "train-cuda-split",
+    "resume-cuda-split",
+    "compare-losses-resume",
+    "compare-state-resume",
+    "train-calm",
+    "train-chaos",
+    "compare-losses-chaos",
+    "compare-state-chaos",
+    "train-bf16",
+    "bench-seqpipe-gpt2-r1",
+    "torch-eager-gpt2-r1",
+];
+
+#[test]
+fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_later_step() {
+    let dir = fresh_dir("gpu-check");
+    // The hung command gets 8 s; the pass's budget is generous for a busy 2-core machine (the
+    // watchdog has its own test below).
+    let (code, report, calls, _) = first_pass(
+        &dir,
+        &[("STEP_LIMITS", "kernels-racecheck=8"), ("BUDGET", "1500")],
+    );
+    // The script finished on its own, reporting failures by its exit code.
+    assert_eq!(code, Some(1), "gpu-check.sh run:\n{report}");
+    assert!(
+        report.contains("== pass 1 done in "),
+        "the closing line:\n{report}"
+    );
+
+    // The chosen failures, each named with its cause.
+    let memcheck = status_of(&report, "kernels-memcheck");
+    assert!(
+        memcheck.starts_with("FAILED")
+            && memcheck.contains("compute-sanitizer found errors")
+            && memcheck.contains("Invalid __global__ read of size 4 bytes"),
+        "{memcheck}"
+    );
+    let racecheck = status_of(&report, "kernels-racecheck");
+    assert!(
+        racecheck.starts_with("TIMED OUT") && racecheck.contains("limit of 8 s"),
+        "{racecheck}"
+    );
+    let preset_b = status_of(&report, "grads-fp32-b");
+    assert!(
+        preset_b.starts_with("FAILED")
+            && preset_b.contains("(exit 1 after")
+            && preset_b.contains("stand-in failure of the preset b gradient check"),
+        "{preset_b}"
+    );
+    let garbled = status_of(&report, "determinism-1");
+    assert!(
+        garbled.starts_with("FAILED") && garbled.contains("no JSON object"),
+        "{garbled}"
+    );
+    let torch = status_of(&report, "torch");
+    assert!(
+        torch.starts_with("FAILED") && torch.contains("PyTorch not importable"),
+        "{torch}"
+    );
+    assert!(
+        status_of(&report, "torch-eager-gpt2-r1").contains("PyTorch not importable"),
+        "{report}"
+    );
+
+    // Every step has its one status line, in order; the GPU commands fail here (no GPU), every
+    // pipeline step passes.
+    let mut at = 0;
+    for name in PASS1_STEPS {
+        let line = status_of(&report, name);
+        let pos = report.find(line).unwrap();
+        assert!(pos >= at, "{name} out of order:\n{report}");
+        at = pos;
+        if name.starts_with("train-") || name.starts_with("compare-") || name.starts_with("resume-")
+        {
+            assert!(line.starts_with("ok "), "{line}\n{report}");
+        }
+    }
+    assert!(
+        !report.lines().any(|l| l.starts_with("NOT RUN")) && report.contains(", 0 NOT RUN;"),
+        "{report}"
+    );
+
+    // The script called the GPU commands with the expected arguments (the sanitizers' included).
+    let lines: Vec<&str> = calls.lines().collect();
+    let called = |prefix: &str, rest: &str| {
+        lines
+            .iter()
+            .filter(|l| l.starts_with(prefix) && l.ends_with(rest))
+            .count()
+    };
+    assert_eq!(called("seqpipe gpu info", ""), 1, "{calls}");
+    assert_eq!(
+        called(
+            "compute-sanitizer --tool memcheck --error-exitcode 86 --log-file ",
+            "/bin/seqpipe gpu check --json"
+        ),
+        1,
+        "{calls}"
+    );
+    assert_eq!(
+        called(
+            "compute-sanitizer --tool racecheck --error-exitcode 86 --log-file ",
+            "/bin/seqpipe gpu check --json --only attention"
+        ),
+        1,
+        "{calls}"
+    );
+    for preset in ["a", "b", "long", "gpt2 --batch 1"] {
+        let line = format!(
+            "seqpipe gpu bench --preset {preset} --precision fp32 --check --warmup 0 --steps 2"
+        );
+        assert_eq!(called(&line, ""), 1, "{line}:\n{calls}");
+    }
+    let determinism = "seqpipe gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps 10";
+    assert_eq!(called(determinism, ""), 2, "{calls}");
+    let bench = "seqpipe gpu bench --preset gpt2 --precision bf16 --steps 10";
+    assert_eq!(called(bench, ""), 1, "{calls}");
+    assert_eq!(called("seqpipe train -q ", ""), 7, "{calls}");
+    assert_eq!(called("seqpipe resume -q ", ""), 1, "{calls}");
+
+    // Only the report, the benchmark lines and the capped log archive come back in $OUT; the run
+    // directories stay in the work dir.
+    let mut out: Vec<String> = std::fs::read_dir(dir.join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    out.sort();
+    assert_eq!(out, ["logs.tar.gz", "report.txt", "runs.jsonl"]);
+    let archive = std::fs::metadata(dir.join("out/logs.tar.gz"))
+        .unwrap()
+        .len();
+    assert!(archive > 0 && archive <= 16_000_000, "{archive} bytes");
+    assert!(dir.join("work/train/cuda4/checkpoints").is_dir());
+
+    // The pipeline part, as the GPU will run it, with CPU stages: every comparison bit for bit.
+    let start = report.find("== pipeline").expect("the pipeline part ran");
+    let end = report[start..]
+        .find("== bench")
+        .expect("the bench part ran")
+        + start;
+    let pipeline = &report[start..end];
     for bad in [
         "FAILED",
         "DIFFER",
@@ -32,20 +305,50 @@ fn the_gpu_checks_pipeline_section_rehearses_on_cpu() {
         "WORSE THAN ITS BOUND",
         "Traceback",
     ] {
-        assert!(!report.contains(bad), "{bad} in the report:\n{report}");
+        assert!(!pipeline.contains(bad), "{bad} in the report:\n{pipeline}");
     }
-    let identical = report
+    let identical = pipeline
         .matches("tensors (weights and AdamW moments) bit-identical")
         .count();
-    assert_eq!(identical, 3, "2 vs 4 stages, resume, chaos:\n{report}");
+    assert_eq!(identical, 3, "2 vs 4 stages, resume, chaos:\n{pipeline}");
     assert!(
-        report.contains("killed worker pid ")
-            && report.contains("recovered at step ")
-            && report.contains("bf16: done: step 60/60"),
-        "{report}"
+        pipeline.contains("killed worker pid ")
+            && pipeline.contains("recovered at step ")
+            && pipeline.contains("bf16: done: step 60/60"),
+        "{pipeline}"
     );
     assert!(
-        report.contains("step 1, 53 tensors, worst relative L2 0.00e+00"),
-        "CPU stages against themselves:\n{report}"
+        pipeline.contains("step 1, 53 tensors, worst relative L2 0.00e+00"),
+        "CPU stages against themselves:\n{pipeline}"
+    );
+}
+
+#[test]
+fn the_watchdog_reports_the_steps_the_pass_has_no_time_for() {
+    let dir = fresh_dir("gpu-check-watchdog");
+    // 40 s of budget, 25 of them kept for the end: the hung racecheck runs into the pass's
+    // deadline, and nothing after it has time left.
+    let (code, report, _, took) = first_pass(&dir, &[("BUDGET", "40")]);
+    assert_eq!(code, Some(1), "{report}");
+    assert!(took < Duration::from_secs(90), "{took:?}:\n{report}");
+    assert!(
+        status_of(&report, "kernels-racecheck").starts_with("TIMED OUT"),
+        "{report}"
+    );
+    let after = PASS1_STEPS
+        .iter()
+        .skip_while(|name| **name != "kernels-racecheck")
+        .skip(1);
+    for name in after {
+        let line = status_of(&report, name);
+        assert!(
+            line.starts_with("NOT RUN") && line.contains("out of time"),
+            "{line}\n{report}"
+        );
+    }
+    assert!(report.contains("== pass 1 done in "), "{report}");
+    assert!(
+        dir.join("out/logs.tar.gz").is_file(),
+        "the logs still archived"
     );
 }
