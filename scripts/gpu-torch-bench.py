@@ -19,9 +19,12 @@ import os
 import statistics
 import sys
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError as e:  # gpu-check.sh reports this line as the step's failure
+    sys.exit(f"gpu-torch-bench: PyTorch not importable ({e}): run it where torch with CUDA is installed")
 
 # name: (vocab V, d_model C, layers L, heads H, seq T, batch B)
 PRESETS = {
