@@ -90,3 +90,43 @@ fn the_matrix_product_benchmark_times_every_product_every_way() {
     assert!(agree > 0.0 && agree < 1e-2, "{report:#}");
     assert_eq!(report["totals_ms"].as_array().map(Vec::len), Some(5));
 }
+
+/// `seqpipe gpu check --only attention` (what scripts/gpu-check.sh runs under compute-sanitizer's
+/// racecheck) checks the attention kernels and nothing else: every FP32 and BF16 attention output
+/// of the whole check, no other kernel.
+#[test]
+fn the_attention_only_kernel_check_runs_exactly_the_attention_kernels() {
+    let out = Command::new(env!("CARGO_BIN_EXE_seqpipe"))
+        .args(["gpu", "check", "--json", "--only", "attention"])
+        .output()
+        .expect("seqpipe runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "seqpipe gpu check --only attention failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert_eq!(report["failed"], 0, "{report:#}");
+    let kernels = report["kernels"]
+        .as_array()
+        .expect("a list of kernel outputs");
+    let count = |precision: &str| {
+        kernels
+            .iter()
+            .filter(|k| k["precision"] == precision)
+            .count()
+    };
+    // The same attention rows as the whole check's (see the first test), and only those.
+    assert_eq!(count("fp32"), 6 * 5 + 2 + 2, "{report:#}");
+    assert_eq!(count("bf16"), 5 * 5, "{report:#}");
+    assert_eq!(kernels.len(), count("fp32") + count("bf16"), "{report:#}");
+    for k in kernels {
+        assert!(
+            k["what"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("attention")),
+            "{k}"
+        );
+    }
+}
