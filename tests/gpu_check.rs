@@ -141,6 +141,7 @@ const PASS1_STEPS: &[&str] = &[
     "nvidia-smi",
     "torch",
     "gpu-info",
+    "kernels",
     "kernels-memcheck",
     "kernels-racecheck",
     "grads-fp32-a",
@@ -247,6 +248,12 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
             .count()
     };
     assert_eq!(called("seqpipe gpu info", ""), 1, "{calls}");
+    // The bare kernel check, and the same under memcheck.
+    let whole_check = lines
+        .iter()
+        .filter(|l| **l == "seqpipe gpu check --json")
+        .count();
+    assert_eq!(whole_check, 2, "{calls}");
     assert_eq!(
         called(
             "compute-sanitizer --tool memcheck --error-exitcode 86 --log-file ",
