@@ -127,8 +127,7 @@ fn status_of<'a>(report: &'a str, name: &str) -> &'a str {
                 .iter()
                 .any(|s| l.starts_with(s))
                 && l.split_whitespace()
-                    .skip_while(|w| ["ok", "FAILED", "TIMED", "OUT", "NOT", "RUN"].contains(w))
-                    .next()
+                    .find(|w| !["ok", "FAILED", "TIMED", "OUT", "NOT", "RUN"].contains(w))
                     .is_some_and(|w| w == name || w == format!("{name}:"))
         })
         .collect();
