@@ -15,7 +15,7 @@ use ops::sum_tree::SumTree;
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::checkpoint_writer::CheckpointWriter;
+use super::checkpoint_writer::{CheckpointWriter, FinalDeadline};
 use super::control::{Regroup, StepCost, ToLauncher, ToWorker};
 use super::coordinator::Recovery;
 use super::error::LaunchError;
@@ -43,7 +43,9 @@ pub struct RunSummary {
     pub last_step: u64,
     /// The checkpoint step the run resumed from.
     pub resumed_from: Option<u64>,
-    /// The signal that stopped the run early (a final checkpoint was committed first).
+    /// The signal that stopped the run early (its final checkpoint, of `last_step`, is
+    /// committed: a run whose final checkpoint fails ends in
+    /// [`LaunchError::FinalCheckpointFailed`] instead).
     pub interrupted_by: Option<i32>,
     /// Wall-clock seconds.
     pub elapsed_s: f64,
@@ -225,6 +227,9 @@ pub(super) struct Driver<'a, 'c> {
     /// The run's Prometheus metrics, when `elastic.metrics_listen` serves them: fed by every
     /// record written to `metrics.jsonl`.
     pub(super) live: Option<Arc<LiveMetrics>>,
+    /// When the driver first saw the stop signal: the final checkpoint's grace period
+    /// (`checkpoint.grace_s`) counts from here.
+    stop_seen: Option<Instant>,
 }
 
 impl<'a, 'c> Driver<'a, 'c> {
@@ -247,6 +252,7 @@ impl<'a, 'c> Driver<'a, 'c> {
             trace: None,
             rerouted: None,
             live: None,
+            stop_seen: None,
         }
     }
 }
@@ -375,17 +381,21 @@ impl Driver<'_, '_> {
                 }
             }
         }
-        let grace = if summary.interrupted_by.is_some() {
-            cfg.checkpoint.grace()
-        } else {
-            cfg.pipeline.timeout().max(cfg.checkpoint.grace())
+        // The run's last step is kept only if its checkpoint commits: retried within the signal's
+        // grace period, or a few times with a backoff at the normal end.
+        let deadline = match self.stop_seen {
+            Some(seen) if summary.interrupted_by.is_some() => {
+                FinalDeadline::Until(seen + cfg.checkpoint.grace())
+            }
+            _ => FinalDeadline::Attempts(cfg.pipeline.timeout().max(cfg.checkpoint.grace())),
         };
-        self.checkpoints.finish(
+        bar.finish();
+        self.checkpoints.commit_final(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),
-            grace,
+            summary.last_step,
+            deadline,
         )?;
-        bar.finish();
         Ok(summary)
     }
 
@@ -421,11 +431,12 @@ impl Driver<'_, '_> {
                 self.metrics.as_mut().expect("metrics"),
             )?;
         }
-        let grace = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
-        self.checkpoints.finish(
+        let timeout = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
+        self.checkpoints.commit_final(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),
-            grace,
+            step,
+            FinalDeadline::Attempts(timeout),
         )?;
         Ok(RunSummary {
             final_loss: record.loss,
@@ -510,9 +521,10 @@ impl Driver<'_, '_> {
     }
 
     /// The signal (SIGINT/SIGTERM) that asks the run to stop after `step`, if one came.
-    fn stop_requested(&self, step: u64, bar: &ProgressBar) -> Option<i32> {
+    fn stop_requested(&mut self, step: u64, bar: &ProgressBar) -> Option<i32> {
         let sig = self.signal.load(Ordering::SeqCst);
         (sig != 0).then(|| {
+            self.stop_seen.get_or_insert_with(Instant::now);
             bar.suspend(|| {
                 warn!(
                     step,
