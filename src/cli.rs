@@ -698,6 +698,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// The exit status of a run stopped at a step boundary, with a committed checkpoint, because
+/// preemption notices took (nearly) all its nodes: EX_TEMPFAIL, try again (`seqpipe resume`)
+/// once nodes are back.
+const PREEMPTED_EXIT_CODE: u8 = 75;
+
 fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     if cfg.checkpoint.read_only {
         bail!(
@@ -772,6 +777,16 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
             Err(e) => format!("unknown: {e:#}"),
         }
     );
+    if let Some(reason) = &summary.preempted {
+        // The driver returns a summary only once the final checkpoint is committed.
+        eprintln!(
+            "stopped for preemption after step {} with a final checkpoint of step {}: {reason}; continue with: seqpipe resume {}",
+            summary.last_step,
+            summary.last_step,
+            cfg.run.dir.display()
+        );
+        return Ok(ExitCode::from(PREEMPTED_EXIT_CODE));
+    }
     if let Some(sig) = summary.interrupted_by {
         // The driver returns a summary only once the final checkpoint is committed.
         eprintln!(

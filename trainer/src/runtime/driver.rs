@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::checkpoint_writer::{CheckpointWriter, FinalDeadline};
 use super::control::{Regroup, StepCost, ToLauncher, ToWorker};
-use super::coordinator::Recovery;
+use super::coordinator::{AtBoundary, Recovery};
 use super::error::LaunchError;
 use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
 use super::live_metrics::LiveMetrics;
@@ -47,6 +47,9 @@ pub struct RunSummary {
     /// committed: a run whose final checkpoint fails ends in
     /// [`LaunchError::FinalCheckpointFailed`] instead).
     pub interrupted_by: Option<i32>,
+    /// Why the run stopped early for preemption notices (too few nodes would remain without
+    /// the noticed ones): its final checkpoint, of `last_step`, is committed.
+    pub preempted: Option<String>,
     /// Wall-clock seconds.
     pub elapsed_s: f64,
 }
@@ -57,6 +60,9 @@ enum Boundary {
     Continue,
     /// A signal asked the run to stop (its final checkpoint is started).
     Stop,
+    /// Nodes with preemption notices leave and too few would remain: the run stops (its final
+    /// checkpoint is started), for this reason.
+    Preempted(String),
     /// The plan changes (the nodes that stay hold this step's peer snapshots, or its checkpoint
     /// is committed): the pipeline restarts.
     PlanChange(String),
@@ -355,6 +361,7 @@ impl Driver<'_, '_> {
             last_step: start_step,
             resumed_from,
             interrupted_by: None,
+            preempted: None,
             elapsed_s: 0.0,
         };
         for step in start_step + 1..=t.steps {
@@ -375,6 +382,11 @@ impl Driver<'_, '_> {
             match self.end_of_step(&record, summary.interrupted_by.is_some())? {
                 Boundary::Continue => {}
                 Boundary::Stop => break,
+                Boundary::Preempted(reason) => {
+                    bar.suspend(|| warn!(step, %reason, "stopping for preemption notices"));
+                    summary.preempted = Some(reason);
+                    break;
+                }
                 Boundary::PlanChange(reason) => {
                     bar.finish_and_clear();
                     return Err(LaunchError::PlanChanged { step, reason });
@@ -386,6 +398,10 @@ impl Driver<'_, '_> {
         let deadline = match self.stop_seen {
             Some(seen) if summary.interrupted_by.is_some() => {
                 FinalDeadline::Until(seen + cfg.checkpoint.grace())
+            }
+            // The noticed nodes' workers leave when their preemption grace ends.
+            _ if summary.preempted.is_some() => {
+                FinalDeadline::Until(Instant::now() + cfg.elastic.grace())
             }
             _ => FinalDeadline::Attempts(cfg.pipeline.timeout().max(cfg.checkpoint.grace())),
         };
@@ -444,6 +460,7 @@ impl Driver<'_, '_> {
             last_step: step,
             resumed_from,
             interrupted_by: None,
+            preempted: None,
             elapsed_s: 0.0,
         })
     }
@@ -555,10 +572,15 @@ impl Driver<'_, '_> {
                 .finish(self.pipeline, metrics, cfg.elastic.grace())?;
             return Err(failure);
         }
-        let plan_change = if step < cfg.train.steps && !interrupted {
+        let at_boundary = if step < cfg.train.steps && !interrupted {
             self.pipeline.coordinator().at_step_boundary(step)
         } else {
             None
+        };
+        let (plan_change, stop) = match at_boundary {
+            None => (None, None),
+            Some(AtBoundary::Change { reason, planned }) => (Some((reason, planned)), None),
+            Some(AtBoundary::Stop { reason, left }) => (None, Some((reason, left))),
         };
         let due = cfg.checkpoint.due(step, cfg.train.steps);
         // The next plan starts from the peer snapshots of this step when the nodes that stay hold
@@ -569,7 +591,7 @@ impl Driver<'_, '_> {
             && self
                 .pipeline
                 .await_peer_snapshots(step, PEER_SNAPSHOT_WAIT)?;
-        if interrupted || due || (plan_change.is_some() && !by_peers) {
+        if interrupted || stop.is_some() || due || (plan_change.is_some() && !by_peers) {
             let state = self.trainer_state(step, record.lr, record.loss);
             self.checkpoints.begin(
                 self.pipeline,
@@ -581,6 +603,12 @@ impl Driver<'_, '_> {
             .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
         if interrupted {
             return Ok(Boundary::Stop);
+        }
+        if let Some((reason, left)) = stop {
+            for event in &left {
+                self.append_event(event)?;
+            }
+            return Ok(Boundary::Preempted(reason));
         }
         let Some((reason, _)) = plan_change else {
             return Ok(Boundary::Continue);
