@@ -73,6 +73,10 @@ enum Boundary {
 /// within milliseconds, and one that takes longer is stuck behind a slow or failing agent.
 const PEER_SNAPSHOT_WAIT: Duration = Duration::from_secs(2);
 
+/// Held-out micro-batches per evaluation request: a stop signal waits for at most one such chunk
+/// (see [`Driver::evaluate_unless_stopped`]).
+const EVAL_CHUNK: usize = 16;
+
 /// What the stages reported for one step's forward and backward.
 struct StepReplies {
     /// Per-parameter sums of squared gradients, in canonical order.
@@ -656,7 +660,7 @@ impl Driver<'_, '_> {
         let eval_due = t.eval_every > 0 && (step.is_multiple_of(t.eval_every) || step == t.steps);
         let eval_started_us = unix_time_us();
         let val_loss = if eval_due {
-            Some(self.evaluate()?)
+            self.evaluate_unless_stopped(true)?
         } else {
             None
         };
@@ -1120,26 +1124,50 @@ impl Driver<'_, '_> {
 
     /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.
     pub(super) fn evaluate(&mut self) -> Result<f64, LaunchError> {
+        self.evaluate_unless_stopped(false)
+            .map(|loss| loss.expect("an evaluation that cannot be stopped ends"))
+    }
+
+    /// [`Driver::evaluate`] in chunks of [`EVAL_CHUNK`] micro-batches (their loss sums added in
+    /// order: the same number on every run); with `stoppable`, a stop signal abandons it between
+    /// two chunks (`None`): an evaluation is not part of the training state, and the signal's
+    /// grace period (`checkpoint.grace_s`) is for the final checkpoint.
+    fn evaluate_unless_stopped(&mut self, stoppable: bool) -> Result<Option<f64>, LaunchError> {
         let cfg = self.cfg;
         let batches = cfg.train.eval_batches;
-        // Replica 0 evaluates: every replica holds the same weights.
-        self.pipeline
-            .send_to_first_replica(&ToWorker::Eval { batches })?;
-        let mut loss_sum = None;
-        for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
-            match msg {
-                ToLauncher::EvalDone { loss_sum: l, .. } => loss_sum = loss_sum.or(l),
-                other => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected evaluation results, got {other:?}"
-                    )));
+        let mut loss_sum = 0.0;
+        for first in (0..batches).step_by(EVAL_CHUNK) {
+            if stoppable && self.signal.load(Ordering::SeqCst) != 0 {
+                self.stop_seen.get_or_insert_with(Instant::now);
+                warn!(
+                    done = first,
+                    batches, "stop signal: abandoning the evaluation for the final checkpoint"
+                );
+                return Ok(None);
+            }
+            let chunk = EVAL_CHUNK.min(batches - first);
+            // Replica 0 evaluates: every replica holds the same weights.
+            self.pipeline.send_to_first_replica(&ToWorker::Eval {
+                first,
+                batches: chunk,
+            })?;
+            let mut chunk_sum = None;
+            for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
+                match msg {
+                    ToLauncher::EvalDone { loss_sum: l, .. } => chunk_sum = chunk_sum.or(l),
+                    other => {
+                        return Err(LaunchError::Protocol(format!(
+                            "expected evaluation results, got {other:?}"
+                        )));
+                    }
                 }
             }
+            loss_sum += chunk_sum.ok_or_else(|| {
+                LaunchError::Protocol("the last stage reported no validation loss".into())
+            })?;
         }
         let tokens = batches * cfg.train.micro_batch_size * cfg.train.seq_len;
-        Ok(loss_sum.ok_or_else(|| {
-            LaunchError::Protocol("the last stage reported no validation loss".into())
-        })? / tokens as f64)
+        Ok(Some(loss_sum / tokens as f64))
     }
 
     fn trainer_state(&self, step: u64, lr: f64, loss: f64) -> TrainerState {
