@@ -591,7 +591,15 @@ fn every_node_leaving_with_no_joiner_stops_the_run_at_the_boundary() {
 #[test]
 fn notices_that_leave_too_few_nodes_stop_the_run_at_the_boundary_as_a_table() {
     // (min_nodes, nodes, leaving, joiners, at a boundary, expected)
-    let table: &[(usize, &[&str], &[&str], &[&str], bool, &str)] = &[
+    type Row = (
+        usize,
+        &'static [&'static str],
+        &'static [&'static str],
+        &'static [&'static str],
+        bool,
+        &'static str,
+    );
+    let table: &[Row] = &[
         (1, &["a", "b"], &["a", "b"], &[], true, "Stop"),
         (1, &["a", "b"], &["a", "b"], &[], false, "Continue"),
         (1, &["a", "b"], &["a"], &[], true, "Shrink"),
