@@ -698,6 +698,11 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// The exit status of a run stopped at a step boundary, with a committed checkpoint, because
+/// preemption notices took (nearly) all its nodes: EX_TEMPFAIL, try again (`seqpipe resume`)
+/// once nodes are back.
+const PREEMPTED_EXIT_CODE: u8 = 75;
+
 fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     if cfg.checkpoint.read_only {
         bail!(
@@ -743,7 +748,11 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         None
     };
     eprintln!("run directory: {}", cfg.run.dir.display());
-    let summary = run_training(&cfg, &opts)?;
+    let summary = match run_training(&cfg, &opts) {
+        Ok(summary) => summary,
+        // Whatever ended the run, say which state survives it and how to continue from there.
+        Err(e) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
+    };
     let val = summary
         .val_loss
         .map_or(String::new(), |v| format!(", val loss {v:.4}"));
@@ -759,16 +768,59 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         summary.final_loss,
         cfg.run.dir.join("metrics.jsonl").display()
     );
-    eprintln!("checkpoints: {}", cfg.checkpoint.resolved_url(&cfg.run.dir));
-    if let Some(sig) = summary.interrupted_by {
+    eprintln!(
+        "checkpoints: {} (newest committed: {})",
+        cfg.checkpoint.resolved_url(&cfg.run.dir),
+        match newest_committed(&cfg) {
+            Ok(Some(step)) => format!("step {step}"),
+            Ok(None) => "none".into(),
+            Err(e) => format!("unknown: {e:#}"),
+        }
+    );
+    if let Some(reason) = &summary.preempted {
+        // The driver returns a summary only once the final checkpoint is committed.
         eprintln!(
-            "stopped by signal {sig} after step {} with a final checkpoint; continue with: seqpipe resume {}",
+            "stopped for preemption after step {} with a final checkpoint of step {}: {reason}; continue with: seqpipe resume {}",
+            summary.last_step,
+            summary.last_step,
+            cfg.run.dir.display()
+        );
+        return Ok(ExitCode::from(PREEMPTED_EXIT_CODE));
+    }
+    if let Some(sig) = summary.interrupted_by {
+        // The driver returns a summary only once the final checkpoint is committed.
+        eprintln!(
+            "stopped by signal {sig} after step {} with a final checkpoint of step {}; continue with: seqpipe resume {}",
+            summary.last_step,
             summary.last_step,
             cfg.run.dir.display()
         );
         return Ok(ExitCode::from(128 + sig as u8));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The newest committed checkpoint step of `cfg`'s store (read-only), `None` when it holds none.
+fn newest_committed(cfg: &Config) -> Result<Option<u64>> {
+    let url = cfg.checkpoint.resolved_url(&cfg.run.dir);
+    let store = CheckpointStore::open(&url, &read_only())?;
+    Ok(runtime()?
+        .block_on(store.committed_steps())?
+        .last()
+        .copied())
+}
+
+/// For a run that failed: the newest committed checkpoint it leaves and how to continue from it.
+fn newest_checkpoint_note(cfg: &Config) -> String {
+    let url = cfg.checkpoint.resolved_url(&cfg.run.dir);
+    match newest_committed(cfg) {
+        Ok(Some(step)) => format!(
+            "the newest committed checkpoint is step {step} (at {url}); continue from it with: seqpipe resume {}",
+            cfg.run.dir.display()
+        ),
+        Ok(None) => format!("no checkpoint is committed at {url}: a new run starts from step 0"),
+        Err(e) => format!("the checkpoints at {url} cannot be listed: {e:#}"),
+    }
 }
 
 /// Options of a store that read-only commands open: nothing is created, written or deleted.

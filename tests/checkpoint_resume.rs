@@ -468,6 +468,68 @@ fn sigterm_writes_a_final_checkpoint_then_resume_finishes_the_run() {
     assert_eq!(losses(&run).len() as u64, step + 2);
 }
 
+/// SIGTERM while a long evaluation runs (one that would take minutes): the evaluation is
+/// abandoned, the final checkpoint committed and the launcher gone within `checkpoint.grace_s`
+/// (3 s) plus a margin for a busy machine, far short of the evaluation; the resumed run ends
+/// bit-identical to an undisturbed one.
+#[test]
+fn sigterm_during_a_long_evaluation_stops_within_the_grace_period() {
+    let dir = fresh_dir("sigterm-eval");
+    let (run, reference) = (dir.join("run"), dir.join("reference"));
+    run_ok(&mut train(&reference, &["train.steps=4"]));
+    let mut child = train(
+        &run,
+        &[
+            "train.steps=4",
+            "train.eval_every=2",
+            "train.eval_batches=200000",
+            "checkpoint.grace_s=3",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    wait_for("step 1", Duration::from_secs(120), || {
+        common::steps_done(&run) >= 1
+    });
+    // Step 2 takes milliseconds; its evaluation minutes.
+    std::thread::sleep(Duration::from_secs(3));
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let signalled = Instant::now();
+    let bound = Duration::from_secs(3 + 5);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if signalled.elapsed() > bound {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running {bound:?} after SIGTERM with checkpoint.grace_s = 3");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(128 + 15), "SIGTERM exit status");
+    let records = metrics(&run);
+    let step2 = records
+        .iter()
+        .find(|m| m.get("step").and_then(|s| s.as_u64()) == Some(2) && m.get("loss").is_some())
+        .unwrap_or_else(|| panic!("no record of step 2: {records:?}"));
+    assert!(
+        step2.get("val_loss").is_none_or(|v| v.is_null()),
+        "the evaluation finished: {step2}"
+    );
+    assert_eq!(final_state(&ckpt_url(&run)).0, 2, "final checkpoint");
+    run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&run)
+            .args(["--set", "train.eval_every=0"]),
+    );
+    assert_same_state(&ckpt_url(&run), &ckpt_url(&reference));
+}
+
 #[test]
 fn s3_checkpoints_on_a_real_seaweedfs_server() {
     let s3 = SeaweedFs::start();

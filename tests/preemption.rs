@@ -465,3 +465,108 @@ fn an_unreachable_metadata_service_changes_nothing() {
         assert_eq!(warnings, 1, "{}:\n{text}", log.display());
     }
 }
+
+/// Every node gets a preemption notice (all four agents watch one fake AWS metadata service,
+/// which announces after step 3): with no node left to hand over to, the run commits a
+/// checkpoint at a step boundary and stops cleanly (exit status 75, the resume hint, a
+/// `node_left` event per node and no `node_lost`); `seqpipe resume` then finishes the run
+/// bit-identical to an undisturbed one.
+#[test]
+fn every_node_preempted_stops_at_a_boundary_with_a_checkpoint_and_resumes_bit_exactly() {
+    let dir = fresh_dir("all-noticed");
+    let fake = FakeMetadata::start("aws");
+    let run = dir.join("run");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let token = "preemption-test-secret";
+    let listen = format!("elastic.listen={addr}");
+    let mut coordinator = Proc(
+        job(
+            &run,
+            &[
+                &listen,
+                "elastic.local_agents=false",
+                "elastic.join_timeout_s=120",
+                // Long enough that the workers never leave before the boundary on a busy machine.
+                "elastic.grace_s=120",
+            ],
+        )
+        .env("SEQPIPE_JOB_TOKEN", token)
+        .stderr(std::fs::File::create(dir.join("coordinator.log")).unwrap())
+        .spawn()
+        .unwrap(),
+    );
+    let log_of = |node: usize| dir.join(format!("agent-node-{node}.log"));
+    let mut agents: Vec<Proc> = (0..4)
+        .map(|node| {
+            let mut cmd = seqpipe();
+            cmd.args(["agent", "--join", &addr, "--name", &format!("node-{node}")])
+                .args(["--connect-timeout-s", "60", "--dir"])
+                .arg(dir.join(format!("node-{node}")))
+                .env("SEQPIPE_JOB_TOKEN", token)
+                .env("RUST_LOG", "info")
+                .stdin(Stdio::null())
+                .stderr(std::fs::File::create(log_of(node)).unwrap())
+                .args(["--preemption-notice", "aws"])
+                .args(["--metadata-endpoint", &fake.url()])
+                .args(["--metadata-poll-s", "0.2"]);
+            Proc(cmd.spawn().unwrap())
+        })
+        .collect();
+    wait_for_steps(&run, 3);
+    fake.announce();
+    let limit = Duration::from_secs(300);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = coordinator.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < limit, "the coordinator did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap();
+    assert_eq!(status.code(), Some(75), "exit status:\n{log}");
+    assert!(
+        log.contains("stopped for preemption after step")
+            && log.contains(&format!("continue with: seqpipe resume {}", run.display())),
+        "{log}"
+    );
+    for (node, agent) in agents.iter_mut().enumerate() {
+        let started = Instant::now();
+        while agent.0.try_wait().unwrap().is_none() {
+            assert!(
+                started.elapsed() < limit,
+                "agent node-{node} did not exit after the run stopped"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // The run stopped at a boundary before its end, with that boundary's checkpoint committed.
+    let (step, _) = final_state(&ckpt_url(&run));
+    assert!((3..STEPS).contains(&step), "stopped at step {step}:\n{log}");
+    assert_eq!(common::steps_done(&run) as u64, step, "{log}");
+    let events = run_events(&run);
+    let mut left: Vec<String> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::NodeLeft(l) => Some(l.node.to_string()),
+            _ => None,
+        })
+        .collect();
+    left.sort();
+    assert_eq!(left, ["node-0", "node-1", "node-2", "node-3"], "{events:?}");
+    assert!(
+        !events.iter().any(|e| matches!(e, RunEvent::NodeLost(_))),
+        "{events:?}"
+    );
+
+    // The run continues on local agents, bit-identical to an undisturbed one.
+    run_ok(
+        seqpipe()
+            .args(["resume", "-q"])
+            .arg(&run)
+            .args(["--set", "elastic.local_agents=true"])
+            .args(["--set", "elastic.listen=127.0.0.1:0"]),
+    );
+    assert_final_state(&run, STEPS, reference());
+}

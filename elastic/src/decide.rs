@@ -62,7 +62,7 @@ impl ClusterState {
         match decision {
             Decision::Continue => self.waiting_since = None,
             Decision::Wait { .. } => self.waiting_since = Some(self.waiting_since.unwrap_or(now)),
-            Decision::Fail { .. } => {}
+            Decision::Fail { .. } | Decision::Stop { .. } => {}
             Decision::Recover { plan, .. }
             | Decision::Grow { plan, .. }
             | Decision::Shrink { plan, .. } => {
@@ -133,6 +133,13 @@ pub enum Decision {
         /// When the wait gives up (shortfall start + `join_timeout`).
         until: Instant,
     },
+    /// Nodes with a preemption notice leave at this step boundary and too few would remain
+    /// (fewer than `min_nodes`, none joining to take their place): commit a checkpoint of this
+    /// boundary and stop the run cleanly, to be resumed (`seqpipe resume`) when nodes are back.
+    Stop {
+        /// The nodes that leave, sorted by id.
+        leaving: Vec<NodeId>,
+    },
     /// Stop the run; committed checkpoints stay intact for `seqpipe resume`.
     Fail {
         /// Why, for the operator.
@@ -161,7 +168,8 @@ impl Decision {
 ///    → `Recover` immediately (or `Fail` once `max_restarts` recoveries were made);
 /// 2. a new plan would have fewer than `min_nodes` nodes → `Wait` until `join_timeout` after
 ///    the shortfall began, then `Fail`;
-/// 3. at a step boundary, leaving nodes → `Shrink`, else joiners that add worker slots to the
+/// 3. at a step boundary, leaving nodes → `Shrink`, or `Stop` when fewer than `min_nodes` would
+///    remain (mid-step such nodes stay until the boundary); else joiners that add worker slots to the
 ///    best layout (or are needed for `min_nodes`), up to `max_nodes` → `Grow`; other joiners
 ///    stay spares;
 /// 4. otherwise `Continue`.
@@ -244,20 +252,27 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
 
     if !leaving.is_empty() {
         if admitted.len() < cfg.min_nodes {
-            let (them, they) = if leaving.len() == 1 {
-                ("it", "it stays")
-            } else {
-                ("them", "they stay")
-            };
+            // Waiting out the grace would lose the nodes mid-step, and the steps since the last
+            // checkpoint with them: the run stops at a boundary with a checkpoint instead.
+            let them = if leaving.len() == 1 { "it" } else { "them" };
             let reason = format!(
-                "{} leaving, but without {them} only {} would remain, {} needed \
-                 (elastic.min_nodes); {they} in the plan until the {} s grace ends",
+                "{} leaving, and without {them} only {} would remain, {} needed \
+                 (elastic.min_nodes)",
                 is(&leaving),
                 count(admitted.len(), "node"),
                 cfg.min_nodes,
-                cfg.grace_s
             );
-            return (Decision::Continue, with(reason, spares));
+            if !state.at_step_boundary {
+                let reason =
+                    format!("{reason}; the run stops at the next step boundary with a checkpoint");
+                return (Decision::Continue, with(reason, spares));
+            }
+            let reason = format!(
+                "{reason}; the run stops with a checkpoint before step {}, to be resumed when \
+                 nodes are back",
+                state.step
+            );
+            return (Decision::Stop { leaving }, reason);
         }
         if !state.at_step_boundary {
             let reason = format!(

@@ -568,13 +568,87 @@ fn joiners_are_admitted_together_when_only_together_they_add_workers() {
 }
 
 #[test]
-fn every_node_leaving_with_no_joiner_keeps_the_plan() {
+fn every_node_leaving_with_no_joiner_stops_the_run_at_the_boundary() {
     let mut sim = Sim::started(cfg(), 8, &["a", "b"]);
     for id in ["a", "b"] {
         sim.state.membership.leave(&id.into(), sim.at(1.0)).unwrap();
     }
     sim.boundary(1);
     let (d, r) = sim.decide(1.0);
-    assert_eq!(d, Decision::Continue, "{r}");
-    assert!(r.starts_with("nodes a, b are leaving, but without them only 0 nodes would remain"));
+    assert_eq!(
+        d,
+        Decision::Stop {
+            leaving: ids("a b")
+        },
+        "{r}"
+    );
+    assert!(r.starts_with("nodes a, b are leaving, and without them only 0 nodes would remain"));
+    assert!(r.contains("the run stops with a checkpoint"), "{r}");
+}
+
+/// When notices leave too few nodes (`min_nodes`): mid-step the nodes stay; at a boundary the run
+/// stops (`Stop`); a joiner that makes up the shortfall turns it into a `Shrink`.
+#[test]
+fn notices_that_leave_too_few_nodes_stop_the_run_at_the_boundary_as_a_table() {
+    // (min_nodes, nodes, leaving, joiners, at a boundary, expected)
+    type Row = (
+        usize,
+        &'static [&'static str],
+        &'static [&'static str],
+        &'static [&'static str],
+        bool,
+        &'static str,
+    );
+    let table: &[Row] = &[
+        (1, &["a", "b"], &["a", "b"], &[], true, "Stop"),
+        (1, &["a", "b"], &["a", "b"], &[], false, "Continue"),
+        (1, &["a", "b"], &["a"], &[], true, "Shrink"),
+        (2, &["a", "b"], &["a"], &[], true, "Stop"),
+        (2, &["a", "b"], &["a"], &[], false, "Continue"),
+        (2, &["a", "b"], &["a"], &["c"], true, "Shrink"),
+        (
+            1,
+            &["a", "b", "c", "d"],
+            &["a", "b", "c", "d"],
+            &[],
+            true,
+            "Stop",
+        ),
+        (3, &["a", "b", "c", "d"], &["a", "b"], &[], true, "Stop"),
+        (2, &["a", "b", "c", "d"], &["a", "b"], &[], true, "Shrink"),
+    ];
+    for &(min_nodes, nodes, leaving, joiners, boundary, expected) in table {
+        let mut config = cfg();
+        config.min_nodes = min_nodes;
+        let mut sim = Sim::started(config, 8, nodes);
+        for id in leaving {
+            sim.state
+                .membership
+                .leave(&(*id).into(), sim.at(1.0))
+                .unwrap();
+        }
+        for id in joiners {
+            sim.join(id, 1, 1.0);
+        }
+        if boundary {
+            sim.boundary(1);
+        } else {
+            sim.midstep();
+        }
+        let (d, r) = sim.decide(1.0);
+        let got = match &d {
+            Decision::Stop { leaving: l } => {
+                assert_eq!(l, &ids(&leaving.join(" ")), "{r}");
+                "Stop"
+            }
+            Decision::Continue => "Continue",
+            Decision::Shrink { .. } => "Shrink",
+            other => panic!("unexpected {other:?}: {r}"),
+        };
+        assert_eq!(
+            got, expected,
+            "min_nodes {min_nodes}, nodes {nodes:?}, leaving {leaving:?}, joiners {joiners:?}, \
+             boundary {boundary}: {r}"
+        );
+    }
 }

@@ -164,6 +164,7 @@ impl Runner {
                         "Wait alive={alive} needed={needed} until={}",
                         self.secs(*until)
                     ),
+                    Decision::Stop { leaving } => format!("Stop leaving={}", ids(leaving)),
                     Decision::Fail { reason: why } => {
                         assert_eq!(why, &reason, "Fail's reason and the returned one agree");
                         "Fail".to_string()

@@ -1,8 +1,9 @@
 //! The launcher's side of checkpointing: shard uploads scheduled on the workers, at most one
 //! checkpoint in flight, the manifest committed once every shard is in, retention and cleanup
-//! (stale uploads after each commit, staging objects of killed uploads when a run starts).
+//! (stale uploads after each commit, staging objects of killed uploads when a run starts), and
+//! the run's final checkpoint, retried until it commits or its deadline passes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use checkpoint::{CheckpointStore, Manifest, ShardEntry};
@@ -23,14 +24,47 @@ pub(super) struct CheckpointWriter {
     pub(super) runtime: tokio::runtime::Runtime,
     keep_last: usize,
     pending: Option<PendingCheckpoint>,
+    /// The step of the last checkpoint this writer committed.
+    last_committed: Option<u64>,
+    /// The last checkpoint that failed (its state, to try it again) and why.
+    last_failed: Option<(TrainerState, String)>,
 }
 
 struct PendingCheckpoint {
     state: TrainerState,
     started: Instant,
     shards: BTreeMap<usize, ShardEntry>,
+    /// The stages whose upload failed, with the error. The checkpoint is given up once every
+    /// stage has reported (so that no late report of it is taken for one of a retry).
+    failed: BTreeMap<usize, String>,
     /// The longest time a worker's training thread spent on its snapshot.
     snapshot_s: f64,
+}
+
+impl PendingCheckpoint {
+    fn reported(&self) -> BTreeSet<usize> {
+        self.shards
+            .keys()
+            .chain(self.failed.keys())
+            .copied()
+            .collect()
+    }
+}
+
+/// How the run's final checkpoint is retried: at most this many attempts at the normal end of a
+/// run (a signal's grace period bounds the attempts instead)...
+const FINAL_ATTEMPTS: u32 = 4;
+/// ...waiting this long before the second attempt, twice as long before each next one.
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+
+/// What bounds the attempts at the final checkpoint (see [`CheckpointWriter::commit_final`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum FinalDeadline {
+    /// The normal end of a run: [`FINAL_ATTEMPTS`] attempts, each waiting up to this long for
+    /// its upload.
+    Attempts(Duration),
+    /// A stop on a signal: attempts until this instant (the grace period's end), no later.
+    Until(Instant),
 }
 
 impl CheckpointWriter {
@@ -41,6 +75,8 @@ impl CheckpointWriter {
             runtime,
             keep_last: cfg.checkpoint.keep_last,
             pending: None,
+            last_committed: None,
+            last_failed: None,
         })
     }
 
@@ -94,6 +130,7 @@ impl CheckpointWriter {
             state,
             started: Instant::now(),
             shards: BTreeMap::new(),
+            failed: BTreeMap::new(),
             snapshot_s: 0.0,
         });
         Ok(())
@@ -152,6 +189,83 @@ impl CheckpointWriter {
         Ok(())
     }
 
+    /// Records that the checkpoint of `state` failed (on `stage`, or `None` for its manifest):
+    /// a warning and a `checkpoint_failed` event; the previous committed one stays valid.
+    fn failed(
+        &mut self,
+        state: TrainerState,
+        stage: Option<usize>,
+        error: String,
+        metrics: &mut MetricsLog,
+    ) {
+        let step = state.step;
+        warn!(step, ?stage, %error, "checkpoint failed; this checkpoint is abandoned (the previous committed one stays valid)");
+        eprintln!("warning: checkpoint of step {step} not written: {error}");
+        let _ = metrics.append_event(&RunEvent::CheckpointFailed(CheckpointFailed {
+            step,
+            stage,
+            error: error.clone(),
+        }));
+        self.last_failed = Some((state, error));
+    }
+
+    /// Makes sure the run's final checkpoint, of `step` (begun at its boundary), is committed:
+    /// waits for it, and while it failed, begins it again from the same state after a backoff
+    /// (1 s, then twice as long each time), within `deadline`. Fails with
+    /// [`LaunchError::FinalCheckpointFailed`] when it is still not committed.
+    pub(super) fn commit_final(
+        &mut self,
+        pipeline: &mut Pipeline<'_>,
+        metrics: &mut MetricsLog,
+        step: u64,
+        deadline: FinalDeadline,
+    ) -> Result<(), LaunchError> {
+        let mut backoff = FIRST_BACKOFF;
+        let mut attempt = 1;
+        loop {
+            let wait = match deadline {
+                FinalDeadline::Attempts(timeout) => timeout,
+                FinalDeadline::Until(until) => until.saturating_duration_since(Instant::now()),
+            };
+            match self.finish(pipeline, metrics, wait) {
+                // Out of time with the upload still running: the checkpoint is not committed.
+                Err(LaunchError::Timeout { .. }) if matches!(deadline, FinalDeadline::Until(_)) => {
+                    let error =
+                        format!("its upload did not finish within the grace period ({wait:?})");
+                    return Err(final_failed(step, attempt, error));
+                }
+                other => other?,
+            }
+            if self.last_committed == Some(step) {
+                return Ok(());
+            }
+            let Some((state, error)) = self.last_failed.clone().filter(|(s, _)| s.step == step)
+            else {
+                return Err(final_failed(
+                    step,
+                    attempt,
+                    "it was abandoned (a worker was lost)".into(),
+                ));
+            };
+            let next_at = Instant::now() + backoff;
+            let more = match deadline {
+                FinalDeadline::Attempts(_) => attempt < FINAL_ATTEMPTS,
+                FinalDeadline::Until(until) => next_at < until,
+            };
+            if !more {
+                return Err(final_failed(step, attempt, error));
+            }
+            attempt += 1;
+            eprintln!(
+                "retrying the final checkpoint of step {step} in {:.0} s (attempt {attempt})",
+                backoff.as_secs_f64()
+            );
+            std::thread::sleep(backoff);
+            backoff *= 2;
+            self.begin(pipeline, state, metrics)?;
+        }
+    }
+
     fn handle(
         &mut self,
         msg: ToLauncher,
@@ -170,19 +284,12 @@ impl CheckpointWriter {
                 shard,
                 snapshot_s,
             } if step == pending.state.step => {
+                pending.failed.remove(&stage);
                 pending.shards.insert(stage, shard);
                 pending.snapshot_s = pending.snapshot_s.max(snapshot_s);
             }
             ToLauncher::ShardFailed { stage, step, error } if step == pending.state.step => {
-                self.pending = None;
-                warn!(step, stage, %error, "checkpoint upload failed; this checkpoint is abandoned (the previous committed one stays valid)");
-                eprintln!("warning: checkpoint of step {step} not written: stage {stage}: {error}");
-                let _ = metrics.append_event(&RunEvent::CheckpointFailed(CheckpointFailed {
-                    step,
-                    stage: Some(stage),
-                    error,
-                }));
-                return Ok(());
+                pending.failed.insert(stage, error);
             }
             ToLauncher::ShardWritten { step, .. } | ToLauncher::ShardFailed { step, .. }
                 if step < pending.state.step =>
@@ -197,18 +304,29 @@ impl CheckpointWriter {
                 )));
             }
         }
-        if pending.shards.len() < stages {
+        if pending.reported().len() < stages {
             return Ok(());
         }
         let pending = self.pending.take().expect("pending checkpoint");
         let step = pending.state.step;
+        if let Some((&stage, error)) = pending.failed.iter().next() {
+            let error = format!("stage {stage}: {error}");
+            self.failed(pending.state, Some(stage), error, metrics);
+            return Ok(());
+        }
         let shards: Vec<ShardEntry> = pending.shards.into_values().collect();
         let manifest = Manifest::new(
             step,
             shards,
             serde_json::to_value(&pending.state).expect("state serializes"),
         );
-        self.runtime.block_on(self.store.commit(&manifest))?;
+        if let Err(e) = self.runtime.block_on(self.store.commit(&manifest)) {
+            let error = format!("committing its manifest: {e}");
+            self.failed(pending.state, None, error, metrics);
+            return Ok(());
+        }
+        self.last_committed = Some(step);
+        self.last_failed = None;
         let upload_s = pending.started.elapsed().as_secs_f64();
         info!(
             step,
@@ -229,5 +347,14 @@ impl CheckpointWriter {
             info!(?deleted, stale_objects = stale.len(), "retention");
         }
         Ok(())
+    }
+}
+
+/// The error of a final checkpoint of `step` that is still not committed after `attempts`.
+fn final_failed(step: u64, attempts: u32, error: String) -> LaunchError {
+    LaunchError::FinalCheckpointFailed {
+        step,
+        attempts,
+        error,
     }
 }

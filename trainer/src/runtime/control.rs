@@ -296,8 +296,13 @@ pub enum ToWorker {
         #[serde(default)]
         regroup: Option<Regroup>,
     },
-    /// Compute the validation loss over `batches` held-out micro-batches.
-    Eval { batches: usize },
+    /// Compute the validation loss over the `batches` held-out micro-batches from the `first`
+    /// (an evaluation runs in chunks, so that a stop signal can abandon it between two).
+    Eval {
+        #[serde(default)]
+        first: usize,
+        batches: usize,
+    },
     /// Snapshot the state after step `step` and upload it in the background.
     Checkpoint { step: u64 },
     /// Load parameters and optimizer state from the committed checkpoint of `step`.

@@ -70,6 +70,15 @@ pub(super) enum Incoming {
     },
 }
 
+/// What a step boundary changes (see [`Coordinator::at_step_boundary`]).
+pub(super) enum AtBoundary {
+    /// The plan changes; `planned`: the new plan is ready now (else the run waits for nodes).
+    Change { reason: String, planned: bool },
+    /// Nodes with preemption notices leave and too few would remain: the run stops here with a
+    /// checkpoint. `left`: their `node_left` events.
+    Stop { reason: String, left: Vec<RunEvent> },
+}
+
 /// A recovery in progress: reported in `metrics.jsonl` once the rebuilt pipeline completes a step.
 pub(super) struct Recovery {
     pub(super) failed_at: Instant,
@@ -1042,18 +1051,39 @@ impl Coordinator {
     }
 
     /// Step `step` is complete and its checkpoint scheduled: nodes leave or join here, if any want
-    /// to. Returns the decision's reason when the plan changes (the caller keeps the state of
-    /// `step` — peer snapshots or a checkpoint — and restarts the pipeline under the new plan),
-    /// and whether a new plan is ready now (otherwise the run waits for nodes, or stops: only a
-    /// committed checkpoint keeps the state then).
-    pub(super) fn at_step_boundary(&mut self, step: u64) -> Option<(String, bool)> {
+    /// to. Returns what changes: the plan (the caller keeps the state of `step` — peer snapshots
+    /// or a checkpoint — and restarts the pipeline under the new plan, ready now or after waiting
+    /// for nodes), or the run stops because nodes with preemption notices leave and too few
+    /// would remain (with their `node_left` events; the caller commits a checkpoint of `step`).
+    pub(super) fn at_step_boundary(&mut self, step: u64) -> Option<AtBoundary> {
         let now = Instant::now();
         self.state.step = step + 1;
         self.state.at_step_boundary = true;
         let (decision, reason) = decide(now, &self.state, &self.cfg.elastic);
         // A node lost mid-step (its stage was replaced for the rest of the step) leaves the plan
         // here too — or, with too few nodes left, the run waits for joiners or stops.
-        (decision != Decision::Continue).then(|| (reason, decision.plan().is_some()))
+        match decision {
+            Decision::Continue => None,
+            Decision::Stop { leaving } => {
+                let left = leaving
+                    .iter()
+                    .map(|id| {
+                        RunEvent::NodeLeft(NodeLeft {
+                            node: id.clone(),
+                            step,
+                            reason: elastic::preemption::leave_reason(
+                                self.notices.remove(id).as_ref(),
+                            ),
+                        })
+                    })
+                    .collect();
+                Some(AtBoundary::Stop { reason, left })
+            }
+            decision => Some(AtBoundary::Change {
+                reason,
+                planned: decision.plan().is_some(),
+            }),
+        }
     }
 
     /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of
@@ -1133,7 +1163,9 @@ impl Coordinator {
                         self.unexpected(incoming);
                     }
                 }
-                Decision::Fail { reason } => {
+                // Only at a boundary the pipeline reached (see `at_step_boundary`): one whose
+                // nodes were lost instead stops like a failed run.
+                Decision::Fail { .. } | Decision::Stop { .. } => {
                     return Err(LaunchError::Run(format!(
                         "{reason} (run directory {})",
                         self.cfg.run.dir.display()

@@ -15,9 +15,9 @@ use ops::sum_tree::SumTree;
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::checkpoint_writer::CheckpointWriter;
+use super::checkpoint_writer::{CheckpointWriter, FinalDeadline};
 use super::control::{Regroup, StepCost, ToLauncher, ToWorker};
-use super::coordinator::Recovery;
+use super::coordinator::{AtBoundary, Recovery};
 use super::error::LaunchError;
 use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
 use super::live_metrics::LiveMetrics;
@@ -43,8 +43,13 @@ pub struct RunSummary {
     pub last_step: u64,
     /// The checkpoint step the run resumed from.
     pub resumed_from: Option<u64>,
-    /// The signal that stopped the run early (a final checkpoint was committed first).
+    /// The signal that stopped the run early (its final checkpoint, of `last_step`, is
+    /// committed: a run whose final checkpoint fails ends in
+    /// [`LaunchError::FinalCheckpointFailed`] instead).
     pub interrupted_by: Option<i32>,
+    /// Why the run stopped early for preemption notices (too few nodes would remain without
+    /// the noticed ones): its final checkpoint, of `last_step`, is committed.
+    pub preempted: Option<String>,
     /// Wall-clock seconds.
     pub elapsed_s: f64,
 }
@@ -55,6 +60,9 @@ enum Boundary {
     Continue,
     /// A signal asked the run to stop (its final checkpoint is started).
     Stop,
+    /// Nodes with preemption notices leave and too few would remain: the run stops (its final
+    /// checkpoint is started), for this reason.
+    Preempted(String),
     /// The plan changes (the nodes that stay hold this step's peer snapshots, or its checkpoint
     /// is committed): the pipeline restarts.
     PlanChange(String),
@@ -64,6 +72,10 @@ enum Boundary {
 /// instead. A stage's copy is its state, sent over TCP right after the update: it normally lands
 /// within milliseconds, and one that takes longer is stuck behind a slow or failing agent.
 const PEER_SNAPSHOT_WAIT: Duration = Duration::from_secs(2);
+
+/// Held-out micro-batches per evaluation request: a stop signal waits for at most one such chunk
+/// (see [`Driver::evaluate_unless_stopped`]).
+const EVAL_CHUNK: usize = 16;
 
 /// What the stages reported for one step's forward and backward.
 struct StepReplies {
@@ -225,6 +237,9 @@ pub(super) struct Driver<'a, 'c> {
     /// The run's Prometheus metrics, when `elastic.metrics_listen` serves them: fed by every
     /// record written to `metrics.jsonl`.
     pub(super) live: Option<Arc<LiveMetrics>>,
+    /// When the driver first saw the stop signal: the final checkpoint's grace period
+    /// (`checkpoint.grace_s`) counts from here.
+    stop_seen: Option<Instant>,
 }
 
 impl<'a, 'c> Driver<'a, 'c> {
@@ -247,6 +262,7 @@ impl<'a, 'c> Driver<'a, 'c> {
             trace: None,
             rerouted: None,
             live: None,
+            stop_seen: None,
         }
     }
 }
@@ -349,6 +365,7 @@ impl Driver<'_, '_> {
             last_step: start_step,
             resumed_from,
             interrupted_by: None,
+            preempted: None,
             elapsed_s: 0.0,
         };
         for step in start_step + 1..=t.steps {
@@ -369,23 +386,36 @@ impl Driver<'_, '_> {
             match self.end_of_step(&record, summary.interrupted_by.is_some())? {
                 Boundary::Continue => {}
                 Boundary::Stop => break,
+                Boundary::Preempted(reason) => {
+                    bar.suspend(|| warn!(step, %reason, "stopping for preemption notices"));
+                    summary.preempted = Some(reason);
+                    break;
+                }
                 Boundary::PlanChange(reason) => {
                     bar.finish_and_clear();
                     return Err(LaunchError::PlanChanged { step, reason });
                 }
             }
         }
-        let grace = if summary.interrupted_by.is_some() {
-            cfg.checkpoint.grace()
-        } else {
-            cfg.pipeline.timeout().max(cfg.checkpoint.grace())
+        // The run's last step is kept only if its checkpoint commits: retried within the signal's
+        // grace period, or a few times with a backoff at the normal end.
+        let deadline = match self.stop_seen {
+            Some(seen) if summary.interrupted_by.is_some() => {
+                FinalDeadline::Until(seen + cfg.checkpoint.grace())
+            }
+            // The noticed nodes' workers leave when their preemption grace ends.
+            _ if summary.preempted.is_some() => {
+                FinalDeadline::Until(Instant::now() + cfg.elastic.grace())
+            }
+            _ => FinalDeadline::Attempts(cfg.pipeline.timeout().max(cfg.checkpoint.grace())),
         };
-        self.checkpoints.finish(
+        bar.finish();
+        self.checkpoints.commit_final(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),
-            grace,
+            summary.last_step,
+            deadline,
         )?;
-        bar.finish();
         Ok(summary)
     }
 
@@ -421,11 +451,12 @@ impl Driver<'_, '_> {
                 self.metrics.as_mut().expect("metrics"),
             )?;
         }
-        let grace = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
-        self.checkpoints.finish(
+        let timeout = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
+        self.checkpoints.commit_final(
             self.pipeline,
             self.metrics.as_mut().expect("metrics"),
-            grace,
+            step,
+            FinalDeadline::Attempts(timeout),
         )?;
         Ok(RunSummary {
             final_loss: record.loss,
@@ -433,6 +464,7 @@ impl Driver<'_, '_> {
             last_step: step,
             resumed_from,
             interrupted_by: None,
+            preempted: None,
             elapsed_s: 0.0,
         })
     }
@@ -510,9 +542,10 @@ impl Driver<'_, '_> {
     }
 
     /// The signal (SIGINT/SIGTERM) that asks the run to stop after `step`, if one came.
-    fn stop_requested(&self, step: u64, bar: &ProgressBar) -> Option<i32> {
+    fn stop_requested(&mut self, step: u64, bar: &ProgressBar) -> Option<i32> {
         let sig = self.signal.load(Ordering::SeqCst);
         (sig != 0).then(|| {
+            self.stop_seen.get_or_insert_with(Instant::now);
             bar.suspend(|| {
                 warn!(
                     step,
@@ -543,10 +576,15 @@ impl Driver<'_, '_> {
                 .finish(self.pipeline, metrics, cfg.elastic.grace())?;
             return Err(failure);
         }
-        let plan_change = if step < cfg.train.steps && !interrupted {
+        let at_boundary = if step < cfg.train.steps && !interrupted {
             self.pipeline.coordinator().at_step_boundary(step)
         } else {
             None
+        };
+        let (plan_change, stop) = match at_boundary {
+            None => (None, None),
+            Some(AtBoundary::Change { reason, planned }) => (Some((reason, planned)), None),
+            Some(AtBoundary::Stop { reason, left }) => (None, Some((reason, left))),
         };
         let due = cfg.checkpoint.due(step, cfg.train.steps);
         // The next plan starts from the peer snapshots of this step when the nodes that stay hold
@@ -557,7 +595,7 @@ impl Driver<'_, '_> {
             && self
                 .pipeline
                 .await_peer_snapshots(step, PEER_SNAPSHOT_WAIT)?;
-        if interrupted || due || (plan_change.is_some() && !by_peers) {
+        if interrupted || stop.is_some() || due || (plan_change.is_some() && !by_peers) {
             let state = self.trainer_state(step, record.lr, record.loss);
             self.checkpoints.begin(
                 self.pipeline,
@@ -569,6 +607,12 @@ impl Driver<'_, '_> {
             .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
         if interrupted {
             return Ok(Boundary::Stop);
+        }
+        if let Some((reason, left)) = stop {
+            for event in &left {
+                self.append_event(event)?;
+            }
+            return Ok(Boundary::Preempted(reason));
         }
         let Some((reason, _)) = plan_change else {
             return Ok(Boundary::Continue);
@@ -616,7 +660,7 @@ impl Driver<'_, '_> {
         let eval_due = t.eval_every > 0 && (step.is_multiple_of(t.eval_every) || step == t.steps);
         let eval_started_us = unix_time_us();
         let val_loss = if eval_due {
-            Some(self.evaluate()?)
+            self.evaluate_unless_stopped(true)?
         } else {
             None
         };
@@ -1080,26 +1124,50 @@ impl Driver<'_, '_> {
 
     /// Validation loss over `train.eval_batches` held-out micro-batches, forward only.
     pub(super) fn evaluate(&mut self) -> Result<f64, LaunchError> {
+        self.evaluate_unless_stopped(false)
+            .map(|loss| loss.expect("an evaluation that cannot be stopped ends"))
+    }
+
+    /// [`Driver::evaluate`] in chunks of [`EVAL_CHUNK`] micro-batches (their loss sums added in
+    /// order: the same number on every run); with `stoppable`, a stop signal abandons it between
+    /// two chunks (`None`): an evaluation is not part of the training state, and the signal's
+    /// grace period (`checkpoint.grace_s`) is for the final checkpoint.
+    fn evaluate_unless_stopped(&mut self, stoppable: bool) -> Result<Option<f64>, LaunchError> {
         let cfg = self.cfg;
         let batches = cfg.train.eval_batches;
-        // Replica 0 evaluates: every replica holds the same weights.
-        self.pipeline
-            .send_to_first_replica(&ToWorker::Eval { batches })?;
-        let mut loss_sum = None;
-        for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
-            match msg {
-                ToLauncher::EvalDone { loss_sum: l, .. } => loss_sum = loss_sum.or(l),
-                other => {
-                    return Err(LaunchError::Protocol(format!(
-                        "expected evaluation results, got {other:?}"
-                    )));
+        let mut loss_sum = 0.0;
+        for first in (0..batches).step_by(EVAL_CHUNK) {
+            if stoppable && self.signal.load(Ordering::SeqCst) != 0 {
+                self.stop_seen.get_or_insert_with(Instant::now);
+                warn!(
+                    done = first,
+                    batches, "stop signal: abandoning the evaluation for the final checkpoint"
+                );
+                return Ok(None);
+            }
+            let chunk = EVAL_CHUNK.min(batches - first);
+            // Replica 0 evaluates: every replica holds the same weights.
+            self.pipeline.send_to_first_replica(&ToWorker::Eval {
+                first,
+                batches: chunk,
+            })?;
+            let mut chunk_sum = None;
+            for msg in self.pipeline.collect(cfg.pipeline.stages, "evaluation")? {
+                match msg {
+                    ToLauncher::EvalDone { loss_sum: l, .. } => chunk_sum = chunk_sum.or(l),
+                    other => {
+                        return Err(LaunchError::Protocol(format!(
+                            "expected evaluation results, got {other:?}"
+                        )));
+                    }
                 }
             }
+            loss_sum += chunk_sum.ok_or_else(|| {
+                LaunchError::Protocol("the last stage reported no validation loss".into())
+            })?;
         }
         let tokens = batches * cfg.train.micro_batch_size * cfg.train.seq_len;
-        Ok(loss_sum.ok_or_else(|| {
-            LaunchError::Protocol("the last stage reported no validation loss".into())
-        })? / tokens as f64)
+        Ok(Some(loss_sum / tokens as f64))
     }
 
     fn trainer_state(&self, step: u64, lr: f64, loss: f64) -> TrainerState {

@@ -72,6 +72,16 @@ pub enum LaunchError {
     /// pipeline restarts under the new plan.
     #[error("the plan changes after step {step}: {reason}")]
     PlanChanged { step: u64, reason: String },
+    /// The run's last checkpoint, of `step`, was not committed, even after `attempts` tries: the
+    /// steps since the newest committed checkpoint are lost (the run is not a success).
+    #[error(
+        "the final checkpoint of step {step} was not committed ({attempts} attempt(s)): {error}"
+    )]
+    FinalCheckpointFailed {
+        step: u64,
+        attempts: u32,
+        error: String,
+    },
     /// Checkpoint store failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),

@@ -129,6 +129,7 @@ pub fn after_error(error: &LaunchError) -> AfterError {
         | LaunchError::Data(_)
         | LaunchError::Protocol(_)
         | LaunchError::Checkpoint(_)
+        | LaunchError::FinalCheckpointFailed { .. }
         | LaunchError::Run(_)
         | LaunchError::OverBudget { .. }
         | LaunchError::NodeTooSmall { .. }

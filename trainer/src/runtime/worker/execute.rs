@@ -94,8 +94,19 @@ impl Worker {
         Ok(loss_sum)
     }
 
-    /// Forward-only pass over `batches` held-out micro-batches (the same ones at every evaluation).
-    pub(super) fn run_eval(&mut self, batches: usize) -> Result<Option<f64>, WorkerError> {
+    /// Forward-only pass over `batches` held-out micro-batches from the `first` (the same ones at
+    /// every evaluation).
+    pub(super) fn run_eval(
+        &mut self,
+        first: usize,
+        batches: usize,
+    ) -> Result<Option<f64>, WorkerError> {
+        if first.checked_add(batches).is_none() {
+            return Err(WorkerError::Protocol(format!(
+                "evaluation chunk of {batches} micro-batches from {first} overflows"
+            )));
+        }
+        self.eval_first = first;
         let schedule = ValidSchedule::new(generate_forward_only(
             self.cfg.pipeline.stages,
             batches,
@@ -408,7 +419,7 @@ impl Worker {
         // `first_micro_batch + i`: the data does not depend on the replica count.
         let offset = match split {
             Split::Train => self.first_micro_batch,
-            Split::Val => 0,
+            Split::Val => self.eval_first,
         };
         let rows = match cache.tokens.entry(u.micro_batch) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

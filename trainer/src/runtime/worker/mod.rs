@@ -152,6 +152,8 @@ struct Worker {
     replica: usize,
     /// The global index of its replica's first micro-batch of a step.
     first_micro_batch: usize,
+    /// The index of the first held-out micro-batch of the evaluation chunk running.
+    eval_first: usize,
     /// The links to the other replicas of its stage (with `pipeline.replicas` > 1).
     group: Option<ReplicaGroup>,
     /// The shares of the step awaiting its update, kept in case they must be reduced again.
@@ -454,6 +456,7 @@ impl Worker {
             slot,
             replica,
             first_micro_batch: replica * local_micro_batches,
+            eval_first: 0,
             group: None,
             kept: None,
             reduce_port: None,
@@ -570,9 +573,9 @@ impl Worker {
                     }
                     None
                 }
-                ToWorker::Eval { batches } => Some(ToLauncher::EvalDone {
+                ToWorker::Eval { first, batches } => Some(ToLauncher::EvalDone {
                     stage: r,
-                    loss_sum: self.run_eval(batches)?,
+                    loss_sum: self.run_eval(first, batches)?,
                 }),
                 ToWorker::Checkpoint { step } => {
                     self.queue_checkpoint(step)?;
