@@ -27,6 +27,7 @@ mod device;
 mod device;
 mod error;
 pub mod gemm_bench;
+pub mod info;
 mod kernels;
 pub mod link;
 #[cfg(not(feature = "emulate"))]
