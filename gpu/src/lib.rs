@@ -42,6 +42,7 @@ pub mod offload;
 pub mod offload;
 pub mod oracle;
 pub mod stage;
+mod staging;
 mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
