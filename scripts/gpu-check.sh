@@ -76,9 +76,16 @@ pack() {
   cargo build --release --features cuda
   mkdir -p .gpu-bin
   strip -o "$BIN" target/release/seqpipe
-  # NVRTC comes with the test dependencies (./.venv); the GPU machine then loads this PTX.
+  # NVRTC comes with the test dependencies (./.venv): it compiles the kernels here, with no GPU,
+  # into an sm_80 and an sm_90 cubin plus their PTX. The GPU machine loads the cubin of its
+  # architecture (no JIT), or JIT-compiles the PTX where none matches; `gpu info` says which.
   eval "$(SEQPIPE_TEST_DEPS_ONLY=1 ./scripts/test.sh)"
   SEQPIPE_CACHE=.gpu-bin/cache "$BIN" gpu ptx --arch sm_80 --arch sm_90
+  local arch
+  for arch in sm_80 sm_90; do
+    ls .gpu-bin/cache/ptx/kernels-$arch-*.cubin .gpu-bin/cache/ptx/kernels-$arch-*.cubin.blake3 >/dev/null ||
+      { echo "pack: no $arch cubin (with its hash) in .gpu-bin/cache/ptx" >&2; return 1; }
+  done
   mkdir -p .git/info
   grep -qx '/.gpu-bin/' .git/info/exclude 2>/dev/null || echo '/.gpu-bin/' >> .git/info/exclude
   du -sh .gpu-bin

@@ -1,7 +1,8 @@
 //! The CUDA side of the command line: `seqpipe gpu check` (every kernel against the CPU oracle),
 //! `seqpipe gpu bench` (a whole GPT trained on one GPU, with tokens/s and MFU), `seqpipe gpu gemm`
-//! (the step's matrix products timed in each way BF16 mode could feed cuBLAS) and `seqpipe gpu ptx`
-//! (the kernels compiled ahead of time into the PTX cache); `seqpipe gpu link` is in `cuda_link`. The check that
+//! (the step's matrix products timed in each way BF16 mode could feed cuBLAS), `seqpipe gpu ptx`
+//! (the kernels compiled ahead of time into the cache, PTX and cubins) and `seqpipe gpu info` (the
+//! preflight: device, driver, the library files loaded, NCCL, the kernel image); `seqpipe gpu link` is in `cuda_link`. The check that
 //! refuses `model.device = "cuda"` where it cannot run is the library's
 //! ([`trainer::cuda::require_runnable_device`]). Without the `cuda` feature every command says how
 //! to build with it.
@@ -22,9 +23,22 @@ pub enum GpuCommand {
     /// Check the NCCL link between two GPUs: bit-exact transfers, bandwidth, and an abort
     /// instead of a hang when the peer is killed (one JSON line).
     Link(crate::cuda_link::LinkArgs),
-    /// Compile the CUDA kernels (NVRTC only, no GPU needed) into the PTX cache (`$SEQPIPE_CACHE`,
-    /// default `~/.cache/seqpipe`), so that GPU processes load them instead of compiling at start.
+    /// Compile the CUDA kernels (NVRTC only, no GPU needed) into the kernel cache
+    /// (`$SEQPIPE_CACHE`, default `~/.cache/seqpipe`): PTX and a cubin per architecture, so that GPU
+    /// processes load the cubin of their architecture instead of compiling or JIT-compiling at start.
     Ptx(PtxArgs),
+    /// Preflight: device, compute capability, memory, driver version, the CUDA library files
+    /// actually loaded, NCCL's version, the kernel image loaded (one JSON line; exit 1 when no GPU
+    /// opened, with the reason).
+    Info(InfoArgs),
+}
+
+/// Flags of `seqpipe gpu info`.
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
 }
 
 /// Flags of `seqpipe gpu ptx`.
@@ -128,6 +142,7 @@ pub fn run(cmd: GpuCommand) -> Result<()> {
     match cmd {
         GpuCommand::Check(args) => enabled::check(&args),
         GpuCommand::Ptx(args) => enabled::ptx(&args),
+        GpuCommand::Info(args) => enabled::info(&args),
         GpuCommand::Bench(args) => enabled::bench(&args),
         GpuCommand::Gemm(args) => enabled::gemm(&args),
         #[cfg(not(feature = "emulate-gpu"))]
@@ -152,7 +167,7 @@ mod enabled {
     use ops::adamw::AdamWConfig;
     use serde::Serialize;
 
-    use super::{CheckArgs, GemmArgs, GpuBenchArgs, PtxArgs};
+    use super::{CheckArgs, GemmArgs, GpuBenchArgs, InfoArgs, PtxArgs};
     use crate::bench::step::{median, random_batch};
     use trainer::model::params::{decays, param_count};
     use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
@@ -219,7 +234,21 @@ mod enabled {
         Ok(())
     }
 
-    /// Fills the PTX cache for each architecture asked for (compiling what it lacks).
+    /// Prints the preflight report as one JSON line; an error (exit 1) when no GPU opened.
+    pub(super) fn info(args: &InfoArgs) -> Result<()> {
+        let info = gpu::info::collect(args.device);
+        println!("{}", serde_json::to_string(&info)?);
+        if !info.opened {
+            bail!(
+                "no GPU opened: {}",
+                info.error.as_deref().unwrap_or("unknown reason")
+            );
+        }
+        Ok(())
+    }
+
+    /// Fills the kernel cache (PTX and cubin) for each architecture asked for (compiling what it
+    /// lacks or what is damaged).
     pub(super) fn ptx(args: &PtxArgs) -> Result<()> {
         for name in &args.archs {
             let Some(&arch) = gpu::compile::ARCHS.iter().find(|a| **a == name.as_str()) else {
@@ -228,23 +257,18 @@ mod enabled {
                     gpu::compile::ARCHS.join(", ")
                 );
             };
-            let path = gpu::compile::cache_file(arch)
-                .context("no cache directory: set SEQPIPE_CACHE (or HOME)")?;
-            let cached = path.exists();
             let started = Instant::now();
-            gpu::compile::cached_ptx(arch)?;
-            if !path.exists() {
-                bail!(
-                    "compiled for {arch}, but could not write {}",
-                    path.display()
-                );
-            }
-            let how = if cached {
-                "already cached".to_string()
-            } else {
+            let (files, compiled) = gpu::compile::fill_cache(arch)?;
+            let how = if compiled {
                 format!("compiled in {:.1} s", started.elapsed().as_secs_f64())
+            } else {
+                "already cached".to_string()
             };
-            println!("{arch}: {} ({how})", path.display());
+            println!(
+                "{arch}: {} and {} ({how})",
+                files.cubin.display(),
+                files.ptx.display()
+            );
         }
         Ok(())
     }

@@ -10,6 +10,8 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -52,10 +54,66 @@ inline unsigned int __float_as_uint(float f) {
     std::memcpy(&u, &f, 4);
     return u;
 }
-// mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for one warp, with the fragment layout of the PTX
-// ISA (see mma_bf16 in kernels.cu): every lane posts its fragments, then computes its own four
-// outputs from the whole tiles, summing the 16 exact products in k order.
-inline unsigned int g_mma[32][32][6];
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for one warp, built from the PTX ISA's
+// fragment tables and NOT from kernels.cu's own description of them (so that the emulated
+// attention tests check the kernels against the ISA, not against themselves). PTX ISA, section
+// 9.7.14.5.8 "Matrix Fragments for mma.m16n8k16 with floating point type":
+//
+//   groupID           = %laneid >> 2
+//   threadID_in_group = %laneid % 4
+//   Multiplicand A (.f16/.bf16: four .f16x2 registers, elements a0..a7 low to high; Figure 79):
+//     row = groupID            for ai where 0 <= i < 2 || 4 <= i < 6
+//           groupID + 8        otherwise
+//     col = (threadID_in_group * 2) + (i & 0x1)        for ai where i < 4
+//           (threadID_in_group * 2) + (i & 0x1) + 8    for ai where i >= 4
+//   Multiplicand B (two .f16x2 registers, elements b0..b3 low to high):
+//     row = (threadID_in_group * 2) + (i & 0x1)        for bi where i < 2
+//           (threadID_in_group * 2) + (i & 0x1) + 8    for bi where i >= 2
+//     col = groupID
+//   Accumulators C/D (.f32: four registers c0..c3):
+//     row = groupID            for ci where i < 2
+//           groupID + 8        for ci where i >= 2
+//     col = (threadID_in_group * 2) + (i & 0x1)        for ci where i = {0,..,3}
+//
+// "Low to high": element 2r of a register pair is its low 16 bits, element 2r + 1 its high ones.
+// Every lane scatters its elements into the warp's whole A (16×16) and B (16×8) tiles through
+// these index functions, then computes its own accumulators from the whole tiles, summing the 16
+// exact products in k order. The first call checks that the index functions place every element
+// of A, B and D exactly once (a table typed in wrong would not).
+struct MmaAt {
+    int row, col;
+};
+inline int mma_group(int lane) { return lane >> 2; }
+inline int mma_thread_in_group(int lane) { return lane % 4; }
+inline MmaAt mma_a_at(int lane, int i) {
+    int g = mma_group(lane), t = mma_thread_in_group(lane);
+    int row = ((0 <= i && i < 2) || (4 <= i && i < 6)) ? g : g + 8;
+    int col = i < 4 ? t * 2 + (i & 0x1) : t * 2 + (i & 0x1) + 8;
+    return {row, col};
+}
+inline MmaAt mma_b_at(int lane, int i) {  // row = k, col = n
+    int g = mma_group(lane), t = mma_thread_in_group(lane);
+    int row = i < 2 ? t * 2 + (i & 0x1) : t * 2 + (i & 0x1) + 8;
+    return {row, g};
+}
+inline MmaAt mma_c_at(int lane, int i) {
+    int g = mma_group(lane), t = mma_thread_in_group(lane);
+    return {i < 2 ? g : g + 8, t * 2 + (i & 0x1)};
+}
+inline bool mma_tables_cover_each_element_once() {
+    int a[16][16] = {}, b[16][8] = {}, c[16][8] = {};
+    for (int lane = 0; lane < 32; ++lane) {
+        for (int i = 0; i < 8; ++i) { MmaAt p = mma_a_at(lane, i); ++a[p.row][p.col]; }
+        for (int i = 0; i < 4; ++i) { MmaAt p = mma_b_at(lane, i); ++b[p.row][p.col]; }
+        for (int i = 0; i < 4; ++i) { MmaAt p = mma_c_at(lane, i); ++c[p.row][p.col]; }
+    }
+    for (int r = 0; r < 16; ++r) {
+        for (int k = 0; k < 16; ++k) if (a[r][k] != 1) return false;
+        for (int n = 0; n < 8; ++n) if (b[r][n] != 1 || c[r][n] != 1) return false;
+    }
+    return true;
+}
+inline float g_mma_a[32][16][16], g_mma_b[32][16][8];
 inline float bf16_value(unsigned int reg, int high) {
     unsigned int u = (high ? reg >> 16 : reg & 0xffffu) << 16;
     float f;
@@ -63,24 +121,25 @@ inline float bf16_value(unsigned int reg, int high) {
     return f;
 }
 inline void emu_mma_bf16(float* d, const unsigned int* a, const unsigned int* b) {
+    static const bool tables_ok = mma_tables_cover_each_element_once();
+    if (!tables_ok) {
+        std::fprintf(stderr, "cuda_shim.h: the mma fragment tables do not cover each element once\n");
+        std::abort();
+    }
     int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    for (int i = 0; i < 4; ++i) g_mma[w][lane][i] = a[i];
-    g_mma[w][lane][4] = b[0];
-    g_mma[w][lane][5] = b[1];
-    g_warp_bar[w]->arrive_and_wait();
-    auto A = [&](int row, int k) {
-        int holder = (row % 8) * 4 + (k % 8) / 2, reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-        return bf16_value(g_mma[w][holder][reg], k % 2);
-    };
-    auto B = [&](int k, int col) {
-        int holder = col * 4 + (k % 8) / 2, reg = 4 + (k >= 8 ? 1 : 0);
-        return bf16_value(g_mma[w][holder][reg], k % 2);
-    };
-    int g = lane / 4, j = lane % 4;
+    for (int i = 0; i < 8; ++i) {
+        MmaAt p = mma_a_at(lane, i);
+        g_mma_a[w][p.row][p.col] = bf16_value(a[i / 2], i % 2);
+    }
     for (int i = 0; i < 4; ++i) {
-        int row = g + (i >= 2 ? 8 : 0), col = 2 * j + (i & 1);
+        MmaAt p = mma_b_at(lane, i);
+        g_mma_b[w][p.row][p.col] = bf16_value(b[i / 2], i % 2);
+    }
+    g_warp_bar[w]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        MmaAt p = mma_c_at(lane, i);
         float sum = 0.0f;
-        for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
+        for (int k = 0; k < 16; ++k) sum += g_mma_a[w][p.row][k] * g_mma_b[w][k][p.col];
         d[i] += sum;
     }
     g_warp_bar[w]->arrive_and_wait();

@@ -103,6 +103,10 @@ pub struct Gpu {
     precision: Precision,
     name: String,
     arch: &'static str,
+    /// Compute capability (major, minor).
+    capability: (i32, i32),
+    /// The kernel image loaded (cubin or PTX JIT).
+    image: compile::LoadedImage,
     /// Compute capability 8.0 or later: BF16 `mma.sync` for the attention in BF16 mode.
     bf16_mma: bool,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
@@ -144,9 +148,12 @@ impl Gpu {
             return Err(GpuError::UnsupportedDevice { name, major, minor });
         }
         let arch = compile::arch_for(major, minor);
+        let (image, loaded, source) = compile::kernel_image((major, minor))?;
         let module = ctx
-            .load_module(compile::cached_ptx(arch)?)
-            .during(|| format!("loading the kernels compiled for {arch}"))?;
+            .load_module(image)
+            .during(|| format!("loading the kernels ({loaded}, {source})"))?;
+        // Which image a process runs is worth one line: a PTX JIT costs tens of seconds.
+        eprintln!("seqpipe gpu: device {ordinal} loaded kernels: {loaded} ({source})");
         let mut functions = HashMap::new();
         let names = compile::KERNELS
             .iter()
@@ -179,6 +186,8 @@ impl Gpu {
             precision,
             name,
             arch,
+            capability: (major, minor),
+            image: loaded,
             bf16_mma: (major, minor) >= (8, 0),
             operands: OperandScratch::default(),
         })
@@ -192,6 +201,16 @@ impl Gpu {
     /// The architecture the kernels were compiled for.
     pub fn arch(&self) -> &'static str {
         self.arch
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn capability(&self) -> (i32, i32) {
+        self.capability
+    }
+
+    /// The kernel image loaded: a cubin of the device's architecture, or PTX the driver compiled.
+    pub fn kernel_image(&self) -> &compile::LoadedImage {
+        &self.image
     }
 
     /// How matrix products compute.

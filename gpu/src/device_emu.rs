@@ -130,6 +130,11 @@ impl Gpu {
         "emulated"
     }
 
+    /// No kernel image: the kernels run on the CPU.
+    pub fn kernel_image(&self) -> &crate::compile::LoadedImage {
+        &crate::compile::LoadedImage::Emulated
+    }
+
     /// How matrix products compute (all FP32 here).
     pub fn precision(&self) -> Precision {
         self.precision

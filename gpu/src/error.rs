@@ -79,6 +79,14 @@ pub enum GpuError {
         /// NVRTC's log.
         log: String,
     },
+    /// The kernel cache could not be read or written.
+    #[error("kernel cache {}: {detail}", path.display())]
+    Cache {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What went wrong and what to do.
+        detail: String,
+    },
     /// Inputs of a kernel do not fit together.
     #[error("{op}: {reason}")]
     Shape {

@@ -27,6 +27,7 @@ mod device;
 mod device;
 mod error;
 pub mod gemm_bench;
+pub mod info;
 mod kernels;
 pub mod link;
 #[cfg(not(feature = "emulate"))]
@@ -41,6 +42,7 @@ pub mod offload;
 pub mod offload;
 pub mod oracle;
 pub mod stage;
+mod staging;
 mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};

@@ -14,6 +14,12 @@
 //! [`LinkId`], which the earlier stage creates and hands to the later one over their authenticated
 //! TCP link (tensor headers keep going over TCP too).
 //!
+//! The communicator is owned here, at NCCL's `result`/`sys` level, not through cudarc's `Comm`:
+//! dropping a `Comm` calls `ncclCommAbort(..).expect(..)`, so an abort that fails (a communicator
+//! NCCL already tore down, a driver in a bad state) would panic in a destructor — during recovery,
+//! exactly when the runtime must go on. Here a failed abort is part of the error returned (and a
+//! stderr line from `Drop`), never a panic.
+//!
 //! NCCL refuses two ranks on one GPU ("Duplicate GPU detected") unless NCCL ≥ 2.30 and
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1`; stages that share a GPU use the host-staged link.
 
@@ -91,11 +97,35 @@ unsafe impl Send for NcclLink {}
 
 impl Drop for NcclLink {
     fn drop(&mut self) {
-        if !self.dead {
-            // Abort, not destroy: destroy waits for the peer, which may be gone.
-            // SAFETY: the communicator is live and released once.
-            let _ = unsafe { result::comm_abort(self.comm) };
+        // Abort, not destroy: destroy waits for the peer, which may be gone. A failure has no
+        // caller to go to: it is said, not panicked on.
+        if let Some(failure) = self.kill() {
+            eprintln!(
+                "seqpipe: dropping an NCCL link (rank {}): {failure}",
+                self.rank
+            );
         }
+    }
+}
+
+/// `err` with the failure of the abort that followed it (if any) added to its description.
+pub(crate) fn with_abort_failure(err: GpuError, abort_failure: Option<String>) -> GpuError {
+    let Some(failure) = abort_failure else {
+        return err;
+    };
+    match err {
+        GpuError::Nccl { during, detail } => GpuError::Nccl {
+            during,
+            detail: format!("{detail}; then {failure}"),
+        },
+        GpuError::LinkAborted { during, why } => GpuError::LinkAborted {
+            during,
+            why: format!("{why}; then {failure}"),
+        },
+        other => GpuError::Nccl {
+            during: "aborting a link after an error".into(),
+            detail: format!("{other}; then {failure}"),
+        },
     }
 }
 
@@ -146,8 +176,11 @@ impl NcclLink {
                 ));
             }
             Err(e) => {
-                link.kill();
-                return Err(nccl_error("joining a link", e.0));
+                let failure = link.kill();
+                return Err(with_abort_failure(
+                    nccl_error("joining a link", e.0),
+                    failure,
+                ));
             }
         }
         link.settle(
@@ -260,8 +293,7 @@ impl NcclLink {
             Ok(_) => Ok(()),
             Err(e) => {
                 let err = self.error(what, e.0);
-                self.kill();
-                Err(err)
+                Err(with_abort_failure(err, self.kill()))
             }
         }
     }
@@ -275,16 +307,14 @@ impl NcclLink {
             let polled = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
             if let Err(e) = polled.result() {
                 let err = self.error(what, e.0);
-                self.kill();
-                return Err(err);
+                return Err(with_abort_failure(err, self.kill()));
             }
             match state {
                 sys::ncclResult_t::ncclSuccess => return Ok(()),
                 sys::ncclResult_t::ncclInProgress => {}
                 failed => {
                     let err = self.error(what, failed);
-                    self.kill();
-                    return Err(err);
+                    return Err(with_abort_failure(err, self.kill()));
                 }
             }
             self.check_abort(what, deadline)?;
@@ -302,8 +332,7 @@ impl NcclLink {
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
             failed => {
                 let err = self.error(what, failed);
-                self.kill();
-                Err(err)
+                Err(with_abort_failure(err, self.kill()))
             }
         }
     }
@@ -312,15 +341,27 @@ impl NcclLink {
     fn check_abort(&mut self, what: &str, deadline: Instant) -> Result<()> {
         self.abort
             .check(what, deadline)
-            .inspect_err(|_| self.kill())
+            .map_err(|e| with_abort_failure(e, self.kill()))
     }
 
     /// Aborts the communicator (once): any kernel still waiting on the peer is torn down.
-    fn kill(&mut self) {
-        if !self.dead {
-            self.dead = true;
-            // SAFETY: the communicator is live and released once.
-            let _ = unsafe { result::comm_abort(self.comm) };
+    /// Returns what went wrong if `ncclCommAbort` failed (the link is dead either way: it is
+    /// never used again).
+    fn kill(&mut self) -> Option<String> {
+        if self.dead {
+            return None;
+        }
+        self.dead = true;
+        // SAFETY: the communicator is live and released once.
+        match unsafe { result::comm_abort(self.comm) } {
+            Ok(_) => None,
+            Err(e) => Some(format!(
+                "ncclCommAbort failed too ({}); the communicator is abandoned",
+                match nccl_error("aborting", e.0) {
+                    GpuError::Nccl { detail, .. } => detail,
+                    other => other.to_string(),
+                }
+            )),
         }
     }
 
@@ -389,6 +430,43 @@ fn nccl_error(what: &str, code: sys::ncclResult_t) -> GpuError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_abort_is_added_to_the_error_not_panicked_on() {
+        let failure = Some("ncclCommAbort failed too (invalid argument)".to_string());
+        let err = with_abort_failure(
+            GpuError::LinkAborted {
+                during: "receiving".into(),
+                why: "the peer is gone".into(),
+            },
+            failure.clone(),
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("the peer is gone") && msg.contains("ncclCommAbort failed too"),
+            "{msg}"
+        );
+        assert!(matches!(err, GpuError::LinkAborted { .. }));
+        let err = with_abort_failure(
+            GpuError::Nccl {
+                during: "sending".into(),
+                detail: "remote process exited".into(),
+            },
+            failure,
+        );
+        assert!(
+            err.to_string()
+                .contains("remote process exited; then ncclCommAbort failed too")
+        );
+        let untouched = with_abort_failure(
+            GpuError::Nccl {
+                during: "sending".into(),
+                detail: "x".into(),
+            },
+            None,
+        );
+        assert_eq!(untouched.to_string(), "NCCL failed during sending: x");
+    }
 
     #[test]
     fn the_config_asks_for_a_non_blocking_communicator() {

@@ -6,51 +6,58 @@
 //! The compute stream may go on reading the copied buffers; before it *writes* one (the next
 //! optimizer step, a restore) it must wait for the copy's [`Fence`], on the device, which costs the
 //! host nothing. Pinned buffers are reused through a [`StagingPool`]: allocating gigabytes of
-//! page-locked memory takes longer than the copy itself.
+//! page-locked memory takes longer than the copy itself (and can stall behind a pending NCCL
+//! transfer, so a stage with NCCL links reserves them up front).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, PinnedHostSlice};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{DriverContext, Result, shape};
+use crate::staging::{SetPool, Staged};
 
-/// Pinned host buffers kept for the next download of the same sizes.
+/// Pinned host buffers kept for the next download of the same sizes (see [`crate::staging`]).
 #[derive(Default)]
-pub struct StagingPool {
-    free: Mutex<Vec<Vec<PinnedHostSlice<f32>>>>,
+pub struct StagingPool(SetPool<PinnedHostSlice<f32>>);
+
+impl Staged for PinnedHostSlice<f32> {
+    fn len(&self) -> usize {
+        PinnedHostSlice::len(self)
+    }
+}
+
+/// Allocates a pinned buffer of `n` elements.
+fn pinned(gpu: &Gpu, n: usize) -> Result<PinnedHostSlice<f32>> {
+    // SAFETY: the buffer is written by the copy before anything reads it. No write-combining (the
+    // default of `alloc_pinned`): the host reads these buffers, and reads of write-combined memory
+    // are uncached and many times slower.
+    unsafe { gpu.ctx().alloc_pinned_with_flags::<f32>(n, 0) }
+        .during(|| format!("allocating {n} pinned host elements"))
 }
 
 impl StagingPool {
     /// A set of pinned buffers of lengths `lens`: a free one, or newly allocated.
     fn take(&self, gpu: &Gpu, lens: &[usize]) -> Result<Vec<PinnedHostSlice<f32>>> {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        let fits = |set: &Vec<PinnedHostSlice<f32>>| {
-            set.len() == lens.len() && set.iter().zip(lens).all(|(b, &n)| b.len() == n.max(1))
-        };
-        if let Some(i) = free.iter().position(fits) {
-            return Ok(free.swap_remove(i));
-        }
-        drop(free);
-        lens.iter()
-            .map(|&n| {
-                // SAFETY: the buffer is written by the copy before anything reads it. No
-                // write-combining (the default of `alloc_pinned`): the host reads these buffers,
-                // and reads of write-combined memory are uncached and many times slower.
-                unsafe { gpu.ctx().alloc_pinned_with_flags::<f32>(n.max(1), 0) }
-                    .during(|| format!("allocating {n} pinned host elements"))
-            })
-            .collect()
+        self.0.take(lens, |n| pinned(gpu, n))
     }
 
-    /// Returns a set for reuse. At most two sets are kept (a checkpoint and a peer snapshot of
-    /// different steps may be in flight at once); more are freed.
+    /// Returns a set for reuse.
     fn give_back(&self, set: Vec<PinnedHostSlice<f32>>) {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if free.len() < 2 {
-            free.push(set);
-        }
+        self.0.give_back(set)
+    }
+
+    /// Allocates now `sets` sets of pinned buffers of lengths `lens` (those not already free),
+    /// so that later downloads of those sizes allocate nothing.
+    pub fn reserve(&self, gpu: &Gpu, lens: &[usize], sets: usize) -> Result<()> {
+        gpu.bind()?;
+        self.0.reserve(lens, sets, |n| pinned(gpu, n))
+    }
+
+    /// Pinned buffers allocated so far.
+    pub fn allocations(&self) -> usize {
+        self.0.allocations()
     }
 }
 

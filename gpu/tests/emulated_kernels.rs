@@ -8,11 +8,11 @@
 use std::path::Path;
 use std::process::Command;
 
-#[test]
-fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu() {
+/// Compiles `gpu/emu/<file>` with the C++ compiler and runs it; returns its output.
+fn compile_and_run(file: &str, exe_name: &str) -> std::process::Output {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu/kernels_emulated.cpp");
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernels-emulated");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("emu").join(file);
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join(exe_name);
     let compiled = Command::new(&cxx)
         .args(["-std=c++20", "-O2", "-pthread", "-o"])
         .arg(&exe)
@@ -29,9 +29,14 @@ fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu(
         source.display(),
         String::from_utf8_lossy(&compiled.stderr)
     );
-    let run = Command::new(&exe)
+    Command::new(&exe)
         .output()
-        .expect("running the emulated kernels");
+        .unwrap_or_else(|e| panic!("running {}: {e}", exe.display()))
+}
+
+#[test]
+fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu() {
+    let run = compile_and_run("kernels_emulated.cpp", "kernels-emulated");
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
         run.status.success(),
@@ -55,6 +60,29 @@ fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu(
     assert!(
         checked >= 160,
         "only {checked} outputs were checked:\n{stdout}"
+    );
+    assert!(stdout.contains("0 failures"), "{stdout}");
+}
+
+#[test]
+fn the_emulated_tensor_core_mma_tells_the_isa_fragment_layout_from_wrong_ones() {
+    // gpu/emu/mma_layout_probe.cpp: one warp loads A (16×16) and B (16×8) fragments as a kernel
+    // would, with the PTX ISA's layout and with five plausible mistakes, and multiplies them
+    // through cuda_shim.h's mma (built from the ISA's tables); small integer inputs make every
+    // product exact, so the ISA layout must equal a CPU matmul and each mistake must not.
+    let run = compile_and_run("mma_layout_probe.cpp", "mma-layout-probe");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "the emulated mma does not discriminate:\n{stdout}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let line = |prefix: &str| stdout.lines().filter(|l| l.starts_with(prefix)).count();
+    assert_eq!(line("match "), 1, "{stdout}");
+    assert_eq!(line("caught"), 5, "{stdout}");
+    assert!(
+        stdout.contains("ISA layout") && stdout.contains(" 0 of 128 elements differ"),
+        "{stdout}"
     );
     assert!(stdout.contains("0 failures"), "{stdout}");
 }

@@ -189,7 +189,21 @@ impl GpuStage {
             Side::Prev => self.links.prev = Some(pair),
             Side::Next => self.links.next = Some(pair),
         }
-        Ok(())
+        self.reserve_state_staging()
+    }
+
+    /// Allocates now the pinned host buffers the state copies of a step need (the parameters and
+    /// both AdamW moments, for a checkpoint and a peer snapshot in flight at once): allocating
+    /// pinned memory during a step could stall behind a pending NCCL transfer.
+    fn reserve_state_staging(&self) -> Result<()> {
+        let state = [self.numel; 3];
+        self.staging.reserve(&self.gpu, &state, 2)
+    }
+
+    /// Host staging buffers allocated so far for state copies (pre-allocated by
+    /// [`GpuStage::join_link`]; a step with device links allocates none).
+    pub fn staging_allocations(&self) -> usize {
+        self.staging.allocations()
     }
 
     /// Aborts and drops the device link to `side` (if any).
