@@ -41,7 +41,7 @@ use trainer::runtime::events::{
     Recovered, RunEvent,
 };
 use trainer::runtime::kill_switch::{Ending, KillSwitch, Point, Verdict};
-use trainer::runtime::peer_snapshots::{SnapshotStore, serve};
+use trainer::runtime::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
@@ -534,17 +534,22 @@ fn agent_main(
     let gate = {
         let (report_to, cluster, name) =
             (Arc::clone(&report_to), Arc::clone(&cluster), name.clone());
-        serve(listener, TOKEN.into(), store, move |step, names| {
-            // Reported to the coordinator first, then recorded for `wait_held`.
-            let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if let Some(sender) = sender {
-                let _ = sender.send(&FromAgent::SnapshotHeld {
-                    step,
-                    names: names.clone(),
-                });
-                cluster.record_held(&name, step, names);
-            }
-        })
+        serve(
+            listener,
+            TOKEN.into(),
+            Arc::clone(&store),
+            move |step, names| {
+                // Reported to the coordinator first, then recorded for `wait_held`.
+                let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                if let Some(sender) = sender {
+                    let _ = sender.send(&FromAgent::SnapshotHeld {
+                        step,
+                        names: names.clone(),
+                    });
+                    cluster.record_held(&name, step, names);
+                }
+            },
+        )
         .unwrap()
     };
     let (mut control, raw) = connect_control(&cluster.addr);
@@ -606,6 +611,7 @@ fn agent_main(
             AgentMsg::Coordinator(_) if silent => {}
             AgentMsg::Coordinator(Ok(ToAgent::StartWorkers {
                 generation,
+                first_step,
                 stages,
                 config,
                 snapshot_to,
@@ -613,6 +619,11 @@ fn agent_main(
                 dump_grads,
                 keep_running,
             })) => {
+                // As the real agent: the plan bounds what peers may store.
+                store
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .plan(PutBounds::from_config(generation, first_step, &config));
                 if !keep_running {
                     end_all(&mut workers);
                 }
