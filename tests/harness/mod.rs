@@ -531,25 +531,21 @@ fn agent_main(
     let snapshot_addr = listener.local_addr().unwrap().to_string();
     let store = Arc::new(Mutex::new(SnapshotStore::default()));
     let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::default();
+    let plans = Arc::clone(&store);
     let gate = {
         let (report_to, cluster, name) =
             (Arc::clone(&report_to), Arc::clone(&cluster), name.clone());
-        serve(
-            listener,
-            TOKEN.into(),
-            Arc::clone(&store),
-            move |step, names| {
-                // Reported to the coordinator first, then recorded for `wait_held`.
-                let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                if let Some(sender) = sender {
-                    let _ = sender.send(&FromAgent::SnapshotHeld {
-                        step,
-                        names: names.clone(),
-                    });
-                    cluster.record_held(&name, step, names);
-                }
-            },
-        )
+        serve(listener, TOKEN.into(), store, move |step, names| {
+            // Reported to the coordinator first, then recorded for `wait_held`.
+            let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(sender) = sender {
+                let _ = sender.send(&FromAgent::SnapshotHeld {
+                    step,
+                    names: names.clone(),
+                });
+                cluster.record_held(&name, step, names);
+            }
+        })
         .unwrap()
     };
     let (mut control, raw) = connect_control(&cluster.addr);
@@ -620,7 +616,7 @@ fn agent_main(
                 keep_running,
             })) => {
                 // As the real agent: the plan bounds what peers may store.
-                store
+                plans
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .plan(PutBounds::from_config(generation, first_step, &config));
