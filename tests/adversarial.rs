@@ -149,6 +149,7 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
     let order = |session: &str, stages: Vec<usize>, dump: Option<&str>, snapshot_to: &[&str]| {
         ToAgent::StartWorkers {
             generation: 1,
+            first_step: 1,
             stages,
             config: String::new(),
             snapshot_to: snapshot_to.iter().map(|a| a.to_string()).collect(),

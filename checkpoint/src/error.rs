@@ -146,6 +146,25 @@ pub enum CheckpointError {
         detail: String,
     },
 
+    /// A manifest object is larger than any sane model's manifest: it is refused before it is
+    /// read, so that a damaged or hostile object cannot exhaust memory.
+    #[error(
+        "manifest `{key}` in {url} is {size} bytes, over the {limit}-byte bound on manifests \
+         (MAX_MANIFEST_BYTES: a manifest holds about 300 bytes per tensor, so this bound allows \
+         over 100 000 tensors); the object is damaged or not a seqpipe manifest: resume from \
+         another committed step"
+    )]
+    ManifestTooLarge {
+        /// The store URL.
+        url: String,
+        /// The manifest's key.
+        key: String,
+        /// The object's size in bytes (at least this many when the store under-reported it).
+        size: u64,
+        /// The bound, [`crate::MAX_MANIFEST_BYTES`].
+        limit: u64,
+    },
+
     /// A local filesystem operation (creating the checkpoint directory) failed.
     #[error("checkpoint directory `{}`: {action} failed: {source}; check the path and its permissions", path.display())]
     Io {
@@ -193,12 +212,16 @@ impl CheckpointError {
     /// checkpoint should be tried instead: a shard that does not match its manifest
     /// ([`Corrupt`](Self::Corrupt)), or a manifest that cannot be parsed
     /// ([`Json`](Self::Json)) or is inconsistent, e.g. records another step than its directory's
-    /// ([`InvalidManifest`](Self::InvalidManifest)). Store, permission and caller errors are not:
+    /// ([`InvalidManifest`](Self::InvalidManifest)) or too large to read
+    /// ([`ManifestTooLarge`](Self::ManifestTooLarge)). Store, permission and caller errors are not:
     /// an older checkpoint would fail alike.
     pub fn is_damaged_checkpoint(&self) -> bool {
         matches!(
             self,
-            Self::Corrupt { .. } | Self::Json { .. } | Self::InvalidManifest { .. }
+            Self::Corrupt { .. }
+                | Self::Json { .. }
+                | Self::InvalidManifest { .. }
+                | Self::ManifestTooLarge { .. }
         )
     }
 }

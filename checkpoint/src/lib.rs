@@ -52,7 +52,7 @@ mod write;
 pub use error::CheckpointError;
 pub use maintenance::StepListing;
 pub use manifest::{FORMAT, FORMAT_VERSION, Manifest, ShardEntry, TensorEntry};
-pub use read::VerifyReport;
+pub use read::{MAX_MANIFEST_BYTES, VerifyReport};
 pub use safetensors::Dtype;
 pub use store::{CheckpointStore, DEFAULT_PART_SIZE, StoreOptions};
 

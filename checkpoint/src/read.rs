@@ -13,6 +13,17 @@ use crate::{
     CheckpointError, CheckpointStore, Manifest, ShardEntry, TensorData, TensorEntry, manifest_key,
 };
 
+/// The largest manifest object read, in bytes (32 MiB).
+///
+/// A manifest holds about 300 bytes per tensor entry (a name of a few dozen bytes, dtype, shape,
+/// offset, length and a 64-hex-digit BLAKE3 hash, in JSON) plus about 200 per shard and the
+/// trainer's state (a few KiB: the resolved config, cursors). A GPT stage of `L` layers has 12
+/// parameter tensors per layer and each is stored with AdamW's two moments, so a 1000-layer model
+/// has about 36 000 entries, ~11 MiB. 32 MiB leaves room for three times that (over 100 000
+/// tensors) while bounding what a damaged or hostile object can cost to a few times the bound
+/// when parsed (the 2.9 GB manifest of issue 35 cost 8.9 GB of memory per reader).
+pub const MAX_MANIFEST_BYTES: u64 = 32 << 20;
+
 /// Shards read or verified concurrently.
 const SHARDS_IN_FLIGHT: usize = 4;
 
@@ -60,15 +71,20 @@ impl CheckpointStore {
     /// [`CheckpointError::NotFound`] if the step has no manifest (it does not exist as a
     /// checkpoint, even if shards were uploaded); [`CheckpointError::Json`] or
     /// [`CheckpointError::InvalidManifest`] if the manifest is unreadable or inconsistent.
+    ///
+    /// The object's size is checked against [`MAX_MANIFEST_BYTES`] before its body is read
+    /// ([`CheckpointError::ManifestTooLarge`] names the key, its size and the bound), and the
+    /// body is read only up to the bound, whatever size the store claimed.
     pub async fn read_manifest(&self, step: u64) -> Result<Manifest, CheckpointError> {
         let key = manifest_key(step);
-        let got = self.inner.get(&self.path(&key)?).await;
-        let bytes = match got {
-            Ok(r) => r.bytes().await,
-            Err(e) => Err(e),
+        let too_large = |size: u64| CheckpointError::ManifestTooLarge {
+            url: self.url.clone(),
+            key: key.clone(),
+            size,
+            limit: MAX_MANIFEST_BYTES,
         };
-        let bytes = match bytes {
-            Ok(b) => b,
+        let got = match self.inner.get(&self.path(&key)?).await {
+            Ok(got) => got,
             Err(object_store::Error::NotFound { .. }) => {
                 return Err(CheckpointError::NotFound {
                     url: self.url.clone(),
@@ -77,6 +93,20 @@ impl CheckpointStore {
             }
             Err(e) => return Err(self.store_err(format!("reading manifest `{key}`"))(e)),
         };
+        // The GET's own metadata: no second request, so no window for the object to change.
+        if got.meta.size > MAX_MANIFEST_BYTES {
+            return Err(too_large(got.meta.size));
+        }
+        let mut bytes = Vec::with_capacity(got.meta.size as usize);
+        let mut body = got.into_stream();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(self.store_err(format!("reading manifest `{key}`")))?;
+            let size = bytes.len() as u64 + chunk.len() as u64;
+            if size > MAX_MANIFEST_BYTES {
+                return Err(too_large(size));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
         let manifest: Manifest =
             serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Json {
                 url: self.url.clone(),

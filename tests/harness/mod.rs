@@ -41,7 +41,7 @@ use trainer::runtime::events::{
     Recovered, RunEvent,
 };
 use trainer::runtime::kill_switch::{Ending, KillSwitch, Point, Verdict};
-use trainer::runtime::peer_snapshots::{SnapshotStore, serve};
+use trainer::runtime::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
@@ -531,6 +531,7 @@ fn agent_main(
     let snapshot_addr = listener.local_addr().unwrap().to_string();
     let store = Arc::new(Mutex::new(SnapshotStore::default()));
     let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::default();
+    let plans = Arc::clone(&store);
     let gate = {
         let (report_to, cluster, name) =
             (Arc::clone(&report_to), Arc::clone(&cluster), name.clone());
@@ -606,6 +607,7 @@ fn agent_main(
             AgentMsg::Coordinator(_) if silent => {}
             AgentMsg::Coordinator(Ok(ToAgent::StartWorkers {
                 generation,
+                first_step,
                 stages,
                 config,
                 snapshot_to,
@@ -613,6 +615,11 @@ fn agent_main(
                 dump_grads,
                 keep_running,
             })) => {
+                // As the real agent: the plan bounds what peers may store.
+                plans
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .plan(PutBounds::from_config(generation, first_step, &config));
                 if !keep_running {
                     end_all(&mut workers);
                 }

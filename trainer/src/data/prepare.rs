@@ -11,9 +11,16 @@
 //! Inputs are read twice — once to validate and count documents, once to tokenize — so that
 //! nothing is written for invalid input and the token stream is never held in memory. Outputs
 //! are written to temporary files and renamed into place at the end.
+//!
+//! Memory is bounded whatever the input: only regular files are read (a FIFO or device is
+//! refused up front), a document is read and tokenized in pieces of about [`PIECE_BYTES`] cut
+//! where GPT-2's pre-tokenizer never joins text (so the tokens are those of the whole document),
+//! a stretch of more than [`MAX_UNBROKEN_BYTES`] with no such place is refused, and so is a
+//! `.jsonl` line over [`MAX_JSONL_LINE_BYTES`]. An input with no text, or a split that would
+//! leave `train.bin` or `val.bin` empty, is an error.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::bin::{DatasetMeta, META_FILE};
@@ -75,15 +82,126 @@ fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> D
     }
 }
 
-fn read_text(path: &Path) -> Result<String, DataError> {
-    let bytes = std::fs::read(path).map_err(io_err("read", path))?;
-    String::from_utf8(bytes).map_err(|e| DataError::Input {
-        path: path.to_path_buf(),
-        message: format!(
-            "not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8",
-            e.utf8_error().valid_up_to()
-        ),
+/// Target size of the pieces a document is read and tokenized in (1 MiB).
+pub const PIECE_BYTES: usize = 1 << 20;
+
+/// The longest stretch of a document with no place to cut it into pieces (8 MiB): GPT-2's
+/// tokenizer costs memory and time that grow faster than the length of one unbroken word.
+pub const MAX_UNBROKEN_BYTES: usize = 8 << 20;
+
+/// The longest `.jsonl` line, i.e. one document as JSON (16 MiB).
+pub const MAX_JSONL_LINE_BYTES: usize = 16 << 20;
+
+/// The last place in `bytes` where a document may be cut so that tokenizing both sides apart
+/// gives the tokens of the whole: before an ASCII space or line feed between two printable ASCII
+/// characters. GPT-2's pre-tokenizer ends a piece at such a character and starts the next one
+/// with the whitespace (` ?\p{L}+`, ` ?\p{N}+`, ` ?[^\s\p{L}\p{N}]+`, or a lone `\n`), and
+/// the BPE never merges across pieces.
+fn last_cut(bytes: &[u8]) -> Option<usize> {
+    (1..bytes.len().saturating_sub(1)).rev().find(|&i| {
+        matches!(bytes[i], b' ' | b'\n')
+            && bytes[i - 1].is_ascii_graphic()
+            && bytes[i + 1].is_ascii_graphic()
     })
+}
+
+/// Where a document comes from, for errors: its file and, for `.jsonl`, its line.
+#[derive(Clone, Copy)]
+struct Origin<'a> {
+    path: &'a Path,
+    line: Option<u64>,
+}
+
+impl Origin<'_> {
+    fn error(&self, message: String) -> DataError {
+        match self.line {
+            Some(line) => DataError::InvalidJsonl {
+                path: self.path.to_path_buf(),
+                line,
+                message,
+            },
+            None => DataError::Input {
+                path: self.path.to_path_buf(),
+                message,
+            },
+        }
+    }
+}
+
+/// Reads one document from `r` and calls `f(piece, last)` on its pieces of about `piece_bytes`
+/// (see [`last_cut`]), checking that it is UTF-8; `last` marks the final piece (an empty document
+/// is one empty piece).
+fn document_pieces(
+    origin: Origin<'_>,
+    mut r: impl Read,
+    piece_bytes: usize,
+    f: &mut dyn FnMut(&str, bool) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    let mut buf: Vec<u8> = Vec::new();
+    // Bytes of the document before `buf`.
+    let mut offset = 0usize;
+    let utf8 = |bytes: &[u8], offset: usize| {
+        std::str::from_utf8(bytes).map(|_| ()).map_err(|e| {
+            origin.error(format!(
+                "not valid UTF-8 (first bad byte at offset {}); convert it to UTF-8",
+                offset + e.valid_up_to()
+            ))
+        })
+    };
+    loop {
+        let got = (&mut r)
+            .take(piece_bytes as u64)
+            .read_to_end(&mut buf)
+            .map_err(io_err("read", origin.path))?;
+        if got < piece_bytes {
+            utf8(&buf, offset)?;
+            return f(std::str::from_utf8(&buf).expect("checked"), true);
+        }
+        if let Some(cut) = last_cut(&buf) {
+            utf8(&buf[..cut], offset)?;
+            f(std::str::from_utf8(&buf[..cut]).expect("checked"), false)?;
+            buf.drain(..cut);
+            offset += cut;
+        } else if buf.len() > MAX_UNBROKEN_BYTES {
+            return Err(origin.error(format!(
+                "more than {MAX_UNBROKEN_BYTES} bytes from offset {offset} without a space or \
+                 line break between ASCII characters; the tokenizer reads documents in pieces \
+                 cut at such places: break the text up or remove the long unbroken run"
+            )));
+        }
+    }
+}
+
+/// Opens an input after checking that it is a regular file: a FIFO, device or directory could
+/// block or never end.
+fn open_regular(path: &Path) -> Result<File, DataError> {
+    let meta = std::fs::metadata(path).map_err(io_err("read", path))?;
+    if !meta.is_file() {
+        return Err(DataError::Input {
+            path: path.to_path_buf(),
+            message: format!(
+                "not a regular file (it is a {}); pass .txt or .jsonl files, e.g. copy a stream \
+                 to a file first",
+                file_type_name(&meta.file_type())
+            ),
+        });
+    }
+    File::open(path).map_err(io_err("open", path))
+}
+
+fn file_type_name(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() || t.is_block_device() {
+        "device"
+    } else {
+        "special file"
+    }
 }
 
 /// The `"text"` field of one `.jsonl` line.
@@ -105,30 +223,66 @@ fn jsonl_text(path: &Path, line_no: u64, line: &str) -> Result<String, DataError
     }
 }
 
-/// Calls `f` on every document of `inputs`, in order.
-fn for_each_document(
+/// Calls `f(piece, last)` on the pieces of every document of `inputs`, in order (see
+/// [`document_pieces`]); `f_input(path, had_text)` after each input.
+fn for_each_piece(
     inputs: &[PathBuf],
-    mut f: impl FnMut(&str) -> Result<(), DataError>,
+    piece_bytes: usize,
+    f: &mut dyn FnMut(&str, bool) -> Result<(), DataError>,
+    f_input: &mut dyn FnMut(&Path, bool) -> Result<(), DataError>,
 ) -> Result<(), DataError> {
     for path in inputs {
+        let mut had_text = false;
+        let mut piece = |text: &str, last: bool| {
+            had_text |= !text.is_empty();
+            f(text, last)
+        };
         match input_kind(path)? {
-            InputKind::Text => f(&read_text(path)?)?,
+            InputKind::Text => {
+                let origin = Origin { path, line: None };
+                document_pieces(origin, open_regular(path)?, piece_bytes, &mut piece)?;
+            }
             InputKind::Jsonl => {
-                let file = File::open(path).map_err(io_err("open", path))?;
-                for (i, line) in BufReader::new(file).lines().enumerate() {
-                    let line_no = i as u64 + 1;
-                    let line = line.map_err(|e| DataError::InvalidJsonl {
-                        path: path.clone(),
-                        line: line_no,
-                        message: format!("cannot read line ({e})"),
+                let mut reader = BufReader::new(open_regular(path)?);
+                let mut line = Vec::new();
+                for line_no in 1u64.. {
+                    line.clear();
+                    let got = (&mut reader)
+                        .take(MAX_JSONL_LINE_BYTES as u64 + 1)
+                        .read_until(b'\n', &mut line)
+                        .map_err(|e| DataError::InvalidJsonl {
+                            path: path.clone(),
+                            line: line_no,
+                            message: format!("cannot read line ({e})"),
+                        })?;
+                    if got == 0 {
+                        break;
+                    }
+                    let origin = Origin {
+                        path,
+                        line: Some(line_no),
+                    };
+                    if line.len() > MAX_JSONL_LINE_BYTES && line.last() != Some(&b'\n') {
+                        return Err(origin.error(format!(
+                            "the line is longer than {MAX_JSONL_LINE_BYTES} bytes (the most \
+                             one document may take); split the document into several lines"
+                        )));
+                    }
+                    let text = std::str::from_utf8(&line).map_err(|e| {
+                        origin.error(format!(
+                            "cannot read line (not valid UTF-8 at byte {})",
+                            e.valid_up_to()
+                        ))
                     })?;
-                    if line.trim().is_empty() {
+                    if text.trim().is_empty() {
                         continue;
                     }
-                    f(&jsonl_text(path, line_no, &line)?)?;
+                    let text = jsonl_text(path, line_no, text)?;
+                    document_pieces(origin, text.as_bytes(), piece_bytes, &mut piece)?;
                 }
             }
         }
+        f_input(path, had_text)?;
     }
     Ok(())
 }
@@ -168,6 +322,29 @@ impl TokenWriter {
         }
         self.tokens += tokens.len() as u64;
         Ok(())
+    }
+
+    /// Moves the last `n` tokens written here to the end of `other` (streamed, not held).
+    fn move_tail_to(&mut self, other: &mut TokenWriter, n: u64) -> Result<(), DataError> {
+        let keep = (self.tokens - n) * 2;
+        self.out.flush().map_err(io_err("write", &self.tmp))?;
+        let mut tail = File::open(&self.tmp).map_err(io_err("read", &self.tmp))?;
+        tail.seek(SeekFrom::Start(keep))
+            .map_err(io_err("read", &self.tmp))?;
+        std::io::copy(&mut tail, &mut other.out).map_err(io_err("write", &other.tmp))?;
+        let file = self.out.get_mut();
+        file.set_len(keep).map_err(io_err("truncate", &self.tmp))?;
+        file.seek(SeekFrom::Start(keep))
+            .map_err(io_err("truncate", &self.tmp))?;
+        self.tokens -= n;
+        other.tokens += n;
+        Ok(())
+    }
+
+    /// Removes the temporary file (nothing is left behind for input that is refused).
+    fn discard(self) {
+        drop(self.out);
+        let _ = std::fs::remove_file(&self.tmp);
     }
 
     fn finish(self) -> Result<(PathBuf, u64), DataError> {
@@ -218,12 +395,31 @@ pub fn prepare(
         ));
     }
 
+    for path in inputs {
+        input_kind(path)?;
+        open_regular(path)?;
+    }
+
     // Pass 1: validate every input and count documents before writing anything.
     let mut n_docs = 0u64;
-    for_each_document(inputs, |_| {
-        n_docs += 1;
-        Ok(())
-    })?;
+    for_each_piece(
+        inputs,
+        PIECE_BYTES,
+        &mut |_, last| {
+            n_docs += u64::from(last);
+            Ok(())
+        },
+        &mut |path, had_text| {
+            if had_text {
+                Ok(())
+            } else {
+                Err(DataError::Input {
+                    path: path.to_path_buf(),
+                    message: "it has no text, so no tokens: add text or leave the file out".into(),
+                })
+            }
+        },
+    )?;
     if n_docs == 0 {
         return Err(DataError::Input {
             path: inputs[0].clone(),
@@ -242,44 +438,64 @@ pub fn prepare(
     let mut train = TokenWriter::create(out_dir.join(Split::Train.file_name()))?;
     let mut val = TokenWriter::create(out_dir.join(Split::Val.file_name()))?;
 
-    // Pass 2: tokenize and stream out.
+    // Pass 2: tokenize and stream out (a single document all to train.bin, its tail moved after).
     let mut doc = 0u64;
-    for_each_document(inputs, |text| {
-        let mut tokens = bpe.encode_ordinary(text);
-        tokens.push(GPT2_EOT);
-        if split_one_document {
-            let n_held = val_tokens_of_one_document(tokens.len() as u64, val_fraction) as usize;
-            let (head, tail) = tokens.split_at(tokens.len() - n_held);
-            train.write(head)?;
-            val.write(tail)?;
-        } else {
-            let out = if doc < n_train { &mut train } else { &mut val };
+    for_each_piece(
+        inputs,
+        PIECE_BYTES,
+        &mut |text, last| {
+            let mut tokens = bpe.encode_ordinary(text);
+            if last {
+                tokens.push(GPT2_EOT);
+            }
+            let out = if split_one_document || doc < n_train {
+                &mut train
+            } else {
+                &mut val
+            };
             out.write(&tokens)?;
-        }
-        doc += 1;
-        Ok(())
-    })?;
+            doc += u64::from(last);
+            Ok(())
+        },
+        &mut |_, _| Ok(()),
+    )?;
     if doc != n_docs {
         return Err(DataError::InvalidArgument(format!(
             "the inputs changed while being prepared ({n_docs} documents, then {doc}); \
              run again on files that are not being modified"
         )));
     }
-
+    if split_one_document {
+        let n_held = val_tokens_of_one_document(train.tokens, val_fraction);
+        if n_held == 0 {
+            let tokens = train.tokens;
+            train.discard();
+            val.discard();
+            return Err(DataError::Input {
+                path: inputs[0].clone(),
+                message: format!(
+                    "the only document has {tokens} token(s): too few to hold any out for val.bin; \
+                     add text or more documents"
+                ),
+            });
+        }
+        train.move_tail_to(&mut val, n_held)?;
+        tracing::info!(
+            val_tokens = n_held,
+            "one document: its last {n_held} tokens are held out in val.bin"
+        );
+    }
+    if train.tokens == 0 || val.tokens == 0 {
+        let (t, v) = (train.tokens, val.tokens);
+        train.discard();
+        val.discard();
+        return Err(DataError::InvalidArgument(format!(
+            "the split leaves {t} tokens in train.bin and {v} in val.bin; both need tokens: add \
+             text or documents, or change --val-fraction"
+        )));
+    }
     let (train_path, train_tokens) = train.finish()?;
     let (val_path, val_tokens) = val.finish()?;
-    if split_one_document {
-        if val_tokens == 0 {
-            tracing::warn!(
-                "the only document has a single token: val.bin is empty; add text to validate"
-            );
-        } else {
-            tracing::info!(
-                val_tokens,
-                "one document: its last {val_tokens} tokens are held out in val.bin"
-            );
-        }
-    }
     let meta = DatasetMeta {
         vocab_size: GPT2_VOCAB_SIZE,
         dtype: TokenDtype::U16,
@@ -503,5 +719,138 @@ mod tests {
         let report = prepare(&[txt], &out, 0.5).unwrap();
         assert_eq!((report.train_documents, report.val_documents), (1, 0));
         assert_eq!((report.train_tokens, report.val_tokens), (1, 1));
+    }
+
+    /// Issue 35: an empty `.txt` gave exit 0 and a 0-token val.bin. An input with no text is an
+    /// error naming it, alone or beside others, and nothing is written.
+    #[test]
+    fn an_input_with_no_text_is_refused() {
+        let tmp = TempDir::new("prep-empty");
+        let out = tmp.0.join("out");
+        let empty = tmp.0.join("empty.txt");
+        std::fs::write(&empty, "").unwrap();
+        let full = tmp.0.join("full.txt");
+        std::fs::write(&full, "Hello world").unwrap();
+        let blank = tmp.0.join("blank.jsonl");
+        std::fs::write(&blank, "{\"text\": \"\"}\n\n").unwrap();
+        for inputs in [
+            vec![empty.clone()],
+            vec![full.clone(), empty.clone()],
+            vec![blank.clone(), full.clone()],
+        ] {
+            let err = prepare(&inputs, &out, 0.1).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("empty.txt") || msg.contains("blank.jsonl"),
+                "{msg}"
+            );
+            assert!(msg.contains("no text"), "{msg}");
+            assert!(!out.exists(), "nothing is written for {inputs:?}");
+        }
+    }
+
+    /// Issue 35: a FIFO input hung `data prepare` for over 120 s. A non-regular file is refused
+    /// up front, naming it, without opening it.
+    #[test]
+    fn a_fifo_input_is_refused_at_once() {
+        let tmp = TempDir::new("prep-fifo");
+        let fifo = tmp.0.join("stream.txt");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (input, out) = (fifo.clone(), tmp.0.join("out"));
+        std::thread::spawn(move || {
+            let _ = tx.send(prepare(&[input], &out, 0.1).map(|_| ()));
+        });
+        // Generous for a loaded machine: the refusal needs no I/O beyond a stat.
+        let err = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("data prepare is blocked on the FIFO")
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("stream.txt") && msg.contains("FIFO"), "{msg}");
+        // A directory likewise.
+        let dir = tmp.0.join("dir.txt");
+        std::fs::create_dir(&dir).unwrap();
+        let msg = prepare(&[dir], &tmp.0.join("out"), 0.1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("dir.txt") && msg.contains("directory"),
+            "{msg}"
+        );
+    }
+
+    /// Tokenizing a document in pieces cut by `last_cut` gives exactly the tokens of the whole
+    /// text (spaces, line breaks, runs of whitespace, digits, punctuation, contractions, non-ASCII).
+    #[test]
+    fn pieces_tokenize_like_the_whole_document() {
+        let bpe = tiktoken_rs::r50k_base().unwrap();
+        let text: String = (0..300)
+            .map(|i| match i % 6 {
+                0 => format!("Line {i}:  it's  \n\n"),
+                1 => format!("número {i}, naïve café\n"),
+                2 => format!("  {i}{i}{i} ... ?!\t\n"),
+                3 => format!("'s 've word{i} \n word"),
+                4 => "漢字とかな 混じり\n".to_string(),
+                _ => format!("{i}-{i}. End\r\n"),
+            })
+            .collect();
+        let whole = bpe.encode_ordinary(&text);
+        for piece_bytes in [7, 64, 1000] {
+            let mut tokens = Vec::new();
+            let mut pieces = 0;
+            document_pieces(
+                Origin {
+                    path: Path::new("t.txt"),
+                    line: None,
+                },
+                text.as_bytes(),
+                piece_bytes,
+                &mut |piece, _| {
+                    pieces += 1;
+                    tokens.extend(bpe.encode_ordinary(piece));
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert!(pieces > 3, "{piece_bytes}: {pieces} pieces");
+            assert_eq!(tokens, whole, "pieces of {piece_bytes} bytes");
+        }
+    }
+
+    /// Issue 35: a 50 MB single-line `.jsonl` used 2.6 GB. A line over the bound, and a stretch
+    /// with nowhere to cut it, are refused naming the file (and line), before they are held.
+    #[test]
+    fn oversized_documents_are_refused() {
+        let tmp = TempDir::new("prep-big");
+        let out = tmp.0.join("out");
+        let jsonl = tmp.0.join("big.jsonl");
+        let mut body = b"{\"text\": \"ok\"}\n{\"text\": \"".to_vec();
+        body.extend(std::iter::repeat_n(b'a', MAX_JSONL_LINE_BYTES));
+        body.extend_from_slice(b"\"}\n");
+        std::fs::write(&jsonl, &body).unwrap();
+        let msg = prepare(std::slice::from_ref(&jsonl), &out, 0.1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("big.jsonl:2") && msg.contains("longer than"),
+            "{msg}"
+        );
+        let txt = tmp.0.join("word.txt");
+        let mut word = b"Hello world ".to_vec();
+        word.extend(std::iter::repeat_n(b'x', MAX_UNBROKEN_BYTES + PIECE_BYTES));
+        std::fs::write(&txt, &word).unwrap();
+        let msg = prepare(std::slice::from_ref(&txt), &out, 0.1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("word.txt") && msg.contains("without a space"),
+            "{msg}"
+        );
+        assert!(!out.exists());
     }
 }

@@ -24,7 +24,7 @@ use super::auth::{self, Gate, Purpose};
 use super::control::{ControlSender, ControlStream, FromAgent, ToAgent};
 use super::notice_watch::{self, WatchConfig};
 use super::peer_input;
-use super::peer_snapshots::{SnapshotStore, serve};
+use super::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use crate::config::Config;
 
 /// How an agent is started.
@@ -473,6 +473,7 @@ fn run_incarnation(
         last_heartbeat: Instant::now(),
         announced_leave: false,
         workers: Vec::new(),
+        snapshots: Arc::clone(&snapshots.store),
     };
     let result = node.follow(leaving, &messages);
     stop(&mut node.workers, u64::MAX);
@@ -598,6 +599,8 @@ struct Incarnation<'a> {
     /// The coordinator was told this node is leaving (a preemption notice arrived).
     announced_leave: bool,
     workers: Vec<RunningWorker>,
+    /// The node's peer snapshots, told of every plan's bounds.
+    snapshots: Arc<Mutex<SnapshotStore>>,
 }
 
 impl Incarnation<'_> {
@@ -668,6 +671,7 @@ impl Incarnation<'_> {
         match msg {
             ToAgent::StartWorkers {
                 generation,
+                first_step,
                 stages,
                 config,
                 snapshot_to,
@@ -686,6 +690,15 @@ impl Incarnation<'_> {
                 };
                 check_start(&start, self.args.slots, self.args.local)
                     .map_err(|e| bad_message(self.args, e))?;
+                // Before any worker starts: the copies its stages send are bounded by this plan.
+                self.snapshots
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .plan(PutBounds::from_config(
+                        generation,
+                        first_step,
+                        &start.config,
+                    ));
                 if !start.keep_running {
                     stop(&mut self.workers, u64::MAX);
                 }

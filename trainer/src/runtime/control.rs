@@ -365,6 +365,9 @@ pub enum ToAgent {
     /// Start one worker per stage of `stages` for plan `generation`.
     StartWorkers {
         generation: u64,
+        /// The step the plan starts at: the agent stores peer snapshots of the plan's steps only.
+        #[serde(default)]
+        first_step: u64,
         stages: Vec<usize>,
         /// The resolved config (TOML) the workers run.
         config: String,

@@ -538,6 +538,7 @@ impl Coordinator {
         };
         ToAgent::StartWorkers {
             generation: plan.generation,
+            first_step: plan.step,
             stages,
             config: config.to_string(),
             snapshot_to,

@@ -1,9 +1,12 @@
 //! `GET /metrics` on `elastic.metrics_listen`: the coordinator's Prometheus endpoint, serving
 //! [`LiveMetrics`]'s text exposition from a thread of its own (hyper's HTTP/1.1 server on a
-//! single-threaded tokio runtime). Bounded so that scrapers cannot hurt the run: at most
-//! [`MAX_CONNECTIONS`] at once (more are closed unanswered), each closed after
-//! [`CONNECTION_TIMEOUT`], no keep-alive, small request buffers; any other path or method is
-//! answered 404 or 405. The training loop never waits on it: it only updates the metrics'
+//! single-threaded tokio runtime). Bounded so that scrapers cannot hurt the run, nor slow clients
+//! starve scrapers: at most [`MAX_PENDING`] connections at once (more are closed unanswered),
+//! each given [`HEADER_READ_TIMEOUT`] to send its request and closed after
+//! [`CONNECTION_TIMEOUT`]; only requests that have fully arrived count against the
+//! [`MAX_CONNECTIONS`] answered at once (503 beyond), so connections that dribble or hold a
+//! partial request cannot take a scrape's place; no keep-alive, small request buffers; any other
+//! path or method is answered 404 or 405. The training loop never waits on it: it only updates the metrics'
 //! atomics.
 
 use std::convert::Infallible;
@@ -15,7 +18,7 @@ use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
-use hyper::header::{ALLOW, CONTENT_TYPE};
+use hyper::header::{ALLOW, CONTENT_TYPE, RETRY_AFTER};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -25,14 +28,19 @@ use tracing::{debug, info, warn};
 
 use super::live_metrics::{self, LiveMetrics};
 
-/// Scrapes served at once; connections beyond are closed at once.
+/// Complete requests answered at once; beyond, 503.
 pub const MAX_CONNECTIONS: usize = 8;
+
+/// Connections open at once, most of them still sending their request; beyond, new ones are
+/// closed at once. Each takes a few KiB, and one that is slow to send its request is closed
+/// after [`HEADER_READ_TIMEOUT`].
+pub const MAX_PENDING: usize = 64;
 
 /// The longest a connection may take, from accepting it to the end of the response.
 pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The longest a client may take to send its request headers.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a client may take to send its request headers (a scraper sends them at once).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Request bytes buffered per connection (hyper's minimum is 8 KiB).
 const MAX_BUF_SIZE: usize = 8 * 1024;
@@ -98,7 +106,8 @@ async fn serve(
     metrics: Arc<LiveMetrics>,
     mut stopped: oneshot::Receiver<()>,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let pending = Arc::new(Semaphore::new(MAX_PENDING));
+    let serving = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, peer) = tokio::select! {
             _ = &mut stopped => return,
@@ -112,11 +121,11 @@ async fn serve(
                 }
             },
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!(%peer, "metrics endpoint: too many scrapes at once, closing one");
+        let Ok(slot) = pending.clone().try_acquire_owned() else {
+            debug!(%peer, "metrics endpoint: too many connections at once, closing one");
             continue;
         };
-        let metrics = metrics.clone();
+        let (metrics, serving) = (metrics.clone(), serving.clone());
         tokio::spawn(async move {
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -126,7 +135,11 @@ async fn serve(
                 .serve_connection(
                     TokioIo::new(stream),
                     service_fn(move |request| {
-                        let response = respond(&request, &metrics);
+                        // The request has arrived: only now does it take a serving slot.
+                        let response = match serving.try_acquire() {
+                            Ok(_answering) => respond(&request, &metrics),
+                            Err(_) => busy(),
+                        };
                         async move { Ok::<_, Infallible>(response) }
                     }),
                 );
@@ -138,6 +151,18 @@ async fn serve(
             drop(slot);
         });
     }
+}
+
+/// The answer when [`MAX_CONNECTIONS`] requests are being answered already.
+fn busy() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(
+        b"too many scrapes at once; retry\n",
+    )));
+    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
+    response
 }
 
 /// The answer to one request: the exposition for `GET /metrics` (and `HEAD`), 404 for any other
@@ -224,5 +249,66 @@ mod tests {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap().to_string();
         assert!(MetricsEndpoint::start(&addr, Arc::new(LiveMetrics::new())).is_err());
+    }
+
+    /// Issue 35: 20 slowloris connections filled the 8 slots and 24 of 25 scrapes failed. With
+    /// 20 clients that keep a partial request open (dribbling a header line now and then, and
+    /// coming back as soon as they are closed), every scrape is still answered.
+    #[test]
+    fn slow_clients_do_not_starve_scrapes() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let metrics = Arc::new(LiveMetrics::new());
+        let endpoint = MetricsEndpoint::start("127.0.0.1:0", metrics).unwrap();
+        let addr = endpoint.local_addr();
+        let stop = Arc::new(AtomicBool::new(false));
+        let holding = Arc::new(AtomicUsize::new(0));
+        let attackers: Vec<_> = (0..20)
+            .map(|_| {
+                let (stop, holding) = (Arc::clone(&stop), Arc::clone(&holding));
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::SeqCst) {
+                        let Ok(mut stream) = TcpStream::connect(addr) else {
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        };
+                        if stream
+                            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                            .is_ok()
+                        {
+                            holding.fetch_add(1, Ordering::SeqCst);
+                            while !stop.load(Ordering::SeqCst)
+                                && stream.write_all(b"X-Slow: 1\r\n").is_ok()
+                            {
+                                std::thread::sleep(Duration::from_millis(300));
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+            })
+            .collect();
+        // Every attacker has connected at least once before the scrapes start.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while holding.load(Ordering::SeqCst) < 20 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "attackers never connected"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let mut failed = Vec::new();
+        for i in 0..15 {
+            let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+            if !answer.starts_with("HTTP/1.1 200 OK\r\n") {
+                failed.push((i, answer));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        stop.store(true, Ordering::SeqCst);
+        for a in attackers {
+            a.join().unwrap();
+        }
+        assert!(failed.is_empty(), "scrapes that failed: {failed:?}");
     }
 }

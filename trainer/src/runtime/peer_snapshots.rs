@@ -130,14 +130,113 @@ fn unpack(metas: Vec<TensorMeta>, payload: Vec<u8>) -> std::io::Result<Vec<(Stri
     Ok(out)
 }
 
+/// What the current plan lets peers store: set from each `StartWorkers` the agent receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutBounds {
+    /// The plan's generation.
+    pub generation: u64,
+    /// The step the plan starts at.
+    pub first_step: u64,
+    /// The largest payload a Put may carry: the largest stage's parameters and AdamW moments.
+    pub max_payload: u64,
+}
+
+impl PutBounds {
+    /// Header slack beyond the payload bound: the JSON metadata of every tensor of a stage.
+    pub const MAX_HEADER: usize = 16 << 20;
+
+    /// The bounds of a plan of `generation` starting at `first_step` over stages whose largest
+    /// holds `largest_stage_params` parameters: each travels as an F32 weight and AdamW's two F32
+    /// moments (12 bytes); 16 bytes per parameter leaves room for small extra tensors.
+    pub fn for_plan(generation: u64, first_step: u64, largest_stage_params: u64) -> Self {
+        Self {
+            generation,
+            first_step,
+            max_payload: largest_stage_params
+                .saturating_mul(crate::memory::STATE_BYTES_PER_PARAM)
+                .saturating_add(1 << 20),
+        }
+    }
+
+    /// The bounds of a plan whose workers run `config` (TOML, as `StartWorkers` carries it). A
+    /// config that does not parse or split into stages allows no payload: its workers fail on it
+    /// anyway.
+    pub fn from_config(generation: u64, first_step: u64, config: &str) -> Self {
+        let largest = crate::config::Config::from_toml(config, "the coordinator's config")
+            .ok()
+            .and_then(|cfg| crate::memory::estimate(&cfg))
+            .and_then(|stages| stages.iter().map(|s| s.params).max());
+        match largest {
+            Some(params) => Self::for_plan(generation, first_step, params),
+            None => Self {
+                generation,
+                first_step,
+                max_payload: 0,
+            },
+        }
+    }
+}
+
 /// The copies an agent holds: step → name → tensor.
+///
+/// Every Put is a peer's claim: it is stored only while a plan is known ([`SnapshotStore::plan`]),
+/// its payload within the plan's bound, and its step one the plan can reach next (from the
+/// step before the plan's first to one past the newest stored), so that a forged far-future
+/// step can neither pin the store nor evict the real copies.
 #[derive(Default)]
 pub struct SnapshotStore {
     steps: BTreeMap<u64, BTreeMap<String, TensorData>>,
+    bounds: Option<PutBounds>,
+    /// The newest step stored under the current plan.
+    newest: Option<u64>,
 }
 
 impl SnapshotStore {
+    /// Adopts the bounds of the plan the agent was just told of (a replacement worker of the
+    /// same generation keeps the newest step stored so far).
+    pub fn plan(&mut self, bounds: PutBounds) {
+        if self
+            .bounds
+            .is_none_or(|b| b.generation != bounds.generation)
+        {
+            self.newest = None;
+        }
+        self.bounds = Some(bounds);
+    }
+
+    /// The frame limits a connection reads its next request within: no payload before a plan
+    /// is known (Gets carry none).
+    fn limits(&self) -> Limits {
+        Limits {
+            header: PutBounds::MAX_HEADER,
+            payload: self.bounds.map_or(0, |b| b.max_payload),
+        }
+    }
+
+    /// Why a Put of `step` is refused, if it is.
+    fn refusal(&self, step: u64) -> Option<String> {
+        let Some(bounds) = self.bounds else {
+            return Some(format!(
+                "a peer snapshot of step {step} before this agent was given a plan"
+            ));
+        };
+        let lowest = bounds.first_step.saturating_sub(1);
+        let highest = self
+            .newest
+            .unwrap_or(lowest)
+            .max(bounds.first_step)
+            .saturating_add(1);
+        (step < lowest || step > highest).then(|| {
+            format!(
+                "a peer snapshot of step {step}, outside the steps the plan of generation {} can \
+                 store now ({lowest}..={highest})",
+                bounds.generation
+            )
+        })
+    }
+
     fn put(&mut self, step: u64, tensors: Vec<(String, TensorData)>) {
+        self.newest = self.newest.max(Some(step));
         self.steps.entry(step).or_default().extend(tensors);
         while self.steps.len() > KEPT_STEPS {
             self.steps.pop_first();
@@ -192,9 +291,20 @@ fn serve_connection(
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
     loop {
-        let frame = read_frame(&mut reader, Limits::SNAPSHOT)?;
+        let limits = store.lock().unwrap_or_else(|p| p.into_inner()).limits();
+        let frame = read_frame(&mut reader, limits)?;
         match frame.header::<Request>()? {
             Request::Put { step, tensors } => {
+                let refusal = store
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .refusal(step);
+                if let Some(why) = refusal {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("refused {why}"),
+                    ));
+                }
                 let tensors = unpack(tensors, frame.payload)?;
                 let names: Vec<String> = tensors.iter().map(|(n, _)| n.clone()).collect();
                 let bytes = {
@@ -512,6 +622,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
+        store.lock().unwrap().plan(PutBounds::for_plan(1, 1, 1000));
         let reports = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&reports);
         // The port accepts while the gate lives.
@@ -557,5 +668,125 @@ mod tests {
         assert!(err.contains("do not hold 2 tensor(s) of step 1"), "{err}");
         // The wrong token gets nothing.
         assert!(fetch(&[addr], 3, &names, "wrong", timeout).is_err());
+    }
+
+    /// A store served on a fresh port, with the plan `bounds` (if any).
+    fn served(bounds: Option<PutBounds>) -> (String, Arc<Mutex<SnapshotStore>>, Gate) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let store = Arc::new(Mutex::new(SnapshotStore::default()));
+        if let Some(bounds) = bounds {
+            store.lock().unwrap().plan(bounds);
+        }
+        let gate = serve(listener, "secret".into(), Arc::clone(&store), |_, _| {}).unwrap();
+        (addr, store, gate)
+    }
+
+    fn put(peer: &mut Peer, step: u64, value: f32) -> std::io::Result<Reply> {
+        let tensors = [("a".to_string(), tensor(&[value, 1.0]))];
+        let request = Request::Put {
+            step,
+            tensors: metas(&tensors),
+        };
+        peer.call(&request, &tensors).map(|(reply, _)| reply)
+    }
+
+    fn held_steps(store: &Mutex<SnapshotStore>) -> Vec<u64> {
+        store
+            .lock()
+            .unwrap()
+            .held()
+            .iter()
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    /// Issue 35: Puts for steps 2^64-1 and 2^64-2 pinned the store and evicted the real copies.
+    /// Only the steps the plan can reach next are stored: forged far-future (and stale) steps are
+    /// refused and the real snapshots survive; before any plan nothing is stored.
+    #[test]
+    fn forged_steps_are_refused_and_real_snapshots_survive() {
+        let timeout = Duration::from_secs(30);
+        let (addr, store, _gate) = served(None);
+        let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
+        assert!(put(&mut peer, 5, 5.0).is_err(), "a Put before any plan");
+        assert!(held_steps(&store).is_empty());
+
+        store.lock().unwrap().plan(PutBounds::for_plan(3, 5, 1000));
+        let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
+        for step in [4, 5, 6] {
+            assert!(matches!(
+                put(&mut peer, step, step as f32).unwrap(),
+                Reply::Stored
+            ));
+        }
+        assert_eq!(held_steps(&store), [5, 6]);
+        for forged in [u64::MAX, u64::MAX - 1, 8, 3] {
+            let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
+            assert!(
+                put(&mut peer, forged, -1.0).is_err(),
+                "a Put of step {forged} was stored"
+            );
+            assert_eq!(held_steps(&store), [5, 6], "after a Put of step {forged}");
+        }
+        let names = vec!["a".to_string()];
+        let got = fetch(std::slice::from_ref(&addr), 6, &names, "secret", timeout).unwrap();
+        assert_eq!(got[0].1.data, tensor(&[6.0, 1.0]).data);
+        // Training goes on: the next step is stored and evicts the oldest as always.
+        let mut peer = Peer::connect(&addr, "secret", timeout, None).unwrap();
+        assert!(matches!(put(&mut peer, 7, 7.0).unwrap(), Reply::Stored));
+        assert_eq!(held_steps(&store), [6, 7]);
+        // A replacement worker of the same plan keeps the window; a new plan starts its own.
+        store.lock().unwrap().plan(PutBounds::for_plan(3, 5, 1000));
+        assert!(matches!(put(&mut peer, 8, 8.0).unwrap(), Reply::Stored));
+        store.lock().unwrap().plan(PutBounds::for_plan(4, 2, 1000));
+        assert!(put(&mut peer, 9, 9.0).is_err());
+    }
+
+    /// Issue 35: a peer with the token claimed a 64 GiB frame and sent 1.5 GiB of it, and the
+    /// agent grew by 3.7 GB. A claim over the plan's bound (the largest stage's state) is refused
+    /// from the frame's prefix: the agent closes the connection without reading (or allocating
+    /// for) the payload, and a claim within the bound that is cut short costs what was sent.
+    #[test]
+    fn a_frame_over_the_plans_bound_is_refused_before_its_payload() {
+        use std::io::Read;
+        // A stage of 1000 parameters: 16 KB + 1 MiB of slack.
+        let bounds = PutBounds::for_plan(1, 1, 1000);
+        assert_eq!(bounds.max_payload, 16_000 + (1 << 20));
+        let (addr, store, _gate) = served(Some(bounds));
+        for claimed in [64u64 << 30, bounds.max_payload + 1] {
+            let mut stream = TcpStream::connect(&addr).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            auth::connect(&mut stream, "secret", Purpose::Snapshot).unwrap();
+            let header = serde_json::to_vec(&Request::Put {
+                step: 1,
+                tensors: vec![],
+            })
+            .unwrap();
+            let mut prefix = Vec::new();
+            prefix.extend_from_slice(b"SQP1");
+            prefix.extend_from_slice(&(header.len() as u32).to_le_bytes());
+            prefix.extend_from_slice(&claimed.to_le_bytes());
+            prefix.extend_from_slice(&header);
+            // The first bytes of the payload, then silence: the agent must not wait for more.
+            prefix.extend_from_slice(&[0u8; 4096]);
+            stream.write_all(&prefix).unwrap();
+            let mut answer = Vec::new();
+            match stream.read_to_end(&mut answer) {
+                Ok(_) => assert!(answer.is_empty(), "the agent answered a {claimed} B claim"),
+                Err(e) => assert!(
+                    !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                    "the agent is still reading a {claimed} B claim: {e}"
+                ),
+            }
+        }
+        assert!(held_steps(&store).is_empty());
+        // Before a plan, no payload at all.
+        assert_eq!(SnapshotStore::default().limits().payload, 0);
     }
 }

@@ -119,23 +119,36 @@ pub fn read_frame(r: &mut impl Read, limits: Limits) -> io::Result<Frame> {
     }
     let mut header = vec![0u8; header_len];
     r.read_exact(&mut header)?;
-    let mut payload = Vec::new();
-    payload
-        .try_reserve_exact(payload_len.min(RESERVE_AHEAD) as usize)
-        .map_err(|e| {
+    let payload = read_payload(r, payload_len)?;
+    Ok(Frame { header, payload })
+}
+
+/// Reads a payload of `len` bytes as they arrive: the buffer grows by at most what was received
+/// so far (and [`RESERVE_AHEAD`] at first), never beyond `len`, so a peer that claims a large
+/// payload and sends part of it costs about what it sent, not the claim nor twice the claim.
+fn read_payload(r: &mut impl Read, len: u64) -> io::Result<Vec<u8>> {
+    let mut payload: Vec<u8> = Vec::new();
+    while (payload.len() as u64) < len {
+        let remaining = len - payload.len() as u64;
+        let chunk = remaining.min((payload.len() as u64).max(RESERVE_AHEAD));
+        payload.try_reserve_exact(chunk as usize).map_err(|e| {
             io::Error::new(
                 io::ErrorKind::OutOfMemory,
-                format!("payload of {payload_len} B: {e}"),
+                format!("payload of {len} B: {e}"),
             )
         })?;
-    let got = r.take(payload_len).read_to_end(&mut payload)?;
-    if got as u64 != payload_len {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("the peer closed the stream {got} B into a {payload_len} B payload"),
-        ));
+        let got = (&mut *r).take(chunk).read_to_end(&mut payload)?;
+        if (got as u64) < chunk {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the peer closed the stream {} B into a {len} B payload",
+                    payload.len()
+                ),
+            ));
+        }
     }
-    Ok(Frame { header, payload })
+    Ok(payload)
 }
 
 #[cfg(test)]
@@ -184,5 +197,24 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         buf[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(read_frame(&mut buf.as_slice(), Limits::SNAPSHOT).is_err());
+    }
+
+    /// A payload claimed within the limit but cut short costs about what was sent: the buffer
+    /// never holds more than twice the bytes received (and the first read-ahead), whatever the
+    /// claim, and never more than the claim.
+    #[test]
+    fn a_payload_buffer_grows_with_the_bytes_received() {
+        let sent = 20 << 20;
+        let mut data = vec![7u8; sent];
+        let err = read_payload(&mut data.as_slice(), 1 << 36).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{err}");
+        data.truncate(3 << 20);
+        let got = read_payload(&mut data.as_slice(), 3 << 20).unwrap();
+        assert_eq!(got.len(), 3 << 20);
+        assert_eq!(got.capacity(), 3 << 20, "reserved beyond the claim");
+        let mut long = vec![1u8; 20 << 20];
+        long.push(2);
+        let got = read_payload(&mut long.as_slice(), 20 << 20).unwrap();
+        assert_eq!(got.capacity(), 20 << 20, "reserved beyond the claim");
     }
 }
