@@ -35,12 +35,12 @@ fn own_stall_is_the_gap_beyond_the_tolerance() {
         (Some(5.0), 4.0, 1.0, 0.0), // a clock that went backwards: no stall
     ];
     for (last, now, tolerance, stall) in cases {
-        let got = own_stall(
-            last.map(|l| t0 + secs(l)),
-            t0 + secs(now),
-            secs(tolerance),
+        let got = own_stall(last.map(|l| t0 + secs(l)), t0 + secs(now), secs(tolerance));
+        assert_eq!(
+            got,
+            secs(stall),
+            "last {last:?}, now {now}, tolerance {tolerance}"
         );
-        assert_eq!(got, secs(stall), "last {last:?}, now {now}, tolerance {tolerance}");
     }
 }
 
@@ -94,7 +94,9 @@ fn a_stalled_detector_declares_nobody_dead_on_the_silence_it_slept_through() {
         Case {
             what: "a slow detector (checks 2 s apart) excuses only the second beyond the \
                    interval: a dead node is found, later",
-            beats_a: &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0],
+            beats_a: &[
+                1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0,
+            ],
             beats_b: &[1.0],
             checks: &[0.0, 1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0],
             dead: &["b"],
@@ -154,7 +156,8 @@ fn a_loss_found_out_about_one_incarnation_never_fences_the_next() {
     // Incarnation 1 is declared dead (a stall of the fleet); its agent joins again at once.
     assert_eq!(m.expire(t0 + secs(6.0), secs(5.0)), vec![id("a")]);
     assert_eq!(
-        m.join(NodeInfo::new("a", 1, "a:1"), t0 + secs(7.0)).unwrap(),
+        m.join(NodeInfo::new("a", 1, "a:1"), t0 + secs(7.0))
+            .unwrap(),
         2
     );
     // The recovery of that failure declares incarnation 1 lost: incarnation 2 stays alive.
