@@ -614,6 +614,43 @@ fn hung_worker_is_detected_by_timeouts_and_replaced() {
     assert!(started.elapsed() < Duration::from_secs(60));
 }
 
+/// The coordinator stalls (here SIGSTOPped: a VM freeze, a noisy neighbour, a GC pause) for three
+/// times `elastic.dead_after_s` while its agents and workers run on, then resumes with every
+/// heartbeat of the stall still unread in its sockets. The silence it slept through is no
+/// evidence: nobody is declared dead and the run finishes bit-identical with no recovery (issue
+/// 35: a loaded machine's coordinator declared all four nodes dead at once and the job ended).
+#[test]
+fn a_stalled_coordinator_declares_nobody_dead() {
+    let dir = fresh_dir("coordinator-stall");
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir, &[]));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let run = dir.join("run");
+    let child = job(&run, &["elastic.heartbeat_s=0.2", "elastic.dead_after_s=2"])
+        .spawn()
+        .unwrap();
+    wait_for_steps(&run, 3);
+    let signal = |sig: &str| {
+        Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap()
+    };
+    assert!(signal("-STOP").success());
+    // The stall itself (not a wait for something): 6 s > dead_after_s = 2 s.
+    std::thread::sleep(Duration::from_secs(6));
+    assert!(signal("-CONT").success());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    assert_final_state(&run, STEPS, &reference);
+    let events = run_events(&run);
+    let lost: Vec<&RunEvent> = events
+        .iter()
+        .filter(|e| matches!(e, RunEvent::NodeLost(_) | RunEvent::Recovered(_)))
+        .collect();
+    assert!(lost.is_empty(), "{lost:#?}");
+}
+
 /// A free loopback port for a coordinator.
 /// SIGKILLs node `index` of a local run (its workers and its agent).
 fn kill_node(launcher: u32, index: usize) {

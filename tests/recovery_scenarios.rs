@@ -630,6 +630,51 @@ fn agent_restart_as_a_new_incarnation() {
     out.assert_bit_identical();
 }
 
+/// Every node's agent joins again as a new incarnation before the coordinator recovers from the
+/// failure (as after a stall of the whole fleet: all declared dead at once, all joining again;
+/// issue 35). The failure is of the old incarnations: the recovery must plan on the new ones, not
+/// declare them dead too (it used to, so their heartbeats were refused until the run gave up with
+/// "only 0 nodes alive"). The old agents' memory is gone, so the step is redone from the
+/// newest checkpoint.
+#[test]
+fn every_agent_joining_again_at_once_keeps_the_whole_pipeline() {
+    let out = run(
+        "all-rejoin",
+        4,
+        &["elastic.mid_step=false", "elastic.peer_snapshots=false"],
+        vec![Rule::at(0, 3, Pos::Action(0), |c, _| {
+            for r in 0..4 {
+                // The old agent hears `Refused` and stops its worker.
+                c.start_agent(&node(r));
+            }
+            Verdict::Kill
+        })],
+    );
+    // The step is redone from the checkpoint of step 2, or from the start if that checkpoint
+    // was not committed yet when the agents restarted: either way on all four nodes.
+    let r = out.the_recovery();
+    assert_eq!(
+        (r.stages_before, r.stages_after),
+        (4, 4),
+        "{:#?}",
+        out.events
+    );
+    assert!(
+        matches!(r.tier, Tier::Checkpoint | Tier::Restart),
+        "{:#?}",
+        out.events
+    );
+    let plans = out.plans();
+    assert_eq!(plans.len(), 1, "{:#?}", out.events);
+    let mut nodes: Vec<&str> = plans[0].nodes.iter().map(NodeId::as_str).collect();
+    nodes.sort();
+    assert_eq!(nodes, [node(0), node(1), node(2), node(3)], "{plans:?}");
+    let mut fenced = out.fenced.clone();
+    fenced.sort();
+    assert_eq!(fenced, [node(0), node(1), node(2), node(3)]);
+    out.assert_bit_identical();
+}
+
 /// A second loss during the recovery: the mid-step replacement dies while it loads its state, so
 /// mid-step recovery gives up and the step is redone from the peer snapshots.
 #[test]

@@ -183,6 +183,46 @@ impl Membership {
         Ok(())
     }
 
+    /// Declares incarnation `incarnation` of a node dead, as [`Membership::report_failure`] does,
+    /// unless the node has joined again since as a newer incarnation: a loss found out about one
+    /// incarnation never fences the next (an agent declared dead that joined again at once is a
+    /// healthy joiner). Returns whether that incarnation is (now) dead.
+    pub fn report_failure_of(
+        &mut self,
+        id: &NodeId,
+        incarnation: u64,
+        reason: impl Into<String>,
+        now: Instant,
+    ) -> Result<bool, ElasticError> {
+        let member = self
+            .members
+            .get(id)
+            .ok_or_else(|| ElasticError::UnknownNode(id.clone()))?;
+        if member.incarnation > incarnation {
+            return Ok(false);
+        }
+        self.report_failure(id, reason, now)?;
+        Ok(true)
+    }
+
+    /// Excuses `stalled` of every live node's silence: the failure detector was not running for
+    /// that long (see [`crate::liveness`]), so the silence it did not witness is no evidence. A
+    /// node's last heartbeat moves forward by `stalled`, never past `now`.
+    pub fn excuse(&mut self, stalled: Duration, now: Instant) {
+        if stalled.is_zero() {
+            return;
+        }
+        for member in self.members.values_mut() {
+            if !member.status.is_dead() {
+                member.last_heartbeat = member
+                    .last_heartbeat
+                    .checked_add(stalled)
+                    .map_or(now, |t| t.min(now))
+                    .max(member.last_heartbeat);
+            }
+        }
+    }
+
     /// Records a graceful leave (preemption notice). A node of the plan becomes
     /// [`NodeStatus::Leaving`] and leaves at the next step boundary; a node not yet admitted
     /// simply goes (it becomes dead, so later messages of it are refused).

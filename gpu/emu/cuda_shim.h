@@ -1,22 +1,23 @@
 // The subset of CUDA that gpu/src/kernels.cu uses, emulated on the CPU so that every kernel runs
 // in the test suite on machines without a GPU (gpu/tests/emulated_kernels.rs): a block's threads
-// are std::threads, __syncthreads() is a barrier over them, a warp shuffle is a barrier over the
-// warp's lanes around a shared exchange slot, and __shared__ variables are function statics.
+// are fibers (ucontext) taking turns on the launching OS thread, __syncthreads() is a barrier
+// over them, a warp shuffle is a barrier over the warp's lanes around a shared exchange slot, and
+// __shared__ variables are function statics. One OS thread per launch, however wide the block:
+// the emulation never oversubscribes the machine's cores (OS threads per block thread, meeting
+// at spinning barriers, drove the load average past 600 in the test suite).
 // It checks indexing, barriers, shuffles and numerics; not timing, memory coalescing or the
 // compiler's floating-point contractions (the GPU run compares against the CPU oracle for those).
 #pragma once
 #include <algorithm>
-#include <barrier>
-#include <condition_variable>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
+#include <memory>
 #include <vector>
+#include <ucontext.h>
 #undef INFINITY
 
 struct dim3 {
@@ -24,8 +25,101 @@ struct dim3 {
 };
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
-inline std::barrier<>* g_block_bar = nullptr;
-inline std::barrier<>* g_warp_bar[32];
+
+// The threads of one block as fibers on the calling OS thread. `run(n, job)` runs job(t) for
+// t = 0..n-1 and returns when all have finished: each fiber runs until it waits at a barrier or
+// ends, then the next runnable one (in thread order) runs, so a launch is deterministic. One run
+// at a time (the callers launch one kernel at a time).
+class Fibers {
+  public:
+    // A barrier over `expected` fibers; reusable, as a hardware barrier is.
+    struct Barrier {
+        unsigned expected, arrived = 0;
+        unsigned long long phase = 0;
+        explicit Barrier(unsigned n) : expected(n) {}
+    };
+
+    void run(unsigned n, const std::function<void(unsigned)>& job) {
+        job_ = &job;
+        while (fibers_.size() < n) fibers_.emplace_back(new Fiber);
+        for (unsigned i = 0; i < n; ++i) {
+            Fiber& f = *fibers_[i];
+            if (!f.stack) f.stack.reset(new char[kStack]);
+            f.done = false;
+            f.waiting = nullptr;
+            f.idx = dim3{i, 0, 0};
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = f.stack.get();
+            f.ctx.uc_stack.ss_size = kStack;
+            f.ctx.uc_link = &main_;
+            makecontext(&f.ctx, &Fibers::entry, 0);
+        }
+        unsigned left = n;
+        while (left > 0) {
+            bool progress = false;
+            for (unsigned i = 0; i < n; ++i) {
+                Fiber& f = *fibers_[i];
+                if (f.done || (f.waiting && f.waiting->phase == f.phase)) continue;
+                f.waiting = nullptr;
+                current_ = i;
+                threadIdx = f.idx;
+                swapcontext(&main_, &f.ctx);
+                progress = true;
+                if (f.done) --left;
+            }
+            if (!progress) {
+                std::fprintf(stderr, "emulated GPU: a kernel's threads deadlocked at a barrier "
+                                     "(a __syncthreads or shuffle that not every thread reached)\n");
+                std::abort();
+            }
+        }
+        job_ = nullptr;
+    }
+
+    // Called by a fiber: waits until `expected` fibers have arrived at `b`.
+    void wait(Barrier& b) {
+        if (++b.arrived == b.expected) {
+            b.arrived = 0;
+            ++b.phase;
+            return;
+        }
+        Fiber& f = *fibers_[current_];
+        f.waiting = &b;
+        f.phase = b.phase;
+        swapcontext(&f.ctx, &main_);
+        threadIdx = f.idx;
+    }
+
+  private:
+    static constexpr std::size_t kStack = 256 * 1024;
+    struct Fiber {
+        ucontext_t ctx;
+        std::unique_ptr<char[]> stack;
+        bool done = false;
+        Barrier* waiting = nullptr;
+        unsigned long long phase = 0;
+        dim3 idx;
+    };
+    static void entry();
+    std::vector<std::unique_ptr<Fiber>> fibers_;
+    ucontext_t main_;
+    unsigned current_ = 0;
+    const std::function<void(unsigned)>* job_ = nullptr;
+};
+inline Fibers& fibers() {
+    static Fibers* f = new Fibers;
+    return *f;
+}
+inline void Fibers::entry() {
+    Fibers& s = fibers();
+    unsigned i = s.current_;
+    (*s.job_)(i);
+    s.fibers_[i]->done = true;
+    // Returning resumes uc_link: the scheduler in run().
+}
+
+inline Fibers::Barrier* g_block_bar = nullptr;
+inline Fibers::Barrier* g_warp_bar[32];
 inline double g_shfl[32][32];
 
 #define __global__
@@ -35,7 +129,7 @@ inline double g_shfl[32][32];
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
-inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+inline void __syncthreads() { fibers().wait(*g_block_bar); }
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);
@@ -44,9 +138,9 @@ inline float __int_as_float(int i) {
 inline float __shfl_xor_sync(unsigned, float v, int o) {
     int lane = threadIdx.x % 32, w = threadIdx.x / 32;
     g_shfl[w][lane] = v;
-    g_warp_bar[w]->arrive_and_wait();
+    fibers().wait(*g_warp_bar[w]);
     float r = (float)g_shfl[w][lane ^ o];
-    g_warp_bar[w]->arrive_and_wait();
+    fibers().wait(*g_warp_bar[w]);
     return r;
 }
 inline unsigned int __float_as_uint(float f) {
@@ -135,83 +229,31 @@ inline void emu_mma_bf16(float* d, const unsigned int* a, const unsigned int* b)
         MmaAt p = mma_b_at(lane, i);
         g_mma_b[w][p.row][p.col] = bf16_value(b[i / 2], i % 2);
     }
-    g_warp_bar[w]->arrive_and_wait();
+    fibers().wait(*g_warp_bar[w]);
     for (int i = 0; i < 4; ++i) {
         MmaAt p = mma_c_at(lane, i);
         float sum = 0.0f;
         for (int k = 0; k < 16; ++k) sum += g_mma_a[w][p.row][k] * g_mma_b[w][k][p.col];
         d[i] += sum;
     }
-    g_warp_bar[w]->arrive_and_wait();
+    fibers().wait(*g_warp_bar[w]);
 }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 #include <math.h>
 
-// The OS threads that stand for a block's threads, kept across launches (creating a block's
-// threads anew at every launch was most of an emulated training step's time). `run(n, job)` runs
-// job(t) on threads t = 0..n-1 at once and returns when all have finished; one run at a time (the
-// callers launch one kernel at a time). Never destroyed: its idle threads die with the process.
-class ThreadPool {
-  public:
-    void run(unsigned n, const std::function<void(unsigned)>& job) {
-        std::unique_lock<std::mutex> lk(m_);
-        // A thread made here starts having seen no run: it takes part in this one.
-        while (threads_.size() < n) {
-            unsigned id = (unsigned)threads_.size();
-            threads_.emplace_back([this, id] { loop(id); });
-            threads_.back().detach();
-        }
-        job_ = &job;
-        width_ = n;
-        left_ = n;
-        ++generation_;
-        wake_.notify_all();
-        done_.wait(lk, [&] { return left_ == 0; });
-        job_ = nullptr;
-    }
-
-  private:
-    void loop(unsigned id) {
-        unsigned long long seen = 0;
-        for (;;) {
-            const std::function<void(unsigned)>* job;
-            {
-                std::unique_lock<std::mutex> lk(m_);
-                wake_.wait(lk, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (id >= width_) continue;  // not needed by this run (a narrower block)
-                job = job_;
-            }
-            (*job)(id);
-            std::lock_guard<std::mutex> lk(m_);
-            if (--left_ == 0) done_.notify_one();
-        }
-    }
-    std::mutex m_;
-    std::condition_variable wake_, done_;
-    std::vector<std::thread> threads_;
-    const std::function<void(unsigned)>* job_ = nullptr;
-    unsigned width_ = 0, left_ = 0;
-    unsigned long long generation_ = 0;
-};
-inline ThreadPool& thread_pool() {
-    static ThreadPool* pool = new ThreadPool;
-    return *pool;
-}
-
-// Runs kernel body `f` on `grid` blocks of `block` threads: thread t of the pool is thread t of
-// every block in turn, and all of them finish a block (a barrier) before any starts the next, so
-// the statics that stand for __shared__ memory are never shared between two blocks.
+// Runs kernel body `f` on `grid` blocks of `block` threads: fiber t is thread t of every block in
+// turn, and all of them finish a block (a barrier) before any starts the next, so the statics
+// that stand for __shared__ memory are never shared between two blocks.
 template <class F>
 void launch(dim3 grid, unsigned block, F f) {
     gridDim = grid;
     blockDim = dim3{block, 1, 1};
-    std::barrier<> sync(block), next_block(block);
+    Fibers::Barrier sync(block), next_block(block);
     g_block_bar = &sync;
     unsigned warps = (block + 31) / 32;
-    for (unsigned w = 0; w < warps; ++w) g_warp_bar[w] = new std::barrier<>(std::min(32u, block - w * 32));
+    for (unsigned w = 0; w < warps; ++w) g_warp_bar[w] = new Fibers::Barrier(std::min(32u, block - w * 32));
     std::function<void(unsigned)> job = [&](unsigned t) {
         threadIdx = dim3{t, 0, 0};
         for (unsigned z = 0; z < grid.z; ++z)
@@ -219,9 +261,9 @@ void launch(dim3 grid, unsigned block, F f) {
                 for (unsigned x = 0; x < grid.x; ++x) {
                     blockIdx = dim3{x, y, z};
                     f();
-                    next_block.arrive_and_wait();
+                    fibers().wait(next_block);
                 }
     };
-    thread_pool().run(block, job);
+    fibers().run(block, job);
     for (unsigned w = 0; w < warps; ++w) delete g_warp_bar[w];
 }

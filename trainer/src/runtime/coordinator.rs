@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
 use elastic::preemption::Notice;
 use elastic::{
-    ClusterState, Decision, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy, decide,
+    ClusterState, Decision, FailureDetector, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy,
+    decide,
 };
 use tracing::{info, warn};
 
@@ -129,6 +130,12 @@ pub struct Coordinator {
     _gate: Gate,
     /// The etcd rendezvous (`elastic.rendezvous`), where the generation and plan are published.
     rendezvous: Option<Rendezvous>,
+    /// Declares silent nodes dead, excusing the coordinator's own stalls.
+    detector: FailureDetector,
+    /// The incarnation of each node that the current failure lost (fenced, disconnected or
+    /// replaced by a new incarnation): [`Coordinator::recover`] declares that one dead, never a
+    /// newer incarnation that joined again meanwhile.
+    lost_incarnations: BTreeMap<NodeId, u64>,
 }
 
 impl Coordinator {
@@ -179,6 +186,7 @@ impl Coordinator {
             wanted: cfg.pipeline.replicas,
             valid: cfg.valid_replicas(),
         };
+        let (cfg_heartbeat, cfg_dead_after) = (cfg.elastic.heartbeat(), cfg.elastic.dead_after());
         let mut coordinator = Self {
             state,
             cfg,
@@ -199,6 +207,8 @@ impl Coordinator {
             local_names: BTreeSet::new(),
             _gate: gate,
             rendezvous: None,
+            detector: FailureDetector::new(cfg_heartbeat, cfg_dead_after),
+            lost_incarnations: BTreeMap::new(),
         };
         // One node per worker: replicas × stages.
         let workers = coordinator.cfg.pipeline.stages * coordinator.cfg.pipeline.replicas;
@@ -689,12 +699,15 @@ impl Coordinator {
 
     fn expire_silent_nodes(&mut self) -> Option<Incoming> {
         let now = Instant::now();
-        let dead = self
-            .state
-            .membership
-            .expire(now, self.cfg.elastic.dead_after());
+        let checked = self.detector.check(now, &mut self.state.membership);
+        if !checked.stalled.is_zero() {
+            warn!(
+                stalled_s = checked.stalled.as_secs_f64(),
+                "the coordinator itself was not running (a stalled process or machine); that time does not count as the nodes' silence"
+            );
+        }
         let mut first = None;
-        for node in dead {
+        for node in checked.dead {
             let reason = self.fence(&node, now);
             warn!(%node, %reason, "node declared dead");
             if first.is_none() && self.in_plan(&node) {
@@ -714,6 +727,7 @@ impl Coordinator {
     /// A dead node's agent connection is closed with a refusal: whatever it still sends is ignored
     /// until it joins again. Returns the reason it was declared dead.
     fn fence(&mut self, node: &NodeId, now: Instant) -> String {
+        self.record_lost_incarnation(node);
         let reason = match self.state.membership.status(node) {
             Some(NodeStatus::Dead { reason }) => reason.clone(),
             _ => "declared dead".to_string(),
@@ -787,6 +801,7 @@ impl Coordinator {
             return None;
         }
         let id = node.id.clone();
+        self.record_lost_incarnation(&id);
         // A new incarnation replaces the old one's connection.
         let old: Vec<u64> = self
             .agents
@@ -840,7 +855,14 @@ impl Coordinator {
         match msg {
             FromAgent::Heartbeat => {
                 if let Err(e) = self.state.membership.heartbeat(&node, now) {
-                    warn!(%node, error = %e, "refused a heartbeat");
+                    // A dead node's connection is closed with the refusal, so that its agent
+                    // joins again rather than heartbeat into the void.
+                    warn!(%node, error = %e, "refused a heartbeat; fencing the connection");
+                    if let Some((_, sender)) = self.agents.remove(&conn) {
+                        sender.send_and_close(&ToAgent::Refused {
+                            reason: e.to_string(),
+                        });
+                    }
                 }
                 None
             }
@@ -925,6 +947,7 @@ impl Coordinator {
             return Some(Incoming::WorkerClosed(conn, reason));
         }
         let (node, _) = self.agents.remove(&conn)?;
+        self.record_lost_incarnation(&node);
         let reason = format!("its agent's connection closed ({reason})");
         let _ = self
             .state
@@ -936,6 +959,16 @@ impl Coordinator {
             reason,
             LossCause::AgentDisconnected,
         ))
+    }
+
+    /// Records the node's current incarnation as lost, unless an earlier one of the same failure
+    /// already is (the first loss is the one the pipeline failed on).
+    fn record_lost_incarnation(&mut self, node: &NodeId) {
+        if let Some(m) = self.state.membership.get(node) {
+            self.lost_incarnations
+                .entry(node.clone())
+                .or_insert(m.incarnation);
+        }
     }
 
     /// The node that runs `stage` under the current plan.
@@ -1027,17 +1060,34 @@ impl Coordinator {
                 stage: None,
                 mid_step: None,
             }));
-            let _ = self
-                .state
-                .membership
-                .report_failure(&l.node, l.reason.clone(), failed_at);
+            // The incarnation that was lost: a node that joined again since (declared dead while
+            // its agent lived, e.g. after a stall of the whole fleet) stays in as a joiner.
+            // (A recorded incarnation is of this failure while the current one is not admitted
+            // yet: a plan adopted since would have admitted it.)
+            let lost_incarnation = match self.state.membership.get(&l.node) {
+                Some(m) if !m.admitted => self
+                    .lost_incarnations
+                    .get(&l.node)
+                    .copied()
+                    .unwrap_or(m.incarnation),
+                Some(m) => m.incarnation,
+                None => 0,
+            };
+            let fenced = self.state.membership.report_failure_of(
+                &l.node,
+                lost_incarnation,
+                l.reason.clone(),
+                failed_at,
+            );
             if l.agent_alive
+                && matches!(fenced, Ok(true))
                 && let Some(info) = self.state.membership.get(&l.node).map(|m| m.info.clone())
             {
                 // The node itself is fine: it comes back at once with fresh workers.
                 let _ = self.state.membership.join(info, failed_at);
             }
         }
+        self.lost_incarnations.clear();
         self.state.step = failed_step;
         self.state.at_step_boundary = false;
         let tier = self.replan(&mut events)?;
@@ -1180,6 +1230,7 @@ impl Coordinator {
             }
         };
         self.publish(&plan)?;
+        self.lost_incarnations.clear();
         for stale in self.stale_agents() {
             let reason = format!("left the plan at generation {}", plan.generation);
             if let Some((_, sender)) = self.agents.remove(&stale) {
