@@ -665,3 +665,57 @@ fn empty_job_token_is_refused() {
         }
     }
 }
+
+/// An unset `SEQPIPE_JOB_TOKEN` is refused like an empty one by an agent, a worker and a
+/// coordinator waiting for remote agents (they used to fall back to the empty token, so a node
+/// without the secret joined a coordinator that had none either). The agent and the worker are
+/// refused before they connect: the coordinator's port sees no connection. Only a local `train`
+/// (its own agents) makes a token up.
+#[test]
+fn unset_job_token_is_refused_by_agents_workers_and_a_remote_coordinator() {
+    use std::net::TcpListener;
+    let dir = fresh_dir("unsettoken");
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, "[pipeline]\ntimeout_s = 2.0\n").unwrap();
+    let coordinator = TcpListener::bind("127.0.0.1:0").unwrap();
+    coordinator.set_nonblocking(true).unwrap();
+    let addr = coordinator.local_addr().unwrap().to_string();
+    let agent = run_err(seqpipe().env_remove("SEQPIPE_JOB_TOKEN").args([
+        "agent",
+        "--join",
+        &addr,
+        "--name",
+        "n0",
+        "--connect-timeout-s",
+        "0",
+    ]));
+    let worker = run_err(
+        seqpipe()
+            .env_remove("SEQPIPE_JOB_TOKEN")
+            .args(["worker", "--control", &addr, "--stage", "0", "--config"])
+            .arg(&cfg),
+    );
+    for (who, err) in [("an agent", &agent), ("a worker", &worker)] {
+        assert!(
+            err.contains(&format!("SEQPIPE_JOB_TOKEN is not set, and {who} needs"))
+                && err.contains("openssl rand"),
+            "{who}: {err}"
+        );
+    }
+    assert!(
+        coordinator.accept().is_err(),
+        "a node without the job token connected to the coordinator"
+    );
+    let train = run_err(
+        seqpipe()
+            .env_remove("SEQPIPE_JOB_TOKEN")
+            .args(["train", "-q"])
+            .args(one_step_args(&dir.join("run")))
+            .args(["--set", "elastic.local_agents=false"])
+            .args(["--set", "elastic.listen=127.0.0.1:0"]),
+    );
+    assert!(
+        train.contains("SEQPIPE_JOB_TOKEN is not set, and a coordinator waiting for remote agents"),
+        "{train}"
+    );
+}
