@@ -510,6 +510,11 @@ impl<'c> Pipeline<'c> {
     /// replica to take out of the step; `Err` says why the step cannot go on.
     pub fn lost_replica(&mut self, failure: &LaunchError) -> Result<usize, String> {
         let later = self.later_failures(failure)?;
+        if let Some((stage, _)) = &self.permanent {
+            return Err(format!(
+                "stage {stage} failed with an error that would recur on any node"
+            ));
+        }
         let plan = self.coordinator.plan();
         let failed: Vec<_> = std::iter::once(failure)
             .chain(&later)
