@@ -564,6 +564,56 @@ impl StepGradients {
 mod tests {
     use super::*;
 
+    /// The check resume and `ckpt verify` share: missing, misshapen, wrongly typed and (for a
+    /// whole checkpoint) unexpected tensors are each named; a stage's own check ignores the
+    /// tensors of other stages.
+    #[test]
+    fn check_state_names_every_mismatch() {
+        let expected = vec![
+            ("wte.weight".to_string(), vec![64, 32]),
+            ("ln_f.weight".to_string(), vec![32]),
+            ("ln_f.bias".to_string(), vec![32]),
+        ];
+        let found = [
+            ("wte.weight", "F32", &[32usize, 64][..]),
+            ("ln_f.weight", "BF16", &[32][..]),
+            ("h.9.mlp.c_fc.weight", "F32", &[1][..]),
+        ];
+        let problems = check_state(&expected, found, true);
+        assert_eq!(
+            problems,
+            vec![
+                StateMismatch::Shape {
+                    name: "wte.weight".into(),
+                    expected: vec![64, 32],
+                    found: vec![32, 64],
+                },
+                StateMismatch::Dtype {
+                    name: "ln_f.weight".into(),
+                    found: "BF16".into(),
+                },
+                StateMismatch::Missing {
+                    name: "ln_f.bias".into(),
+                    expected: vec![32],
+                },
+                StateMismatch::Unexpected {
+                    name: "h.9.mlp.c_fc.weight".into(),
+                },
+            ]
+        );
+        assert_eq!(check_state(&expected, found, false).len(), 3);
+        let good = [
+            ("wte.weight", "F32", &[64usize, 32][..]),
+            ("ln_f.weight", "F32", &[32][..]),
+            ("ln_f.bias", "F64", &[32][..]),
+        ];
+        assert!(check_state(&expected, good, true).is_empty());
+        let with_moments = state_tensors(&param_specs(&ModelConfig::default()), true);
+        let params = param_specs(&ModelConfig::default()).len();
+        assert_eq!(with_moments.len(), 3 * params);
+        assert!(with_moments[params].0.starts_with("optim.m."));
+    }
+
     #[test]
     fn names_follow_gpt2_and_are_unique() {
         let cfg = ModelConfig {
