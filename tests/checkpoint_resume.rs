@@ -692,6 +692,9 @@ fn read_only_commands_leave_the_store_byte_identical() {
     assert!(err.contains("checkpoint.read_only"), "{err}");
 }
 
+/// A change made to a manifest's JSON.
+type ManifestEdit = Box<dyn Fn(&mut serde_json::Value)>;
+
 /// Rewrites the manifest of checkpoint `step` at `url` (a local store) with `edit`.
 fn edit_manifest(url: &str, step: u64, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = Path::new(url)
@@ -729,7 +732,7 @@ fn ckpt_verify_show_and_export_refuse_a_checkpoint_the_model_cannot_load() {
     let pristine = Path::new(&url).join("step-00000003").join("manifest.json");
     let original = std::fs::read(&pristine).unwrap();
     // (vocab_size, d_model) = (64, 32) in the tiny model.
-    let cases: [(&str, Box<dyn Fn(&mut serde_json::Value)>, &[&str]); 3] = [
+    let cases: [(&str, ManifestEdit, &[&str]); 3] = [
         (
             "transposed wte",
             Box::new(|m| tensor_entry(m, "wte.weight")["shape"] = serde_json::json!([32, 64])),
