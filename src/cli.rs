@@ -927,6 +927,20 @@ fn ckpt_show(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<()> {
             t.stages, t.layers, t.schedule, t.microbatches, t.splits
         );
     }
+    let problems = model_problems(&manifest);
+    if !problems.is_empty() {
+        println!(
+            "MODEL CHECK FAILED: the model cannot load this checkpoint ({} problems)",
+            problems.len()
+        );
+        for problem in &problems {
+            println!("  {problem}");
+        }
+        eprintln!(
+            "warning: checkpoint of step {step} at {url} cannot be loaded by its model ({} problems; see above)",
+            problems.len()
+        );
+    }
     for shard in &manifest.shards {
         println!(
             "shard {} ({} bytes, blake3 {})",
@@ -939,13 +953,40 @@ fn ckpt_show(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<()> {
     Ok(())
 }
 
-/// Exit status 1 (with the problems on stderr) when a shard or tensor does not match its hash.
+/// Why the model stored in a checkpoint cannot load its tensors: the check a resume makes
+/// ([`trainer::model::params::check_state`]) over the whole model, nothing unexpected allowed.
+/// Empty when it can.
+fn model_problems(manifest: &Manifest) -> Vec<String> {
+    use trainer::model::params::{check_state, param_specs, state_tensors};
+    let state = match serde_json::from_value::<TrainerState>(manifest.state.clone()) {
+        Ok(state) => state,
+        Err(e) => return vec![format!("its trainer state is unreadable ({e})")],
+    };
+    let cfg = match state.config() {
+        Ok(cfg) => cfg,
+        Err(e) => return vec![format!("its stored config is unusable ({e})")],
+    };
+    let expected = state_tensors(&param_specs(&cfg.model), state.optimizer_step > 0);
+    let found = manifest
+        .shards
+        .iter()
+        .flat_map(|shard| &shard.tensors)
+        .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()));
+    check_state(&expected, found, true)
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+/// Exit status 1 (with the problems on stderr) when a shard or tensor does not match its hash, or
+/// the checkpoint's model could not load its tensors (missing, misshapen or unexpected ones).
 fn ckpt_verify(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<ExitCode> {
     let (store, step, manifest) = ckpts.manifest(url, step)?;
     let report = ckpts.rt.block_on(store.verify(&manifest))?;
-    if report.is_ok() {
+    let model = model_problems(&manifest);
+    if report.is_ok() && model.is_empty() {
         println!(
-            "ok: step {step}, {} shards, {} bytes re-hashed",
+            "ok: step {step}, {} shards, {} bytes re-hashed, every tensor of the model present with its shape",
             report.shards_checked, report.bytes_checked
         );
         return Ok(ExitCode::SUCCESS);
@@ -953,16 +994,37 @@ fn ckpt_verify(ckpts: &Ckpts, url: &str, step: Option<u64>) -> Result<ExitCode> 
     for problem in &report.problems {
         eprintln!("{problem}");
     }
-    eprintln!(
-        "error: checkpoint of step {step} at {url} is corrupt ({} problems)",
-        report.problems.len()
-    );
+    for problem in &model {
+        eprintln!("model check: {problem}");
+    }
+    if !report.is_ok() {
+        eprintln!(
+            "error: checkpoint of step {step} at {url} is corrupt ({} problems)",
+            report.problems.len()
+        );
+    }
+    if !model.is_empty() {
+        eprintln!(
+            "error: checkpoint of step {step} at {url} cannot be loaded by its model ({} problems); \
+             resume would refuse it too",
+            model.len()
+        );
+    }
     Ok(ExitCode::FAILURE)
 }
 
 /// Writes the checkpoint's model as a Hugging Face GPT-2 directory.
 fn ckpt_export(ckpts: &Ckpts, url: &str, step: Option<u64>, out: &Path) -> Result<()> {
     let (store, step, manifest) = ckpts.manifest(url, step)?;
+    let problems = model_problems(&manifest);
+    if !problems.is_empty() {
+        bail!(
+            "refusing to export step {step} of {url}: its model cannot load it ({} problems; \
+             `seqpipe ckpt verify` lists them):\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
+    }
     let state: TrainerState = serde_json::from_value(manifest.state.clone())
         .context("reading the checkpoint's trainer state")?;
     let cfg = state.config()?;

@@ -753,3 +753,157 @@ fn read_only_commands_leave_the_store_byte_identical() {
     let err = run_err(&mut train(&run, &["checkpoint.read_only=true"]));
     assert!(err.contains("checkpoint.read_only"), "{err}");
 }
+
+/// A change made to a manifest's JSON.
+type ManifestEdit = Box<dyn Fn(&mut serde_json::Value)>;
+
+/// Rewrites the manifest of checkpoint `step` at `url` (a local store) with `edit`.
+fn edit_manifest(url: &str, step: u64, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = Path::new(url)
+        .join(format!("step-{step:08}"))
+        .join("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+}
+
+/// The manifest's entry of tensor `name`.
+fn tensor_entry<'a>(manifest: &'a mut serde_json::Value, name: &str) -> &'a mut serde_json::Value {
+    manifest["shards"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .flat_map(|shard| shard["tensors"].as_array_mut().unwrap().iter_mut())
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("no tensor {name} in the manifest"))
+}
+
+/// `ckpt verify`, `show` and `export` make the check resume makes: a checkpoint whose `wte` is
+/// stored transposed (same bytes, every hash right) or that lacks a tensor is one the model cannot
+/// load. `verify` exits 1 naming the tensor with the expected and found shapes, `export` refuses
+/// (writing nothing), `show` marks it. They used to pass all three.
+#[test]
+fn ckpt_verify_show_and_export_refuse_a_checkpoint_the_model_cannot_load() {
+    let dir = fresh_dir("modelcheck");
+    let run = dir.join("run");
+    run_ok(&mut train(&run, &["train.steps=3"]));
+    let url = ckpt_url(&run);
+    let ok = String::from_utf8(run_ok(seqpipe().args(["ckpt", "verify", &url])).stdout).unwrap();
+    assert!(ok.contains("ok: step 3"), "{ok}");
+    let pristine = Path::new(&url).join("step-00000003").join("manifest.json");
+    let original = std::fs::read(&pristine).unwrap();
+    // (vocab_size, d_model) = (64, 32) in the tiny model.
+    let cases: [(&str, ManifestEdit, &[&str]); 3] = [
+        (
+            "transposed wte",
+            Box::new(|m| tensor_entry(m, "wte.weight")["shape"] = serde_json::json!([32, 64])),
+            &["`wte.weight` has shape [32, 64], the model expects [64, 32]"],
+        ),
+        (
+            "missing tensor",
+            Box::new(|m| {
+                for shard in m["shards"].as_array_mut().unwrap() {
+                    shard["tensors"]
+                        .as_array_mut()
+                        .unwrap()
+                        .retain(|t| t["name"] != "h.2.ln_1.weight");
+                }
+            }),
+            &["`h.2.ln_1.weight` is missing: the model needs it with shape [32]"],
+        ),
+        (
+            "unexpected tensor",
+            Box::new(|m| tensor_entry(m, "h.1.ln_2.bias")["name"] = "h.9.ln_2.bias".into()),
+            &[
+                "`h.9.ln_2.bias` is not a parameter of this model",
+                "`h.1.ln_2.bias` is missing",
+            ],
+        ),
+    ];
+    for (what, edit, needles) in &cases {
+        std::fs::write(&pristine, &original).unwrap();
+        edit_manifest(&url, 3, edit);
+        let err = run_err(seqpipe().args(["ckpt", "verify", &url]));
+        for needle in *needles {
+            assert!(
+                err.contains(needle),
+                "{what}: verify must say {needle:?}:\n{err}"
+            );
+        }
+        assert!(
+            err.contains("cannot be loaded by its model"),
+            "{what}: {err}"
+        );
+        let out = dir.join(format!("hf-{}", what.replace(' ', "-")));
+        let err = run_err(
+            seqpipe()
+                .args(["ckpt", "export", &url, "--format", "hf-gpt2", "--out"])
+                .arg(&out),
+        );
+        assert!(
+            err.contains("refusing to export step 3") && err.contains(needles[0]),
+            "{what}: {err}"
+        );
+        assert!(
+            !out.join("model.safetensors").exists(),
+            "{what}: export wrote a model anyway"
+        );
+        let show = run_ok(seqpipe().args(["ckpt", "show", &url]));
+        let stdout = String::from_utf8_lossy(&show.stdout);
+        assert!(
+            stdout.contains("MODEL CHECK FAILED") && stdout.contains(needles[0]),
+            "{what}: show must mark it:\n{stdout}"
+        );
+    }
+}
+
+/// `ckpt export --out DIR` never writes through a symlink planted in DIR: the links are replaced by
+/// the exported files, and the files they pointed to keep their content. (It used to overwrite
+/// the link's target with the HF config.)
+#[test]
+fn ckpt_export_replaces_symlinks_instead_of_following_them() {
+    let dir = fresh_dir("exportlink");
+    let run = dir.join("run");
+    run_ok(&mut train(&run, &["train.steps=3"]));
+    let outside = dir.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    let out = dir.join("hf");
+    std::fs::create_dir_all(&out).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        let target = outside.join(format!("precious-{name}"));
+        std::fs::write(&target, format!("do not overwrite {name}")).unwrap();
+        std::os::unix::fs::symlink(&target, out.join(name)).unwrap();
+    }
+    run_ok(
+        seqpipe()
+            .args([
+                "ckpt",
+                "export",
+                &ckpt_url(&run),
+                "--format",
+                "hf-gpt2",
+                "--out",
+            ])
+            .arg(&out),
+    );
+    for name in ["config.json", "model.safetensors"] {
+        let target = outside.join(format!("precious-{name}"));
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap(),
+            format!("do not overwrite {name}"),
+            "export wrote through the symlink {name}"
+        );
+        let meta = std::fs::symlink_metadata(out.join(name)).unwrap();
+        assert!(meta.file_type().is_file(), "{name} is not a plain file now");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gpt2");
+    let leftovers: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+}

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{fresh_dir, losses, metrics, run_err, run_ok, seqpipe, tiny_model_args};
+use common::{fresh_dir, losses, metrics, run_err, run_events, run_ok, seqpipe, tiny_model_args};
 
 fn schedule_json(kind: &str, splits: usize) -> serde_json::Value {
     let out = run_ok(seqpipe().args([
@@ -663,5 +663,138 @@ fn empty_job_token_is_refused() {
                 "{token:?}: {err}"
             );
         }
+    }
+}
+
+/// An unset `SEQPIPE_JOB_TOKEN` is refused like an empty one by an agent, a worker and a
+/// coordinator waiting for remote agents (they used to fall back to the empty token, so a node
+/// without the secret joined a coordinator that had none either). The agent and the worker are
+/// refused before they connect: the coordinator's port sees no connection. Only a local `train`
+/// (its own agents) makes a token up.
+#[test]
+fn unset_job_token_is_refused_by_agents_workers_and_a_remote_coordinator() {
+    use std::net::TcpListener;
+    let dir = fresh_dir("unsettoken");
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, "[pipeline]\ntimeout_s = 2.0\n").unwrap();
+    let coordinator = TcpListener::bind("127.0.0.1:0").unwrap();
+    coordinator.set_nonblocking(true).unwrap();
+    let addr = coordinator.local_addr().unwrap().to_string();
+    let agent = run_err(seqpipe().env_remove("SEQPIPE_JOB_TOKEN").args([
+        "agent",
+        "--join",
+        &addr,
+        "--name",
+        "n0",
+        "--connect-timeout-s",
+        "0",
+    ]));
+    let worker = run_err(
+        seqpipe()
+            .env_remove("SEQPIPE_JOB_TOKEN")
+            .args(["worker", "--control", &addr, "--stage", "0", "--config"])
+            .arg(&cfg),
+    );
+    for (who, err) in [("an agent", &agent), ("a worker", &worker)] {
+        assert!(
+            err.contains(&format!("SEQPIPE_JOB_TOKEN is not set, and {who} needs"))
+                && err.contains("openssl rand"),
+            "{who}: {err}"
+        );
+    }
+    assert!(
+        coordinator.accept().is_err(),
+        "a node without the job token connected to the coordinator"
+    );
+    let train = run_err(
+        seqpipe()
+            .env_remove("SEQPIPE_JOB_TOKEN")
+            .args(["train", "-q"])
+            .args(one_step_args(&dir.join("run")))
+            .args(["--set", "elastic.local_agents=false"])
+            .args(["--set", "elastic.listen=127.0.0.1:0"]),
+    );
+    assert!(
+        train.contains("SEQPIPE_JOB_TOKEN is not set, and a coordinator waiting for remote agents"),
+        "{train}"
+    );
+}
+
+/// A `val.bin` the run cannot use (0 bytes, or a token id beyond the vocabulary) stops `train` at
+/// start-up with an error naming the file, before any worker starts: it used to surface only when
+/// the first evaluation ran, as `node_lost` events blaming the wrong stage and peer recoveries
+/// first. A bad token that appears only later in `train.bin` (checked as it is read, on whichever
+/// stage reads it) is a data error too, never a lost node.
+#[test]
+fn bad_data_stops_the_run_naming_the_file_and_no_node_is_lost() {
+    let dir = fresh_dir("baddata");
+    let good: Vec<u8> = (0..4000u16).flat_map(|t| (t % 64).to_le_bytes()).collect();
+    let mut late_bad = good.clone();
+    late_bad.extend((0..4000u16).flat_map(|_| 900u16.to_le_bytes()));
+    let mut one_bad = good.clone();
+    one_bad.extend(64u16.to_le_bytes());
+    let cases: [(&str, &[u8], &[u8], String); 3] = [
+        (
+            "empty val.bin",
+            &good,
+            &[],
+            "val.bin holds 0 tokens but one sample needs 49".into(),
+        ),
+        (
+            "val.bin out of vocabulary",
+            &good,
+            &one_bad,
+            "val.bin has token id 64 at token index 4000 (byte offset 8000), but the model's vocab_size is 64".into(),
+        ),
+        (
+            "train.bin out of vocabulary late",
+            &late_bad,
+            &good,
+            "train.bin has token id 900".into(),
+        ),
+    ];
+    for (i, (what, train, val, needle)) in cases.iter().enumerate() {
+        let data = dir.join(format!("data-{i}"));
+        std::fs::create_dir_all(&data).unwrap();
+        std::fs::write(data.join("train.bin"), train).unwrap();
+        std::fs::write(data.join("val.bin"), val).unwrap();
+        let run = dir.join(format!("run-{i}"));
+        let err = run_err(
+            seqpipe()
+                .args(["train", "-q"])
+                .args(tiny_model_args())
+                .args(["--set", "train.steps=4", "--set", "train.eval_every=1"])
+                .args(["--set", "pipeline.stages=2"])
+                .arg("--set")
+                .arg(format!("data.source={}", data.display()))
+                .arg("--set")
+                .arg(format!("run.dir={}", run.display())),
+        );
+        assert!(err.contains(needle.as_str()), "{what}: {err}");
+        if what.starts_with("val.bin") || what.starts_with("empty") {
+            // The launcher's own check, not a worker's report at the first evaluation.
+            assert!(
+                !err.contains("stage 0:") && !err.contains("stage 1:"),
+                "{what}: not caught at start-up:\n{err}"
+            );
+        }
+        assert!(
+            !err.contains("lost") && !err.contains("seqpipe resume"),
+            "{what}: a data error was treated as a node loss:\n{err}"
+        );
+        // No metrics.jsonl at all: stopped before the run began.
+        let events = if run.join("metrics.jsonl").exists() {
+            run_events(&run)
+        } else {
+            Vec::new()
+        };
+        assert!(
+            events.iter().all(|e| !matches!(
+                e,
+                trainer::runtime::events::RunEvent::NodeLost(_)
+                    | trainer::runtime::events::RunEvent::Recovered(_)
+            )),
+            "{what}: {events:?}"
+        );
     }
 }

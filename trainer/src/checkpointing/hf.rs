@@ -2,6 +2,9 @@
 //!
 //! GPT-2's `Conv1D` stores linear weights as `(in, out)`; seqpipe stores `(out, in)`, so the four
 //! block matrices are transposed on the way out and back in. The LM head is an `nn.Linear` in both.
+//!
+//! [`export`] never writes through a link: each file is written under a fresh name in the output
+//! directory and renamed over the old one, so a symlink planted there is replaced, not followed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -134,10 +137,36 @@ pub fn export(
         };
         out.insert(hf_name(&spec.name), t);
     }
-    candle_core::safetensors::save(&out, &model_path).map_err(|e| bad(e.to_string()))?;
+    let bytes = safetensors::serialize(&out, None).map_err(|e| bad(e.to_string()))?;
+    write_replacing(dir, "model.safetensors", &bytes).map_err(io(model_path.clone()))?;
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&hf_config(cfg)).expect("json");
-    std::fs::write(&config_path, text).map_err(io(config_path.clone()))
+    write_replacing(dir, "config.json", text.as_bytes()).map_err(io(config_path))
+}
+
+/// Writes `dir/name` without following a link there: the bytes go to a fresh file of a random
+/// name in `dir` (created with `O_CREAT | O_EXCL | O_NOFOLLOW`, so nothing that already exists,
+/// link or file, is opened), which then replaces `dir/name` by `rename` — a symlink at `dir/name`
+/// is replaced itself, the file it pointed to is left as it was.
+fn write_replacing(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = dir.join(format!(".{name}.{:016x}.tmp", rand::random::<u64>()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o644)
+        .open(&tmp)
+        .and_then(|mut file| {
+            file.write_all(bytes)?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Reads the named parameters (our names) from a directory written by [`export`] or by Hugging Face,

@@ -224,6 +224,31 @@ impl TokenFiles {
         }
     }
 
+    /// The start-up check of one split: the file holds at least one sample of `sample_len`
+    /// tokens, and, with `scan`, every token id in it fits the model's vocabulary (read in chunks,
+    /// so a large file costs no memory). The errors name the file, as sampling would later.
+    pub fn check(&self, split: Split, sample_len: usize, scan: bool) -> Result<(), DataError> {
+        let file = self.file(split);
+        let needed = (sample_len as u64).max(1);
+        if file.tokens < needed {
+            return Err(DataError::TooShort {
+                path: file.path.clone(),
+                tokens: file.tokens,
+                needed,
+            });
+        }
+        if scan {
+            const CHUNK: u64 = 1 << 20;
+            let mut start = 0;
+            while start < file.tokens {
+                let len = CHUNK.min(file.tokens - start);
+                self.window(split, start, len as usize)?;
+                start += len;
+            }
+        }
+        Ok(())
+    }
+
     /// Reads token `index` of `file` (no bounds check beyond slice indexing).
     #[inline]
     fn token_at(&self, file: &TokenFile, index: usize) -> u32 {

@@ -331,6 +331,26 @@ pub fn open_source(cfg: &DataConfig, vocab_size: usize) -> Result<Box<dyn TokenS
     }
 }
 
+/// The launcher's start-up check of the configured source, so that an unusable dataset stops the
+/// run with an error naming the file before any worker starts (a data fault is never a lost node):
+/// it opens the source ([`open_source`]), and for token files checks that `train.bin` holds a
+/// sample of `sample_len` tokens, and that `val.bin` does and every token id in it fits the model's
+/// vocabulary (evaluations sample all of `val.bin`, a small file; `train.bin`, which may be large,
+/// is checked as it is sampled).
+pub fn check_source(
+    cfg: &DataConfig,
+    vocab_size: usize,
+    sample_len: usize,
+) -> Result<(), DataError> {
+    open_source(cfg, vocab_size)?;
+    if cfg.is_synthetic() {
+        return Ok(());
+    }
+    let files = TokenFiles::open(Path::new(&cfg.source), cfg.dtype, vocab_size)?;
+    files.check(Split::Train, sample_len, false)?;
+    files.check(Split::Val, sample_len, true)
+}
+
 /// Builds the synthetic language described by `cfg` over an alphabet of `vocab_size` tokens
 /// (whatever `cfg.source` says), e.g. so the CLI can print its loss lower bound.
 pub fn synthetic_language(

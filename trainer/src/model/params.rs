@@ -213,6 +213,98 @@ pub fn init_param(
     Tensor::from_vec(values, spec.shape.as_slice(), device)?.to_dtype(dtype)
 }
 
+/// One way a saved state's tensors differ from what the model loads (see [`check_state`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StateMismatch {
+    /// A tensor the model needs is absent.
+    #[error("tensor `{name}` is missing: the model needs it with shape {expected:?}")]
+    Missing { name: String, expected: Vec<usize> },
+    /// A tensor has another shape than the model's.
+    #[error("tensor `{name}` has shape {found:?}, the model expects {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    /// A tensor's element type cannot be loaded.
+    #[error("tensor `{name}` is {found}, the model loads F32 or F64 tensors only")]
+    Dtype { name: String, found: String },
+    /// A tensor that is no parameter (or moment) of the model.
+    #[error("tensor `{name}` is not a parameter of this model (unexpected)")]
+    Unexpected { name: String },
+}
+
+/// The tensors a state of `specs` holds, with their shapes: the parameters, then, when `moments`,
+/// AdamW's `optim.m.<name>` and `optim.v.<name>` of each (the same shape).
+pub fn state_tensors(specs: &[ParamSpec], moments: bool) -> Vec<(String, Vec<usize>)> {
+    let mut out: Vec<(String, Vec<usize>)> = specs
+        .iter()
+        .map(|s| (s.name.clone(), s.shape.clone()))
+        .collect();
+    if moments {
+        for prefix in ["optim.m.", "optim.v."] {
+            out.extend(
+                specs
+                    .iter()
+                    .map(|s| (format!("{prefix}{}", s.name), s.shape.clone())),
+            );
+        }
+    }
+    out
+}
+
+/// The check a saved state passes before it is loaded — by a resume (each stage, for the tensors it
+/// loads) and by `seqpipe ckpt verify`/`show`/`export` (the whole model, `whole`): every tensor of
+/// `expected` ([`state_tensors`]) is in `found` (name, safetensors dtype, shape) with its shape and
+/// a loadable dtype; with `whole`, nothing else is. Every mismatch, expected tensors in order first.
+pub fn check_state<'a>(
+    expected: &[(String, Vec<usize>)],
+    found: impl IntoIterator<Item = (&'a str, &'a str, &'a [usize])>,
+    whole: bool,
+) -> Vec<StateMismatch> {
+    let wanted: HashMap<&str, &[usize]> = expected
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut problems = Vec::new();
+    let mut unexpected = Vec::new();
+    for (name, dtype, shape) in found {
+        let Some(&shape_wanted) = wanted.get(name) else {
+            if whole {
+                unexpected.push(StateMismatch::Unexpected {
+                    name: name.to_string(),
+                });
+            }
+            continue;
+        };
+        seen.insert(name);
+        if !matches!(dtype, "F32" | "F64") {
+            problems.push(StateMismatch::Dtype {
+                name: name.to_string(),
+                found: dtype.to_string(),
+            });
+        }
+        if shape != shape_wanted {
+            problems.push(StateMismatch::Shape {
+                name: name.to_string(),
+                expected: shape_wanted.to_vec(),
+                found: shape.to_vec(),
+            });
+        }
+    }
+    for (name, shape) in expected {
+        if !seen.contains(name.as_str()) {
+            problems.push(StateMismatch::Missing {
+                name: name.clone(),
+                expected: shape.clone(),
+            });
+        }
+    }
+    problems.extend(unexpected);
+    problems
+}
+
 /// Whether AdamW's decoupled weight decay applies to this parameter.
 pub fn decays(kind: ParamKind, decay_embeddings: bool) -> bool {
     match kind {
@@ -471,6 +563,56 @@ impl StepGradients {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The check resume and `ckpt verify` share: missing, misshapen, wrongly typed and (for a
+    /// whole checkpoint) unexpected tensors are each named; a stage's own check ignores the
+    /// tensors of other stages.
+    #[test]
+    fn check_state_names_every_mismatch() {
+        let expected = vec![
+            ("wte.weight".to_string(), vec![64, 32]),
+            ("ln_f.weight".to_string(), vec![32]),
+            ("ln_f.bias".to_string(), vec![32]),
+        ];
+        let found = [
+            ("wte.weight", "F32", &[32usize, 64][..]),
+            ("ln_f.weight", "BF16", &[32][..]),
+            ("h.9.mlp.c_fc.weight", "F32", &[1][..]),
+        ];
+        let problems = check_state(&expected, found, true);
+        assert_eq!(
+            problems,
+            vec![
+                StateMismatch::Shape {
+                    name: "wte.weight".into(),
+                    expected: vec![64, 32],
+                    found: vec![32, 64],
+                },
+                StateMismatch::Dtype {
+                    name: "ln_f.weight".into(),
+                    found: "BF16".into(),
+                },
+                StateMismatch::Missing {
+                    name: "ln_f.bias".into(),
+                    expected: vec![32],
+                },
+                StateMismatch::Unexpected {
+                    name: "h.9.mlp.c_fc.weight".into(),
+                },
+            ]
+        );
+        assert_eq!(check_state(&expected, found, false).len(), 3);
+        let good = [
+            ("wte.weight", "F32", &[64usize, 32][..]),
+            ("ln_f.weight", "F32", &[32][..]),
+            ("ln_f.bias", "F64", &[32][..]),
+        ];
+        assert!(check_state(&expected, good, true).is_empty());
+        let with_moments = state_tensors(&param_specs(&ModelConfig::default()), true);
+        let params = param_specs(&ModelConfig::default()).len();
+        assert_eq!(with_moments.len(), 3 * params);
+        assert!(with_moments[params].0.starts_with("optim.m."));
+    }
 
     #[test]
     fn names_follow_gpt2_and_are_unique() {

@@ -85,6 +85,9 @@ pub enum ModelError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
+    /// A saved state (checkpoint or peer snapshot) does not fit the model.
+    #[error("the saved state does not fit the model: {0}")]
+    State(#[from] super::params::StateMismatch),
     /// The configured device cannot run the stage.
     #[error("{0}")]
     Device(String),

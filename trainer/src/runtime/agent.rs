@@ -94,9 +94,9 @@ pub enum AgentError {
         url: String,
         source: Box<elastic::etcd::EtcdError>,
     },
-    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    /// `SEQPIPE_JOB_TOKEN` is unset or empty.
     #[error(transparent)]
-    Token(#[from] auth::EmptyJobToken),
+    Token(#[from] auth::JobTokenError),
     /// This node's coordinator (it led the job) failed.
     #[error("the coordinator this node ran exited ({status}); see {log}")]
     CoordinatorFailed { status: String, log: String },
@@ -188,7 +188,7 @@ impl Snapshots {
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
         let reporter = Arc::clone(&report_to);
-        let token = auth::token_from_env()?.unwrap_or_default();
+        let token = auth::required_token("an agent")?;
         let gate = serve(listener, token, Arc::clone(&store), move |step, names| {
             if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                 let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
@@ -240,6 +240,8 @@ impl Preempted {
 
 /// Runs the agent until the coordinator shuts the run down (or goes away).
 pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
+    // Before anything listens or connects: no port of this node runs without the job's secret.
+    auth::required_token("an agent")?;
     let leaving = Preempted::default();
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving.flag)).map_err(
         |source| AgentError::Io {
@@ -291,7 +293,7 @@ fn run_with_etcd(
         url: url.clone(),
         source: Box::new(source),
     };
-    let token = auth::token_from_env()?.unwrap_or_default();
+    let token = auth::required_token("an agent")?;
     let parsed = EtcdUrl::parse(&url).map_err(etcd)?;
     let rendezvous =
         Arc::new(Rendezvous::connect(&parsed, &auth::fingerprint(&token)).map_err(etcd)?);
@@ -433,7 +435,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
         addr: args.join.clone(),
         source,
     };
-    let token = auth::token_from_env()?.unwrap_or_default();
+    let token = auth::required_token("an agent")?;
     let deadline = Instant::now() + args.connect_timeout;
     let mut stream = loop {
         match std::net::TcpStream::connect(&args.join) {

@@ -65,28 +65,65 @@ impl Purpose {
     }
 }
 
-/// `SEQPIPE_JOB_TOKEN` is set but empty or blank.
+/// Why the job token in `SEQPIPE_JOB_TOKEN` cannot be used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{TOKEN_ENV} is set but empty; an empty job secret is refused rather than replaced: set it to \
-     the same secret on the coordinator and every agent (e.g. `openssl rand -hex 16`), or unset it \
-     for a single-machine run (a random one is made)"
-)]
-pub struct EmptyJobToken;
+pub enum JobTokenError {
+    /// Set but empty or blank.
+    #[error(
+        "{TOKEN_ENV} is set but empty; an empty job secret is refused rather than replaced: set it \
+         to the same secret on the coordinator and every agent (e.g. `openssl rand -hex 16`), or \
+         unset it for a single-machine `seqpipe train` (a random one is made)"
+    )]
+    Empty,
+    /// Not set where the job's shared secret is required: an agent, a worker, or a coordinator
+    /// that waits for remote agents. Only a local `seqpipe train` makes up its own.
+    #[error(
+        "{TOKEN_ENV} is not set, and {0} needs the job's shared secret: set it to the same secret \
+         on the coordinator and every agent (e.g. `export {TOKEN_ENV}=$(openssl rand -hex 16)`); \
+         only a single-machine `seqpipe train` (elastic.local_agents = true) makes one up itself"
+    )]
+    Unset(&'static str),
+}
 
 /// The job token set in `SEQPIPE_JOB_TOKEN`: `None` when unset, an error when set but blank.
-pub fn token_from_env() -> Result<Option<String>, EmptyJobToken> {
-    match std::env::var(TOKEN_ENV) {
-        Ok(t) if t.trim().is_empty() => Err(EmptyJobToken),
-        Ok(t) => Ok(Some(t)),
-        Err(_) => Ok(None),
+pub fn token_from_env() -> Result<Option<String>, JobTokenError> {
+    checked(std::env::var(TOKEN_ENV).ok())
+}
+
+/// The job token of a process that talks to other hosts (`who`: "an agent", "a worker", …):
+/// `SEQPIPE_JOB_TOKEN`, which must be set and non-blank. Nothing falls back to a guessable one.
+pub fn required_token(who: &'static str) -> Result<String, JobTokenError> {
+    required(std::env::var(TOKEN_ENV).ok(), who)
+}
+
+/// The coordinator's job token. A coordinator that starts its own agents on this machine
+/// (`local_agents`) uses `SEQPIPE_JOB_TOKEN`, or a fresh random one when it is unset and hands it
+/// to its agents; one that waits for remote agents needs it set ([`required_token`]): a secret
+/// it made up could not be shared, and an empty one would let anyone in.
+pub fn coordinator_token(local_agents: bool) -> Result<String, JobTokenError> {
+    for_coordinator(std::env::var(TOKEN_ENV).ok(), local_agents)
+}
+
+/// The variable's value (`None`: unset) as a token; blank is refused.
+fn checked(value: Option<String>) -> Result<Option<String>, JobTokenError> {
+    match value {
+        Some(t) if t.trim().is_empty() => Err(JobTokenError::Empty),
+        other => Ok(other),
     }
 }
 
-/// The job token: `SEQPIPE_JOB_TOKEN`, or a fresh random one when it is unset (local runs; the
-/// launcher passes it to its workers). Set but empty is an error, never silently replaced.
-pub fn job_token() -> Result<String, EmptyJobToken> {
-    Ok(token_from_env()?.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>())))
+fn required(value: Option<String>, who: &'static str) -> Result<String, JobTokenError> {
+    checked(value)?.ok_or(JobTokenError::Unset(who))
+}
+
+fn for_coordinator(value: Option<String>, local_agents: bool) -> Result<String, JobTokenError> {
+    match checked(value)? {
+        Some(token) => Ok(token),
+        None if local_agents => Ok(format!("{:032x}", rand::random::<u128>())),
+        None => Err(JobTokenError::Unset(
+            "a coordinator waiting for remote agents (elastic.local_agents = false)",
+        )),
+    }
 }
 
 /// A public fingerprint of the job token (BLAKE3 of a domain-separated token): the etcd
@@ -348,6 +385,40 @@ mod tests {
         drop(stream);
         t.join().unwrap();
         result
+    }
+
+    /// Unset is refused everywhere but by a local launcher, which makes a random token; blank is
+    /// refused everywhere.
+    #[test]
+    fn an_unset_token_is_refused_except_by_a_local_launcher() {
+        let err = required(None, "an agent").unwrap_err();
+        assert_eq!(err, JobTokenError::Unset("an agent"));
+        let text = err.to_string();
+        assert!(
+            text.contains("SEQPIPE_JOB_TOKEN is not set, and an agent needs")
+                && text.contains("openssl rand"),
+            "{text}"
+        );
+        assert!(matches!(
+            for_coordinator(None, false),
+            Err(JobTokenError::Unset(_))
+        ));
+        let (a, b) = (
+            for_coordinator(None, true).unwrap(),
+            for_coordinator(None, true).unwrap(),
+        );
+        assert!(a.len() == 32 && a != b, "{a} {b}");
+        for blank in ["", " \t"] {
+            let blank = Some(blank.to_string());
+            assert_eq!(
+                required(blank.clone(), "a worker"),
+                Err(JobTokenError::Empty)
+            );
+            assert_eq!(for_coordinator(blank, true), Err(JobTokenError::Empty));
+        }
+        let set = Some("s3cret".to_string());
+        assert_eq!(required(set.clone(), "a worker").unwrap(), "s3cret");
+        assert_eq!(for_coordinator(set, false).unwrap(), "s3cret");
     }
 
     #[test]

@@ -166,13 +166,8 @@ impl Coordinator {
         } else {
             local.to_string()
         };
-        let token = auth::job_token().map_err(|e| LaunchError::Run(e.to_string()))?;
-        if !cfg.elastic.local_agents && std::env::var(auth::TOKEN_ENV).is_err() {
-            return Err(LaunchError::Run(format!(
-                "a multi-host run needs the job's shared secret: set {} to the same value on the coordinator and every agent",
-                auth::TOKEN_ENV
-            )));
-        }
+        let token = auth::coordinator_token(cfg.elastic.local_agents)
+            .map_err(|e| LaunchError::Run(e.to_string()))?;
         let (tx, events) = channel();
         let gate =
             accept_loop(listener, token.clone(), tx).map_err(io("starting the coordinator"))?;

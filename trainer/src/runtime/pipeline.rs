@@ -27,6 +27,9 @@ pub struct Pipeline<'c> {
     suspects: BTreeSet<usize>,
     /// Nodes declared lost while this pipeline ran.
     lost: Vec<Lost>,
+    /// The first failure a worker reported as one that would recur on any node (a data error):
+    /// the run's error, whatever its neighbours reported around it.
+    permanent: Option<(usize, String)>,
     timeout: Duration,
     /// Stage → the node of its mid-step replacement, where that worker logs.
     hosts: BTreeMap<usize, NodeId>,
@@ -84,6 +87,7 @@ impl<'c> Pipeline<'c> {
             side: VecDeque::new(),
             suspects: BTreeSet::new(),
             lost: Vec::new(),
+            permanent: None,
             // Longer than the workers' per-message timeout: a worker that waits on a silent
             // neighbour gives up first and names it.
             timeout: 2 * cfg.pipeline.timeout() + Duration::from_secs(1),
@@ -317,7 +321,10 @@ impl<'c> Pipeline<'c> {
                     FailureCause::OverBudget => {
                         return Err(LaunchError::OverBudget { stage, error });
                     }
-                    FailureCause::Permanent => return Err(LaunchError::Permanent { stage, error }),
+                    FailureCause::Permanent => {
+                        self.permanent.get_or_insert((stage, error.clone()));
+                        return Err(LaunchError::Permanent { stage, error });
+                    }
                     FailureCause::Transient => {}
                 }
                 self.suspects.extend(suspect);
@@ -479,7 +486,23 @@ impl<'c> Pipeline<'c> {
         for e in self.later_failures(failure)? {
             signs.extend(self.signs(&e));
         }
+        if let Some((stage, _)) = &self.permanent {
+            return Err(format!(
+                "stage {stage} failed with an error that would recur on any node"
+            ));
+        }
         recovery::mid_step_stage(&signs, finished)
+    }
+
+    /// The failure a worker reported as permanent while this pipeline ran (see
+    /// [`recovery::after_reports`]), if any.
+    pub fn permanent_failure(&self) -> Option<LaunchError> {
+        self.permanent
+            .as_ref()
+            .map(|(stage, error)| LaunchError::Permanent {
+                stage: *stage,
+                error: error.clone(),
+            })
     }
 
     /// Data parallelism, after `failure` during a step's forward and backward: gathers every
@@ -487,6 +510,11 @@ impl<'c> Pipeline<'c> {
     /// replica to take out of the step; `Err` says why the step cannot go on.
     pub fn lost_replica(&mut self, failure: &LaunchError) -> Result<usize, String> {
         let later = self.later_failures(failure)?;
+        if let Some((stage, _)) = &self.permanent {
+            return Err(format!(
+                "stage {stage} failed with an error that would recur on any node"
+            ));
+        }
         let plan = self.coordinator.plan();
         let failed: Vec<_> = std::iter::once(failure)
             .chain(&later)

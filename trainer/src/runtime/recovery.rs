@@ -6,7 +6,8 @@
 //!
 //! The decisions, in the order a failure meets them:
 //! 1. [`after_error`]: is an error a lost node (recover), a plan change at a step boundary
-//!    (hand over), or the end of the run?
+//!    (hand over), or the end of the run? And [`after_reports`]: once the reports are in, did a
+//!    worker fail in a way that recurs anywhere (a data error)? Then nothing was lost: stop.
 //! 2. [`mid_step_stage`]: can the step go on with one replaced stage (exactly one stage proven
 //!    dead, and it had not finished the step)?
 //! 3. [`step_start_state`]: where that replacement's step-start state comes from.
@@ -134,6 +135,25 @@ pub fn after_error(error: &LaunchError) -> AfterError {
         | LaunchError::OverBudget { .. }
         | LaunchError::NodeTooSmall { .. }
         | LaunchError::Permanent { .. } => AfterError::Stop,
+    }
+}
+
+/// Decision 1b: after a failure that looked like a loss (`failure`, described by `cause`), with
+/// the reports gathered while the workers stopped. A permanent failure among them (`permanent`: a
+/// data error, on any stage) is the run's error: the other reports were its consequences —
+/// neighbours whose links closed because that worker exited — not lost nodes, and recovering
+/// would only meet it again. Otherwise the losses found are recovered from (none: `failure` ends
+/// the run).
+pub fn after_reports(
+    failure: LaunchError,
+    cause: String,
+    permanent: Option<LaunchError>,
+    lost: Vec<Lost>,
+) -> LaunchError {
+    match permanent {
+        Some(permanent) => permanent,
+        None if lost.is_empty() => failure,
+        None => LaunchError::NodesLost { cause, lost },
     }
 }
 
@@ -561,6 +581,51 @@ mod tests {
             cause,
             agent_alive,
         }
+    }
+
+    /// A data error on stage 0 makes stage 1's link close ("connection to stage 0 failed") and
+    /// stage 0's worker exit: whichever report came first, the run stops with the data error and
+    /// no node is lost; without a permanent report the losses are recovered from.
+    #[test]
+    fn a_permanent_report_stops_the_run_whatever_its_neighbours_reported() {
+        let data = || LaunchError::Permanent {
+            stage: 0,
+            error: "token file /d/val.bin holds 0 tokens".into(),
+        };
+        let neighbour = || LaunchError::WorkerFailed {
+            stage: 1,
+            error: "connection to stage 0 failed".into(),
+            log: "stage-1.log".into(),
+        };
+        let losses = || {
+            vec![
+                lost("b", LossCause::WorkerFailed, true),
+                lost("a", LossCause::WorkerExited, true),
+            ]
+        };
+        let cause = || "stage 1 failed".to_string();
+        // (first failure, permanent report, losses found) → the run's error.
+        match after_reports(neighbour(), cause(), Some(data()), losses()) {
+            LaunchError::Permanent { stage: 0, error } => assert!(error.contains("val.bin")),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            after_error(&after_reports(
+                neighbour(),
+                cause(),
+                Some(data()),
+                Vec::new()
+            )),
+            AfterError::Stop
+        );
+        match after_reports(neighbour(), cause(), None, losses()) {
+            LaunchError::NodesLost { lost, .. } => assert_eq!(lost.len(), 2),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            after_reports(neighbour(), cause(), None, Vec::new()),
+            LaunchError::WorkerFailed { stage: 1, .. }
+        ));
     }
 
     #[test]

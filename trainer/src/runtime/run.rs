@@ -22,7 +22,7 @@ use super::pipeline::{GATHER_QUIET, Pipeline};
 use super::recovery::{self, AfterError, Start};
 use super::trace::TraceLog;
 use crate::config::Config;
-use crate::data::open_source;
+use crate::data::check_source;
 
 /// Extra launcher behaviour, from the command line.
 #[derive(Clone, Debug, Default)]
@@ -206,7 +206,7 @@ fn with_pipeline<T>(
     std::fs::write(&config_path, cfg.to_toml())
         .map_err(io(format!("writing {}", config_path.display())))?;
     // Fail early, in the launcher, on an unusable dataset or checkpoint location.
-    open_source(&cfg.data, cfg.model.vocab_size)?;
+    check_source(&cfg.data, cfg.model.vocab_size, cfg.train.seq_len + 1)?;
     let checkpoints = CheckpointWriter::open(cfg)?;
     let signal = stop_signal().map_err(io("installing signal handlers".into()))?;
     let mut pipeline = match Pipeline::start(coordinator, cfg, dump_grads) {
@@ -245,11 +245,12 @@ fn with_pipeline<T>(
             pipeline.coordinator().failure_seen();
             let cause = e.to_string();
             let lost = pipeline.stop_after_failure(&e, Duration::from_secs(2));
-            if lost.is_empty() {
-                Err(e)
-            } else {
-                Err(LaunchError::NodesLost { lost, cause })
-            }
+            Err(recovery::after_reports(
+                e,
+                cause,
+                pipeline.permanent_failure(),
+                lost,
+            ))
         }
         Err(e) => {
             pipeline.shutdown();

@@ -74,9 +74,9 @@ pub enum WorkerError {
     /// Data could not be read.
     #[error(transparent)]
     Data(#[from] DataError),
-    /// `SEQPIPE_JOB_TOKEN` is set but empty.
+    /// `SEQPIPE_JOB_TOKEN` is unset or empty.
     #[error(transparent)]
-    Token(#[from] auth::EmptyJobToken),
+    Token(#[from] auth::JobTokenError),
     /// The launcher sent something out of protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -203,7 +203,7 @@ fn serve_in_pool(args: WorkerArgs) -> Result<(), WorkerError> {
     };
     let cfg = load_config(&args.config)?;
     let timeout = cfg.pipeline.timeout();
-    let token = auth::token_from_env()?.unwrap_or_default();
+    let token = auth::required_token("a worker")?;
     let addr = resolve(&args.control)?;
     let mut stream = connect_retrying(&addr, timeout).map_err(control_err)?;
     register(args.kill_switch.as_ref(), &stream).map_err(control_err)?;

@@ -227,6 +227,26 @@ impl Worker {
             }
         })?;
         let names = with_moments(&self.stage.param_names(), state.optimizer_step > 0);
+        // The check `seqpipe ckpt verify` makes, for the tensors this stage loads: before any
+        // shard is read, every one is there with the model's shape and a loadable dtype.
+        let mine: std::collections::HashSet<String> =
+            self.stage.param_names().into_iter().collect();
+        let specs: Vec<_> = crate::model::params::param_specs(&self.cfg.model)
+            .into_iter()
+            .filter(|s| mine.contains(&s.name))
+            .collect();
+        let expected = crate::model::params::state_tensors(&specs, state.optimizer_step > 0);
+        let found = manifest
+            .shards
+            .iter()
+            .flat_map(|shard| &shard.tensors)
+            .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice()));
+        if let Some(problem) = crate::model::params::check_state(&expected, found, false)
+            .into_iter()
+            .next()
+        {
+            return Err(crate::model::ModelError::from(problem).into());
+        }
         let tensors = ckpt
             .runtime
             .block_on(ckpt.store.read_tensors(&manifest, &names))?;
