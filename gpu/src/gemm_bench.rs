@@ -1,6 +1,6 @@
 //! The matrix products of a GPT's training step, timed side by side in the ways BF16 mode could
-//! feed cuBLAS: FP32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (what the stage does now: cuBLAS
-//! rounds the operands itself), BF16 operands already rounded, and BF16 operands rounded first by
+//! feed cuBLAS: FP32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (cuBLAS rounds the operands
+//! itself), BF16 operands already rounded, and BF16 operands rounded first by
 //! [`Gpu::to_bf16`] (what keeping BF16 copies would cost where they are not kept), and BF16 mode's
 //! default, the stage's fast path: weights from cached BF16 copies (rounded outside the timing, as
 //! the stage does once per update), the activation operand rounded in the timing where the stage
