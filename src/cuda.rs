@@ -18,7 +18,8 @@ pub enum GpuCommand {
     /// Train a whole GPT on one GPU: step time, tokens/s, MFU, device memory (one JSON line).
     Bench(GpuBenchArgs),
     /// Time a GPT step's matrix products in FP32, TF32 and BF16 (FP32 operands rounded by cuBLAS,
-    /// BF16 operands, BF16 operands rounded first): one JSON object.
+    /// BF16 operands, BF16 operands rounded first, and the fast path: cached BF16 weights with the
+    /// activations rounded per product and the head's vocabulary padded): one JSON object.
     Gemm(GemmArgs),
     /// Check the NCCL link between two GPUs: bit-exact transfers, bandwidth, and an abort
     /// instead of a hang when the peer is killed (one JSON line).
@@ -123,9 +124,14 @@ pub struct GpuBenchArgs {
     /// and batch (slow for big presets: the CPU runs the step too).
     #[arg(long)]
     check: bool,
-    /// With `--precision bf16`: round every product's operands into BF16 copies first (instead of
-    /// cuBLAS reading FP32 operands); reported as impl `seqpipe (bf16 operands)`.
-    #[arg(long)]
+    /// With `--precision bf16`, how the products get BF16 operands: `cached-weights` (BF16 copies
+    /// of the weights refreshed after each update, activations rounded per product, the head's
+    /// vocabulary padded to a multiple of 64), `operands` (both operands of every product rounded
+    /// first) or `fp32-operands` (cuBLAS rounds FP32 operands). Reported in `impl`.
+    #[arg(long, default_value = "cached-weights")]
+    bf16_path: gpu::Bf16Path,
+    /// Same as `--bf16-path operands` (kept for older scripts).
+    #[arg(long, conflicts_with = "bf16_path")]
     bf16_operands: bool,
 }
 
@@ -276,8 +282,12 @@ mod enabled {
     /// What `seqpipe gpu bench` prints (the keys of scripts/gpu-torch-bench.py's line).
     #[derive(Serialize)]
     struct Report {
+        /// `seqpipe`, or in BF16 mode `seqpipe (bf16 <path>)` (`cached-weights`, `operands`,
+        /// `fp32-operands`).
         #[serde(rename = "impl")]
-        implementation: &'static str,
+        implementation: String,
+        /// How the products ran: the precision, in BF16 mode the path (and the head's padding).
+        products: String,
         gpu: String,
         preset: crate::bench::step::Preset,
         precision: &'static str,
@@ -294,7 +304,10 @@ mod enabled {
         median_ms: f64,
         tokens_per_s: f64,
         mfu: f64,
+        /// Device memory taken by the stage (its BF16 weight copies included).
         peak_mem_mib: f64,
+        /// Of which the BF16 weight copies of the fast path (0 otherwise).
+        bf16_weight_copies_mib: f64,
         losses: Vec<f64>,
         final_params_blake3: String,
         grad_check: Option<GradCheck>,
@@ -391,7 +404,11 @@ mod enabled {
             bail!("--batch and --steps must be at least 1");
         }
         let mut g = Gpu::open(args.device, precision)?;
-        g.set_bf16_operands(args.bf16_operands);
+        g.set_bf16_path(if args.bf16_operands {
+            gpu::Bf16Path::Operands
+        } else {
+            args.bf16_path
+        });
         let layout = StageLayout {
             stage: 0,
             stages: 1,
@@ -490,11 +507,11 @@ mod enabled {
         let median_ms = median(&step_ms);
         let tokens_per_s = (batch * seq) as f64 / (median_ms / 1e3);
         let report = Report {
-            implementation: if g.bf16_operands() {
-                "seqpipe (bf16 operands)"
-            } else {
-                "seqpipe"
+            implementation: match g.precision() {
+                Precision::Bf16 => format!("seqpipe (bf16 {})", g.bf16_path().name()),
+                _ => "seqpipe".to_string(),
             },
+            products: m.products(),
             gpu: g.name().to_string(),
             preset: args.preset,
             precision: precision.name(),
@@ -513,6 +530,7 @@ mod enabled {
             tokens_per_s,
             mfu: flops_per_token * tokens_per_s / peak_flops(precision),
             peak_mem_mib: free_before.saturating_sub(free_after) as f64 / (1u64 << 20) as f64,
+            bf16_weight_copies_mib: m.bf16_weight_bytes() as f64 / (1u64 << 20) as f64,
             step_ms,
             losses,
             final_params_blake3: params_hash(&m)?,

@@ -47,7 +47,8 @@ fn the_kernel_check_passes_on_the_emulated_gpu_bf16_attention_on_tensor_cores_in
 }
 
 /// `seqpipe gpu gemm` (run by gpu-check before the training benchmark) on the emulated GPU at a
-/// small width: every product of a block and a head chunk in all five ways, with times, and the
+/// small width: every product of a block and a head chunk in all six ways, with times (the BF16
+/// fast path's head over the vocabulary padded from 96 to 128), and the
 /// BF16-operand products within BF16 rounding of the FP32 ones (the emulation's "fast BF16" is
 /// FP32; on a GPU both round the operands and agree far closer).
 #[test]
@@ -74,8 +75,8 @@ fn the_matrix_product_benchmark_times_every_product_every_way() {
     );
     let report: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
     let times = report["times"].as_array().expect("a list of times");
-    // 4 linear layers x 3 products + 3 head products, 5 ways each.
-    assert_eq!(times.len(), 15 * 5, "{report:#}");
+    // 4 linear layers x 3 products + 3 head products, 6 ways each.
+    assert_eq!(times.len(), 15 * 6, "{report:#}");
     for t in times {
         assert!(t["ms"].as_f64().is_some_and(|ms| ms > 0.0), "{t}");
     }
@@ -84,11 +85,23 @@ fn the_matrix_product_benchmark_times_every_product_every_way() {
         .find(|t| t["what"] == "c_attn forward")
         .expect("the QKV product");
     assert_eq!(qkv["mnk"], serde_json::json!([16, 96, 32]), "{qkv}");
+    let head = |how: &str| {
+        times
+            .iter()
+            .find(|t| t["what"] == "lm_head forward (one chunk)" && t["how"] == how)
+            .map(|t| t["mnk"].clone())
+    };
+    assert_eq!(head("bf16 operands"), Some(serde_json::json!([16, 96, 32])));
+    assert_eq!(
+        head("bf16 cached weights + casts"),
+        Some(serde_json::json!([16, 128, 32])),
+        "{report:#}"
+    );
     let agree = report["bf16_operands_vs_fast_rel_l2"]
         .as_f64()
         .expect("the agreement");
     assert!(agree > 0.0 && agree < 1e-2, "{report:#}");
-    assert_eq!(report["totals_ms"].as_array().map(Vec::len), Some(5));
+    assert_eq!(report["totals_ms"].as_array().map(Vec::len), Some(6));
 }
 
 /// `seqpipe gpu check --only attention` (what scripts/gpu-check.sh runs under compute-sanitizer's

@@ -121,7 +121,7 @@ void xent(int rows, int v, bool grad) {
     tg[0] = v - 1;
     V loss(rows, NAN); float gs = 0.37f;
     V orig = logits;
-    launch(G(rows), 256, [&] { softmax_cross_entropy(logits.data(), loss.data(), tg.data(), v, gs, grad); });
+    launch(G(rows), 256, [&] { softmax_cross_entropy(logits.data(), loss.data(), tg.data(), v, v, gs, grad); });
     std::vector<double> rloss(rows), rg((size_t)rows * v);
     for (int r = 0; r < rows; ++r) {
         double mx = -1e300; for (int j = 0; j < v; ++j) mx = std::max(mx, (double)orig[(size_t)r * v + j]);
@@ -186,7 +186,7 @@ void misc() {
       double r = 0; for (auto xi : x) r += (double)xi * xi; float got = out[0]; cmp("sum of squares n " + std::to_string(n), &got, {r}, 1e-12 + 1e-7); }
     // a target past the vocabulary: a NaN loss for that row, nothing read past it
     { V logits = rnd(2 * 10); std::vector<unsigned> tg = {10, 3}; V loss(2, 0.0f);
-      launch(G(2), 256, [&] { softmax_cross_entropy(logits.data(), loss.data(), tg.data(), 10, 1.0f, false); });
+      launch(G(2), 256, [&] { softmax_cross_entropy(logits.data(), loss.data(), tg.data(), 10, 10, 1.0f, false); });
       bool ok = std::isnan(loss[0]) && std::isfinite(loss[1]); if (!ok) ++fails;
       printf("%s xent target past the vocabulary gives a NaN loss\n", ok ? "ok  " : "FAIL"); }
 }

@@ -391,6 +391,25 @@ impl Gpu {
         beta: f32,
         operands: Operands,
     ) -> Result<()> {
+        let lds = (if ta { m } else { k }, if tb { k } else { n });
+        self.gemm_ld_of(c, a, b, (m, n, k), (ta, tb), lds, beta, operands)
+    }
+
+    /// [`Gpu::gemm_of`] with the stored row widths of `A` and `B` given (`lda`, `ldb`: at least
+    /// the widths the shapes imply; wider rows are skipped past), as the padded LM head's weight
+    /// gradient reads `dlogits` rows of the padded vocabulary.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_ld_of(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        (lda, ldb): (usize, usize),
+        beta: f32,
+        operands: Operands,
+    ) -> Result<()> {
         let (operands, compute) = match operands {
             Operands::F32 => (
                 blas::cudaDataType_t::CUDA_R_32F,
@@ -416,8 +435,17 @@ impl Gpu {
         };
         // cuBLAS rejects a leading dimension of 0 (even with k = 0, where C is only scaled by
         // beta): a stored width of 0 becomes 1.
-        let ldb = (if tb { ki } else { ni }).max(1);
-        let lda = (if ta { mi } else { ki }).max(1);
+        let (lda_min, ldb_min) = (if ta { m } else { k }, if tb { k } else { n });
+        if lda < lda_min || ldb < ldb_min {
+            return shape(
+                OP,
+                format!(
+                    "rows of {lda} and {ldb} values hold no operands of {lda_min} and {ldb_min}"
+                ),
+            );
+        }
+        let ldb = int(ldb, OP, "ldb")?.max(1);
+        let lda = int(lda, OP, "lda")?.max(1);
         let alpha = 1.0f32;
         // SAFETY: the addresses point to buffers of at least the sizes the shapes imply (each
         // caller checks them), and the handle is bound to this GPU's stream.

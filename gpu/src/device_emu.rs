@@ -16,6 +16,9 @@ use crate::kernels::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
 
+/// A product's `(m, n, k)`, whether `A`/`B` are transposed, and their stored row widths.
+type GemmShape = ((usize, usize, usize), (bool, bool), (usize, usize));
+
 unsafe extern "C" {
     fn seqpipe_emu_launch(
         name: *const c_char,
@@ -259,22 +262,49 @@ impl Gpu {
         c: u64,
         a: u64,
         b: u64,
-        mnk: (usize, usize, usize),
-        transposed: (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
         beta: f32,
         operands: Operands,
     ) -> Result<()> {
+        let lds = (if ta { m } else { k }, if tb { k } else { n });
+        self.gemm_ld_of(c, a, b, (m, n, k), (ta, tb), lds, beta, operands)
+    }
+
+    /// `device::Gpu::gemm_ld_of`: [`Gpu::gemm_of`] with the stored row widths of `A` and `B`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_ld_of(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        (lda, ldb): (usize, usize),
+        beta: f32,
+        operands: Operands,
+    ) -> Result<()> {
+        let (lda_min, ldb_min) = (if ta { m } else { k }, if tb { k } else { n });
+        if lda < lda_min || ldb < ldb_min {
+            return shape(
+                "gemm",
+                format!(
+                    "rows of {lda} and {ldb} values hold no operands of {lda_min} and {ldb_min}"
+                ),
+            );
+        }
+        let dims = ((m, n, k), (ta, tb), (lda, ldb));
         // SAFETY (both): the callers size A and B for these shapes (as for cuBLAS).
         match operands {
             Operands::F32 => {
                 let operand = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
-                self.gemm_with(c, (a, b), mnk, transposed, beta, operand)
+                self.gemm_with(c, (a, b), dims, beta, operand)
             }
             Operands::Bf16 => {
                 let operand = |p: u64, i: usize| {
                     f32::from_bits((unsafe { *(p as *const u16).add(i) } as u32) << 16)
                 };
-                self.gemm_with(c, (a, b), mnk, transposed, beta, operand)
+                self.gemm_with(c, (a, b), dims, beta, operand)
             }
         }
     }
@@ -284,8 +314,7 @@ impl Gpu {
         &self,
         c: u64,
         (a, b): (u64, u64),
-        (m, n, k): (usize, usize, usize),
-        (ta, tb): (bool, bool),
+        ((m, n, k), (ta, tb), (lda, ldb)): GemmShape,
         beta: f32,
         operand: impl Fn(u64, usize) -> f32,
     ) -> Result<()> {
@@ -298,8 +327,8 @@ impl Gpu {
             for j in 0..n {
                 let mut acc = 0.0f32;
                 for p in 0..k {
-                    let x = operand(a, if ta { p * m + i } else { i * k + p });
-                    let y = operand(b, if tb { j * k + p } else { p * n + j });
+                    let x = operand(a, if ta { p * lda + i } else { i * lda + p });
+                    let y = operand(b, if tb { j * ldb + p } else { p * ldb + j });
                     acc += x * y;
                 }
                 // SAFETY: as above.

@@ -1,9 +1,12 @@
 //! The matrix products of a GPT's training step, timed side by side in the ways BF16 mode could
-//! feed cuBLAS: FP32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (what the stage does now: cuBLAS
-//! rounds the operands itself), BF16 operands already rounded, and BF16 operands rounded first by
-//! [`Gpu::to_bf16`] (what keeping BF16 copies would cost where they are not kept), with TF32 and
-//! FP32 beside. `seqpipe gpu gemm` prints them; the GPU check runs it, so the first GPU session
-//! learns whether BF16 operand copies would pay before anyone builds them.
+//! feed cuBLAS: FP32 operands with `CUBLAS_COMPUTE_32F_FAST_16BF` (cuBLAS rounds the operands
+//! itself), BF16 operands already rounded, and BF16 operands rounded first by
+//! [`Gpu::to_bf16`] (what keeping BF16 copies would cost where they are not kept), and BF16 mode's
+//! default, the stage's fast path: weights from cached BF16 copies (rounded outside the timing, as
+//! the stage does once per update), the activation operand rounded in the timing where the stage
+//! rounds it, and the LM head over the vocabulary padded to a multiple of
+//! [`crate::stage::VOCAB_PADDING`]; with TF32 and FP32 beside. `seqpipe gpu gemm` prints them; the
+//! GPU check runs it.
 //!
 //! The shapes are one block's linear layers (forward, input gradient, weight gradient, as the
 //! stage calls them) and one chunk of the LM head, for `rows` rows of a `d_model`-wide model.
@@ -14,6 +17,7 @@ use serde::Serialize;
 
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::Result;
+use crate::stage::VOCAB_PADDING;
 use crate::types::Operands;
 
 /// One product of the step: its name and row-major `(m, n, k)` with A and B transposed or not.
@@ -22,6 +26,57 @@ struct Product {
     mnk: (usize, usize, usize),
     ta: bool,
     tb: bool,
+    role: Role,
+    head: bool,
+}
+
+/// Which of a layer's three products a [`Product`] is.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Forward,
+    InputGradient,
+    WeightGradient,
+}
+
+/// A product as the BF16 fast path runs it: `(m, n, k)`, the stored row widths of A and B, and
+/// which operand it rounds in the timing (the others are cached copies or rounded for an earlier
+/// product of the same layer).
+struct Cached {
+    mnk: (usize, usize, usize),
+    lds: (usize, usize),
+    cast_a: bool,
+    cast_b: bool,
+}
+
+/// `p` on the fast path, the head over `padded` rows of the vocabulary (as `GpuStage` runs it).
+fn cached(p: &Product, padded: usize) -> Cached {
+    let (m, n, k) = p.mnk;
+    match (p.role, p.head) {
+        // x rounded (the head's hh once, for its weight gradient too), W its copy.
+        (Role::Forward, head) => Cached {
+            mnk: if head { (m, padded, k) } else { p.mnk },
+            lds: (k, k),
+            cast_a: true,
+            cast_b: false,
+        },
+        // dy (the logits' gradient, padded columns zero) rounded, W its copy.
+        (Role::InputGradient, head) => {
+            let k = if head { padded } else { k };
+            Cached {
+                mnk: (m, n, k),
+                lds: (k, n),
+                cast_a: true,
+                cast_b: false,
+            }
+        }
+        // dy rounded for the input gradient; x rounded again (the head's hh was kept).
+        (Role::WeightGradient, head) => Cached {
+            mnk: p.mnk,
+            lds: (if head { padded } else { m }, n),
+            cast_a: false,
+            cast_b: !head,
+        },
+    }
 }
 
 /// A product's time in one way of computing it.
@@ -31,7 +86,8 @@ pub struct GemmTime {
     pub what: String,
     /// `(m, n, k)`.
     pub mnk: (usize, usize, usize),
-    /// How: `fp32`, `tf32`, `bf16 fast (fp32 operands)`, `bf16 operands`, `bf16 operands + casts`.
+    /// How: `fp32`, `tf32`, `bf16 fast (fp32 operands)`, `bf16 operands`, `bf16 operands + casts`,
+    /// `bf16 cached weights + casts` (the stage's default: the head's `n` or `k` padded).
     pub how: &'static str,
     /// Median milliseconds per product.
     pub ms: f64,
@@ -52,13 +108,17 @@ pub struct GemmReport {
     pub bf16_operands_vs_fast_rel_l2: f64,
 }
 
-const WAYS: [&str; 5] = [
+const WAYS: [&str; 6] = [
     "fp32",
     "tf32",
     "bf16 fast (fp32 operands)",
     "bf16 operands",
     "bf16 operands + casts",
+    CACHED,
 ];
+
+/// The BF16 fast path's way.
+const CACHED: &str = "bf16 cached weights + casts";
 
 fn products(rows: usize, c: usize, vocab: usize, head_rows: usize) -> Vec<Product> {
     let mut out = Vec::new();
@@ -70,27 +130,59 @@ fn products(rows: usize, c: usize, vocab: usize, head_rows: usize) -> Vec<Produc
     ];
     // As `Gpu::linear_forward` and `Gpu::linear_backward` call them.
     for (name, d_in, d_out) in linears {
-        let p = |what: &str, mnk, ta, tb| Product {
+        let p = |what: &str, mnk, ta, tb, role| Product {
             what: format!("{name} {what}"),
             mnk,
             ta,
             tb,
+            role,
+            head: false,
         };
-        out.push(p("forward", (rows, d_out, d_in), false, true));
-        out.push(p("input gradient", (rows, d_in, d_out), false, false));
-        out.push(p("weight gradient", (d_out, d_in, rows), true, false));
+        out.push(p(
+            "forward",
+            (rows, d_out, d_in),
+            false,
+            true,
+            Role::Forward,
+        ));
+        let mnk = (rows, d_in, d_out);
+        out.push(p("input gradient", mnk, false, false, Role::InputGradient));
+        let mnk = (d_out, d_in, rows);
+        out.push(p("weight gradient", mnk, true, false, Role::WeightGradient));
     }
     // As the stage's head runs one chunk of rows.
     let r = head_rows.min(rows);
-    let h = |what: &str, mnk, ta, tb| Product {
+    let h = |what: &str, mnk, ta, tb, role| Product {
         what: format!("lm_head {what}"),
         mnk,
         ta,
         tb,
+        role,
+        head: true,
     };
-    out.push(h("forward (one chunk)", (r, vocab, c), false, true));
-    out.push(h("input gradient (one chunk)", (r, c, vocab), false, false));
-    out.push(h("weight gradient (one chunk)", (vocab, c, r), true, false));
+    out.push(h(
+        "forward (one chunk)",
+        (r, vocab, c),
+        false,
+        true,
+        Role::Forward,
+    ));
+    let mnk = (r, c, vocab);
+    out.push(h(
+        "input gradient (one chunk)",
+        mnk,
+        false,
+        false,
+        Role::InputGradient,
+    ));
+    let mnk = (vocab, c, r);
+    out.push(h(
+        "weight gradient (one chunk)",
+        mnk,
+        true,
+        false,
+        Role::WeightGradient,
+    ));
     out
 }
 
@@ -103,10 +195,23 @@ pub fn run(
 ) -> Result<GemmReport> {
     gpu.bind()?;
     let list = products(rows, c, vocab, head_rows);
-    let biggest = |f: fn(&Product) -> usize| list.iter().map(f).max().unwrap_or(1);
-    let a_len = biggest(|p| p.mnk.0 * p.mnk.2);
-    let b_len = biggest(|p| p.mnk.1 * p.mnk.2);
-    let c_len = biggest(|p| p.mnk.0 * p.mnk.1);
+    let padded = vocab.div_ceil(VOCAB_PADDING) * VOCAB_PADDING;
+    // Room for every way's operands (the fast path's head reads rows of the padded vocabulary).
+    let biggest = |f: &dyn Fn(&Product, &Cached) -> usize| {
+        list.iter()
+            .map(|p| f(p, &cached(p, padded)))
+            .max()
+            .unwrap_or(1)
+    };
+    let a_len = biggest(&|p, q| {
+        let ((m, _, k), lda) = (q.mnk, q.lds.0);
+        (p.mnk.0 * p.mnk.2).max(if p.ta { k * lda } else { m * lda })
+    });
+    let b_len = biggest(&|p, q| {
+        let ((_, n, k), ldb) = (q.mnk, q.lds.1);
+        (p.mnk.1 * p.mnk.2).max(if p.tb { n * ldb } else { k * ldb })
+    });
+    let c_len = biggest(&|p, q| (p.mnk.0 * p.mnk.1).max(q.mnk.0 * q.mnk.1));
     let random = |n: usize, salt: u64| -> Vec<f32> {
         (0..n as u64)
             .map(|i| {
@@ -124,9 +229,10 @@ pub fn run(
     let mut worst: f64 = 0.0;
     let before = gpu.precision();
     for p in &list {
-        let (m, n, k) = p.mnk;
         let t = (p.ta, p.tb);
+        let path = cached(p, padded);
         for how in WAYS {
+            let (m, n, k) = if how == CACHED { path.mnk } else { p.mnk };
             let once = |gpu: &mut Gpu, dst: u64| -> Result<()> {
                 match how {
                     "fp32" | "tf32" | "bf16 fast (fp32 operands)" => {
@@ -142,13 +248,24 @@ pub fn run(
                         gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
                         gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16)
                     }
+                    CACHED => {
+                        if path.cast_a {
+                            gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
+                        }
+                        if path.cast_b {
+                            gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
+                        }
+                        let (a16, b16) = (a16.ptr(), b16.ptr());
+                        gpu.gemm_bf16(dst, a16, b16, path.mnk, t, path.lds, 0.0)
+                    }
                     _ => gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16),
                 }
             };
-            if how == "bf16 operands" {
-                // Operands rounded once, outside the timing.
-                gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
-                gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
+            if how == "bf16 operands" || how == CACHED {
+                // Operands rounded once, outside the timing (the fast path's weight copies and the
+                // operands an earlier product rounded).
+                gpu.to_bf16(a16.ptr(), a.ptr(), a_len)?;
+                gpu.to_bf16(b16.ptr(), b.ptr(), b_len)?;
             }
             let dst = if how == "bf16 fast (fp32 operands)" {
                 fast.ptr()
@@ -158,7 +275,7 @@ pub fn run(
             let median = median_ms(gpu, reps, |gpu| once(gpu, dst))?;
             times.push(GemmTime {
                 what: p.what.clone(),
-                mnk: p.mnk,
+                mnk: (m, n, k),
                 how,
                 ms: median,
                 tflops: 2.0 * (m * n * k) as f64 / (median * 1e-3) / 1e12,
@@ -219,6 +336,7 @@ fn rel_l2(x: &[f32], y: &[f32]) -> f64 {
 #[cfg(all(test, feature = "emulate"))]
 mod tests {
     use super::*;
+    use crate::kernels::Bf16Path;
 
     /// Round to nearest even, in Rust: what `to_bf16` must give.
     fn bf16_bits(x: f32) -> u16 {
@@ -273,7 +391,11 @@ mod tests {
             let (da, db) = (gpu.upload(&a).unwrap(), gpu.upload(&b).unwrap());
             let c: Buf<f32> = gpu.zeros(m * n).unwrap();
             let run = |gpu: &mut Gpu, on: bool, precision| {
-                gpu.set_bf16_operands(on);
+                gpu.set_bf16_path(if on {
+                    Bf16Path::Operands
+                } else {
+                    Bf16Path::Fp32Operands
+                });
                 gpu.set_precision(precision);
                 gpu.gemm(c.ptr(), da.ptr(), db.ptr(), (m, n, k), ta, tb, 0.0)
                     .unwrap();

@@ -963,11 +963,14 @@ ATTN_TC_INSTANCES(128)
 // ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over a chunk of logits, in place: one block per row. logits (R, V) become
 // grad_scale * (softmax - onehot(target)); loss[r] = logsumexp - logit[target].
+// Rows are `ld >= v` floats apart (the BF16 head's padded vocabulary): only the first v columns are
+// read; with want_grad the padded columns v..ld are set to 0, so a product over the padded width
+// adds exact zeros for them.
 extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, const unsigned int* targets, int v,
-                                                 float grad_scale, int want_grad) {
+                                                 int ld, float grad_scale, int want_grad) {
     __shared__ float scratch[32];
     int r = blockIdx.x;
-    float* row = logits + (size_t)r * v;
+    float* row = logits + (size_t)r * ld;
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, row[j]);
     mx = block_max(mx, scratch);
@@ -985,6 +988,7 @@ extern "C" __global__ void softmax_cross_entropy(float* logits, float* loss, con
         float pr = expf(row[j] - mx) * inv;
         row[j] = grad_scale * (pr - (j == (int)tgt ? 1.0f : 0.0f));
     }
+    for (int j = v + threadIdx.x; j < ld; j += blockDim.x) row[j] = 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,11 +8,54 @@ use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
 use crate::types::{Arg, Operands, int};
 
-/// BF16 copies of a product's two operands, for BF16 mode with [`Gpu::set_bf16_operands`]: grown
-/// to the largest product seen and reused (products run in order on one stream).
+/// How BF16 mode feeds its matrix products to the tensor cores ([`Gpu::set_bf16_path`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// The stage keeps BF16 copies of its weights, refreshed once after each update, and rounds
+    /// only the activation operand of a product into BF16 (once where two products share it);
+    /// the LM head's products run over a vocabulary padded to a multiple of
+    /// [`crate::stage::VOCAB_PADDING`]. The default.
+    #[default]
+    CachedWeights,
+    /// Both operands of every product rounded into BF16 copies first ([`Gpu::to_bf16`]).
+    Operands,
+    /// FP32 operands that cuBLAS rounds itself (`CUBLAS_COMPUTE_32F_FAST_16BF`).
+    Fp32Operands,
+}
+
+impl Bf16Path {
+    /// The path's name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::CachedWeights => "cached-weights",
+            Bf16Path::Operands => "operands",
+            Bf16Path::Fp32Operands => "fp32-operands",
+        }
+    }
+}
+
+impl std::str::FromStr for Bf16Path {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [
+            Bf16Path::CachedWeights,
+            Bf16Path::Operands,
+            Bf16Path::Fp32Operands,
+        ]
+        .into_iter()
+        .find(|p| p.name() == s)
+        .ok_or_else(|| {
+            format!("unknown BF16 path {s:?}: use cached-weights, operands or fp32-operands")
+        })
+    }
+}
+
+/// BF16 mode's path, and the BF16 copies of a product's two operands for
+/// [`Bf16Path::Operands`]: grown to the largest product seen and reused (products run in order
+/// on one stream).
 #[derive(Default)]
 pub(crate) struct OperandScratch {
-    on: bool,
+    path: Bf16Path,
     bufs: RefCell<[Option<Buf<u16>>; 2]>,
 }
 
@@ -98,11 +141,13 @@ fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
 }
 
 impl Gpu {
-    /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_of` for the layout), the one entry
-    /// point of the stage's products. In BF16 mode cuBLAS reads the FP32 operands and rounds them
-    /// itself, or — with [`Gpu::set_bf16_operands`] — the operands are first rounded into BF16
-    /// copies by [`Gpu::to_bf16`] and multiplied as BF16 ([`Operands::Bf16`]); both accumulate in
-    /// FP32. `seqpipe gpu gemm` times the two.
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_of` for the layout), the entry
+    /// point of the stage's products on FP32 operands. In BF16 mode cuBLAS reads the FP32 operands
+    /// and rounds them itself, or — with [`Bf16Path::Operands`] — the operands are first rounded
+    /// into BF16 copies by [`Gpu::to_bf16`] and multiplied as BF16 ([`Operands::Bf16`]); both
+    /// accumulate in FP32. (With [`Bf16Path::CachedWeights`] the stage passes BF16 operands itself,
+    /// through [`Gpu::gemm_bf16`]; FP32 operands reaching here are read as in FP32 operands mode.)
+    /// `seqpipe gpu gemm` times the ways.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm(
         &self,
@@ -132,15 +177,44 @@ impl Gpu {
         self.gemm_of(c, a16, b16, (m, n, k), (ta, tb), beta, Operands::Bf16)
     }
 
-    /// Whether BF16 mode's products round their operands into BF16 copies first (instead of
-    /// cuBLAS reading them as FP32); off by default.
-    pub fn set_bf16_operands(&mut self, on: bool) {
-        self.operands.on = on;
+    /// Row-major `C (m, n) = op(A) op(B) + beta · C` of BF16 operands (16-bit words, as
+    /// [`Gpu::to_bf16`] writes them) with FP32 accumulation, `A` and `B` stored in rows of `lda`
+    /// and `ldb` values (at least what the shapes imply).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_bf16(
+        &self,
+        c: u64,
+        a16: u64,
+        b16: u64,
+        mnk: (usize, usize, usize),
+        transposed: (bool, bool),
+        lds: (usize, usize),
+        beta: f32,
+    ) -> Result<()> {
+        self.gemm_ld_of(c, a16, b16, mnk, transposed, lds, beta, Operands::Bf16)
     }
 
-    /// Whether products run on BF16 operand copies: BF16 mode with [`Gpu::set_bf16_operands`].
+    /// How BF16 mode feeds its products ([`Bf16Path::CachedWeights`] unless set). A stage reads
+    /// it when it is built: set it before.
+    pub fn set_bf16_path(&mut self, path: Bf16Path) {
+        self.operands.path = path;
+    }
+
+    /// BF16 mode's path (whatever the precision).
+    pub fn bf16_path(&self) -> Bf16Path {
+        self.operands.path
+    }
+
+    /// Whether products run on per-product BF16 copies of both operands: BF16 mode with
+    /// [`Bf16Path::Operands`].
     pub fn bf16_operands(&self) -> bool {
-        self.operands.on && self.precision() == Precision::Bf16
+        self.operands.path == Bf16Path::Operands && self.precision() == Precision::Bf16
+    }
+
+    /// Whether a stage keeps BF16 copies of its weights: BF16 mode with
+    /// [`Bf16Path::CachedWeights`].
+    pub fn bf16_weight_copies(&self) -> bool {
+        self.operands.path == Bf16Path::CachedWeights && self.precision() == Precision::Bf16
     }
 
     /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table).
@@ -694,7 +768,29 @@ impl Gpu {
         grad_scale: f32,
         want_grad: bool,
     ) -> Result<()> {
+        self.softmax_cross_entropy_rows(logits, loss, targets, rows, (v, v), grad_scale, want_grad)
+    }
+
+    /// [`Gpu::softmax_cross_entropy`] of logits rows `ld >= v` floats apart (a padded vocabulary):
+    /// only the first `v` columns are read; with `want_grad` the columns `v..ld` are set to 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn softmax_cross_entropy_rows(
+        &self,
+        logits: u64,
+        loss: u64,
+        targets: u64,
+        rows: usize,
+        (v, ld): (usize, usize),
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> Result<()> {
         const OP: &str = "softmax_cross_entropy";
+        if ld < v {
+            return shape(
+                OP,
+                format!("rows of {ld} logits cannot hold a vocabulary of {v}"),
+            );
+        }
         self.launch(
             OP,
             (int(rows, OP, "rows")? as u32, 1, 1),
@@ -704,6 +800,7 @@ impl Gpu {
                 Arg::P(loss),
                 Arg::P(targets),
                 Arg::I(int(v, OP, "vocab")?),
+                Arg::I(int(ld, OP, "row stride")?),
                 Arg::F(grad_scale),
                 Arg::I(want_grad as i32),
             ],

@@ -47,4 +47,4 @@ mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
-pub use kernels::AttnShape;
+pub use kernels::{AttnShape, Bf16Path};

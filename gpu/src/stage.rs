@@ -21,6 +21,14 @@
 //! the boundary tensors of device links to the neighbouring stages (`links`): those are received
 //! into, kept in and sent from buffers of the stage.
 //!
+//! BF16 mode's default path ([`Bf16Path::CachedWeights`]) keeps BF16 copies of the weights of
+//! every product ([`Bf16Weights`]), refreshed once after each change of the FP32 master weights
+//! (build, update, load), and rounds only the activation operand of a product into BF16 (once where
+//! two products share it); the LM head's copy has the vocabulary padded to a multiple of
+//! [`VOCAB_PADDING`] rows (zero past the real ones), so its products run on aligned rows. The
+//! copies are derived data: the state, snapshots and parameter shapes keep the real vocabulary and
+//! never include them. FP32 master weights, gradients and AdamW moments are as in every mode.
+//!
 //! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
 //! returns at once; the next update waits for that copy on the device before it overwrites them.
@@ -34,9 +42,11 @@ use ops::SumTree;
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::AttnShape;
+use crate::kernels::{AttnShape, Bf16Path};
 use crate::offload::{Download, Fence, StagingPool};
 
+#[cfg(all(test, feature = "emulate"))]
+mod bf16_tests;
 mod links;
 pub use links::Side;
 use links::{Flow, Links};
@@ -213,6 +223,82 @@ struct Scratch {
 /// Rows of the LM head's logits that exist at once (the logits of a whole batch never do).
 pub const CHUNK_ROWS: usize = 4096;
 
+/// The BF16 fast path pads the LM head's vocabulary to a multiple of this many rows (as llm.c
+/// pads 50257 to 50304), unless [`GpuStage::set_vocab_padding`] says otherwise.
+pub const VOCAB_PADDING: usize = 64;
+
+/// BF16 copies of the weights of a stage's matrix products (BF16 mode, [`Bf16Path::CachedWeights`]):
+/// derived from the FP32 master weights by [`GpuStage::refresh_bf16_weights`] after every change of
+/// them, never part of the state. The LM head's copy has `head_rows` rows (the vocabulary padded;
+/// the rows past the vocabulary are zero and stay so).
+struct Bf16Weights {
+    /// Every copy, one after another.
+    words: Buf<u16>,
+    /// `(slot, offset of its copy in words)` of each copied weight.
+    copies: Vec<(usize, usize)>,
+    /// The offset of each copied weight's copy, by name.
+    at: HashMap<String, usize>,
+    /// Rows of the LM head's copy and row width of its logits: the vocabulary padded.
+    head_rows: usize,
+    /// What the vocabulary was padded to a multiple of.
+    padding: usize,
+    /// Two BF16 activation operands of a product (each rounded per product), sized by
+    /// `fix_batch`: the first for `dy` or the logits' gradient, the second for `x`.
+    operands: Option<[Buf<u16>; 2]>,
+}
+
+impl Bf16Weights {
+    /// Room for a copy of every linear weight of `slots` (not the embedding tables, which are
+    /// gathered, not multiplied), the head's padded to a multiple of `padding` rows.
+    fn new(gpu: &Gpu, slots: &[Slot], vocab: usize, padding: usize) -> Result<Bf16Weights> {
+        if padding == 0 {
+            return shape(
+                "GpuStage::set_vocab_padding",
+                "a padding to a multiple of 0",
+            );
+        }
+        let head_rows = vocab.div_ceil(padding) * padding;
+        let (mut copies, mut at, mut len) = (Vec::new(), HashMap::new(), 0);
+        for (i, s) in slots.iter().enumerate() {
+            let linear = s.dims.len() == 2 && s.name.ends_with(".weight");
+            if !linear || s.name == "wte.weight" || s.name == "wpe.weight" {
+                continue;
+            }
+            copies.push((i, len));
+            at.insert(s.name.clone(), len);
+            len += if s.name == "lm_head.weight" {
+                head_rows * s.dims[1]
+            } else {
+                s.len
+            };
+        }
+        Ok(Bf16Weights {
+            words: gpu.zeros(len.max(1))?,
+            copies,
+            at,
+            head_rows,
+            padding,
+            operands: None,
+        })
+    }
+
+    /// Device address of weight `name`'s BF16 copy.
+    fn weight(&self, name: &str) -> Result<u64> {
+        match self.at.get(name) {
+            Some(&off) => Ok(self.words.at(off)),
+            None => shape("GpuStage", format!("no BF16 copy of {name}")),
+        }
+    }
+
+    /// The two activation operand buffers `(dy or x, x)`.
+    fn operands(&self) -> Result<(u64, u64)> {
+        match &self.operands {
+            Some([a, b]) => Ok((a.ptr(), b.ptr())),
+            None => Err(order("GpuStage", "a product before the first forward")),
+        }
+    }
+}
+
 /// The step's gradients: per-micro-batch accumulators and their summation tree.
 #[derive(Default)]
 struct StepGrads {
@@ -260,6 +346,8 @@ pub struct GpuStage {
     peak_activation_bytes: usize,
     /// Device links to the neighbouring stages and their boundary tensors.
     links: Links,
+    /// BF16 copies of the weights, in BF16 mode with [`Bf16Path::CachedWeights`].
+    bf16: Option<Bf16Weights>,
 }
 
 // SAFETY: a `Gpu` holds a raw cuBLAS handle, which makes it `!Send`. The stage owns its `Gpu`
@@ -433,6 +521,7 @@ impl GpuStage {
             grads: StepGrads::default(),
             peak_activation_bytes: 0,
             links: Links::default(),
+            bf16: None,
             plan,
         };
         for (name, dims) in stage.expected_params() {
@@ -450,7 +539,80 @@ impl GpuStage {
                 Some(_) => {}
             }
         }
+        let mut stage = stage;
+        if stage.gpu.bf16_weight_copies() {
+            stage.set_bf16_weights(VOCAB_PADDING)?;
+        }
         Ok(stage)
+    }
+
+    /// Builds the BF16 weight copies with the head's vocabulary padded to a multiple of `padding`
+    /// and fills them from the master weights.
+    fn set_bf16_weights(&mut self, padding: usize) -> Result<()> {
+        let vocab = self.plan.model.vocab;
+        self.bf16 = Some(Bf16Weights::new(&self.gpu, &self.slots, vocab, padding)?);
+        self.refresh_bf16_weights()
+    }
+
+    /// Rewrites the BF16 weight copies (if any) from the FP32 master weights: after every change
+    /// of them. The head copy's padded rows are never written (zero since allocation).
+    fn refresh_bf16_weights(&self) -> Result<()> {
+        let Some(w16) = &self.bf16 else {
+            return Ok(());
+        };
+        for &(slot, off) in &w16.copies {
+            let s = &self.slots[slot];
+            self.gpu
+                .to_bf16(w16.words.at(off), self.values.at(s.offset), s.len)?;
+        }
+        Ok(())
+    }
+
+    /// Pads the LM head's vocabulary (BF16 fast path only) to a multiple of `multiple` instead of
+    /// [`VOCAB_PADDING`]; 1 means no padding. Before the first forward (the logits buffers are
+    /// sized by it).
+    pub fn set_vocab_padding(&mut self, multiple: usize) -> Result<()> {
+        const OP: &str = "GpuStage::set_vocab_padding";
+        if multiple == 0 {
+            return shape(OP, "a padding to a multiple of 0 (1 means no padding)");
+        }
+        if self.batch.is_some() {
+            return Err(order(
+                OP,
+                "the vocabulary's padding is set before the first forward",
+            ));
+        }
+        self.gpu.bind()?;
+        if self.bf16.is_some() {
+            self.set_bf16_weights(multiple)?;
+        }
+        Ok(())
+    }
+
+    /// Row width of the LM head's logits: the vocabulary, padded on the BF16 fast path.
+    pub fn head_rows(&self) -> usize {
+        self.bf16
+            .as_ref()
+            .map_or(self.plan.model.vocab, |w| w.head_rows)
+    }
+
+    /// Which way the stage's products run: `fp32`/`tf32`, or BF16 mode's [`Bf16Path`] (with the
+    /// padding of the head's vocabulary on the fast path).
+    pub fn products(&self) -> String {
+        match (&self.bf16, self.gpu.precision()) {
+            (Some(w), _) => format!(
+                "bf16 {} (vocabulary padded to a multiple of {})",
+                Bf16Path::CachedWeights.name(),
+                w.padding
+            ),
+            (None, crate::Precision::Bf16) => format!("bf16 {}", self.gpu.bf16_path().name()),
+            (None, p) => p.name().to_string(),
+        }
+    }
+
+    /// Bytes of the BF16 weight copies (0 off the BF16 fast path).
+    pub fn bf16_weight_bytes(&self) -> usize {
+        self.bf16.as_ref().map_or(0, |w| 2 * w.words.len())
     }
 
     /// The device.
@@ -468,9 +630,10 @@ impl GpuStage {
         self.numel
     }
 
-    /// Bytes of the training state: parameters, one gradient buffer, two moments.
+    /// Bytes of the training state: parameters, one gradient buffer, two moments, and the BF16
+    /// weight copies of the fast path.
     pub fn state_bytes(&self) -> usize {
-        4 * 4 * self.numel
+        4 * 4 * self.numel + self.bf16_weight_bytes()
     }
 
     /// Every parameter the plan needs, with its dims (linear weights `(out, in)`).
@@ -541,8 +704,20 @@ impl GpuStage {
         } else {
             0
         };
-        let w = self.at(&self.values, &format!("{name}.weight"));
-        self.gpu.linear_forward(y, x, w, b, n, d_in, d_out)
+        let Some(w16) = &self.bf16 else {
+            let w = self.at(&self.values, &format!("{name}.weight"));
+            return self.gpu.linear_forward(y, x, w, b, n, d_in, d_out);
+        };
+        let (_, x16) = w16.operands()?;
+        let w = w16.weight(&format!("{name}.weight"))?;
+        self.gpu.to_bf16(x16, x, n * d_in)?;
+        let lds = (d_in, d_in);
+        self.gpu
+            .gemm_bf16(y, x16, w, (n, d_out, d_in), (false, true), lds, 0.0)?;
+        if b != 0 {
+            self.gpu.add_bias(y, b, n, d_out)?;
+        }
+        Ok(())
     }
 
     /// Backward of [`GpuStage::linear_forward`]: `dx = dy W`, the weight (and with `bias` the
@@ -564,9 +739,29 @@ impl GpuStage {
         } else {
             0
         };
-        let (dw, w) = (self.grad_at(acc, &weight), self.at(&self.values, &weight));
-        self.gpu
-            .linear_backward(dx, dw, db, dy, x, w, n, d_in, d_out, sc)
+        let dw = self.grad_at(acc, &weight);
+        let Some(w16) = &self.bf16 else {
+            let w = self.at(&self.values, &weight);
+            return self
+                .gpu
+                .linear_backward(dx, dw, db, dy, x, w, n, d_in, d_out, sc);
+        };
+        // dy rounded once for both products.
+        let gpu = &self.gpu;
+        let (dy16, x16) = w16.operands()?;
+        gpu.to_bf16(dy16, dy, n * d_out)?;
+        if dx != 0 {
+            let w = w16.weight(&weight)?;
+            let lds = (d_out, d_in);
+            gpu.gemm_bf16(dx, dy16, w, (n, d_in, d_out), (false, false), lds, 0.0)?;
+        }
+        gpu.to_bf16(x16, x, n * d_in)?;
+        let lds = (d_out, d_in);
+        gpu.gemm_bf16(dw, dy16, x16, (d_out, d_in, n), (true, false), lds, 1.0)?;
+        if db != 0 {
+            gpu.column_sum(db, dy, n, d_out, true, sc)?;
+        }
+        Ok(())
     }
 
     /// The attention of a segment `start..start + len` of `b` sequences: queries in the unit's
@@ -856,6 +1051,7 @@ impl GpuStage {
                 (inv_bc2 as f32, lr_bc1 as f32, (1.0 - lr * wd) as f32),
             )?;
         }
+        self.refresh_bf16_weights()?;
         self.clear_grads();
         Ok(())
     }
@@ -938,7 +1134,7 @@ impl GpuStage {
             }
         }
         self.adam_step = optimizer_step;
-        Ok(())
+        self.refresh_bf16_weights()
     }
 
     /// The most bytes of live activations since the last call.
@@ -1012,6 +1208,16 @@ impl GpuStage {
         let n = b * longest;
         let chunk = CHUNK_ROWS.min(n);
         let widest = f.max(3 * c).max(v);
+        let head = self.head_rows();
+        if self.bf16.is_some() {
+            // dy (or the logits' gradient) and x of one product; the head's only on the last stage.
+            let rows = n * f.max(c);
+            let logits = if self.plan.last { chunk * head } else { 0 };
+            let operands = [self.gpu.zeros(rows.max(logits))?, self.gpu.zeros(rows)?];
+            if let Some(w16) = self.bf16.as_mut() {
+                w16.operands = Some(operands);
+            }
+        }
         let z = |len: usize| self.gpu.zeros::<f32>(len);
         self.scratch = Some(Scratch {
             dx: z(n * c)?,
@@ -1021,7 +1227,11 @@ impl GpuStage {
             dff: z(n * f)?,
             delta: z(b * h * longest)?,
             columns: z(2 * Gpu::column_scratch_len(n.max(chunk), widest))?,
-            logits: if self.plan.last { z(chunk * v)? } else { z(1)? },
+            logits: if self.plan.last {
+                z(chunk * head)?
+            } else {
+                z(1)?
+            },
         });
         self.batch = Some(b);
         Ok(())
@@ -1366,10 +1576,27 @@ impl GpuStage {
             let rows = chunk.min(n - r0);
             let hh = unit.lnf.out.at(r0 * c);
             let (losses, targets) = (unit.losses.at(r0), unit.targets.at(r0));
-            self.gpu
-                .gemm(logits, hh, w, (rows, v, c), false, true, 0.0)?;
             let grad_scale = loss_scale as f32;
             let gpu = &self.gpu;
+            if let Some(w16) = &self.bf16 {
+                self.head_chunk_bf16(w16, (logits, hh, dw), (losses, targets), rows, grad_scale)?;
+                if train {
+                    let dh = unit.dhead.at(r0 * c);
+                    let (dlogits16, _) = w16.operands()?;
+                    let (w, vp) = (w16.weight("lm_head.weight")?, w16.head_rows);
+                    gpu.gemm_bf16(
+                        dh,
+                        dlogits16,
+                        w,
+                        (rows, c, vp),
+                        (false, false),
+                        (vp, c),
+                        0.0,
+                    )?;
+                }
+                continue;
+            }
+            gpu.gemm(logits, hh, w, (rows, v, c), false, true, 0.0)?;
             gpu.softmax_cross_entropy(logits, losses, targets, rows, v, grad_scale, train)?;
             if train {
                 // d(lnf) = dlogits W (rows, C); dW += dlogits^T lnf.
@@ -1380,6 +1607,43 @@ impl GpuStage {
         }
         let losses = self.gpu.download_prefix(&unit.losses, n)?;
         Ok(losses.iter().map(|&x| x as f64).sum())
+    }
+
+    /// One chunk of `rows` rows of the head on the BF16 fast path: `logits (rows, Vp) = hh W^T`
+    /// from the BF16 head copy (`Vp` its padded rows), the loss over the real `V` columns and
+    /// (with `dw` non-zero) their gradient, the padded columns zeroed, rounded into the first
+    /// operand buffer, and `dW (V, C) += dlogits[:, ..V]^T hh`: the real rows only, read from rows
+    /// `Vp` wide. The caller multiplies the rounded gradient by the copy for d(hh): the padded
+    /// columns meet the copy's zero rows, adding exact zeros.
+    fn head_chunk_bf16(
+        &self,
+        w16: &Bf16Weights,
+        (logits, hh, dw): (u64, u64, u64),
+        (losses, targets): (u64, u64),
+        rows: usize,
+        grad_scale: f32,
+    ) -> Result<()> {
+        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab);
+        let (vp, gpu, train) = (w16.head_rows, &self.gpu, dw != 0);
+        let (dlogits16, hh16) = w16.operands()?;
+        let w = w16.weight("lm_head.weight")?;
+        // hh rounded once for the logits and the weight gradient.
+        gpu.to_bf16(hh16, hh, rows * c)?;
+        gpu.gemm_bf16(logits, hh16, w, (rows, vp, c), (false, true), (c, c), 0.0)?;
+        gpu.softmax_cross_entropy_rows(logits, losses, targets, rows, (v, vp), grad_scale, train)?;
+        if train {
+            gpu.to_bf16(dlogits16, logits, rows * vp)?;
+            gpu.gemm_bf16(
+                dw,
+                dlogits16,
+                hh16,
+                (v, c, rows),
+                (true, false),
+                (vp, c),
+                1.0,
+            )?;
+        }
+        Ok(())
     }
 
     /// Backward of unit `(micro_batch, segment)`: `d_out (B·s, C)` from the next stage (none on
@@ -1638,12 +1902,34 @@ impl GpuStage {
         let w = self.at(&self.values, &name("attn.c_attn.weight"));
         let dw = self.grad_at(acc, &name("attn.c_attn.weight"));
         let db = self.grad_at(acc, &name("attn.c_attn.bias"));
+        let ln1 = a.ln1.out.ptr();
+        // The BF16 fast path: the weight's copy, and ln1 rounded once for the three products.
+        let fast = match &self.bf16 {
+            Some(w16) => {
+                let (dy16, ln1_16) = w16.operands()?;
+                gpu.to_bf16(ln1_16, ln1, n * c)?;
+                Some((w16.weight(&name("attn.c_attn.weight"))?, dy16, ln1_16))
+            }
+            None => None,
+        };
         for i in 0..3 {
             let dy = dqkv.at(i * n * c);
             let (w_i, dw_i) = (w + (i * c * c * 4) as u64, dw + (i * c * c * 4) as u64);
             let beta = if i == 0 { 0.0 } else { 1.0 };
-            gpu.gemm(dln, dy, w_i, (n, c, c), false, false, beta)?;
-            gpu.gemm(dw_i, dy, a.ln1.out.ptr(), (c, c, n), true, false, 1.0)?;
+            match fast {
+                Some((w16, dy16, ln1_16)) => {
+                    let w16_i = w16 + (i * c * c * 2) as u64;
+                    gpu.to_bf16(dy16, dy, n * c)?;
+                    let t = (false, false);
+                    gpu.gemm_bf16(dln, dy16, w16_i, (n, c, c), t, (c, c), beta)?;
+                    let t = (true, false);
+                    gpu.gemm_bf16(dw_i, dy16, ln1_16, (c, c, n), t, (c, c), 1.0)?;
+                }
+                None => {
+                    gpu.gemm(dln, dy, w_i, (n, c, c), false, false, beta)?;
+                    gpu.gemm(dw_i, dy, ln1, (c, c, n), true, false, 1.0)?;
+                }
+            }
             gpu.column_sum(db + (i * c * 4) as u64, dy, n, c, true, sc)?;
         }
         self.norm_backward(dtmp, dln, a.x.ptr(), &a.ln1, &name("ln_1"), (n, acc, sc))?;

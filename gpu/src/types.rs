@@ -12,9 +12,9 @@ pub enum Precision {
     Fp32,
     /// FP32 inputs, TF32 tensor cores (`COMPUTE_32F_FAST_TF32`).
     Tf32,
-    /// FP32 inputs rounded to BF16 for the tensor cores, FP32 accumulation
-    /// (`COMPUTE_32F_FAST_16BF`), attention included; master weights, gradients and AdamW state
-    /// stay FP32.
+    /// BF16 operands on the tensor cores with FP32 accumulation, attention included (how the
+    /// products get them: `kernels::Bf16Path`, by default BF16 copies of the weights and
+    /// activations rounded per product); master weights, gradients and AdamW state stay FP32.
     Bf16,
 }
 
