@@ -318,7 +318,8 @@ fn worker_that_cannot_connect_is_an_error() {
     let dir = fresh_dir("worker");
     let cfg = dir.join("config.toml");
     std::fs::write(&cfg, "[pipeline]\ntimeout_s = 2.0\n").unwrap();
-    // Nothing listens on port 9 of loopback (discard); the connection is refused.
+    // Nothing listens on port 9 of loopback (discard); the connection is refused. The token is
+    // set: a worker without one is refused before it tries to connect (tested above).
     let err = run_err(
         seqpipe()
             .args([
@@ -329,7 +330,8 @@ fn worker_that_cannot_connect_is_an_error() {
                 "0",
                 "--config",
             ])
-            .arg(&cfg),
+            .arg(&cfg)
+            .env("SEQPIPE_JOB_TOKEN", "worker-connect-test-secret"),
     );
     assert!(err.contains("127.0.0.1:9"), "{err}");
 }

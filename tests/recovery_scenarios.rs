@@ -765,7 +765,10 @@ fn out_of_vocabulary_data(name: &str) -> String {
         .flat_map(|t| (t % 1000).to_le_bytes())
         .collect();
     std::fs::write(data.join("train.bin"), &tokens).unwrap();
-    std::fs::write(data.join("val.bin"), &tokens).unwrap();
+    // The launcher checks every token of val.bin before any worker starts (and would stop the run
+    // there); train.bin is checked by the stage that reads it, which is the failure tested here.
+    let val: Vec<u8> = (0..4000u16).flat_map(|t| (t % 64).to_le_bytes()).collect();
+    std::fs::write(data.join("val.bin"), &val).unwrap();
     format!("data.source={}", data.display())
 }
 
