@@ -223,7 +223,7 @@ if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null 2>&1; then
   fi
 fi
 if [ "$real_root" != 1 ]; then
-  note "note: not root: tests/partition.rs (network namespaces) needs root and will fail with its own message; run it with \`sudo -E cargo test --release --test partition\`"
+  note "note: not root: tests/partition.rs (network namespaces) and tests/final_checkpoint.rs (a tmpfs mount) need root and will fail with their own messages; run them with \`sudo -E cargo test --release --test partition --test final_checkpoint\`"
 fi
 
 note "dependencies ready in $(since "$deps_start")"
