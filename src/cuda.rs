@@ -128,8 +128,10 @@ pub struct GpuBenchArgs {
     /// of the weights refreshed after each update, activations rounded per product, the head's
     /// vocabulary padded to a multiple of 64), `operands` (both operands of every product rounded
     /// first) or `fp32-operands` (cuBLAS rounds FP32 operands). Reported in `impl`.
-    #[arg(long, default_value = "cached-weights")]
-    bf16_path: gpu::Bf16Path,
+    // A string: without the `cuda` feature the gpu crate, and its `Bf16Path`, is not built.
+    #[arg(long, default_value = "cached-weights",
+          value_parser = ["cached-weights", "operands", "fp32-operands"])]
+    bf16_path: String,
     /// Same as `--bf16-path operands` (kept for older scripts).
     #[arg(long, conflicts_with = "bf16_path")]
     bf16_operands: bool,
@@ -407,7 +409,7 @@ mod enabled {
         g.set_bf16_path(if args.bf16_operands {
             gpu::Bf16Path::Operands
         } else {
-            args.bf16_path
+            args.bf16_path.parse().map_err(anyhow::Error::msg)?
         });
         let layout = StageLayout {
             stage: 0,
