@@ -376,25 +376,6 @@ impl Gpu {
         .during(|| format!("launching {name}"))
     }
 
-    /// Row-major `C (m, n) = alpha · op(A) op(B) + beta · C` with `op(A)` `(m, k)` and `op(B)`
-    /// `(k, n)`; `ta`/`tb` say that `A` is stored `(k, m)` / `B` is stored `(n, k)`. Leading
-    /// dimensions are the stored row widths. `C` is FP32; FP32 operands compute as the precision
-    /// says, BF16 ones with FP32 accumulation (see [`Gpu::gemm`], which the stage calls).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_of(
-        &self,
-        c: u64,
-        a: u64,
-        b: u64,
-        (m, n, k): (usize, usize, usize),
-        (ta, tb): (bool, bool),
-        beta: f32,
-        operands: Operands,
-    ) -> Result<()> {
-        let lds = (if ta { m } else { k }, if tb { k } else { n });
-        self.gemm_ld_of(c, a, b, (m, n, k), (ta, tb), lds, beta, operands)
-    }
-
     /// [`Gpu::gemm_of`] with the stored row widths of `A` and `B` given (`lda`, `ldb`: at least
     /// the widths the shapes imply; wider rows are skipped past), as the padded LM head's weight
     /// gradient reads `dlogits` rows of the padded vocabulary.

@@ -253,24 +253,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Row-major `C (m, n) = op(A) op(B) + beta · C` as `device::Gpu::gemm_of` (cuBLAS) computes
-    /// it, with FP32 accumulation in `k` order (FP32 operands are multiplied as FP32 whatever the
-    /// precision).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_of(
-        &self,
-        c: u64,
-        a: u64,
-        b: u64,
-        (m, n, k): (usize, usize, usize),
-        (ta, tb): (bool, bool),
-        beta: f32,
-        operands: Operands,
-    ) -> Result<()> {
-        let lds = (if ta { m } else { k }, if tb { k } else { n });
-        self.gemm_ld_of(c, a, b, (m, n, k), (ta, tb), lds, beta, operands)
-    }
-
     /// `device::Gpu::gemm_ld_of`: [`Gpu::gemm_of`] with the stored row widths of `A` and `B`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_ld_of(

@@ -141,6 +141,26 @@ fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
 }
 
 impl Gpu {
+    /// Row-major `C (m, n) = alpha · op(A) op(B) + beta · C` with `op(A)` `(m, k)` and `op(B)`
+    /// `(k, n)`; `ta`/`tb` say that `A` is stored `(k, m)` / `B` is stored `(n, k)`, and the rows
+    /// are stored as narrow as the shapes allow. `C` is FP32; FP32 operands compute as the
+    /// precision says, BF16 ones with FP32 accumulation. Both backends (cuBLAS and the emulation)
+    /// implement only `gemm_ld_of`, which takes the stored row widths.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_of(
+        &self,
+        c: u64,
+        a: u64,
+        b: u64,
+        (m, n, k): (usize, usize, usize),
+        (ta, tb): (bool, bool),
+        beta: f32,
+        operands: Operands,
+    ) -> Result<()> {
+        let lds = (if ta { m } else { k }, if tb { k } else { n });
+        self.gemm_ld_of(c, a, b, (m, n, k), (ta, tb), lds, beta, operands)
+    }
+
     /// Row-major `C (m, n) = op(A) op(B) + beta · C` (see `gemm_of` for the layout), the entry
     /// point of the stage's products on FP32 operands. In BF16 mode cuBLAS reads the FP32 operands
     /// and rounds them itself, or — with [`Bf16Path::Operands`] — the operands are first rounded
