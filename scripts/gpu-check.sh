@@ -505,9 +505,21 @@ ways = [w for w, _ in r["totals_ms"]]
 print(f"{'product':<36} {'m x n x k':>20} " + " ".join(f"{w[:22]:>23}" for w in ways))
 rows = {}
 for t in r["times"]:
-    rows.setdefault((t["what"], tuple(t["mnk"])), {})[t["how"]] = t
-for (what, mnk), by in rows.items():
-    print(f"{what:<36} {'x'.join(map(str, mnk)):>20} " + " ".join(f"{by[w]['ms']:>9.3f} ms {by[w]['tflops']:>6.0f} TF" for w in ways))
+    rows.setdefault(t["what"], {})[t["how"]] = t
+for what, by in rows.items():
+    # A way may multiply padded shapes (the cached BF16 head's vocabulary is padded to a multiple
+    # of 64): the row shows the first way's m x n x k and marks a cell whose shape differs with *.
+    mnk = next(iter(by.values()))["mnk"]
+    cells = []
+    for w in ways:
+        t = by.get(w)
+        if t is None:
+            cells.append(f"{'-':>23}")
+        else:
+            mark = "*" if t["mnk"] != mnk else " "
+            cells.append(f"{t['ms']:>8.3f}{mark}ms {t['tflops']:>6.0f} TF")
+    print(f"{what:<36} {'x'.join(map(str, mnk)):>20} " + " ".join(cells))
+print("* a padded shape: " + "; ".join(sorted({f"{w} {chr(120).join(map(str, t['mnk']))}" for by in rows.values() for w, t in by.items() if t["mnk"] != next(iter(by.values()))["mnk"]})))
 print("sum (one block + one head chunk): " + ", ".join(f"{w} {ms:.2f} ms" for w, ms in r["totals_ms"]))
 fast = dict(r["totals_ms"])["bf16 fast (fp32 operands)"]
 print(f"bf16 operands vs fp32 operands (fast): {fast / dict(r['totals_ms'])['bf16 operands']:.2f}x faster, {fast / dict(r['totals_ms'])['bf16 operands + casts']:.2f}x with the casts; results differ by {r['bf16_operands_vs_fast_rel_l2']:.1e} (rel L2)")
