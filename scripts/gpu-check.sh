@@ -482,6 +482,13 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 steps = [r for r in rows if "loss" in r and "event" not in r]
 tps = sorted(r["tokens_per_s"] for r in steps[3:]) or [0]
 print(f"gpt2 pipeline: loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f} over {len(steps)} steps, median {tps[len(tps) // 2]:.0f} tokens/s after step 3")
+def median(key):
+    v = sorted(r[key] for r in steps[3:] if key in r) or [0]
+    return v[len(v) // 2]
+# Step time against the slowest stage's compute: what the runtime around the units (links, peer
+# snapshots, checkpoints) adds; the worker's system CPU time and page faults show copies and fresh
+# buffers (peer snapshots of the whole state made a step 4x slower on the first GPU run).
+print(f"after step 3, medians: step {median('step_time_s'):.3f} s, compute {median('compute_s'):.3f} s, worker system CPU {median('cpu_system_s'):.2f} s, page faults {median('page_faults')}")
 ckpts = [r for r in rows if r.get("event") == "checkpoint"]
 for c in ckpts:
     print(f"checkpoint of step {c['step']}: {c['bytes'] / 1e6:.0f} MB, the step stalled {1e3 * c['snapshot_s']:.2f} ms for the snapshot, upload {c['upload_s']:.2f} s")
