@@ -461,6 +461,8 @@ def cycles(graph: dict[Path, dict[Path, set[str]]]) -> list[list[Path]]:
 def crates(workspace: Path) -> list[tuple[str, Path]]:
     found = []
     for manifest in sorted(workspace.glob("*/Cargo.toml")) + [workspace / "Cargo.toml"]:
+        if not manifest.is_file():
+            continue
         text = manifest.read_text()
         name = re.search(r'^\s*name\s*=\s*"([^"]+)"', text, re.M)
         if "[package]" not in text or not name:
