@@ -2,7 +2,7 @@
 //! pair), taking device addresses and shapes; every shape is checked to fit the kernel's `int`s.
 //! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
 
-use crate::device::{Gpu, Precision};
+use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
 use crate::types::{Arg, Bf16Path, Operands, int};
 
