@@ -81,8 +81,14 @@ fn a_circle_through_a_moved_error_type_is_found_and_named() {
             ),
             // Inline paths count too, here through a nested module.
             ("nested/mod.rs", "mod a;\nmod b;\n"),
-            ("nested/a.rs", "pub struct A;\npub fn f() -> super::b::B { super::b::B }\n"),
-            ("nested/b.rs", "pub struct B;\npub fn g() { let _ = crate::nested::a::A; }\n"),
+            (
+                "nested/a.rs",
+                "pub struct A;\npub fn f() -> super::b::B { super::b::B }\n",
+            ),
+            (
+                "nested/b.rs",
+                "pub struct B;\npub fn g() { let _ = crate::nested::a::A; }\n",
+            ),
         ],
     );
     let out = check(&dir);
