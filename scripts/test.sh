@@ -243,6 +243,12 @@ export RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1
 cargo fmt --all -- --check
 # The runtime's modules depend on each other one way only (no import cycle).
 python3 scripts/check-runtime-deps.py >/dev/null
+# No import circle between the files of any crate (tests/import_circles.rs checks it too, and that
+# the checker finds circles): fails fast, before the long build.
+circles=$(python3 scripts/import-circles.py) || {
+  echo "$circles" >&2
+  die "import circles inside a crate (above): move the type both files need into a leaf module"
+}
 # --release: the end-to-end tests launch the release binary, and this shares one optimized build
 # of candle between the binary and the test harnesses.
 # --features seqpipe/cuda: the CUDA path builds and its kernels compile (NVRTC) without a GPU.

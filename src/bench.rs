@@ -22,6 +22,7 @@ use trainer::checkpointing::shard::{snapshot, to_tensor_data};
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::model::{ModelConfig, Stage, partition_layers};
+use trainer::plan::RunPlan;
 use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
@@ -194,6 +195,7 @@ fn measure_run(cfg: &Config) -> Result<(f64, f64)> {
     let _ = std::fs::remove_dir_all(&cfg.run.dir);
     run_training(
         cfg,
+        &RunPlan::decide(cfg)?,
         &LaunchOptions {
             quiet: true,
             ..LaunchOptions::default()

@@ -13,9 +13,9 @@ use trainer::checkpointing::hf;
 use trainer::checkpointing::shard::from_tensor_data;
 use trainer::checkpointing::state::TrainerState;
 use trainer::config::Config;
-use trainer::data::{prepare, synthetic_language};
+use trainer::data::prepare;
 use trainer::model::params::param_count;
-use trainer::model::partition_layers;
+use trainer::plan::{DataSummary, PlanError, RunPlan};
 use trainer::plot::{read_metrics, render_plot};
 use trainer::runtime::agent::{AgentArgs, run_agent};
 use trainer::runtime::control::PEER_FAILURE_EXIT_CODE;
@@ -712,8 +712,6 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     init_logging(&cfg.run.log);
     // Before any worker starts: a model that cannot fit is refused with the numbers.
     trainer::memory::check(&cfg, None)?;
-    let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)?;
-    let segments = cfg.segment_lengths()?;
     eprintln!(
         "seqpipe: GPT with {:.2}M parameters ({} layers, d_model {}, {} heads, vocab {})",
         param_count(&cfg.model) as f64 / 1e6,
@@ -722,33 +720,42 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         cfg.model.heads,
         cfg.model.vocab_size
     );
-    let ranges: Vec<String> = layouts.iter().map(|l| format!("{:?}", l.layers)).collect();
+    // The layout and the checked dataset, decided once: what is printed is what the run is given.
+    let plan = match RunPlan::decide(&cfg) {
+        Ok(plan) => plan,
+        // An unusable dataset ends the run like any failure: say which state survives it.
+        Err(PlanError::Data(e)) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
+        Err(e) => return Err(e.into()),
+    };
+    let ranges: Vec<String> = plan
+        .layouts
+        .iter()
+        .map(|l| format!("{:?}", l.layers))
+        .collect();
     eprintln!(
         "pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {:?}",
-        cfg.pipeline.stages,
+        plan.stages,
         ranges.join(" "),
         cfg.pipeline.schedule,
         cfg.pipeline.microbatches,
         cfg.pipeline.splits,
-        segments
+        plan.segments
     );
-    let bound = if cfg.data.is_synthetic() {
-        let lang = synthetic_language(&cfg.data, cfg.model.vocab_size)?;
-        let bound = lang.loss_lower_bound(cfg.train.seq_len);
-        eprintln!(
-            "data: synthetic order-{} language, entropy rate {:.4} nats; loss lower bound {bound:.4} (initial ~ ln {} = {:.4})",
-            lang.order(),
-            lang.entropy_rate_nats(),
+    match &plan.data {
+        DataSummary::Synthetic {
+            order,
+            entropy_rate_nats,
+            loss_lower_bound,
+        } => eprintln!(
+            "data: synthetic order-{order} language, entropy rate {entropy_rate_nats:.4} nats; loss lower bound {loss_lower_bound:.4} (initial ~ ln {} = {:.4})",
             cfg.model.vocab_size,
             (cfg.model.vocab_size as f64).ln()
-        );
-        Some(bound)
-    } else {
-        eprintln!("data: {}", cfg.data.source);
-        None
-    };
+        ),
+        DataSummary::Tokens { source } => eprintln!("data: {source}"),
+    }
+    let bound = plan.data.loss_lower_bound();
     eprintln!("run directory: {}", cfg.run.dir.display());
-    let summary = match run_training(&cfg, &opts) {
+    let summary = match run_training(&cfg, &plan, &opts) {
         Ok(summary) => summary,
         // Whatever ended the run, say which state survives it and how to continue from there.
         Err(e) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::config::ElasticConfig;
-use crate::membership::{Membership, NodeId, NodeInfo, NodeStatus};
+use crate::membership::{Membership, NodeStatus};
+use crate::node::{NodeId, NodeInfo};
 use crate::plan::{Plan, ReplicaPolicy, best_layout, plan_layout};
 
 /// Everything [`decide()`] looks at. Plain data: the caller updates it as events arrive

@@ -1,6 +1,6 @@
 //! The crate's one error type.
 
-use crate::membership::NodeId;
+use crate::node::NodeId;
 
 /// Everything the elastic core can refuse.
 ///

@@ -10,7 +10,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::membership::{Membership, NodeId};
+use crate::membership::Membership;
+use crate::node::NodeId;
 
 /// How long the detector was away beyond `tolerance` between its previous check (`last_check`)
 /// and `now`: the gap minus `tolerance`, or zero for a gap within it (or for the first check).

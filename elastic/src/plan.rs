@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::ElasticError;
-use crate::membership::{NodeId, NodeInfo};
+use crate::node::{NodeId, NodeInfo};
 
 /// Who runs which worker, from which step on, under which generation.
 ///

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
-use crate::kernels::OperandScratch;
+use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
 
@@ -110,7 +110,7 @@ pub struct Gpu {
     /// Compute capability 8.0 or later: BF16 `mma.sync` for the attention in BF16 mode.
     bf16_mma: bool,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
-    pub(crate) operands: OperandScratch,
+    pub(crate) operands: OperandScratch<Buf<u16>>,
 }
 
 impl Drop for Gpu {

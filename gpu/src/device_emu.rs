@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::OperandScratch;
+use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
 
@@ -111,7 +111,7 @@ impl<T> Buf<T> {
 pub struct Gpu {
     precision: Precision,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
-    pub(crate) operands: OperandScratch,
+    pub(crate) operands: OperandScratch<Buf<u16>>,
 }
 
 impl Gpu {

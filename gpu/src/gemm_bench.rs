@@ -336,7 +336,7 @@ fn rel_l2(x: &[f32], y: &[f32]) -> f64 {
 #[cfg(all(test, feature = "emulate"))]
 mod tests {
     use super::*;
-    use crate::kernels::Bf16Path;
+    use crate::types::Bf16Path;
 
     /// Round to nearest even, in Rust: what `to_bf16` must give.
     fn bf16_bits(x: f32) -> u16 {

@@ -2,62 +2,9 @@
 //! pair), taking device addresses and shapes; every shape is checked to fit the kernel's `int`s.
 //! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
 
-use std::cell::RefCell;
-
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
-use crate::types::{Arg, Operands, int};
-
-/// How BF16 mode feeds its matrix products to the tensor cores ([`Gpu::set_bf16_path`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Bf16Path {
-    /// The stage keeps BF16 copies of its weights, refreshed once after each update, and rounds
-    /// only the activation operand of a product into BF16 (once where two products share it);
-    /// the LM head's products run over a vocabulary padded to a multiple of
-    /// [`crate::stage::VOCAB_PADDING`]. The default.
-    #[default]
-    CachedWeights,
-    /// Both operands of every product rounded into BF16 copies first ([`Gpu::to_bf16`]).
-    Operands,
-    /// FP32 operands that cuBLAS rounds itself (`CUBLAS_COMPUTE_32F_FAST_16BF`).
-    Fp32Operands,
-}
-
-impl Bf16Path {
-    /// The path's name on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Bf16Path::CachedWeights => "cached-weights",
-            Bf16Path::Operands => "operands",
-            Bf16Path::Fp32Operands => "fp32-operands",
-        }
-    }
-}
-
-impl std::str::FromStr for Bf16Path {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        [
-            Bf16Path::CachedWeights,
-            Bf16Path::Operands,
-            Bf16Path::Fp32Operands,
-        ]
-        .into_iter()
-        .find(|p| p.name() == s)
-        .ok_or_else(|| {
-            format!("unknown BF16 path {s:?}: use cached-weights, operands or fp32-operands")
-        })
-    }
-}
-
-/// BF16 mode's path, and the BF16 copies of a product's two operands for
-/// [`Bf16Path::Operands`]: grown to the largest product seen and reused (products run in order
-/// on one stream).
-#[derive(Default)]
-pub(crate) struct OperandScratch {
-    path: Bf16Path,
-    bufs: RefCell<[Option<Buf<u16>>; 2]>,
-}
+use crate::types::{Arg, Bf16Path, Operands, int};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;

@@ -47,4 +47,5 @@ mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
-pub use kernels::{AttnShape, Bf16Path};
+pub use kernels::AttnShape;
+pub use types::Bf16Path;

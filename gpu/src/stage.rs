@@ -42,8 +42,9 @@ use ops::SumTree;
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::{AttnShape, Bf16Path};
+use crate::kernels::AttnShape;
 use crate::offload::{Download, Fence, StagingPool};
+use crate::types::Bf16Path;
 
 #[cfg(all(test, feature = "emulate"))]
 mod bf16_tests;

@@ -1,5 +1,8 @@
 //! What both device backends (the CUDA one in `device`, and the CPU emulation in `device_emu` with
-//! the `emulate` feature) share: the matrix-product precision and the kernel launch arguments.
+//! the `emulate` feature) share: the matrix-product precision, BF16 mode's operand path and scratch,
+//! and the kernel launch arguments.
+
+use std::cell::RefCell;
 
 use crate::error::{Result, shape};
 
@@ -40,6 +43,66 @@ impl std::str::FromStr for Precision {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| format!("unknown precision `{s}`: expected fp32, tf32 or bf16"))
+    }
+}
+
+/// How BF16 mode feeds its matrix products to the tensor cores ([`crate::Gpu::set_bf16_path`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// The stage keeps BF16 copies of its weights, refreshed once after each update, and rounds
+    /// only the activation operand of a product into BF16 (once where two products share it);
+    /// the LM head's products run over a vocabulary padded to a multiple of
+    /// [`crate::stage::VOCAB_PADDING`]. The default.
+    #[default]
+    CachedWeights,
+    /// Both operands of every product rounded into BF16 copies first ([`crate::Gpu::to_bf16`]).
+    Operands,
+    /// FP32 operands that cuBLAS rounds itself (`CUBLAS_COMPUTE_32F_FAST_16BF`).
+    Fp32Operands,
+}
+
+impl Bf16Path {
+    /// The path's name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Path::CachedWeights => "cached-weights",
+            Bf16Path::Operands => "operands",
+            Bf16Path::Fp32Operands => "fp32-operands",
+        }
+    }
+}
+
+impl std::str::FromStr for Bf16Path {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [
+            Bf16Path::CachedWeights,
+            Bf16Path::Operands,
+            Bf16Path::Fp32Operands,
+        ]
+        .into_iter()
+        .find(|p| p.name() == s)
+        .ok_or_else(|| {
+            format!("unknown BF16 path {s:?}: use cached-weights, operands or fp32-operands")
+        })
+    }
+}
+
+/// BF16 mode's path, and the BF16 copies of a product's two operands for
+/// [`Bf16Path::Operands`]: grown to the largest product seen and reused (products run in order
+/// on one stream). `B` is the backend's buffer of 16-bit words (`Buf<u16>`): the device holds the
+/// scratch, `kernels` uses it, and neither needs the other for its type.
+pub(crate) struct OperandScratch<B> {
+    pub(crate) path: Bf16Path,
+    pub(crate) bufs: RefCell<[Option<B>; 2]>,
+}
+
+impl<B> Default for OperandScratch<B> {
+    fn default() -> Self {
+        Self {
+            path: Bf16Path::default(),
+            bufs: RefCell::new([None, None]),
+        }
     }
 }
 

@@ -41,6 +41,7 @@ use serde_json::Value;
 
 use super::final_state;
 use trainer::config::Config;
+use trainer::plan::RunPlan;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{Action, MeasuredCosts, generate, replay};
 
@@ -386,6 +387,7 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
     let trace_path = run_dir.join("trace.json");
     run_training(
         cfg,
+        &RunPlan::decide(cfg)?,
         &LaunchOptions {
             quiet: true,
             trace: Some(trace_path.clone()),

@@ -18,6 +18,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use trainer::config::Config;
+use trainer::plan::RunPlan;
 use trainer::runtime::error::LaunchError;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
@@ -354,6 +355,7 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
     let trace = dir.join("trace.json");
     run_training(
         cfg,
+        &RunPlan::decide(cfg)?,
         &LaunchOptions {
             quiet: true,
             trace: Some(trace.clone()),

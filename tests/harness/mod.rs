@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
+use trainer::plan::RunPlan;
 use trainer::runtime::auth::{self, Purpose};
 use trainer::runtime::control::{
     ControlSender, ControlStream, FromAgent, PEER_FAILURE_EXIT_CODE, ToAgent, ToWorker,
@@ -834,8 +835,10 @@ fn run_cluster(
     let coordinator = std::thread::Builder::new()
         .name("coordinator".into())
         .spawn(move || {
+            let plan = RunPlan::decide(&job).map_err(|e| e.to_string())?;
             run_training(
                 &job,
+                &plan,
                 &LaunchOptions {
                     quiet: true,
                     listening: Some(listening),

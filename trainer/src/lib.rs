@@ -10,6 +10,7 @@ pub mod lr;
 pub mod memory;
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod plot;
 pub mod runtime;
 pub mod schedule;

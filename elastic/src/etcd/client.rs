@@ -5,7 +5,6 @@
 //! at most a bounded answer. The client holds no connection, so it is cheap to clone and safe
 //! to share between threads.
 
-use std::fmt;
 use std::time::Duration;
 
 use base64::Engine;
@@ -13,6 +12,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Value, json};
 
 use super::error::EtcdError;
+use super::lease::LeaseId;
 use crate::http::{self, HttpError};
 
 /// How long a whole call (connect, request and the complete answer) may take unless
@@ -21,16 +21,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The message etcd gives for a lease that does not exist (expired, revoked or never granted).
 const LEASE_NOT_FOUND: &str = "requested lease not found";
-
-/// An etcd lease. Shown in hex, as `etcdctl` shows leases.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LeaseId(pub i64);
-
-impl fmt::Display for LeaseId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:016x}", self.0)
-    }
-}
 
 /// A granted lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -455,11 +445,5 @@ mod tests {
         assert_eq!(prefix_end(b"/a/"), b"/a0");
         assert_eq!(prefix_end(&[b'a', 0xff, 0xff]), b"b");
         assert_eq!(prefix_end(&[0xff]), [0]);
-    }
-
-    #[test]
-    fn lease_ids_show_in_hex_like_etcdctl() {
-        assert_eq!(LeaseId(0x694d77aa9e38260f).to_string(), "694d77aa9e38260f");
-        assert_eq!(LeaseId(77).to_string(), "000000000000004d");
     }
 }

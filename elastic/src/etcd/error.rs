@@ -3,7 +3,7 @@
 use std::io;
 use std::time::Duration;
 
-use super::client::LeaseId;
+use super::lease::LeaseId;
 
 /// Everything that can go wrong talking to etcd or with what it holds.
 ///

@@ -33,14 +33,14 @@
 
 mod client;
 mod error;
+mod lease;
 mod rendezvous;
 #[cfg(feature = "test-support")]
 pub mod testing;
 mod url;
 
-pub use client::{
-    Compare, DEFAULT_TIMEOUT, EtcdClient, KeyValue, Lease, LeaseId, TxnOp, TxnResponse,
-};
+pub use client::{Compare, DEFAULT_TIMEOUT, EtcdClient, KeyValue, Lease, TxnOp, TxnResponse};
 pub use error::EtcdError;
+pub use lease::LeaseId;
 pub use rendezvous::{Leader, Rendezvous};
 pub use url::EtcdUrl;

@@ -17,10 +17,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::client::{Compare, EtcdClient, KeyValue, Lease, LeaseId, TxnOp};
+use super::client::{Compare, EtcdClient, KeyValue, Lease, TxnOp};
 use super::error::EtcdError;
+use super::lease::LeaseId;
 use super::url::EtcdUrl;
-use crate::membership::{NodeId, NodeInfo};
+use crate::node::{NodeId, NodeInfo};
 use crate::plan::Plan;
 
 /// Who coordinates the job: the value of `<prefix>/leader`.

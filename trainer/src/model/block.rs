@@ -11,9 +11,9 @@ use ops::memory::SavedTensors;
 use ops::rope::RopeTable;
 
 use super::config::ModelConfig;
+use super::error::ModelError;
 use super::norm::{NormLayer, NormLayerCtx};
 use super::params::{Gradients, Params};
-use super::stage::ModelError;
 
 /// Shape of one segment of one micro-batch.
 #[derive(Clone, Copy, Debug)]

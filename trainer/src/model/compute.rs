@@ -1,6 +1,6 @@
 //! What the runtime asks of a pipeline stage, whichever device computes it. The worker, its
 //! checkpoint and peer-snapshot copies and the data-parallel reduction are written once against
-//! [`StageCompute`]; [`build_stage`] picks the implementation from `model.device`.
+//! [`StageCompute`]; [`super::build_stage`] picks the implementation from `model.device`.
 //!
 //! Every tensor crosses this interface on the host (candle CPU tensors): a unit's input and output
 //! activations and gradients, which the worker sends to its neighbours over TCP, and the named state
@@ -20,9 +20,10 @@ use candle_core::Tensor;
 use ops::adamw::{AdamW, AdamWConfig};
 
 use super::config::{DeviceKind, ModelConfig};
+use super::error::ModelError;
 use super::partition::StageLayout;
 use super::snapshot::StateSnapshot;
-use super::stage::{Mode, ModelError, Stage, StageInput, StageOutput};
+use super::stage::{Mode, Stage, StageInput, StageOutput};
 use crate::checkpointing::shard;
 use crate::schedule::Unit;
 
@@ -201,7 +202,7 @@ pub const CUDA_DEVICE_ENV: &str = "SEQPIPE_CUDA_DEVICE";
 /// Why a CUDA config cannot run in a binary built without CUDA, and what to do.
 pub const NO_CUDA_BUILD: &str = "model.device = \"cuda\": this seqpipe was built without CUDA support; rebuild with `cargo build --release --features cuda`, or set model.device = \"cpu\"";
 
-/// What [`build_stage`] needs besides the model.
+/// What [`super::build_stage`] needs besides the model.
 #[derive(Clone, Debug)]
 pub struct StageSpec {
     /// The layers the stage holds.
@@ -214,23 +215,6 @@ pub struct StageSpec {
     pub adamw: AdamWConfig,
     /// Bytes the stage may hold (`train.memory_budget_bytes`), if limited.
     pub memory_budget: Option<usize>,
-}
-
-/// The stage for `model.device`: [`CpuStage`], or (in a binary built with `--features cuda`)
-/// [`super::cuda_stage::CudaStage`] on the worker's GPU. A CUDA config that cannot run here is
-/// refused before any worker starts ([`crate::cuda::require_runnable_device`]), and here too, with
-/// the same advice.
-pub fn build_stage(
-    model: &ModelConfig,
-    spec: StageSpec,
-) -> Result<Box<dyn StageCompute>, ModelError> {
-    match model.device {
-        DeviceKind::Cpu => Ok(Box::new(CpuStage::new(model, spec)?)),
-        #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => Ok(Box::new(super::cuda_stage::CudaStage::new(model, spec)?)),
-        #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda => Err(ModelError::Device(NO_CUDA_BUILD.into())),
-    }
 }
 
 /// A stage on the CPU: the explicit kernels of [`Stage`] and AdamW's state.
@@ -375,7 +359,7 @@ mod tests {
     use candle_core::{DType, Device};
 
     use super::*;
-    use crate::model::partition_layers;
+    use crate::model::{build_stage, partition_layers};
 
     fn spec(model: &ModelConfig, stages: usize, s: usize, seq: usize) -> StageSpec {
         StageSpec {

@@ -26,10 +26,11 @@ use super::compute::{
     UpdateSettings,
 };
 use super::config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
+use super::error::ModelError;
 use super::params::{ParamSpec, component_params, decays, init_param};
 use super::partition::StageLayout;
 use super::snapshot::StateSnapshot;
-use super::stage::{Mode, ModelError, StageInput, StageOutput};
+use super::stage::{Mode, StageInput, StageOutput};
 use crate::schedule::Unit;
 
 /// A stage whose kernels run on a GPU.

@@ -7,8 +7,8 @@ use ops::norm::{
 };
 
 use super::config::{ModelConfig, Norm};
+use super::error::ModelError;
 use super::params::{Gradients, Params};
-use super::stage::ModelError;
 
 /// A norm layer's kind and epsilon; its parameters are `{prefix}.weight` (and `{prefix}.bias` for LayerNorm).
 #[derive(Clone, Copy, Debug)]

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::{ModelConfig, Norm, Position};
-use super::stage::ModelError;
+use super::error::{ModelError, StateMismatch};
 use crate::schedule::Unit;
 
 /// A part of the model that is placed on exactly one stage.
@@ -211,27 +211,6 @@ pub fn init_param(
         }
     };
     Tensor::from_vec(values, spec.shape.as_slice(), device)?.to_dtype(dtype)
-}
-
-/// One way a saved state's tensors differ from what the model loads (see [`check_state`]).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum StateMismatch {
-    /// A tensor the model needs is absent.
-    #[error("tensor `{name}` is missing: the model needs it with shape {expected:?}")]
-    Missing { name: String, expected: Vec<usize> },
-    /// A tensor has another shape than the model's.
-    #[error("tensor `{name}` has shape {found:?}, the model expects {expected:?}")]
-    Shape {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
-    /// A tensor's element type cannot be loaded.
-    #[error("tensor `{name}` is {found}, the model loads F32 or F64 tensors only")]
-    Dtype { name: String, found: String },
-    /// A tensor that is no parameter (or moment) of the model.
-    #[error("tensor `{name}` is not a parameter of this model (unexpected)")]
-    Unexpected { name: String },
 }
 
 /// The tensors a state of `specs` holds, with their shapes: the parameters, then, when `moments`,

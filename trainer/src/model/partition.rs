@@ -2,9 +2,8 @@
 
 use std::ops::Range;
 
-use thiserror::Error;
-
 use super::config::ModelConfig;
+use super::error::PartitionError;
 use super::params::{Component, component_params};
 
 /// A stage's share of the model.
@@ -50,19 +49,6 @@ impl StageLayout {
             .map(|spec| spec.name)
             .collect()
     }
-}
-
-/// Why a model cannot be split as asked.
-#[derive(Debug, Error, PartialEq, Eq)]
-pub enum PartitionError {
-    /// Every stage needs at least one block.
-    #[error(
-        "cannot split {layers} layers into {stages} pipeline stages: every stage needs at least one layer (lower pipeline.stages or raise model.layers)"
-    )]
-    TooManyStages { stages: usize, layers: usize },
-    /// Zero stages.
-    #[error("pipeline.stages must be at least 1")]
-    NoStages,
 }
 
 /// Estimated training FLOPs per token (forward + backward) of each component.

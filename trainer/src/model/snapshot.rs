@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::Tensor;
 
-use super::stage::ModelError;
+use super::error::ModelError;
 
 /// Named host tensors: parameters, then AdamW's moments (see `StageCompute::state`).
 pub type NamedTensors = Vec<(String, Tensor)>;

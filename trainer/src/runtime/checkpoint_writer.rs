@@ -12,10 +12,10 @@ use tracing::{info, warn};
 use super::control::{ToLauncher, ToWorker};
 use super::error::LaunchError;
 use super::events::{CheckpointCommitted, CheckpointFailed, CheckpointWait, RunEvent};
+use super::metrics_log::MetricsLog;
 use super::pipeline::Pipeline;
 use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
-use crate::metrics::MetricsLog;
 
 /// The launcher's side of checkpointing: schedules shard uploads (at most one checkpoint in flight),
 /// commits the manifest once every shard is in, applies retention and cleans stale uploads.

@@ -32,6 +32,7 @@ use super::store;
 use super::trace::unix_time_s;
 use super::wire::{Limits, read_frame};
 use crate::config::Config;
+use crate::plan::RunPlan;
 
 /// What arrived on the control port.
 enum Event {
@@ -95,8 +96,11 @@ pub(super) struct Recovery {
 
 /// The coordinator of one run.
 pub struct Coordinator {
-    /// The run's config; `pipeline.stages` follows the adopted plan.
+    /// The run's config, as validated: never changed (the layout lives in `layout`).
     pub(super) cfg: Config,
+    /// The layout of the adopted plan: the one the config asks for until the elastic core adopts
+    /// another.
+    pub(super) layout: RunPlan,
     /// Where the next pipeline's state comes from.
     pub(super) start: Start,
     /// Sub-directory of the run directory (and of each agent's directory) for configs and logs.
@@ -143,8 +147,11 @@ impl Coordinator {
     /// `elastic.local_agents`, starts one agent per pipeline stage on this machine. Configs and
     /// logs go to `session` under the run directory (and under each agent's directory). The
     /// address it listens on goes to `listening` as soon as it is bound, before any node joins.
+    /// `layout` is the run's plan as decided from `cfg` ([`RunPlan::decide`]): as many nodes as
+    /// it has workers are waited for.
     pub fn start(
         cfg: Config,
+        layout: RunPlan,
         start: Start,
         session: &str,
         listening: Option<&Sender<String>>,
@@ -185,6 +192,7 @@ impl Coordinator {
         let mut coordinator = Self {
             state,
             cfg,
+            layout,
             start,
             session: session.to_string(),
             recovery: None,
@@ -206,7 +214,7 @@ impl Coordinator {
             lost_incarnations: BTreeMap::new(),
         };
         // One node per worker: replicas × stages.
-        let workers = coordinator.cfg.pipeline.stages * coordinator.cfg.pipeline.replicas;
+        let workers = coordinator.layout.workers();
         let mut wanted = workers;
         if !coordinator.cfg.elastic.rendezvous.is_empty() {
             let token = coordinator.token.clone();
@@ -421,8 +429,9 @@ impl Coordinator {
         };
         self.state.apply(&decision, now);
         self.publish(&plan)?;
-        self.cfg.pipeline.stages = plan.num_stages();
-        self.cfg.pipeline.replicas = plan.replicas;
+        self.layout = self
+            .layout
+            .with_layout(&self.cfg, plan.num_stages(), plan.replicas)?;
         info!(%reason, "first plan");
         if let Some(r) = &mut self.recovery {
             r.events.push(RunEvent::Plan(PlanAdopted::of(&plan)));
@@ -1232,8 +1241,9 @@ impl Coordinator {
                 sender.send_and_close(&ToAgent::Refused { reason });
             }
         }
-        self.cfg.pipeline.stages = plan.num_stages();
-        self.cfg.pipeline.replicas = plan.replicas;
+        self.layout = self
+            .layout
+            .with_layout(&self.cfg, plan.num_stages(), plan.replicas)?;
         let latest = store::committed_steps(&self.cfg)?.last().copied();
         let peers = self
             .peer_coverage()

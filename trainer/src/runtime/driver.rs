@@ -21,6 +21,7 @@ use super::coordinator::{AtBoundary, Recovery};
 use super::error::LaunchError;
 use super::events::{self, NodeLost, Recovered, Resumed, RunEvent};
 use super::live_metrics::LiveMetrics;
+use super::metrics_log::MetricsLog;
 use super::pipeline::{Pipeline, Replacement};
 use super::recovery::{self, Loaded, ResumePoint, Start};
 use super::trace::{TraceLog, unix_time_s, unix_time_us};
@@ -28,7 +29,7 @@ use crate::checkpointing::shard::with_moments;
 use crate::checkpointing::state::{DataCursor, LrPosition, Topology, TrainerState, WRITER};
 use crate::config::Config;
 use crate::lr::learning_rate;
-use crate::metrics::{MetricsLog, StepMetrics};
+use crate::metrics::StepMetrics;
 use crate::model::params::param_specs;
 use crate::model::partition_layers;
 

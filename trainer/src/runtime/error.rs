@@ -8,6 +8,7 @@ use elastic::NodeId;
 use thiserror::Error;
 
 use crate::data::DataError;
+use crate::plan::PlanError;
 
 /// Why a run failed.
 #[derive(Debug, Error)]
@@ -103,6 +104,17 @@ pub enum LaunchError {
     /// [`FailureCause::Permanent`]): the run stops with its message.
     #[error("stage {stage}: {error}")]
     Permanent { stage: usize, error: String },
+}
+
+impl From<PlanError> for LaunchError {
+    /// A dataset that cannot be used stays a data fault ([`LaunchError::Data`]); a layout that
+    /// cannot be made stops the run with its reason.
+    fn from(e: PlanError) -> Self {
+        match e {
+            PlanError::Data(e) => LaunchError::Data(e),
+            other => LaunchError::Run(other.to_string()),
+        }
+    }
 }
 
 /// How a node of the plan was lost. `recovery` decides on these, never on messages.

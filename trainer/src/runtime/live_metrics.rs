@@ -1,5 +1,5 @@
 //! The run's numbers as Prometheus metrics: the step records and [`RunEvent`]s that go to
-//! `metrics.jsonl` also update these gauges and counters ([`crate::metrics::MetricsLog`] feeds
+//! `metrics.jsonl` also update these gauges and counters (`MetricsLog` in `metrics_log` feeds
 //! both from the one record, after the line is written), so a scrape of `GET /metrics` (served
 //! by the `metrics_endpoint` module) and the file cannot disagree. [`LiveMetrics::encode`] writes
 //! the text exposition with the official client (`prometheus-client`).

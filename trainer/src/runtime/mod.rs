@@ -14,6 +14,7 @@ pub mod events;
 pub mod kill_switch;
 pub mod live_metrics;
 pub mod metrics_endpoint;
+pub mod metrics_log;
 pub mod notice_watch;
 mod peer_input;
 pub mod peer_snapshots;

@@ -22,7 +22,7 @@ use super::pipeline::{GATHER_QUIET, Pipeline};
 use super::recovery::{self, AfterError, Start};
 use super::trace::TraceLog;
 use crate::config::Config;
-use crate::data::check_source;
+use crate::plan::RunPlan;
 
 /// Extra launcher behaviour, from the command line.
 #[derive(Clone, Debug, Default)]
@@ -40,17 +40,22 @@ pub struct LaunchOptions {
     pub listening: Option<Sender<String>>,
 }
 
-/// Trains `cfg`: an embedded coordinator plans the pipeline on the nodes that join it (by default
-/// one local agent per stage, each standing for a node). When nodes die, leave or join, the run goes
+/// Trains `cfg` with `plan`, the layout decided from it ([`RunPlan::decide`]: its dataset already
+/// checked): an embedded coordinator places the pipeline on the nodes that join it (by default one
+/// local agent per worker, each standing for a node). When nodes die, leave or join, the run goes
 /// on under a new plan (see [`Coordinator::recover`]) until `elastic.min_nodes` or
 /// `elastic.max_restarts` says stop.
-pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, LaunchError> {
+pub fn run_training(
+    cfg: &Config,
+    plan: &RunPlan,
+    opts: &LaunchOptions,
+) -> Result<RunSummary, LaunchError> {
     let mut trace = opts
         .trace
         .clone()
         .map(|path| TraceLog::new(path, format!("seqpipe {}", cfg.run.dir.display())));
     let (live, endpoint) = serve_metrics(cfg)?;
-    let result = train_pipelines(cfg, opts, &mut trace, live);
+    let result = train_pipelines(cfg, plan, opts, &mut trace, live);
     if let Some(endpoint) = endpoint {
         linger(endpoint, cfg.elastic.metrics_linger());
     }
@@ -72,13 +77,19 @@ pub fn run_training(cfg: &Config, opts: &LaunchOptions) -> Result<RunSummary, La
 /// their steps, `live` their metrics.
 fn train_pipelines(
     cfg: &Config,
+    plan: &RunPlan,
     opts: &LaunchOptions,
     trace: &mut Option<TraceLog>,
     live: Option<Arc<LiveMetrics>>,
 ) -> Result<RunSummary, LaunchError> {
     let started = Instant::now();
-    let mut coordinator =
-        Coordinator::start(cfg.clone(), opts.start.clone(), "", opts.listening.as_ref())?;
+    let mut coordinator = Coordinator::start(
+        cfg.clone(),
+        plan.clone(),
+        opts.start.clone(),
+        "",
+        opts.listening.as_ref(),
+    )?;
     // Nobody writes this run's store yet: whatever staging objects it holds are of uploads
     // killed earlier. Not after taking over from a lost coordinator, whose workers' uploads may
     // still be running.
@@ -86,7 +97,9 @@ fn train_pipelines(
         CheckpointWriter::open(&coordinator.cfg)?.clean_interrupted_uploads();
     }
     loop {
-        let (cfg, start) = (coordinator.cfg.clone(), coordinator.start.clone());
+        // The config the pipeline of the adopted plan reads; the run's own is never changed.
+        let cfg = coordinator.layout.pipeline_config(&coordinator.cfg);
+        let start = coordinator.start.clone();
         let recovery = coordinator.recovery.take();
         let result = with_pipeline(
             &mut coordinator,
@@ -173,8 +186,9 @@ fn linger(endpoint: MetricsEndpoint, linger: Duration) {
 /// The validation loss of the model that `start` loads; returns (checkpoint step or 0, loss).
 /// Its workers' config and logs go to `<run.dir>/eval/`.
 pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchError> {
-    let mut coordinator = Coordinator::start(cfg.clone(), start.clone(), "eval", None)?;
-    let cfg = coordinator.cfg.clone();
+    let plan = RunPlan::decide(cfg)?;
+    let mut coordinator = Coordinator::start(cfg.clone(), plan, start.clone(), "eval", None)?;
+    let cfg = coordinator.layout.pipeline_config(&coordinator.cfg);
     let result = with_pipeline(&mut coordinator, &cfg, None, |driver| {
         let step = driver.load(start)?;
         Ok((step, driver.evaluate()?))
@@ -183,8 +197,9 @@ pub fn run_evaluation(cfg: &Config, start: &Start) -> Result<(u64, f64), LaunchE
     result
 }
 
-/// Starts the pipeline of the coordinator's plan, runs `body`, and stops the workers. A failure
-/// that cost nodes becomes [`LaunchError::NodesLost`] naming them.
+/// Starts the pipeline of the coordinator's plan (`cfg`: the config its workers read), runs `body`,
+/// and stops the workers. A failure that cost nodes becomes [`LaunchError::NodesLost`] naming
+/// them. The dataset was checked once, when the run was planned.
 fn with_pipeline<T>(
     coordinator: &mut Coordinator,
     cfg: &Config,
@@ -205,8 +220,7 @@ fn with_pipeline<T>(
     let config_path = session_dir.join("config.resolved.toml");
     std::fs::write(&config_path, cfg.to_toml())
         .map_err(io(format!("writing {}", config_path.display())))?;
-    // Fail early, in the launcher, on an unusable dataset or checkpoint location.
-    check_source(&cfg.data, cfg.model.vocab_size, cfg.train.seq_len + 1)?;
+    // Fail early, in the launcher, on an unusable checkpoint location.
     let checkpoints = CheckpointWriter::open(cfg)?;
     let signal = stop_signal().map_err(io("installing signal handlers".into()))?;
     let mut pipeline = match Pipeline::start(coordinator, cfg, dump_grads) {

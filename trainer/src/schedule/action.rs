@@ -1,7 +1,7 @@
 //! The vocabulary of schedules: which schedule ([`ScheduleKind`]), what is scheduled ([`Unit`]),
 //! and what a stage does with it ([`Action`]).
 //!
-//! Every type here prints and parses in a compact text form (PyTorch `_Action` style), and
+//! Every type here prints and parses (in `parse`) in a compact text form (PyTorch `_Action` style), and
 //! serializes to JSON as that same string, so that a schedule can be written to a file, read
 //! back, and diffed by eye:
 //!
@@ -15,11 +15,8 @@
 //! | `SB0.1`  | send the gradient of the unit's input (to r−1)     |
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-
-use super::ScheduleError;
 
 /// Which pipeline schedule.
 ///
@@ -61,30 +58,6 @@ impl fmt::Display for ScheduleKind {
     }
 }
 
-impl FromStr for ScheduleKind {
-    type Err = ScheduleError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
-        ScheduleKind::ALL
-            .into_iter()
-            .find(|k| k.as_str().eq_ignore_ascii_case(t))
-            .ok_or_else(|| ScheduleError::Parse {
-                what: "schedule kind",
-                input: s.to_string(),
-                reason: "allowed values are \"gpipe\", \"1f1b\", \"seq1f1b\"".to_string(),
-            })
-    }
-}
-
-impl TryFrom<String> for ScheduleKind {
-    type Error = ScheduleError;
-
-    fn try_from(s: String) -> Result<Self, Self::Error> {
-        s.parse()
-    }
-}
-
 impl From<ScheduleKind> for String {
     fn from(k: ScheduleKind) -> String {
         k.as_str().to_string()
@@ -116,30 +89,6 @@ impl Unit {
 impl fmt::Display for Unit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{}", self.micro_batch, self.segment)
-    }
-}
-
-impl FromStr for Unit {
-    type Err = ScheduleError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = |reason: &str| ScheduleError::Parse {
-            what: "unit",
-            input: s.to_string(),
-            reason: reason.to_string(),
-        };
-        let (i, j) = s
-            .split_once('.')
-            .ok_or_else(|| err("expected \"<micro_batch>.<segment>\", e.g. \"0.1\""))?;
-        let parse = |x: &str| {
-            // `usize::from_str` accepts a leading '+'; we do not.
-            if x.is_empty() || !x.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(err("indices must be non-negative decimal integers"));
-            }
-            x.parse::<usize>()
-                .map_err(|_| err("index does not fit in usize"))
-        };
-        Ok(Unit::new(parse(i)?, parse(j)?))
     }
 }
 
@@ -207,49 +156,6 @@ impl Action {
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}{}", self.prefix(), self.unit())
-    }
-}
-
-impl FromStr for Action {
-    type Err = ScheduleError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        // Two-letter prefixes first: "RF0.0" must not be read as "R" + "F0.0".
-        type Ctor = fn(Unit) -> Action;
-        const CTORS: [(&str, Ctor); 6] = [
-            ("RF", Action::RecvActivation),
-            ("SF", Action::SendActivation),
-            ("RB", Action::RecvGrad),
-            ("SB", Action::SendGrad),
-            ("F", Action::Forward),
-            ("B", Action::Backward),
-        ];
-        let t = s.trim();
-        for (prefix, ctor) in CTORS {
-            if let Some(rest) = t.strip_prefix(prefix) {
-                let unit = rest.parse::<Unit>().map_err(|e| ScheduleError::Parse {
-                    what: "action",
-                    input: s.to_string(),
-                    reason: format!("bad unit after {prefix:?}: {e}"),
-                })?;
-                return Ok(ctor(unit));
-            }
-        }
-        Err(ScheduleError::Parse {
-            what: "action",
-            input: s.to_string(),
-            reason: "expected F, B, RF, SF, RB or SB followed by \"<micro_batch>.<segment>\", \
-                     e.g. \"F0.1\""
-                .to_string(),
-        })
-    }
-}
-
-impl TryFrom<String> for Action {
-    type Error = ScheduleError;
-
-    fn try_from(s: String) -> Result<Self, Self::Error> {
-        s.parse()
     }
 }
 

@@ -1,6 +1,6 @@
 //! The one error type of the schedule module.
 
-use super::{Action, Unit};
+use super::action::{Action, Unit};
 
 /// Everything that can be wrong with a schedule, its parameters, or a partition.
 ///

@@ -25,6 +25,7 @@
 mod action;
 mod error;
 mod generate;
+mod parse;
 mod render;
 mod resume;
 pub mod segments;

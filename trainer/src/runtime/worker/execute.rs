@@ -9,6 +9,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use ops::sum_tree::SumTree;
 
+use super::boundary::Boundary;
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
 use crate::config::{ConfigError, StageTransport};
@@ -35,25 +36,6 @@ impl ValidSchedule {
 
     pub(super) fn get(&self) -> &Schedule {
         &self.0
-    }
-}
-
-/// A boundary tensor between a link and the stage.
-#[derive(Clone, Debug)]
-pub(super) enum Boundary {
-    /// On the host (the TCP link carries its values).
-    Host(Tensor),
-    /// On the stage's device (received on, or kept for, a device link): `rows × width` values.
-    Device { rows: usize, width: usize },
-}
-
-impl Boundary {
-    /// Bytes of its values.
-    pub(super) fn bytes(&self) -> usize {
-        match self {
-            Boundary::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Boundary::Device { rows, width } => rows * width * 4,
-        }
     }
 }
 

@@ -11,6 +11,7 @@
 //! * [`state_io`]: the stage's state in and out: checkpoint uploads, peer-snapshot copies,
 //!   restores, gradient dumps.
 
+mod boundary;
 mod execute;
 mod links;
 mod record;

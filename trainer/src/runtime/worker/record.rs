@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::WorkerError;
-use super::execute::Boundary;
+use super::boundary::Boundary;
 use crate::runtime::control::{StepCost, UnitTime};
 use crate::runtime::transport::Payload;
 use crate::schedule::{Action, Delivered, Unit};

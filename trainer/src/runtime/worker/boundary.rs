@@ -1,0 +1,24 @@
+//! A boundary tensor as the worker holds it between a link and the stage: on the host, or (with
+//! device links) only its shape, the values staying on the stage's device. Shared by the step's
+//! execution and its record of what was sent.
+
+use candle_core::Tensor;
+
+/// A boundary tensor between a link and the stage.
+#[derive(Clone, Debug)]
+pub(super) enum Boundary {
+    /// On the host (the TCP link carries its values).
+    Host(Tensor),
+    /// On the stage's device (received on, or kept for, a device link): `rows × width` values.
+    Device { rows: usize, width: usize },
+}
+
+impl Boundary {
+    /// Bytes of its values.
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Boundary::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Boundary::Device { rows, width } => rows * width * 4,
+        }
+    }
+}
