@@ -435,11 +435,11 @@ impl Inner {
         self.stats
             .fetched_bytes
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        if let Some(cache) = &self.cache {
-            if let Err(e) = cache.put(&name, &bytes) {
-                // A cache that cannot be written costs speed, not correctness.
-                tracing::warn!(error = %e, "data cache: cannot store {name}");
-            }
+        if let Some(cache) = &self.cache
+            && let Err(e) = cache.put(&name, &bytes)
+        {
+            // A cache that cannot be written costs speed, not correctness.
+            tracing::warn!(error = %e, "data cache: cannot store {name}");
         }
         Ok(bytes)
     }

@@ -162,7 +162,7 @@ impl DatasetIndex {
             return Err("vocab_size is 0".into());
         }
         let width = self.dtype.width() as u64;
-        if self.chunk_bytes == 0 || self.chunk_bytes % width != 0 {
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(width) {
             return Err(format!(
                 "chunk_bytes {} is not a positive multiple of {width} ({} ids)",
                 self.chunk_bytes, self.dtype
@@ -301,9 +301,9 @@ impl ShardLayout {
     pub fn validate(&self, dtype: TokenDtype) -> Result<(), DataError> {
         let width = dtype.width() as u64;
         let ok = self.chunk_bytes > 0
-            && self.chunk_bytes % width == 0
+            && self.chunk_bytes.is_multiple_of(width)
             && self.shard_bytes >= self.chunk_bytes
-            && self.shard_bytes % self.chunk_bytes == 0
+            && self.shard_bytes.is_multiple_of(self.chunk_bytes)
             && self.shard_bytes <= MAX_SHARD_BYTES;
         if ok {
             Ok(())
@@ -549,7 +549,8 @@ mod tests {
     #[test]
     fn inconsistent_indexes_are_refused_saying_why() {
         let good = index(&[10, 7], 6);
-        let cases: Vec<(Box<dyn Fn(&mut DatasetIndex)>, &str)> = vec![
+        type Edit = Box<dyn Fn(&mut DatasetIndex)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|i| i.train.tokens = 18), "declares 18 tokens"),
             (Box::new(|i| i.train.shards[1].bytes = 15), "do not hold"),
             (
