@@ -868,6 +868,53 @@ mod tests {
         assert!(msg.contains("nothing/index.json is missing"), "{msg}");
     }
 
+    /// A store that does not answer (nothing listens on port 9 of loopback) is a data error
+    /// naming the object, within the configured attempts and timeout.
+    #[test]
+    fn an_unreachable_store_is_a_data_error_within_the_bound() {
+        let options = checkpoint::StoreOptions {
+            s3_endpoint: Some("http://127.0.0.1:9".into()),
+            s3_region: Some("us-east-1".into()),
+            allow_http: Some(true),
+            read_only: true,
+            ..Default::default()
+        };
+        let store = checkpoint::CheckpointStore::open("s3://bucket/ds", &options)
+            .unwrap()
+            .objects();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let retry = Retry {
+            attempts: 2,
+            timeout: Duration::from_secs(3),
+        };
+        let started = std::time::Instant::now();
+        let err = rt
+            .block_on(fetch(
+                &*store,
+                "s3://bucket/ds",
+                INDEX_FILE,
+                None,
+                retry,
+                |_| Ok(()),
+            ))
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            matches!(&err, DataError::StoreUnreachable { attempts: 2, .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("s3://bucket/ds/index.json") && msg.contains("unreachable"),
+            "{msg}"
+        );
+        // 2 attempts of at most 3 s and one 0.2 s backoff, with slack for a loaded machine.
+        assert!(took < Duration::from_secs(20), "took {took:?}");
+    }
+
     /// A worker that read step s prefetches steps s+1..=s+k of the same rows into the cache.
     #[test]
     fn the_next_steps_are_prefetched_into_the_cache() {
