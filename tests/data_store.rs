@@ -283,3 +283,64 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
     assert_eq!(step, 6);
     assert_eq!(state, reference);
 }
+
+/// A real multi-document corpus shipped by a Debian package (base-files' license texts, ~73k GPT-2
+/// tokens), prepared straight into the bucket and trained on for a few steps.
+#[test]
+fn a_real_corpus_prepared_into_s3_trains() {
+    let licenses = Path::new("/usr/share/common-licenses");
+    assert!(
+        licenses.is_dir(),
+        "{} is missing: install Debian's base-files package (it ships the corpus)",
+        licenses.display()
+    );
+    let dir = fresh_dir("ds-licenses");
+    let mut inputs = Vec::new();
+    for entry in std::fs::read_dir(licenses).unwrap().flatten() {
+        // Symlinks (GPL -> GPL-3, ...) would repeat a text.
+        if entry.file_type().unwrap().is_file() {
+            let copy = dir.join(format!("{}.txt", entry.file_name().to_string_lossy()));
+            std::fs::copy(entry.path(), &copy).unwrap();
+            inputs.push(copy);
+        }
+    }
+    inputs.sort();
+    assert!(inputs.len() >= 10, "{inputs:?}");
+    let s3 = SeaweedFs::start();
+    let url = s3.url("datasets/common-licenses");
+    run_ok(
+        seqpipe()
+            .envs(s3.env())
+            .args(["data", "prepare", "--input"])
+            .args(&inputs)
+            .args([
+                "--out",
+                &url,
+                "--shard-bytes",
+                "65536",
+                "--chunk-bytes",
+                "4096",
+            ]),
+    );
+    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let index = trainer::data::shards::DatasetIndex::parse(
+        &rt.block_on(read_object(&store, "index.json")).unwrap(),
+        &url,
+    )
+    .unwrap();
+    assert_eq!(
+        index.train.documents + index.val.documents,
+        inputs.len() as u64
+    );
+    assert!(index.train.tokens > 50_000, "{}", index.train.tokens);
+    let run = dir.join("run");
+    let cache = format!("data.cache_dir={}", dir.join("cache").display());
+    run_ok(job(&run, &url, &[&cache, "train.steps=3"]).envs(s3.env()));
+    let losses = losses(&run);
+    assert_eq!(losses.len(), 3);
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}
