@@ -344,3 +344,96 @@ fn a_real_corpus_prepared_into_s3_trains() {
     assert_eq!(losses.len(), 3);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
+
+/// A 2 × 2 elastic job reading from S3: a whole node (agent and workers) is SIGKILLed mid-run and
+/// the cache directory emptied at the same moment, so the re-planned workers start with no cached
+/// data; the run still ends bit-identical to the same job on the local single-file dataset.
+#[test]
+fn a_node_killed_mid_run_with_its_cache_emptied_stays_bit_identical() {
+    const STEPS: u64 = 24;
+    let s3 = SeaweedFs::start();
+    let dir = fresh_dir("ds-kill");
+    let local = dir.join("local");
+    std::fs::create_dir_all(&local).unwrap();
+    let ids = |n: u64, salt: u64| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| ((((i * 2654435761) ^ salt) >> 7) as u16 % 128).to_le_bytes())
+            .collect()
+    };
+    std::fs::write(local.join("train.bin"), ids(40_000, 1)).unwrap();
+    std::fs::write(local.join("val.bin"), ids(2_000, 2)).unwrap();
+    let meta = trainer::data::DatasetMeta {
+        vocab_size: 128,
+        dtype: trainer::data::TokenDtype::U16,
+        tokenizer: "test".into(),
+        train_tokens: 40_000,
+        val_tokens: 2_000,
+    };
+    std::fs::write(
+        local.join("meta.json"),
+        serde_json::to_string(&meta).unwrap(),
+    )
+    .unwrap();
+    let url = s3.url("datasets/kill");
+    let target = trainer::data::shards::Target {
+        url: url.clone(),
+        store: checkpoint::CheckpointStore::open(&url, &s3.store_options())
+            .unwrap()
+            .objects(),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let layout = trainer::data::shards::ShardLayout {
+        shard_bytes: 8192,
+        chunk_bytes: 1024,
+    };
+    rt.block_on(trainer::data::shards::publish(
+        &local, &meta, None, layout, &target,
+    ))
+    .unwrap();
+
+    let two_by_two = ["--set", "pipeline.replicas=2", "--set", "pipeline.stages=2"];
+    let reference_dir = dir.join("reference");
+    run_ok(
+        elastic_job(&reference_dir, STEPS)
+            .args(two_by_two)
+            .arg("--set")
+            .arg(format!("data.source={}", local.display())),
+    );
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+
+    let run = dir.join("run");
+    let cache = dir.join("cache");
+    let mut child = elastic_job(&run, STEPS)
+        .args(two_by_two)
+        .arg("--set")
+        .arg(format!("data.source={url}"))
+        .arg("--set")
+        .arg(format!("data.cache_dir={}", cache.display()))
+        .envs(s3.env())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&run, 3);
+    let nodes = children_of(child.id());
+    let agent = nodes[0];
+    let mut victims = children_of(agent);
+    victims.push(agent);
+    let _ = std::fs::remove_dir_all(&cache);
+    for pid in &victims {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    let status = child.wait().unwrap();
+    assert!(status.success(), "the run did not recover: {status}");
+    assert!(
+        run_events(&run)
+            .iter()
+            .any(|e| matches!(e, RunEvent::NodeLost(_))),
+        "the kill landed after the run ended"
+    );
+    assert_final_state(&run, STEPS, &reference);
+}
