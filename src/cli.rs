@@ -282,14 +282,25 @@ struct PlotArgs {
 
 #[derive(Subcommand, Debug)]
 enum DataCommand {
-    /// Tokenize text (.txt) or JSONL (.jsonl, field "text") with the GPT-2 BPE into train.bin/val.bin.
+    /// Tokenize text (.txt) or JSONL (.jsonl, field "text") with the GPT-2 BPE into train.bin/val.bin,
+    /// or into a sharded dataset (shards + index.json) at an object-store URL.
     Prepare {
         /// Input files.
         #[arg(long, required = true, num_args = 1..)]
         input: Vec<PathBuf>,
-        /// Output directory.
+        /// Output: a local directory (train.bin, val.bin, meta.json), or a URL (s3://bucket/prefix,
+        /// gs://, az://, file:///abs/dir) to write a sharded dataset to; S3 settings come from
+        /// AWS_ENDPOINT, AWS_REGION, AWS_ACCESS_KEY_ID, ... as for checkpoints.
         #[arg(long)]
-        out: PathBuf,
+        out: String,
+        /// Write a sharded dataset with shards of this many bytes (default 64 MiB), also to a
+        /// local directory.
+        #[arg(long, value_name = "BYTES")]
+        shard_bytes: Option<u64>,
+        /// Chunk size of a sharded dataset: the unit of range reads, caching and hash checks
+        /// (default 256 KiB; divides --shard-bytes).
+        #[arg(long, value_name = "BYTES")]
+        chunk_bytes: Option<u64>,
         /// Share of documents (from the end) that go to val.bin; of tokens when there is only one
         /// document (a single .txt file).
         #[arg(long, default_value_t = 0.1)]
@@ -503,8 +514,50 @@ fn data(cmd: DataCommand) -> Result<()> {
         input,
         out,
         val_fraction,
+        shard_bytes,
+        chunk_bytes,
     } = cmd;
     init_logging("info");
+    if trainer::data::prepare::looks_like_mangled_url(&out) {
+        anyhow::bail!(
+            "--out {out} looks like a URL without `//` (it would create a local directory named \
+             `{}`); write a URL as scheme://bucket/prefix (e.g. s3://bucket/ds), or a local path \
+             as ./{out}",
+            out.split(':').next().unwrap_or_default().to_string() + ":"
+        );
+    }
+    if trainer::data::remote::is_url(&out) || shard_bytes.is_some() || chunk_bytes.is_some() {
+        let defaults = trainer::data::shards::ShardLayout::default();
+        let layout = trainer::data::shards::ShardLayout {
+            shard_bytes: shard_bytes.unwrap_or(defaults.shard_bytes),
+            chunk_bytes: chunk_bytes.unwrap_or(defaults.chunk_bytes),
+        };
+        let report = trainer::data::prepare::prepare_sharded(
+            &input,
+            &out,
+            val_fraction,
+            layout,
+            &std::env::temp_dir(),
+        )?;
+        let (train, val) = (&report.index.train, &report.index.val);
+        println!(
+            "wrote {}/index.json: train {} tokens ({} documents) in {} shards, val {} tokens ({} \
+             documents) in {} shards",
+            report.url,
+            train.tokens,
+            report.prepared.train_documents,
+            train.shards.len(),
+            val.tokens,
+            report.prepared.val_documents,
+            val.shards.len()
+        );
+        println!(
+            "train on it with: seqpipe train --set data.source={} --set model.vocab_size=50257",
+            report.url
+        );
+        return Ok(());
+    }
+    let out = PathBuf::from(out);
     let report = prepare(&input, &out, val_fraction)?;
     println!(
         "wrote {} ({} tokens, {} documents) and {} ({} tokens, {} documents)",

@@ -186,6 +186,13 @@ impl CheckpointStore {
         &self.url
     }
 
+    /// The object store behind this location, rooted at the URL's prefix (keys are relative).
+    /// For other readers of the same URL forms and S3 settings, e.g. datasets in a bucket; the
+    /// read-only flag and the upload throttle do not apply to it.
+    pub fn objects(&self) -> Arc<dyn ObjectStore> {
+        Arc::clone(&self.inner)
+    }
+
     /// Wraps an object store error with this store's URL and what was being done.
     pub(crate) fn store_err(
         &self,

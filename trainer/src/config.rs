@@ -571,6 +571,7 @@ pub const LOCAL_ONLY_KEYS: &[&str] = &[
     "checkpoint.s3_region",
     "checkpoint.allow_http",
     "checkpoint.read_only",
+    "data.cache_dir",
     "elastic.listen",
     "elastic.rendezvous",
     "elastic.metrics_listen",
@@ -708,6 +709,19 @@ mod tests {
         let same = Config::adopt_stored(&local, &local).unwrap();
         assert!(same.applied.is_empty() && same.ignored.is_empty());
         assert_eq!(same.config, local);
+    }
+
+    /// The data cache is where a node writes: a checkpoint's stored config cannot move it.
+    #[test]
+    fn adopting_a_stored_config_keeps_the_local_data_cache() {
+        let local = Config::default();
+        let mut stored = Config::default();
+        stored.data.cache_dir = "/etc/elsewhere".into();
+        stored.data.cache_bytes = 1 << 20;
+        let adopted = Config::adopt_stored(&local, &stored).unwrap();
+        assert_eq!(adopted.config.data.cache_dir, "");
+        assert_eq!(adopted.config.data.cache_bytes, 1 << 20);
+        assert_eq!(adopted.ignored[0].0, "data.cache_dir");
     }
 
     #[test]

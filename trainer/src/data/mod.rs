@@ -14,10 +14,16 @@
 //!   entropy rate, and hence the best achievable loss, is known exactly. Needs no download.
 //! * `source = "<dir>"`: a directory with `train.bin` / `val.bin` in the nanoGPT layout
 //!   ([`TokenFiles`]), as written by [`prepare()`] (`seqpipe data prepare`).
+//! * `source = "s3://bucket/prefix"` (any object-store URL), or a directory holding an
+//!   `index.json`: a sharded dataset ([`shards`]) read by byte range through a verified local
+//!   cache ([`ShardedSource`]), as written by `seqpipe data prepare --out URL`. The tokens of a
+//!   sample are the same as from the single-file dataset the shards were cut from.
 
 pub mod bin;
 pub mod keys;
 pub mod prepare;
+pub mod remote;
+pub mod shards;
 pub mod synthetic;
 
 use std::fmt;
@@ -27,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 pub use bin::{DatasetMeta, TokenFiles};
 pub use prepare::{PrepareReport, prepare};
+pub use remote::ShardedSource;
 pub use synthetic::SyntheticLanguage;
 
 /// The value of [`DataConfig::source`] that selects the built-in synthetic language.
@@ -71,9 +78,12 @@ impl fmt::Display for TokenDtype {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// `"synthetic"` (built-in, no download) or a directory containing `train.bin` and
-    /// `val.bin` (nanoGPT layout: flat little-endian token ids, no header). A relative
-    /// directory is resolved against the current working directory.
+    /// `"synthetic"` (built-in, no download), a directory containing `train.bin` and
+    /// `val.bin` (nanoGPT layout: flat little-endian token ids, no header), or a sharded dataset
+    /// (`seqpipe data prepare --out URL`): an object-store URL (`s3://bucket/prefix`, `gs://`,
+    /// `az://`, `file:///abs/dir`; S3 settings from `AWS_ENDPOINT`, `AWS_REGION`, ... as for
+    /// checkpoints) or a directory holding its `index.json`. A relative directory is resolved
+    /// against the current working directory.
     pub source: String,
     /// Token id width of the `.bin` files: `"u16"` or `"u32"`.
     pub dtype: TokenDtype,
@@ -83,6 +93,20 @@ pub struct DataConfig {
     pub synthetic_branching: usize,
     /// Seed of the synthetic language's transition table (independent of `train.seed`).
     pub synthetic_seed: u64,
+    /// URL sources: local directory of the verified chunk cache, shared by the processes of a
+    /// host ("" = `<system temp dir>/seqpipe-data-cache`).
+    pub cache_dir: String,
+    /// URL sources: most bytes the cache directory holds (least recently used chunks are
+    /// evicted); 0 = no cache.
+    pub cache_bytes: u64,
+    /// URL sources: how many steps ahead each worker fetches its training samples into the cache
+    /// in the background (0 = none).
+    pub prefetch_steps: u64,
+    /// URL sources: attempts per read before a missing, corrupt or unreachable object stops the
+    /// run (with exponential backoff from 0.2 s, at most 5 s, between them).
+    pub read_attempts: u32,
+    /// URL sources: seconds one read attempt may take.
+    pub read_timeout_s: f64,
 }
 
 impl Default for DataConfig {
@@ -93,6 +117,11 @@ impl Default for DataConfig {
             synthetic_order: 1,
             synthetic_branching: 4,
             synthetic_seed: 1234,
+            cache_dir: String::new(),
+            cache_bytes: 4 << 30,
+            prefetch_steps: 2,
+            read_attempts: 4,
+            read_timeout_s: 30.0,
         }
     }
 }
@@ -285,6 +314,91 @@ pub enum DataError {
         message: String,
     },
 
+    /// A sharded dataset's `index.json` is unusable.
+    #[error(
+        "dataset index {url}: {message}; a sharded dataset is written by `seqpipe data prepare \
+         --out URL`"
+    )]
+    Index {
+        /// The index's URL.
+        url: String,
+        /// What is wrong.
+        message: String,
+    },
+
+    /// An object of a sharded dataset is missing from the store.
+    #[error(
+        "dataset object {url}/{key} is missing (not found in {attempts} attempts): the dataset \
+         is incomplete or was deleted; upload it again with `seqpipe data prepare --out URL` or \
+         set [data] source to a complete dataset. This is a data error, not a node failure: the \
+         last committed checkpoint is intact, resume from it once the data is back"
+    )]
+    ObjectMissing {
+        /// The dataset URL.
+        url: String,
+        /// The object's key in it.
+        key: String,
+        /// Read attempts made.
+        attempts: u32,
+    },
+
+    /// An object of a sharded dataset does not match the hash its index records.
+    #[error(
+        "dataset object {url}/{key} is corrupt ({detail}; in {attempts} attempts): the object \
+         was changed or damaged after `seqpipe data prepare` wrote it; prepare and upload the \
+         dataset again. This is a data error, not a node failure: the last committed checkpoint \
+         is intact"
+    )]
+    ObjectCorrupt {
+        /// The dataset URL.
+        url: String,
+        /// The object's key in it.
+        key: String,
+        /// Read attempts made.
+        attempts: u32,
+        /// What did not match.
+        detail: String,
+    },
+
+    /// The store of a sharded dataset did not answer.
+    #[error(
+        "cannot read dataset object {url}/{key} in {attempts} attempts ({detail}): the store is \
+         unreachable or refuses access; check the URL, AWS_ENDPOINT and credentials, or raise \
+         [data] read_attempts / read_timeout_s. This is a data error, not a node failure: the \
+         last committed checkpoint is intact"
+    )]
+    StoreUnreachable {
+        /// The dataset URL.
+        url: String,
+        /// The object's key in it.
+        key: String,
+        /// Read attempts made.
+        attempts: u32,
+        /// The last failure.
+        detail: String,
+    },
+
+    /// An object store operation (opening, writing) failed.
+    #[error("dataset location {url}: {action} failed: {detail}")]
+    Store {
+        /// The dataset URL.
+        url: String,
+        /// What was being done.
+        action: String,
+        /// The store's error.
+        detail: String,
+    },
+
+    /// `data prepare` was pointed at a location that already holds a dataset.
+    #[error(
+        "{url} already holds a dataset (its index.json exists); datasets are never overwritten \
+         (a running job may be reading it): pick another --out, or delete the old one first"
+    )]
+    DatasetExists {
+        /// The dataset URL.
+        url: String,
+    },
+
     /// The GPT-2 tokenizer could not be loaded.
     #[error("cannot load the GPT-2 (r50k_base) tokenizer: {0}")]
     Tokenizer(String),
@@ -322,6 +436,8 @@ pub fn open_source(cfg: &DataConfig, vocab_size: usize) -> Result<Box<dyn TokenS
              `seqpipe data prepare`"
                 .into(),
         ))
+    } else if remote::is_sharded(&cfg.source) {
+        Ok(Box::new(ShardedSource::open(cfg, vocab_size)?))
     } else {
         Ok(Box::new(TokenFiles::open(
             Path::new(&cfg.source),
@@ -342,10 +458,15 @@ pub fn check_source(
     vocab_size: usize,
     sample_len: usize,
 ) -> Result<(), DataError> {
-    open_source(cfg, vocab_size)?;
     if cfg.is_synthetic() {
-        return Ok(());
+        return open_source(cfg, vocab_size).map(|_| ());
     }
+    if remote::is_sharded(&cfg.source) {
+        let sharded = ShardedSource::open(cfg, vocab_size)?;
+        sharded.check(Split::Train, sample_len, false)?;
+        return sharded.check(Split::Val, sample_len, true);
+    }
+    open_source(cfg, vocab_size)?;
     let files = TokenFiles::open(Path::new(&cfg.source), cfg.dtype, vocab_size)?;
     files.check(Split::Train, sample_len, false)?;
     files.check(Split::Val, sample_len, true)

@@ -525,6 +525,83 @@ pub fn prepare(
     })
 }
 
+/// What [`prepare_sharded`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardedReport {
+    /// The dataset's location (its `index.json` is at `<url>/index.json`).
+    pub url: String,
+    /// What the tokenization produced (paths are those of the staging directory, now removed).
+    pub prepared: PrepareReport,
+    /// The index written.
+    pub index: super::shards::DatasetIndex,
+}
+
+/// Whether `out` looks like a URL (`scheme:...`) that is not written `scheme://...`, e.g.
+/// `s3:bucket/ds`: a plain path like that would silently create a directory named `s3:`.
+pub fn looks_like_mangled_url(out: &str) -> bool {
+    match out.split_once(':') {
+        Some((scheme, rest)) => {
+            !rest.starts_with("//")
+                && !scheme.is_empty()
+                && scheme
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"+.-".contains(&b))
+                && scheme.as_bytes()[0].is_ascii_alphabetic()
+        }
+        None => false,
+    }
+}
+
+/// Tokenizes `inputs` like [`prepare()`] into a staging directory under `staging_root`, then
+/// writes the result as a sharded dataset ([`super::shards`]) to `out`: an object-store URL
+/// (`s3://bucket/prefix`, `gs://`, `az://`, `file:///abs/dir`) or a local directory. The shards
+/// go first and the `index.json` last; a location that already holds a dataset is refused. The
+/// staging directory is removed in every case.
+pub fn prepare_sharded(
+    inputs: &[PathBuf],
+    out: &str,
+    val_fraction: f64,
+    layout: super::shards::ShardLayout,
+    staging_root: &Path,
+) -> Result<ShardedReport, DataError> {
+    layout.validate(TokenDtype::U16)?;
+    let url = out.trim().trim_end_matches('/').to_string();
+    let store = super::remote::open_store(&url, false)?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let staging = staging_root.join(format!("seqpipe-prepare-{}-{nanos}", std::process::id()));
+    let result = (|| {
+        let prepared = prepare(inputs, &staging, val_fraction)?;
+        let meta = DatasetMeta::read(&staging)?.ok_or_else(|| DataError::Meta {
+            path: staging.join(META_FILE),
+            message: "prepare wrote no meta.json".into(),
+        })?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(io_err("start a runtime to write", Path::new(&url)))?;
+        let target = super::shards::Target {
+            url: url.clone(),
+            store,
+        };
+        let index = rt.block_on(super::shards::publish(
+            &staging,
+            &meta,
+            Some(GPT2_EOT),
+            layout,
+            &target,
+        ))?;
+        Ok(ShardedReport {
+            url: url.clone(),
+            prepared,
+            index,
+        })
+    })();
+    let _ = std::fs::remove_dir_all(&staging);
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::bin::TokenFiles;

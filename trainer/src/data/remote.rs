@@ -1,0 +1,975 @@
+//! A sharded dataset ([`super::shards`]) read from an object store (`s3://`, `gs://`, `az://`,
+//! `file://`, or a local directory holding an `index.json`), as a [`TokenSource`].
+//!
+//! A sample is drawn exactly as from single-file token files (same offset from the same key, over
+//! the same concatenated token stream), then read as the chunks that overlap it: from the local
+//! cache when a verified copy is there, else by byte range from the store. Every chunk, from the
+//! store or the cache, is checked against the index's BLAKE3 hash before a token of it is used;
+//! a corrupt cache file is discarded and fetched again, a corrupt object is an error naming it.
+//!
+//! Reads retry with exponential backoff, `read_attempts` times of at most `read_timeout_s` each;
+//! an object that stays missing, keeps failing its hash, or a store that stays unreachable is a
+//! [`DataError`] naming the object (a permanent failure: the run stops, no node is blamed).
+//!
+//! The cache ([`Cache`]) is a directory of verified chunk files shared by the processes of a
+//! host, bounded by `cache_bytes` (least recently used out, under a file lock). The training
+//! samples of the steps after the one being read are fetched into it in the background
+//! (`prefetch_steps`), from the rows and micro-batches this process read in its previous step.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use super::keys::{sample_rng, uniform_below};
+use super::shards::{DatasetIndex, INDEX_FILE, MAX_INDEX_BYTES};
+use super::{DataConfig, DataError, SampleKey, Split, TokenDtype, TokenSource};
+
+/// Byte counters of a [`ShardedSource`] (for tests and logs).
+#[derive(Debug, Default)]
+pub struct ReadStats {
+    /// Bytes received from the store (chunks, retries included; the index excluded).
+    pub fetched_bytes: AtomicU64,
+    /// Chunks served from the cache.
+    pub cache_hits: AtomicU64,
+    /// Cached chunk files found corrupt, discarded and fetched again.
+    pub cache_corrupt: AtomicU64,
+}
+
+/// Retry policy of store reads.
+#[derive(Clone, Copy, Debug)]
+struct Retry {
+    attempts: u32,
+    timeout: Duration,
+}
+
+/// First backoff between attempts; doubled after each, at most [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// What the reader shares with its background tasks.
+struct Inner {
+    url: String,
+    store: Arc<dyn ObjectStore>,
+    index: DatasetIndex,
+    /// [`DatasetIndex::shard_starts`] of train and val.
+    starts: [Vec<u64>; 2],
+    vocab_size: usize,
+    cache: Option<Cache>,
+    retry: Retry,
+    stats: ReadStats,
+}
+
+/// Which train samples this process reads, to prefetch the next steps' ones.
+#[derive(Default)]
+struct Prefetch {
+    /// The step being read and the (micro-batch, row, len) it read so far.
+    step: Option<u64>,
+    current: BTreeSet<(u64, u64, usize)>,
+    /// The last step whose samples were handed to the background.
+    queued_to: Option<u64>,
+}
+
+/// A sharded dataset in an object store. See the module docs.
+pub struct ShardedSource {
+    inner: Arc<Inner>,
+    prefetch_steps: u64,
+    prefetch: Mutex<Prefetch>,
+    /// Runs the store's futures; shut down in the background on drop (dropping a runtime inside
+    /// another one's context would panic).
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for ShardedSource {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn split_slot(split: Split) -> usize {
+    match split {
+        Split::Train => 0,
+        Split::Val => 1,
+    }
+}
+
+/// Whether `source` names an object-store URL rather than a local path.
+pub fn is_url(source: &str) -> bool {
+    source.contains("://")
+}
+
+/// Whether `source` is a sharded dataset: a URL, or a local directory with an `index.json`.
+pub fn is_sharded(source: &str) -> bool {
+    let source = source.trim();
+    !source.is_empty() && (is_url(source) || Path::new(source).join(INDEX_FILE).is_file())
+}
+
+/// Opens the object store at a dataset URL or local directory, with the checkpoint store's URL
+/// forms and S3 settings (`AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, `AWS_REGION`, credentials).
+pub fn open_store(url: &str, read_only: bool) -> Result<Arc<dyn ObjectStore>, DataError> {
+    let options = checkpoint::StoreOptions {
+        read_only,
+        ..Default::default()
+    };
+    checkpoint::CheckpointStore::open(url, &options)
+        .map(|s| s.objects())
+        .map_err(|e| DataError::Store {
+            url: url.to_string(),
+            action: "opening the dataset location".into(),
+            detail: e.to_string(),
+        })
+}
+
+impl ShardedSource {
+    /// Opens the dataset at `cfg.source` for a model of `vocab_size` tokens: reads and validates
+    /// its index (with the retry policy), checks it against `[data] dtype`, opens the cache.
+    pub fn open(cfg: &DataConfig, vocab_size: usize) -> Result<ShardedSource, DataError> {
+        if vocab_size == 0 {
+            return Err(DataError::InvalidConfig(
+                "model.vocab_size is 0; set it to the dataset's vocab_size (50257 for GPT-2)"
+                    .into(),
+            ));
+        }
+        if cfg.read_attempts == 0 || !(cfg.read_timeout_s > 0.0 && cfg.read_timeout_s.is_finite()) {
+            return Err(DataError::InvalidConfig(format!(
+                "read_attempts = {} and read_timeout_s = {}: both must be positive (e.g. 4 and \
+                 30.0)",
+                cfg.read_attempts, cfg.read_timeout_s
+            )));
+        }
+        let url = cfg.source.trim().trim_end_matches('/').to_string();
+        let store = open_store(&url, true)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("seqpipe-data")
+            .enable_all()
+            .build()
+            .map_err(|source| DataError::Io {
+                action: "start the data reader's runtime for",
+                path: PathBuf::from(&url),
+                source,
+            })?;
+        let retry = Retry {
+            attempts: cfg.read_attempts,
+            timeout: Duration::from_secs_f64(cfg.read_timeout_s),
+        };
+        let index_bytes = {
+            let (store, owned) = (Arc::clone(&store), url.clone());
+            block_on(&rt, &url, async move {
+                fetch(&*store, &owned, INDEX_FILE, None, retry, |b| {
+                    if b.len() as u64 > MAX_INDEX_BYTES {
+                        Err(format!("over {MAX_INDEX_BYTES} bytes"))
+                    } else {
+                        Ok(())
+                    }
+                })
+                .await
+            })??
+        };
+        let index = DatasetIndex::parse(&index_bytes, &format!("{url}/{INDEX_FILE}"))?;
+        if index.dtype != cfg.dtype {
+            return Err(DataError::Index {
+                url: format!("{url}/{INDEX_FILE}"),
+                message: format!(
+                    "the dataset stores {} token ids but [data] dtype is \"{}\"; set [data] \
+                     dtype = \"{}\"",
+                    index.dtype, cfg.dtype, index.dtype
+                ),
+            });
+        }
+        let cache = if is_url(&url) && cfg.cache_bytes > 0 {
+            let root = if cfg.cache_dir.trim().is_empty() {
+                std::env::temp_dir().join("seqpipe-data-cache")
+            } else {
+                PathBuf::from(&cfg.cache_dir)
+            };
+            // Datasets sharing a cache directory never share files: each has its own folder,
+            // named by its index's hash.
+            let id = blake3::hash(&index_bytes).to_hex()[..16].to_string();
+            Some(Cache::open(&root, &id, cfg.cache_bytes)?)
+        } else {
+            None
+        };
+        let starts = [
+            index.shard_starts(Split::Train),
+            index.shard_starts(Split::Val),
+        ];
+        Ok(ShardedSource {
+            inner: Arc::new(Inner {
+                url,
+                store,
+                index,
+                starts,
+                vocab_size,
+                cache,
+                retry,
+                stats: ReadStats::default(),
+            }),
+            prefetch_steps: cfg.prefetch_steps,
+            prefetch: Mutex::new(Prefetch::default()),
+            rt: Some(rt),
+        })
+    }
+
+    /// The dataset's index.
+    pub fn index(&self) -> &DatasetIndex {
+        &self.inner.index
+    }
+
+    /// Byte counters so far.
+    pub fn stats(&self) -> &ReadStats {
+        &self.inner.stats
+    }
+
+    /// Tokens in a split.
+    pub fn tokens(&self, split: Split) -> u64 {
+        self.inner.index.split(split).tokens
+    }
+
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.rt.as_ref().expect("the runtime lives until drop")
+    }
+
+    /// Tokens `[start, start + len)` of `split`, each checked against the model's vocabulary.
+    pub fn window(&self, split: Split, start: u64, len: usize) -> Result<Vec<u32>, DataError> {
+        let inner = Arc::clone(&self.inner);
+        block_on(self.rt(), &self.inner.url, async move {
+            inner.window(split, start, len).await
+        })?
+    }
+
+    /// The launcher's start-up check (as [`super::TokenFiles::check`]): the split holds a sample
+    /// of `sample_len` tokens and, with `scan`, every id in it fits the vocabulary.
+    pub fn check(&self, split: Split, sample_len: usize, scan: bool) -> Result<(), DataError> {
+        let tokens = self.tokens(split);
+        let needed = (sample_len as u64).max(1);
+        if tokens < needed {
+            return Err(DataError::TooShort {
+                path: PathBuf::from(format!("{} ({split} split)", self.inner.url)),
+                tokens,
+                needed,
+            });
+        }
+        if scan {
+            const CHUNK: u64 = 1 << 20;
+            let mut start = 0;
+            while start < tokens {
+                let len = CHUNK.min(tokens - start);
+                self.window(split, start, len as usize)?;
+                start += len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes that train sample `key` is being read; on the first read of a new step, hands the
+    /// next `prefetch_steps` steps' samples (same micro-batches and rows) to the background.
+    fn note_read(&self, key: SampleKey, len: usize) {
+        if self.prefetch_steps == 0 || self.inner.cache.is_none() {
+            return;
+        }
+        let mut p = self.prefetch.lock().unwrap_or_else(|e| e.into_inner());
+        if p.step != Some(key.step) {
+            let previous = std::mem::take(&mut p.current);
+            p.step = Some(key.step);
+            if !previous.is_empty() {
+                let from = p.queued_to.map_or(key.step + 1, |q| q.max(key.step) + 1);
+                let to = key.step + self.prefetch_steps;
+                if from <= to {
+                    p.queued_to = Some(to);
+                    let inner = Arc::clone(&self.inner);
+                    let seed = key.seed;
+                    self.rt().spawn(async move {
+                        for step in from..=to {
+                            for &(micro_batch, row, len) in &previous {
+                                let key = SampleKey {
+                                    seed,
+                                    step,
+                                    micro_batch,
+                                    row,
+                                };
+                                if let Err(e) = inner.sample(Split::Train, key, len).await {
+                                    // The foreground read of the same sample reports it.
+                                    tracing::debug!(error = %e, "prefetch failed");
+                                    return;
+                                }
+                            }
+                        }
+                    });
+                }
+            }
+        }
+        p.current.insert((key.micro_batch, key.row, len));
+    }
+}
+
+/// Runs `fut` on `rt` from synchronous code (also from inside another runtime's thread, where
+/// `block_on` would panic).
+fn block_on<T: Send + 'static>(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    fut: impl Future<Output = T> + Send + 'static,
+) -> Result<T, DataError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    rt.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv().map_err(|_| DataError::Store {
+        url: url.to_string(),
+        action: "reading".into(),
+        detail: "the data reader's task stopped without an answer".into(),
+    })
+}
+
+impl Inner {
+    async fn sample(
+        &self,
+        split: Split,
+        key: SampleKey,
+        len: usize,
+    ) -> Result<Vec<u32>, DataError> {
+        let tokens = self.index.split(split).tokens;
+        if tokens < len as u64 || tokens == 0 {
+            return Err(DataError::TooShort {
+                path: PathBuf::from(format!("{} ({split} split)", self.url)),
+                tokens,
+                needed: (len as u64).max(1),
+            });
+        }
+        let mut rng = sample_rng(split, key);
+        let start = uniform_below(&mut rng, tokens - len as u64 + 1);
+        self.window(split, start, len).await
+    }
+
+    async fn window(&self, split: Split, start: u64, len: usize) -> Result<Vec<u32>, DataError> {
+        let starts = &self.starts[split_slot(split)];
+        let pieces = self
+            .index
+            .pieces(starts, start, len as u64)
+            .ok_or_else(|| {
+                DataError::InvalidArgument(format!(
+                    "window [{start}, {start} + {len}) is outside the {split} split of {} ({} \
+                     tokens)",
+                    self.url,
+                    self.index.split(split).tokens
+                ))
+            })?;
+        let width = self.index.dtype.width();
+        let mut out = Vec::with_capacity(len);
+        for piece in pieces {
+            let chunk = self.chunk(split, piece.shard, piece.chunk).await?;
+            let shard = &self.index.split(split).shards[piece.shard];
+            let chunk_start = self.index.chunk_range(shard.bytes, piece.chunk).start;
+            for (i, id) in chunk[piece.from..piece.to].chunks_exact(width).enumerate() {
+                let value = match self.index.dtype {
+                    TokenDtype::U16 => u32::from(u16::from_le_bytes([id[0], id[1]])),
+                    TokenDtype::U32 => u32::from_le_bytes([id[0], id[1], id[2], id[3]]),
+                };
+                if value as usize >= self.vocab_size {
+                    let byte_offset = chunk_start + (piece.from + i * width) as u64;
+                    return Err(DataError::TokenOutOfRange {
+                        path: PathBuf::from(format!("{}/{}", self.url, shard.key)),
+                        index: byte_offset / width as u64,
+                        byte_offset,
+                        value,
+                        vocab_size: self.vocab_size,
+                    });
+                }
+                out.push(value);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Chunk `chunk` of shard `shard` of `split`, verified: from the cache, else the store.
+    async fn chunk(&self, split: Split, shard: usize, chunk: usize) -> Result<Bytes, DataError> {
+        let entry = &self.index.split(split).shards[shard];
+        let want = &entry.chunks[chunk];
+        let name = format!("{}-{shard:06}-{chunk:06}.bin", split.as_str());
+        if let Some(cache) = &self.cache {
+            match cache.get(&name, want) {
+                CacheRead::Hit(bytes) => {
+                    self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(bytes);
+                }
+                CacheRead::Corrupt => {
+                    self.stats.cache_corrupt.fetch_add(1, Ordering::Relaxed);
+                }
+                CacheRead::Miss => {}
+            }
+        }
+        let range = self.index.chunk_range(entry.bytes, chunk);
+        let bytes = fetch(
+            &*self.store,
+            &self.url,
+            &entry.key,
+            Some(range.clone()),
+            self.retry,
+            |b| {
+                if b.len() as u64 != range.end - range.start {
+                    return Err(format!(
+                        "{} bytes came back for the {}-byte range {range:?}",
+                        b.len(),
+                        range.end - range.start
+                    ));
+                }
+                let got = blake3::hash(b).to_hex();
+                if got.as_str() != want {
+                    return Err(format!(
+                        "bytes {range:?} hash to {got}, but the index says {want}"
+                    ));
+                }
+                Ok(())
+            },
+        )
+        .await?;
+        self.stats
+            .fetched_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        if let Some(cache) = &self.cache
+            && let Err(e) = cache.put(&name, &bytes)
+        {
+            // A cache that cannot be written costs speed, not correctness.
+            tracing::warn!(error = %e, "data cache: cannot store {name}");
+        }
+        Ok(bytes)
+    }
+}
+
+/// How the last attempt of a read failed.
+enum Failure {
+    Missing,
+    Corrupt(String),
+    Unreachable(String),
+}
+
+/// Reads `key` (or a byte range of it) with `retry`, accepting the bytes only if `check` passes.
+async fn fetch(
+    store: &dyn ObjectStore,
+    url: &str,
+    key: &str,
+    range: Option<std::ops::Range<u64>>,
+    retry: Retry,
+    check: impl Fn(&[u8]) -> Result<(), String>,
+) -> Result<Bytes, DataError> {
+    let path = ObjectPath::from(key);
+    let mut backoff = FIRST_BACKOFF;
+    let mut last = Failure::Unreachable("no attempt".into());
+    for attempt in 1..=retry.attempts {
+        if attempt > 1 {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+        let read = async {
+            match &range {
+                Some(r) => store.get_range(&path, r.clone()).await,
+                None => match store.get(&path).await {
+                    Ok(got) => got.bytes().await,
+                    Err(e) => Err(e),
+                },
+            }
+        };
+        last = match tokio::time::timeout(retry.timeout, read).await {
+            Ok(Ok(bytes)) => match check(&bytes) {
+                Ok(()) => return Ok(bytes),
+                Err(why) => Failure::Corrupt(why),
+            },
+            Ok(Err(object_store::Error::NotFound { .. })) => Failure::Missing,
+            Ok(Err(e)) => Failure::Unreachable(e.to_string()),
+            Err(_) => Failure::Unreachable(format!("no answer within {:?}", retry.timeout)),
+        };
+        tracing::warn!(url, key, attempt, "dataset read failed; retrying");
+    }
+    let (url, key, attempts) = (url.to_string(), key.to_string(), retry.attempts);
+    Err(match last {
+        Failure::Missing => DataError::ObjectMissing { url, key, attempts },
+        Failure::Corrupt(detail) => DataError::ObjectCorrupt {
+            url,
+            key,
+            attempts,
+            detail,
+        },
+        Failure::Unreachable(detail) => DataError::StoreUnreachable {
+            url,
+            key,
+            attempts,
+            detail,
+        },
+    })
+}
+
+impl TokenSource for ShardedSource {
+    fn vocab_size(&self) -> usize {
+        self.inner.index.vocab_size
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "sharded dataset at {} ({} ids; {} train / {} val tokens in {} + {} shards)",
+            self.inner.url,
+            self.inner.index.dtype,
+            self.inner.index.train.tokens,
+            self.inner.index.val.tokens,
+            self.inner.index.train.shards.len(),
+            self.inner.index.val.shards.len()
+        )
+    }
+
+    fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError> {
+        if split == Split::Train {
+            self.note_read(key, len);
+        }
+        let inner = Arc::clone(&self.inner);
+        block_on(self.rt(), &self.inner.url, async move {
+            inner.sample(split, key, len).await
+        })?
+    }
+}
+
+/// What the cache had for a chunk.
+enum CacheRead {
+    Hit(Bytes),
+    Miss,
+    /// A file was there but failed its hash: it has been removed.
+    Corrupt,
+}
+
+/// A directory of verified chunk files, `<root>/<dataset id>/<name>`, whose total size (all
+/// datasets together) stays within `cap` bytes: inserts run under an exclusive lock on
+/// `<root>/.lock` and first evict the least recently used files (by modification time, which a
+/// hit refreshes). Processes of one host may share it.
+pub struct Cache {
+    root: PathBuf,
+    dir: PathBuf,
+    cap: u64,
+}
+
+/// Name of the lock file at the cache root.
+const LOCK_FILE: &str = ".lock";
+/// Suffix of files being written (removed by the next insert if a writer died).
+const TMP_SUFFIX: &str = ".tmp";
+
+impl Cache {
+    /// Opens (creating) the cache for dataset `id` under `root`, bounded by `cap` bytes.
+    pub fn open(root: &Path, id: &str, cap: u64) -> Result<Cache, DataError> {
+        let dir = root.join(id);
+        std::fs::create_dir_all(&dir).map_err(|source| DataError::Io {
+            action: "create the data cache directory",
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(Cache {
+            root: root.to_path_buf(),
+            dir,
+            cap,
+        })
+    }
+
+    fn get(&self, name: &str, want: &str) -> CacheRead {
+        let path = self.dir.join(name);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return CacheRead::Miss;
+        };
+        if blake3::hash(&bytes).to_hex().as_str() != want {
+            tracing::warn!(
+                file = %path.display(),
+                "data cache: file fails its hash; discarding it and fetching the chunk again"
+            );
+            let _lock = self.lock();
+            let _ = std::fs::remove_file(&path);
+            return CacheRead::Corrupt;
+        }
+        // Most recently used: refresh the time eviction orders by.
+        if let Ok(f) = File::options().append(true).open(&path) {
+            let _ = f.set_modified(SystemTime::now());
+        }
+        CacheRead::Hit(Bytes::from(bytes))
+    }
+
+    /// An exclusive lock on the cache root (released on drop); `None` if it cannot be taken,
+    /// in which case the caller goes on without it.
+    fn lock(&self) -> Option<File> {
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .open(self.root.join(LOCK_FILE))
+            .ok()?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own; the lock is released when the file is closed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        (rc == 0).then_some(file)
+    }
+
+    /// Stores `bytes` as `name`, first evicting least recently used files so that the cache stays
+    /// within its cap. A chunk larger than the cap is not stored.
+    fn put(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        let len = bytes.len() as u64;
+        if len > self.cap {
+            return Ok(());
+        }
+        let _lock = self
+            .lock()
+            .ok_or_else(|| std::io::Error::other("cannot lock the cache"))?;
+        let mut files = Vec::new();
+        for dataset in std::fs::read_dir(&self.root)? {
+            let dataset = dataset?.path();
+            if !dataset.is_dir() {
+                continue;
+            }
+            for entry in std::fs::read_dir(&dataset)? {
+                let entry = entry?;
+                let path = entry.path();
+                let Ok(meta) = entry.metadata() else { continue };
+                if path.extension().is_some_and(|e| e == &TMP_SUFFIX[1..]) {
+                    // Left by a writer that died (writes happen under this lock).
+                    let _ = std::fs::remove_file(&path);
+                    continue;
+                }
+                let used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                files.push((used, meta.len(), path));
+            }
+        }
+        let target = self.dir.join(name);
+        if target.is_file() {
+            // Stored meanwhile by another reader (e.g. the prefetch); a corrupt copy would have
+            // been removed by `get`, and the next `get` checks it again.
+            return Ok(());
+        }
+        let mut total: u64 = files.iter().map(|(_, n, _)| n).sum();
+        files.sort();
+        for (_, n, path) in files {
+            if total + len <= self.cap {
+                break;
+            }
+            std::fs::remove_file(&path)?;
+            total -= n;
+        }
+        let tmp = self.dir.join(format!("{name}{TMP_SUFFIX}"));
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, &target)
+    }
+
+    /// Total bytes of the cache's files (all datasets).
+    pub fn total_bytes(root: &Path) -> u64 {
+        let mut total = 0;
+        for dataset in std::fs::read_dir(root).into_iter().flatten().flatten() {
+            for f in std::fs::read_dir(dataset.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                total += f.metadata().map_or(0, |m| m.len());
+            }
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::bin::tests::TempDir;
+    use super::super::bin::{DatasetMeta, META_FILE};
+    use super::super::shards::{ShardLayout, Target, publish};
+    use super::super::{TokenFiles, open_source};
+    use super::*;
+
+    /// A single-file dataset of `n` train tokens (documents of 13 tokens ending in id 99) and
+    /// 200 val tokens in `dir`, and the same dataset sharded (64-byte shards of 16-byte chunks)
+    /// at `file://<dir>/sharded`, whose URL is returned.
+    fn datasets(dir: &Path, n: u64) -> String {
+        let train: Vec<u8> = (0..n)
+            .flat_map(|i| {
+                (if i % 13 == 12 {
+                    99
+                } else {
+                    (i * 7 % 97) as u16
+                })
+                .to_le_bytes()
+            })
+            .collect();
+        let val: Vec<u8> = (0..200u16).flat_map(|i| (i % 50).to_le_bytes()).collect();
+        std::fs::write(dir.join("train.bin"), &train).unwrap();
+        std::fs::write(dir.join("val.bin"), &val).unwrap();
+        let meta = DatasetMeta {
+            vocab_size: 100,
+            dtype: TokenDtype::U16,
+            tokenizer: "test".into(),
+            train_tokens: n,
+            val_tokens: 200,
+        };
+        std::fs::write(dir.join(META_FILE), serde_json::to_string(&meta).unwrap()).unwrap();
+        let url = format!("file://{}/sharded", dir.display());
+        let target = Target {
+            url: url.clone(),
+            store: open_store(&url, false).unwrap(),
+        };
+        let layout = ShardLayout {
+            shard_bytes: 64,
+            chunk_bytes: 16,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let index = rt
+            .block_on(publish(dir, &meta, Some(99), layout, &target))
+            .unwrap();
+        assert_eq!(index.train.tokens, n);
+        assert_eq!(index.train.shards.len() as u64, (2 * n).div_ceil(64));
+        assert_eq!(index.train.documents, n.div_ceil(13));
+        // The same location is never overwritten.
+        let again = rt.block_on(publish(dir, &meta, Some(99), layout, &target));
+        assert!(
+            matches!(again, Err(DataError::DatasetExists { .. })),
+            "{again:?}"
+        );
+        url
+    }
+
+    fn cfg(source: &str, cache: &Path, cache_bytes: u64) -> DataConfig {
+        DataConfig {
+            source: source.into(),
+            cache_dir: cache.display().to_string(),
+            cache_bytes,
+            read_attempts: 2,
+            read_timeout_s: 10.0,
+            ..DataConfig::default()
+        }
+    }
+
+    fn key(step: u64, micro_batch: u64, row: u64) -> SampleKey {
+        SampleKey {
+            seed: 7,
+            step,
+            micro_batch,
+            row,
+        }
+    }
+
+    /// The same samples from the single files, the shards cold, the shards warm, a cache too small
+    /// for the data (its size checked after every sample), and a byte flipped in a cached file.
+    #[test]
+    fn sharded_samples_equal_single_file_samples_through_the_cache() {
+        let tmp = TempDir::new("sharded");
+        let url = datasets(&tmp.0, 1000);
+        let files = TokenFiles::open(&tmp.0, TokenDtype::U16, 100).unwrap();
+        let cache = tmp.0.join("cache");
+        let keys: Vec<SampleKey> = (0..12)
+            .flat_map(|s| (0..2).flat_map(move |m| (0..2).map(move |r| key(s, m, r))))
+            .collect();
+        let want: Vec<Vec<u32>> = keys
+            .iter()
+            .map(|&k| files.sample(Split::Train, k, 33).unwrap())
+            .collect();
+        for pass in ["cold", "warm"] {
+            let src = ShardedSource::open(&cfg(&url, &cache, 1 << 20), 100).unwrap();
+            for (k, w) in keys.iter().zip(&want) {
+                assert_eq!(
+                    &src.sample(Split::Train, *k, 33).unwrap(),
+                    w,
+                    "{pass} {k:?}"
+                );
+            }
+            let stats = src.stats();
+            if pass == "warm" {
+                assert_eq!(
+                    stats.fetched_bytes.load(Ordering::Relaxed),
+                    0,
+                    "warm fetched"
+                );
+                assert!(stats.cache_hits.load(Ordering::Relaxed) > 0);
+            }
+        }
+        assert_eq!(
+            open_source(&cfg(&url, &cache, 1 << 20), 100)
+                .unwrap()
+                .vocab_size(),
+            100
+        );
+        // A cache of 5 chunks, over samples touching far more: never over its cap.
+        let small = tmp.0.join("small");
+        let src = ShardedSource::open(&cfg(&url, &small, 80), 100).unwrap();
+        for (k, w) in keys.iter().zip(&want) {
+            assert_eq!(&src.sample(Split::Train, *k, 33).unwrap(), w);
+            let used = Cache::total_bytes(&small);
+            assert!(used <= 80, "cache holds {used} bytes, cap 80");
+        }
+        assert!(src.stats().fetched_bytes.load(Ordering::Relaxed) > 80 * 4);
+        // Flip a byte of every cached file: each is detected, discarded and fetched again.
+        let dataset_dir = std::fs::read_dir(&cache)
+            .unwrap()
+            .flatten()
+            .find(|e| e.path().is_dir())
+            .unwrap()
+            .path();
+        let mut flipped = 0;
+        for f in std::fs::read_dir(&dataset_dir).unwrap().flatten() {
+            let mut bytes = std::fs::read(f.path()).unwrap();
+            bytes[0] ^= 0x01;
+            std::fs::write(f.path(), bytes).unwrap();
+            flipped += 1;
+        }
+        assert!(flipped > 0);
+        let src = ShardedSource::open(&cfg(&url, &cache, 1 << 20), 100).unwrap();
+        for (k, w) in keys.iter().zip(&want) {
+            assert_eq!(&src.sample(Split::Train, *k, 33).unwrap(), w);
+        }
+        assert!(src.stats().cache_corrupt.load(Ordering::Relaxed) > 0);
+        // Val is scanned whole at start-up.
+        src.check(Split::Val, 33, true).unwrap();
+        assert_eq!(
+            src.window(Split::Val, 0, 200).unwrap(),
+            files.window(Split::Val, 0, 200).unwrap()
+        );
+    }
+
+    /// A missing shard and a shard changed in the store are data errors naming the object, after
+    /// the configured attempts; the cache never serves what the store no longer agrees with.
+    #[test]
+    fn missing_and_corrupt_objects_are_data_errors_naming_them() {
+        let tmp = TempDir::new("sharded-faults");
+        let url = datasets(&tmp.0, 1000);
+        let shards = tmp.0.join("sharded/train");
+        std::fs::remove_file(shards.join("000000.bin")).unwrap();
+        let mut bytes = std::fs::read(shards.join("000001.bin")).unwrap();
+        bytes[5] ^= 0x10;
+        std::fs::write(shards.join("000001.bin"), bytes).unwrap();
+        let src = ShardedSource::open(&cfg(&url, &tmp.0.join("c"), 0), 100).unwrap();
+        let msg = src.window(Split::Train, 0, 4).unwrap_err().to_string();
+        assert!(
+            msg.contains(&format!("{url}/train/000000.bin is missing"))
+                && msg.contains("2 attempts"),
+            "{msg}"
+        );
+        assert!(msg.contains("not a node failure"), "{msg}");
+        let msg = src.window(Split::Train, 32, 4).unwrap_err().to_string();
+        assert!(
+            msg.contains(&format!("{url}/train/000001.bin is corrupt")) && msg.contains("hash"),
+            "{msg}"
+        );
+        // Other shards still read.
+        assert_eq!(src.window(Split::Train, 64, 2).unwrap().len(), 2);
+        // A missing index.
+        let gone = format!("file://{}/nothing", tmp.0.display());
+        std::fs::create_dir_all(tmp.0.join("nothing")).unwrap();
+        let msg = ShardedSource::open(&cfg(&gone, &tmp.0.join("c"), 0), 100)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("nothing/index.json is missing"), "{msg}");
+    }
+
+    /// A store that does not answer (nothing listens on port 9 of loopback) is a data error
+    /// naming the object, within the configured attempts and timeout.
+    #[test]
+    fn an_unreachable_store_is_a_data_error_within_the_bound() {
+        let options = checkpoint::StoreOptions {
+            s3_endpoint: Some("http://127.0.0.1:9".into()),
+            s3_region: Some("us-east-1".into()),
+            allow_http: Some(true),
+            read_only: true,
+            ..Default::default()
+        };
+        let store = checkpoint::CheckpointStore::open("s3://bucket/ds", &options)
+            .unwrap()
+            .objects();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let retry = Retry {
+            attempts: 2,
+            timeout: Duration::from_secs(3),
+        };
+        let started = std::time::Instant::now();
+        let err = rt
+            .block_on(fetch(
+                &*store,
+                "s3://bucket/ds",
+                INDEX_FILE,
+                None,
+                retry,
+                |_| Ok(()),
+            ))
+            .unwrap_err();
+        let took = started.elapsed();
+        assert!(
+            matches!(&err, DataError::StoreUnreachable { attempts: 2, .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("s3://bucket/ds/index.json") && msg.contains("unreachable"),
+            "{msg}"
+        );
+        // 2 attempts of at most 3 s and one 0.2 s backoff, with slack for a loaded machine.
+        assert!(took < Duration::from_secs(20), "took {took:?}");
+    }
+
+    /// A worker that read step s prefetches steps s+1..=s+k of the same rows into the cache.
+    #[test]
+    fn the_next_steps_are_prefetched_into_the_cache() {
+        let tmp = TempDir::new("sharded-prefetch");
+        let url = datasets(&tmp.0, 4000);
+        let cache = tmp.0.join("cache");
+        let mut c = cfg(&url, &cache, 1 << 20);
+        c.prefetch_steps = 3;
+        let src = ShardedSource::open(&c, 100).unwrap();
+        for step in 0..2 {
+            for row in 0..2 {
+                src.sample(Split::Train, key(step, 0, row), 9).unwrap();
+            }
+        }
+        // Steps 2..=4 were handed to the background when step 1 began: wait until every chunk
+        // they need is in the cache, then a fresh reader reads them without the store.
+        let keys: Vec<SampleKey> = (2..=4)
+            .flat_map(|s| (0..2).map(move |r| key(s, 0, r)))
+            .collect();
+        let inner = &src.inner;
+        let names: Vec<String> = keys
+            .iter()
+            .flat_map(|&k| {
+                let start = uniform_below(&mut sample_rng(Split::Train, k), 4000 - 9 + 1);
+                inner.index.pieces(&inner.starts[0], start, 9).unwrap()
+            })
+            .map(|p| format!("train-{:06}-{:06}.bin", p.shard, p.chunk))
+            .collect();
+        let dir = &inner.cache.as_ref().unwrap().dir;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !names.iter().all(|n| dir.join(n).is_file()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "steps 2..=4 never prefetched"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut c = cfg(&url, &cache, 1 << 20);
+        c.prefetch_steps = 0;
+        let reader = ShardedSource::open(&c, 100).unwrap();
+        for &k in &keys {
+            reader.sample(Split::Train, k, 9).unwrap();
+        }
+        assert_eq!(reader.stats().fetched_bytes.load(Ordering::Relaxed), 0);
+        // Without prefetch, the same reads leave those chunks out of the cache.
+        let mut c = cfg(&url, &tmp.0.join("no-prefetch"), 1 << 20);
+        c.prefetch_steps = 0;
+        let plain = ShardedSource::open(&c, 100).unwrap();
+        for step in 0..2 {
+            for row in 0..2 {
+                plain.sample(Split::Train, key(step, 0, row), 9).unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let dir = &plain.inner.cache.as_ref().unwrap().dir;
+        assert!(!names.iter().all(|n| dir.join(n).is_file()));
+    }
+}

@@ -1,0 +1,594 @@
+//! Sharded datasets: the token stream of each split cut into shard objects of bounded size, plus
+//! one `index.json` ([`DatasetIndex`]) that names every shard with its token count, byte size,
+//! BLAKE3 hash, the BLAKE3 hash of each fixed-size chunk, and where its documents start.
+//!
+//! A split's tokens are its shards concatenated in index order: exactly the `train.bin` /
+//! `val.bin` a single-file dataset would hold, so a window of tokens (and hence every sample, see
+//! [`super::TokenSource`]) is the same whichever layout holds the dataset. Chunks are the unit a
+//! reader fetches, caches and verifies: a window needs the one or few chunks that overlap it.
+//!
+//! The index is written last, with create-only semantics: a dataset exists iff its index exists,
+//! and an existing dataset is never overwritten (a running job keeps reading what it started on).
+//! This module holds the format, its validation and the pure window → chunk arithmetic; the
+//! writer ([`publish`]) is a thin shell over an object store.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use serde::{Deserialize, Serialize};
+
+use super::bin::DatasetMeta;
+use super::{DataError, Split, TokenDtype};
+
+/// Name of the index object at the dataset's root.
+pub const INDEX_FILE: &str = "index.json";
+/// The index's `format` field.
+pub const INDEX_FORMAT: &str = "seqpipe-dataset";
+/// The index version this build reads and writes.
+pub const INDEX_VERSION: u32 = 1;
+/// Largest index a reader accepts (the index is held in memory).
+pub const MAX_INDEX_BYTES: u64 = 256 << 20;
+/// Default shard size written by `seqpipe data prepare`: 64 MiB.
+pub const DEFAULT_SHARD_BYTES: u64 = 64 << 20;
+/// Default chunk size (the unit of range reads, caching and verification): 256 KiB.
+pub const DEFAULT_CHUNK_BYTES: u64 = 256 << 10;
+/// Largest shard: below S3's 5 GiB limit on one `PUT`.
+pub const MAX_SHARD_BYTES: u64 = 4 << 30;
+/// Most shards a split may have.
+pub const MAX_SHARDS: usize = 1_000_000;
+
+/// The `index.json` of a sharded dataset.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetIndex {
+    /// Always [`INDEX_FORMAT`].
+    pub format: String,
+    /// Always [`INDEX_VERSION`].
+    pub version: u32,
+    /// Tokenizer name (`"gpt2"`).
+    pub tokenizer: String,
+    /// Vocabulary of the tokenizer (every id is below it).
+    pub vocab_size: usize,
+    /// Width of the stored token ids.
+    pub dtype: TokenDtype,
+    /// Bytes per chunk (the last chunk of a shard may be shorter); a multiple of the id width.
+    pub chunk_bytes: u64,
+    /// The training split.
+    pub train: SplitIndex,
+    /// The validation split.
+    pub val: SplitIndex,
+}
+
+/// One split of a [`DatasetIndex`].
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SplitIndex {
+    /// Tokens in the split (the sum over its shards).
+    pub tokens: u64,
+    /// Documents starting in the split (the sum of the shards' `doc_starts` lengths).
+    pub documents: u64,
+    /// The shards, in token order.
+    pub shards: Vec<ShardEntry>,
+}
+
+/// One shard object.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// Object key relative to the dataset root: `<split>/<6-digit number>.bin`.
+    pub key: String,
+    /// Tokens in the shard.
+    pub tokens: u64,
+    /// Bytes in the shard (`tokens * width`).
+    pub bytes: u64,
+    /// BLAKE3 of the whole shard, lowercase hex.
+    pub blake3: String,
+    /// BLAKE3 of each chunk (`chunk_bytes` bytes; the last may be shorter), lowercase hex.
+    pub chunks: Vec<String>,
+    /// Token offsets within the shard where a document starts (strictly increasing).
+    pub doc_starts: Vec<u64>,
+}
+
+/// One byte range of one chunk that a token window needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Index of the shard in its split.
+    pub shard: usize,
+    /// Index of the chunk in the shard.
+    pub chunk: usize,
+    /// Byte range within the chunk: `[from, to)`.
+    pub from: usize,
+    /// End of the byte range within the chunk.
+    pub to: usize,
+}
+
+fn is_hex_hash(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The object key of shard `n` of `split`.
+pub fn shard_key(split: Split, n: usize) -> String {
+    format!("{}/{n:06}.bin", split.as_str())
+}
+
+impl DatasetIndex {
+    /// The split's part of the index.
+    pub fn split(&self, split: Split) -> &SplitIndex {
+        match split {
+            Split::Train => &self.train,
+            Split::Val => &self.val,
+        }
+    }
+
+    /// Parses and validates an index read from `origin` (a URL, for messages). Every count, size
+    /// and hash is checked against the others, so a reader can trust the arithmetic below.
+    pub fn parse(bytes: &[u8], origin: &str) -> Result<DatasetIndex, DataError> {
+        let bad = |message: String| DataError::Index {
+            url: origin.to_string(),
+            message,
+        };
+        if bytes.len() as u64 > MAX_INDEX_BYTES {
+            return Err(bad(format!(
+                "it is {} bytes, over the {MAX_INDEX_BYTES}-byte limit; prepare the dataset \
+                 with larger --chunk-bytes",
+                bytes.len()
+            )));
+        }
+        let index: DatasetIndex = serde_json::from_slice(bytes).map_err(|e| {
+            bad(format!(
+                "not a dataset index ({e}); it should be the {INDEX_FILE} written by `seqpipe \
+                 data prepare`"
+            ))
+        })?;
+        index.validate().map_err(bad)?;
+        Ok(index)
+    }
+
+    /// Checks the index's internal consistency; the error says what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.format != INDEX_FORMAT || self.version != INDEX_VERSION {
+            return Err(format!(
+                "format {:?} version {} is not {INDEX_FORMAT:?} version {INDEX_VERSION}; \
+                 re-prepare the dataset with this seqpipe",
+                self.format, self.version
+            ));
+        }
+        if self.vocab_size == 0 {
+            return Err("vocab_size is 0".into());
+        }
+        let width = self.dtype.width() as u64;
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(width) {
+            return Err(format!(
+                "chunk_bytes {} is not a positive multiple of {width} ({} ids)",
+                self.chunk_bytes, self.dtype
+            ));
+        }
+        for split in [Split::Train, Split::Val] {
+            let s = self.split(split);
+            if s.shards.len() > MAX_SHARDS {
+                return Err(format!("{split} has over {MAX_SHARDS} shards"));
+            }
+            let (mut tokens, mut documents) = (0u64, 0u64);
+            for (n, shard) in s.shards.iter().enumerate() {
+                let at = format!("{split} shard {n} ({})", shard.key);
+                if shard.key != shard_key(split, n) {
+                    return Err(format!("{at}: the key should be {}", shard_key(split, n)));
+                }
+                if shard.tokens == 0 || shard.tokens.checked_mul(width) != Some(shard.bytes) {
+                    return Err(format!(
+                        "{at}: {} bytes do not hold {} {} ids (or the shard is empty)",
+                        shard.bytes, shard.tokens, self.dtype
+                    ));
+                }
+                if shard.bytes > MAX_SHARD_BYTES {
+                    return Err(format!("{at}: over {MAX_SHARD_BYTES} bytes"));
+                }
+                if !is_hex_hash(&shard.blake3) || !shard.chunks.iter().all(|h| is_hex_hash(h)) {
+                    return Err(format!("{at}: a hash is not 64 lowercase hex digits"));
+                }
+                if shard.chunks.len() as u64 != shard.bytes.div_ceil(self.chunk_bytes) {
+                    return Err(format!(
+                        "{at}: {} chunk hashes for {} bytes in chunks of {}",
+                        shard.chunks.len(),
+                        shard.bytes,
+                        self.chunk_bytes
+                    ));
+                }
+                if !shard.doc_starts.windows(2).all(|w| w[0] < w[1])
+                    || shard.doc_starts.last().is_some_and(|&d| d >= shard.tokens)
+                {
+                    return Err(format!(
+                        "{at}: doc_starts are not increasing offsets below {}",
+                        shard.tokens
+                    ));
+                }
+                tokens = tokens
+                    .checked_add(shard.tokens)
+                    .ok_or_else(|| format!("{split}: token count overflows"))?;
+                documents += shard.doc_starts.len() as u64;
+            }
+            if tokens != s.tokens || documents != s.documents {
+                return Err(format!(
+                    "{split} declares {} tokens and {} documents but its shards hold {tokens} and \
+                     {documents}",
+                    s.tokens, s.documents
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The first token of every shard of `split`, and the total at the end (`shards + 1` values).
+    pub fn shard_starts(&self, split: Split) -> Vec<u64> {
+        let mut starts = Vec::with_capacity(self.split(split).shards.len() + 1);
+        let mut at = 0;
+        starts.push(0);
+        for shard in &self.split(split).shards {
+            at += shard.tokens;
+            starts.push(at);
+        }
+        starts
+    }
+
+    /// The chunk byte ranges holding tokens `[start, start + len)` of `split`, in order, given
+    /// `starts` = [`DatasetIndex::shard_starts`]. `None` when the window is outside the split.
+    pub fn pieces(&self, starts: &[u64], start: u64, len: u64) -> Option<Vec<Piece>> {
+        let end = start.checked_add(len)?;
+        if end > *starts.last()? {
+            return None;
+        }
+        let width = self.dtype.width() as u64;
+        let mut out = Vec::new();
+        let mut token = start;
+        while token < end {
+            // The shard holding `token`: the last start <= token.
+            let shard = starts.partition_point(|&s| s <= token) - 1;
+            let shard_end = starts[shard + 1];
+            let take_to = end.min(shard_end);
+            let (mut byte, stop) = (
+                (token - starts[shard]) * width,
+                (take_to - starts[shard]) * width,
+            );
+            while byte < stop {
+                let chunk = byte / self.chunk_bytes;
+                let chunk_start = chunk * self.chunk_bytes;
+                let to = stop.min(chunk_start + self.chunk_bytes);
+                out.push(Piece {
+                    shard,
+                    chunk: chunk as usize,
+                    from: (byte - chunk_start) as usize,
+                    to: (to - chunk_start) as usize,
+                });
+                byte = to;
+            }
+            token = take_to;
+        }
+        Some(out)
+    }
+
+    /// Byte range of chunk `chunk` of a shard of `shard_bytes` bytes.
+    pub fn chunk_range(&self, shard_bytes: u64, chunk: usize) -> std::ops::Range<u64> {
+        let from = chunk as u64 * self.chunk_bytes;
+        from..(from + self.chunk_bytes).min(shard_bytes)
+    }
+}
+
+/// Shard and chunk sizes for [`publish`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardLayout {
+    /// Bytes per shard (the last shard of a split may be shorter).
+    pub shard_bytes: u64,
+    /// Bytes per chunk; `shard_bytes` is a multiple of it.
+    pub chunk_bytes: u64,
+}
+
+impl Default for ShardLayout {
+    fn default() -> Self {
+        ShardLayout {
+            shard_bytes: DEFAULT_SHARD_BYTES,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+impl ShardLayout {
+    /// Checks the sizes for ids of `dtype`.
+    pub fn validate(&self, dtype: TokenDtype) -> Result<(), DataError> {
+        let width = dtype.width() as u64;
+        let ok = self.chunk_bytes > 0
+            && self.chunk_bytes.is_multiple_of(width)
+            && self.shard_bytes >= self.chunk_bytes
+            && self.shard_bytes.is_multiple_of(self.chunk_bytes)
+            && self.shard_bytes <= MAX_SHARD_BYTES;
+        if ok {
+            Ok(())
+        } else {
+            Err(DataError::InvalidArgument(format!(
+                "shard size {} and chunk size {} bytes: the chunk size must be a positive \
+                 multiple of {width} (the {dtype} id width) and the shard size a multiple of the \
+                 chunk size, at most {MAX_SHARD_BYTES}; e.g. --shard-bytes {DEFAULT_SHARD_BYTES} \
+                 --chunk-bytes {DEFAULT_CHUNK_BYTES}",
+                self.shard_bytes, self.chunk_bytes
+            )))
+        }
+    }
+}
+
+/// Where [`publish`] writes: the object store at a dataset URL (keys relative to it).
+pub struct Target {
+    /// The URL, for messages.
+    pub url: String,
+    /// The store, rooted at the URL's prefix.
+    pub store: Arc<dyn ObjectStore>,
+}
+
+fn store_err(url: &str, action: String) -> impl FnOnce(object_store::Error) -> DataError + '_ {
+    move |e| DataError::Store {
+        url: url.to_string(),
+        action,
+        detail: e.to_string(),
+    }
+}
+
+fn object_path(key: &str) -> ObjectPath {
+    // Keys are built by this module (`train/000000.bin`, `index.json`): always valid.
+    ObjectPath::from(key)
+}
+
+/// Cuts `<dir>/train.bin` and `<dir>/val.bin` (a single-file dataset described by `meta`) into
+/// shards of `layout`, uploads them to `target`, then writes the index with create-only
+/// semantics. `eot` is the end-of-document token (documents start after it) when the tokenizer
+/// has one. Refuses, before uploading anything, a target that already holds a dataset.
+pub async fn publish(
+    dir: &Path,
+    meta: &DatasetMeta,
+    eot: Option<u32>,
+    layout: ShardLayout,
+    target: &Target,
+) -> Result<DatasetIndex, DataError> {
+    layout.validate(meta.dtype)?;
+    let url = target.url.as_str();
+    match target.store.head(&object_path(INDEX_FILE)).await {
+        Ok(_) => return Err(DataError::DatasetExists { url: url.into() }),
+        Err(object_store::Error::NotFound { .. }) => {}
+        Err(e) => return Err(store_err(url, format!("checking for {INDEX_FILE}"))(e)),
+    }
+    let mut splits = Vec::new();
+    for split in [Split::Train, Split::Val] {
+        splits.push(publish_split(dir, meta.dtype, eot, layout, split, target).await?);
+    }
+    let val = splits.pop().expect("two splits");
+    let train = splits.pop().expect("two splits");
+    let index = DatasetIndex {
+        format: INDEX_FORMAT.into(),
+        version: INDEX_VERSION,
+        tokenizer: meta.tokenizer.clone(),
+        vocab_size: meta.vocab_size,
+        dtype: meta.dtype,
+        chunk_bytes: layout.chunk_bytes,
+        train,
+        val,
+    };
+    index
+        .validate()
+        .map_err(|m| DataError::InvalidArgument(format!("the index built is invalid: {m}")))?;
+    let json = serde_json::to_vec_pretty(&index).expect("DatasetIndex serializes");
+    let opts = PutOptions {
+        mode: PutMode::Create,
+        ..PutOptions::default()
+    };
+    match target
+        .store
+        .put_opts(&object_path(INDEX_FILE), PutPayload::from(json), opts)
+        .await
+    {
+        Ok(_) => Ok(index),
+        Err(object_store::Error::AlreadyExists { .. }) => {
+            Err(DataError::DatasetExists { url: url.into() })
+        }
+        Err(e) => Err(store_err(url, format!("writing {INDEX_FILE}"))(e)),
+    }
+}
+
+async fn publish_split(
+    dir: &Path,
+    dtype: TokenDtype,
+    eot: Option<u32>,
+    layout: ShardLayout,
+    split: Split,
+    target: &Target,
+) -> Result<SplitIndex, DataError> {
+    use std::io::Read;
+    let path = dir.join(split.file_name());
+    let io = |action: &'static str| {
+        let path = path.clone();
+        move |source| DataError::Io {
+            action,
+            path,
+            source,
+        }
+    };
+    let mut file = std::fs::File::open(&path).map_err(io("open"))?;
+    let width = dtype.width();
+    let mut shards = Vec::new();
+    let mut documents = 0;
+    let mut tokens = 0;
+    // Whether the next token starts a document (the first does; so does one after `eot`).
+    let mut at_doc_start = eot.is_some();
+    loop {
+        let mut buf = Vec::new();
+        (&mut file)
+            .take(layout.shard_bytes)
+            .read_to_end(&mut buf)
+            .map_err(io("read"))?;
+        if buf.is_empty() {
+            break;
+        }
+        if buf.len() % width != 0 {
+            return Err(DataError::CorruptSize {
+                path: path.clone(),
+                bytes: tokens * width as u64 + buf.len() as u64,
+                width,
+                dtype,
+            });
+        }
+        let mut doc_starts = Vec::new();
+        if let Some(eot) = eot {
+            for (i, id) in buf.chunks_exact(width).enumerate() {
+                if at_doc_start {
+                    doc_starts.push(i as u64);
+                }
+                let id = match dtype {
+                    TokenDtype::U16 => u32::from(u16::from_le_bytes([id[0], id[1]])),
+                    TokenDtype::U32 => u32::from_le_bytes([id[0], id[1], id[2], id[3]]),
+                };
+                at_doc_start = id == eot;
+            }
+        }
+        let chunks = buf
+            .chunks(layout.chunk_bytes as usize)
+            .map(|c| blake3::hash(c).to_hex().to_string())
+            .collect();
+        let key = shard_key(split, shards.len());
+        let entry = ShardEntry {
+            key: key.clone(),
+            tokens: (buf.len() / width) as u64,
+            bytes: buf.len() as u64,
+            blake3: blake3::hash(&buf).to_hex().to_string(),
+            chunks,
+            doc_starts,
+        };
+        tokens += entry.tokens;
+        documents += entry.doc_starts.len() as u64;
+        target
+            .store
+            .put(&object_path(&key), PutPayload::from(Bytes::from(buf)))
+            .await
+            .map_err(store_err(&target.url, format!("uploading {key}")))?;
+        tracing::info!(url = %target.url, key, bytes = entry.bytes, "shard written");
+        shards.push(entry);
+    }
+    Ok(SplitIndex {
+        tokens,
+        documents,
+        shards,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(tokens: &[u64], chunk_bytes: u64) -> DatasetIndex {
+        let h = "0".repeat(64);
+        let shards = tokens
+            .iter()
+            .enumerate()
+            .map(|(n, &t)| ShardEntry {
+                key: shard_key(Split::Train, n),
+                tokens: t,
+                bytes: 2 * t,
+                blake3: h.clone(),
+                chunks: vec![h.clone(); (2 * t).div_ceil(chunk_bytes) as usize],
+                doc_starts: vec![0],
+            })
+            .collect::<Vec<_>>();
+        DatasetIndex {
+            format: INDEX_FORMAT.into(),
+            version: INDEX_VERSION,
+            tokenizer: "gpt2".into(),
+            vocab_size: 50257,
+            dtype: TokenDtype::U16,
+            chunk_bytes,
+            train: SplitIndex {
+                tokens: tokens.iter().sum(),
+                documents: tokens.len() as u64,
+                shards,
+            },
+            val: SplitIndex {
+                tokens: 0,
+                documents: 0,
+                shards: vec![],
+            },
+        }
+    }
+
+    /// Every window maps to pieces that, laid end to end, cover exactly its bytes, in order,
+    /// within chunk and shard bounds.
+    #[test]
+    fn pieces_cover_windows_exactly() {
+        let idx = index(&[10, 7, 1, 12], 6);
+        idx.validate().unwrap();
+        let starts = idx.shard_starts(Split::Train);
+        assert_eq!(starts, vec![0, 10, 17, 18, 30]);
+        for start in 0..30u64 {
+            for len in 1..=(30 - start) {
+                let pieces = idx.pieces(&starts, start, len).unwrap();
+                let mut global = Vec::new();
+                for p in &pieces {
+                    let shard = &idx.train.shards[p.shard];
+                    let range = idx.chunk_range(shard.bytes, p.chunk);
+                    assert!(p.from < p.to && (p.to as u64) <= range.end - range.start);
+                    for b in p.from..p.to {
+                        global.push(starts[p.shard] * 2 + range.start + b as u64);
+                    }
+                }
+                let want: Vec<u64> = (start * 2..(start + len) * 2).collect();
+                assert_eq!(global, want, "window {start}+{len}");
+            }
+        }
+        assert_eq!(idx.pieces(&starts, 25, 6), None);
+        assert_eq!(idx.pieces(&starts, u64::MAX, 2), None);
+    }
+
+    #[test]
+    fn inconsistent_indexes_are_refused_saying_why() {
+        let good = index(&[10, 7], 6);
+        type Edit = Box<dyn Fn(&mut DatasetIndex)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|i| i.train.tokens = 18), "declares 18 tokens"),
+            (Box::new(|i| i.train.shards[1].bytes = 15), "do not hold"),
+            (
+                Box::new(|i| {
+                    i.train.shards[0].chunks.pop();
+                }),
+                "chunk hashes",
+            ),
+            (
+                Box::new(|i| i.train.shards[1].key = "train/x.bin".into()),
+                "the key should be",
+            ),
+            (
+                Box::new(|i| i.train.shards[0].blake3 = "XY".into()),
+                "64 lowercase hex",
+            ),
+            (
+                Box::new(|i| i.train.shards[0].doc_starts = vec![3, 3]),
+                "doc_starts",
+            ),
+            (Box::new(|i| i.chunk_bytes = 3), "chunk_bytes 3"),
+            (Box::new(|i| i.version = 9), "version 9"),
+        ];
+        for (edit, needle) in cases {
+            let mut idx = good.clone();
+            edit(&mut idx);
+            let json = serde_json::to_vec(&idx).unwrap();
+            let msg = DatasetIndex::parse(&json, "s3://b/ds/index.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(needle) && msg.contains("s3://b/ds"),
+                "{needle}: {msg}"
+            );
+        }
+        let msg = DatasetIndex::parse(b"{\"format\": 1}", "u")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("not a dataset index"), "{msg}");
+    }
+}
