@@ -653,5 +653,18 @@ mod tests {
         let sum: f64 = p.categories.iter().map(|r| r.gpu_ms).sum();
         assert!((sum - p.gpu_busy_ms).abs() < 1e-9);
         assert!(p.table().contains("gemm mlp.c_fc fwd"));
+        // The keys scripts/gpu-check.sh's profile step reads (rehearsed in tests/gpu_check.rs).
+        let json = serde_json::to_value(&p).unwrap();
+        for key in [
+            "wall_ms",
+            "gpu_busy_ms",
+            "host_gap_ms",
+            "launches",
+            "unknown_pct",
+        ] {
+            assert!(json[key].is_number(), "{key} in {json}");
+        }
+        assert!(json["categories"][0]["category"].is_string(), "{json}");
+        assert!(json["categories"][0]["gpu_ms"].is_number(), "{json}");
     }
 }
