@@ -22,8 +22,10 @@
 #                 GPU, host-staged links): first-step gradients against CPU stages, 2 vs 4 stages
 #                 bit-identical, stop + resume onto 3 stages, one worker SIGKILLed mid-run, bf16
 #     bench-gpt2-eager  one round of GPT-2 124M bf16 steps: seqpipe against PyTorch eager
-#   PASS=2 (estimated 6.5 min): gemm (the step's products in FP32, TF32 and three ways of BF16),
-#     grads-bf16 (presets a and gpt2, stated), bench-gpt2 (ROUNDS alternating rounds of seqpipe,
+#   PASS=2 (estimated 7 min): gemm (the step's products in FP32, TF32 and three ways of BF16),
+#     profile-gpt2 (where a GPT-2 bf16 step's time goes: every kernel, product, copy and sync
+#     timed by CUDA events and summed by category, for the whole batch and for the pipeline's
+#     shape of 8 micro-batches x 4 segments), grads-bf16 (presets a and gpt2, stated), bench-gpt2 (ROUNDS alternating rounds of seqpipe,
 #     seqpipe with --bf16-operands, PyTorch eager and torch.compile), pipeline-gpt2 (GPT-2 124M on
 #     2 CUDA stages, checkpoints and peer snapshots timed)
 #   PASS=3 (estimated 7 min): bench-presets (presets a, b, long: seqpipe, eager, torch.compile,
@@ -46,9 +48,12 @@
 #   pass 1: preflight 15, kernels (bare 15 + memcheck 60 + racecheck on attention 60) 135,
 #           grads-fp32 70, determinism 30, pipeline 120, bench-gpt2-eager 35: 405 s (6.8 min)
 #           of a 540 s budget
-#   pass 2: preflight 15, gemm 20, grads-bf16 50, bench-gpt2 with ROUNDS=2 (seqpipe 15 + bf16
-#           operands 15 + eager 20 + compile 90 then 30 once Inductor's cache holds it) 190,
-#           pipeline-gpt2 (20 steps, 4 checkpoints of 1.5 GB into /tmp) 90: 365 s
+#   pass 2: preflight 15, gemm 20, profile-gpt2 30 (two processes of ~4 s of start and weight
+#           init each; 12 steps of ~60 ms at 8 x 1024 tokens, then 12 of ~0.4 s at 32 x 1024 in
+#           the pipeline's shape; the profiled steps a few percent slower), grads-bf16 50,
+#           bench-gpt2 with ROUNDS=2 (seqpipe 15 + bf16 operands 15 + eager 20 + compile 90 then
+#           30 once Inductor's cache holds it) 190, pipeline-gpt2 (20 steps, 4 checkpoints of
+#           1.5 GB into /tmp) 90: 395 s
 #   pass 3: preflight 15, bench-presets with ROUNDS=1 (per preset: seqpipe 10, eager 15, compile
 #           60) 255, link (NCCL round trips and the killed peer 60, then 3 pipeline jobs of 12
 #           steps 60) 120: 390 s
@@ -533,6 +538,31 @@ print(f"bf16 operands vs fp32 operands (fast): {fast / dict(r['totals_ms'])['bf1
 PY
 }
 
+# Where a GPT-2 bf16 step's time goes (`gpu bench --profile`): the whole batch as one unit, then
+# the pipeline's shape on one stage (32 x 1024 tokens as 8 micro-batches of 4 sequences, 4
+# segments of 256: the pipeline-gpt2 step of 2026-11-26 took 0.37 s for these tokens, against
+# 0.26 s in 4 plain steps). Each table goes to the report, with the host's share.
+profile_gpt2() {
+  say "== profile-gpt2: where a GPT-2 124M bf16 step's time goes (CUDA events around every operation)"
+  local name args
+  for name in profile-gpt2 profile-gpt2-pipeline; do
+    args=()
+    [ "$name" = profile-gpt2-pipeline ] && args=(--batch 32 --micro-batches 8 --segments 4)
+    step "$name" 90 --json "$BIN" gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 \
+      --profile --profile-steps 3 "${args[@]}" || continue
+    finding "$name" "$LOGS/$name.out" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[1]).read().splitlines() if l.strip()]
+r = json.loads(lines[-1])
+p = r["profile"]
+for l in lines[:-1]:
+    print(l)
+top = ", ".join(f"{c['category']} {c['gpu_ms']:.2f} ms" for c in p["categories"][:5])
+print(f"summary: unprofiled median {r['median_ms']:.2f} ms/step; profiled wall {p['wall_ms']:.2f} ms = gpu busy {p['gpu_busy_ms']:.2f} + host gap {p['host_gap_ms']:.2f} ({100 * p['host_gap_ms'] / max(p['wall_ms'], 1e-9):.0f}%); {p['launches']:.0f} launches/step; unknown {p['unknown_pct']:.1f}%; top: {top}")
+PY
+  done
+}
+
 # One round of training-step benchmarks of a preset, bf16: seqpipe (and, for gpt2 with
 # operands=1, seqpipe with --bf16-operands), then PyTorch in each mode given.
 bench_round() {
@@ -675,7 +705,7 @@ archive_logs() {
 
 # The parts of each pass, in order (their estimated times are in the header).
 PASS1="preflight kernels grads-fp32 determinism pipeline bench-gpt2-eager"
-PASS2="preflight gemm grads-bf16 bench-gpt2 pipeline-gpt2"
+PASS2="preflight gemm profile-gpt2 grads-bf16 bench-gpt2 pipeline-gpt2"
 PASS3="preflight bench-presets link"
 
 run() {
@@ -724,6 +754,7 @@ run() {
       pipeline) pipeline ;;
       pipeline-gpt2) pipeline_gpt2 ;;
       gemm) gemm ;;
+      profile-gpt2) profile_gpt2 ;;
       bench-gpt2-eager) bench_gpt2_eager ;;
       bench-gpt2) bench_gpt2 ;;
       bench-presets) bench_presets ;;

@@ -135,6 +135,23 @@ pub struct GpuBenchArgs {
     /// Same as `--bf16-path operands` (kept for older scripts).
     #[arg(long, conflicts_with = "bf16_path")]
     bf16_operands: bool,
+    /// Split each step as the pipeline does: this many micro-batches (dividing the batch), each
+    /// run as `--segments` units forward, then backward in reverse, their gradients summed in the
+    /// tree. 1: the whole batch at once.
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// Segments per sequence (dividing the sequence length), Seq1F1B's k.
+    #[arg(long, default_value_t = 1)]
+    segments: usize,
+    /// After the timed steps, profile `--profile-steps` more (after one profiled warm-up step):
+    /// every kernel, product, copy and sync timed by CUDA events on the stream, summed by
+    /// category (a table, then the report's `profile` object). It perturbs the step: each
+    /// operation gets two event records more, so compare its wall time with `median_ms`.
+    #[arg(long)]
+    profile: bool,
+    /// Steps profiled with `--profile`.
+    #[arg(long, default_value_t = 3)]
+    profile_steps: usize,
 }
 
 /// Runs a `seqpipe gpu` command.
@@ -310,9 +327,29 @@ mod enabled {
         peak_mem_mib: f64,
         /// Of which the BF16 weight copies of the fast path (0 otherwise).
         bf16_weight_copies_mib: f64,
+        /// Micro-batches per step and segments per sequence (1 and 1: one unit per step).
+        micro_batches: usize,
+        segments: usize,
         losses: Vec<f64>,
         final_params_blake3: String,
         grad_check: Option<GradCheck>,
+        /// With `--profile`: where the profiled steps' time went (gpu::Profile).
+        profile: Option<gpu::Profile>,
+    }
+
+    /// Unit `(micro_batch, segment)`'s values of a `(batch, seq)` row-major array cut into
+    /// `micro_batches` groups of rows and `segments` equal column ranges.
+    fn unit_values(
+        flat: &[u32],
+        (batch, seq): (usize, usize),
+        (micro_batches, segments): (usize, usize),
+        (mb, segment): (usize, usize),
+    ) -> Vec<u32> {
+        let (rows, len) = (batch / micro_batches, seq / segments);
+        (mb * rows..(mb + 1) * rows)
+            .flat_map(|r| &flat[r * seq + segment * len..r * seq + (segment + 1) * len])
+            .copied()
+            .collect()
     }
 
     #[derive(Serialize)]
@@ -405,6 +442,20 @@ mod enabled {
         if batch == 0 || args.steps == 0 {
             bail!("--batch and --steps must be at least 1");
         }
+        let (mbs, segs) = (args.micro_batches, args.segments);
+        if mbs == 0 || segs == 0 || !batch.is_multiple_of(mbs) || !seq.is_multiple_of(segs) {
+            bail!(
+                "--micro-batches {mbs} must divide the batch ({batch}) and --segments {segs} the sequence length ({seq}), both at least 1"
+            );
+        }
+        if args.check && (mbs, segs) != (1, 1) {
+            bail!(
+                "--check compares one unit per step with the CPU stage: leave out --micro-batches and --segments"
+            );
+        }
+        if args.profile && args.profile_steps == 0 {
+            bail!("--profile-steps must be at least 1");
+        }
         let mut g = Gpu::open(args.device, precision)?;
         g.set_bf16_path(if args.bf16_operands {
             gpu::Bf16Path::Operands
@@ -428,7 +479,7 @@ mod enabled {
             layers: 0..model.layers,
             first: true,
             last: true,
-            segments: vec![seq],
+            segments: vec![seq / segs; segs],
         };
         let free_before = g.memory()?.0;
         // The pipeline's CUDA stage, holding the whole model: one micro-batch of one segment.
@@ -436,19 +487,41 @@ mod enabled {
         let loss_scale = 1.0 / (batch * seq) as f64;
         let adamw = AdamWConfig::default();
         let betas = (adamw.beta1, adamw.beta2, adamw.eps);
+        // Each unit's tokens and targets, by micro-batch then segment.
+        let units: Vec<Vec<(Vec<u32>, Vec<u32>)>> = (0..mbs)
+            .map(|mb| {
+                (0..segs)
+                    .map(|j| {
+                        let cut =
+                            |flat: &[u32]| unit_values(flat, (batch, seq), (mbs, segs), (mb, j));
+                        (cut(&host_inputs), cut(&host_targets))
+                    })
+                    .collect()
+            })
+            .collect();
+        // The pipeline's order on one stage: a micro-batch's segments forward, then backward in
+        // reverse (1F1B of a single stage).
         let step = |m: &mut GpuStage| -> Result<f64> {
-            m.begin_step(1);
-            let out = m.forward(
-                (0, 0),
-                UnitInput::Tokens(&host_inputs),
-                Some(&host_targets),
-                loss_scale,
-                true,
-            )?;
-            let UnitOutput::LossSum(loss) = out else {
-                bail!("a stage holding the whole model ends in the loss");
-            };
-            m.backward((0, 0), None)?;
+            m.begin_step(mbs);
+            let mut loss = 0.0;
+            for (mb, unit) in units.iter().enumerate() {
+                for (j, (inputs, targets)) in unit.iter().enumerate() {
+                    let out = m.forward(
+                        (mb, j),
+                        UnitInput::Tokens(inputs),
+                        Some(targets),
+                        loss_scale,
+                        true,
+                    )?;
+                    let UnitOutput::LossSum(l) = out else {
+                        bail!("a stage holding the whole model ends in the loss");
+                    };
+                    loss += l;
+                }
+                for j in (0..segs).rev() {
+                    m.backward((mb, j), None)?;
+                }
+            }
             m.finish_gradients()?;
             Ok(loss)
         };
@@ -501,6 +574,30 @@ mod enabled {
                 step_ms.push(ms);
             }
         }
+        let profile = if args.profile {
+            // One profiled step first: it creates the timing events the later ones reuse.
+            m.gpu().profile_begin()?;
+            let loss = step(&mut m)?;
+            update(&mut m)?;
+            losses.push(loss * loss_scale);
+            m.gpu().profile_end(1)?;
+            m.gpu().profile_begin()?;
+            for _ in 0..args.profile_steps {
+                let loss = step(&mut m)?;
+                update(&mut m)?;
+                losses.push(loss * loss_scale);
+            }
+            let p = m.gpu().profile_end(args.profile_steps)?;
+            println!(
+                "profile of {} steps ({batch} x {seq} tokens, {mbs} micro-batches x {segs} segments, median unprofiled step {:.3} ms):",
+                args.profile_steps,
+                median(&step_ms)
+            );
+            print!("{}", p.table());
+            Some(p)
+        } else {
+            None
+        };
         let g = m.gpu();
         let free_after = g.memory()?.0;
         let params = param_count(&model);
@@ -533,6 +630,9 @@ mod enabled {
             mfu: flops_per_token * tokens_per_s / peak_flops(precision),
             peak_mem_mib: free_before.saturating_sub(free_after) as f64 / (1u64 << 20) as f64,
             bf16_weight_copies_mib: m.bf16_weight_bytes() as f64 / (1u64 << 20) as f64,
+            micro_batches: mbs,
+            segments: segs,
+            profile,
             step_ms,
             losses,
             final_params_blake3: params_hash(&m)?,
@@ -550,5 +650,32 @@ mod enabled {
             );
         }
         Ok(())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::unit_values;
+
+        #[test]
+        fn units_cut_rows_into_micro_batches_and_columns_into_segments() {
+            // (batch 4, seq 6): value = 10 * row + column.
+            let flat: Vec<u32> = (0..4)
+                .flat_map(|r| (0..6).map(move |c| 10 * r + c))
+                .collect();
+            let shape = (4, 6);
+            assert_eq!(unit_values(&flat, shape, (1, 1), (0, 0)), flat);
+            assert_eq!(
+                unit_values(&flat, shape, (2, 3), (1, 2)),
+                vec![24, 25, 34, 35]
+            );
+            assert_eq!(unit_values(&flat, shape, (4, 2), (0, 1)), vec![3, 4, 5]);
+            // Every unit once: the whole array, each value once.
+            let mut all: Vec<u32> = (0..2)
+                .flat_map(|mb| (0..3).map(move |j| (mb, j)))
+                .flat_map(|u| unit_values(&flat, shape, (2, 3), u))
+                .collect();
+            all.sort();
+            assert_eq!(all, flat);
+        }
     }
 }

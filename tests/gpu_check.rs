@@ -10,7 +10,8 @@
 //! - stood in: `BIN` is a wrapper that records every command line and execs the real binary,
 //!   except for three chosen commands: `gpu check --only attention` hangs (sleeps), the FP32
 //!   gradient check of preset b exits 1, and the first GPT-2 bf16 determinism run prints a cut-off
-//!   JSON line. `compute-sanitizer` is a stand-in on PATH that records its arguments, runs the
+//!   JSON line; in pass 2's profile step, `gpu bench --profile` prints a recorded profile (a table
+//!   and its JSON line, with the keys `gpu::Profile` serializes, which the gpu crate's tests pin). `compute-sanitizer` is a stand-in on PATH that records its arguments, runs the
 //!   program, and reports one memcheck error. PyTorch is made absent (a `torch.py` that raises
 //!   ImportError), as on this machine. The other `gpu …` commands reach the real binary and fail
 //!   honestly: there is no GPU here.
@@ -38,6 +39,8 @@ case "$*" in
     echo "stand-in failure of the preset b gradient check" >&2; exit 1 ;;
   "gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "*)
     if mkdir '{dir}/garbled' 2>/dev/null; then echo '{{"impl": "seqpipe", "losses": [10.9'; exit 0; fi ;;
+  "gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3"*)
+    cat '{dir}/profile.out'; exit 0 ;;
 esac
 exec '{real}' "$@"
 "#,
@@ -75,12 +78,23 @@ exit "$rc"
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+    std::fs::write(dir.join("profile.out"), PROFILE_OUT).unwrap();
     std::fs::write(
         dir.join("py/torch.py"),
         "raise ImportError('PyTorch stands absent in this rehearsal')\n",
     )
     .unwrap();
 }
+
+/// What the stand-in `gpu bench --profile` prints: the table, then the report's JSON line (only
+/// the keys the script reads, with `gpu::Profile`'s names).
+const PROFILE_OUT: &str = "profile of 3 steps (8 x 1024 tokens, 1 micro-batches x 1 segments, median unprofiled step 58.400 ms):
+category                                calls     gpu ms  % step    mean us    host ms
+gemm mlp.c_fc fwd                          12      3.100    5.0%      258.3      0.060
+attention bwd dk dv                        12      6.200   10.0%      516.7      0.040
+per step (3 profiled, cuda events): wall 62.000 ms, gpu busy 41.000 ms, host gap 21.000 ms
+{\"impl\": \"seqpipe (bf16 cached-weights)\", \"median_ms\": 58.4, \"profile\": {\"wall_ms\": 62.0, \"gpu_busy_ms\": 41.0, \"host_gap_ms\": 21.0, \"launches\": 1510.0, \"unknown_pct\": 0.0, \"categories\": [{\"category\": \"attention bwd dk dv\", \"gpu_ms\": 6.2}, {\"category\": \"gemm mlp.c_fc fwd\", \"gpu_ms\": 3.1}]}}
+";
 
 /// `gpu-check.sh run` (pass 1) with the stand-ins; extra environment on top. Returns the exit
 /// code, the report, the recorded command lines and the wall time.
@@ -356,5 +370,40 @@ fn the_watchdog_reports_the_steps_the_pass_has_no_time_for() {
     assert!(
         dir.join("out/logs.tar.gz").is_file(),
         "the logs still archived"
+    );
+}
+
+#[test]
+fn the_profile_step_brings_back_each_table_and_its_summary() {
+    let dir = fresh_dir("gpu-check-profile");
+    let (code, report, calls, _) = first_pass(
+        &dir,
+        &[
+            ("PASS", "2"),
+            ("SECTIONS", "profile-gpt2"),
+            ("BUDGET", "300"),
+        ],
+    );
+    assert_eq!(code, Some(0), "{report}");
+    for name in ["profile-gpt2", "profile-gpt2-pipeline"] {
+        assert!(status_of(&report, name).starts_with("ok "), "{report}");
+    }
+    // Each run's table and its summary, read from the JSON line.
+    assert_eq!(
+        report.matches("   attention bwd dk dv ").count(),
+        2,
+        "{report}"
+    );
+    let summary = "summary: unprofiled median 58.40 ms/step; profiled wall 62.00 ms = gpu busy 41.00 + host gap 21.00 (34%); 1510 launches/step; unknown 0.0%; top: attention bwd dk dv 6.20 ms, gemm mlp.c_fc fwd 3.10 ms";
+    assert_eq!(report.matches(summary).count(), 2, "{report}");
+    // The whole batch, then the pipeline's shape.
+    let profiled: Vec<&str> = calls.lines().filter(|l| l.contains("--profile")).collect();
+    assert_eq!(
+        profiled,
+        [
+            "seqpipe gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3",
+            "seqpipe gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3 --batch 32 --micro-batches 8 --segments 4",
+        ],
+        "{calls}"
     );
 }

@@ -8,12 +8,17 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::cublas::sys as blas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+};
 
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
+use crate::profile::{self, OpKind, Profile};
 use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
@@ -111,6 +116,10 @@ pub struct Gpu {
     bf16_mma: bool,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
     pub(crate) operands: OperandScratch<Buf<u16>>,
+    /// The profiler's state (off unless [`Gpu::profile_begin`]).
+    pub(crate) profile: profile::State,
+    /// Timing events of the profiled operations, two per operation, kept for the next profile.
+    events: std::cell::RefCell<Vec<CudaEvent>>,
 }
 
 impl Drop for Gpu {
@@ -190,7 +199,115 @@ impl Gpu {
             image: loaded,
             bf16_mma: (major, minor) >= (8, 0),
             operands: OperandScratch::default(),
+            profile: profile::State::default(),
+            events: Default::default(),
         })
+    }
+
+    /// Runs `f`, an operation of `kind` on the compute stream; when profiling, between two timing
+    /// events recorded on the stream, its host time measured. Off: `f` alone.
+    fn timed<R>(&self, kind: OpKind<'_>, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if !self.profile.on.get() {
+            return f();
+        }
+        let what = self.profile.categorize(kind);
+        let i = self.profile.recording.borrow().1.len();
+        self.record_event(2 * i)?;
+        let started = Instant::now();
+        let out = f();
+        let host = started.elapsed();
+        self.record_event(2 * i + 1)?;
+        let launch = matches!(kind, OpKind::Kernel(_) | OpKind::Gemm);
+        // The GPU time is read from the events when the profile ends.
+        self.profile.push(what, launch, host, 0.0);
+        out
+    }
+
+    /// Records timing event `i` of the pool (created when first needed) on the compute stream.
+    fn record_event(&self, i: usize) -> Result<()> {
+        let mut events = self.events.borrow_mut();
+        while events.len() <= i {
+            let e = self
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .during(|| "creating a profiling event".into())?;
+            events.push(e);
+        }
+        // SAFETY: the event and the stream are live and belong to this context (current: every
+        // operation of a stage runs after `bind`).
+        unsafe {
+            cudarc::driver::result::event::record(events[i].cu_event(), self.stream.cu_stream())
+        }
+        .during(|| "recording a profiling event".into())
+    }
+
+    /// Starts timing every operation on the compute stream (after waiting for the work queued so
+    /// far, which is not counted). See [`crate::profile`] for what it measures and costs.
+    pub fn profile_begin(&self) -> Result<()> {
+        self.sync()?;
+        self.profile.begin();
+        Ok(())
+    }
+
+    /// Whether operations are being timed.
+    pub fn profiling(&self) -> bool {
+        self.profile.on.get()
+    }
+
+    /// Waits for the timed work, stops timing and sums it over `steps` steps into a [`Profile`].
+    pub fn profile_end(&self, steps: usize) -> Result<Profile> {
+        let synced = self.sync();
+        let Some((mut ops, wall)) = self.profile.end() else {
+            return shape("profile_end", "no profile was begun (profile_begin)");
+        };
+        synced?;
+        let events = self.events.borrow();
+        let ms = |a: usize, b: usize| -> Result<f64> {
+            // SAFETY: both events were recorded on the stream, which has completed them.
+            let t = unsafe {
+                cudarc::driver::result::event::elapsed(events[a].cu_event(), events[b].cu_event())
+            }
+            .during(|| "reading a profiling event".into())?;
+            Ok(t as f64)
+        };
+        for (i, op) in ops.iter_mut().enumerate() {
+            op.gpu_s = ms(2 * i, 2 * i + 1)? / 1e3;
+        }
+        let span = if ops.is_empty() {
+            0.0
+        } else {
+            ms(0, 2 * ops.len() - 1)? / 1e3
+        };
+        Ok(profile::summarize(
+            &ops,
+            steps,
+            wall.as_secs_f64(),
+            span,
+            "cuda events around each operation on the compute stream",
+        ))
+    }
+
+    /// Counts the kernels launched until the guard drops as `category` (one of [`profile`]'s
+    /// scopes) instead of their own.
+    pub(crate) fn profile_scope(&self, category: &'static str) -> profile::Scope<'_> {
+        self.profile.scope(category)
+    }
+
+    /// Names the products issued from now on in the profile (layer `h.3.mlp.c_fc`, or `lm_head`, and pass); a no-op
+    /// unless profiling.
+    pub(crate) fn label_products(&self, layer: &str, pass: profile::Pass) {
+        if self.profile.on.get() {
+            let layer = profile::product_layer(layer);
+            self.profile.labels.product.set(Some((layer, pass)));
+        }
+    }
+
+    /// Changes the pass of the products' label (the layer stays).
+    pub(crate) fn label_pass(&self, pass: profile::Pass) {
+        let labels = &self.profile.labels.product;
+        if let Some((layer, _)) = labels.get() {
+            labels.set(Some((layer, pass)));
+        }
     }
 
     /// The device's name (e.g. `NVIDIA H100 80GB HBM3`).
@@ -258,7 +375,9 @@ impl Gpu {
 
     /// Waits for all queued work; reports an error any earlier launch left.
     pub fn sync(&self) -> Result<()> {
-        self.stream.synchronize().during(|| "synchronizing".into())
+        self.timed(OpKind::Sync, || {
+            self.stream.synchronize().during(|| "synchronizing".into())
+        })
     }
 
     /// A zeroed buffer of `n` elements.
@@ -266,10 +385,11 @@ impl Gpu {
         &self,
         n: usize,
     ) -> Result<Buf<T>> {
-        let slice = self
-            .stream
-            .alloc_zeros::<T>(n.max(1))
-            .during(|| format!("allocating {n} elements"))?;
+        let slice = self.timed(OpKind::Alloc, || {
+            self.stream
+                .alloc_zeros::<T>(n.max(1))
+                .during(|| format!("allocating {n} elements"))
+        })?;
         Ok(self.wrap(slice))
     }
 
@@ -278,26 +398,31 @@ impl Gpu {
         if host.is_empty() {
             return shape("upload", "nothing to upload");
         }
-        let slice = self
-            .stream
-            .clone_htod(host)
-            .during(|| format!("copying {} elements to the device", host.len()))?;
+        let slice = self.timed(OpKind::Upload, || {
+            self.stream
+                .clone_htod(host)
+                .during(|| format!("copying {} elements to the device", host.len()))
+        })?;
         Ok(self.wrap(slice))
     }
 
     /// Overwrites `dst` (from its start) with `host`.
     pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
         fits("write", host.len(), "into", dst.len())?;
-        self.stream
-            .memcpy_htod(host, &mut dst.slice)
-            .during(|| format!("copying {} elements to the device", host.len()))
+        self.timed(OpKind::Upload, || {
+            self.stream
+                .memcpy_htod(host, &mut dst.slice)
+                .during(|| format!("copying {} elements to the device", host.len()))
+        })
     }
 
     /// A host copy of the buffer.
     pub fn download<T: DeviceRepr>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
-        self.stream
-            .clone_dtoh(&buf.slice)
-            .during(|| format!("copying {} elements to the host", buf.len()))
+        self.timed(OpKind::Download, || {
+            self.stream
+                .clone_dtoh(&buf.slice)
+                .during(|| format!("copying {} elements to the host", buf.len()))
+        })
     }
 
     /// A host copy of the first `n` elements of the buffer.
@@ -309,9 +434,11 @@ impl Gpu {
         fits("download", n, "from", buf.len())?;
         let mut out = vec![T::default(); n];
         if n > 0 {
-            self.stream
-                .memcpy_dtoh(&buf.slice.slice(..n), &mut out)
-                .during(|| format!("copying {n} elements to the host"))?;
+            self.timed(OpKind::Download, || {
+                self.stream
+                    .memcpy_dtoh(&buf.slice.slice(..n), &mut out)
+                    .during(|| format!("copying {n} elements to the host"))
+            })?;
         }
         Ok(out)
     }
@@ -321,9 +448,11 @@ impl Gpu {
         &self,
         buf: &mut Buf<T>,
     ) -> Result<()> {
-        self.stream
-            .memset_zeros(&mut buf.slice)
-            .during(|| "clearing a buffer".into())
+        self.timed(OpKind::Memset, || {
+            self.stream
+                .memset_zeros(&mut buf.slice)
+                .during(|| "clearing a buffer".into())
+        })
     }
 
     fn wrap<T>(&self, slice: CudaSlice<T>) -> Buf<T> {
@@ -361,19 +490,21 @@ impl Gpu {
             .iter_mut()
             .map(|b| b.as_mut_ptr() as *mut c_void)
             .collect();
-        // SAFETY: the parameters match the kernel's signature (each wrapper passes them in the
-        // order and types of kernels.cu), and every address points into a live buffer.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (block, 1, 1),
-                0,
-                self.stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .during(|| format!("launching {name}"))
+        self.timed(OpKind::Kernel(name), || {
+            // SAFETY: the parameters match the kernel's signature (each wrapper passes them in
+            // the order and types of kernels.cu), and every address points into a live buffer.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    f.cu_function(),
+                    grid,
+                    (block, 1, 1),
+                    0,
+                    self.stream.cu_stream(),
+                    &mut params,
+                )
+            }
+            .during(|| format!("launching {name}"))
+        })
     }
 
     /// [`Gpu::gemm_of`] with the stored row widths of `A` and `B` given (`lda`, `ldb`: at least
@@ -430,7 +561,7 @@ impl Gpu {
         let alpha = 1.0f32;
         // SAFETY: the addresses point to buffers of at least the sizes the shapes imply (each
         // caller checks them), and the handle is bound to this GPU's stream.
-        let status = unsafe {
+        self.timed(OpKind::Gemm, || unsafe {
             blas::cublasGemmEx(
                 self.blas,
                 op(tb),
@@ -452,10 +583,11 @@ impl Gpu {
                 compute,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        };
-        status.result().map_err(|source| GpuError::Blas {
-            during: format!("gemm ({m} x {k}) · ({k} x {n})"),
-            source,
+            .result()
+            .map_err(|source| GpuError::Blas {
+                during: format!("gemm ({m} x {k}) · ({k} x {n})"),
+                source,
+            })
         })
     }
 }

@@ -8,10 +8,12 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{CString, c_char, c_void};
 use std::marker::PhantomData;
 use std::sync::Mutex;
+use std::time::Instant;
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{GpuError, Result, shape};
+use crate::profile::{self, OpKind, Profile};
 use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
@@ -112,6 +114,8 @@ pub struct Gpu {
     precision: Precision,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
     pub(crate) operands: OperandScratch<Buf<u16>>,
+    /// The profiler's state (off unless [`Gpu::profile_begin`]).
+    pub(crate) profile: profile::State,
 }
 
 impl Gpu {
@@ -120,7 +124,71 @@ impl Gpu {
         Ok(Gpu {
             precision,
             operands: OperandScratch::default(),
+            profile: profile::State::default(),
         })
+    }
+
+    /// Runs `f`, an operation of `kind`; when profiling, its wall time is both its GPU and its
+    /// host time (everything here is synchronous). Off: `f` alone.
+    fn timed<R>(&self, kind: OpKind<'_>, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if !self.profile.on.get() {
+            return f();
+        }
+        let what = self.profile.categorize(kind);
+        let started = Instant::now();
+        let out = f();
+        let took = started.elapsed();
+        let launch = matches!(kind, OpKind::Kernel(_) | OpKind::Gemm);
+        self.profile.push(what, launch, took, took.as_secs_f64());
+        out
+    }
+
+    /// `device::Gpu::profile_begin`: starts timing every operation.
+    pub fn profile_begin(&self) -> Result<()> {
+        self.profile.begin();
+        Ok(())
+    }
+
+    /// Whether operations are being timed.
+    pub fn profiling(&self) -> bool {
+        self.profile.on.get()
+    }
+
+    /// `device::Gpu::profile_end`: stops timing and sums it over `steps` steps into a [`Profile`]
+    /// (the stream's span is the wall time: the emulation has no stream).
+    pub fn profile_end(&self, steps: usize) -> Result<Profile> {
+        let Some((ops, wall)) = self.profile.end() else {
+            return shape("profile_end", "no profile was begun (profile_begin)");
+        };
+        let wall = wall.as_secs_f64();
+        Ok(profile::summarize(
+            &ops,
+            steps,
+            wall,
+            wall,
+            "wall time of each emulated (synchronous) operation",
+        ))
+    }
+
+    /// `device::Gpu::profile_scope`.
+    pub(crate) fn profile_scope(&self, category: &'static str) -> profile::Scope<'_> {
+        self.profile.scope(category)
+    }
+
+    /// `device::Gpu::label_products`.
+    pub(crate) fn label_products(&self, layer: &str, pass: profile::Pass) {
+        if self.profile.on.get() {
+            let layer = profile::product_layer(layer);
+            self.profile.labels.product.set(Some((layer, pass)));
+        }
+    }
+
+    /// Changes the pass of the products' label (the layer stays).
+    pub(crate) fn label_pass(&self, pass: profile::Pass) {
+        let labels = &self.profile.labels.product;
+        if let Some((layer, _)) = labels.get() {
+            labels.set(Some((layer, pass)));
+        }
     }
 
     /// `emulated`.
@@ -166,12 +234,12 @@ impl Gpu {
 
     /// Everything is synchronous.
     pub fn sync(&self) -> Result<()> {
-        Ok(())
+        self.timed(OpKind::Sync, || Ok(()))
     }
 
     /// A zeroed buffer of `n` elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<Buf<T>> {
-        Ok(Buf::alloc(n))
+        self.timed(OpKind::Alloc, || Ok(Buf::alloc(n)))
     }
 
     /// A buffer holding a copy of `host`.
@@ -179,22 +247,27 @@ impl Gpu {
         if host.is_empty() {
             return shape("upload", "nothing to upload");
         }
-        let mut b = Buf::alloc(host.len());
-        self.write(&mut b, host)?;
-        Ok(b)
+        self.timed(OpKind::Upload, || {
+            let b = Buf::<T>::alloc(host.len());
+            // SAFETY: `b` holds `host.len()` elements and does not overlap `host`.
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), b.ptr as *mut T, host.len()) };
+            Ok(b)
+        })
     }
 
     /// Overwrites `dst` (from its start) with `host`.
     pub fn write<T: DeviceRepr>(&self, dst: &mut Buf<T>, host: &[T]) -> Result<()> {
         fits("write", host.len(), "into", dst.len())?;
-        // SAFETY: `dst` holds at least `host.len()` elements and does not overlap `host`.
-        unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), dst.ptr as *mut T, host.len()) };
-        Ok(())
+        self.timed(OpKind::Upload, || {
+            // SAFETY: `dst` holds at least `host.len()` elements and does not overlap `host`.
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr(), dst.ptr as *mut T, host.len()) };
+            Ok(())
+        })
     }
 
     /// A host copy of the buffer.
     pub fn download<T: DeviceRepr + Clone>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
-        Ok(buf.slice().to_vec())
+        self.timed(OpKind::Download, || Ok(buf.slice().to_vec()))
     }
 
     /// A host copy of the first `n` elements of the buffer.
@@ -204,14 +277,16 @@ impl Gpu {
         n: usize,
     ) -> Result<Vec<T>> {
         fits("download", n, "from", buf.len())?;
-        Ok(buf.slice()[..n].to_vec())
+        self.timed(OpKind::Download, || Ok(buf.slice()[..n].to_vec()))
     }
 
     /// Sets every element to zero.
     pub fn clear<T: DeviceRepr + ValidAsZeroBits>(&self, buf: &mut Buf<T>) -> Result<()> {
-        // SAFETY: the buffer's own allocation; all-zero bytes are a valid `T`.
-        unsafe { std::ptr::write_bytes(buf.ptr as *mut T, 0, buf.len) };
-        Ok(())
+        self.timed(OpKind::Memset, || {
+            // SAFETY: the buffer's own allocation; all-zero bytes are a valid `T`.
+            unsafe { std::ptr::write_bytes(buf.ptr as *mut T, 0, buf.len) };
+            Ok(())
+        })
     }
 
     /// Runs kernel `name` on `grid` × `block` emulated threads with `args`.
@@ -234,16 +309,18 @@ impl Gpu {
         let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the arguments are packed as the kernel's C signature reads them (the wrappers
         // in `kernels` are checked against it), and every address is a live buffer.
-        let status = unsafe {
-            seqpipe_emu_launch(
-                c_name.as_ptr(),
-                grid.0,
-                grid.1,
-                grid.2,
-                block,
-                params.as_mut_ptr(),
-            )
-        };
+        let status = self.timed(OpKind::Kernel(name), || {
+            Ok(unsafe {
+                seqpipe_emu_launch(
+                    c_name.as_ptr(),
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block,
+                    params.as_mut_ptr(),
+                )
+            })
+        })?;
         if status != 0 {
             return Err(GpuError::Shape {
                 op: "launch",
@@ -277,7 +354,7 @@ impl Gpu {
         }
         let dims = ((m, n, k), (ta, tb), (lda, ldb));
         // SAFETY (both): the callers size A and B for these shapes (as for cuBLAS).
-        match operands {
+        self.timed(OpKind::Gemm, || match operands {
             Operands::F32 => {
                 let operand = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
                 self.gemm_with(c, (a, b), dims, beta, operand)
@@ -288,7 +365,7 @@ impl Gpu {
                 };
                 self.gemm_with(c, (a, b), dims, beta, operand)
             }
-        }
+        })
     }
 
     /// The loops of the products: `operand(base, index)` reads an element of A or B.

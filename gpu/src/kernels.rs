@@ -4,6 +4,7 @@
 
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
+use crate::profile::{LAYERNORM_BWD, Pass};
 use crate::types::{Arg, Bf16Path, Operands, int};
 
 /// Threads per block of the element-wise kernels.
@@ -550,6 +551,7 @@ impl Gpu {
                 Arg::I(ROWS_PER_CHUNK as i32),
             ],
         )?;
+        let _scope = self.profile_scope(LAYERNORM_BWD);
         let finish = |out: u64, part: u64| {
             self.launch(
                 "column_sum_finish",
@@ -881,8 +883,10 @@ impl Gpu {
         scratch: &Buf<f32>,
     ) -> Result<()> {
         if dx != 0 {
+            self.label_pass(Pass::Dx);
             self.gemm(dx, dy, w, (n, d_in, d_out), false, false, 0.0)?;
         }
+        self.label_pass(Pass::Dw);
         self.gemm(dw, dy, x, (d_out, d_in, n), true, false, 1.0)?;
         if db != 0 {
             self.column_sum(db, dy, n, d_out, true, scratch)?;

@@ -41,6 +41,7 @@ pub mod offload;
 #[path = "offload_emu.rs"]
 pub mod offload;
 pub mod oracle;
+pub mod profile;
 pub mod stage;
 mod staging;
 mod types;
@@ -48,4 +49,5 @@ mod types;
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
 pub use kernels::AttnShape;
+pub use profile::Profile;
 pub use types::Bf16Path;

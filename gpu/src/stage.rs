@@ -44,6 +44,7 @@ use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::AttnShape;
 use crate::offload::{Download, Fence, StagingPool};
+use crate::profile::{GRAD_ACCUMULATION, Pass, WEIGHT_REFRESH};
 use crate::types::Bf16Path;
 
 #[cfg(all(test, feature = "emulate"))]
@@ -561,6 +562,7 @@ impl GpuStage {
         let Some(w16) = &self.bf16 else {
             return Ok(());
         };
+        let _scope = self.gpu.profile_scope(WEIGHT_REFRESH);
         for &(slot, off) in &w16.copies {
             let s = &self.slots[slot];
             self.gpu
@@ -705,6 +707,7 @@ impl GpuStage {
         } else {
             0
         };
+        self.gpu.label_products(name, Pass::Fwd);
         let Some(w16) = &self.bf16 else {
             let w = self.at(&self.values, &format!("{name}.weight"));
             return self.gpu.linear_forward(y, x, w, b, n, d_in, d_out);
@@ -741,6 +744,7 @@ impl GpuStage {
             0
         };
         let dw = self.grad_at(acc, &weight);
+        self.gpu.label_products(name, Pass::Dx);
         let Some(w16) = &self.bf16 else {
             let w = self.at(&self.values, &weight);
             return self
@@ -758,6 +762,7 @@ impl GpuStage {
         }
         gpu.to_bf16(x16, x, n * d_in)?;
         let lds = (d_out, d_in);
+        gpu.label_pass(Pass::Dw);
         gpu.gemm_bf16(dw, dy16, x16, (d_out, d_in, n), (true, false), lds, 1.0)?;
         if db != 0 {
             gpu.column_sum(db, dy, n, d_out, true, sc)?;
@@ -930,6 +935,7 @@ impl GpuStage {
         let (gpu, numel, spare) = (&self.gpu, self.numel, &mut self.spare_grads);
         let tree = self.grads.tree.as_mut().expect("accumulator checked");
         let mut add = |left: Buf<f32>, right: Buf<f32>| -> Result<Buf<f32>> {
+            let _scope = gpu.profile_scope(GRAD_ACCUMULATION);
             gpu.add_assign(left.ptr(), right.ptr(), numel)?;
             spare.push(right);
             Ok(left)
@@ -1585,6 +1591,7 @@ impl GpuStage {
                     let dh = unit.dhead.at(r0 * c);
                     let (dlogits16, _) = w16.operands()?;
                     let (w, vp) = (w16.weight("lm_head.weight")?, w16.head_rows);
+                    gpu.label_products("lm_head", Pass::Dx);
                     gpu.gemm_bf16(
                         dh,
                         dlogits16,
@@ -1597,12 +1604,15 @@ impl GpuStage {
                 }
                 continue;
             }
+            gpu.label_products("lm_head", Pass::Fwd);
             gpu.gemm(logits, hh, w, (rows, v, c), false, true, 0.0)?;
             gpu.softmax_cross_entropy(logits, losses, targets, rows, v, grad_scale, train)?;
             if train {
                 // d(lnf) = dlogits W (rows, C); dW += dlogits^T lnf.
                 let dh = unit.dhead.at(r0 * c);
+                gpu.label_pass(Pass::Dx);
                 gpu.gemm(dh, logits, w, (rows, c, v), false, false, 0.0)?;
+                gpu.label_pass(Pass::Dw);
                 gpu.gemm(dw, logits, hh, (v, c, rows), true, false, 1.0)?;
             }
         }
@@ -1630,10 +1640,12 @@ impl GpuStage {
         let w = w16.weight("lm_head.weight")?;
         // hh rounded once for the logits and the weight gradient.
         gpu.to_bf16(hh16, hh, rows * c)?;
+        gpu.label_products("lm_head", Pass::Fwd);
         gpu.gemm_bf16(logits, hh16, w, (rows, vp, c), (false, true), (c, c), 0.0)?;
         gpu.softmax_cross_entropy_rows(logits, losses, targets, rows, (v, vp), grad_scale, train)?;
         if train {
             gpu.to_bf16(dlogits16, logits, rows * vp)?;
+            gpu.label_pass(Pass::Dw);
             gpu.gemm_bf16(
                 dw,
                 dlogits16,
@@ -1913,6 +1925,7 @@ impl GpuStage {
             }
             None => None,
         };
+        let c_attn = name("attn.c_attn");
         for i in 0..3 {
             let dy = dqkv.at(i * n * c);
             let (w_i, dw_i) = (w + (i * c * c * 4) as u64, dw + (i * c * c * 4) as u64);
@@ -1922,12 +1935,16 @@ impl GpuStage {
                     let w16_i = w16 + (i * c * c * 2) as u64;
                     gpu.to_bf16(dy16, dy, n * c)?;
                     let t = (false, false);
+                    gpu.label_products(&c_attn, Pass::Dx);
                     gpu.gemm_bf16(dln, dy16, w16_i, (n, c, c), t, (c, c), beta)?;
                     let t = (true, false);
+                    gpu.label_pass(Pass::Dw);
                     gpu.gemm_bf16(dw_i, dy16, ln1_16, (c, c, n), t, (c, c), 1.0)?;
                 }
                 None => {
+                    gpu.label_products(&c_attn, Pass::Dx);
                     gpu.gemm(dln, dy, w_i, (n, c, c), false, false, beta)?;
+                    gpu.label_pass(Pass::Dw);
                     gpu.gemm(dw_i, dy, ln1, (c, c, n), true, false, 1.0)?;
                 }
             }
