@@ -630,6 +630,48 @@ fn agent_restart_as_a_new_incarnation() {
     out.assert_bit_identical();
 }
 
+/// Peer copies slower than a step (the GPU run of 2026-11-26): the agent of node 1 holds back its
+/// answers to the copies of step 3, so stages 0 and 1 still send theirs when step 4 ends, and no
+/// stage copies step 4 (skipped, not queued: the steps never wait). A worker killed in step 5
+/// then finds the newest complete copies at step 3, older than the last finished step: the run
+/// restarts from them, redoes steps 4 and 5, and ends bit-identical. (No checkpoint but the final
+/// one, so that the peer tier is the newest state.)
+#[test]
+fn a_skipped_snapshot_recovers_from_the_older_copy_and_replays() {
+    let out = run(
+        "skipped-snapshot",
+        4,
+        &["checkpoint.every=0", "elastic.peer_snapshot_max_skips=10"],
+        vec![
+            Rule::at(0, 1, Pos::Action(0), |c, _| {
+                c.stall_puts(&node(1), 3);
+                Verdict::Go
+            }),
+            Rule::at(1, 5, Pos::Action(20), |c, id| {
+                c.release_puts();
+                c.wait_held(3, 2);
+                c.kill_worker(&id.node, id.stage);
+                Verdict::Kill
+            }),
+        ],
+    );
+    out.assert_recovery(Tier::Peer, 1, (4, 4));
+    let plans = out.plans();
+    assert_eq!(plans[0].resume_from, Some(3), "{plans:?}");
+    // The metrics say which copy was skipped and how stale tier-1 recovery was.
+    let (s3, s4) = (out.step_record(3), out.step_record(4));
+    assert_eq!(
+        (s3.peer_snapshots_skipped, s4.peer_snapshots_skipped),
+        (0, 1)
+    );
+    assert!(
+        s4.peer_snapshot_step.is_some_and(|s| s <= 2),
+        "step 4's record claims the copies of step {:?}",
+        s4.peer_snapshot_step
+    );
+    out.assert_bit_identical();
+}
+
 /// Every node's agent joins again as a new incarnation before the coordinator recovers from the
 /// failure (as after a stall of the whole fleet: all declared dead at once, all joining again;
 /// issue 35). The failure is of the old incarnations: the recovery must plan on the new ones, not
