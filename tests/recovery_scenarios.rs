@@ -672,6 +672,37 @@ fn a_skipped_snapshot_recovers_from_the_older_copy_and_replays() {
     out.assert_bit_identical();
 }
 
+/// Issue 35: a node's agent restarted (a new process: its memory and the peer snapshots in it
+/// are gone) while its snapshot buddy died. The coordinator still counted the copies the old
+/// incarnation had reported, chose the peer tier, and the restore asked the new agent for state
+/// it never held. Copies of an earlier incarnation are forgotten when the new one joins: no alive
+/// agent holds stage 1's state, so the run goes back to a committed checkpoint (or the start) in
+/// one recovery and ends bit-identical.
+#[test]
+fn a_restarted_agents_lost_copies_are_not_counted() {
+    let out = run(
+        "restart-forgets",
+        4,
+        &["elastic.mid_step=false"],
+        vec![Rule::at(1, 3, Pos::Action(20), |c, id| {
+            c.wait_held(2, 2);
+            // A new process on node 1 (empty memory); the old agent hears `Refused`.
+            c.start_agent(&id.node);
+            c.kill_node(&node(2));
+            Verdict::Kill
+        })],
+    );
+    let r = out.the_recovery();
+    assert!(
+        matches!(r.tier, Tier::Checkpoint | Tier::Restart),
+        "{:#?}",
+        out.events
+    );
+    let plans = out.plans();
+    assert_eq!(plans.len(), 1, "{:#?}", out.events);
+    out.assert_bit_identical();
+}
+
 /// Every node's agent joins again as a new incarnation before the coordinator recovers from the
 /// failure (as after a stall of the whole fleet: all declared dead at once, all joining again;
 /// issue 35). The failure is of the old incarnations: the recovery must plan on the new ones, not

@@ -814,6 +814,10 @@ impl Coordinator {
         match self.state.membership.join(node, now) {
             Ok(incarnation) => {
                 info!(node = %id, incarnation, pid, "node joined");
+                // The copies an earlier incarnation reported may be gone with its process:
+                // recovery counts only what this one reports (an agent that joins again
+                // reports everything it still holds right after its welcome).
+                recovery::forget_node(&mut self.held, &id);
                 let _ = sender.send(&ToAgent::Welcome {
                     incarnation,
                     heartbeat_s: self.cfg.elastic.heartbeat_s,
