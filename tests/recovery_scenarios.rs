@@ -630,45 +630,78 @@ fn agent_restart_as_a_new_incarnation() {
     out.assert_bit_identical();
 }
 
-/// Peer copies slower than a step (the GPU run of 2026-11-26): the agent of node 1 holds back its
-/// answers to the copies of step 3, so stages 0 and 1 still send theirs when step 4 ends, and no
-/// stage copies step 4 (skipped, not queued: the steps never wait). A worker killed in step 5
-/// then finds the newest complete copies at step 3, older than the last finished step: the run
-/// restarts from them, redoes steps 4 and 5, and ends bit-identical. (No checkpoint but the final
-/// one, so that the peer tier is the newest state.)
+/// Rules that hold back node 1's answers to the peer copies of step 3 until stage 1 reaches
+/// `release_at` in step 5 (then `then` runs there): stages 0 and 1 still send their copies of
+/// step 3 when step 4 ends.
+fn stall_step_3_copies(
+    then: impl FnOnce(&Arc<Cluster>, &WorkerId) -> Verdict + Send + 'static,
+    release_at: Pos,
+) -> Vec<Rule> {
+    vec![
+        Rule::at(0, 1, Pos::Action(0), |c, _| {
+            c.stall_puts(&node(1), 3);
+            Verdict::Go
+        }),
+        Rule::at(1, 5, release_at, move |c, id| {
+            c.release_puts();
+            then(c, id)
+        }),
+    ]
+}
+
+/// Peer copies slower than a step (the GPU run of 2026-11-26): while stages 0 and 1 still send
+/// their copies of step 3, no stage copies step 4 — skipped, not queued, and no step waits (a
+/// wait would hang step 5 behind the stalled copy). The metrics say so: step 4's copy skipped,
+/// and tier-1 recovery then at most at step 2 (step 3's copies are incomplete). With at most
+/// one skip in a row, step 3 is always copied (step 2's may be skipped behind step 1's, whose
+/// first connections are slow).
 #[test]
-fn a_skipped_snapshot_recovers_from_the_older_copy_and_replays() {
+fn a_copy_in_flight_skips_the_next_steps_copy_and_says_so() {
     let out = run(
-        "skipped-snapshot",
+        "skip-in-flight",
         4,
-        &["checkpoint.every=0", "elastic.peer_snapshot_max_skips=10"],
-        vec![
-            Rule::at(0, 1, Pos::Action(0), |c, _| {
-                c.stall_puts(&node(1), 3);
-                Verdict::Go
-            }),
-            Rule::at(1, 5, Pos::Action(20), |c, id| {
-                c.release_puts();
-                c.wait_held(3, 2);
-                c.kill_worker(&id.node, id.stage);
-                Verdict::Kill
-            }),
-        ],
+        &["elastic.peer_snapshot_max_skips=1"],
+        stall_step_3_copies(|_, _| Verdict::Go, Pos::Action(0)),
     );
-    out.assert_recovery(Tier::Peer, 1, (4, 4));
-    let plans = out.plans();
-    assert_eq!(plans[0].resume_from, Some(3), "{plans:?}");
-    // The metrics say which copy was skipped and how stale tier-1 recovery was.
+    assert!(out.recoveries().is_empty(), "{:#?}", out.events);
     let (s3, s4) = (out.step_record(3), out.step_record(4));
     assert_eq!(
         (s3.peer_snapshots_skipped, s4.peer_snapshots_skipped),
         (0, 1)
     );
-    assert!(
-        s4.peer_snapshot_step.is_some_and(|s| s <= 2),
-        "step 4's record claims the copies of step {:?}",
-        s4.peer_snapshot_step
+    for s in [s3, s4] {
+        assert!(
+            s.peer_snapshot_step.is_some_and(|c| c <= 2),
+            "step {}'s record claims complete copies of step {:?}",
+            s.step,
+            s.peer_snapshot_step
+        );
+    }
+    out.assert_bit_identical();
+}
+
+/// The same skipped copy, then a worker killed in step 5 (mid-step recovery needs the copies of
+/// step 4, which do not exist): the newest complete copies are of step 3, older than the last
+/// finished step, so the run restarts from them, redoes steps 4 and 5, and ends bit-identical.
+/// (No checkpoint but the final one, so that the peer tier is the newest state.)
+#[test]
+fn a_skipped_snapshot_recovers_from_the_older_copy_and_replays() {
+    let out = run(
+        "skipped-snapshot",
+        4,
+        &["checkpoint.every=0", "elastic.peer_snapshot_max_skips=1"],
+        stall_step_3_copies(
+            |c, id| {
+                c.wait_held(3, 2);
+                c.kill_worker(&id.node, id.stage);
+                Verdict::Kill
+            },
+            Pos::Action(20),
+        ),
     );
+    out.assert_recovery(Tier::Peer, 1, (4, 4));
+    let plans = out.plans();
+    assert_eq!(plans[0].resume_from, Some(3), "{plans:?}");
     out.assert_bit_identical();
 }
 
