@@ -1223,7 +1223,7 @@ mod tests {
         let smaller = vec![("a".to_string(), vec![1])];
         assert!(
             fetch(
-                &[real.clone()],
+                std::slice::from_ref(&real),
                 1,
                 &smaller,
                 "secret",
