@@ -225,7 +225,14 @@ fn chaos_of(name: &str, extra: &[&str], default_trials: usize, workers: usize) -
             Victim::Worker
         };
         let trial_dir = dir.join(format!("trial-{index}"));
-        let events = trial(&trial_dir, &mut rng, kills, victim, extra, &reference);
+        // Every step copied (a slow copy waited for, not skipped): the bounds on the steps
+        // redone below assume copies lag training by at most one step. Skipped copies and the
+        // replay from an older one are the recovery scenarios' (tests/recovery_scenarios.rs).
+        let sets: Vec<&str> = ["elastic.peer_snapshot_max_skips=0"]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect();
+        let events = trial(&trial_dir, &mut rng, kills, victim, &sets, &reference);
         let warnings = warnings_in(&trial_dir);
         // SEQPIPE_KEEP_TRIALS=1 keeps every trial's directory (logs, metrics) for a post-mortem.
         if std::env::var_os("SEQPIPE_KEEP_TRIALS").is_none() {

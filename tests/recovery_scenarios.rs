@@ -630,6 +630,112 @@ fn agent_restart_as_a_new_incarnation() {
     out.assert_bit_identical();
 }
 
+/// Rules that hold back node 1's answers to the peer copies of step 3 until stage 1 reaches
+/// `release_at` in step 5 (then `then` runs there): stages 0 and 1 still send their copies of
+/// step 3 when step 4 ends.
+fn stall_step_3_copies(
+    then: impl FnOnce(&Arc<Cluster>, &WorkerId) -> Verdict + Send + 'static,
+    release_at: Pos,
+) -> Vec<Rule> {
+    vec![
+        Rule::at(0, 1, Pos::Action(0), |c, _| {
+            c.stall_puts(&node(1), 3);
+            Verdict::Go
+        }),
+        Rule::at(1, 5, release_at, move |c, id| {
+            c.release_puts();
+            then(c, id)
+        }),
+    ]
+}
+
+/// Peer copies slower than a step (the GPU run of 2026-11-26): while stages 0 and 1 still send
+/// their copies of step 3, no stage copies step 4 — skipped, not queued, and no step waits (a
+/// wait would hang step 5 behind the stalled copy). The metrics say so: step 4's copy skipped,
+/// and tier-1 recovery then at most at step 2 (step 3's copies are incomplete). With at most
+/// one skip in a row, step 3 is always copied (step 2's may be skipped behind step 1's, whose
+/// first connections are slow).
+#[test]
+fn a_copy_in_flight_skips_the_next_steps_copy_and_says_so() {
+    let out = run(
+        "skip-in-flight",
+        4,
+        &["elastic.peer_snapshot_max_skips=1"],
+        stall_step_3_copies(|_, _| Verdict::Go, Pos::Action(0)),
+    );
+    assert!(out.recoveries().is_empty(), "{:#?}", out.events);
+    let (s3, s4) = (out.step_record(3), out.step_record(4));
+    assert_eq!(
+        (s3.peer_snapshots_skipped, s4.peer_snapshots_skipped),
+        (0, 1)
+    );
+    for s in [s3, s4] {
+        assert!(
+            s.peer_snapshot_step.is_some_and(|c| c <= 2),
+            "step {}'s record claims complete copies of step {:?}",
+            s.step,
+            s.peer_snapshot_step
+        );
+    }
+    out.assert_bit_identical();
+}
+
+/// The same skipped copy, then a worker killed in step 5 (mid-step recovery needs the copies of
+/// step 4, which do not exist): the newest complete copies are of step 3, older than the last
+/// finished step, so the run restarts from them, redoes steps 4 and 5, and ends bit-identical.
+/// (No checkpoint but the final one, so that the peer tier is the newest state.)
+#[test]
+fn a_skipped_snapshot_recovers_from_the_older_copy_and_replays() {
+    let out = run(
+        "skipped-snapshot",
+        4,
+        &["checkpoint.every=0", "elastic.peer_snapshot_max_skips=1"],
+        stall_step_3_copies(
+            |c, id| {
+                c.wait_held(3, 2);
+                c.kill_worker(&id.node, id.stage);
+                Verdict::Kill
+            },
+            Pos::Action(20),
+        ),
+    );
+    out.assert_recovery(Tier::Peer, 1, (4, 4));
+    let plans = out.plans();
+    assert_eq!(plans[0].resume_from, Some(3), "{plans:?}");
+    out.assert_bit_identical();
+}
+
+/// Issue 35: a node's agent restarted (a new process: its memory and the peer snapshots in it
+/// are gone) while its snapshot buddy died. The coordinator still counted the copies the old
+/// incarnation had reported, chose the peer tier, and the restore asked the new agent for state
+/// it never held. Copies of an earlier incarnation are forgotten when the new one joins: no alive
+/// agent holds stage 1's state, so the run goes back to a committed checkpoint (or the start) in
+/// one recovery and ends bit-identical.
+#[test]
+fn a_restarted_agents_lost_copies_are_not_counted() {
+    let out = run(
+        "restart-forgets",
+        4,
+        &["elastic.mid_step=false"],
+        vec![Rule::at(1, 3, Pos::Action(20), |c, id| {
+            c.wait_held(2, 2);
+            // A new process on node 1 (empty memory); the old agent hears `Refused`.
+            c.start_agent(&id.node);
+            c.kill_node(&node(2));
+            Verdict::Kill
+        })],
+    );
+    let r = out.the_recovery();
+    assert!(
+        matches!(r.tier, Tier::Checkpoint | Tier::Restart),
+        "{:#?}",
+        out.events
+    );
+    let plans = out.plans();
+    assert_eq!(plans.len(), 1, "{:#?}", out.events);
+    out.assert_bit_identical();
+}
+
 /// Every node's agent joins again as a new incarnation before the coordinator recovers from the
 /// failure (as after a stall of the whole fleet: all declared dead at once, all joining again;
 /// issue 35). The failure is of the old incarnations: the recovery must plan on the new ones, not

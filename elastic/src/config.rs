@@ -37,9 +37,13 @@ pub struct ElasticConfig {
     /// the default). `false`: it waits for agents started with `seqpipe agent --join`.
     pub local_agents: bool,
     /// Whether each worker copies its state into the memory of its own and its buddy node's agent
-    /// after every step (tier-1 recovery: only the interrupted step is redone). Off: recoveries
-    /// restore from the newest committed checkpoint.
+    /// behind the training (tier-1 recovery: only the steps after the newest copy are redone).
+    /// Off: recoveries restore from the newest committed checkpoint.
     pub peer_snapshots: bool,
+    /// How many steps in a row may go uncopied because the previous peer snapshot is still being
+    /// sent (a copy never holds up a step until then); after that many, the next step waits for
+    /// the copy in flight and is copied. 0: every step is copied, waiting when needed.
+    pub peer_snapshot_max_skips: u64,
     /// Where membership, leadership and the plan generation live: empty for the coordinator's own
     /// memory (the default), or `etcd://HOST:PORT/PREFIX`, so that another node takes over when
     /// the coordinator's node is lost (nodes then run `seqpipe agent --rendezvous URL`).
@@ -84,6 +88,7 @@ impl Default for ElasticConfig {
             listen: "127.0.0.1:0".into(),
             local_agents: true,
             peer_snapshots: true,
+            peer_snapshot_max_skips: 100,
             rendezvous: String::new(),
             mid_step: true,
             preemption_notice: NoticeSource::Off,

@@ -89,6 +89,9 @@ pub fn base_sets() -> Vec<String> {
         "checkpoint.every=2",
         "checkpoint.keep_last=3",
         "elastic.local_agents=false",
+        // Every step copied (waiting for a slow copy rather than skipping it): the scenarios
+        // fault a step once the copies of the one before are held.
+        "elastic.peer_snapshot_max_skips=0",
         "elastic.heartbeat_s=0.2",
         "elastic.dead_after_s=10",
         "elastic.join_timeout_s=10",
@@ -286,6 +289,10 @@ pub struct Cluster {
     /// removed. Signalled on every change.
     held: Mutex<BTreeMap<(String, u64), BTreeSet<String>>>,
     held_changed: Condvar,
+    /// A node whose agent, having stored a peer snapshot of the step, holds back its answer (and
+    /// its report) until released: the sending worker's copy stays in flight.
+    stalled_puts: Mutex<Option<(String, u64)>>,
+    stalled_changed: Condvar,
     /// Every worker started: (id, thread).
     workers: Mutex<Vec<(WorkerId, JoinHandle<()>)>>,
     next_serial: AtomicU64,
@@ -439,6 +446,31 @@ impl Cluster {
             .expect("the coordinator did not welcome the agent");
     }
 
+    /// Until [`Cluster::release_puts`], the agent of `node` answers no peer snapshot of `step`
+    /// (nor reports it): the copies sent to it stay in flight, as over a slow network.
+    pub fn stall_puts(&self, node: &str, step: u64) {
+        *self.stalled_puts.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((node.to_string(), step));
+    }
+
+    /// Lets the stalled answers of [`Cluster::stall_puts`] go.
+    pub fn release_puts(&self) {
+        *self.stalled_puts.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.stalled_changed.notify_all();
+    }
+
+    /// Holds back the answer to a stored peer snapshot while it is stalled (at most the scenario
+    /// limit).
+    fn wait_while_stalled(&self, node: &str, step: u64) {
+        let stalled = self.stalled_puts.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self
+            .stalled_changed
+            .wait_timeout_while(stalled, SCENARIO_LIMIT, |s| {
+                s.as_ref().is_some_and(|(n, st)| n == node && *st == step)
+            })
+            .unwrap_or_else(|p| p.into_inner());
+    }
+
     fn record_held(&self, node: &str, step: u64, names: Vec<String>) {
         self.held
             .lock()
@@ -469,6 +501,8 @@ impl Cluster {
             frozen: Mutex::default(),
             held: Mutex::default(),
             held_changed: Condvar::new(),
+            stalled_puts: Mutex::default(),
+            stalled_changed: Condvar::new(),
             workers: Mutex::default(),
             next_serial: AtomicU64::new(0),
             fenced: Mutex::default(),
@@ -537,6 +571,7 @@ fn agent_main(
         let (report_to, cluster, name) =
             (Arc::clone(&report_to), Arc::clone(&cluster), name.clone());
         serve(listener, TOKEN.into(), store, move |step, names| {
+            cluster.wait_while_stalled(&name, step);
             // Reported to the coordinator first, then recorded for `wait_held`.
             let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
             if let Some(sender) = sender {

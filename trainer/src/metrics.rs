@@ -54,6 +54,15 @@ pub struct StepMetrics {
     /// CPU seconds of the worker processes in the kernel since their previous reports, summed.
     #[serde(default)]
     pub cpu_system_s: f64,
+    /// The newest step whose peer snapshots the live agents held completely when the step's
+    /// record was written: tier-1 recovery restarts from it (the steps after it are redone).
+    /// Absent when peer snapshots are off or none is complete yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_snapshot_step: Option<u64>,
+    /// 1 when this step's peer snapshot was skipped because the previous one was still being
+    /// sent (copies never hold up a step), else 0.
+    #[serde(default)]
+    pub peer_snapshots_skipped: u64,
     /// When the step ended (Unix seconds).
     #[serde(default)]
     pub end_unix_s: f64,

@@ -191,6 +191,10 @@ pub struct StepCost {
     /// When each unit ran (only when the step was run with `trace`), in the order computed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unit_times: Vec<UnitTime>,
+    /// The worker's previous peer snapshot was still being sent when it reported the step: the
+    /// launcher then asks no stage for a copy of this step (all stages copy the same steps).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub peer_copy_in_flight: bool,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -279,7 +283,8 @@ pub enum ToWorker {
         step: u64,
         lr: f64,
         clip_coefficient: f64,
-        /// Copy the new state to the peer-snapshot agents (one replica per stage does).
+        /// Copy the new state to the peer-snapshot agents (one replica per stage does, and only
+        /// when no stage's previous copy is still in flight).
         #[serde(default = "yes")]
         snapshot: bool,
     },

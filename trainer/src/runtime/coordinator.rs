@@ -823,6 +823,10 @@ impl Coordinator {
         match self.state.membership.join(node, now) {
             Ok(incarnation) => {
                 info!(node = %id, incarnation, pid, "node joined");
+                // The copies an earlier incarnation reported may be gone with its process:
+                // recovery counts only what this one reports (an agent that joins again
+                // reports everything it still holds right after its welcome).
+                recovery::forget_node(&mut self.held, &id);
                 let _ = sender.send(&ToAgent::Welcome {
                     incarnation,
                     heartbeat_s: self.cfg.elastic.heartbeat_s,
@@ -1271,16 +1275,29 @@ impl Coordinator {
     /// agents still alive, cover the whole model (parameters and AdamW moments), with the agents
     /// that hold it.
     fn peer_coverage(&self) -> Option<(u64, Vec<NodeId>)> {
+        self.peer_coverage_before(self.state.step)
+    }
+
+    /// The newest step before `next` whose peer snapshots the live agents cover completely, with
+    /// the agents that hold it.
+    fn peer_coverage_before(&self, next: u64) -> Option<(u64, Vec<NodeId>)> {
         if !self.cfg.elastic.peer_snapshots {
             return None;
         }
         let params = self.param_names();
         recovery::peer_coverage(
             &self.held,
-            self.state.step,
+            next,
             |step| crate::checkpointing::shard::with_moments(&params, step > 0),
             |n| self.agent_alive(n),
         )
+    }
+
+    /// The newest step up to `step` that tier-1 recovery could restart from now (the live
+    /// agents hold its peer snapshots completely), for the step's metrics.
+    pub(super) fn peer_snapshot_step(&self, step: u64) -> Option<u64> {
+        self.peer_coverage_before(step.saturating_add(1))
+            .map(|(step, _)| step)
     }
 
     /// Whether the peer snapshots of `step` cover the whole model on agents that stay past this

@@ -78,6 +78,13 @@ const PEER_SNAPSHOT_WAIT: Duration = Duration::from_secs(2);
 /// (see [`Driver::evaluate_unless_stopped`]).
 const EVAL_CHUNK: usize = 16;
 
+/// Whether a step's peer snapshot is taken: always when no worker's previous copy is in flight;
+/// otherwise skipped, unless `skipped_in_a_row` already reached `max_skips` (the workers then wait
+/// for the copy in flight).
+fn peer_copy_due(in_flight: bool, skipped_in_a_row: u64, max_skips: u64) -> bool {
+    !in_flight || skipped_in_a_row >= max_skips
+}
+
 /// What the stages reported for one step's forward and backward.
 struct StepReplies {
     /// Per-parameter sums of squared gradients, in canonical order.
@@ -100,6 +107,8 @@ struct StepReplies {
     peak_activation_bytes: Vec<u64>,
     /// Per stage.
     state_bytes: Vec<u64>,
+    /// Some worker's previous peer snapshot was still in flight when it reported the step.
+    peer_copy_in_flight: bool,
     /// Stages replaced in the middle of the step, with the replacement's cost once it reported.
     replaced: Vec<(Replacement, Option<StepCost>)>,
     /// Data parallelism: the replica lost in the middle of the step, whose share was re-routed,
@@ -126,6 +135,7 @@ impl StepReplies {
             cpu_system_s: 0.0,
             peak_activation_bytes: vec![0; stages],
             state_bytes: vec![0; stages],
+            peer_copy_in_flight: false,
             replaced: Vec::new(),
             rerouted: None,
             redone: (0, 0.0),
@@ -173,6 +183,7 @@ impl StepReplies {
         self.page_faults += cost.page_faults;
         self.cpu_user_s += cost.cpu_user_s;
         self.cpu_system_s += cost.cpu_system_s;
+        self.peer_copy_in_flight |= cost.peer_copy_in_flight;
         self.redone.0 += cost.redone_units;
         self.redone.1 += cost.redone_s;
         if let Some(peak) = self.peak_activation_bytes.get_mut(stage) {
@@ -241,6 +252,8 @@ pub(super) struct Driver<'a, 'c> {
     /// When the driver first saw the stop signal: the final checkpoint's grace period
     /// (`checkpoint.grace_s`) counts from here.
     stop_seen: Option<Instant>,
+    /// Steps in a row whose peer snapshot was skipped (a copy was in flight).
+    peer_copies_skipped: u64,
 }
 
 impl<'a, 'c> Driver<'a, 'c> {
@@ -264,6 +277,7 @@ impl<'a, 'c> Driver<'a, 'c> {
             rerouted: None,
             live: None,
             stop_seen: None,
+            peer_copies_skipped: 0,
         }
     }
 }
@@ -653,7 +667,21 @@ impl Driver<'_, '_> {
         self.record_replacements(step, &replies.replaced, step_started)?;
         let rerouted = replies.rerouted.take();
         let loss_sum = replies.loss_sum(cfg.pipeline.microbatches);
-        let grad_norm = self.update(step, lr, std::mem::take(&mut replies.sums))?;
+        // At most one peer copy in flight per worker: while one is, no stage copies this step
+        // (skipped, not queued), so that copies never hold up training — up to
+        // `elastic.peer_snapshot_max_skips` steps in a row; then the workers wait for it.
+        let copy = cfg.elastic.peer_snapshots
+            && peer_copy_due(
+                replies.peer_copy_in_flight,
+                self.peer_copies_skipped,
+                cfg.elastic.peer_snapshot_max_skips,
+            );
+        self.peer_copies_skipped = if copy || !cfg.elastic.peer_snapshots {
+            0
+        } else {
+            self.peer_copies_skipped + 1
+        };
+        let grad_norm = self.update(step, lr, std::mem::take(&mut replies.sums), copy)?;
         let loss = loss_sum
             .ok_or_else(|| LaunchError::Protocol("the last stage reported no loss".into()))?
             / tokens as f64;
@@ -690,6 +718,12 @@ impl Driver<'_, '_> {
             page_faults: replies.page_faults,
             cpu_user_s: replies.cpu_user_s,
             cpu_system_s: replies.cpu_system_s,
+            peer_snapshot_step: cfg
+                .elastic
+                .peer_snapshots
+                .then(|| self.pipeline.coordinator().peer_snapshot_step(step))
+                .flatten(),
+            peer_snapshots_skipped: u64::from(cfg.elastic.peer_snapshots && !copy),
             end_unix_s: unix_time_s(),
             loss,
             lr,
@@ -1008,8 +1042,15 @@ impl Driver<'_, '_> {
 
     /// The optimizer update of `step`: the global gradient norm from the stages' sums of squares
     /// (summed in canonical parameter order: the same number whatever the partition), clipping,
-    /// and AdamW with learning rate `lr` on every stage. Returns the norm.
-    fn update(&mut self, step: u64, lr: f64, sums: Vec<Option<f64>>) -> Result<f64, LaunchError> {
+    /// and AdamW with learning rate `lr` on every stage, then (with `copy`) a peer snapshot of the
+    /// new state. Returns the norm.
+    fn update(
+        &mut self,
+        step: u64,
+        lr: f64,
+        sums: Vec<Option<f64>>,
+        copy: bool,
+    ) -> Result<f64, LaunchError> {
         let sums: Vec<f64> = sums
             .into_iter()
             .enumerate()
@@ -1032,7 +1073,7 @@ impl Driver<'_, '_> {
                     step,
                     lr,
                     clip_coefficient,
-                    snapshot: slot / p == writer,
+                    snapshot: copy && slot / p == writer,
                 },
             )?;
         }
@@ -1374,4 +1415,21 @@ fn truncate_metrics(path: &Path, step: u64) -> std::io::Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(path, kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step is copied when no copy is in flight; while one is, up to `max_skips` steps in a
+    /// row are skipped, then the next waits for it (0: never skip).
+    #[test]
+    fn peer_copies_are_skipped_while_one_is_in_flight_up_to_the_limit() {
+        assert!(peer_copy_due(false, 0, 3));
+        assert!(peer_copy_due(false, 7, 3));
+        assert!(!peer_copy_due(true, 0, 3));
+        assert!(!peer_copy_due(true, 2, 3));
+        assert!(peer_copy_due(true, 3, 3));
+        assert!(peer_copy_due(true, 0, 0));
+    }
 }

@@ -318,6 +318,8 @@ mod tests {
             page_faults: 0,
             cpu_user_s: 0.0,
             cpu_system_s: 0.0,
+            peer_snapshot_step: None,
+            peer_snapshots_skipped: 0,
             end_unix_s: 0.0,
             loss,
             lr: 1e-3,

@@ -458,6 +458,15 @@ pub fn peer_holders(
         .then(|| alive.iter().map(|(n, _)| (*n).clone()).collect())
 }
 
+/// Forgets every peer snapshot `node` was reported to hold (a new incarnation of it joined: the
+/// old one's memory may be gone), and the steps no node holds any more.
+pub fn forget_node(held: &mut Held, node: &NodeId) {
+    for holders in held.values_mut() {
+        holders.remove(node);
+    }
+    held.retain(|_, holders| !holders.is_empty());
+}
+
 /// Decision 5b: the newest step before `interrupted_step` whose peer snapshots on live nodes cover
 /// the whole model (`names_at(step)`: its parameters, with AdamW moments after step 0), with the
 /// nodes holding it. The interrupted step's own snapshots do not count: a loss during its update
@@ -730,6 +739,34 @@ mod tests {
         assert_eq!((step, nodes), (7, vec![NodeId::new("a")]));
         assert_eq!(peer_coverage(&held, 9, names, |_| true).unwrap().0, 8);
         assert_eq!(peer_coverage(&held, 5, names, |_| true), None);
+    }
+
+    /// Issue 35: the copies a node's earlier incarnation reported are forgotten when a new one
+    /// joins (its process, and the memory holding them, may be gone): coverage that needed them
+    /// is gone too, and other nodes' copies stay.
+    #[test]
+    fn a_new_incarnation_forgets_the_copies_of_the_old_one() {
+        let names = |v: &[&str]| {
+            v.iter()
+                .map(|s| s.to_string())
+                .collect::<BTreeSet<String>>()
+        };
+        let (a, b) = (NodeId::from("a"), NodeId::from("b"));
+        let mut held: Held = BTreeMap::new();
+        held.entry(4)
+            .or_default()
+            .insert(a.clone(), names(&["x", "y"]));
+        held.entry(4).or_default().insert(b.clone(), names(&["y"]));
+        held.entry(3).or_default().insert(a.clone(), names(&["x"]));
+        let wanted = |_| vec!["x".to_string(), "y".to_string()];
+        assert_eq!(
+            peer_coverage(&held, 5, wanted, |_| true).map(|c| c.0),
+            Some(4)
+        );
+        forget_node(&mut held, &a);
+        assert_eq!(peer_coverage(&held, 5, wanted, |_| true), None);
+        assert_eq!(held.keys().copied().collect::<Vec<_>>(), [4]);
+        assert_eq!(held[&4].keys().collect::<Vec<_>>(), [&b]);
     }
 
     #[test]

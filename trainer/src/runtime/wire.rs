@@ -98,6 +98,17 @@ pub fn write_frame_parts(w: &mut impl Write, header: &[u8], parts: &[&[u8]]) -> 
 
 /// Reads one frame within `limits`; `UnexpectedEof` when the peer closed the stream.
 pub fn read_frame(r: &mut impl Read, limits: Limits) -> io::Result<Frame> {
+    read_frame_into(r, limits, |_| Vec::new())
+}
+
+/// [`read_frame`], receiving the payload into the buffer `buffer_for(claimed length)` gives (once
+/// the claim is within `limits`): a reused buffer whose capacity holds the payload is written in
+/// place, with no allocation.
+pub fn read_frame_into(
+    r: &mut impl Read,
+    limits: Limits,
+    buffer_for: impl FnOnce(u64) -> Vec<u8>,
+) -> io::Result<Frame> {
     let mut prefix = [0u8; 16];
     r.read_exact(&mut prefix)?;
     if &prefix[..4] != MAGIC {
@@ -119,15 +130,16 @@ pub fn read_frame(r: &mut impl Read, limits: Limits) -> io::Result<Frame> {
     }
     let mut header = vec![0u8; header_len];
     r.read_exact(&mut header)?;
-    let payload = read_payload(r, payload_len)?;
+    let payload = read_payload(r, payload_len, buffer_for(payload_len))?;
     Ok(Frame { header, payload })
 }
 
-/// Reads a payload of `len` bytes as they arrive: the buffer grows by at most what was received
-/// so far (and [`RESERVE_AHEAD`] at first), never beyond `len`, so a peer that claims a large
-/// payload and sends part of it costs about what it sent, not the claim nor twice the claim.
-fn read_payload(r: &mut impl Read, len: u64) -> io::Result<Vec<u8>> {
-    let mut payload: Vec<u8> = Vec::new();
+/// Reads a payload of `len` bytes as they arrive into `payload` (emptied first): the buffer grows
+/// beyond its capacity by at most what was received so far (and [`RESERVE_AHEAD`] at first), never
+/// beyond `len`, so a peer that claims a large payload and sends part of it costs about what it
+/// sent, not the claim nor twice the claim.
+fn read_payload(r: &mut impl Read, len: u64, mut payload: Vec<u8>) -> io::Result<Vec<u8>> {
+    payload.clear();
     while (payload.len() as u64) < len {
         let remaining = len - payload.len() as u64;
         let chunk = remaining.min((payload.len() as u64).max(RESERVE_AHEAD));
@@ -206,15 +218,36 @@ mod tests {
     fn a_payload_buffer_grows_with_the_bytes_received() {
         let sent = 20 << 20;
         let mut data = vec![7u8; sent];
-        let err = read_payload(&mut data.as_slice(), 1 << 36).unwrap_err();
+        let err = read_payload(&mut data.as_slice(), 1 << 36, Vec::new()).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{err}");
         data.truncate(3 << 20);
-        let got = read_payload(&mut data.as_slice(), 3 << 20).unwrap();
+        let got = read_payload(&mut data.as_slice(), 3 << 20, Vec::new()).unwrap();
         assert_eq!(got.len(), 3 << 20);
         assert_eq!(got.capacity(), 3 << 20, "reserved beyond the claim");
         let mut long = vec![1u8; 20 << 20];
         long.push(2);
-        let got = read_payload(&mut long.as_slice(), 20 << 20).unwrap();
+        let got = read_payload(&mut long.as_slice(), 20 << 20, Vec::new()).unwrap();
         assert_eq!(got.capacity(), 20 << 20, "reserved beyond the claim");
+    }
+
+    /// A buffer whose capacity holds the payload is filled in place: the same allocation comes
+    /// back (an agent's reused snapshot buffers page-fault nothing).
+    #[test]
+    fn a_reused_buffer_is_filled_in_place() {
+        let mut buf = Vec::new();
+        write_frame(
+            &mut buf,
+            &Frame::new(&serde_json::json!({}), vec![5u8; 3 << 20]),
+        )
+        .unwrap();
+        let reused = vec![9u8; 4 << 20];
+        let at = reused.as_ptr();
+        let frame = read_frame_into(&mut buf.as_slice(), Limits::SNAPSHOT, move |len| {
+            assert_eq!(len, 3 << 20);
+            reused
+        })
+        .unwrap();
+        assert_eq!(frame.payload.as_ptr(), at, "the payload was reallocated");
+        assert_eq!(frame.payload, vec![5u8; 3 << 20]);
     }
 }

@@ -617,9 +617,7 @@ impl Worker {
         trace: bool,
         control: &mut ControlStream,
     ) -> Result<ToLauncher, WorkerError> {
-        if let Some(copier) = &self.peer_copier {
-            copier.wait_for(step.saturating_sub(2), self.cfg.pipeline.timeout());
-        }
+        // Never waits for a peer copy: one still in flight makes the launcher skip the next.
         let started = Instant::now();
         let loss_sum = self.run_step(step, trace, control)?;
         let reply = self.reduce_own_share(step, loss_sum)?;
@@ -665,6 +663,7 @@ impl Worker {
             adopted_losses,
             cost: StepCost {
                 unit_times: std::mem::take(&mut self.record.cost.unit_times),
+                peer_copy_in_flight: self.peer_copier.as_ref().is_some_and(|c| c.busy()),
                 ..self.record.cost.clone()
             },
             round,

@@ -1,5 +1,5 @@
 //! The stage's state in and out of the process: checkpoint shard uploads (on a background thread),
-//! peer-snapshot copies after every update, restores from a checkpoint, from peer snapshots or
+//! peer-snapshot copies after updates, restores from a checkpoint, from peer snapshots or
 //! from a Hugging Face directory, and gradient dumps for tests.
 
 use std::collections::HashMap;
@@ -197,13 +197,21 @@ impl Worker {
             .map_err(|_| WorkerError::Protocol("the checkpoint uploader stopped".into()))
     }
 
-    /// Copies the state after `step` to the agents' memory (when peer snapshots are on).
+    /// Copies the state after `step` to the agents' memory behind the training (when peer
+    /// snapshots are on). The launcher asks for it when this worker reported no copy in flight,
+    /// or when too many steps in a row went uncopied: then the copy in flight is waited for (at
+    /// most the pipeline timeout; a copy still in flight after it skips this one).
     pub(super) fn copy_to_peers(&mut self, step: u64) -> Result<(), WorkerError> {
-        if self.peer_copier.is_some() {
-            let (snapshot, _) = self.snapshot(step)?;
-            if let Some(copier) = &self.peer_copier {
-                copier.copy(step, snapshot);
-            }
+        let Some(copier) = &self.peer_copier else {
+            return Ok(());
+        };
+        if !copier.wait_idle(self.cfg.pipeline.timeout()) {
+            copier.skip(step);
+            return Ok(());
+        }
+        let (snapshot, _) = self.snapshot(step)?;
+        if let Some(copier) = &self.peer_copier {
+            copier.copy(step, snapshot);
         }
         Ok(())
     }
@@ -266,8 +274,16 @@ impl Worker {
         sources: &[String],
     ) -> Result<(), WorkerError> {
         let names = with_moments(&self.stage.param_names(), step > 0);
+        // Each tensor with the model's shape: what an agent may send back, and no more.
+        let mine: std::collections::HashSet<String> =
+            self.stage.param_names().into_iter().collect();
+        let specs: Vec<_> = crate::model::params::param_specs(&self.cfg.model)
+            .into_iter()
+            .filter(|s| mine.contains(&s.name))
+            .collect();
+        let wanted = crate::model::params::state_tensors(&specs, step > 0);
         let timeout = self.cfg.pipeline.timeout();
-        let tensors = peer_snapshots::fetch(sources, step, &names, &self.token, timeout)
+        let tensors = peer_snapshots::fetch(sources, step, &wanted, &self.token, timeout)
             .map_err(WorkerError::Protocol)?;
         let tensors = tensors
             .iter()
