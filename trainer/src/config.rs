@@ -503,6 +503,20 @@ impl Config {
             );
         }
         seconds("pipeline.timeout_s", p.timeout_s, Zero::Refused)?;
+        // A sharded dataset's per-attempt read bound (`Duration::from_secs_f64` would panic on
+        // values such as 1e300 that are positive and finite).
+        seconds(
+            "data.read_timeout_s",
+            self.data.read_timeout_s,
+            Zero::Refused,
+        )?;
+        if self.data.read_attempts == 0 {
+            return invalid(
+                "data.read_attempts",
+                "must be at least 1 (each read of a dataset object is tried this many times)"
+                    .into(),
+            );
+        }
         if p.transport == StageTransport::Nccl && m.device != DeviceKind::Cuda {
             return invalid(
                 "pipeline.transport",

@@ -160,7 +160,12 @@ impl ShardedSource {
             })?;
         let retry = Retry {
             attempts: cfg.read_attempts,
-            timeout: Duration::from_secs_f64(cfg.read_timeout_s),
+            timeout: Duration::try_from_secs_f64(cfg.read_timeout_s).map_err(|e| {
+                DataError::InvalidConfig(format!(
+                    "read_timeout_s = {}: {e} (use seconds, e.g. 30.0)",
+                    cfg.read_timeout_s
+                ))
+            })?,
         };
         let index_bytes = {
             let (store, owned) = (Arc::clone(&store), url.clone());
