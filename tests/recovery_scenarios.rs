@@ -654,7 +654,9 @@ fn stall_step_3_copies(
 /// wait would hang step 5 behind the stalled copy). The metrics say so: step 4's copy skipped,
 /// and tier-1 recovery then at most at step 2 (step 3's copies are incomplete). With at most
 /// one skip in a row, step 3 is always copied (step 2's may be skipped behind step 1's, whose
-/// first connections are slow).
+/// first connections are slow). "At most step 2" includes none at all: on a loaded machine the
+/// copies of steps 1 and 2 may still be on their way when steps 3 and 4 end; what must never
+/// appear is a claim of step 3 or later.
 #[test]
 fn a_copy_in_flight_skips_the_next_steps_copy_and_says_so() {
     let out = run(
@@ -671,7 +673,7 @@ fn a_copy_in_flight_skips_the_next_steps_copy_and_says_so() {
     );
     for s in [s3, s4] {
         assert!(
-            s.peer_snapshot_step.is_some_and(|c| c <= 2),
+            s.peer_snapshot_step.is_none_or(|c| c <= 2),
             "step {}'s record claims complete copies of step {:?}",
             s.step,
             s.peer_snapshot_step
