@@ -635,7 +635,6 @@ impl PeerCopier {
         std::thread::Builder::new()
             .name("peer-copy".into())
             .spawn(move || {
-                lower_priority();
                 let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
                 let mut packed = Packed::default();
                 for CopyJob { step, snapshot } in queue {
@@ -756,18 +755,6 @@ impl PeerCopier {
             return false;
         }
         true
-    }
-}
-
-/// Lowers the calling thread's scheduling priority (nice +10), so that serializing and sending a
-/// copy takes the CPU time training leaves idle rather than competing with it.
-fn lower_priority() {
-    // SAFETY: gettid and setpriority take no pointers; on Linux, PRIO_PROCESS with a thread id
-    // sets that thread's nice value only. Failure leaves the priority as it was.
-    #[cfg(target_os = "linux")]
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
     }
 }
 
