@@ -296,18 +296,12 @@ impl Gpu {
     /// Names the products issued from now on in the profile (layer `h.3.mlp.c_fc`, or `lm_head`, and pass); a no-op
     /// unless profiling.
     pub(crate) fn label_products(&self, layer: &str, pass: profile::Pass) {
-        if self.profile.on.get() {
-            let layer = profile::product_layer(layer);
-            self.profile.labels.product.set(Some((layer, pass)));
-        }
+        self.profile.label_products(layer, pass);
     }
 
     /// Changes the pass of the products' label (the layer stays).
     pub(crate) fn label_pass(&self, pass: profile::Pass) {
-        let labels = &self.profile.labels.product;
-        if let Some((layer, _)) = labels.get() {
-            labels.set(Some((layer, pass)));
-        }
+        self.profile.label_pass(pass);
     }
 
     /// The device's name (e.g. `NVIDIA H100 80GB HBM3`).

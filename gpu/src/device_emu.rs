@@ -177,18 +177,12 @@ impl Gpu {
 
     /// `device::Gpu::label_products`.
     pub(crate) fn label_products(&self, layer: &str, pass: profile::Pass) {
-        if self.profile.on.get() {
-            let layer = profile::product_layer(layer);
-            self.profile.labels.product.set(Some((layer, pass)));
-        }
+        self.profile.label_products(layer, pass);
     }
 
     /// Changes the pass of the products' label (the layer stays).
     pub(crate) fn label_pass(&self, pass: profile::Pass) {
-        let labels = &self.profile.labels.product;
-        if let Some((layer, _)) = labels.get() {
-            labels.set(Some((layer, pass)));
-        }
+        self.profile.label_pass(pass);
     }
 
     /// `emulated`.

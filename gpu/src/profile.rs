@@ -229,6 +229,20 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Names the products issued from now on (layer and pass); a no-op unless profiling.
+    pub(crate) fn label_products(&self, layer: &str, pass: Pass) {
+        if self.on.get() {
+            self.labels.product.set(Some((product_layer(layer), pass)));
+        }
+    }
+
+    /// Changes the pass of the products' label (the layer stays).
+    pub(crate) fn label_pass(&self, pass: Pass) {
+        if let Some((layer, _)) = self.labels.product.get() {
+            self.labels.product.set(Some((layer, pass)));
+        }
+    }
+
     /// Starts recording (forgetting what an earlier recording held).
     pub fn begin(&self) {
         let mut r = self.recording.borrow_mut();
