@@ -13,6 +13,8 @@
 #     (Debian package, as root) for tests/deploy.rs, which checks the deploy/ files with them.
 #   * a C++20 compiler (`c++`, Debian package g++, as root; or $CXX) for gpu/tests/emulated_kernels.rs,
 #     which runs every CUDA kernel on the CPU.
+#   * Slurm and MUNGE (Debian packages slurm-wlm and munge, as root) for tests/slurm.rs, which starts
+#     a one-node Slurm cluster and runs deploy/slurm/train.sbatch on it (root only).
 # Environment:
 #   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
 #                             (no cargo): for running single tests by hand.
@@ -222,6 +224,26 @@ if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null 2>&1; then
     note "note: no C++ compiler (c++) and none can be installed without root: gpu/tests/emulated_kernels.rs will fail with its own message (install g++, or set CXX)"
   fi
 fi
+# --- Slurm and MUNGE for tests/slurm.rs (a one-node cluster; the daemons run as root). ---
+# slurmctld, slurmd and munged live in /usr/sbin, where the test also looks.
+slurm_missing=0
+for prog in sbatch scontrol slurmctld slurmd munged; do
+  command -v "$prog" >/dev/null 2>&1 || [ -x "/usr/sbin/$prog" ] || slurm_missing=1
+done
+if [ "$slurm_missing" = 1 ]; then
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install slurm-wlm munge
+    if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] && command -v sbatch >/dev/null 2>&1; }; then
+      die "apt-get installed slurm-wlm and munge but slurmctld, slurmd, munged (/usr/sbin) or sbatch is missing"
+    fi
+    note "installed slurm-wlm and munge with apt-get ($(since "$t"))"
+  else
+    note "note: Slurm (slurm-wlm) or MUNGE (munge) is missing and cannot be installed without root: tests/slurm.rs will fail with its own message"
+  fi
+fi
+[ "$real_root" = 1 ] ||
+  note "note: not root: tests/slurm.rs runs slurmctld, slurmd and munged and needs root; it will fail with its own message (\`sudo -E cargo test --release --test slurm\`)"
 if [ "$real_root" != 1 ]; then
   note "note: not root: tests/partition.rs (network namespaces) and tests/final_checkpoint.rs (a tmpfs mount) need root and will fail with their own messages; run them with \`sudo -E cargo test --release --test partition --test final_checkpoint\`"
 fi
