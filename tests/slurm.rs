@@ -27,6 +27,8 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -153,17 +155,12 @@ impl Cluster {
         // MUNGE, which authenticates every Slurm message: a fresh key, its own socket.
         let key = dir.join("munge.key");
         let mut random = vec![0u8; 1024];
-        {
-            use std::io::Read;
-            std::fs::File::open("/dev/urandom")
-                .and_then(|mut f| f.read_exact(&mut random))
-                .expect("reading /dev/urandom for the munge key");
-        }
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut random))
+            .expect("reading /dev/urandom for the munge key");
         std::fs::write(&key, &random).unwrap();
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
-        }
+        // munged refuses a key that others may read.
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
         let socket = dir.join("munge.sock");
         let munged = Command::new(program("munged"))
             .arg("--foreground")
