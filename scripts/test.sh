@@ -15,6 +15,9 @@
 #     which runs every CUDA kernel on the CPU.
 #   * Slurm and MUNGE (Debian packages slurm-wlm and munge, as root) for tests/slurm.rs, which starts
 #     a one-node Slurm cluster and runs deploy/slurm/train.sbatch on it (root only).
+#   * Prometheus (Debian package prometheus, as root; or $SEQPIPE_PROMETHEUS) for tests/prometheus.rs.
+#   * Azurite (npm package azurite, in ./.deps/azurite; or $SEQPIPE_AZURITE; node and npm from
+#     Debian as root) for the Azure checkpoint tests (checkpoint/tests/azure.rs, tests/cloud_resume.rs).
 # Environment:
 #   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
 #                             (no cargo): for running single tests by hand.
@@ -244,6 +247,43 @@ if [ "$slurm_missing" = 1 ]; then
 fi
 [ "$real_root" = 1 ] ||
   note "note: not root: tests/slurm.rs runs slurmctld, slurmd and munged and needs root; it will fail with its own message (\`sudo -E cargo test --release --test slurm\`)"
+# --- Real observability and cloud-storage parts (issue 34, cloudprom): ---
+# Prometheus (Debian package `prometheus`) for tests/prometheus.rs: it scrapes a chaos run and the
+# test queries what it stored. As root `apt-get install`; else $SEQPIPE_PROMETHEUS or PATH.
+if [ -n "${SEQPIPE_PROMETHEUS:-}" ]; then
+  [ -f "$SEQPIPE_PROMETHEUS" ] || die "SEQPIPE_PROMETHEUS=$SEQPIPE_PROMETHEUS is not a file: point it at a prometheus binary, or unset it"
+elif ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install prometheus
+    command -v prometheus >/dev/null 2>&1 || die "apt-get installed prometheus but there is no prometheus on PATH"
+    note "installed prometheus with apt-get ($(since "$t"))"
+  else
+    note "note: prometheus is missing and cannot be installed without root: tests/prometheus.rs will fail with its own message (install it, or set SEQPIPE_PROMETHEUS)"
+  fi
+fi
+# Azurite (npm package azurite, Microsoft's Azure Storage emulator, into ./.deps/azurite; it needs
+# node, Debian packages nodejs + npm as root) for checkpoint/tests/azure.rs and tests/cloud_resume.rs.
+# (No GCS emulator: neither fake-gcs-server nor gcp-storage-emulator serves the XML API that
+# object_store's GCS client writes with; see checkpoint/src/emulators.rs.)
+if [ -z "${SEQPIPE_AZURITE:-}" ]; then
+  if ! command -v npm >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
+    [ "$can_apt" = 1 ] || die "node and npm are needed for Azurite (the Azure tests) and cannot be installed without root: install nodejs and npm, or set SEQPIPE_AZURITE=/path/to/azurite-blob"
+    t=$(now_ms)
+    apt_install nodejs npm
+    note "installed nodejs and npm with apt-get ($(since "$t"))"
+  fi
+  if [ ! -x "$DEPS/azurite/node_modules/.bin/azurite-blob" ]; then
+    t=$(now_ms)
+    mkdir -p "$DEPS/azurite"
+    npm install --silent --no-audit --no-fund --prefix "$DEPS/azurite" azurite@3 >/dev/null ||
+      die "npm install azurite into ${DEPS#"$PWD"/}/azurite failed: check access to the npm registry, or delete ${DEPS#"$PWD"/}/azurite and re-run"
+    [ -x "$DEPS/azurite/node_modules/.bin/azurite-blob" ] || die "npm installed azurite but ${DEPS#"$PWD"/}/azurite/node_modules/.bin/azurite-blob is missing"
+    note "installed Azurite into ${DEPS#"$PWD"/}/azurite ($(since "$t"))"
+  fi
+  export SEQPIPE_AZURITE="$DEPS/azurite/node_modules/.bin/azurite-blob"
+fi
+# --- end of the cloudprom block ---
 if [ "$real_root" != 1 ]; then
   note "note: not root: tests/partition.rs (network namespaces) and tests/final_checkpoint.rs (a tmpfs mount) need root and will fail with their own messages; run them with \`sudo -E cargo test --release --test partition --test final_checkpoint\`"
 fi
@@ -255,6 +295,8 @@ if [ "${SEQPIPE_TEST_DEPS_ONLY:-0}" = 1 ]; then
   printf 'export SEQPIPE_WEED=%q\n' "$SEQPIPE_WEED"
   printf 'export SEQPIPE_KUBERNETES_VALIDATE=%q\n' "$SEQPIPE_KUBERNETES_VALIDATE"
   [ -z "${SEQPIPE_ETCD:-}" ] || printf 'export SEQPIPE_ETCD=%q\n' "$SEQPIPE_ETCD"
+  [ -z "${SEQPIPE_PROMETHEUS:-}" ] || printf 'export SEQPIPE_PROMETHEUS=%q\n' "$SEQPIPE_PROMETHEUS"
+  printf 'export SEQPIPE_AZURITE=%q\n' "$SEQPIPE_AZURITE"
   printf 'export LD_LIBRARY_PATH=%q\n' "$LD_LIBRARY_PATH"
   exit 0
 fi

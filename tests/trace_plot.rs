@@ -211,6 +211,7 @@ fn plot_fails_clearly_on_a_missing_or_empty_metrics_file() {
         nodes: vec!["local-001".into()],
         resume_from: None,
         tier: None,
+        waited_for_nodes_s: None,
     });
     std::fs::write(
         &events_only,

@@ -40,6 +40,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "test-support")]
+pub mod emulators;
 mod error;
 mod maintenance;
 mod manifest;

@@ -3,7 +3,9 @@
 //! seeded Poisson process, with a replacement node joining after each lost one — and the command
 //! prints the effective training time ratio (ETTR = undisturbed wall time / disturbed wall time),
 //! the recoveries by tier from the disturbed run's events, and whether both runs ended with
-//! bit-identical final checkpoints.
+//! bit-identical final checkpoints. It also prints the disturbed run's own goodput account
+//! ([`trainer::runtime::goodput`]: productive step time over wall time, and the seconds lost by
+//! cause), the figures the coordinator exports live as `seqpipe_goodput_*`.
 //!
 //! The decisions are pure and unit-tested: [`FailureSchedule`] (when, and what kind of thing, to
 //! kill), [`choose_target`] (which processes, from the live process tree) and [`summarize`] (the
@@ -25,6 +27,7 @@ use super::step::median;
 use super::{children_of, final_state, free_port, is_alive, sigkill};
 use trainer::config::Config;
 use trainer::runtime::events::{Record, Recovered, RunEvent, parse_records, steps};
+use trainer::runtime::goodput::Goodput;
 
 /// Flags of `seqpipe bench goodput`.
 #[derive(Args, Debug)]
@@ -287,6 +290,14 @@ struct Report {
     /// [`speed_corrected_ettr`]; over all rounds, the rescaled undisturbed times summed over the
     /// disturbed ones.
     ettr_speed_corrected: f64,
+    /// The disturbed run's goodput account from its `metrics.jsonl` (the live
+    /// `seqpipe_goodput_ratio`'s final value): productive step time over wall time since its first
+    /// step started; over all rounds, the productive times summed over the wall times.
+    goodput_ratio: f64,
+    goodput_wall_s: f64,
+    goodput_productive_s: f64,
+    /// Seconds lost by cause, from the same account.
+    goodput_lost_s: BTreeMap<&'static str, f64>,
     kills: BTreeMap<&'static str, u64>,
     replacement_nodes_started: u64,
     recoveries: BTreeMap<String, u64>,
@@ -654,6 +665,7 @@ fn one_round(job: &Job, args: &GoodputArgs, steps: u64, round: u64, dir: &Path) 
         ),
     )?;
     let summary = summarize(&noisy.metrics());
+    let account = Goodput::of_records(&parse_records(&noisy.metrics())).figures();
     let clean_u = clean_median_step_s(&quiet.metrics()).unwrap_or(step_s);
     let clean_d = clean_median_step_s(&noisy.metrics()).unwrap_or(clean_u);
 
@@ -674,6 +686,14 @@ fn one_round(job: &Job, args: &GoodputArgs, steps: u64, round: u64, dir: &Path) 
         undisturbed_clean_step_s: clean_u,
         disturbed_clean_step_s: clean_d,
         ettr_speed_corrected: speed_corrected_ettr(undisturbed_s, disturbed_s, clean_u, clean_d),
+        goodput_ratio: account.ettr,
+        goodput_wall_s: account.wall_s,
+        goodput_productive_s: account.productive_s,
+        goodput_lost_s: account
+            .lost_s
+            .iter()
+            .map(|(cause, s)| (cause.as_str(), *s))
+            .collect(),
         kills: BTreeMap::from([("worker", done.worker_kills), ("node", done.node_kills)]),
         replacement_nodes_started: done.spares_started,
         recoveries: summary.recoveries.clone(),
@@ -698,7 +718,11 @@ fn summary_of(rounds: &[Report]) -> Report {
     let sum_u = |f: fn(&Report) -> u64| rounds.iter().map(f).sum::<u64>();
     let mut kills: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut recoveries: BTreeMap<String, u64> = BTreeMap::new();
+    let mut goodput_lost_s: BTreeMap<&'static str, f64> = BTreeMap::new();
     for r in rounds {
+        for (cause, s) in &r.goodput_lost_s {
+            *goodput_lost_s.entry(cause).or_default() += s;
+        }
         for (k, n) in &r.kills {
             *kills.entry(k).or_default() += n;
         }
@@ -724,6 +748,10 @@ fn summary_of(rounds: &[Report]) -> Report {
         undisturbed_clean_step_s: sum_f(|r| r.undisturbed_clean_step_s) / rounds.len() as f64,
         disturbed_clean_step_s: sum_f(|r| r.disturbed_clean_step_s) / rounds.len() as f64,
         ettr_speed_corrected: rescaled / disturbed_s,
+        goodput_ratio: sum_f(|r| r.goodput_productive_s) / sum_f(|r| r.goodput_wall_s),
+        goodput_wall_s: sum_f(|r| r.goodput_wall_s),
+        goodput_productive_s: sum_f(|r| r.goodput_productive_s),
+        goodput_lost_s,
         kills,
         replacement_nodes_started: sum_u(|r| r.replacement_nodes_started),
         recoveries,
@@ -758,6 +786,20 @@ fn print_table(r: &Report) {
             format!(
                 "{:.4} (clean steps: undisturbed {:.4} s, disturbed {:.4} s)",
                 r.ettr_speed_corrected, r.undisturbed_clean_step_s, r.disturbed_clean_step_s
+            ),
+        ),
+        (
+            "goodput (disturbed)",
+            format!(
+                "{:.4} = {:.3} s productive / {:.3} s wall; lost: {}",
+                r.goodput_ratio,
+                r.goodput_productive_s,
+                r.goodput_wall_s,
+                r.goodput_lost_s
+                    .iter()
+                    .map(|(c, s)| format!("{c} {s:.3} s"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         ),
         (

@@ -414,6 +414,7 @@ mod tests {
             nodes: nodes.iter().map(|&n| NodeId::new(n)).collect(),
             resume_from: None,
             tier: None,
+            waited_for_nodes_s: None,
         })
     }
 

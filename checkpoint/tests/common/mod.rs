@@ -755,3 +755,70 @@ pub async fn run<F: std::future::Future<Output = ()>>(name: &str, f: F) {
     f.await;
     eprintln!("--- {name}: ok in {:.2?}", started.elapsed());
 }
+
+/// The core suite of a cloud store (parts of at least 5 MiB), run as one test against one
+/// server: the scenarios S3 runs on SeaweedFS (tests/s3.rs), for Azure on Azurite.
+pub async fn cloud_suite(b: &Backend) {
+    run("round_trip", round_trip(b)).await;
+    run("shard_is_valid_safetensors", shard_is_valid_safetensors(b)).await;
+    run("multipart (3 parts of 5 MiB)", multipart(b)).await;
+    run("commit_twice_and_race", commit_twice_and_race(b)).await;
+    run(
+        "uncommitted_is_not_a_checkpoint",
+        uncommitted_is_not_a_checkpoint(b),
+    )
+    .await;
+    run("read_by_range", read_by_range(b)).await;
+    run("flipped_byte_is_corrupt", flipped_byte_is_corrupt(b)).await;
+    run(
+        "truncated_or_missing_shard_is_corrupt",
+        truncated_or_missing_shard_is_corrupt(b),
+    )
+    .await;
+    run("commit_checks_shards", commit_checks_shards(b)).await;
+    run("retain_keeps_newest", retain_keeps_newest(b)).await;
+    run(
+        "clean_stale_removes_only_garbage",
+        clean_stale_removes_only_garbage(b),
+    )
+    .await;
+    run(
+        "clean_interrupted_uploads_removes_only_staging",
+        clean_interrupted_uploads_removes_only_staging(b),
+    )
+    .await;
+    run("throttled_upload_is_slow", throttled_upload_is_slow(b)).await;
+    run("invalid_inputs_are_refused", invalid_inputs_are_refused(b)).await;
+    run("probe_writes_and_cleans_up", probe_writes_and_cleans_up(b)).await;
+    // Prefixes isolate locations: the suite's many steps never leaked into a fresh prefix.
+    assert!(b.store().list().await.unwrap().is_empty());
+}
+
+/// Runs [`cloud_suite`] on a fresh runtime against the store behind `url(prefix)`, after putting
+/// `env` (the emulator's address, read by object_store's `from_env` builders) into this
+/// process's environment. Call it from the only test of its binary: the environment is the
+/// process's.
+pub fn cloud_suite_with_env(
+    name: &str,
+    env: Vec<(String, String)>,
+    url: impl Fn(&str) -> String + Send + Sync + 'static,
+) {
+    for (k, v) in env {
+        // SAFETY: the only test of this binary sets these before it starts any thread of its
+        // own (the runtime below is built after), and libtest runs no other test beside it.
+        unsafe { std::env::set_var(k, v) };
+    }
+    let counter = std::sync::atomic::AtomicUsize::new(0);
+    let b = Backend::new(name, 5 * 1024 * 1024, StoreOptions::default(), move || {
+        url(&format!(
+            "suite/{}",
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ))
+    });
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(cloud_suite(&b));
+}

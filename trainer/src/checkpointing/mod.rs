@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
-    /// Where checkpoints go: a path, `file:///dir`, `s3://bucket/prefix` (`gs://`, `az://` with the
-    /// cargo features). Empty = `<run.dir>/checkpoints`.
+    /// Where checkpoints go: a path, `file:///dir`, `s3://bucket/prefix`, `gs://bucket/prefix`,
+    /// `az://container/prefix` (docs/checkpoints.md). Empty = `<run.dir>/checkpoints`.
     pub url: String,
     /// Write a checkpoint every this many steps (0 = only the final one). A final checkpoint is always
     /// written on normal exit and on SIGINT/SIGTERM.

@@ -1190,6 +1190,8 @@ impl Coordinator {
     /// event and returns the tier (`peer` or `checkpoint`).
     fn replan(&mut self, events: &mut Vec<RunEvent>) -> Result<Tier, LaunchError> {
         let mut waiting_reason = String::new();
+        // When the elastic core first said wait (for the plan event's `waited_for_nodes_s`).
+        let mut waiting_since: Option<Instant> = None;
         let plan = loop {
             let now = Instant::now();
             let (decision, reason) = match decide(now, &self.state, &self.cfg.elastic) {
@@ -1213,6 +1215,7 @@ impl Coordinator {
                     break plan;
                 }
                 Decision::Wait { until, .. } => {
+                    waiting_since.get_or_insert(now);
                     if reason != waiting_reason {
                         warn!(%reason, "waiting for nodes");
                         waiting_reason = reason;
@@ -1267,6 +1270,7 @@ impl Coordinator {
             nodes: plan.stages.clone(),
             resume_from,
             tier: Some(tier),
+            waited_for_nodes_s: waiting_since.map(|t| t.elapsed().as_secs_f64()),
         }));
         Ok(tier)
     }

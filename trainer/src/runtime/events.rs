@@ -61,6 +61,10 @@ pub struct PlanAdopted {
     /// Where that state comes from, `peer` or `checkpoint` (a new plan only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<Tier>,
+    /// Seconds the coordinator waited for enough nodes before it could adopt this plan (absent
+    /// when it did not wait).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waited_for_nodes_s: Option<f64>,
 }
 
 impl PlanAdopted {
@@ -73,6 +77,7 @@ impl PlanAdopted {
             nodes: plan.stages.clone(),
             resume_from: None,
             tier: None,
+            waited_for_nodes_s: None,
         }
     }
 }
@@ -359,6 +364,7 @@ mod tests {
                 nodes: vec![node("a"), node("b")],
                 resume_from: None,
                 tier: None,
+                waited_for_nodes_s: None,
             }),
             RunEvent::Plan(PlanAdopted {
                 generation: 2,
@@ -367,6 +373,7 @@ mod tests {
                 nodes: vec![node("b")],
                 resume_from: Some(4),
                 tier: Some(Tier::Checkpoint),
+                waited_for_nodes_s: Some(1.5),
             }),
             RunEvent::NodeLost(NodeLost {
                 node: node("a"),

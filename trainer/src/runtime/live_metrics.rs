@@ -4,6 +4,10 @@
 //! by the `metrics_endpoint` module) and the file cannot disagree. [`LiveMetrics::encode`] writes
 //! the text exposition with the official client (`prometheus-client`).
 //!
+//! The `seqpipe_goodput_*` metrics are the [`Goodput`] account of the same records (the one
+//! `seqpipe bench goodput` computes from the file): the effective training time ratio, its wall
+//! and productive seconds, and the seconds lost by cause.
+//!
 //! Counters count what this coordinator process observed since it started (a coordinator that
 //! takes over a job starts from zero, as Prometheus expects of a restarted target); gauges say
 //! where the run stands.
@@ -21,11 +25,15 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::events::{CheckpointCommitted, NodeLeft, PlanAdopted, Recovered, RunEvent};
+use super::goodput::{Cause, Goodput};
 use super::recovery::Tier;
 use crate::metrics::StepMetrics;
 
 /// The label set of the recoveries counter: `tier` = a [`Tier`]'s name.
 type TierLabel = [(&'static str, &'static str); 1];
+
+/// The label set of the goodput's lost seconds: `cause` = a [`Cause`]'s name.
+type CauseLabel = [(&'static str, &'static str); 1];
 
 /// A gauge of a float value.
 type FloatGauge = Gauge<f64, AtomicU64>;
@@ -55,6 +63,12 @@ pub struct LiveMetrics {
     checkpoint_age_s: FloatGauge,
     /// When the newest checkpoint was committed (Unix seconds), once one was.
     committed_at_unix_s: Mutex<Option<f64>>,
+    /// The goodput account of the records observed, and its gauges.
+    goodput: Mutex<Goodput>,
+    goodput_ratio: FloatGauge,
+    goodput_wall_s: FloatGauge,
+    goodput_productive_s: FloatGauge,
+    goodput_lost_s: Family<CauseLabel, FloatGauge>,
 }
 
 impl Default for LiveMetrics {
@@ -86,12 +100,67 @@ impl LiveMetrics {
             checkpoint_step: Gauge::default(),
             checkpoint_age_s: FloatGauge::default(),
             committed_at_unix_s: Mutex::new(None),
+            goodput: Mutex::new(Goodput::default()),
+            goodput_ratio: FloatGauge::default(),
+            goodput_wall_s: FloatGauge::default(),
+            goodput_productive_s: FloatGauge::default(),
+            goodput_lost_s: Family::default(),
         };
         m.register_progress();
         m.register_plan();
         m.register_event_counters();
         m.register_checkpoint_age();
+        m.register_goodput();
         m
+    }
+
+    /// The goodput account (see the `goodput` module for the definitions).
+    fn register_goodput(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "goodput_ratio",
+            "Effective training time ratio: productive step time over wall time since the first step started, as of the newest record",
+            self.goodput_ratio.clone(),
+        );
+        r.register_with_unit(
+            "goodput_wall",
+            "Wall time from the first step's start to the newest record",
+            Unit::Seconds,
+            self.goodput_wall_s.clone(),
+        );
+        r.register_with_unit(
+            "goodput_productive",
+            "Step time of the steps that stand (a step computed again replaces its earlier time)",
+            Unit::Seconds,
+            self.goodput_productive_s.clone(),
+        );
+        r.register_with_unit(
+            "goodput_lost",
+            "Wall time lost, by cause: recovery, restart, checkpoint_stall, waiting_for_nodes",
+            Unit::Seconds,
+            self.goodput_lost_s.clone(),
+        );
+        for cause in Cause::ALL {
+            let _ = self
+                .goodput_lost_s
+                .get_or_create(&[("cause", cause.as_str())]);
+        }
+    }
+
+    /// Feeds the goodput account and sets its gauges.
+    fn account(&self, observe: impl FnOnce(&mut Goodput)) {
+        // A plain number store: a panic elsewhere cannot leave it half-written.
+        let mut g = self.goodput.lock().unwrap_or_else(|p| p.into_inner());
+        observe(&mut g);
+        let f = g.figures();
+        self.goodput_ratio.set(f.ettr);
+        self.goodput_wall_s.set(f.wall_s);
+        self.goodput_productive_s.set(f.productive_s);
+        for (cause, s) in f.lost_s {
+            self.goodput_lost_s
+                .get_or_create(&[("cause", cause.as_str())])
+                .set(s);
+        }
     }
 
     /// The last step's numbers.
@@ -205,11 +274,13 @@ impl LiveMetrics {
         self.loss.set(record.loss);
         self.tokens_per_s.set(record.tokens_per_s);
         self.step_time_s.set(record.step_time_s);
+        self.account(|g| g.observe_step(record));
     }
 
     /// An event, as appended to `metrics.jsonl`; `at_unix_s` is when it was written (the age of
     /// a committed checkpoint counts from there).
     pub fn observe_event(&self, event: &RunEvent, at_unix_s: f64) {
+        self.account(|g| g.observe_event(event));
         match event {
             RunEvent::Plan(plan) => self.plan_adopted(plan),
             RunEvent::NodeLost(_) => {
@@ -320,7 +391,7 @@ mod tests {
             cpu_system_s: 0.0,
             peer_snapshot_step: None,
             peer_snapshots_skipped: 0,
-            end_unix_s: 0.0,
+            end_unix_s: 998.0 + step as f64,
             loss,
             lr: 1e-3,
             grad_norm: 1.0,
@@ -339,7 +410,7 @@ mod tests {
             tier,
             stages_before: 3,
             stages_after: 2,
-            at_unix_s: 0.0,
+            at_unix_s: 1000.0 + step as f64,
             stage: None,
             node: None,
             host: None,
@@ -394,6 +465,7 @@ mod tests {
                 nodes: nodes(&["a", "b"]),
                 resume_from: Some(2),
                 tier: Some(Tier::Peer),
+                waited_for_nodes_s: None,
             }),
             1002.0,
         );
@@ -483,7 +555,34 @@ seqpipe_plan_replicas 1
                 r#"seqpipe_recoveries_total{tier="restart"} 0"#,
             ]
         );
-        let rest = text
+        // The goodput account of the same records (the `goodput` module's arithmetic): steps of
+        // 0.25 s ending at 999, 1000, 1001 and 1003 (the first started at 998.75), the newest
+        // timestamp 1005 (the second peer recovery): 1 s of 6.25 s; the peer recoveries of 1 s
+        // lost 0.75 s (less step 3) and 1 s (step 5 recorded after it); the mid-step one names
+        // a step that has no record.
+        let mut goodput: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("seqpipe_goodput"))
+            .collect();
+        goodput.sort();
+        assert_eq!(
+            goodput,
+            [
+                r#"seqpipe_goodput_lost_seconds{cause="checkpoint_stall"} 0.0"#,
+                r#"seqpipe_goodput_lost_seconds{cause="recovery"} 1.75"#,
+                r#"seqpipe_goodput_lost_seconds{cause="restart"} 0.0"#,
+                r#"seqpipe_goodput_lost_seconds{cause="waiting_for_nodes"} 0.0"#,
+                "seqpipe_goodput_productive_seconds 1.0",
+                "seqpipe_goodput_ratio 0.16",
+                "seqpipe_goodput_wall_seconds 6.25",
+            ]
+        );
+        let without_goodput: String = text
+            .lines()
+            .filter(|l| !l.contains("seqpipe_goodput"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let rest = without_goodput
             .split_once("seqpipe_nodes_lost Nodes lost")
             .map(|(_, rest)| rest)
             .expect("nodes_lost after the recoveries");

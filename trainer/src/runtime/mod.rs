@@ -11,6 +11,7 @@ pub mod coordinator;
 pub mod driver;
 pub mod error;
 pub mod events;
+pub mod goodput;
 pub mod kill_switch;
 pub mod live_metrics;
 pub mod metrics_endpoint;
