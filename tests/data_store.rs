@@ -437,3 +437,90 @@ fn a_node_killed_mid_run_with_its_cache_emptied_stays_bit_identical() {
     );
     assert_final_state(&run, STEPS, &reference);
 }
+
+/// A train shard deleted from the bucket while the job is running (no cache to hide it): the job
+/// stops within the read bound with a data error naming the object, no node is lost and no
+/// recovery runs, and the checkpoint committed before the deletion stays loadable.
+#[test]
+fn a_shard_deleted_mid_run_stops_the_run_with_a_data_error_and_no_node_lost() {
+    let s3 = SeaweedFs::start();
+    let dir = fresh_dir("ds-deleted-mid-run");
+    let input = corpus(&dir);
+    let url = s3.url("datasets/mid-run");
+    run_ok(
+        seqpipe()
+            .envs(s3.env())
+            .args(["data", "prepare", "--input"])
+            .arg(&input)
+            .args([
+                "--out",
+                &url,
+                "--shard-bytes",
+                "2048",
+                "--chunk-bytes",
+                "256",
+            ]),
+    );
+    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let index = trainer::data::shards::DatasetIndex::parse(
+        &rt.block_on(read_object(&store, "index.json")).unwrap(),
+        &url,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    // Far more steps than the deletion leaves time for; a checkpoint every 2 steps.
+    let child = job(
+        &run,
+        &url,
+        &[
+            "data.cache_bytes=0",
+            "train.steps=100000",
+            "checkpoint.every=2",
+        ],
+    )
+    .envs(s3.env())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_steps(&run, 4);
+    let deleted = std::time::Instant::now();
+    for shard in &index.train.shards {
+        rt.block_on(delete_object(&store, &shard.key)).unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    let took = deleted.elapsed();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the run went on: {err}");
+    // The job's bound: read_attempts (2) × read_timeout_s (10) plus 0.2 s of backoff, and the
+    // shutdown; the store answers "not found" at once, so this is far from tight.
+    assert!(
+        took < std::time::Duration::from_secs(60),
+        "the data error took {took:?}"
+    );
+    assert!(
+        err.contains(&format!("dataset object {url}/train/")) && err.contains("is missing"),
+        "{err}"
+    );
+    assert!(err.contains("not a node failure"), "{err}");
+    let events = run_events(&run);
+    assert!(
+        events
+            .iter()
+            .all(|e| !matches!(e, RunEvent::NodeLost(_) | RunEvent::Recovered(_))),
+        "{events:?}"
+    );
+    // The run was mid-way: it had trained steps, and the checkpoint it committed before the
+    // deletion is whole (every tensor read back against its manifest's hash).
+    assert!(steps_done(&run) >= 4);
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert!(step >= 2 && step % 2 == 0, "{step}");
+    assert!(!state.is_empty());
+    assert!(
+        err.contains(&format!("newest committed checkpoint is step {step}")),
+        "{err}"
+    );
+}
