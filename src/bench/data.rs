@@ -16,8 +16,9 @@
 //!   off for contrast) and with a warm one (a second pass over the same steps), as ratios to the
 //!   local directory.
 //! * **Bytes per token**: bytes fetched from the store over bytes of the tokens the stage used,
-//!   over the cold run, for the first stage (inputs), the last (targets) and a one-stage pipeline
-//!   (whole rows). Middle stages open no source at all.
+//!   over the same steps read cold without prefetch (which reads past the last step), for the
+//!   first stage (inputs), the last (targets) and a one-stage pipeline (whole rows). Middle stages
+//!   open no source at all.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -235,7 +236,6 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
         )?);
         let cold = sharded(&cache("steps"), args.prefetch_steps)?;
         r.step_cold_s = steady(&steps(args, &cold, RowPart::Inputs)?);
-        r.per_token[0] = per_token(args, &cold, RowPart::Inputs, width);
         drop(cold);
         let warm = sharded(&cache("steps"), args.prefetch_steps)?;
         r.step_warm_s = steady(&steps(args, &warm, RowPart::Inputs)?);
@@ -244,13 +244,18 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
         let no_prefetch = sharded(&cache("no-prefetch"), 0)?;
         r.step_cold_no_prefetch_s = steady(&steps(args, &no_prefetch, RowPart::Inputs)?);
         drop(no_prefetch);
-        // Bytes only (no compute): the last stage's targets, and whole rows.
+        // Bytes only (no compute, no prefetch: it reads past the last step): the first stage's
+        // inputs, the last stage's targets, and whole rows.
         let quick = DataBenchArgs {
             compute_ms: 0,
             url: String::new(),
             ..*args
         };
-        for (slot, part) in [(1, RowPart::Targets), (2, RowPart::Both)] {
+        for (slot, part) in [
+            (0, RowPart::Inputs),
+            (1, RowPart::Targets),
+            (2, RowPart::Both),
+        ] {
             let src = sharded(&cache(&format!("{part:?}")), 0)?;
             steps(&quick, &src, part)?;
             r.per_token[slot] = per_token(args, &src, part, width);
@@ -288,9 +293,10 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
     println!("min / median over {} rounds:", rounds.len());
     println!("  first unit, local: {} s", stat(&|r| r.first_local_s));
     println!(
-        "  first unit, store with an empty cache: {} s (ratio {})",
+        "  first unit, store with an empty cache: {} s (ratio {}; {} s more)",
         stat(&|r| r.first_store_s),
-        stat(&|r| r.first_store_s / r.first_local_s)
+        stat(&|r| r.first_store_s / r.first_local_s),
+        stat(&|r| r.first_store_s - r.first_local_s)
     );
     println!("  step, local: {} s", stat(&|r| r.step_local_s));
     for (what, f) in [
