@@ -1,9 +1,10 @@
 //! Datasets in object storage (issue 31), end to end with the real binary and a real SeaweedFS S3
 //! server: `data prepare --out s3://…` writes a sharded dataset (never a local directory named
 //! `s3:`), and training from it — cold cache, warm cache, a cache smaller than the data, a cache
-//! with a flipped byte — ends bit-identical to training from the local single-file dataset. A
-//! shard deleted from the bucket stops the run with a data error naming it, no node is lost, and
-//! the previous checkpoint stays loadable.
+//! with a flipped byte, stopped and resumed on another stage count with an empty cache — ends
+//! bit-identical to training from the local single-file dataset. A shard deleted from the bucket,
+//! before a resumed run or while a run goes on, stops the run with a data error naming it, no node
+//! is lost, and the previous checkpoint stays loadable.
 
 mod common;
 
@@ -177,6 +178,29 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
         assert_final_state(&run, 6, &reference);
         assert!(!cache_files(&cache).is_empty(), "{pass}: nothing cached");
     }
+    // Stopped after 3 steps and resumed from the checkpoint on one stage instead of two, each
+    // half with an empty cache of its own: still bit-identical to the local run.
+    let run = dir.join("run-resumed");
+    let half = |n: &str| {
+        format!(
+            "data.cache_dir={}",
+            dir.join(format!("cache-{n}")).display()
+        )
+    };
+    run_ok(job(&run, &url, &[&half("a"), "train.steps=3"]).envs(s3.env()));
+    run_ok(
+        job(&run, &url, &[&half("b"), "pipeline.stages=1"])
+            .args(["--resume", "latest"])
+            .envs(s3.env()),
+    );
+    assert_final_state(&run, 6, &reference);
+    assert!(
+        run_events(&run)
+            .iter()
+            .any(|e| matches!(e, RunEvent::Resumed(r) if r.step == 3)),
+        "the second half did not resume from step 3"
+    );
+
     // Flip a byte in every cached chunk: each is detected, discarded and fetched again; the run
     // is still bit-identical and the cache holds the right bytes again.
     let files = cache_files(&cache);
