@@ -4,8 +4,10 @@
 //! (training step time and memory) lives in [`step`], `seqpipe bench schedule` (the schedules on real
 //! pipeline runs) in [`schedule`], `seqpipe bench goodput` (a whole job under random failures) in
 //! [`goodput`], `seqpipe bench replicas` (data parallelism's reduction cost and replayed step
-//! time) in [`replicas`].
+//! time) in [`replicas`], `seqpipe bench data` (training data from an object store against a local
+//! directory) in [`data`].
 
+pub mod data;
 pub mod goodput;
 pub mod overhead;
 pub mod replicas;

@@ -220,6 +220,9 @@ enum BenchCommand {
     /// reduction's bytes and time, its overlap with the backward, the step time replayed from
     /// the measured unit times, the summation tree's memory, and a bit-exact check across d.
     Replicas(crate::bench::replicas::ReplicasBenchArgs),
+    /// Training data from an object store next to a local directory: a fresh node's time to its
+    /// first unit, step time with a cold and a warm cache, and bytes fetched per token used.
+    Data(crate::bench::data::DataBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -505,6 +508,7 @@ fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Schedule(args) => crate::bench::schedule::run(&args),
         BenchCommand::Goodput(args) => crate::bench::goodput::run(&args),
         BenchCommand::Replicas(args) => crate::bench::replicas::run(&args),
+        BenchCommand::Data(args) => crate::bench::data::run(&args),
     }
 }
 

@@ -1,9 +1,10 @@
 //! Datasets in object storage (issue 31), end to end with the real binary and a real SeaweedFS S3
 //! server: `data prepare --out s3://…` writes a sharded dataset (never a local directory named
 //! `s3:`), and training from it — cold cache, warm cache, a cache smaller than the data, a cache
-//! with a flipped byte — ends bit-identical to training from the local single-file dataset. A
-//! shard deleted from the bucket stops the run with a data error naming it, no node is lost, and
-//! the previous checkpoint stays loadable.
+//! with a flipped byte, stopped and resumed on another stage count with an empty cache — ends
+//! bit-identical to training from the local single-file dataset. A shard deleted from the bucket,
+//! before a resumed run or while a run goes on, stops the run with a data error naming it, no node
+//! is lost, and the previous checkpoint stays loadable.
 
 mod common;
 
@@ -177,6 +178,29 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
         assert_final_state(&run, 6, &reference);
         assert!(!cache_files(&cache).is_empty(), "{pass}: nothing cached");
     }
+    // Stopped after 3 steps and resumed from the checkpoint on one stage instead of two, each
+    // half with an empty cache of its own: still bit-identical to the local run.
+    let run = dir.join("run-resumed");
+    let half = |n: &str| {
+        format!(
+            "data.cache_dir={}",
+            dir.join(format!("cache-{n}")).display()
+        )
+    };
+    run_ok(job(&run, &url, &[&half("a"), "train.steps=3"]).envs(s3.env()));
+    run_ok(
+        job(&run, &url, &[&half("b"), "pipeline.stages=1"])
+            .args(["--resume", "latest"])
+            .envs(s3.env()),
+    );
+    assert_final_state(&run, 6, &reference);
+    assert!(
+        run_events(&run)
+            .iter()
+            .any(|e| matches!(e, RunEvent::Resumed(r) if r.step == 3)),
+        "the second half did not resume from step 3"
+    );
+
     // Flip a byte in every cached chunk: each is detected, discarded and fetched again; the run
     // is still bit-identical and the cache holds the right bytes again.
     let files = cache_files(&cache);
@@ -436,4 +460,91 @@ fn a_node_killed_mid_run_with_its_cache_emptied_stays_bit_identical() {
         "the kill landed after the run ended"
     );
     assert_final_state(&run, STEPS, &reference);
+}
+
+/// A train shard deleted from the bucket while the job is running (no cache to hide it): the job
+/// stops within the read bound with a data error naming the object, no node is lost and no
+/// recovery runs, and the checkpoint committed before the deletion stays loadable.
+#[test]
+fn a_shard_deleted_mid_run_stops_the_run_with_a_data_error_and_no_node_lost() {
+    let s3 = SeaweedFs::start();
+    let dir = fresh_dir("ds-deleted-mid-run");
+    let input = corpus(&dir);
+    let url = s3.url("datasets/mid-run");
+    run_ok(
+        seqpipe()
+            .envs(s3.env())
+            .args(["data", "prepare", "--input"])
+            .arg(&input)
+            .args([
+                "--out",
+                &url,
+                "--shard-bytes",
+                "2048",
+                "--chunk-bytes",
+                "256",
+            ]),
+    );
+    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let index = trainer::data::shards::DatasetIndex::parse(
+        &rt.block_on(read_object(&store, "index.json")).unwrap(),
+        &url,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    // Far more steps than the deletion leaves time for; a checkpoint every 2 steps.
+    let child = job(
+        &run,
+        &url,
+        &[
+            "data.cache_bytes=0",
+            "train.steps=100000",
+            "checkpoint.every=2",
+        ],
+    )
+    .envs(s3.env())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_steps(&run, 4);
+    let deleted = std::time::Instant::now();
+    for shard in &index.train.shards {
+        rt.block_on(delete_object(&store, &shard.key)).unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    let took = deleted.elapsed();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the run went on: {err}");
+    // The job's bound: read_attempts (2) × read_timeout_s (10) plus 0.2 s of backoff, and the
+    // shutdown; the store answers "not found" at once, so this is far from tight.
+    assert!(
+        took < std::time::Duration::from_secs(60),
+        "the data error took {took:?}"
+    );
+    assert!(
+        err.contains(&format!("dataset object {url}/train/")) && err.contains("is missing"),
+        "{err}"
+    );
+    assert!(err.contains("not a node failure"), "{err}");
+    let events = run_events(&run);
+    assert!(
+        events
+            .iter()
+            .all(|e| !matches!(e, RunEvent::NodeLost(_) | RunEvent::Recovered(_))),
+        "{events:?}"
+    );
+    // The run was mid-way: it had trained steps, and the checkpoint it committed before the
+    // deletion is whole (every tensor read back against its manifest's hash).
+    assert!(steps_done(&run) >= 4);
+    let (step, state) = final_state(&ckpt_url(&run));
+    assert!(step >= 2 && step % 2 == 0, "{step}");
+    assert!(!state.is_empty());
+    assert!(
+        err.contains(&format!("newest committed checkpoint is step {step}")),
+        "{err}"
+    );
 }

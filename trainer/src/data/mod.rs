@@ -27,6 +27,7 @@ pub mod shards;
 pub mod synthetic;
 
 use std::fmt;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -420,6 +421,64 @@ pub trait TokenSource: Send + Sync {
     /// Returns `len` tokens of sample `(split, key.seed, key.step, key.micro_batch, key.row)`.
     /// Every token is below the model `vocab_size` the source was opened with.
     fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError>;
+
+    /// Tokens `span` of the sample [`sample`](TokenSource::sample) returns for
+    /// `(split, key, len)`: the same tokens, but a source that reads by byte range (a sharded
+    /// dataset) reads only those. `span` must lie within `0..len`.
+    fn sample_span(
+        &self,
+        split: Split,
+        key: SampleKey,
+        len: usize,
+        span: Range<usize>,
+    ) -> Result<Vec<u32>, DataError> {
+        check_span(len, &span)?;
+        Ok(self.sample(split, key, len)?[span].to_vec())
+    }
+}
+
+/// Refuses a `span` that does not lie within a sample of `len` tokens.
+pub(crate) fn check_span(len: usize, span: &Range<usize>) -> Result<(), DataError> {
+    if span.start > span.end || span.end > len {
+        return Err(DataError::InvalidArgument(format!(
+            "tokens {span:?} of a {len}-token sample: the span must lie within 0..{len}"
+        )));
+    }
+    Ok(())
+}
+
+/// The tokens of its sample rows that a pipeline stage uses. A row is `seq_len + 1` tokens: the
+/// first stage embeds the inputs `row[..seq_len]`, the last stage scores the targets `row[1..]`,
+/// a stage that is both needs the whole row, and a middle stage needs none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowPart {
+    /// `row[..seq_len]` (the first stage of a pipeline of two or more).
+    Inputs,
+    /// `row[1..]` (the last stage of a pipeline of two or more).
+    Targets,
+    /// The whole row (a one-stage pipeline).
+    Both,
+}
+
+impl RowPart {
+    /// What a stage reads: `None` for a middle stage (it receives activations, no tokens).
+    pub fn for_stage(first: bool, last: bool) -> Option<RowPart> {
+        match (first, last) {
+            (true, true) => Some(RowPart::Both),
+            (true, false) => Some(RowPart::Inputs),
+            (false, true) => Some(RowPart::Targets),
+            (false, false) => None,
+        }
+    }
+
+    /// The token indices of a `seq_len + 1`-token row that this part holds.
+    pub fn span(self, seq_len: usize) -> Range<usize> {
+        match self {
+            RowPart::Inputs => 0..seq_len,
+            RowPart::Targets => 1..seq_len + 1,
+            RowPart::Both => 0..seq_len + 1,
+        }
+    }
 }
 
 /// Opens the configured source.
@@ -500,14 +559,40 @@ pub fn micro_batch_tokens(
     micro_batch_size: usize,
     seq_len: usize,
 ) -> Result<Vec<u32>, DataError> {
+    micro_batch_part(
+        src,
+        split,
+        seed,
+        step,
+        micro_batch,
+        micro_batch_size,
+        seq_len,
+        RowPart::Both,
+    )
+}
+
+/// Part `part` of each row of [`micro_batch_tokens`]: `micro_batch_size` rows of
+/// `part.span(seq_len).len()` tokens, row-major, read with [`TokenSource::sample_span`] so that
+/// a sharded source fetches only those tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn micro_batch_part(
+    src: &dyn TokenSource,
+    split: Split,
+    seed: u64,
+    step: u64,
+    micro_batch: u64,
+    micro_batch_size: usize,
+    seq_len: usize,
+    part: RowPart,
+) -> Result<Vec<u32>, DataError> {
     if micro_batch_size == 0 || seq_len == 0 {
         return Err(DataError::InvalidArgument(format!(
             "micro_batch_tokens needs micro_batch_size >= 1 and seq_len >= 1 \
              (got {micro_batch_size} and {seq_len}); check the model/train config"
         )));
     }
-    let row_len = seq_len + 1;
-    let mut out = Vec::with_capacity(micro_batch_size * row_len);
+    let span = part.span(seq_len);
+    let mut out = Vec::with_capacity(micro_batch_size * span.len());
     for row in 0..micro_batch_size as u64 {
         let key = SampleKey {
             seed,
@@ -515,8 +600,8 @@ pub fn micro_batch_tokens(
             micro_batch,
             row,
         };
-        let tokens = src.sample(split, key, row_len)?;
-        debug_assert_eq!(tokens.len(), row_len);
+        let tokens = src.sample_span(split, key, seq_len + 1, span.clone())?;
+        debug_assert_eq!(tokens.len(), span.len());
         out.extend_from_slice(&tokens);
     }
     Ok(out)
@@ -595,6 +680,35 @@ mod tests {
         ] {
             assert_ne!(a, other);
         }
+    }
+
+    #[test]
+    fn row_parts_are_slices_of_the_whole_rows() {
+        assert_eq!(RowPart::for_stage(true, false), Some(RowPart::Inputs));
+        assert_eq!(RowPart::for_stage(false, true), Some(RowPart::Targets));
+        assert_eq!(RowPart::for_stage(true, true), Some(RowPart::Both));
+        assert_eq!(RowPart::for_stage(false, false), None);
+        let src = synth(64);
+        let whole = micro_batch_tokens(&*src, Split::Train, 7, 3, 1, 3, 16).unwrap();
+        for part in [RowPart::Inputs, RowPart::Targets, RowPart::Both] {
+            let span = part.span(16);
+            let got = micro_batch_part(&*src, Split::Train, 7, 3, 1, 3, 16, part).unwrap();
+            let want: Vec<u32> = whole
+                .chunks_exact(17)
+                .flat_map(|row| row[span.clone()].to_vec())
+                .collect();
+            assert_eq!(got, want, "{part:?}");
+        }
+        let key = SampleKey {
+            seed: 0,
+            step: 0,
+            micro_batch: 0,
+            row: 0,
+        };
+        assert!(matches!(
+            src.sample_span(Split::Train, key, 8, 2..9),
+            Err(DataError::InvalidArgument(_))
+        ));
     }
 
     #[test]

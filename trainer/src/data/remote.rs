@@ -19,6 +19,7 @@
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::future::Future;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,7 +31,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::keys::{sample_rng, uniform_below};
 use super::shards::{DatasetIndex, INDEX_FILE, MAX_INDEX_BYTES};
-use super::{DataConfig, DataError, SampleKey, Split, TokenDtype, TokenSource};
+use super::{DataConfig, DataError, SampleKey, Split, TokenDtype, TokenSource, check_span};
 
 /// Byte counters of a [`ShardedSource`] (for tests and logs).
 #[derive(Debug, Default)]
@@ -49,6 +50,9 @@ struct Retry {
     attempts: u32,
     timeout: Duration,
 }
+
+/// Samples the background prefetch reads at once.
+const PREFETCH_READS: usize = 8;
 
 /// First backoff between attempts; doubled after each, at most [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
@@ -70,9 +74,9 @@ struct Inner {
 /// Which train samples this process reads, to prefetch the next steps' ones.
 #[derive(Default)]
 struct Prefetch {
-    /// The step being read and the (micro-batch, row, len) it read so far.
+    /// The step being read and the (micro-batch, row, len, span) it read so far.
     step: Option<u64>,
-    current: BTreeSet<(u64, u64, usize)>,
+    current: BTreeSet<(u64, u64, usize, (usize, usize))>,
     /// The last step whose samples were handed to the background.
     queued_to: Option<u64>,
 }
@@ -133,6 +137,19 @@ impl ShardedSource {
     /// Opens the dataset at `cfg.source` for a model of `vocab_size` tokens: reads and validates
     /// its index (with the retry policy), checks it against `[data] dtype`, opens the cache.
     pub fn open(cfg: &DataConfig, vocab_size: usize) -> Result<ShardedSource, DataError> {
+        let url = cfg.source.trim().trim_end_matches('/');
+        let store = open_store(url, true)?;
+        ShardedSource::open_with_store(cfg, vocab_size, store)
+    }
+
+    /// As [`open`](ShardedSource::open), reading through `store` (rooted at the dataset's
+    /// prefix; `cfg.source` names it in messages and decides whether it is cached): e.g. a store
+    /// behind an added latency, as `seqpipe bench data` uses.
+    pub fn open_with_store(
+        cfg: &DataConfig,
+        vocab_size: usize,
+        store: Arc<dyn ObjectStore>,
+    ) -> Result<ShardedSource, DataError> {
         if vocab_size == 0 {
             return Err(DataError::InvalidConfig(
                 "model.vocab_size is 0; set it to the dataset's vocab_size (50257 for GPT-2)"
@@ -147,7 +164,6 @@ impl ShardedSource {
             )));
         }
         let url = cfg.source.trim().trim_end_matches('/').to_string();
-        let store = open_store(&url, true)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("seqpipe-data")
@@ -278,7 +294,7 @@ impl ShardedSource {
 
     /// Notes that train sample `key` is being read; on the first read of a new step, hands the
     /// next `prefetch_steps` steps' samples (same micro-batches and rows) to the background.
-    fn note_read(&self, key: SampleKey, len: usize) {
+    fn note_read(&self, key: SampleKey, len: usize, span: &Range<usize>) {
         if self.prefetch_steps == 0 || self.inner.cache.is_none() {
             return;
         }
@@ -293,19 +309,31 @@ impl ShardedSource {
                     p.queued_to = Some(to);
                     let inner = Arc::clone(&self.inner);
                     let seed = key.seed;
+                    let previous: Vec<_> = previous.into_iter().collect();
                     self.rt().spawn(async move {
                         for step in from..=to {
-                            for &(micro_batch, row, len) in &previous {
-                                let key = SampleKey {
-                                    seed,
-                                    step,
-                                    micro_batch,
-                                    row,
-                                };
-                                if let Err(e) = inner.sample(Split::Train, key, len).await {
-                                    // The foreground read of the same sample reports it.
-                                    tracing::debug!(error = %e, "prefetch failed");
-                                    return;
+                            // Up to PREFETCH_READS samples in flight, so that the store's
+                            // latency is paid once per group rather than once per sample.
+                            for group in previous.chunks(PREFETCH_READS) {
+                                let mut reads = tokio::task::JoinSet::new();
+                                for &(micro_batch, row, len, (from, to)) in group {
+                                    let key = SampleKey {
+                                        seed,
+                                        step,
+                                        micro_batch,
+                                        row,
+                                    };
+                                    let inner = Arc::clone(&inner);
+                                    reads.spawn(async move {
+                                        inner.sample(Split::Train, key, len, from..to).await
+                                    });
+                                }
+                                while let Some(read) = reads.join_next().await {
+                                    if let Ok(Err(e)) = read {
+                                        // The foreground read of the same sample reports it.
+                                        tracing::debug!(error = %e, "prefetch failed");
+                                        return;
+                                    }
                                 }
                             }
                         }
@@ -313,7 +341,8 @@ impl ShardedSource {
                 }
             }
         }
-        p.current.insert((key.micro_batch, key.row, len));
+        p.current
+            .insert((key.micro_batch, key.row, len, (span.start, span.end)));
     }
 }
 
@@ -336,12 +365,15 @@ fn block_on<T: Send + 'static>(
 }
 
 impl Inner {
+    /// Tokens `span` of the `len`-token sample `(split, key)`: only their chunks are read.
     async fn sample(
         &self,
         split: Split,
         key: SampleKey,
         len: usize,
+        span: Range<usize>,
     ) -> Result<Vec<u32>, DataError> {
+        check_span(len, &span)?;
         let tokens = self.index.split(split).tokens;
         if tokens < len as u64 || tokens == 0 {
             return Err(DataError::TooShort {
@@ -352,7 +384,8 @@ impl Inner {
         }
         let mut rng = sample_rng(split, key);
         let start = uniform_below(&mut rng, tokens - len as u64 + 1);
-        self.window(split, start, len).await
+        self.window(split, start + span.start as u64, span.len())
+            .await
     }
 
     async fn window(&self, split: Split, start: u64, len: usize) -> Result<Vec<u32>, DataError> {
@@ -530,12 +563,23 @@ impl TokenSource for ShardedSource {
     }
 
     fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError> {
+        self.sample_span(split, key, len, 0..len)
+    }
+
+    /// Reads only the chunks that overlap `span` of the sample's window.
+    fn sample_span(
+        &self,
+        split: Split,
+        key: SampleKey,
+        len: usize,
+        span: Range<usize>,
+    ) -> Result<Vec<u32>, DataError> {
         if split == Split::Train {
-            self.note_read(key, len);
+            self.note_read(key, len, &span);
         }
         let inner = Arc::clone(&self.inner);
         block_on(self.rt(), &self.inner.url, async move {
-            inner.sample(split, key, len).await
+            inner.sample(split, key, len, span).await
         })?
     }
 }
@@ -758,6 +802,74 @@ mod tests {
             micro_batch,
             row,
         }
+    }
+
+    /// Each stage of a 3-stage pipeline fetches exactly the chunks that overlap its part of each
+    /// row (inputs on the first, targets on the last) and the middle stage nothing; the parts are
+    /// the whole rows' tokens, and reading both parts costs more than either.
+    #[test]
+    fn each_stage_fetches_only_the_chunks_of_its_part_of_the_rows() {
+        use super::super::keys::{sample_rng, uniform_below};
+        use super::super::{RowPart, micro_batch_part, micro_batch_tokens};
+        let tmp = TempDir::new("stage-bytes");
+        let n = 1000;
+        let url = datasets(&tmp.0, n);
+        let (seq_len, batch, micro_batches) = (32, 4, 24);
+        // The bytes of the 16-byte chunks that tokens [from, to) overlap (2 bytes a token).
+        let chunk_bytes = |from: u64, to: u64| -> u64 {
+            let (first, end) = (from * 2 / 16, (to * 2).div_ceil(16));
+            (first..end)
+                .map(|c| (c * 16 + 16).min(2 * n) - c * 16)
+                .sum()
+        };
+        let mut per_stage = Vec::new();
+        for (stage, (first, last)) in [(true, false), (false, false), (false, true)]
+            .into_iter()
+            .enumerate()
+        {
+            // No cache: every chunk a stage needs is fetched from the store, once per row.
+            let src = ShardedSource::open(&cfg(&url, &tmp.0.join("cache"), 0), 100).unwrap();
+            let mut expected = 0;
+            if let Some(part) = RowPart::for_stage(first, last) {
+                let span = part.span(seq_len);
+                for mb in 0..micro_batches {
+                    let got = micro_batch_part(&src, Split::Train, 7, 3, mb, batch, seq_len, part)
+                        .unwrap();
+                    let whole =
+                        micro_batch_tokens(&src, Split::Train, 7, 3, mb, batch, seq_len).unwrap();
+                    let want: Vec<u32> = whole
+                        .chunks_exact(seq_len + 1)
+                        .flat_map(|row| row[span.clone()].to_vec())
+                        .collect();
+                    assert_eq!(got, want, "stage {stage}, micro-batch {mb}");
+                    for row in 0..batch as u64 {
+                        let mut rng = sample_rng(Split::Train, key(3, mb, row));
+                        let start = uniform_below(&mut rng, n - seq_len as u64);
+                        expected += chunk_bytes(start + span.start as u64, start + span.end as u64);
+                    }
+                }
+                // The whole rows were read too (for the comparison): subtract them.
+                let whole_bytes: u64 = (0..micro_batches)
+                    .flat_map(|mb| (0..batch as u64).map(move |row| (mb, row)))
+                    .map(|(mb, row)| {
+                        let mut rng = sample_rng(Split::Train, key(3, mb, row));
+                        let start = uniform_below(&mut rng, n - seq_len as u64);
+                        chunk_bytes(start, start + seq_len as u64 + 1)
+                    })
+                    .sum();
+                let fetched = src.stats().fetched_bytes.load(Ordering::Relaxed);
+                assert_eq!(fetched - whole_bytes, expected, "stage {stage}");
+                assert!(
+                    expected < whole_bytes,
+                    "stage {stage}: {expected} vs {whole_bytes}"
+                );
+            } else {
+                assert_eq!(src.stats().fetched_bytes.load(Ordering::Relaxed), 0);
+            }
+            per_stage.push(expected);
+        }
+        assert_eq!(per_stage[1], 0);
+        assert!(per_stage[0] > 0 && per_stage[2] > 0, "{per_stage:?}");
     }
 
     /// The same samples from the single files, the shards cold, the shards warm, a cache too small

@@ -13,7 +13,7 @@ use super::boundary::Boundary;
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
 use crate::config::{ConfigError, StageTransport};
-use crate::data::{Split, micro_batch_tokens};
+use crate::data::{RowPart, Split, micro_batch_part};
 use crate::model::{
     DeviceLinks, LinkedInput, LinkedOutput, Mode, ModelError, StageCompute, StageInput, StageOutput,
 };
@@ -39,7 +39,8 @@ impl ValidSchedule {
     }
 }
 
-/// The tokens of the micro-batches in flight: `rows × (seq_len + 1)`.
+/// The tokens of the micro-batches in flight: `rows × span`, where `span` is the part of each
+/// `seq_len + 1`-token row this stage reads ([`RowPart`]).
 struct MicroBatchTokens {
     tokens: HashMap<usize, Vec<u32>>,
 }
@@ -403,6 +404,12 @@ impl Worker {
             Split::Train => self.first_micro_batch,
             Split::Val => self.eval_first,
         };
+        let layout = self.stage.layout();
+        let part = RowPart::for_stage(layout.is_first(), layout.is_last())
+            .expect("only the first and last stages read tokens");
+        // This stage reads only its part of each row: inputs on the first stage, targets on
+        // the last (a sharded dataset then fetches only their byte ranges).
+        let span = part.span(seq_len);
         let rows = match cache.tokens.entry(u.micro_batch) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
@@ -410,7 +417,7 @@ impl Worker {
                     .data
                     .as_deref()
                     .expect("first and last stages hold a data source");
-                e.insert(micro_batch_tokens(
+                e.insert(micro_batch_part(
                     src,
                     split,
                     self.cfg.train.seed,
@@ -418,6 +425,7 @@ impl Worker {
                     (offset + u.micro_batch) as u64,
                     batch,
                     seq_len,
+                    part,
                 )?)
             }
         };
@@ -425,7 +433,7 @@ impl Worker {
         let len = self.segment_lengths[u.segment];
         let ids: Vec<u32> = (0..batch)
             .flat_map(|b| {
-                rows[b * (seq_len + 1) + start + shift..][..len]
+                rows[b * span.len() + start + shift - span.start..][..len]
                     .iter()
                     .copied()
             })
