@@ -10,6 +10,7 @@
 //! accumulator and how to add two; the order rules, the errors and the peak accounting are here.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 use std::fmt;
 
 use ops::sum_tree::{SumTree, SumTreeError};
@@ -107,9 +108,8 @@ impl<G> StepGradients<G> {
             }
             .into());
         }
-        if !self.accumulating.contains_key(&i) {
-            let g = fresh()?;
-            self.accumulating.insert(i, g);
+        if let Entry::Vacant(slot) = self.accumulating.entry(i) {
+            slot.insert(fresh()?);
             self.peak_buffers = self.peak_buffers.max(self.buffers());
         }
         Ok(self
