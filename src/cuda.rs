@@ -194,7 +194,7 @@ mod enabled {
 
     use super::{CheckArgs, GemmArgs, GpuBenchArgs, InfoArgs, PtxArgs};
     use crate::bench::step::{median, random_batch};
-    use trainer::model::params::{decays, param_count};
+    use trainer::model::params::{WeightDecay, param_count};
     use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
     use trainer::schedule::Unit;
 
@@ -372,10 +372,9 @@ mod enabled {
         }
     }
 
-    /// The CPU stage's initial weights as the GPU stage takes them, and each one's weight decay.
-    fn initial_params(stage: &Stage) -> Result<(Vec<StageParam>, Vec<f64>)> {
+    /// The CPU stage's initial weights as the GPU stage takes them.
+    fn initial_params(stage: &Stage) -> Result<Vec<StageParam>> {
         let mut params = Vec::new();
-        let mut weight_decay = Vec::new();
         for spec in stage.params().specs() {
             let t = stage.params().get(&spec.name)?;
             params.push(StageParam {
@@ -383,13 +382,8 @@ mod enabled {
                 dims: spec.shape.clone(),
                 values: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
             });
-            weight_decay.push(if decays(spec.kind, false) {
-                WEIGHT_DECAY
-            } else {
-                0.0
-            });
         }
-        Ok((params, weight_decay))
+        Ok(params)
     }
 
     /// The GPU gradient furthest from the CPU stage's (relative L2; NaN counts as the worst).
@@ -470,17 +464,15 @@ mod enabled {
         // The CPU stage gives the initial weights (same seed, same names) and, with --check, the
         // reference gradients.
         let mut stage = Stage::new(&model, layout, vec![seq], args.seed)?;
-        let (params, weight_decay) = initial_params(&stage)?;
+        let params = initial_params(&stage)?;
+        let weight_decay = WeightDecay {
+            rate: WEIGHT_DECAY,
+            embeddings: false,
+        };
         let (inputs, targets) = random_batch(&model, batch, seq, args.seed)?;
         let host_inputs = inputs.flatten_all()?.to_vec1::<u32>()?;
         let host_targets = targets.to_vec1::<u32>()?;
-        let plan = StagePlan {
-            model: trainer::model::cuda_stage::gpu_shape(&model),
-            layers: 0..model.layers,
-            first: true,
-            last: true,
-            segments: vec![seq / segs; segs],
-        };
+        let plan = StagePlan::whole(model.clone(), vec![seq / segs; segs]);
         let free_before = g.memory()?.0;
         // The pipeline's CUDA stage, holding the whole model: one micro-batch of one segment.
         let mut m = GpuStage::new(g, plan, params).context("building the model on the GPU")?;
@@ -530,7 +522,7 @@ mod enabled {
             let sums = m.grad_sums_of_squares()?;
             let norm = ops::clip::global_norm(sums.into_iter().map(|(_, s)| s));
             let clip = ops::clip::clip_coefficient(norm, GRAD_CLIP);
-            m.apply_update(LR, clip, &weight_decay, betas)?;
+            m.apply_update(LR, clip, weight_decay, betas)?;
             Ok(())
         };
         let mut losses = Vec::new();

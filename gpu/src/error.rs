@@ -98,6 +98,9 @@ pub enum GpuError {
     /// A CPU oracle kernel failed.
     #[error("CPU oracle: {0}")]
     Oracle(String),
+    /// The model refused (the step's gradient bookkeeping: units out of order, no step begun).
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
 }
 
 /// Result of the GPU path.

@@ -14,8 +14,8 @@
 //! when the micro-batch is done: a steady-state step allocates nothing.
 //!
 //! Gradients: each micro-batch accumulates into its own flat buffer (parameters in canonical order,
-//! each row-major), which joins the canonical summation tree ([`ops::SumTree`]) when its backward
-//! completes; the tree adds on the device in a fixed order, so the step's sum does not depend on
+//! each row-major), which joins the canonical summation tree ([`ops::SumTree`], kept by [`model::StepGradients`]) when its
+//! backward completes; the tree adds on the device in a fixed order, so the step's sum does not depend on
 //! how the micro-batches were split between data-parallel replicas or in which order they
 //! completed. Everything crosses this type's interface on the host (`&[f32]`, `Vec<f32>`), except
 //! the boundary tensors of device links to the neighbouring stages (`links`): those are received
@@ -35,10 +35,10 @@
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::Arc;
 
-use ops::SumTree;
+use model::params::{ParamKind, ParamSpec, WeightDecay, component_params};
+use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
@@ -53,43 +53,34 @@ mod links;
 pub use links::Side;
 use links::{Flow, Links};
 
-/// The model's shape (the `[model]` section's fields the GPU path uses).
-#[derive(Clone, Debug)]
-pub struct GptShape {
-    /// Vocabulary V.
-    pub vocab: usize,
-    /// Blocks L.
-    pub layers: usize,
-    /// Width C.
-    pub d_model: usize,
-    /// Heads H.
-    pub heads: usize,
-    /// MLP width F.
-    pub ffn: usize,
-    /// Rows of the position table.
-    pub max_seq_len: usize,
-    /// Norm epsilon.
-    pub eps: f32,
-    /// RMS norm instead of layer norm.
-    pub rms: bool,
-}
-
 /// A host tensor `(name, dims, values)`.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
 
 /// The part of the model a stage holds and how its sequences are cut.
 #[derive(Clone, Debug)]
 pub struct StagePlan {
-    /// The whole model's shape.
-    pub model: GptShape,
-    /// The blocks this stage holds.
-    pub layers: Range<usize>,
-    /// Holds the embeddings.
-    pub first: bool,
-    /// Holds the final norm and the LM head.
-    pub last: bool,
+    /// The whole model (the `[model]` section; learned positions only on the GPU).
+    pub model: ModelConfig,
+    /// The blocks this stage holds, and whether it holds the embeddings (first) and the head (last).
+    pub layout: StageLayout,
     /// Lengths of the segments every sequence is cut into, in order.
     pub segments: Vec<usize>,
+}
+
+impl StagePlan {
+    /// One stage holding the whole model (benchmarks, tests).
+    pub fn whole(model: ModelConfig, segments: Vec<usize>) -> StagePlan {
+        let layout = StageLayout {
+            stage: 0,
+            stages: 1,
+            layers: 0..model.layers,
+        };
+        StagePlan {
+            model,
+            layout,
+            segments,
+        }
+    }
 }
 
 /// One parameter handed to [`GpuStage::new`], in canonical order.
@@ -152,6 +143,8 @@ enum GradIn<'a> {
 struct Slot {
     name: String,
     dims: Vec<usize>,
+    /// Its role in the model (which products get BF16 copies, which parameters AdamW decays).
+    kind: ParamKind,
     offset: usize,
     len: usize,
 }
@@ -262,8 +255,8 @@ impl Bf16Weights {
         let head_rows = vocab.div_ceil(padding) * padding;
         let (mut copies, mut at, mut len) = (Vec::new(), HashMap::new(), 0);
         for (i, s) in slots.iter().enumerate() {
-            let linear = s.dims.len() == 2 && s.name.ends_with(".weight");
-            if !linear || s.name == "wte.weight" || s.name == "wpe.weight" {
+            // The weights of matrix products (not the embedding tables, which are gathered).
+            if s.kind != ParamKind::Weight {
                 continue;
             }
             copies.push((i, len));
@@ -301,26 +294,6 @@ impl Bf16Weights {
     }
 }
 
-/// The step's gradients: per-micro-batch accumulators and their summation tree.
-#[derive(Default)]
-struct StepGrads {
-    micro_batches: usize,
-    accumulating: BTreeMap<usize, Buf<f32>>,
-    held: BTreeMap<usize, Buf<f32>>,
-    tree: Option<SumTree<Buf<f32>>>,
-    total: Option<Buf<f32>>,
-    peak_buffers: usize,
-}
-
-impl StepGrads {
-    fn buffers(&self) -> usize {
-        self.accumulating.len()
-            + self.held.len()
-            + self.tree.as_ref().map_or(0, SumTree::depth)
-            + usize::from(self.total.is_some())
-    }
-}
-
 /// A pipeline stage on one GPU.
 pub struct GpuStage {
     gpu: Gpu,
@@ -344,7 +317,8 @@ pub struct GpuStage {
     in_flight: BTreeMap<usize, MicroBatch>,
     spare_micro_batches: Vec<MicroBatch>,
     spare_grads: Vec<Buf<f32>>,
-    grads: StepGrads,
+    /// The step's gradients, one flat buffer per micro-batch (the model's bookkeeping).
+    grads: StepGradients<Buf<f32>>,
     peak_activation_bytes: usize,
     /// Device links to the neighbouring stages and their boundary tensors.
     links: Links,
@@ -404,15 +378,34 @@ struct Flat {
     values: Vec<f32>,
 }
 
-fn flatten(params: Vec<StageParam>) -> Result<Flat> {
+/// `params` laid out flat; each must be one of `specs` (the stage's parameters in the model) with
+/// its shape, and every spec must be given.
+fn flatten(params: Vec<StageParam>, specs: &[ParamSpec]) -> Result<Flat> {
+    const OP: &str = "GpuStage::new";
+    let by_name: HashMap<&str, &ParamSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut slots = Vec::new();
     let mut index = HashMap::new();
     let mut host = Vec::new();
     for p in params {
+        let Some(spec) = by_name.get(p.name.as_str()) else {
+            return shape(
+                OP,
+                format!("parameter {} is not one of this stage's", p.name),
+            );
+        };
+        if p.dims != spec.shape {
+            return shape(
+                OP,
+                format!(
+                    "parameter {} has dims {:?}, the model needs {:?}",
+                    p.name, p.dims, spec.shape
+                ),
+            );
+        }
         let len: usize = p.dims.iter().product();
         if p.values.len() != len {
             return shape(
-                "GpuStage::new",
+                OP,
                 format!(
                     "{}: {} values for dims {:?}",
                     p.name,
@@ -425,16 +418,30 @@ fn flatten(params: Vec<StageParam>) -> Result<Flat> {
         slots.push(Slot {
             name: p.name,
             dims: p.dims,
+            kind: spec.kind,
             offset: host.len(),
             len,
         });
         host.extend(p.values);
+    }
+    if let Some(missing) = specs.iter().find(|s| !index.contains_key(&s.name)) {
+        return shape(OP, format!("parameter {} is missing", missing.name));
     }
     Ok(Flat {
         slots,
         index,
         values: host,
     })
+}
+
+/// The parameters `plan`'s stage holds, in canonical order: the model's own list for its
+/// components.
+fn stage_specs(plan: &StagePlan) -> Vec<ParamSpec> {
+    plan.layout
+        .components()
+        .into_iter()
+        .flat_map(|c| component_params(&plan.model, c))
+        .collect()
 }
 
 /// `host` (flat, canonical order) cut into named tensors, each name prefixed with `prefix`.
@@ -463,6 +470,12 @@ impl GpuStage {
     pub fn new(gpu: Gpu, plan: StagePlan, params: Vec<StageParam>) -> Result<GpuStage> {
         const OP: &str = "GpuStage::new";
         gpu.bind()?;
+        if plan.model.position != Position::Learned {
+            return shape(
+                OP,
+                "CUDA stages support learned positions only (model.position = \"learned\")",
+            );
+        }
         let (c, h) = (plan.model.d_model, plan.model.heads);
         if h == 0 || !c.is_multiple_of(h) {
             return shape(OP, format!("d_model {c} is not a multiple of heads {h}"));
@@ -500,7 +513,7 @@ impl GpuStage {
             slots,
             index,
             values: host,
-        } = flatten(params)?;
+        } = flatten(params, &stage_specs(&plan))?;
         let numel = host.len();
         let stage = GpuStage {
             values: gpu.upload(&host)?,
@@ -520,27 +533,12 @@ impl GpuStage {
             in_flight: BTreeMap::new(),
             spare_micro_batches: Vec::new(),
             spare_grads: Vec::new(),
-            grads: StepGrads::default(),
+            grads: StepGradients::default(),
             peak_activation_bytes: 0,
             links: Links::default(),
             bf16: None,
             plan,
         };
-        for (name, dims) in stage.expected_params() {
-            match stage.index.get(&name) {
-                None => return shape(OP, format!("parameter {name} is missing")),
-                Some(&i) if stage.slots[i].dims != dims => {
-                    return shape(
-                        OP,
-                        format!(
-                            "parameter {name} has dims {:?}, the model needs {dims:?}",
-                            stage.slots[i].dims
-                        ),
-                    );
-                }
-                Some(_) => {}
-            }
-        }
         let mut stage = stage;
         if stage.gpu.bf16_weight_copies() {
             stage.set_bf16_weights(VOCAB_PADDING)?;
@@ -551,7 +549,7 @@ impl GpuStage {
     /// Builds the BF16 weight copies with the head's vocabulary padded to a multiple of `padding`
     /// and fills them from the master weights.
     fn set_bf16_weights(&mut self, padding: usize) -> Result<()> {
-        let vocab = self.plan.model.vocab;
+        let vocab = self.plan.model.vocab_size;
         self.bf16 = Some(Bf16Weights::new(&self.gpu, &self.slots, vocab, padding)?);
         self.refresh_bf16_weights()
     }
@@ -596,7 +594,7 @@ impl GpuStage {
     pub fn head_rows(&self) -> usize {
         self.bf16
             .as_ref()
-            .map_or(self.plan.model.vocab, |w| w.head_rows)
+            .map_or(self.plan.model.vocab_size, |w| w.head_rows)
     }
 
     /// Which way the stage's products run: `fp32`/`tf32`, or BF16 mode's [`Bf16Path`] (with the
@@ -637,43 +635,6 @@ impl GpuStage {
     /// weight copies of the fast path.
     pub fn state_bytes(&self) -> usize {
         4 * 4 * self.numel + self.bf16_weight_bytes()
-    }
-
-    /// Every parameter the plan needs, with its dims (linear weights `(out, in)`).
-    fn expected_params(&self) -> Vec<(String, Vec<usize>)> {
-        let m = &self.plan.model;
-        let (v, c, f) = (m.vocab, m.d_model, m.ffn);
-        let mut out = Vec::new();
-        if self.plan.first {
-            out.push(("wte.weight".to_string(), vec![v, c]));
-            out.push(("wpe.weight".to_string(), vec![m.max_seq_len, c]));
-        }
-        for l in self.plan.layers.clone() {
-            let mut local = vec![
-                ("ln_1.weight", vec![c]),
-                ("attn.c_attn.weight", vec![3 * c, c]),
-                ("attn.c_attn.bias", vec![3 * c]),
-                ("attn.c_proj.weight", vec![c, c]),
-                ("attn.c_proj.bias", vec![c]),
-                ("ln_2.weight", vec![c]),
-                ("mlp.c_fc.weight", vec![f, c]),
-                ("mlp.c_fc.bias", vec![f]),
-                ("mlp.c_proj.weight", vec![c, f]),
-                ("mlp.c_proj.bias", vec![c]),
-            ];
-            if !m.rms {
-                local.extend([("ln_1.bias", vec![c]), ("ln_2.bias", vec![c])]);
-            }
-            out.extend(local.into_iter().map(|(p, d)| (format!("h.{l}.{p}"), d)));
-        }
-        if self.plan.last {
-            out.push(("ln_f.weight".into(), vec![c]));
-            if !m.rms {
-                out.push(("ln_f.bias".into(), vec![c]));
-            }
-            out.push(("lm_head.weight".into(), vec![v, c]));
-        }
-        out
     }
 
     /// Address of parameter `name` in `buf` (values, or a gradient buffer); 0 when the stage has
@@ -814,8 +775,8 @@ impl GpuStage {
             self.at(&self.values, &format!("{name}.bias")),
             n,
             m.d_model,
-            m.eps,
-            m.rms,
+            m.norm_eps as f32,
+            m.norm == Norm::RmsNorm,
         )
     }
 
@@ -843,26 +804,24 @@ impl GpuStage {
             self.at(&self.values, &weight),
             n,
             m.d_model,
-            m.rms,
+            m.norm == Norm::RmsNorm,
             sc,
         )
     }
 
     /// Starts a step of `micro_batches` micro-batches: forgets the last step's gradients.
     pub fn begin_step(&mut self, micro_batches: usize) {
-        self.clear_grads();
-        self.grads.micro_batches = micro_batches;
-        self.grads.tree = Some(SumTree::new(micro_batches));
+        // Buffers freed or kept below need the context current on this thread.
+        let _ = self.gpu.bind();
+        let released = self.grads.begin(micro_batches);
+        self.spare_grads.extend(released);
     }
 
     fn clear_grads(&mut self) {
         // Buffers freed below need the context current on this thread.
         let _ = self.gpu.bind();
-        let g = std::mem::take(&mut self.grads);
-        self.spare_grads.extend(g.accumulating.into_values());
-        self.spare_grads.extend(g.held.into_values());
-        self.spare_grads.extend(g.total);
-        self.grads.peak_buffers = g.peak_buffers;
+        let released = self.grads.clear();
+        self.spare_grads.extend(released);
     }
 
     /// Drops every in-flight unit and gradient (an aborted step).
@@ -883,105 +842,48 @@ impl GpuStage {
         self.spare_micro_batches.push(mb);
     }
 
-    fn take_grad_buffer(&mut self) -> Result<Buf<f32>> {
-        match self.spare_grads.pop() {
+    /// The accumulator of `unit`'s micro-batch (created zeroed on first use in a step); the
+    /// model's bookkeeping refuses units out of order.
+    fn accumulator(&mut self, unit: Unit) -> Result<u64> {
+        let (gpu, numel, spare) = (&self.gpu, self.numel, &mut self.spare_grads);
+        let fresh = || match spare.pop() {
             Some(mut b) => {
-                self.gpu.clear(&mut b)?;
+                gpu.clear(&mut b)?;
                 Ok(b)
             }
-            None => self.gpu.zeros(self.numel),
-        }
-    }
-
-    /// The accumulator of micro-batch `mb` (created zeroed on first use in a step).
-    fn accumulator(&mut self, mb: usize) -> Result<u64> {
-        const OP: &str = "GpuStage::accumulator";
-        let Some(tree) = &self.grads.tree else {
-            return Err(order(OP, "no step was begun (begin_step)"));
+            None => gpu.zeros(numel),
         };
-        if mb >= self.grads.micro_batches {
-            return Err(order(
-                OP,
-                format!(
-                    "micro-batch {mb} out of range: the step has {}",
-                    self.grads.micro_batches
-                ),
-            ));
-        }
-        if self.grads.total.is_some() || mb < tree.pushed() || self.grads.held.contains_key(&mb) {
-            return Err(order(
-                OP,
-                format!("micro-batch {mb}'s backward already completed this step"),
-            ));
-        }
-        if !self.grads.accumulating.contains_key(&mb) {
-            let buf = self.take_grad_buffer()?;
-            self.grads.accumulating.insert(mb, buf);
-            let n = self.grads.buffers();
-            self.grads.peak_buffers = self.grads.peak_buffers.max(n);
-        }
-        Ok(self.grads.accumulating[&mb].ptr())
+        Ok(self.grads.accumulator(unit, fresh)?.ptr())
     }
 
-    /// Micro-batch `mb`'s backward is complete: its gradient joins the tree.
-    fn complete(&mut self, mb: usize) -> Result<()> {
-        const OP: &str = "GpuStage::complete";
-        let g = self
-            .grads
-            .accumulating
-            .remove(&mb)
-            .ok_or_else(|| order(OP, format!("micro-batch {mb} completed, none of it ran")))?;
-        self.grads.held.insert(mb, g);
+    /// `unit`'s micro-batch's backward is complete: its gradient joins the tree.
+    fn complete(&mut self, unit: Unit) -> Result<()> {
         let (gpu, numel, spare) = (&self.gpu, self.numel, &mut self.spare_grads);
-        let tree = self.grads.tree.as_mut().expect("accumulator checked");
         let mut add = |left: Buf<f32>, right: Buf<f32>| -> Result<Buf<f32>> {
             let _scope = gpu.profile_scope(GRAD_ACCUMULATION);
             gpu.add_assign(left.ptr(), right.ptr(), numel)?;
             spare.push(right);
             Ok(left)
         };
-        while let Some(g) = self.grads.held.remove(&tree.pushed()) {
-            let next = tree.pushed();
-            tree.push(next, next + 1, g, &mut add).map_err(tree_error)?;
-        }
-        Ok(())
+        self.grads.complete(unit, &mut add)
     }
 
     /// Sums the step's gradients in the tree (idempotent).
     pub fn finish_gradients(&mut self) -> Result<()> {
-        const OP: &str = "GpuStage::finish_gradients";
-        if self.grads.total.is_some() {
-            return Ok(());
-        }
-        let Some(tree) = self.grads.tree.take() else {
-            return Err(order(OP, "no step was begun (begin_step)"));
-        };
-        if tree.pushed() != self.grads.micro_batches || !self.grads.accumulating.is_empty() {
-            let done = tree.pushed() + self.grads.held.len();
-            self.grads.tree = Some(tree);
-            return Err(order(
-                OP,
-                format!(
-                    "{done} of {} micro-batches completed their backward",
-                    self.grads.micro_batches
-                ),
-            ));
-        }
-        self.grads.total = Some(tree.finish().map_err(tree_error)?);
-        Ok(())
+        Ok(self.grads.finish()?)
     }
 
-    fn total(&self, op: &'static str) -> Result<&Buf<f32>> {
-        self.grads
-            .total
-            .as_ref()
-            .ok_or_else(|| order(op, "the step's gradients are not summed (finish_gradients)"))
+    fn total(&self) -> Result<&Buf<f32>> {
+        Ok(self
+            .grads
+            .total()
+            .ok_or(model::ModelError::GradientsNotFinished)?)
     }
 
     /// The step's summed gradients, flat in canonical order.
     pub fn gradient_vector(&self) -> Result<Vec<f32>> {
         self.gpu.bind()?;
-        let total = self.total("GpuStage::gradient_vector")?;
+        let total = self.total()?;
         self.gpu.download(total)
     }
 
@@ -995,20 +897,15 @@ impl GpuStage {
                 format!("{} values for {} parameters", v.len(), self.numel),
             );
         }
-        let mut total =
-            self.grads.total.take().ok_or_else(|| {
-                order(OP, "the step's gradients are not summed (finish_gradients)")
-            })?;
-        let written = self.gpu.write(&mut total, v);
-        self.grads.total = Some(total);
-        written
+        let total = self.grads.total_mut()?;
+        self.gpu.write(total, v)
     }
 
     /// Per-parameter sums of squares of the summed gradients, in canonical order.
     pub fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>> {
         self.gpu.bind()?;
         self.finish_gradients()?;
-        let total = self.total("GpuStage::grad_sums_of_squares")?;
+        let total = self.total()?;
         let list: Vec<(u64, usize)> = self
             .slots
             .iter()
@@ -1018,35 +915,25 @@ impl GpuStage {
         Ok(self.param_names().into_iter().zip(sums).collect())
     }
 
-    /// Scales the gradients by `clip` (at most 1), applies AdamW (`lr`, `weight_decay[i]` for
-    /// parameter `i`, `betas = (beta1, beta2, eps)`) and clears the gradients.
+    /// Scales the gradients by `clip` (at most 1), applies AdamW (`lr`, the model's decay rule
+    /// `decay` for each parameter's kind, `betas = (beta1, beta2, eps)`) and clears the gradients.
     pub fn apply_update(
         &mut self,
         lr: f64,
         clip: f64,
-        weight_decay: &[f64],
+        decay: WeightDecay,
         (b1, b2, eps): (f64, f64, f64),
     ) -> Result<()> {
-        const OP: &str = "GpuStage::apply_update";
         self.gpu.bind()?;
-        if weight_decay.len() != self.slots.len() {
-            return shape(
-                OP,
-                format!(
-                    "{} weight decays for {} parameters",
-                    weight_decay.len(),
-                    self.slots.len()
-                ),
-            );
-        }
         self.finish_gradients()?;
         self.await_downloads()?;
         self.adam_step += 1;
         let t = self.adam_step as f64;
         let inv_bc2 = 1.0 / (1.0 - b2.powf(t));
         let lr_bc1 = lr / (1.0 - b1.powf(t));
-        let total = self.total(OP)?;
-        for (s, &wd) in self.slots.iter().zip(weight_decay) {
+        let total = self.total()?;
+        for s in self.slots.iter() {
+            let wd = decay.rate_of(s.kind);
             self.gpu.adamw(
                 self.values.at(s.offset),
                 self.m.at(s.offset),
@@ -1152,8 +1039,7 @@ impl GpuStage {
 
     /// The most full-gradient buffers held at once since the last call.
     pub fn take_peak_gradient_buffers(&mut self) -> usize {
-        let now = self.grads.buffers();
-        std::mem::replace(&mut self.grads.peak_buffers, now).max(now)
+        self.grads.take_peak_buffers()
     }
 
     /// Bytes of one micro-batch's caches and saved units (what [`GpuStage::new_micro_batch`]
@@ -1162,16 +1048,20 @@ impl GpuStage {
         let Some(b) = self.batch else { return 0 };
         let (c, f, h) = (
             self.plan.model.d_model,
-            self.plan.model.ffn,
+            self.plan.model.ffn(),
             self.plan.model.heads,
         );
-        let layers = self.plan.layers.len();
+        let layers = self.plan.layout.layers.len();
         let n = b * self.seq;
         // Per held block: the QKV cache and dK/dV (5C a position), the saved activations (x, ln1,
         // y, x1, ln2: C each; qkv 3C; u, g: F each; four norm statistics) and the log-sum-exps.
         let blocks = layers * (n * (5 * c + 8 * c + 2 * f + 4) + b * h * self.seq);
-        let first = if self.plan.first { n } else { 0 };
-        let last = if self.plan.last { n * (2 * c + 4) } else { 0 };
+        let first = if self.plan.layout.is_first() { n } else { 0 };
+        let last = if self.plan.layout.is_last() {
+            n * (2 * c + 4)
+        } else {
+            0
+        };
         4 * (blocks + n * c + first + last)
     }
 
@@ -1210,7 +1100,7 @@ impl GpuStage {
             return shape(op, "a micro-batch of no rows");
         }
         let m = &self.plan.model;
-        let (c, f, h, v) = (m.d_model, m.ffn, m.heads, m.vocab);
+        let (c, f, h, v) = (m.d_model, m.ffn(), m.heads, m.vocab_size);
         let longest = *self.plan.segments.iter().max().expect("checked in new");
         let n = b * longest;
         let chunk = CHUNK_ROWS.min(n);
@@ -1219,7 +1109,11 @@ impl GpuStage {
         if self.bf16.is_some() {
             // dy (or the logits' gradient) and x of one product; the head's only on the last stage.
             let rows = n * f.max(c);
-            let logits = if self.plan.last { chunk * head } else { 0 };
+            let logits = if self.plan.layout.is_last() {
+                chunk * head
+            } else {
+                0
+            };
             let operands = [self.gpu.zeros(rows.max(logits))?, self.gpu.zeros(rows)?];
             if let Some(w16) = self.bf16.as_mut() {
                 w16.operands = Some(operands);
@@ -1234,7 +1128,7 @@ impl GpuStage {
             dff: z(n * f)?,
             delta: z(b * h * longest)?,
             columns: z(2 * Gpu::column_scratch_len(n.max(chunk), widest))?,
-            logits: if self.plan.last {
+            logits: if self.plan.layout.is_last() {
                 z(chunk * head)?
             } else {
                 z(1)?
@@ -1247,9 +1141,9 @@ impl GpuStage {
     fn new_micro_batch(&self) -> Result<MicroBatch> {
         let b = self.batch.expect("fixed before");
         let m = &self.plan.model;
-        let (c, f, h) = (m.d_model, m.ffn, m.heads);
+        let (c, f, h) = (m.d_model, m.ffn(), m.heads);
         let z = |len: usize| self.gpu.zeros::<f32>(len);
-        let layers = self.plan.layers.len();
+        let layers = self.plan.layout.layers.len();
         let mut units = Vec::new();
         for &s in &self.plan.segments {
             let n = b * s;
@@ -1267,12 +1161,14 @@ impl GpuStage {
                     g: z(n * f)?,
                 });
             }
-            let last = self.plan.last;
+            let last = self.plan.layout.is_last();
             let rows = |k: usize| if last { k } else { 1 };
             units.push(UnitActs {
                 blocks,
                 out: z(n * c)?,
-                ids: self.gpu.zeros(if self.plan.first { n } else { 1 })?,
+                ids: self
+                    .gpu
+                    .zeros(if self.plan.layout.is_first() { n } else { 1 })?,
                 host_ids: Vec::new(),
                 lnf: self.norm_acts(rows(n))?,
                 dhead: z(rows(n * c))?,
@@ -1321,7 +1217,7 @@ impl GpuStage {
                     .received_len(Flow::Activation, (micro_batch, segment), OP)?
             }
         };
-        let rows = match (&input, self.plan.first) {
+        let rows = match (&input, self.plan.layout.is_first()) {
             (UnitInput::Tokens(ids), true) => ids.len(),
             (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
             _ => {
@@ -1331,7 +1227,7 @@ impl GpuStage {
                 ));
             }
         };
-        let width = if self.plan.first { 1 } else { c };
+        let width = if self.plan.layout.is_first() { 1 } else { c };
         if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
             return shape(
                 OP,
@@ -1341,8 +1237,8 @@ impl GpuStage {
         let b = rows / len;
         self.fix_batch(b, OP)?;
         let n = b * len;
-        if self.plan.last {
-            let vocab = self.plan.model.vocab;
+        if self.plan.layout.is_last() {
+            let vocab = self.plan.model.vocab_size;
             match targets {
                 Some(t) if t.len() == n => {
                     // The cross-entropy kernel reads the logit at the target unchecked: an id past
@@ -1399,22 +1295,14 @@ impl GpuStage {
     ) -> Result<UnitOutput> {
         const OP: &str = "GpuStage::forward";
         let (start, len) = self.seg(segment, OP)?;
-        if mb.kv_len != start {
-            return Err(order(
-                OP,
-                format!(
-                    "unit ({micro_batch}, {segment}) needs the K/V of positions 0..{start} but 0..{} are cached (segments run in order)",
-                    mb.kv_len
-                ),
-            ));
-        }
+        model::order::check_forward(Unit::new(micro_batch, segment), mb.kv_len, start)?;
         // The head's weight gradient is computed with the loss (the logits never exist whole), so
         // on the last stage it goes into the micro-batch's accumulator in the forward, in forward
         // order: a micro-batch holds its gradient buffer from its first forward there (counted in
         // the peak). Taken first, so that a step not begun (or a micro-batch out of its range)
         // fails before any work.
-        let head_acc = if train && self.plan.last {
-            Some(self.accumulator(micro_batch)?)
+        let head_acc = if train && self.plan.layout.is_last() {
+            Some(self.accumulator(Unit::new(micro_batch, segment))?)
         } else {
             None
         };
@@ -1430,7 +1318,7 @@ impl GpuStage {
         let unit = &mut mb.units[segment];
         self.load_input(unit, input, (micro_batch, segment), b)?;
         let rows = UnitShape { b, start, len };
-        for (slot, layer) in self.plan.layers.clone().enumerate() {
+        for (slot, layer) in self.plan.layout.layers.clone().enumerate() {
             let out = unit
                 .blocks
                 .get(slot + 1)
@@ -1438,7 +1326,7 @@ impl GpuStage {
             self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
         }
         let unit = &mut mb.units[segment];
-        let output = if self.plan.last {
+        let output = if self.plan.layout.is_last() {
             let dw = head_acc.map_or(0, |acc| self.grad_at(acc, "lm_head.weight"));
             let targets = targets.expect("checked by forward");
             UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
@@ -1472,7 +1360,7 @@ impl GpuStage {
     ) -> Result<()> {
         const OP: &str = "GpuStage::forward";
         let (start, len) = self.seg(segment, OP)?;
-        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab);
+        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let n = b * len;
         let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
         match input {
@@ -1528,7 +1416,7 @@ impl GpuStage {
         UnitShape { b, start, len }: UnitShape,
     ) -> Result<()> {
         let m = &self.plan.model;
-        let (c, f, gpu) = (m.d_model, m.ffn, &self.gpu);
+        let (c, f, gpu) = (m.d_model, m.ffn(), &self.gpu);
         let n = b * len;
         let pre = format!("h.{layer}");
         self.norm_forward(&a.ln1, a.x.ptr(), &format!("{pre}.ln_1"), n)?;
@@ -1569,7 +1457,7 @@ impl GpuStage {
         n: usize,
         loss_scale: f64,
     ) -> Result<f64> {
-        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab);
+        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let train = dw != 0;
         self.gpu.write(&mut unit.targets, targets)?;
         self.norm_forward(&unit.lnf, unit.out.ptr(), "ln_f", n)?;
@@ -1634,7 +1522,7 @@ impl GpuStage {
         rows: usize,
         grad_scale: f32,
     ) -> Result<()> {
-        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab);
+        let (c, v) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let (vp, gpu, train) = (w16.head_rows, &self.gpu, dw != 0);
         let (dlogits16, hh16) = w16.operands()?;
         let w = w16.weight("lm_head.weight")?;
@@ -1696,15 +1584,11 @@ impl GpuStage {
                 OP,
                 format!("unit ({micro_batch}, {segment}): backward before forward, or twice"),
             ))
-        } else if mb.kv_len != start + len {
-            Err(order(
-                OP,
-                format!(
-                    "unit ({micro_batch}, {segment}): backward must follow the backward of every later segment"
-                ),
-            ))
         } else {
-            self.backward_in(&mb, (micro_batch, segment), d_out)
+            let unit = Unit::new(micro_batch, segment);
+            model::order::check_backward(unit, mb.kv_len, start, len)
+                .map_err(GpuError::from)
+                .and_then(|()| self.backward_in(&mb, (micro_batch, segment), d_out))
         };
         if result.is_ok() {
             mb.units[segment].pending = false;
@@ -1712,7 +1596,7 @@ impl GpuStage {
         }
         if result.is_ok() && segment == 0 {
             self.recycle(mb);
-            self.complete(micro_batch)?;
+            self.complete(Unit::new(micro_batch, segment))?;
         } else {
             self.in_flight.insert(micro_batch, mb);
         }
@@ -1726,7 +1610,7 @@ impl GpuStage {
         d_out: GradIn,
     ) -> Result<UnitGrad> {
         const OP: &str = "GpuStage::backward";
-        let acc_ptr = self.accumulator(micro_batch)?;
+        let acc_ptr = self.accumulator(Unit::new(micro_batch, segment))?;
         let received = match d_out {
             GradIn::Received => Some(self.links.take_received(
                 Flow::Grad,
@@ -1782,7 +1666,7 @@ impl GpuStage {
         let gpu = &self.gpu;
         let unit = &mb.units[segment];
         let sc = &scratch.columns;
-        match (self.plan.last, d_out) {
+        match (self.plan.layout.is_last(), d_out) {
             (true, Dy::Loss) => self.norm_backward(
                 scratch.dx.ptr(),
                 unit.dhead.ptr(),
@@ -1815,12 +1699,12 @@ impl GpuStage {
             }
         }
         let rows = UnitShape { b, start, len };
-        for (slot, layer) in self.plan.layers.clone().enumerate().rev() {
+        for (slot, layer) in self.plan.layout.layers.clone().enumerate().rev() {
             let caches = (&mb.qkv[slot], &mb.dk[slot], &mb.dv[slot]);
             self.block_backward(&unit.blocks[slot], caches, layer, rows, scratch, acc_ptr)?;
         }
         let dx = scratch.dx.ptr();
-        if self.plan.first {
+        if self.plan.layout.is_first() {
             gpu.embed_backward_tokens(offset("wte.weight"), dx, &unit.host_ids, c)?;
             gpu.embed_backward_positions(offset("wpe.weight"), dx, b, len, c, start)?;
             Ok(None)
@@ -1842,7 +1726,7 @@ impl GpuStage {
         acc: u64,
     ) -> Result<()> {
         let m = &self.plan.model;
-        let (c, f, gpu) = (m.d_model, m.ffn, &self.gpu);
+        let (c, f, gpu) = (m.d_model, m.ffn(), &self.gpu);
         let n = b * len;
         let (dx, dtmp, dln, dff) = (
             scratch.dx.ptr(),
@@ -1962,14 +1846,4 @@ enum Dy<'a> {
     Host(&'a [f32]),
     /// A device buffer's address and length.
     Device(u64, usize),
-}
-
-fn tree_error(e: ops::SumTreeError<GpuError>) -> GpuError {
-    match e {
-        ops::SumTreeError::Add(e) => e,
-        other => GpuError::Shape {
-            op: "GpuStage gradient tree",
-            reason: other.to_string(),
-        },
-    }
 }

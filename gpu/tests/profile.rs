@@ -8,8 +8,10 @@
 use std::time::Instant;
 
 use gpu::profile::Group;
-use gpu::stage::{GptShape, GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
+use gpu::stage::{GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
 use gpu::{Gpu, Precision, Profile};
+use model::ModelConfig;
+use model::params::WeightDecay;
 
 // Small: the emulator runs a few milliseconds per thread block, and the gradient norm alone
 // launches 256 blocks per tensor.
@@ -21,16 +23,16 @@ const MICRO_BATCHES: usize = 2;
 /// Sequences per micro-batch.
 const B: usize = 1;
 
-fn shape() -> GptShape {
-    GptShape {
-        vocab: VOCAB,
+fn shape() -> ModelConfig {
+    ModelConfig {
+        vocab_size: VOCAB,
         layers: LAYERS,
         d_model: C,
         heads: 1,
-        ffn: 2 * C,
+        ffn_mult: 2,
         max_seq_len: 8,
-        eps: 1e-5,
-        rms: false,
+        norm_eps: 1e-5,
+        ..ModelConfig::default()
     }
 }
 
@@ -79,13 +81,7 @@ fn params() -> Vec<StageParam> {
 }
 
 fn stage(precision: Precision) -> GpuStage {
-    let plan = StagePlan {
-        model: shape(),
-        layers: 0..LAYERS,
-        first: true,
-        last: true,
-        segments: SEGMENTS.to_vec(),
-    };
+    let plan = StagePlan::whole(shape(), SEGMENTS.to_vec());
     GpuStage::new(Gpu::open(0, precision).unwrap(), plan, params()).unwrap()
 }
 
@@ -129,8 +125,11 @@ fn step(m: &mut GpuStage) -> f64 {
     let sums = m.grad_sums_of_squares().unwrap();
     let norm = sums.iter().map(|(_, s)| s).sum::<f64>().sqrt();
     let clip = (1.0 / norm).min(1.0);
-    let decay = vec![0.1; sums.len()];
-    m.apply_update(1e-3, clip, &decay, (0.9, 0.95, 1e-8))
+    let decay = WeightDecay {
+        rate: 0.1,
+        embeddings: true,
+    };
+    m.apply_update(1e-3, clip, decay, (0.9, 0.95, 1e-8))
         .unwrap();
     loss
 }

@@ -9,27 +9,32 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use gpu::nccl::{Abort, LinkId};
-use gpu::stage::{GptShape, GpuStage, Side, StageParam, StagePlan};
+use gpu::stage::{GpuStage, Side, StageParam, StagePlan};
 use gpu::{Gpu, Precision};
+use model::{ModelConfig, StageLayout};
 
 /// A middle stage holding block 0 of a tiny GPT (no embeddings, no head).
 fn stage() -> GpuStage {
     let (c, f) = (16, 32);
-    let model = GptShape {
-        vocab: 32,
+    let model = ModelConfig {
+        vocab_size: 32,
         layers: 1,
         d_model: c,
         heads: 1,
-        ffn: f,
+        ffn_mult: f / c,
         max_seq_len: 8,
-        eps: 1e-5,
-        rms: false,
+        norm_eps: 1e-5,
+        ..ModelConfig::default()
+    };
+    // The middle one of three stages: neither the embeddings nor the head.
+    let layout = StageLayout {
+        stage: 1,
+        stages: 3,
+        layers: 0..1,
     };
     let plan = StagePlan {
         model,
-        layers: 0..1,
-        first: false,
-        last: false,
+        layout,
         segments: vec![4, 4],
     };
     let dims: Vec<(&str, Vec<usize>)> = vec![

@@ -504,3 +504,58 @@ fn device_links_carry_a_step_bit_identically_and_a_lost_neighbour_ends_a_wait() 
         "{err}"
     );
 }
+
+/// One set of order rules for both devices (`model::order`, `model::grads`): the CPU stage and the
+/// emulated CUDA stage refuse the same misordered units with the same typed error naming the unit
+/// (the CUDA stage's refusals were device errors with their own text before).
+#[test]
+fn both_devices_refuse_misordered_units_with_the_models_typed_error() {
+    use trainer::model::ModelError;
+    for device in [DeviceKind::Cpu, DeviceKind::Cuda] {
+        let mut stages = stages(&model(device));
+        let first = &mut stages[0];
+        first.begin_step(MICRO_BATCHES);
+        let forward = |s: &mut Box<dyn StageCompute>, seg: usize| {
+            let (ids, _) = batch(0, 0, seg);
+            s.forward(
+                Unit::new(0, seg),
+                StageInput::Tokens(ids),
+                None,
+                1.0,
+                Mode::Train,
+            )
+        };
+        let d_out =
+            |seg: usize| Tensor::zeros((ROWS * SEGMENTS[seg], 32), DType::F32, &Device::Cpu);
+        let err = forward(first, 1).err().expect("segment 1 before segment 0");
+        assert!(
+            matches!(err, ModelError::Order { unit, .. } if unit == Unit::new(0, 1)),
+            "{device:?}: {err}"
+        );
+        forward(first, 0).unwrap();
+        forward(first, 1).unwrap();
+        let err = first
+            .backward(Unit::new(0, 0), Some(d_out(0).unwrap()))
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::Order { unit, .. } if unit == Unit::new(0, 0)),
+            "{device:?}: segment 0's backward before segment 1's: {err}"
+        );
+        for seg in [1, 0] {
+            first
+                .backward(Unit::new(0, seg), Some(d_out(seg).unwrap()))
+                .unwrap();
+        }
+        let err = first.finish_gradients().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::IncompleteGradients {
+                    completed: 1,
+                    micro_batches: MICRO_BATCHES
+                }
+            ),
+            "{device:?}: the step summed before micro-batch 1's backward: {err}"
+        );
+    }
+}

@@ -13,16 +13,16 @@ const C: usize = 32;
 const SEGMENTS: [usize; 2] = [3, 5];
 const ROWS: usize = 2;
 
-fn shape() -> GptShape {
-    GptShape {
-        vocab: VOCAB,
+fn shape() -> ModelConfig {
+    ModelConfig {
+        vocab_size: VOCAB,
         layers: 1,
         d_model: C,
         heads: 2,
-        ffn: 2 * C,
+        ffn_mult: 2,
         max_seq_len: 8,
-        eps: 1e-5,
-        rms: false,
+        norm_eps: 1e-5,
+        ..ModelConfig::default()
     }
 }
 
@@ -70,13 +70,7 @@ fn params(seed: f32) -> Vec<StageParam> {
 
 fn stage(precision: Precision, padding: Option<usize>, seed: f32) -> GpuStage {
     let gpu = Gpu::open(0, precision).unwrap();
-    let plan = StagePlan {
-        model: shape(),
-        layers: 0..1,
-        first: true,
-        last: true,
-        segments: SEGMENTS.to_vec(),
-    };
+    let plan = StagePlan::whole(shape(), SEGMENTS.to_vec());
     let mut s = GpuStage::new(gpu, plan, params(seed)).unwrap();
     if let Some(p) = padding {
         s.set_vocab_padding(p).unwrap();
@@ -122,9 +116,11 @@ fn step(s: &mut GpuStage, n: usize) -> (f64, Vec<NamedTensor>) {
 }
 
 fn update(s: &mut GpuStage) {
-    let decay = vec![0.1; s.param_names().len()];
-    s.apply_update(1e-2, 1.0, &decay, (0.9, 0.95, 1e-8))
-        .unwrap();
+    let decay = WeightDecay {
+        rate: 0.1,
+        embeddings: true,
+    };
+    s.apply_update(1e-2, 1.0, decay, (0.9, 0.95, 1e-8)).unwrap();
 }
 
 fn bits(t: &[NamedTensor]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
@@ -260,13 +256,7 @@ fn the_bf16_weight_copies_follow_the_master_weights() {
     }
     let mut gpu = Gpu::open(0, Precision::Bf16).unwrap();
     gpu.set_bf16_path(Bf16Path::Operands);
-    let plan = StagePlan {
-        model: shape(),
-        layers: 0..1,
-        first: true,
-        last: true,
-        segments: SEGMENTS.to_vec(),
-    };
+    let plan = StagePlan::whole(shape(), SEGMENTS.to_vec());
     let s = GpuStage::new(gpu, plan, params(0.0)).unwrap();
     assert!(s.bf16.is_none(), "the operands path keeps no copies");
 }

@@ -15,9 +15,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use gpu::nccl::{Abort, LinkId};
-use gpu::stage::{
-    GptShape, GpuStage, Side, StageParam, StagePlan, UnitGrad, UnitInput, UnitOutput,
-};
+use gpu::stage::{GpuStage, Side, StageParam, StagePlan, UnitGrad, UnitInput, UnitOutput};
 use gpu::{Gpu, GpuError, Precision};
 use ops::adamw::AdamWConfig;
 
@@ -25,9 +23,9 @@ use super::compute::{
     CUDA_DEVICE_ENV, DeviceLinks, LinkedInput, LinkedOutput, Neighbour, StageCompute, StageSpec,
     UpdateSettings,
 };
-use super::config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
+use super::config::{DeviceKind, ModelConfig, Position, PrecisionKind};
 use super::error::ModelError;
-use super::params::{ParamSpec, component_params, decays, init_param};
+use super::params::{ParamSpec, WeightDecay, component_params, init_param};
 use super::partition::StageLayout;
 use super::snapshot::StateSnapshot;
 use super::stage::{Mode, StageInput, StageOutput};
@@ -44,8 +42,13 @@ pub struct CudaStage {
     d_model: usize,
 }
 
+/// The model's own refusals (units out of order, no step begun) come back as they are; any
+/// other failure is the device's.
 fn device_err(e: GpuError) -> ModelError {
-    ModelError::Device(e.to_string())
+    match e {
+        GpuError::Model(e) => e,
+        e => ModelError::Device(e.to_string()),
+    }
 }
 
 /// A device link's failure is the neighbour's loss; any other is the device's.
@@ -109,10 +112,8 @@ impl CudaStage {
             });
         }
         let plan = StagePlan {
-            model: gpu_shape(model),
-            layers: spec.layout.layers.clone(),
-            first: spec.layout.is_first(),
-            last: spec.layout.is_last(),
+            model: model.clone(),
+            layout: spec.layout.clone(),
             segments: spec.segment_lengths.clone(),
         };
         let stage = GpuStage::new(gpu, plan, params).map_err(device_err)?;
@@ -173,20 +174,6 @@ impl CudaStage {
                 ))
             })
             .collect()
-    }
-}
-
-/// The `[model]` fields the GPU stage uses.
-pub fn gpu_shape(model: &ModelConfig) -> GptShape {
-    GptShape {
-        vocab: model.vocab_size,
-        layers: model.layers,
-        d_model: model.d_model,
-        heads: model.heads,
-        ffn: model.ffn(),
-        max_seq_len: model.max_seq_len,
-        eps: model.norm_eps as f32,
-        rms: model.norm == Norm::RmsNorm,
     }
 }
 
@@ -317,20 +304,13 @@ impl StageCompute for CudaStage {
     }
 
     fn apply_update(&mut self, u: UpdateSettings) -> Result<(), ModelError> {
-        let wd: Vec<f64> = self
-            .specs
-            .iter()
-            .map(|s| {
-                if decays(s.kind, u.decay_embeddings) {
-                    u.weight_decay
-                } else {
-                    0.0
-                }
-            })
-            .collect();
+        let decay = WeightDecay {
+            rate: u.weight_decay,
+            embeddings: u.decay_embeddings,
+        };
         let a = &self.adamw;
         self.stage
-            .apply_update(u.lr, u.clip_coefficient, &wd, (a.beta1, a.beta2, a.eps))
+            .apply_update(u.lr, u.clip_coefficient, decay, (a.beta1, a.beta2, a.eps))
             .map_err(device_err)
     }
 

@@ -1,26 +1,26 @@
 //! The GPT model (GPT-2 style decoder) split into pipeline stages, with explicit forward/backward per
-//! (micro-batch, segment) unit.
+//! (micro-batch, segment) unit. The device-independent parts (config, parameter names and init, the
+//! layer split, errors, the step's gradient bookkeeping) live in the `model` crate and are
+//! re-exported here under their old paths; this module holds the CPU stage and the device adapters.
 
 pub mod block;
 pub mod build;
 pub mod compute;
-pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda_stage;
-pub mod error;
 pub mod norm;
-pub mod params;
-pub mod partition;
 pub mod snapshot;
 pub mod stage;
 
+pub use ::model::{
+    ModelConfig, ModelError, Norm, PartitionError, Position, StageLayout, StateMismatch,
+    partition_layers,
+};
+pub use ::model::{config, error, grads, params, partition};
 pub use build::build_stage;
 pub use compute::{
     CpuStage, DeviceLinks, LinkedInput, LinkedOutput, Neighbour, StageCompute, StageSpec,
     UpdateSettings,
 };
-pub use config::{ModelConfig, Norm, Position};
-pub use error::{ModelError, PartitionError, StateMismatch};
-pub use partition::{StageLayout, partition_layers};
 pub use snapshot::StateSnapshot;
 pub use stage::{Mode, Stage, StageInput, StageOutput};

@@ -13,12 +13,11 @@ use ops::rope::RopeTable;
 use super::block::{Block, BlockCtx, KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::error::ModelError;
+use super::grads::StepGradients;
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{
-    Gradients, ParamSpec, Params, StepGradients, component_params, decays, init_param,
-};
+use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param};
 use super::partition::StageLayout;
-use crate::schedule::Unit;
+use ::model::Unit;
 
 /// Rows of the logits that exist at once in the fused LM head + softmax cross-entropy.
 const LOSS_CHUNK_ROWS: usize = 256;
@@ -97,7 +96,9 @@ pub struct Stage {
     segment_lengths: Vec<usize>,
     segment_starts: Vec<usize>,
     params: Params,
-    grads: StepGradients,
+    grads: StepGradients<Gradients>,
+    /// No gradients: what [`Stage::grads`] shows before the step is summed.
+    no_grads: Gradients,
     rope: Option<RopeTable>,
     in_flight: BTreeMap<usize, MicroBatchState>,
     /// Most bytes of live activations held since [`Stage::take_peak_activation_bytes`].
@@ -157,6 +158,7 @@ impl Stage {
             segment_lengths,
             params: Params::new(specs, values),
             grads: StepGradients::default(),
+            no_grads: Gradients::default(),
             rope,
             in_flight: BTreeMap::new(),
             peak_activation_bytes: 0,
@@ -182,7 +184,7 @@ impl Stage {
     /// The step's summed gradients once [`Stage::finish_gradients`] ran (or
     /// [`Stage::set_gradient_vector`]); empty before.
     pub fn grads(&self) -> &Gradients {
-        self.grads.total()
+        self.grads.total().unwrap_or(&self.no_grads)
     }
 
     /// Starts a training step of `micro_batches` micro-batches (this stage's indices 0..m):
@@ -209,7 +211,7 @@ impl Stage {
         if !self.grads.is_finished() {
             return Err(ModelError::GradientsNotFinished);
         }
-        let total = self.grads.total();
+        let total = self.grads.total().unwrap_or(&self.no_grads);
         let mut out = Vec::with_capacity(self.param_elements());
         for spec in self.params.specs() {
             let g = total
@@ -408,15 +410,7 @@ impl Stage {
             state.kv.resize_with(layers.len(), KvPrefix::default);
         }
         let done = state.kv.first().map_or(0, |kv| kv.len());
-        if done != seg.start {
-            return Err(ModelError::Order {
-                unit,
-                reason: format!(
-                    "forward needs the K/V of positions 0..{} but {done} are cached (segments must run in order)",
-                    seg.start
-                ),
-            });
-        }
+        ::model::order::check_forward(unit, done, seg.start)?;
         let mut blocks = Vec::new();
         for (slot, layer) in layers.clone().enumerate() {
             let block = Block::new(&self.cfg, layer, self.rope.as_ref());
@@ -499,16 +493,11 @@ impl Stage {
                 reason: "backward before forward, or twice".into(),
             })?
             .seg;
-        if last_cached != seg.start + seg.len {
-            return Err(ModelError::Order {
-                unit,
-                reason:
-                    "backward must run after the backward of every later segment of the micro-batch"
-                        .into(),
-            });
-        }
+        ::model::order::check_backward(unit, last_cached, seg.start, seg.len)?;
         // This micro-batch's own gradient: its segments accumulate in backward order.
-        let grads = self.grads.accumulator(unit)?;
+        let grads = self
+            .grads
+            .accumulator(unit, || Ok::<_, ModelError>(Gradients::default()))?;
         let ctx = state.units.remove(&unit.segment).expect("checked above");
         let UnitCtx {
             seg,
@@ -543,7 +532,8 @@ impl Stage {
         }
         if unit.segment == 0 {
             self.in_flight.remove(&unit.micro_batch);
-            self.grads.complete(unit)?;
+            self.grads
+                .complete(unit, &mut |l: Gradients, r| Ok::<_, ModelError>(l.sum(r)?))?;
         }
         self.measure_activations(None)?;
         Ok(token_ids.is_none().then_some(dx))
@@ -553,7 +543,7 @@ impl Stage {
     /// gradients first if [`Stage::finish_gradients`] has not run).
     pub fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>, ModelError> {
         self.finish_gradients()?;
-        let grads = self.grads.total();
+        let grads = self.grads.total().unwrap_or(&self.no_grads);
         self.params
             .specs()
             .iter()
@@ -579,7 +569,7 @@ impl Stage {
     ) -> Result<(), ModelError> {
         self.finish_gradients()?;
         optimizer.begin_step();
-        let grads = self.grads.total();
+        let grads = self.grads.total().unwrap_or(&self.no_grads);
         let mut updates = Vec::with_capacity(self.params.specs().len());
         for spec in self.params.specs() {
             let grad = grads

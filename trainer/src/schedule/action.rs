@@ -64,33 +64,9 @@ impl From<ScheduleKind> for String {
     }
 }
 
-/// One schedulable unit: micro-batch `micro_batch`, sequence segment `segment`.
-///
-/// Ordering is lexicographic (micro-batch, then segment), which is the forward order. Text form
-/// is `"i.j"`, e.g. `"0.1"`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Unit {
-    /// Micro-batch index within the step, `0..m`.
-    pub micro_batch: usize,
-    /// Segment index within the micro-batch's sequence, `0..k`.
-    pub segment: usize,
-}
-
-impl Unit {
-    /// The unit (micro-batch `micro_batch`, segment `segment`).
-    pub fn new(micro_batch: usize, segment: usize) -> Self {
-        Unit {
-            micro_batch,
-            segment,
-        }
-    }
-}
-
-impl fmt::Display for Unit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.micro_batch, self.segment)
-    }
-}
+/// One schedulable unit (micro-batch, segment), text form `"i.j"`: defined with the model, which
+/// names units in its errors; read back from text by [`super::parse`].
+pub use ::model::Unit;
 
 /// A stage's action on one unit.
 ///

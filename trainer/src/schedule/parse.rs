@@ -31,28 +31,26 @@ impl TryFrom<String> for ScheduleKind {
     }
 }
 
-impl FromStr for Unit {
-    type Err = ScheduleError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = |reason: &str| ScheduleError::Parse {
-            what: "unit",
-            input: s.to_string(),
-            reason: reason.to_string(),
-        };
-        let (i, j) = s
-            .split_once('.')
-            .ok_or_else(|| err("expected \"<micro_batch>.<segment>\", e.g. \"0.1\""))?;
-        let parse = |x: &str| {
-            // `usize::from_str` accepts a leading '+'; we do not.
-            if x.is_empty() || !x.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(err("indices must be non-negative decimal integers"));
-            }
-            x.parse::<usize>()
-                .map_err(|_| err("index does not fit in usize"))
-        };
-        Ok(Unit::new(parse(i)?, parse(j)?))
-    }
+/// A [`Unit`] from its text form `"i.j"` (the type lives in the `model` crate, so this is a
+/// function rather than `FromStr`).
+pub fn parse_unit(s: &str) -> Result<Unit, ScheduleError> {
+    let err = |reason: &str| ScheduleError::Parse {
+        what: "unit",
+        input: s.to_string(),
+        reason: reason.to_string(),
+    };
+    let (i, j) = s
+        .split_once('.')
+        .ok_or_else(|| err("expected \"<micro_batch>.<segment>\", e.g. \"0.1\""))?;
+    let parse = |x: &str| {
+        // `usize::from_str` accepts a leading '+'; we do not.
+        if x.is_empty() || !x.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(err("indices must be non-negative decimal integers"));
+        }
+        x.parse::<usize>()
+            .map_err(|_| err("index does not fit in usize"))
+    };
+    Ok(Unit::new(parse(i)?, parse(j)?))
 }
 
 impl FromStr for Action {
@@ -72,7 +70,7 @@ impl FromStr for Action {
         let t = s.trim();
         for (prefix, ctor) in CTORS {
             if let Some(rest) = t.strip_prefix(prefix) {
-                let unit = rest.parse::<Unit>().map_err(|e| ScheduleError::Parse {
+                let unit = parse_unit(rest).map_err(|e| ScheduleError::Parse {
                     what: "action",
                     input: s.to_string(),
                     reason: format!("bad unit after {prefix:?}: {e}"),

@@ -2,9 +2,9 @@
 
 use std::ops::Range;
 
-use super::config::ModelConfig;
-use super::error::PartitionError;
-use super::params::{Component, component_params};
+use crate::config::ModelConfig;
+use crate::error::PartitionError;
+use crate::params::{Component, component_params};
 
 /// A stage's share of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]

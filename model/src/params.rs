@@ -3,16 +3,14 @@
 //! Names are global and GPT-2 style (`h.7.attn.c_attn.weight`): a parameter keeps its name whichever
 //! stage holds it, and its initial value depends only on (seed, name), never on the partition.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use ops::sum_tree::SumTree;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::config::{ModelConfig, Norm, Position};
-use super::error::{ModelError, StateMismatch};
-use crate::schedule::Unit;
+use crate::config::{ModelConfig, Norm, Position};
+use crate::error::{ModelError, StateMismatch};
 
 /// A part of the model that is placed on exactly one stage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -293,6 +291,28 @@ pub fn decays(kind: ParamKind, decay_embeddings: bool) -> bool {
     }
 }
 
+/// AdamW's decoupled weight decay of a run: the rate of the parameters that decay
+/// (`train.weight_decay`), and whether the embedding tables do (`train.decay_embeddings`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightDecay {
+    /// Decay rate of the decayed parameters.
+    pub rate: f64,
+    /// Whether the embedding tables decay.
+    pub embeddings: bool,
+}
+
+impl WeightDecay {
+    /// The decay rate of a parameter of role `kind`: [`WeightDecay::rate`] where [`decays`] says
+    /// so, else 0.
+    pub fn rate_of(&self, kind: ParamKind) -> f64 {
+        if decays(kind, self.embeddings) {
+            self.rate
+        } else {
+            0.0
+        }
+    }
+}
+
 /// The parameters a stage holds, by global name, with their specs in canonical order.
 pub struct Params {
     specs: Vec<ParamSpec>,
@@ -344,7 +364,7 @@ impl Params {
 }
 
 /// Parameter gradients by name: one micro-batch's, accumulated over its segments in the order
-/// their backward ran, or (see [`StepGradients`]) a whole step's sum.
+/// their backward ran, or (see [`crate::grads::StepGradients`]) a whole step's sum.
 #[derive(Clone, Debug, Default)]
 pub struct Gradients {
     values: HashMap<String, Tensor>,
@@ -391,151 +411,6 @@ impl Gradients {
         }
         self.values.extend(right.values);
         Ok(self)
-    }
-}
-
-/// One training step's gradients: each micro-batch's own sum (over its segments, in backward
-/// order), combined across micro-batches in the canonical summation tree ([`ops::sum_tree`]) over
-/// the step's micro-batches 0..m, so the total is bit-identical whichever data-parallel degree
-/// split the micro-batches (a replica's chunk is a subtree of the same tree).
-///
-/// Micro-batches whose backward completes out of index order are held until their turn (the
-/// generated schedules never do that: every kind backwards micro-batches in ascending order, but
-/// an edited schedule that passes validation may).
-#[derive(Debug, Default)]
-pub struct StepGradients {
-    /// The step's micro-batch count; `None` before [`StepGradients::begin`].
-    micro_batches: Option<usize>,
-    /// Gradients of the micro-batches whose backward is under way.
-    accumulating: BTreeMap<usize, Gradients>,
-    /// Micro-batches whose backward completed before an earlier one's.
-    held: BTreeMap<usize, Gradients>,
-    tree: Option<SumTree<Gradients>>,
-    /// The step's sum, once finished.
-    total: Option<Gradients>,
-    /// Empty: what [`StepGradients::total`] shows before the step is finished.
-    none: Gradients,
-    /// The most full-gradient buffers held at once since [`StepGradients::take_peak_buffers`].
-    peak_buffers: usize,
-}
-
-impl StepGradients {
-    /// Starts a step of `micro_batches` micro-batches, forgetting everything of the last one.
-    pub fn begin(&mut self, micro_batches: usize) {
-        self.clear();
-        self.micro_batches = Some(micro_batches);
-        self.tree = Some(SumTree::new(micro_batches));
-    }
-
-    /// Forgets everything: no step is begun.
-    pub fn clear(&mut self) {
-        self.micro_batches = None;
-        self.accumulating.clear();
-        self.held.clear();
-        self.tree = None;
-        self.total = None;
-    }
-
-    /// The accumulator of `unit`'s micro-batch, for a backward of it. Errors when no step is
-    /// begun, the micro-batch is not one of the step's, or its gradient was already summed.
-    pub fn accumulator(&mut self, unit: Unit) -> Result<&mut Gradients, ModelError> {
-        let (Some(m), Some(tree)) = (self.micro_batches, &self.tree) else {
-            return Err(ModelError::NoStep);
-        };
-        let i = unit.micro_batch;
-        if i >= m {
-            return Err(ModelError::Input {
-                unit,
-                reason: format!(
-                    "micro-batch out of range: the step has {m} micro-batches (Stage::begin_step)"
-                ),
-            });
-        }
-        if self.total.is_some() || i < tree.pushed() || self.held.contains_key(&i) {
-            return Err(ModelError::Order {
-                unit,
-                reason: "the micro-batch's backward already completed this step (its gradient is summed)"
-                    .into(),
-            });
-        }
-        let fresh = !self.accumulating.contains_key(&i);
-        let buffers = self.buffers() + usize::from(fresh);
-        self.peak_buffers = self.peak_buffers.max(buffers);
-        Ok(self.accumulating.entry(i).or_default())
-    }
-
-    /// The backward of `unit`'s micro-batch is complete (segment 0 ran): its gradient joins the
-    /// tree, after every earlier micro-batch's.
-    pub fn complete(&mut self, unit: Unit) -> Result<(), ModelError> {
-        let i = unit.micro_batch;
-        let Some(tree) = self.tree.as_mut() else {
-            return Err(ModelError::NoStep);
-        };
-        let g = self
-            .accumulating
-            .remove(&i)
-            .ok_or_else(|| ModelError::Order {
-                unit,
-                reason: "the micro-batch's backward completed, but none of it ran".into(),
-            })?;
-        self.held.insert(i, g);
-        while let Some(g) = self.held.remove(&tree.pushed()) {
-            let next = tree.pushed();
-            tree.push(next, next + 1, g, &mut Gradients::sum)?;
-        }
-        Ok(())
-    }
-
-    /// Whether the step's sum is known (finished, or set).
-    pub fn is_finished(&self) -> bool {
-        self.total.is_some()
-    }
-
-    /// Sums the tree (idempotent). Errors when no step is begun or a micro-batch's backward has
-    /// not completed.
-    pub fn finish(&mut self) -> Result<(), ModelError> {
-        if self.total.is_some() {
-            return Ok(());
-        }
-        let (Some(m), Some(tree)) = (self.micro_batches, self.tree.take()) else {
-            return Err(ModelError::NoStep);
-        };
-        if tree.pushed() != m || !self.accumulating.is_empty() {
-            let completed = tree.pushed() + self.held.len();
-            self.tree = Some(tree);
-            return Err(ModelError::IncompleteGradients {
-                completed,
-                micro_batches: m,
-            });
-        }
-        self.total = Some(tree.finish()?);
-        Ok(())
-    }
-
-    /// Replaces the step's sum (e.g. with the data-parallel reduction of it).
-    pub fn set_total(&mut self, total: Gradients) {
-        self.total = Some(total);
-    }
-
-    /// The step's sum once finished; empty before.
-    pub fn total(&self) -> &Gradients {
-        self.total.as_ref().unwrap_or(&self.none)
-    }
-
-    /// Full-gradient buffers held now: the micro-batches under way, those held for their turn,
-    /// the tree's partial sums, the finished sum.
-    pub fn buffers(&self) -> usize {
-        self.accumulating.len()
-            + self.held.len()
-            + self.tree.as_ref().map_or(0, SumTree::depth)
-            + usize::from(self.total.is_some())
-    }
-
-    /// The most full-gradient buffers held at once since the last call (measured whenever a
-    /// micro-batch's accumulator is created); starts the next measurement from what is held now.
-    pub fn take_peak_buffers(&mut self) -> usize {
-        let now = self.buffers();
-        std::mem::replace(&mut self.peak_buffers, now).max(now)
     }
 }
 

@@ -4,7 +4,7 @@
 use candle_core::DType;
 use thiserror::Error;
 
-use crate::schedule::Unit;
+use crate::unit::Unit;
 
 /// What went wrong inside a stage.
 #[derive(Debug, Error)]
@@ -122,7 +122,7 @@ pub enum PartitionError {
     NoStages,
 }
 
-/// One way a saved state's tensors differ from what the model loads (see [`super::params::check_state`]).
+/// One way a saved state's tensors differ from what the model loads (see [`crate::params::check_state`]).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum StateMismatch {
     /// A tensor the model needs is absent.

@@ -1,0 +1,20 @@
+//! The GPT model (GPT-2 style decoder) and its pipeline stage, independent of the device that runs
+//! the kernels: the `[model]` config, parameter names, shapes and seeded init, which layers each
+//! stage holds, the errors a stage can refuse with, the unit and the step's gradient bookkeeping
+//! (per-micro-batch accumulators summed in the canonical tree, with peak accounting), and AdamW's
+//! decay rules. The CPU stage (`trainer::model`, over `ops`) and the CUDA stage (`gpu`) both build
+//! on it, so a parameter name or a bookkeeping rule is written once.
+
+pub mod config;
+pub mod error;
+pub mod grads;
+pub mod order;
+pub mod params;
+pub mod partition;
+pub mod unit;
+
+pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
+pub use error::{ModelError, PartitionError, StateMismatch};
+pub use grads::StepGradients;
+pub use partition::{StageLayout, partition_layers};
+pub use unit::Unit;
