@@ -25,7 +25,8 @@
 #   PASS=2 (estimated 7 min): gemm (the step's products in FP32, TF32 and three ways of BF16),
 #     profile-gpt2 (where a GPT-2 bf16 step's time goes: every kernel, product, copy and sync
 #     timed by CUDA events and summed by category, for the whole batch and for the pipeline's
-#     shape of 8 micro-batches x 4 segments), grads-bf16 (presets a and gpt2, stated), bench-gpt2 (ROUNDS alternating rounds of seqpipe,
+#     shape of 8 micro-batches x 4 segments), attention-v2 (the same two profiles with the
+#     tensor-core attention kernels v1 and v2, SEQPIPE_ATTENTION, side by side), grads-bf16 (presets a and gpt2, stated), bench-gpt2 (ROUNDS alternating rounds of seqpipe,
 #     seqpipe with --bf16-operands, PyTorch eager and torch.compile), pipeline-gpt2 (GPT-2 124M on
 #     2 CUDA stages, checkpoints and peer snapshots timed)
 #   PASS=3 (estimated 7 min): bench-presets (presets a, b, long: seqpipe, eager, torch.compile,
@@ -50,10 +51,10 @@
 #           of a 540 s budget
 #   pass 2: preflight 15, gemm 20, profile-gpt2 30 (two processes of ~4 s of start and weight
 #           init each; 12 steps of ~60 ms at 8 x 1024 tokens, then 12 of ~0.4 s at 32 x 1024 in
-#           the pipeline's shape; the profiled steps a few percent slower), grads-bf16 50,
-#           bench-gpt2 with ROUNDS=2 (seqpipe 15 + bf16 operands 15 + eager 20 + compile 90 then
-#           30 once Inductor's cache holds it) 190, pipeline-gpt2 (20 steps, 4 checkpoints of
-#           1.5 GB into /tmp) 90: 395 s
+#           the pipeline's shape; the profiled steps a few percent slower), attention-v2 60
+#           (profile-gpt2's two processes twice), grads-bf16 50, bench-gpt2 with ROUNDS=2
+#           (seqpipe 15 + bf16 operands 15 + eager 20 + compile 90 then 30 once Inductor's cache
+#           holds it) 190, pipeline-gpt2 (20 steps, 4 checkpoints of 1.5 GB into /tmp) 90: 455 s
 #   pass 3: preflight 15, bench-presets with ROUNDS=1 (per preset: seqpipe 10, eager 15, compile
 #           60) 255, link (NCCL round trips and the killed peer 60, then 3 pipeline jobs of 12
 #           steps 60) 120: 390 s
@@ -563,6 +564,39 @@ PY
   done
 }
 
+# The two versions of the tensor-core attention kernels (SEQPIPE_ATTENTION=v1, the default, and
+# v2) in the profile of a GPT-2 bf16 step, for the whole batch and the pipeline's shape (as
+# profile-gpt2): the attention categories side by side, GPU ms per step, and the step medians.
+attention_v2() {
+  say "== attention-v2: attention kernels v1 against v2 in the profile of a GPT-2 124M bf16 step"
+  local shape version args ran
+  for shape in gpt2 pipeline; do
+    args=()
+    [ "$shape" = pipeline ] && args=(--batch 32 --micro-batches 8 --segments 4)
+    ran=0
+    for version in v1 v2; do
+      step "attention-$version-$shape" 90 --json env SEQPIPE_ATTENTION=$version "$BIN" gpu bench \
+        --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3 "${args[@]}" &&
+        ran=$((ran + 1))
+    done
+    [ "$ran" -eq 2 ] || continue
+    finding "attention-v2-$shape" "$LOGS/attention-v1-$shape.out" "$LOGS/attention-v2-$shape.out" "$shape" <<'PY'
+import json, sys
+def last_json(path):
+    return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
+runs = [last_json(p) for p in sys.argv[1:3]]
+cats = [{c["category"]: c["gpu_ms"] for c in r["profile"]["categories"]} for r in runs]
+names = sorted({n for c in cats for n in c if n.startswith("attention")})
+print(f"{sys.argv[3]} shape: {'category (GPU ms/step)':<26} {'v1':>8} {'v2':>8} {'v1/v2':>7}")
+rows = [(n, cats[0].get(n, 0.0), cats[1].get(n, 0.0)) for n in names]
+rows.append(("attention, all", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+for n, a, b in rows:
+    print(f"{'':<{len(sys.argv[3]) + 7}} {n:<26} {a:>8.2f} {b:>8.2f} {a / b if b else float('nan'):>6.2f}x")
+print(f"step median (unprofiled): v1 {runs[0]['median_ms']:.2f} ms, v2 {runs[1]['median_ms']:.2f} ms; profiled gpu busy: v1 {runs[0]['profile']['gpu_busy_ms']:.2f} ms, v2 {runs[1]['profile']['gpu_busy_ms']:.2f} ms")
+PY
+  done
+}
+
 # One round of training-step benchmarks of a preset, bf16: seqpipe (and, for gpt2 with
 # operands=1, seqpipe with --bf16-operands), then PyTorch in each mode given.
 bench_round() {
@@ -705,7 +739,7 @@ archive_logs() {
 
 # The parts of each pass, in order (their estimated times are in the header).
 PASS1="preflight kernels grads-fp32 determinism pipeline bench-gpt2-eager"
-PASS2="preflight gemm profile-gpt2 grads-bf16 bench-gpt2 pipeline-gpt2"
+PASS2="preflight gemm profile-gpt2 attention-v2 grads-bf16 bench-gpt2 pipeline-gpt2"
 PASS3="preflight bench-presets link"
 
 run() {
@@ -755,6 +789,7 @@ run() {
       pipeline-gpt2) pipeline_gpt2 ;;
       gemm) gemm ;;
       profile-gpt2) profile_gpt2 ;;
+      attention-v2) attention_v2 ;;
       bench-gpt2-eager) bench_gpt2_eager ;;
       bench-gpt2) bench_gpt2 ;;
       bench-presets) bench_presets ;;

@@ -35,11 +35,25 @@ fn the_kernel_check_passes_on_the_emulated_gpu_bf16_attention_on_tensor_cores_in
             .count()
     };
     // Linear layers and the LM head in each precision; the FP32 attention at six shapes (y, lse,
-    // dQ, dK, dV), the BF16 tensor-core attention at five; at one shape of each, the K/V cache's
-    // rows past the segment checked untouched (exactly: FP32 rows).
+    // dQ, dK, dV), the BF16 tensor-core attention's v1 kernels at five and its v2 kernels at six
+    // (each v2 shape also run twice, bit-identical: one row); at one shape of each, the K/V
+    // cache's rows past the segment checked untouched (exactly: FP32 rows).
     assert!(kernels.len() >= 98, "{report:#}");
-    assert_eq!(rows("fp32", "attention"), 6 * 5 + 2 + 2, "{report:#}");
-    assert_eq!(rows("bf16", "attention"), 5 * 5, "{report:#}");
+    assert_eq!(rows("fp32", "attention"), 6 * 5 + 2 + 2 + 2, "{report:#}");
+    assert_eq!(rows("bf16", "attention"), 5 * 5 + 6 * 5 + 6, "{report:#}");
+    let named = |version: &str| {
+        kernels
+            .iter()
+            .filter(|k| k["what"].as_str().is_some_and(|w| w.contains(version)))
+            .count()
+    };
+    assert_eq!(named("tensor cores v1"), 5 * 5 + 2, "{report:#}");
+    assert_eq!(named("tensor cores v2"), 6 * 5 + 2 + 6, "{report:#}");
+    assert_eq!(
+        named("attention run twice, outputs bit-identical"),
+        6,
+        "{report:#}"
+    );
     for k in kernels {
         let (err, bound) = (k["rel_l2"].as_f64(), k["bound"].as_f64());
         assert!(matches!((err, bound), (Some(e), Some(b)) if e <= b), "{k}");
@@ -131,8 +145,8 @@ fn the_attention_only_kernel_check_runs_exactly_the_attention_kernels() {
             .count()
     };
     // The same attention rows as the whole check's (see the first test), and only those.
-    assert_eq!(count("fp32"), 6 * 5 + 2 + 2, "{report:#}");
-    assert_eq!(count("bf16"), 5 * 5, "{report:#}");
+    assert_eq!(count("fp32"), 6 * 5 + 2 + 2 + 2, "{report:#}");
+    assert_eq!(count("bf16"), 5 * 5 + 6 * 5 + 6, "{report:#}");
     assert_eq!(kernels.len(), count("fp32") + count("bf16"), "{report:#}");
     for k in kernels {
         assert!(

@@ -32,7 +32,7 @@ fn stand_ins(dir: &Path) {
     let calls = dir.join("calls");
     let wrapper = format!(
         r#"#!/usr/bin/env bash
-echo "seqpipe $*" >> '{calls}'
+echo "${{SEQPIPE_ATTENTION:+SEQPIPE_ATTENTION=$SEQPIPE_ATTENTION }}seqpipe $*" >> '{calls}'
 case "$*" in
   "gpu check --json --only attention") exec sleep 100000 ;;
   "gpu bench --preset b --precision fp32 --check --warmup 0 --steps 2")
@@ -40,7 +40,7 @@ case "$*" in
   "gpu bench --preset gpt2 --precision bf16 --warmup 0 --steps "*)
     if mkdir '{dir}/garbled' 2>/dev/null; then echo '{{"impl": "seqpipe", "losses": [10.9'; exit 0; fi ;;
   "gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3"*)
-    cat '{dir}/profile.out'; exit 0 ;;
+    cat "{dir}/profile${{SEQPIPE_ATTENTION:+-$SEQPIPE_ATTENTION}}.out"; exit 0 ;;
 esac
 exec '{real}' "$@"
 "#,
@@ -79,6 +79,16 @@ exit "$rc"
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     std::fs::write(dir.join("profile.out"), PROFILE_OUT).unwrap();
+    std::fs::write(dir.join("profile-v1.out"), PROFILE_OUT).unwrap();
+    // The v2 attention kernels' profile: dK/dV twice as fast.
+    std::fs::write(
+        dir.join("profile-v2.out"),
+        PROFILE_OUT
+            .replace("6.200", "3.100")
+            .replace("6.2}", "3.1}")
+            .replace("41.0,", "37.9,"),
+    )
+    .unwrap();
     std::fs::write(
         dir.join("py/torch.py"),
         "raise ImportError('PyTorch stands absent in this rehearsal')\n",
@@ -118,6 +128,7 @@ fn first_pass(dir: &Path, env: &[(&str, &str)]) -> (Option<i32>, String, String,
         .env("CANDLE_NUM_THREADS", "1")
         .env("RUST_LOG", "warn")
         .env_remove("PASS")
+        .env_remove("SEQPIPE_ATTENTION")
         .env_remove("SECTIONS")
         .env_remove("LIMIT");
     for (k, v) in env {
@@ -405,5 +416,69 @@ fn the_profile_step_brings_back_each_table_and_its_summary() {
             "seqpipe gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3 --batch 32 --micro-batches 8 --segments 4",
         ],
         "{calls}"
+    );
+}
+
+#[test]
+fn the_attention_step_profiles_both_kernel_versions_side_by_side() {
+    let dir = fresh_dir("gpu-check-attention-v2");
+    let (code, report, calls, _) = first_pass(
+        &dir,
+        &[
+            ("PASS", "2"),
+            ("SECTIONS", "attention-v2"),
+            ("BUDGET", "300"),
+        ],
+    );
+    assert_eq!(code, Some(0), "{report}");
+    for shape in ["gpt2", "pipeline"] {
+        for version in ["v1", "v2"] {
+            let name = format!("attention-{version}-{shape}");
+            assert!(status_of(&report, &name).starts_with("ok "), "{report}");
+        }
+    }
+    // Each shape profiled with v1, then v2, the version passed in SEQPIPE_ATTENTION.
+    let profile = "seqpipe gpu bench --preset gpt2 --precision bf16 --warmup 3 --steps 5 --profile --profile-steps 3";
+    let pipeline = " --batch 32 --micro-batches 8 --segments 4";
+    let profiled: Vec<&str> = calls.lines().filter(|l| l.contains("--profile")).collect();
+    assert_eq!(
+        profiled,
+        [
+            format!("SEQPIPE_ATTENTION=v1 {profile}"),
+            format!("SEQPIPE_ATTENTION=v2 {profile}"),
+            format!("SEQPIPE_ATTENTION=v1 {profile}{pipeline}"),
+            format!("SEQPIPE_ATTENTION=v2 {profile}{pipeline}"),
+        ],
+        "{calls}"
+    );
+    // The attention categories side by side (the stand-in's v2 profile halves dK/dV), per shape.
+    let table_row = |shape: &str, row: &str| {
+        report
+            .lines()
+            .skip_while(|l| !l.contains(&format!("{shape} shape: ")))
+            .take(4)
+            .any(|l| {
+                l.split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .ends_with(row)
+            })
+    };
+    for shape in ["gpt2", "pipeline"] {
+        assert!(
+            table_row(shape, "attention bwd dk dv 6.20 3.10 2.00x"),
+            "{report}"
+        );
+        assert!(
+            table_row(shape, "attention, all 6.20 3.10 2.00x"),
+            "{report}"
+        );
+    }
+    assert_eq!(
+        report
+            .matches("step median (unprofiled): v1 58.40 ms, v2 58.40 ms; profiled gpu busy: v1 41.00 ms, v2 37.90 ms")
+            .count(),
+        2,
+        "{report}"
     );
 }

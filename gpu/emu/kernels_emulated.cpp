@@ -24,9 +24,12 @@ dim3 G(unsigned x, unsigned y = 1) { return dim3{x, y, 1}; }
 unsigned nb(size_t t) { return (t + 255) / 256; }
 
 // ----- attention in the stage's layout
-// `tc`: the tensor-core kernels (bf16 operands), within `bound` of the double reference.
-void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-5, int b = 2, int h = 3) {
+// `tc`: the tensor-core kernels (bf16 operands), within `bound` of the double reference; with
+// `v2` their second version (attn_tc2_*, `SEQPIPE_ATTENTION=v2`), whose forward blocks hold 128
+// queries for D <= 64 (so tails of 128-query blocks are exercised too).
+void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-5, int b = 2, int h = 3, bool v2 = false) {
     unsigned rows_per_block = 64, threads = tc ? 128 : 64;
+    unsigned fwd_rows = v2 && d <= 64 ? 128 : rows_per_block;
     int c = h * d, L = p + s, n = b * s;
     float scale = 1.0f / std::sqrt((float)d);
     V full = rnd((size_t)b * seq * 3 * c);        // Q,K,V of whole sequences (rows of 3C)
@@ -38,8 +41,9 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
         cache[((size_t)bi * seq + l) * 3 * c + j] = full[((size_t)bi * seq + l) * 3 * c + j];
     launch(G(nb((size_t)b * s * 3 * c)), 256, [&] { copy_rows(cache.data(), qkv.data(), b, s, 3 * c, seq, p, s, 0); });
     V y((size_t)n * c, NAN), lse((size_t)b * h * s, NAN);
-    auto fwd = [&](auto kern) { launch(G((s + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kern(y.data(), lse.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, b, h, s, p, 3 * c, 3 * c, seq, scale); }); };
-    if (tc) { if (d == 16) fwd(attn_tc_forward_d16); else if (d == 32) fwd(attn_tc_forward_d32); else if (d == 64) fwd(attn_tc_forward_d64); else fwd(attn_tc_forward_d128); }
+    auto fwd = [&](auto kern) { launch(G((s + fwd_rows - 1) / fwd_rows, b * h), threads, [&] { kern(y.data(), lse.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, b, h, s, p, 3 * c, 3 * c, seq, scale); }); };
+    if (v2) { if (d == 16) fwd(attn_tc2_forward_d16); else if (d == 32) fwd(attn_tc2_forward_d32); else if (d == 64) fwd(attn_tc2_forward_d64); else fwd(attn_tc2_forward_d128); }
+    else if (tc) { if (d == 16) fwd(attn_tc_forward_d16); else if (d == 32) fwd(attn_tc_forward_d32); else if (d == 64) fwd(attn_tc_forward_d64); else fwd(attn_tc_forward_d128); }
     else if (d == 16) fwd(attn_forward_d16); else if (d == 32) fwd(attn_forward_d32); else if (d == 64) fwd(attn_forward_d64); else fwd(attn_forward_d128);
     V dy = rnd((size_t)n * c);
     // reference in double
@@ -63,17 +67,21 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
             for (int e = 0; e < d; ++e) { rdq[row + e] += ds * K(bi, l, hh, e); rdk[kr + e] += ds * Q(bi, t, hh, e); rdv[kr + e] += pr[l] * dy[row + e]; }
         }
     }
-    char tag[128]; snprintf(tag, sizeof tag, "(D %d, s %d, P %d, cache %d)%s", d, s, p, seq, tc ? " tensor cores" : "");
+    char tag[128]; snprintf(tag, sizeof tag, "(D %d, s %d, P %d, cache %d)%s", d, s, p, seq, v2 ? " tensor cores v2" : tc ? " tensor cores" : "");
     cmp(std::string("attn y ") + tag, y.data(), ry, bound);
     cmp(std::string("attn lse ") + tag, lse.data(), rl, bound);
     for (int acc = 1; acc >= 0; --acc) {
         V delta((size_t)b * h * s, NAN), dq((size_t)n * c, NAN), dk((size_t)b * seq * c, acc ? 0.5f : NAN), dv(dk);
-        launch(G(nb((size_t)b * h * s)), 256, [&] { attn_backward_delta(delta.data(), dy.data(), y.data(), b, h, s, d); });
+        if (v2) launch(G((unsigned)(((size_t)b * h * s + 3) / 4)), 128, [&] { attn_tc2_backward_delta(delta.data(), dy.data(), y.data(), b, h, s, d); });
+        else launch(G(nb((size_t)b * h * s)), 256, [&] { attn_backward_delta(delta.data(), dy.data(), y.data(), b, h, s, d); });
         auto dqk = [&](auto kq, auto kkv) {
             launch(G((s + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kq(dq.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), b, h, s, p, 3 * c, 3 * c, seq, scale); });
             launch(G((L + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kkv(dk.data(), dv.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), b, h, s, p, 3 * c, 3 * c, seq, acc, scale); });
         };
-        if (tc) {
+        if (v2) {
+            if (d == 16) dqk(attn_tc2_backward_dq_d16, attn_tc2_backward_dkdv_d16); else if (d == 32) dqk(attn_tc2_backward_dq_d32, attn_tc2_backward_dkdv_d32);
+            else if (d == 64) dqk(attn_tc2_backward_dq_d64, attn_tc2_backward_dkdv_d64); else dqk(attn_tc2_backward_dq_d128, attn_tc2_backward_dkdv_d128);
+        } else if (tc) {
             if (d == 16) dqk(attn_tc_backward_dq_d16, attn_tc_backward_dkdv_d16); else if (d == 32) dqk(attn_tc_backward_dq_d32, attn_tc_backward_dkdv_d32);
             else if (d == 64) dqk(attn_tc_backward_dq_d64, attn_tc_backward_dkdv_d64); else dqk(attn_tc_backward_dq_d128, attn_tc_backward_dkdv_d128);
         } else if (d == 16) dqk(attn_backward_dq_d16, attn_backward_dkdv_d16); else if (d == 32) dqk(attn_backward_dq_d32, attn_backward_dkdv_d32);
@@ -205,6 +213,16 @@ int main(int argc, char** argv) {
         attention(64, 96, 160, 300, true, tc, 1, 2); attention(32, 33, 31, 100, true, tc, 1, 2);
         attention(128, 64, 64, 128, true, tc, 1, 2); attention(16, 50, 0, 50, true, tc, 1, 2);
         attention(64, 1, 200, 256, true, tc, 1, 2); attention(16, 130, 70, 260, true, tc, 1, 2);
+    }
+    if (only.empty() || only == "attn-tc2") {
+        // The v2 kernels at every shape above, and a segment of two 128-query forward blocks, the
+        // second a tail (72 queries: one warp with 8, one with none), over a prefix that is no
+        // multiple of a tile, with the pipeline's cache layout.
+        double tc = 1e-2;
+        attention(64, 96, 160, 300, true, tc, 1, 2, true); attention(32, 33, 31, 100, true, tc, 1, 2, true);
+        attention(128, 64, 64, 128, true, tc, 1, 2, true); attention(16, 50, 0, 50, true, tc, 1, 2, true);
+        attention(64, 1, 200, 256, true, tc, 1, 2, true); attention(16, 130, 70, 260, true, tc, 1, 2, true);
+        attention(64, 200, 57, 300, true, tc, 1, 2, true); attention(128, 70, 35, 120, true, tc, 1, 2, true);
     }
     printf("%d failures\n", fails);
     return fails != 0;

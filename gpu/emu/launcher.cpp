@@ -18,12 +18,13 @@ static void call(void (*k)(A...), void** p) {
 
 #define ATTN(X, D)                                                                                   \
     X(attn_forward_d##D) X(attn_backward_dq_d##D) X(attn_backward_dkdv_d##D) X(attn_tc_forward_d##D) \
-        X(attn_tc_backward_dq_d##D) X(attn_tc_backward_dkdv_d##D)
+        X(attn_tc_backward_dq_d##D) X(attn_tc_backward_dkdv_d##D) X(attn_tc2_forward_d##D)              \
+            X(attn_tc2_backward_dq_d##D) X(attn_tc2_backward_dkdv_d##D)
 #define KERNELS(X)                                                                                   \
     X(embed_forward) X(embed_backward_tokens) X(embed_backward_positions) X(column_sum_partial)       \
     X(column_sum_finish) X(add_bias) X(add) X(add_assign) X(copy_rows) X(bias_gelu_forward)          \
     X(gelu_backward) X(norm_forward) X(norm_backward_input) X(norm_backward_params_partial) X(rope)  \
-    X(attn_backward_delta) X(softmax_cross_entropy) X(adamw) X(sum_squares_partial)                   \
+    X(attn_backward_delta) X(attn_tc2_backward_delta) X(softmax_cross_entropy) X(adamw) X(sum_squares_partial)                   \
     X(sum_squares_finish) X(to_bf16) ATTN(X, 16) ATTN(X, 32) ATTN(X, 64) ATTN(X, 128)
 
 extern "C" int seqpipe_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned block,

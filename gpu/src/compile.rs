@@ -37,6 +37,7 @@ pub const KERNELS: &[&str] = &[
     "norm_backward_params_partial",
     "rope",
     "attn_backward_delta",
+    "attn_tc2_backward_delta",
     "softmax_cross_entropy",
     "adamw",
     "sum_squares_partial",
@@ -59,6 +60,9 @@ pub fn attention_kernels() -> Vec<String> {
                 "attn_tc_forward",
                 "attn_tc_backward_dq",
                 "attn_tc_backward_dkdv",
+                "attn_tc2_forward",
+                "attn_tc2_backward_dq",
+                "attn_tc2_backward_dkdv",
             ]
             .map(|k| format!("{k}_d{d}"))
         })

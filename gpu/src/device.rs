@@ -19,9 +19,9 @@ use cudarc::driver::{
 use crate::compile;
 use crate::error::{DriverContext, GpuError, Result, shape};
 use crate::profile::{self, OpKind, Profile};
-use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
+use crate::types::{AttentionKernels, OperandScratch};
 
 /// cuBLAS's compute type for `p`.
 fn compute_type(p: Precision) -> blas::cublasComputeType_t {
@@ -114,6 +114,8 @@ pub struct Gpu {
     image: compile::LoadedImage,
     /// Compute capability 8.0 or later: BF16 `mma.sync` for the attention in BF16 mode.
     bf16_mma: bool,
+    /// Which tensor-core attention kernels BF16 mode launches (`SEQPIPE_ATTENTION`).
+    attention: AttentionKernels,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
     pub(crate) operands: OperandScratch<Buf<u16>>,
     /// The profiler's state (off unless [`Gpu::profile_begin`]).
@@ -136,6 +138,7 @@ impl Gpu {
     /// Opens device `ordinal`: checks the libraries, creates the context and stream, compiles (or
     /// loads from the cache) the kernels for its compute capability and creates a cuBLAS handle.
     pub fn open(ordinal: usize, precision: Precision) -> Result<Gpu> {
+        let attention = AttentionKernels::from_env()?;
         libraries_present()?;
         let count = CudaContext::device_count().during(|| "counting devices".into())?;
         if ordinal as i64 >= count as i64 {
@@ -198,6 +201,7 @@ impl Gpu {
             capability: (major, minor),
             image: loaded,
             bf16_mma: (major, minor) >= (8, 0),
+            attention,
             operands: OperandScratch::default(),
             profile: profile::State::default(),
             events: Default::default(),
@@ -332,6 +336,17 @@ impl Gpu {
     /// Changes how matrix products compute.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Which tensor-core attention kernels BF16 mode launches.
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attention
+    }
+
+    /// Changes which tensor-core attention kernels BF16 mode launches (`seqpipe gpu check`
+    /// checks both).
+    pub fn set_attention_kernels(&mut self, kernels: AttentionKernels) {
+        self.attention = kernels;
     }
 
     /// Whether the attention runs on tensor cores (BF16 mode, compute capability 8.0 or later).

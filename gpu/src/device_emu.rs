@@ -14,9 +14,9 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{GpuError, Result, shape};
 use crate::profile::{self, OpKind, Profile};
-use crate::types::OperandScratch;
 pub use crate::types::Precision;
 use crate::types::{Arg, Operands, fits, int, pack};
+use crate::types::{AttentionKernels, OperandScratch};
 
 /// A product's `(m, n, k)`, whether `A`/`B` are transposed, and their stored row widths.
 type GemmShape = ((usize, usize, usize), (bool, bool), (usize, usize));
@@ -67,7 +67,10 @@ impl<T> Drop for Buf<T> {
 
 impl<T> Buf<T> {
     fn alloc(n: usize) -> Buf<T> {
-        let layout = Layout::array::<T>(n.max(1)).expect("a buffer size that fits memory");
+        // 256-byte aligned, as cudaMalloc's (kernels with 16-byte loads rely on it).
+        let layout = Layout::array::<T>(n.max(1))
+            .and_then(|l| l.align_to(256))
+            .expect("a buffer size that fits memory");
         // SAFETY: the layout is non-zero-sized.
         let ptr = unsafe { alloc_zeroed(layout) };
         assert!(
@@ -112,6 +115,8 @@ impl<T> Buf<T> {
 /// The emulated GPU.
 pub struct Gpu {
     precision: Precision,
+    /// Which tensor-core attention kernels BF16 mode launches (`SEQPIPE_ATTENTION`).
+    attention: AttentionKernels,
     /// BF16 copies of the products' operands, when BF16 mode rounds them first.
     pub(crate) operands: OperandScratch<Buf<u16>>,
     /// The profiler's state (off unless [`Gpu::profile_begin`]).
@@ -123,6 +128,7 @@ impl Gpu {
     pub fn open(_ordinal: usize, precision: Precision) -> Result<Gpu> {
         Ok(Gpu {
             precision,
+            attention: AttentionKernels::from_env()?,
             operands: OperandScratch::default(),
             profile: profile::State::default(),
         })
@@ -208,6 +214,17 @@ impl Gpu {
     /// Changes how matrix products compute.
     pub fn set_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// Which tensor-core attention kernels BF16 mode launches.
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attention
+    }
+
+    /// Changes which tensor-core attention kernels BF16 mode launches (`seqpipe gpu check`
+    /// checks both).
+    pub fn set_attention_kernels(&mut self, kernels: AttentionKernels) {
+        self.attention = kernels;
     }
 
     /// Whether the attention runs on (emulated) tensor cores: in BF16 mode, as on a GPU of compute

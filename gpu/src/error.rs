@@ -95,6 +95,16 @@ pub enum GpuError {
         /// What does not fit.
         reason: String,
     },
+    /// An environment variable the GPU reads holds a value it does not accept.
+    #[error("{name}={value:?}: {reason}")]
+    Env {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
     /// A CPU oracle kernel failed.
     #[error("CPU oracle: {0}")]
     Oracle(String),

@@ -961,6 +961,484 @@ ATTN_TC_INSTANCES(64)
 ATTN_TC_INSTANCES(128)
 
 // ---------------------------------------------------------------------------------------------
+// Attention v2 on tensor cores (`SEQPIPE_ATTENTION=v2`): the same contract as the attn_tc_ kernels
+// above (arguments, layouts, outputs, masks, dK/dV accumulation), rebuilt for speed:
+// - every shared tile is stored in the layout its fragments read, so every B fragment is two 32-bit
+//   shared loads: a tile read "as is" by a product (V in P·V, K in dS·K, Q and dO in dK/dV) is kept
+//   transposed as well, written once per block and read by all four warps;
+// - fp32 rows are read with 16-byte loads (the host checks that rows are 16-byte aligned) and
+//   rounded to bf16 two at a time (cvt.rn.bf16x2 on compute capability 8.0 and later: round to
+//   nearest even, like bf16_bits);
+// - the forward gives each warp MT m-tiles of 16 queries (two for D <= 64), so each K/V fragment
+//   loaded from shared memory feeds MT products;
+// - the causal mask is applied only on tiles that cross the diagonal (or hold a tail), and the
+//   exponentials are exp2 of one fused multiply-add;
+// - query blocks run heaviest first (the last queries see the most keys).
+// Each output element is still one thread's fixed-order sum: no atomics, bit-identical run to run.
+
+#define LOG2E 1.4426950408889634f
+
+// Forward: m-tiles of 16 queries per warp, and keys per shared tile, by head width (the registers
+// of MT × D/8 accumulators and the 48 KiB of static shared memory bound them).
+template <int D> struct V2Shape {
+    static constexpr int MT = D <= 64 ? 2 : 1;
+    static constexpr int BK = D <= 64 ? 64 : 32;  // keys per tile (forward, dQ), queries (dK/dV)
+};
+
+// Two floats as two bf16 in one register, `lo` in bits 0..15 (round to nearest even).
+__device__ __forceinline__ unsigned int pack2_bf16(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return pack_bf16(lo, hi);
+#endif
+}
+
+// Four floats at a 16-byte aligned address.
+__device__ __forceinline__ void load4(const float* p, float* x) {
+#if defined(__CUDA_ARCH__)
+    float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+#else
+    x[0] = p[0]; x[1] = p[1]; x[2] = p[2]; x[3] = p[3];
+#endif
+}
+
+// One 32-bit word into a shared bf16 tile at an even index.
+__device__ __forceinline__ void store_pair(unsigned short* p, unsigned int w) {
+#if defined(__CUDA_ARCH__)
+    *reinterpret_cast<unsigned int*>(p) = w;
+#else
+    p[0] = (unsigned short)(w & 0xffffu);
+    p[1] = (unsigned short)(w >> 16);
+#endif
+}
+
+// B fragment of a shared bf16 tile `t` with rows of W elements: B(k, n) = t[n0 + n][k0 + k].
+template <int W>
+__device__ __forceinline__ void frag_b(unsigned int* b, const unsigned short* t, int n0, int k0) {
+    int g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    const unsigned short* row = t + (n0 + g) * W + k0 + 2 * j;
+    b[0] = pair_at(row);
+    b[1] = pair_at(row + 8);
+}
+
+// Rows 0..R of an fp32 matrix (row r at src + r * stride, 16-byte aligned; zeros from row `count`
+// on), each element times `mul`, into shared bf16: `normal` (R × (D + TC_PAD), as it lies) and/or
+// `trans` (D × (R + TC_PAD), transposed). A thread takes two rows of four columns at a time, so
+// the transposed tile gets whole 32-bit words; a warp's 32 lanes take 16 columns of 8 row pairs
+// (64 contiguous bytes per row: whole 32-byte sectors, and at most 2-way bank conflicts when the
+// transposed words are stored).
+template <int D, int R>
+__device__ __forceinline__ void load_tile_v2(unsigned short* normal, unsigned short* trans, const float* src,
+                                             size_t stride, int count, float mul) {
+    constexpr int C4 = D / 4;  // groups of four columns: a multiple of 4 (D is one of 16)
+    for (int idx = threadIdx.x; idx < (R / 2) * C4; idx += TC_THREADS) {
+        int rest = idx / 4;
+        int r = 2 * (rest % (R / 2)), c = 4 * (4 * (rest / (R / 2)) + idx % 4);
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r < count) load4(src + (size_t)r * stride + c, a);
+        if (r + 1 < count) load4(src + (size_t)(r + 1) * stride + c, b);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            a[i] *= mul;
+            b[i] *= mul;
+        }
+        if (normal) {
+            store_pair(normal + r * (D + TC_PAD) + c, pack2_bf16(a[0], a[1]));
+            store_pair(normal + r * (D + TC_PAD) + c + 2, pack2_bf16(a[2], a[3]));
+            store_pair(normal + (r + 1) * (D + TC_PAD) + c, pack2_bf16(b[0], b[1]));
+            store_pair(normal + (r + 1) * (D + TC_PAD) + c + 2, pack2_bf16(b[2], b[3]));
+        }
+        if (trans) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) store_pair(trans + (c + i) * (R + TC_PAD) + r, pack2_bf16(a[i], b[i]));
+        }
+    }
+}
+
+// An A fragment from two n-tiles of fp32 accumulators (as acc_to_a).
+__device__ __forceinline__ void acc_to_a_v2(unsigned int* a, const float* lo, const float* hi) {
+    a[0] = pack2_bf16(lo[0], lo[1]);
+    a[1] = pack2_bf16(lo[2], lo[3]);
+    a[2] = pack2_bf16(hi[0], hi[1]);
+    a[3] = pack2_bf16(hi[2], hi[3]);
+}
+
+template <int D>
+__device__ void attn_tc2_forward(float* y, float* lse, const float* q, const float* k, const float* v, int b_count,
+                                 int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {
+    constexpr int MT = V2Shape<D>::MT, BK = V2Shape<D>::BK, ROWS = 4 * 16 * MT;
+    __shared__ __align__(16) unsigned short ks[BK * (D + TC_PAD)];   // K, as it lies (keys × D)
+    __shared__ __align__(16) unsigned short vt[D * (BK + TC_PAD)];   // Vᵀ (D × keys)
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int blk = gridDim.x - 1 - blockIdx.x;  // heaviest (last) queries first
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int row0[MT], rows[MT];
+    unsigned int qa[MT][D / 16][4];
+    float o[MT][D / 8][4], m0[MT], m8[MT], l0[MT], l8[MT];  // rows g and g + 8 of each m-tile
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        row0[mt] = blk * ROWS + warp * 16 * MT + 16 * mt;
+        rows[mt] = max(0, min(16, s - row0[mt]));
+        load_a_rows<D>(qa[mt], q + ((size_t)b * s + min(row0[mt], s - 1)) * q_stride + h * D, q_stride, rows[mt],
+                       scale);
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+        m0[mt] = m8[mt] = -INFINITY;
+        l0[mt] = l8[mt] = 0.0f;
+    }
+    int t_last = min(s, (blk + 1) * ROWS) - 1;
+    int keys = p + t_last + 1;
+    // Keys this warp's queries see (its last m-tile's rows are its last queries).
+    int warp_keys = rows[0] > 0 ? p + min(s, row0[0] + 16 * MT) : 0;
+    const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
+    const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
+    for (int k0 = 0; k0 < keys; k0 += BK) {
+        __syncthreads();
+        load_tile_v2<D, BK>(ks, nullptr, kb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
+        load_tile_v2<D, BK>(nullptr, vt, vb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
+        __syncthreads();
+        if (k0 >= warp_keys) continue;
+        float sc[MT][BK / 8][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int n = 0; n < BK / 8; ++n) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
+        #pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int bf[2];
+                frag_b<D + TC_PAD>(bf, ks, 8 * n, 16 * kk);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_bf16(sc[mt][n], qa[mt][kk], bf);
+            }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (k0 >= p + row0[mt] + rows[mt]) {  // no query of this m-tile sees these keys
+                #pragma unroll
+                for (int n = 0; n < BK / 8; ++n) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
+                continue;
+            }
+            float mx0 = -INFINITY, mx8 = -INFINITY;
+            // Causal mask (query row0 + r sees keys 0..=p + row0 + r), only where a key of the tile
+            // lies past the m-tile's first query's last key, or the m-tile is a tail.
+            bool mask = k0 + BK - 1 > p + row0[mt] || rows[mt] < 16;
+            #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (mask) {
+                        int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
+                        bool ok = r < rows[mt] && key <= p + row0[mt] + r;
+                        sc[mt][n][i] = ok ? sc[mt][n][i] : -INFINITY;
+                    }
+                    if (i < 2) mx0 = fmaxf(mx0, sc[mt][n][i]); else mx8 = fmaxf(mx8, sc[mt][n][i]);
+                }
+            float n0 = fmaxf(m0[mt], quad_max(mx0)), n8 = fmaxf(m8[mt], quad_max(mx8));
+            // A row that has seen no key yet keeps m = -inf: its probabilities are 0, not NaN.
+            float c0 = n0 == -INFINITY ? 1.0f : exp2f((m0[mt] - n0) * LOG2E);
+            float c8 = n8 == -INFINITY ? 1.0f : exp2f((m8[mt] - n8) * LOG2E);
+            float base0 = n0 == -INFINITY ? 0.0f : -n0 * LOG2E, base8 = n8 == -INFINITY ? 0.0f : -n8 * LOG2E;
+            l0[mt] *= c0;
+            l8[mt] *= c8;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[mt][n][0] *= c0; o[mt][n][1] *= c0; o[mt][n][2] *= c8; o[mt][n][3] *= c8;
+            }
+            #pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                sc[mt][n][0] = exp2f(fmaf(sc[mt][n][0], LOG2E, base0));
+                sc[mt][n][1] = exp2f(fmaf(sc[mt][n][1], LOG2E, base0));
+                sc[mt][n][2] = exp2f(fmaf(sc[mt][n][2], LOG2E, base8));
+                sc[mt][n][3] = exp2f(fmaf(sc[mt][n][3], LOG2E, base8));
+                l0[mt] += sc[mt][n][0] + sc[mt][n][1];
+                l8[mt] += sc[mt][n][2] + sc[mt][n][3];
+            }
+            m0[mt] = n0;
+            m8[mt] = n8;
+        }
+        // o += P·V, P (16 × BK per m-tile) straight from the score accumulators; B = V from Vᵀ.
+        #pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned int pa[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) acc_to_a_v2(pa[mt], sc[mt][2 * kk], sc[mt][2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                unsigned int bf[2];
+                frag_b<BK + TC_PAD>(bf, vt, 8 * n, 16 * kk);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_bf16(o[mt][n], pa[mt], bf);
+            }
+        }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float s0 = quad_sum(l0[mt]), s8 = quad_sum(l8[mt]);
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int r = g + 8 * half;
+            if (r >= rows[mt]) continue;
+            float l = half ? s8 : s0, m = half ? m8[mt] : m0[mt], inv = 1.0f / l;
+            float* yrow = y + ((size_t)b * s + row0[mt] + r) * (h_count * D) + h * D;
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                yrow[8 * n + 2 * j] = o[mt][n][2 * half] * inv;
+                yrow[8 * n + 2 * j + 1] = o[mt][n][2 * half + 1] * inv;
+            }
+            if (j == 0) lse[((size_t)b * h_count + h) * s + row0[mt] + r] = m + logf(l);
+        }
+    }
+}
+
+// delta[b, h, t] = Σ_e dy·y over one row of a head: one warp per row, lanes over e (coalesced),
+// summed by the fixed butterfly of warp_sum. Blocks of TC_THREADS (4 rows).
+extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_delta(float* delta, const float* dy,
+                                                                                const float* y, int b_count,
+                                                                                int h_count, int s, int d) {
+    long long row = (long long)blockIdx.x * (TC_THREADS / 32) + threadIdx.x / 32;
+    long long total = (long long)b_count * h_count * s;
+    int lane = threadIdx.x % 32;
+    long long rr = row < total ? row : 0;
+    int t = rr % s;
+    int h = (rr / s) % h_count;
+    long long b = rr / ((long long)s * h_count);
+    const float* a = dy + ((size_t)b * s + t) * (h_count * d) + h * d;
+    const float* c = y + ((size_t)b * s + t) * (h_count * d) + h * d;
+    float acc = 0.0f;
+    for (int e = lane; e < d; e += 32) acc += a[e] * c[e];
+    acc = warp_sum(acc);
+    if (row < total && lane == 0) delta[row] = acc;
+}
+
+// dQ: each warp owns 16 queries (blocks of 64, heaviest first) and walks the visible keys in
+// tiles of BK: K (for S = QKᵀ), Kᵀ (for dQ += dS·K) and V (for dP = dO·Vᵀ) in shared memory.
+template <int D>
+__device__ void attn_tc2_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
+                                     const float* lse, const float* delta, int b_count, int h_count, int s, int p,
+                                     int q_stride, int kv_stride, int kv_rows, float scale) {
+    constexpr int BK = V2Shape<D>::BK;
+    __shared__ __align__(16) unsigned short ks[BK * (D + TC_PAD)];
+    __shared__ __align__(16) unsigned short kt[D * (BK + TC_PAD)];
+    __shared__ __align__(16) unsigned short vs[BK * (D + TC_PAD)];
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int blk = gridDim.x - 1 - blockIdx.x;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int row0 = blk * TC_ROWS + warp * 16;
+    int rows = max(0, min(16, s - row0));
+    int first = min(row0, s - 1);
+    unsigned int qa[D / 16][4], da[D / 16][4];
+    load_a_rows<D>(qa, q + ((size_t)b * s + first) * q_stride + h * D, q_stride, rows, scale);
+    load_a_rows<D>(da, dy + ((size_t)b * s + first) * (h_count * D) + h * D, (size_t)h_count * D, rows, 1.0f);
+    size_t stat = ((size_t)b * h_count + h) * s;
+    // -lse·log2(e) and delta of rows g and g + 8.
+    float nl0 = g < rows ? -lse[stat + row0 + g] * LOG2E : 0.0f;
+    float nl8 = g + 8 < rows ? -lse[stat + row0 + g + 8] * LOG2E : 0.0f;
+    float dl0 = g < rows ? delta[stat + row0 + g] : 0.0f, dl8 = g + 8 < rows ? delta[stat + row0 + g + 8] : 0.0f;
+    float acc[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    int t_last = min(s, (blk + 1) * TC_ROWS) - 1;
+    int keys = p + t_last + 1;
+    int warp_keys = rows > 0 ? p + row0 + rows : 0;
+    const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
+    const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
+    for (int k0 = 0; k0 < keys; k0 += BK) {
+        __syncthreads();
+        load_tile_v2<D, BK>(ks, kt, kb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
+        load_tile_v2<D, BK>(vs, nullptr, vb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
+        __syncthreads();
+        if (k0 >= warp_keys) continue;
+        bool mask = k0 + BK - 1 > p + row0 || rows < 16;
+        float sc[BK / 8][4], dp[BK / 8][4];
+        #pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int kf[2], vf[2];
+                frag_b<D + TC_PAD>(kf, ks, 8 * n, 16 * kk);
+                frag_b<D + TC_PAD>(vf, vs, 8 * n, 16 * kk);
+                mma_bf16(sc[n], qa[kk], kf);
+                mma_bf16(dp[n], da[kk], vf);
+            }
+            // dS = P ∘ (dP − delta), P = exp(S − lse) where visible, else 0.
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                bool ok = true;
+                if (mask) {
+                    int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
+                    ok = r < rows && key <= p + row0 + r;
+                }
+                float pr = ok ? exp2f(fmaf(sc[n][i], LOG2E, i >= 2 ? nl8 : nl0)) : 0.0f;
+                sc[n][i] = pr * (dp[n][i] - (i >= 2 ? dl8 : dl0));
+            }
+        }
+        // dQ += dS·K, B(key, e) = K[key][e] = Kᵀ[e][key].
+        #pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned int sa[4];
+            acc_to_a_v2(sa, sc[2 * kk], sc[2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                unsigned int bf[2];
+                frag_b<BK + TC_PAD>(bf, kt, 8 * n, 16 * kk);
+                mma_bf16(acc[n], sa, bf);
+            }
+        }
+    }
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = g + 8 * half;
+        if (r >= rows) continue;
+        float* out = dq + ((size_t)b * s + row0 + r) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            out[8 * n + 2 * j] = acc[n][2 * half] * scale;
+            out[8 * n + 2 * j + 1] = acc[n][2 * half + 1] * scale;
+        }
+    }
+}
+
+// dK, dV: each warp owns 16 key positions of 0..L (blocks of 64) and walks the queries that see
+// them in tiles of BQ = V2Shape::BK: Q and dO as they lie (for Pᵀ = K·Qᵀ, dPᵀ = V·dOᵀ) and
+// transposed (for dK += dSᵀ·Q, dV += Pᵀ·dO); written, or added to with `accumulate`.
+template <int D>
+__device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
+                                       const float* dy, const float* lse, const float* delta, int b_count,
+                                       int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
+                                       int accumulate, float scale) {
+    constexpr int BQ = V2Shape<D>::BK;
+    __shared__ __align__(16) unsigned short qs[BQ * (D + TC_PAD)];
+    __shared__ __align__(16) unsigned short qt[D * (BQ + TC_PAD)];
+    __shared__ __align__(16) unsigned short ds_[BQ * (D + TC_PAD)];
+    __shared__ __align__(16) unsigned short dt[D * (BQ + TC_PAD)];
+    __shared__ float nls[BQ];  // -lse·log2(e)
+    __shared__ float dl[BQ];
+    int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
+    int L = p + s;
+    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
+    int key0 = blockIdx.x * TC_ROWS + warp * 16;  // this warp's first key
+    int rows = max(0, min(16, L - key0));
+    int first = min(key0, L - 1);
+    unsigned int ka[D / 16][4], va[D / 16][4];
+    load_a_rows<D>(ka, k + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
+    load_a_rows<D>(va, v + ((size_t)b * kv_rows + first) * kv_stride + h * D, kv_stride, rows, 1.0f);
+    float adk[D / 8][4], adv[D / 8][4];
+    #pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) adk[n][i] = adv[n][i] = 0.0f;
+    // First query any key of this block is seen by: t = l_first - P (at least 0).
+    int t_start = max(0, (int)blockIdx.x * TC_ROWS - p);
+    int warp_first = rows > 0 ? max(0, key0 - p) : s;  // first query that sees a key of this warp
+    const float* qb = q + (size_t)b * s * q_stride + h * D;
+    const float* db = dy + (size_t)b * s * (h_count * D) + h * D;
+    size_t stat = ((size_t)b * h_count + h) * s;
+    for (int t0 = t_start; t0 < s; t0 += BQ) {
+        __syncthreads();
+        load_tile_v2<D, BQ>(qs, qt, qb + (size_t)t0 * q_stride, q_stride, s - t0, scale);
+        load_tile_v2<D, BQ>(ds_, dt, db + (size_t)t0 * (h_count * D), (size_t)h_count * D, s - t0, 1.0f);
+        for (int r = threadIdx.x; r < BQ; r += TC_THREADS) {
+            bool ok = t0 + r < s;
+            nls[r] = ok ? -lse[stat + t0 + r] * LOG2E : 0.0f;
+            dl[r] = ok ? delta[stat + t0 + r] : 0.0f;
+        }
+        __syncthreads();
+        if (t0 + BQ <= warp_first) continue;
+        // Every key of this warp is seen by every query of the tile: no mask.
+        bool mask = key0 + 15 > p + t0 || t0 + BQ > s || rows < 16;
+        float pt[BQ / 8][4], dpt[BQ / 8][4];  // Pᵀ, dPᵀ: rows keys, columns queries
+        #pragma unroll
+        for (int n = 0; n < BQ / 8; ++n) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) pt[n][i] = dpt[n][i] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned int qf[2], df[2];
+                frag_b<D + TC_PAD>(qf, qs, 8 * n, 16 * kk);
+                frag_b<D + TC_PAD>(df, ds_, 8 * n, 16 * kk);
+                mma_bf16(pt[n], ka[kk], qf);
+                mma_bf16(dpt[n], va[kk], df);
+            }
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int c = 8 * n + 2 * j + (i & 1);
+                bool ok = true;
+                if (mask) {
+                    int r = g + (i >= 2 ? 8 : 0), t = t0 + c;
+                    ok = r < rows && t < s && key0 + r <= p + t;
+                }
+                float pr = ok ? exp2f(fmaf(pt[n][i], LOG2E, nls[c])) : 0.0f;
+                pt[n][i] = pr;
+                dpt[n][i] = pr * (dpt[n][i] - dl[c]);  // dSᵀ
+            }
+        }
+        // dV += Pᵀ·dO, dK += dSᵀ·(scale q): B(query, e) from the transposed tiles.
+        #pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            unsigned int pa[4], sa[4];
+            acc_to_a_v2(pa, pt[2 * kk], pt[2 * kk + 1]);
+            acc_to_a_v2(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+            #pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                unsigned int dof[2], qf[2];
+                frag_b<BQ + TC_PAD>(dof, dt, 8 * n, 16 * kk);
+                frag_b<BQ + TC_PAD>(qf, qt, 8 * n, 16 * kk);
+                mma_bf16(adv[n], pa, dof);
+                mma_bf16(adk[n], sa, qf);
+            }
+        }
+    }
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int r = g + 8 * half;
+        if (r >= rows) continue;
+        size_t at = ((size_t)b * kv_rows + key0 + r) * (h_count * D) + h * D;
+        #pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                size_t i = at + 8 * n + 2 * j + e;
+                float gk = adk[n][2 * half + e], gv = adv[n][2 * half + e];
+                dk[i] = accumulate ? dk[i] + gk : gk;
+                dv[i] = accumulate ? dv[i] + gv : gv;
+            }
+    }
+}
+
+#define ATTN_TC2_INSTANCES(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_forward_d##D(                       \
+        float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
+        int q_stride, int kv_stride, int kv_rows, float scale) {                                           \
+        attn_tc2_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, kv_rows, scale);             \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_dq_d##D(                   \
+        float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
+        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows,          \
+        float scale) {                                                                                     \
+        attn_tc2_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows,     \
+                                scale);                                                                    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_dkdv_d##D(                 \
+        float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
+        const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
+        int kv_rows, int accumulate, float scale) {                                                        \
+        attn_tc2_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride,        \
+                                  kv_rows, accumulate, scale);                                             \
+    }
+
+ATTN_TC2_INSTANCES(16)
+ATTN_TC2_INSTANCES(32)
+ATTN_TC2_INSTANCES(64)
+ATTN_TC2_INSTANCES(128)
+
+// ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over a chunk of logits, in place: one block per row. logits (R, V) become
 // grad_scale * (softmax - onehot(target)); loss[r] = logsumexp - logit[target].
 // Rows are `ld >= v` floats apart (the BF16 head's padded vocabulary): only the first v columns are

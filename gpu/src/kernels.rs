@@ -5,7 +5,7 @@
 use crate::device::{Buf, Gpu, Precision};
 use crate::error::{Result, shape};
 use crate::profile::{LAYERNORM_BWD, Pass};
-use crate::types::{Arg, Bf16Path, Operands, int};
+use crate::types::{Arg, AttentionKernels, Bf16Path, Operands, int};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -78,14 +78,68 @@ impl AttnShape {
 /// Query (or key) rows per attention block: `BR` and `TC_ROWS` of kernels.cu.
 const ATTN_ROWS: usize = 64;
 
-/// The attention kernels' name prefix and threads per block: FP32 on CUDA cores (a thread per
-/// row) or BF16 on tensor cores (four warps of 16 rows).
-fn attention_variant(tensor_cores: bool) -> (&'static str, u32) {
-    if tensor_cores {
-        ("attn_tc_", 128)
-    } else {
-        ("attn_", ATTN_ROWS as u32)
+/// How one attention call is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct AttnLaunch {
+    /// The kernels' name prefix (`attn_`, `attn_tc_`, `attn_tc2_`).
+    prefix: &'static str,
+    /// Threads per block of the forward, dQ and dK/dV kernels.
+    threads: u32,
+    /// Queries per block of the forward (those of dQ, and the keys of dK/dV: [`ATTN_ROWS`]).
+    forward_rows: usize,
+    /// The delta kernel: `attn_tc2_backward_delta` (a warp per row) instead of
+    /// `attn_backward_delta` (a thread per row).
+    warp_delta: bool,
+    /// The kernels read rows with 16-byte loads: the rows must be 16-byte aligned.
+    aligned_rows: bool,
+}
+
+/// The attention kernels of a call: FP32 on CUDA cores (a thread per row), or BF16 on tensor
+/// cores (four warps of 16 rows) in version 1 or 2 (`V2Shape` of kernels.cu: the forward's
+/// warps take 32 queries each for head widths up to 64).
+fn attention_launch(tensor_cores: bool, kernels: AttentionKernels, d: usize) -> AttnLaunch {
+    match (tensor_cores, kernels) {
+        (false, _) => AttnLaunch {
+            prefix: "attn_",
+            threads: ATTN_ROWS as u32,
+            forward_rows: ATTN_ROWS,
+            warp_delta: false,
+            aligned_rows: false,
+        },
+        (true, AttentionKernels::V1) => AttnLaunch {
+            prefix: "attn_tc_",
+            threads: 128,
+            forward_rows: ATTN_ROWS,
+            warp_delta: false,
+            aligned_rows: false,
+        },
+        (true, AttentionKernels::V2) => AttnLaunch {
+            prefix: "attn_tc2_",
+            threads: 128,
+            forward_rows: if d <= 64 { 2 * ATTN_ROWS } else { ATTN_ROWS },
+            warp_delta: true,
+            aligned_rows: true,
+        },
     }
+}
+
+/// For kernels that read rows with 16-byte loads: every matrix's address and row stride (in
+/// floats) must keep each row 16-byte aligned (device allocations are 256-byte aligned, the
+/// stage's row offsets multiples of 4 floats); an error naming the first that does not.
+fn rows_aligned(op: &'static str, matrices: &[(&str, u64, usize)]) -> Result<()> {
+    for &(name, addr, stride) in matrices {
+        if addr % 16 != 0 || stride % 4 != 0 {
+            return shape(
+                op,
+                format!(
+                    "{name} at {addr:#x} with rows {stride} floats apart is not 16-byte aligned, \
+                     which the v2 attention kernels need ({}=v2): unset it to use v1",
+                    AttentionKernels::ENV
+                ),
+            );
+        }
+    }
+    Ok(())
 }
 
 impl Gpu {
@@ -622,11 +676,29 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_forward";
         let a = sh.args(OP)?;
-        let (prefix, threads) = attention_variant(self.attention_on_tensor_cores());
+        let l = attention_launch(
+            self.attention_on_tensor_cores(),
+            self.attention_kernels(),
+            sh.d,
+        );
+        if l.aligned_rows {
+            rows_aligned(
+                OP,
+                &[
+                    ("q", q, sh.q_stride),
+                    ("k", k, sh.kv_stride),
+                    ("v", v, sh.kv_stride),
+                ],
+            )?;
+        }
         self.launch(
-            &format!("{prefix}forward_d{}", sh.d),
-            (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
-            threads,
+            &format!("{}forward_d{}", l.prefix, sh.d),
+            (
+                sh.s.div_ceil(l.forward_rows) as u32,
+                (sh.b * sh.h) as u32,
+                1,
+            ),
+            l.threads,
             &[
                 Arg::P(y),
                 Arg::P(lse),
@@ -668,11 +740,33 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_backward";
         let a = sh.args(OP)?;
+        let l = attention_launch(
+            self.attention_on_tensor_cores(),
+            self.attention_kernels(),
+            sh.d,
+        );
+        if l.aligned_rows {
+            rows_aligned(
+                OP,
+                &[
+                    ("q", q, sh.q_stride),
+                    ("k", k, sh.kv_stride),
+                    ("v", v, sh.kv_stride),
+                    ("dy", dy, sh.h * sh.d),
+                ],
+            )?;
+        }
         let rows = sh.b * sh.h * sh.s;
+        let (delta_kernel, delta_grid, delta_threads) = if l.warp_delta {
+            // A warp per row, four per block.
+            ("attn_tc2_backward_delta", rows.div_ceil(4) as u32, 128)
+        } else {
+            ("attn_backward_delta", blocks(rows), THREADS)
+        };
         self.launch(
-            "attn_backward_delta",
-            (blocks(rows), 1, 1),
-            THREADS,
+            delta_kernel,
+            (delta_grid, 1, 1),
+            delta_threads,
             &[
                 Arg::P(delta),
                 Arg::P(dy),
@@ -701,11 +795,10 @@ impl Gpu {
         let mut args = vec![Arg::P(dq)];
         args.extend(common);
         args.push(Arg::F(scale));
-        let (prefix, threads) = attention_variant(self.attention_on_tensor_cores());
         self.launch(
-            &format!("{prefix}backward_dq_d{}", sh.d),
+            &format!("{}backward_dq_d{}", l.prefix, sh.d),
             (sh.s.div_ceil(ATTN_ROWS) as u32, (sh.b * sh.h) as u32, 1),
-            threads,
+            l.threads,
             &args,
         )?;
         let mut args = vec![Arg::P(dk), Arg::P(dv)];
@@ -713,13 +806,13 @@ impl Gpu {
         args.push(Arg::I(accumulate_kv as i32));
         args.push(Arg::F(scale));
         self.launch(
-            &format!("{prefix}backward_dkdv_d{}", sh.d),
+            &format!("{}backward_dkdv_d{}", l.prefix, sh.d),
             (
                 (sh.p + sh.s).div_ceil(ATTN_ROWS) as u32,
                 (sh.b * sh.h) as u32,
                 1,
             ),
-            threads,
+            l.threads,
             &args,
         )
     }
@@ -892,5 +985,54 @@ impl Gpu {
             self.column_sum(db, dy, n, d_out, true, scratch)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_launches_name_the_chosen_kernels_and_their_block_shapes() {
+        use AttentionKernels::{V1, V2};
+        // FP32 attention has one version, whatever SEQPIPE_ATTENTION says.
+        for kernels in [V1, V2] {
+            let l = attention_launch(false, kernels, 64);
+            assert_eq!((l.prefix, l.threads, l.forward_rows), ("attn_", 64, 64));
+            assert!(!l.warp_delta && !l.aligned_rows);
+        }
+        let v1 = attention_launch(true, V1, 64);
+        assert_eq!(
+            (v1.prefix, v1.threads, v1.forward_rows),
+            ("attn_tc_", 128, 64)
+        );
+        assert!(!v1.warp_delta && !v1.aligned_rows);
+        // v2's forward: two m-tiles of 16 queries per warp up to D = 64 (V2Shape of kernels.cu).
+        for (d, rows) in [(16, 128), (32, 128), (64, 128), (128, 64)] {
+            let v2 = attention_launch(true, V2, d);
+            assert_eq!(
+                (v2.prefix, v2.threads, v2.forward_rows),
+                ("attn_tc2_", 128, rows)
+            );
+            assert!(v2.warp_delta && v2.aligned_rows);
+        }
+    }
+
+    #[test]
+    fn v2_refuses_rows_that_are_not_16_byte_aligned_naming_the_matrix() {
+        assert!(rows_aligned("op", &[("q", 0x1000, 2304), ("k", 0x2000 + 16 * 768, 2304)]).is_ok());
+        let err = rows_aligned("op", &[("q", 0x1000, 2304), ("k", 0x1004, 2304)])
+            .expect_err("an address 4 bytes past alignment");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("k at 0x1004") && msg.contains("SEQPIPE_ATTENTION"),
+            "{msg}"
+        );
+        let err = rows_aligned("op", &[("dy", 0x1000, 66)]).expect_err("rows 66 floats apart");
+        assert!(
+            err.to_string()
+                .contains("dy at 0x1000 with rows 66 floats apart"),
+            "{err}"
+        );
     }
 }

@@ -50,4 +50,4 @@ pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
 pub use kernels::AttnShape;
 pub use profile::Profile;
-pub use types::Bf16Path;
+pub use types::{AttentionKernels, Bf16Path};

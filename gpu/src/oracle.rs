@@ -9,6 +9,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::device::{Gpu, Precision};
 use crate::error::{GpuError, Result};
 use crate::kernels::AttnShape;
+use crate::types::AttentionKernels;
 
 /// One compared output.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -119,14 +120,14 @@ pub enum Kernels {
     Attention,
 }
 
-/// Runs every kernel check; the GPU's precision is restored afterwards.
+/// Runs every kernel check; the GPU's precision and attention kernels are restored afterwards.
 pub fn check_all(gpu: &mut Gpu, seed: u64) -> Result<Vec<Comparison>> {
     check(gpu, seed, Kernels::All)
 }
 
-/// Runs the checks of `which` kernels; the GPU's precision is restored afterwards.
+/// Runs the checks of `which` kernels; the GPU's precision and attention kernels are restored afterwards.
 pub fn check(gpu: &mut Gpu, seed: u64, which: Kernels) -> Result<Vec<Comparison>> {
-    let saved = gpu.precision();
+    let saved = (gpu.precision(), gpu.attention_kernels());
     let mut c = Checker {
         gpu,
         rng: ChaCha8Rng::seed_from_u64(seed),
@@ -157,13 +158,21 @@ pub fn check(gpu: &mut Gpu, seed: u64, which: Kernels) -> Result<Vec<Comparison>
         // As the pipeline stage calls it: K/V in a cache of whole sequences (rows past the prefix
         // and segment hold other data), dK/dV added to an accumulator.
         attention(&mut c, 64, 40, 30, 25)?;
-        // BF16 mode's attention on tensor cores (compute capability 8.0 and later).
+        // BF16 mode's attention on tensor cores (compute capability 8.0 and later), both
+        // versions of its kernels; v2 also at a segment of two 128-query forward blocks, the
+        // second a tail.
         c.gpu.set_precision(Precision::Bf16);
         if c.gpu.attention_on_tensor_cores() {
-            for (d, s, p) in [(64, 128, 0), (64, 96, 160), (32, 70, 33), (128, 64, 64)] {
-                attention(&mut c, d, s, p, 0)?;
+            for version in AttentionKernels::ALL {
+                c.gpu.set_attention_kernels(version);
+                for (d, s, p) in [(64, 128, 0), (64, 96, 160), (32, 70, 33), (128, 64, 64)] {
+                    attention(&mut c, d, s, p, 0)?;
+                }
+                attention(&mut c, 64, 40, 30, 25)?;
+                if version == AttentionKernels::V2 {
+                    attention(&mut c, 64, 200, 57, 0)?;
+                }
             }
-            attention(&mut c, 64, 40, 30, 25)?;
         }
         c.gpu.set_precision(Precision::Fp32);
         if all {
@@ -173,7 +182,8 @@ pub fn check(gpu: &mut Gpu, seed: u64, which: Kernels) -> Result<Vec<Comparison>
         }
         Ok(())
     })();
-    c.gpu.set_precision(saved);
+    c.gpu.set_precision(saved.0);
+    c.gpu.set_attention_kernels(saved.1);
     result.map(|()| c.out)
 }
 
@@ -442,13 +452,12 @@ fn compare_kv_grad(
     c: &mut Checker,
     what: &str,
     precision: Precision,
-    got: &crate::Buf<f32>,
+    a: &[f32],
     want: &[f32],
     (l, extra, width): (usize, usize, usize),
 ) -> Result<()> {
-    let a = c.gpu.download(got)?;
     if extra == 0 {
-        c.compare(what, precision, &a, want);
+        c.compare(what, precision, a, want);
         return Ok(());
     }
     let (mut used, mut unused) = (Vec::new(), Vec::new());
@@ -472,13 +481,17 @@ fn compare_kv_grad(
 
 /// Causal prefix attention against the CPU's. With `extra > 0` the keys and values sit in a cache
 /// of `p + s + extra` rows per sequence and dK/dV are added to accumulators holding [`PRIOR`].
-/// In BF16 mode on tensor cores, the BF16 bound applies.
+/// In BF16 mode on tensor cores, the BF16 bound applies, and the rows name the kernels' version
+/// (`v1`, `v2`); the v2 kernels also run a second time on the same inputs, and every output of
+/// the two runs must be bit-identical (the project's determinism, checked on the GPU itself).
 fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Result<()> {
-    let precision = if c.gpu.attention_on_tensor_cores() {
+    let tensor_cores = c.gpu.attention_on_tensor_cores();
+    let precision = if tensor_cores {
         Precision::Bf16
     } else {
         Precision::Fp32
     };
+    let version = c.gpu.attention_kernels();
     let (b, h) = (2, 3);
     let l = p + s;
     let (qv, q) = c.tensor(&[b, h, s, d], 1.0)?;
@@ -499,18 +512,6 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
     let kd = gpu.upload(&kv_rows(&kv))?;
     let vd = gpu.upload(&kv_rows(&vv))?;
     let dyd = gpu.upload(&to_rows(&dyv, b, h, s, d))?;
-    let (yd, lse, delta) = (
-        c.poisoned(b * s * h * d)?,
-        c.poisoned(b * h * s)?,
-        gpu.zeros::<f32>(b * h * s)?,
-    );
-    let dqd = c.poisoned(b * s * h * d)?;
-    let (dkd, dvd) = if cached {
-        let prior = vec![PRIOR; b * rows * h * d];
-        (gpu.upload(&prior)?, gpu.upload(&prior)?)
-    } else {
-        (c.poisoned(b * l * h * d)?, c.poisoned(b * l * h * d)?)
-    };
     let sh = AttnShape {
         b,
         h,
@@ -521,41 +522,71 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
         kv_stride: h * d,
         kv_rows: rows,
     };
-    gpu.attention_forward(
-        yd.ptr(),
-        lse.ptr(),
-        qd.ptr(),
-        kd.ptr(),
-        vd.ptr(),
-        sh,
-        scale as f32,
-    )?;
-    gpu.attention_backward(
-        dqd.ptr(),
-        dkd.ptr(),
-        dvd.ptr(),
-        qd.ptr(),
-        kd.ptr(),
-        vd.ptr(),
-        yd.ptr(),
-        dyd.ptr(),
-        lse.ptr(),
-        delta.ptr(),
-        sh,
-        scale as f32,
-        cached,
-    )?;
-    let tag = if cached {
-        format!("(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added)")
-    } else {
-        format!("(D {d}, segment {s}, prefix {p})")
+    // Forward and backward into fresh outputs (poisoned, or PRIOR where dK/dV accumulate):
+    // y, lse, dQ, dK, dV as they come back.
+    let run = |c: &Checker| -> Result<[Vec<f32>; 5]> {
+        let gpu = &*c.gpu;
+        let (yd, lse, delta) = (
+            c.poisoned(b * s * h * d)?,
+            c.poisoned(b * h * s)?,
+            gpu.zeros::<f32>(b * h * s)?,
+        );
+        let dqd = c.poisoned(b * s * h * d)?;
+        let (dkd, dvd) = if cached {
+            let prior = vec![PRIOR; b * rows * h * d];
+            (gpu.upload(&prior)?, gpu.upload(&prior)?)
+        } else {
+            (c.poisoned(b * l * h * d)?, c.poisoned(b * l * h * d)?)
+        };
+        gpu.attention_forward(
+            yd.ptr(),
+            lse.ptr(),
+            qd.ptr(),
+            kd.ptr(),
+            vd.ptr(),
+            sh,
+            scale as f32,
+        )?;
+        gpu.attention_backward(
+            dqd.ptr(),
+            dkd.ptr(),
+            dvd.ptr(),
+            qd.ptr(),
+            kd.ptr(),
+            vd.ptr(),
+            yd.ptr(),
+            dyd.ptr(),
+            lse.ptr(),
+            delta.ptr(),
+            sh,
+            scale as f32,
+            cached,
+        )?;
+        Ok([
+            gpu.download(&yd)?,
+            gpu.download(&lse)?,
+            gpu.download(&dqd)?,
+            gpu.download(&dkd)?,
+            gpu.download(&dvd)?,
+        ])
     };
-    for (name, got, want) in [("forward y", &yd, &y), ("backward dQ", &dqd, &dq)] {
-        let a = c.gpu.download(got)?;
+    let got = run(c)?;
+    let kernels = if tensor_cores {
+        format!(", tensor cores {}", version.name())
+    } else {
+        String::new()
+    };
+    let tag = if cached {
+        format!("(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added{kernels})")
+    } else {
+        format!("(D {d}, segment {s}, prefix {p}{kernels})")
+    };
+    let [gy, glse, gdq, gdk, gdv] = &got;
+    for (name, got, want) in [("forward y", gy, &y), ("backward dQ", gdq, &dq)] {
         let b_ = to_rows(&host(want)?, b, h, s, d);
-        c.compare(format!("attention {name} {tag}"), precision, &a, &b_);
+        c.compare(format!("attention {name} {tag}"), precision, got, &b_);
     }
-    for (name, got, want) in [("backward dK", &dkd, &dk), ("backward dV", &dvd, &dv)] {
+    for (name, got, want) in [("backward dK", gdk, &dk), ("backward dV", gdv, &dv)] {
         let want = to_rows(&host(want)?, b, h, l, d);
         compare_kv_grad(
             c,
@@ -566,9 +597,31 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
             (l, extra, h * d),
         )?;
     }
-    let a = c.gpu.download(&lse)?;
     let b_ = host(&ctx.lse)?;
-    c.compare(format!("attention forward lse {tag}"), precision, &a, &b_);
+    c.compare(format!("attention forward lse {tag}"), precision, glse, &b_);
+    if tensor_cores && version == AttentionKernels::V2 {
+        let again = run(c)?;
+        let differ: usize = got
+            .iter()
+            .zip(&again)
+            .map(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count()
+            })
+            .sum();
+        let total: usize = got.iter().map(Vec::len).sum();
+        c.out.push(Comparison {
+            what: format!(
+                "attention run twice, outputs bit-identical {tag}: {differ} of {total} differ"
+            ),
+            precision: precision.name(),
+            rel_l2: differ as f64,
+            rel_max: differ as f64,
+            bound: 0.0,
+        });
+    }
     Ok(())
 }
 

@@ -100,9 +100,11 @@ pub(crate) enum OpKind<'a> {
 /// The category (and group) of a kernel symbol; `None` for a kernel nobody categorised.
 pub fn kernel_category(name: &str) -> Option<(&'static str, Group)> {
     use Group::*;
-    // Attention kernels: `attn_forward_d64`, `attn_tc_backward_dkdv_d128`, …
+    // Attention kernels: `attn_forward_d64`, `attn_tc_backward_dkdv_d128`, `attn_tc2_forward_d64`, …
     if let Some(rest) = name.strip_prefix("attn_") {
-        let rest = rest.strip_prefix("tc_").unwrap_or(rest);
+        let rest = (rest.strip_prefix("tc_"))
+            .or_else(|| rest.strip_prefix("tc2_"))
+            .unwrap_or(rest);
         // The head width's suffix (`_d64`), not `_delta`'s.
         let base = match rest.rsplit_once("_d") {
             Some((b, d)) if !d.is_empty() && d.bytes().all(|c| c.is_ascii_digit()) => b,
@@ -564,6 +566,10 @@ mod tests {
             ("attn_forward_d64", "attn_tc_forward_d128"),
             ("attn_backward_dq_d16", "attn_tc_backward_dq_d64"),
             ("attn_backward_dkdv_d32", "attn_tc_backward_dkdv_d64"),
+            ("attn_tc_forward_d64", "attn_tc2_forward_d64"),
+            ("attn_tc_backward_dq_d64", "attn_tc2_backward_dq_d64"),
+            ("attn_tc_backward_dkdv_d128", "attn_tc2_backward_dkdv_d128"),
+            ("attn_backward_delta", "attn_tc2_backward_delta"),
         ] {
             assert_eq!(kernel_category(a), kernel_category(b));
         }

@@ -35,6 +35,68 @@ impl Precision {
     }
 }
 
+/// Which tensor-core attention kernels BF16 mode launches (FP32 attention has one version):
+/// `v1`, the `attn_tc_*` kernels (the default), or `v2`, the `attn_tc2_*` ones (shared tiles in
+/// the layout their fragments read, 16-byte loads, two query tiles per warp in the forward; see
+/// kernels.cu). Both keep the same contract and are checked against the CPU oracle by
+/// `seqpipe gpu check`; `SEQPIPE_ATTENTION` chooses when a `Gpu` is opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// `attn_tc_*`.
+    #[default]
+    V1,
+    /// `attn_tc2_*` (and `attn_tc2_backward_delta`).
+    V2,
+}
+
+impl AttentionKernels {
+    /// The environment variable [`AttentionKernels::from_env`] reads.
+    pub const ENV: &'static str = "SEQPIPE_ATTENTION";
+    /// Both versions, in the order reports list them.
+    pub const ALL: [AttentionKernels; 2] = [AttentionKernels::V1, AttentionKernels::V2];
+
+    /// `v1` or `v2`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernels::V1 => "v1",
+            AttentionKernels::V2 => "v2",
+        }
+    }
+
+    /// The version `SEQPIPE_ATTENTION` names (`v1` when unset or empty); any other value is an
+    /// error naming the accepted ones.
+    pub fn from_env() -> Result<AttentionKernels> {
+        match std::env::var(Self::ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(AttentionKernels::V1),
+            Err(std::env::VarError::NotUnicode(v)) => Err(crate::error::GpuError::Env {
+                name: Self::ENV,
+                value: v.to_string_lossy().into_owned(),
+                reason: "expected v1 or v2".into(),
+            }),
+            Ok(v) if v.is_empty() => Ok(AttentionKernels::V1),
+            Ok(v) => v.parse().map_err(|reason| crate::error::GpuError::Env {
+                name: Self::ENV,
+                value: v,
+                reason,
+            }),
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionKernels {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "v1" => Ok(AttentionKernels::V1),
+            "v2" => Ok(AttentionKernels::V2),
+            _ => Err(format!(
+                "unknown attention kernels {s:?}: expected v1 (attn_tc_*, the default) or v2 (attn_tc2_*)"
+            )),
+        }
+    }
+}
+
 impl std::str::FromStr for Precision {
     type Err = String;
 
@@ -158,4 +220,22 @@ pub(crate) enum Operands {
     F32,
     /// BF16, multiplied with FP32 accumulation.
     Bf16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttentionKernels;
+
+    #[test]
+    fn attention_kernel_versions_parse_by_name_and_refuse_others_saying_what_is_accepted() {
+        for k in AttentionKernels::ALL {
+            assert_eq!(k.name().parse::<AttentionKernels>(), Ok(k));
+        }
+        assert_eq!(AttentionKernels::default(), AttentionKernels::V1);
+        let err = "V2".parse::<AttentionKernels>().unwrap_err();
+        assert!(
+            err.contains("\"V2\"") && err.contains("v1") && err.contains("v2"),
+            "{err}"
+        );
+    }
 }

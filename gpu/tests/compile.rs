@@ -36,7 +36,7 @@ fn every_kernel_compiles_for_ampere_and_hopper_and_the_oldest_target() {
             .map(|s| s.to_string())
             .chain(attention_kernels())
             .collect();
-        assert_eq!(names.len(), KERNELS.len() + 6 * HEAD_DIMS.len());
+        assert_eq!(names.len(), KERNELS.len() + 9 * HEAD_DIMS.len());
         for name in names {
             assert!(
                 text.contains(&format!(".entry {name}(")),
@@ -48,7 +48,33 @@ fn every_kernel_compiles_for_ampere_and_hopper_and_the_oldest_target() {
             bf16_mma,
             "BF16 mma in the PTX for {arch}"
         );
+        // The v2 attention reads its tiles with 16-byte loads and rounds two floats per
+        // instruction (sm_75 has no BF16 mma: its tensor-core kernels are a trap).
+        for d in HEAD_DIMS.iter().filter(|_| bf16_mma) {
+            for pass in ["forward", "backward_dq", "backward_dkdv"] {
+                let name = format!("attn_tc2_{pass}_d{d}");
+                let body = entry_body(&text, &name);
+                assert!(
+                    body.contains("ld.global.v4.f32") || body.contains("ld.global.nc.v4.f32"),
+                    "{name} has no 16-byte loads in the PTX for {arch}"
+                );
+                assert!(
+                    body.contains("cvt.rn.bf16x2.f32"),
+                    "{name} does not round pairs to bf16 with cvt.rn.bf16x2 in the PTX for {arch}"
+                );
+            }
+        }
     }
+}
+
+/// The PTX of one kernel: from its `.entry` to the next one (or the end).
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("{name} is missing from the PTX"));
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").unwrap_or(rest.len());
+    &rest[..end]
 }
 
 #[test]
