@@ -133,7 +133,7 @@ fn rows_aligned(op: &'static str, matrices: &[(&str, u64, usize)]) -> Result<()>
                 op,
                 format!(
                     "{name} at {addr:#x} with rows {stride} floats apart is not 16-byte aligned, \
-                     which the v2 attention kernels need ({}=v2): unset it to use v1",
+                     which the v2 attention kernels need: set {}=v1 to use v1",
                     AttentionKernels::ENV
                 ),
             );

@@ -36,16 +36,16 @@ impl Precision {
 }
 
 /// Which tensor-core attention kernels BF16 mode launches (FP32 attention has one version):
-/// `v1`, the `attn_tc_*` kernels (the default), or `v2`, the `attn_tc2_*` ones (shared tiles in
-/// the layout their fragments read, 16-byte loads, two query tiles per warp in the forward; see
-/// kernels.cu). Both keep the same contract and are checked against the CPU oracle by
+/// `v2`, the `attn_tc2_*` kernels (the default: shared tiles in the layout their fragments read,
+/// 16-byte loads, two query tiles per warp in the forward; see kernels.cu; 1.71× v1's attention
+/// time on a GPT-2 bf16 step on an H200, BENCHMARKS.md § GPU), or `v1`, the `attn_tc_*` ones. Both keep the same contract and are checked against the CPU oracle by
 /// `seqpipe gpu check`; `SEQPIPE_ATTENTION` chooses when a `Gpu` is opened.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionKernels {
     /// `attn_tc_*`.
-    #[default]
     V1,
     /// `attn_tc2_*` (and `attn_tc2_backward_delta`).
+    #[default]
     V2,
 }
 
@@ -63,17 +63,17 @@ impl AttentionKernels {
         }
     }
 
-    /// The version `SEQPIPE_ATTENTION` names (`v1` when unset or empty); any other value is an
+    /// The version `SEQPIPE_ATTENTION` names (`v2` when unset or empty); any other value is an
     /// error naming the accepted ones.
     pub fn from_env() -> Result<AttentionKernels> {
         match std::env::var(Self::ENV) {
-            Err(std::env::VarError::NotPresent) => Ok(AttentionKernels::V1),
+            Err(std::env::VarError::NotPresent) => Ok(AttentionKernels::default()),
             Err(std::env::VarError::NotUnicode(v)) => Err(crate::error::GpuError::Env {
                 name: Self::ENV,
                 value: v.to_string_lossy().into_owned(),
                 reason: "expected v1 or v2".into(),
             }),
-            Ok(v) if v.is_empty() => Ok(AttentionKernels::V1),
+            Ok(v) if v.is_empty() => Ok(AttentionKernels::default()),
             Ok(v) => v.parse().map_err(|reason| crate::error::GpuError::Env {
                 name: Self::ENV,
                 value: v,
@@ -91,7 +91,7 @@ impl std::str::FromStr for AttentionKernels {
             "v1" => Ok(AttentionKernels::V1),
             "v2" => Ok(AttentionKernels::V2),
             _ => Err(format!(
-                "unknown attention kernels {s:?}: expected v1 (attn_tc_*, the default) or v2 (attn_tc2_*)"
+                "unknown attention kernels {s:?}: expected v1 (attn_tc_*) or v2 (attn_tc2_*, the default)"
             )),
         }
     }
@@ -231,7 +231,7 @@ mod tests {
         for k in AttentionKernels::ALL {
             assert_eq!(k.name().parse::<AttentionKernels>(), Ok(k));
         }
-        assert_eq!(AttentionKernels::default(), AttentionKernels::V1);
+        assert_eq!(AttentionKernels::default(), AttentionKernels::V2);
         let err = "V2".parse::<AttentionKernels>().unwrap_err();
         assert!(
             err.contains("\"V2\"") && err.contains("v1") && err.contains("v2"),
