@@ -170,7 +170,7 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
         store,
         rt,
         index,
-    } = prepare_in_bucket(&s3, &dir, &[input.clone()], &url, 2048, 256);
+    } = prepare_in_bucket(&s3, &dir, std::slice::from_ref(&input), &url, 2048, 256);
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(
         printed.contains(&format!("wrote {url}/index.json")),
