@@ -72,6 +72,22 @@ apt_install() {
 or install $* yourself and re-run"
 }
 
+# Makes command $1 available for the tests that need it: nothing if it is on PATH; as root
+# `apt-get install` Debian package $2 (and checks that it brought $1); otherwise notes $3, what will
+# happen without it.
+apt_install_tool() {
+  local cmd=$1 package=$2 without=$3 t
+  command -v "$cmd" >/dev/null 2>&1 && return 0
+  if [ "$can_apt" = 1 ]; then
+    t=$(now_ms)
+    apt_install "$package"
+    command -v "$cmd" >/dev/null 2>&1 || die "apt-get installed $package but there is no $cmd on PATH"
+    note "installed $package with apt-get ($(since "$t"))"
+  else
+    note "note: $without"
+  fi
+}
+
 # Unpacks the etcd-server .deb into directory $1 without root (`apt-get download` + `dpkg-deb -x`)
 # and prints the path of the etcd binary in it.
 unpack_etcd() {
@@ -195,38 +211,14 @@ fi
 check_etcd_version "${SEQPIPE_ETCD:-$(command -v etcd)}"
 
 # --- iproute2 for tests/partition.rs (network namespaces: root only). ---
-if ! command -v ip >/dev/null 2>&1; then
-  if [ "$can_apt" = 1 ]; then
-    t=$(now_ms)
-    apt_install iproute2
-    command -v ip >/dev/null 2>&1 || die "apt-get installed iproute2 but there is no ip on PATH"
-    note "installed iproute2 with apt-get ($(since "$t"))"
-  else
-    note "note: \`ip\` (iproute2) is missing and cannot be installed without root: tests/partition.rs will fail with its own message"
-  fi
-fi
+apt_install_tool ip iproute2 \
+  "\`ip\` (iproute2) is missing and cannot be installed without root: tests/partition.rs will fail with its own message"
 # --- shellcheck for tests/deploy.rs (deploy/slurm/train.sbatch). ---
-if [ -z "${SEQPIPE_SHELLCHECK:-}" ] && ! command -v shellcheck >/dev/null 2>&1; then
-  if [ "$can_apt" = 1 ]; then
-    t=$(now_ms)
-    apt_install shellcheck
-    command -v shellcheck >/dev/null 2>&1 || die "apt-get installed shellcheck but there is no shellcheck on PATH"
-    note "installed shellcheck with apt-get ($(since "$t"))"
-  else
-    note "note: shellcheck is missing and cannot be installed without root: tests/deploy.rs will fail with its own message (install it, or set SEQPIPE_SHELLCHECK)"
-  fi
-fi
+[ -n "${SEQPIPE_SHELLCHECK:-}" ] || apt_install_tool shellcheck shellcheck \
+  "shellcheck is missing and cannot be installed without root: tests/deploy.rs will fail with its own message (install it, or set SEQPIPE_SHELLCHECK)"
 # --- a C++20 compiler for gpu/tests/emulated_kernels.rs (the CUDA kernels run on the CPU). ---
-if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null 2>&1; then
-  if [ "$can_apt" = 1 ]; then
-    t=$(now_ms)
-    apt_install g++
-    command -v c++ >/dev/null 2>&1 || die "apt-get installed g++ but there is no c++ on PATH"
-    note "installed g++ with apt-get ($(since "$t"))"
-  else
-    note "note: no C++ compiler (c++) and none can be installed without root: gpu/tests/emulated_kernels.rs will fail with its own message (install g++, or set CXX)"
-  fi
-fi
+[ -n "${CXX:-}" ] || apt_install_tool c++ g++ \
+  "no C++ compiler (c++) and none can be installed without root: gpu/tests/emulated_kernels.rs will fail with its own message (install g++, or set CXX)"
 # --- Slurm and MUNGE for tests/slurm.rs (a one-node cluster; the daemons run as root). ---
 # slurmctld, slurmd and munged live in /usr/sbin, where the test also looks.
 slurm_missing=0
@@ -252,15 +244,9 @@ fi
 # test queries what it stored. As root `apt-get install`; else $SEQPIPE_PROMETHEUS or PATH.
 if [ -n "${SEQPIPE_PROMETHEUS:-}" ]; then
   [ -f "$SEQPIPE_PROMETHEUS" ] || die "SEQPIPE_PROMETHEUS=$SEQPIPE_PROMETHEUS is not a file: point it at a prometheus binary, or unset it"
-elif ! command -v prometheus >/dev/null 2>&1; then
-  if [ "$can_apt" = 1 ]; then
-    t=$(now_ms)
-    apt_install prometheus
-    command -v prometheus >/dev/null 2>&1 || die "apt-get installed prometheus but there is no prometheus on PATH"
-    note "installed prometheus with apt-get ($(since "$t"))"
-  else
-    note "note: prometheus is missing and cannot be installed without root: tests/prometheus.rs will fail with its own message (install it, or set SEQPIPE_PROMETHEUS)"
-  fi
+else
+  apt_install_tool prometheus prometheus \
+    "prometheus is missing and cannot be installed without root: tests/prometheus.rs will fail with its own message (install it, or set SEQPIPE_PROMETHEUS)"
 fi
 # Azurite (npm package azurite, Microsoft's Azure Storage emulator, into ./.deps/azurite; it needs
 # node, Debian packages nodejs + npm as root) for checkpoint/tests/azure.rs and tests/cloud_resume.rs.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use checkpoint::CheckpointStore;
 use checkpoint::testing::SeaweedFs;
+use common::resumable_train as train;
 use common::{
     ckpt_url, final_state, fresh_dir, losses, metrics, run_err, run_events, run_ok, seqpipe,
     tiny_model_args,
@@ -22,26 +23,6 @@ fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
-}
-
-/// `train` with the tiny model, eval off, checkpoints every 3 steps, a 12-step LR schedule whatever
-/// `train.steps` says (so runs can be stopped and extended without changing any step), into `run_dir`.
-fn train(run_dir: &Path, extra: &[&str]) -> Command {
-    let mut cmd = seqpipe();
-    cmd.args(["train", "-q"])
-        .args(tiny_model_args())
-        .args([
-            "--set",
-            "checkpoint.every=3",
-            "--set",
-            "train.decay_steps=12",
-        ])
-        .arg("--set")
-        .arg(format!("run.dir={}", run_dir.display()));
-    for s in extra {
-        cmd.args(["--set", s]);
-    }
-    cmd
 }
 
 fn assert_same_state(a: &str, b: &str) {

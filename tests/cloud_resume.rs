@@ -14,34 +14,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use checkpoint::emulators::Azurite;
-use common::{
-    children_of, ckpt_url, final_state, fresh_dir, run_events, run_ok, seqpipe, tiny_model_args,
-};
+use common::resumable_train as train;
+use common::{children_of, ckpt_url, final_state, fresh_dir, run_events, run_ok, seqpipe};
 use trainer::runtime::events::{RunEvent, parse_records};
 
 /// Steps of the resumed run and of the reference run.
 const STEPS: u64 = 30;
-
-/// `train` with the tiny model, eval off, checkpoints every 3 steps and a 12-step LR schedule
-/// whatever `train.steps` says (so a run stopped anywhere and resumed to `STEPS` matches one run
-/// to `STEPS`).
-fn train(run_dir: &Path, extra: &[String]) -> Command {
-    let mut cmd = seqpipe();
-    cmd.args(["train", "-q"])
-        .args(tiny_model_args())
-        .args([
-            "--set",
-            "checkpoint.every=3",
-            "--set",
-            "train.decay_steps=12",
-        ])
-        .arg("--set")
-        .arg(format!("run.dir={}", run_dir.display()));
-    for s in extra {
-        cmd.args(["--set", s]);
-    }
-    cmd
-}
 
 /// SIGKILLs `pid` and all its descendants: the tree is listed first, then killed from the top
 /// (so no parent restarts a child it saw die).
@@ -90,7 +68,7 @@ fn kill_and_resume(name: &str, url: &str, dir: &Path, reference: &BTreeMap<Strin
     let mut child = KillOnDrop(
         train(
             &first,
-            &["train.steps=100000".into(), format!("checkpoint.url={url}")],
+            &["train.steps=100000", &format!("checkpoint.url={url}")],
         )
         .spawn()
         .unwrap(),
@@ -169,7 +147,7 @@ fn azure_checkpoints_survive_a_sigkill_and_resume_bit_identically() {
     }
     let dir = fresh_dir("cloud-resume");
     let local = dir.join("local");
-    run_ok(&mut train(&local, &[format!("train.steps={STEPS}")]));
+    run_ok(&mut train(&local, &[&format!("train.steps={STEPS}")]));
     let (step, reference) = final_state(&ckpt_url(&local));
     assert_eq!(step, STEPS);
 

@@ -63,6 +63,53 @@ fn job(run_dir: &Path, source: &str, extra: &[&str]) -> Command {
     cmd
 }
 
+/// A dataset `seqpipe data prepare` wrote into the bucket, and what the tests read it back with.
+struct Prepared {
+    /// What `data prepare` printed (and its status).
+    out: std::process::Output,
+    store: checkpoint::CheckpointStore,
+    rt: tokio::runtime::Runtime,
+    /// `index.json` as read back from the bucket.
+    index: trainer::data::shards::DatasetIndex,
+}
+
+/// `seqpipe data prepare` of `inputs` into `url` on `s3` (run in `dir`) with the given shard and
+/// chunk sizes, then its `index.json` read back from the bucket.
+fn prepare_in_bucket(
+    s3: &SeaweedFs,
+    dir: &Path,
+    inputs: &[PathBuf],
+    url: &str,
+    shard_bytes: u64,
+    chunk_bytes: u64,
+) -> Prepared {
+    let out = run_ok(
+        seqpipe()
+            .current_dir(dir)
+            .envs(s3.env())
+            .args(["data", "prepare", "--input"])
+            .args(inputs)
+            .args(["--out", url])
+            .arg("--shard-bytes")
+            .arg(shard_bytes.to_string())
+            .arg("--chunk-bytes")
+            .arg(chunk_bytes.to_string()),
+    );
+    let store = checkpoint::CheckpointStore::open(url, &s3.store_options()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let index_bytes = rt.block_on(read_object(&store, "index.json")).unwrap();
+    let index = trainer::data::shards::DatasetIndex::parse(&index_bytes, url).unwrap();
+    Prepared {
+        out,
+        store,
+        rt,
+        index,
+    }
+}
+
 fn cache_files(cache: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(cache)
         .into_iter()
@@ -118,21 +165,12 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
     );
     // Small shards and chunks, so a run reads many objects and ranges.
     let url = s3.url("datasets/corpus");
-    let out = run_ok(
-        seqpipe()
-            .current_dir(&dir)
-            .envs(s3.env())
-            .args(["data", "prepare", "--input"])
-            .arg(&input)
-            .args([
-                "--out",
-                &url,
-                "--shard-bytes",
-                "2048",
-                "--chunk-bytes",
-                "256",
-            ]),
-    );
+    let Prepared {
+        out,
+        store,
+        rt,
+        index,
+    } = prepare_in_bucket(&s3, &dir, std::slice::from_ref(&input), &url, 2048, 256);
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(
         printed.contains(&format!("wrote {url}/index.json")),
@@ -141,13 +179,6 @@ fn s3_dataset_trains_bit_identical_to_local_through_cold_warm_small_and_corrupt_
     assert!(printed.contains(&format!("data.source={url}")), "{printed}");
     // Nothing local named after the scheme: the data went to the bucket.
     assert!(!dir.join("s3:").exists());
-    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let index_bytes = rt.block_on(read_object(&store, "index.json")).unwrap();
-    let index = trainer::data::shards::DatasetIndex::parse(&index_bytes, &url).unwrap();
     assert!(
         index.train.shards.len() >= 3,
         "{:?}",
@@ -332,30 +363,7 @@ fn a_real_corpus_prepared_into_s3_trains() {
     assert!(inputs.len() >= 10, "{inputs:?}");
     let s3 = SeaweedFs::start();
     let url = s3.url("datasets/common-licenses");
-    run_ok(
-        seqpipe()
-            .envs(s3.env())
-            .args(["data", "prepare", "--input"])
-            .args(&inputs)
-            .args([
-                "--out",
-                &url,
-                "--shard-bytes",
-                "65536",
-                "--chunk-bytes",
-                "4096",
-            ]),
-    );
-    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let index = trainer::data::shards::DatasetIndex::parse(
-        &rt.block_on(read_object(&store, "index.json")).unwrap(),
-        &url,
-    )
-    .unwrap();
+    let index = prepare_in_bucket(&s3, &dir, &inputs, &url, 65536, 4096).index;
     assert_eq!(
         index.train.documents + index.val.documents,
         inputs.len() as u64
@@ -471,30 +479,9 @@ fn a_shard_deleted_mid_run_stops_the_run_with_a_data_error_and_no_node_lost() {
     let dir = fresh_dir("ds-deleted-mid-run");
     let input = corpus(&dir);
     let url = s3.url("datasets/mid-run");
-    run_ok(
-        seqpipe()
-            .envs(s3.env())
-            .args(["data", "prepare", "--input"])
-            .arg(&input)
-            .args([
-                "--out",
-                &url,
-                "--shard-bytes",
-                "2048",
-                "--chunk-bytes",
-                "256",
-            ]),
-    );
-    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options()).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let index = trainer::data::shards::DatasetIndex::parse(
-        &rt.block_on(read_object(&store, "index.json")).unwrap(),
-        &url,
-    )
-    .unwrap();
+    let Prepared {
+        store, rt, index, ..
+    } = prepare_in_bucket(&s3, &dir, &[input], &url, 2048, 256);
     let run = dir.join("run");
     // Far more steps than the deletion leaves time for; a checkpoint every 2 steps.
     let child = job(

@@ -4,36 +4,25 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{children_of, elastic_job, free_port, fresh_dir, records, steps_done, wait_for_steps};
+use common::disturbed::{Scrape, get_metrics};
+use common::{
+    checkpoint_steps, children_of, elastic_job, free_port, fresh_dir, records, steps_done,
+    wait_for_steps,
+};
 use trainer::runtime::events::{Recovered, RunEvent};
 use trainer::runtime::recovery::Tier;
 
 const STEPS: u64 = 16;
 
-/// One scrape: sample name (with its labels) → value.
-type Scrape = BTreeMap<String, f64>;
-
 /// `GET /metrics` on `port` with a plain HTTP/1.1 request; `None` while nothing answers (the run
 /// is starting) or the answer is not a complete exposition.
 fn scrape(port: u16) -> Option<Scrape> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .ok()?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).ok()?;
-    let (head, body) = answer.split_once("\r\n\r\n")?;
+    let (head, body) = get_metrics(port)?;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // The server closes the connection after the body: the whole exposition ends with `# EOF`.
     if !body.ends_with("# EOF\n") {
@@ -265,13 +254,8 @@ fn run_losing(victim: Victim) {
         value(&last, "seqpipe_nodes_left_total"),
         count(&|e| matches!(e, RunEvent::NodeLeft(_)))
     );
-    let last_checkpoint = events
-        .iter()
-        .rev()
-        .find_map(|e| match e {
-            RunEvent::Checkpoint(c) => Some(c.step),
-            _ => None,
-        })
+    let last_checkpoint = *checkpoint_steps(&events)
+        .last()
         .expect("a committed checkpoint");
     assert_eq!(last_checkpoint, STEPS);
     assert_eq!(

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ckpt_url, elastic_job_sets, final_state, fresh_dir, seqpipe};
+use common::{ckpt_url, effective_uid, elastic_job_sets, final_state, fresh_dir, seqpipe};
 use trainer::runtime::events::{self, Record, RunEvent};
 
 /// Long enough that, after the cut and the recovery, the run goes on for several seconds: the
@@ -48,12 +48,7 @@ fn job(run_dir: &Path, extra: &[String]) -> Command {
 
 /// Panics unless the test runs as root with iproute2 installed.
 fn require_root_and_iproute2() {
-    let status = std::fs::read_to_string("/proc/self/status").expect("reading /proc/self/status");
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|ids| ids.split_whitespace().nth(1))
-        .expect("a Uid line in /proc/self/status");
+    let euid = effective_uid();
     assert!(
         euid == "0",
         "tests/partition.rs needs root (it creates network namespaces, veth pairs and a bridge) \

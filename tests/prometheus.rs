@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::disturbed::run_disturbed;
-use common::{free_port, fresh_dir, records};
+use common::{checkpoint_steps, free_port, fresh_dir, records};
 use serde_json::Value;
 use trainer::runtime::events::{Recovered, RunEvent};
 use trainer::runtime::goodput::Goodput;
@@ -279,13 +279,8 @@ fn prometheus_stores_what_metrics_jsonl_records_through_a_worker_and_a_node_loss
     assert!(lost >= 2.0, "a worker and a node were lost: {events:?}");
 
     let checkpoint = prom.one("seqpipe_last_checkpoint_step");
-    let checkpoint_in_file = events
-        .iter()
-        .rev()
-        .find_map(|e| match e {
-            RunEvent::Checkpoint(c) => Some(c.step),
-            _ => None,
-        })
+    let checkpoint_in_file = *checkpoint_steps(&events)
+        .last()
         .expect("a committed checkpoint");
     println!(
         "seqpipe_last_checkpoint_step {checkpoint}; newest checkpoint event {checkpoint_in_file}"

@@ -33,7 +33,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ckpt_url, final_state, free_port, fresh_dir, run_events, steps_done};
+use common::{
+    checkpoint_steps, ckpt_url, effective_uid, final_state, free_port, fresh_dir, run_events,
+    steps_done,
+};
 use trainer::runtime::events::{Record, RunEvent};
 
 /// Steps of each job: enough that a disturbance after step `DISTURB_AFTER` lands well before the
@@ -66,12 +69,7 @@ fn repo() -> PathBuf {
 
 /// Panics unless the test runs as root.
 fn require_root() {
-    let status = std::fs::read_to_string("/proc/self/status").expect("reading /proc/self/status");
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|ids| ids.split_whitespace().nth(1))
-        .expect("a Uid line in /proc/self/status");
+    let euid = effective_uid();
     assert!(
         euid == "0",
         "tests/slurm.rs needs root (it runs slurmctld, slurmd and munged, and slurmd runs the jobs); \
@@ -472,13 +470,7 @@ fn periodic(from: u64, steps: u64) -> Vec<u64> {
 
 /// The committed checkpoint steps a run's `metrics.jsonl` records, in order.
 fn committed(run_dir: &Path) -> Vec<u64> {
-    run_events(run_dir)
-        .into_iter()
-        .filter_map(|e| match e {
-            RunEvent::Checkpoint(c) => Some(c.step),
-            _ => None,
-        })
-        .collect()
+    checkpoint_steps(&run_events(run_dir))
 }
 
 /// Submits a job, disturbs it after [`DISTURB_AFTER`] steps, and checks that it stopped with a

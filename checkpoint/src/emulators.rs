@@ -200,8 +200,9 @@ impl Azurite {
 }
 
 /// `$env_var`, else `name` on `PATH`, else one of the workspace-relative `installed` globs
-/// (a `*` matches one path component); panics saying how to install it.
-fn find_binary(env_var: &str, name: &str, installed: &[&str], how: &str) -> PathBuf {
+/// (a `*` matches one path component); panics saying how to install it. Also finds
+/// [`crate::testing`]'s SeaweedFS binary.
+pub(crate) fn find_binary(env_var: &str, name: &str, installed: &[&str], how: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(env_var) {
         let p = PathBuf::from(p);
         assert!(

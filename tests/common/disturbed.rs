@@ -16,8 +16,9 @@ use super::{children_of, elastic_job, free_port, steps_done};
 /// One scrape of `/metrics`: sample name (with its labels) → value.
 pub type Scrape = BTreeMap<String, f64>;
 
-/// `GET /metrics` on `port`; `None` while nothing answers or the exposition is incomplete.
-pub fn scrape(port: u16) -> Option<Scrape> {
+/// `GET /metrics` on `port` with a plain HTTP/1.1 request (the server closes the connection after
+/// the body): the answer's head and body, or `None` while nothing answers in full.
+pub fn get_metrics(port: u16) -> Option<(String, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(30)))
@@ -28,6 +29,12 @@ pub fn scrape(port: u16) -> Option<Scrape> {
     let mut answer = String::new();
     stream.read_to_string(&mut answer).ok()?;
     let (head, body) = answer.split_once("\r\n\r\n")?;
+    Some((head.to_string(), body.to_string()))
+}
+
+/// `GET /metrics` on `port`; `None` while nothing answers or the exposition is incomplete.
+pub fn scrape(port: u16) -> Option<Scrape> {
+    let (head, body) = get_metrics(port)?;
     if !head.starts_with("HTTP/1.1 200") || !body.ends_with("# EOF\n") {
         return None;
     }

@@ -98,6 +98,17 @@ pub fn run_events(run_dir: &Path) -> Vec<RunEvent> {
         .collect()
 }
 
+/// The steps of the committed checkpoints among `events`, in order.
+pub fn checkpoint_steps<E: std::borrow::Borrow<RunEvent>>(events: &[E]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e.borrow() {
+            RunEvent::Checkpoint(c) => Some(c.step),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The per-step losses of a run.
 pub fn losses(run_dir: &Path) -> Vec<f64> {
     metrics(run_dir)
@@ -121,6 +132,27 @@ pub fn tiny_model_args() -> Vec<String> {
     .iter()
     .flat_map(|s| ["--set".to_string(), s.to_string()])
     .collect()
+}
+
+/// `train` with the tiny model, eval off, checkpoints every 3 steps and a 12-step LR schedule
+/// whatever `train.steps` says (so a run stopped anywhere and extended or resumed to N steps
+/// matches one run to N), into `run_dir`; `extra` are more `--set` assignments.
+pub fn resumable_train(run_dir: &Path, extra: &[&str]) -> Command {
+    let mut cmd = seqpipe();
+    cmd.args(["train", "-q"])
+        .args(tiny_model_args())
+        .args([
+            "--set",
+            "checkpoint.every=3",
+            "--set",
+            "train.decay_steps=12",
+        ])
+        .arg("--set")
+        .arg(format!("run.dir={}", run_dir.display()));
+    for s in extra {
+        cmd.args(["--set", s]);
+    }
+    cmd
 }
 
 /// Every tensor (parameters and optimizer moments) of the newest committed checkpoint at `url`, as
@@ -296,4 +328,15 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// This process's effective user id, from /proc/self/status (`"0"` for root).
+pub fn effective_uid() -> String {
+    let status = std::fs::read_to_string("/proc/self/status").expect("reading /proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1))
+        .expect("a Uid line in /proc/self/status")
+        .to_string()
 }
