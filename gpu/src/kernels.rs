@@ -661,6 +661,25 @@ impl Gpu {
         )
     }
 
+    /// The attention kernels this `Gpu` launches for head width `d`, with the rows of `matrices`
+    /// checked for alignment when those kernels need it ([`rows_aligned`]).
+    fn attention_launch_checked(
+        &self,
+        op: &'static str,
+        d: usize,
+        matrices: &[(&str, u64, usize)],
+    ) -> Result<AttnLaunch> {
+        let l = attention_launch(
+            self.attention_on_tensor_cores(),
+            self.attention_kernels(),
+            d,
+        );
+        if l.aligned_rows {
+            rows_aligned(op, matrices)?;
+        }
+        Ok(l)
+    }
+
     /// Causal prefix attention: `y (b·s, h·d)` and `lse (b, h, s)` from queries `q` and keys/values
     /// `k`, `v` laid out as [`AttnShape`] says.
     #[allow(clippy::too_many_arguments)]
@@ -676,21 +695,15 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_forward";
         let a = sh.args(OP)?;
-        let l = attention_launch(
-            self.attention_on_tensor_cores(),
-            self.attention_kernels(),
+        let l = self.attention_launch_checked(
+            OP,
             sh.d,
-        );
-        if l.aligned_rows {
-            rows_aligned(
-                OP,
-                &[
-                    ("q", q, sh.q_stride),
-                    ("k", k, sh.kv_stride),
-                    ("v", v, sh.kv_stride),
-                ],
-            )?;
-        }
+            &[
+                ("q", q, sh.q_stride),
+                ("k", k, sh.kv_stride),
+                ("v", v, sh.kv_stride),
+            ],
+        )?;
         self.launch(
             &format!("{}forward_d{}", l.prefix, sh.d),
             (
@@ -740,22 +753,16 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "attention_backward";
         let a = sh.args(OP)?;
-        let l = attention_launch(
-            self.attention_on_tensor_cores(),
-            self.attention_kernels(),
+        let l = self.attention_launch_checked(
+            OP,
             sh.d,
-        );
-        if l.aligned_rows {
-            rows_aligned(
-                OP,
-                &[
-                    ("q", q, sh.q_stride),
-                    ("k", k, sh.kv_stride),
-                    ("v", v, sh.kv_stride),
-                    ("dy", dy, sh.h * sh.d),
-                ],
-            )?;
-        }
+            &[
+                ("q", q, sh.q_stride),
+                ("k", k, sh.kv_stride),
+                ("v", v, sh.kv_stride),
+                ("dy", dy, sh.h * sh.d),
+            ],
+        )?;
         let rows = sh.b * sh.h * sh.s;
         let (delta_kernel, delta_grid, delta_threads) = if l.warp_delta {
             // A warp per row, four per block.
