@@ -1077,8 +1077,20 @@ impl Driver<'_, '_> {
                 },
             )?;
         }
-        self.pipeline
+        let replies = self
+            .pipeline
             .collect(active.len(), &format!("step {step}'s optimizer update"))?;
+        let mut updated = BTreeSet::new();
+        for reply in replies {
+            match reply {
+                ToLauncher::Updated { stage, step: s } if s == step && updated.insert(stage) => {}
+                other => {
+                    return Err(LaunchError::Protocol(format!(
+                        "expected each worker's update of step {step} once, got {other:?}"
+                    )));
+                }
+            }
+        }
         Ok(grad_norm)
     }
 

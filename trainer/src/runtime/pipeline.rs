@@ -38,8 +38,9 @@ pub struct Pipeline<'c> {
     /// The workers' config (TOML), for a replacement.
     worker_config: String,
     dump_grads: Option<PathBuf>,
-    /// Worker replies that arrived while a lost stage was being replaced.
-    pending: VecDeque<ToLauncher>,
+    /// Worker replies that arrived while something else was awaited, with the control connection
+    /// each came on: a reply whose worker has since been replaced or retired no longer counts.
+    pending: VecDeque<(u64, ToLauncher)>,
     /// What the coordinator heard while a dead worker's last messages were read, in order, for
     /// the next poll.
     deferred: VecDeque<Incoming>,
@@ -419,13 +420,22 @@ impl<'c> Pipeline<'c> {
     /// The next message from a worker of this pipeline; errors when a worker fails, exits or
     /// disconnects, when a node is lost, or when nothing arrives before `deadline`.
     fn next_message(&mut self, deadline: Instant, what: &str) -> Result<ToLauncher, LaunchError> {
+        self.next_message_on(deadline, what).map(|(_, msg)| msg)
+    }
+
+    /// [`Pipeline::next_message`] with the control connection it came on.
+    fn next_message_on(
+        &mut self,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(u64, ToLauncher), LaunchError> {
         loop {
             match self.next_incoming(deadline, what)? {
                 Incoming::Worker(conn, msg)
                     if self.stage_of(conn).is_some()
                         && !matches!(msg, ToLauncher::Failed { .. }) =>
                 {
-                    return Ok(msg);
+                    return Ok((conn, msg));
                 }
                 other => self.fail_on(other)?,
             }
@@ -458,11 +468,14 @@ impl<'c> Pipeline<'c> {
         deadline: Instant,
         what: &str,
     ) -> Result<ToLauncher, LaunchError> {
-        // Replies kept from workers retired since (a lost replica's) no longer count.
-        while let Some(msg) = self.pending.pop_front() {
-            if !reply_stage(&msg).is_some_and(|w| self.retired.contains(&w)) {
+        // Replies kept from workers replaced (a stage lost mid-step) or retired (a lost
+        // replica's) since no longer count: a lost worker's last report, read only after its
+        // death was, must not stand in for its replacement's.
+        while let Some((conn, msg)) = self.pending.pop_front() {
+            if self.stage_of(conn).is_some() {
                 return Ok(msg);
             }
+            info!(?msg, "dropped a reply of a worker replaced or retired since");
         }
         loop {
             match self.next_message(deadline, what)? {
@@ -539,7 +552,7 @@ impl<'c> Pipeline<'c> {
                             if self.stage_of(conn).is_some()
                                 && !matches!(msg, ToLauncher::Failed { .. }) =>
                         {
-                            self.keep(msg)
+                            self.keep(conn, msg)
                         }
                         other => {
                             if let Err(e) = self.fail_on(other) {
@@ -673,7 +686,7 @@ impl<'c> Pipeline<'c> {
                     if self.stage_of(conn).is_some()
                         && !matches!(msg, ToLauncher::Failed { .. }) =>
                 {
-                    self.keep(msg)
+                    self.keep(conn, msg)
                 }
                 other => self.fail_on(other)?,
             }
@@ -735,12 +748,12 @@ impl<'c> Pipeline<'c> {
 
     /// Keeps a reply that arrived while something else was awaited: upload reports for the
     /// checkpoint writer, the rest for [`Pipeline::next_reply`].
-    fn keep(&mut self, msg: ToLauncher) {
+    fn keep(&mut self, conn: u64, msg: ToLauncher) {
         match msg {
             ToLauncher::ShardWritten { .. } | ToLauncher::ShardFailed { .. } => {
                 self.side.push_back(msg)
             }
-            msg => self.pending.push_back(msg),
+            msg => self.pending.push_back((conn, msg)),
         }
     }
 
@@ -753,11 +766,11 @@ impl<'c> Pipeline<'c> {
     ) -> Result<ToLauncher, LaunchError> {
         let deadline = Instant::now() + self.timeout;
         loop {
-            let msg = self.next_message(deadline, what)?;
+            let (conn, msg) = self.next_message_on(deadline, what)?;
             if wanted(&msg) && reply_stage(&msg) == Some(stage) {
                 return Ok(msg);
             }
-            self.keep(msg);
+            self.keep(conn, msg);
         }
     }
 
@@ -804,7 +817,7 @@ impl<'c> Pipeline<'c> {
                     if self.stage_of(conn).is_some()
                         && !matches!(msg, ToLauncher::Failed { .. }) =>
                 {
-                    self.keep(msg)
+                    self.keep(conn, msg)
                 }
                 Some(other) => self.fail_on(other)?,
                 None => {}
