@@ -532,10 +532,10 @@ fn data(cmd: DataCommand) -> Result<()> {
     }
     if trainer::data::remote::is_url(&out) || shard_bytes.is_some() || chunk_bytes.is_some() {
         let defaults = trainer::data::shards::ShardLayout::default();
-        let layout = trainer::data::shards::ShardLayout {
-            shard_bytes: shard_bytes.unwrap_or(defaults.shard_bytes),
-            chunk_bytes: chunk_bytes.unwrap_or(defaults.chunk_bytes),
-        };
+        let layout = trainer::data::shards::ShardLayout::with_default_blocks(
+            shard_bytes.unwrap_or(defaults.shard_bytes),
+            chunk_bytes.unwrap_or(defaults.chunk_bytes),
+        );
         let report = trainer::data::prepare::prepare_sharded(
             &input,
             &out,

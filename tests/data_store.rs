@@ -4,7 +4,8 @@
 //! with a flipped byte, stopped and resumed on another stage count with an empty cache — ends
 //! bit-identical to training from the local single-file dataset. A shard deleted from the bucket,
 //! before a resumed run or while a run goes on, stops the run with a data error naming it, no node
-//! is lost, and the previous checkpoint stays loadable.
+//! is lost, and the previous checkpoint stays loadable. Each stage fetches from the bucket at most
+//! 1.1 bytes per byte of the tokens it uses.
 
 mod common;
 
@@ -417,10 +418,7 @@ fn a_node_killed_mid_run_with_its_cache_emptied_stays_bit_identical() {
         .enable_all()
         .build()
         .unwrap();
-    let layout = trainer::data::shards::ShardLayout {
-        shard_bytes: 8192,
-        chunk_bytes: 1024,
-    };
+    let layout = trainer::data::shards::ShardLayout::with_default_blocks(8192, 1024);
     rt.block_on(trainer::data::shards::publish(
         &local, &meta, None, layout, &target,
     ))
@@ -534,4 +532,101 @@ fn a_shard_deleted_mid_run_stops_the_run_with_a_data_error_and_no_node_lost() {
         err.contains(&format!("newest committed checkpoint is step {step}")),
         "{err}"
     );
+}
+
+/// Issue 31's last goal: a stage fetches from the store at most 1.1 bytes per byte of the tokens
+/// it uses, with a cold cache, at the shape of `seqpipe bench data` (rows of 1024 u16 tokens,
+/// micro-batches of 4 rows) on a dataset `publish`ed with the default layout to SeaweedFS: the
+/// first stage (inputs), the last (targets), and a one-stage pipeline (whole rows); a middle
+/// stage reads nothing. The tokens are the local dataset's.
+#[test]
+fn each_stage_fetches_at_most_a_tenth_more_bytes_than_it_uses() {
+    use std::sync::atomic::Ordering;
+    use trainer::data::{
+        DataConfig, RowPart, ShardedSource, Split, TokenDtype, TokenFiles, micro_batch_part,
+    };
+    let s3 = SeaweedFs::start();
+    let dir = fresh_dir("ds-bytes");
+    let local = dir.join("local");
+    std::fs::create_dir_all(&local).unwrap();
+    // 1 Mi pseudo-random ids (2 MiB), so that rows rarely share bytes.
+    let tokens: u64 = 1 << 20;
+    let mut state = 1u64;
+    let ids: Vec<u8> = (0..tokens + 4096)
+        .flat_map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((state >> 33) % 50000) as u16).to_le_bytes()
+        })
+        .collect();
+    let (train, val) = ids.split_at(2 * tokens as usize);
+    std::fs::write(local.join("train.bin"), train).unwrap();
+    std::fs::write(local.join("val.bin"), val).unwrap();
+    let meta = trainer::data::DatasetMeta {
+        vocab_size: 50257,
+        dtype: TokenDtype::U16,
+        tokenizer: "test".into(),
+        train_tokens: tokens,
+        val_tokens: 4096,
+    };
+    let url = s3.url("datasets/bytes");
+    let store = checkpoint::CheckpointStore::open(&url, &s3.store_options())
+        .unwrap()
+        .objects();
+    let target = trainer::data::shards::Target {
+        url: url.clone(),
+        store: store.clone(),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(trainer::data::shards::publish(
+        &local,
+        &meta,
+        None,
+        trainer::data::shards::ShardLayout::default(),
+        &target,
+    ))
+    .unwrap();
+    let files = TokenFiles::open(&local, TokenDtype::U16, 50257).unwrap();
+    let (seq_len, rows, micro_batches, steps) = (1024, 4, 4, 3);
+    for (first, last) in [(true, false), (false, false), (false, true), (true, true)] {
+        let cfg = DataConfig {
+            source: url.clone(),
+            cache_dir: dir.join("cache").display().to_string(),
+            // No cache: every byte a stage uses comes from the store.
+            cache_bytes: 0,
+            prefetch_steps: 0,
+            read_attempts: 2,
+            read_timeout_s: 30.0,
+            ..DataConfig::default()
+        };
+        let src = ShardedSource::open_with_store(&cfg, 50257, store.clone()).unwrap();
+        let Some(part) = RowPart::for_stage(first, last) else {
+            // A middle stage opens no source; nothing was fetched by opening one.
+            assert_eq!(src.stats().fetched_bytes.load(Ordering::Relaxed), 0);
+            continue;
+        };
+        let mut used = 0;
+        for step in 0..steps {
+            for mb in 0..micro_batches {
+                let got =
+                    micro_batch_part(&src, Split::Train, 5, step, mb, rows, seq_len, part).unwrap();
+                let want = micro_batch_part(&files, Split::Train, 5, step, mb, rows, seq_len, part)
+                    .unwrap();
+                assert_eq!(got, want, "{part:?}: step {step}, micro-batch {mb}");
+                used += 2 * got.len() as u64;
+            }
+        }
+        let fetched = src.stats().fetched_bytes.load(Ordering::Relaxed);
+        let ratio = fetched as f64 / used as f64;
+        eprintln!("{part:?}: {fetched} bytes fetched for {used} used ({ratio:.4})");
+        assert!(
+            ratio <= 1.1,
+            "{part:?}: {fetched} bytes fetched for {used} bytes of tokens used ({ratio:.3} > 1.1)"
+        );
+        assert!(ratio >= 1.0, "{part:?}: {ratio}");
+    }
 }

@@ -17,8 +17,10 @@
 //!   local directory.
 //! * **Bytes per token**: bytes fetched from the store over bytes of the tokens the stage used,
 //!   over the same steps read cold without prefetch (which reads past the last step), for the
-//!   first stage (inputs), the last (targets) and a one-stage pipeline (whole rows). Middle stages
-//!   open no source at all.
+//!   first stage (inputs), the last (targets) and a one-stage pipeline (whole rows), and where
+//!   the bytes beyond the tokens come from: the rounding out of each row's part to whole blocks
+//!   (or, with `--block-bytes 0`, a version 1 dataset, to whole chunks), the block checks, and
+//!   the requests made. Middle stages open no source at all.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -80,9 +82,14 @@ pub struct DataBenchArgs {
     /// Bytes per shard object.
     #[arg(long, default_value_t = 4 << 20)]
     shard_bytes: u64,
-    /// Bytes per chunk (the unit fetched, cached and verified).
+    /// Bytes per chunk (the unit of BLAKE3 hashes in the index; with `--block-bytes 0`, the unit
+    /// fetched, cached and verified).
     #[arg(long, default_value_t = 64 << 10)]
     chunk_bytes: u64,
+    /// Bytes per checked block (the unit fetched: a row's part rounded out to whole blocks), a
+    /// divisor of `--chunk-bytes`; 0 = a version 1 dataset, read by whole chunks.
+    #[arg(long, default_value_t = trainer::data::shards::DEFAULT_BLOCK_BYTES)]
+    block_bytes: u64,
     /// `data.prefetch_steps` of the store runs.
     #[arg(long, default_value_t = 2)]
     prefetch_steps: u64,
@@ -100,6 +107,46 @@ struct Round {
     warm_fetched_bytes: u64,
     /// Bytes fetched per byte of tokens used: inputs, targets, whole rows.
     per_token: [f64; 3],
+    /// Where those bytes went, per part.
+    bytes: [Bytes; 3],
+}
+
+/// The bytes of one part's cold read: used, fetched, and of those the block checks; requests.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bytes {
+    used: u64,
+    fetched: u64,
+    checks: u64,
+    requests: u64,
+}
+
+impl Bytes {
+    fn of(args: &DataBenchArgs, src: &ShardedSource, part: RowPart, width: u64) -> Bytes {
+        let stats = src.stats();
+        Bytes {
+            used: args.steps
+                * args.micro_batches
+                * args.micro_batch_size as u64
+                * part.span(args.seq_len).len() as u64
+                * width,
+            fetched: stats.fetched_bytes.load(Ordering::Relaxed),
+            checks: stats.check_bytes.load(Ordering::Relaxed),
+            requests: stats.requests.load(Ordering::Relaxed),
+        }
+    }
+
+    /// `used U, fetched F = U + R rounding + C checks, N requests` per row.
+    fn describe(&self, rows: u64) -> String {
+        let data = self.fetched - self.checks;
+        format!(
+            "{:.0} used + {:.0} rounding + {:.0} checks = {:.0} fetched in {:.2} requests",
+            self.used as f64 / rows as f64,
+            data as f64 / rows as f64 - self.used as f64 / rows as f64,
+            self.checks as f64 / rows as f64,
+            self.fetched as f64 / rows as f64,
+            self.requests as f64 / rows as f64,
+        )
+    }
 }
 
 /// `seqpipe bench data`.
@@ -141,6 +188,7 @@ pub fn run(args: &DataBenchArgs) -> Result<()> {
     let layout = ShardLayout {
         shard_bytes: args.shard_bytes,
         chunk_bytes: args.chunk_bytes,
+        block_bytes: args.block_bytes,
     };
     let target = Target {
         url: url.clone(),
@@ -198,14 +246,19 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
         )?)
     };
     let local_cfg = cfg(&local.display().to_string(), dir, 0);
-    let width = TokenDtype::U16.width() as f64;
+    let width = TokenDtype::U16.width() as u64;
     println!(
-        "dataset: {} train tokens, {}-byte shards of {}-byte chunks at {url}; store latency +{} ms \
-         a request{}; steps of {} micro-batches × {} rows × {} tokens, {} ms compute a \
+        "dataset: {} train tokens, {}-byte shards of {}-byte chunks{} at {url}; store latency +{} \
+         ms a request{}; steps of {} micro-batches × {} rows × {} tokens, {} ms compute a \
          micro-batch, prefetch {} steps",
         args.tokens,
         args.shard_bytes,
         args.chunk_bytes,
+        if args.block_bytes > 0 {
+            format!(" and {}-byte checked blocks (version 2)", args.block_bytes)
+        } else {
+            " read whole (version 1, no blocks)".into()
+        },
         args.delay_ms,
         proxy.map_or(String::new(), |p| format!(" (proxy {p})")),
         args.micro_batches,
@@ -258,7 +311,8 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
         ] {
             let src = sharded(&cache(&format!("{part:?}")), 0)?;
             steps(&quick, &src, part)?;
-            r.per_token[slot] = per_token(args, &src, part, width);
+            r.bytes[slot] = Bytes::of(args, &src, part, width);
+            r.per_token[slot] = r.bytes[slot].fetched as f64 / r.bytes[slot].used as f64;
         }
         println!(
             "round {round}: first unit local {:.4} s, store (empty cache) {:.4} s ({:.1}x); step \
@@ -280,6 +334,10 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
             r.per_token[1],
             r.per_token[2],
         );
+        let rows = args.steps * args.micro_batches * args.micro_batch_size as u64;
+        for (slot, what) in ["inputs", "targets", "whole rows"].iter().enumerate() {
+            println!("  bytes per row, {what}: {}", r.bytes[slot].describe(rows));
+        }
         rounds.push(r);
     }
     let stat = |f: &dyn Fn(&Round) -> f64| -> String {
@@ -314,6 +372,35 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
             stat(f),
             stat(&|r| f(r) / r.step_local_s)
         );
+    }
+    let rows = args.steps * args.micro_batches * args.micro_batch_size as u64;
+    println!(
+        "  bytes per row read cold ({}: a row's part rounded out to whole {}{}):",
+        if args.block_bytes > 0 {
+            "version 2"
+        } else {
+            "version 1"
+        },
+        if args.block_bytes > 0 {
+            "blocks"
+        } else {
+            "chunks, less the chunks another row had already cached"
+        },
+        if args.block_bytes > 0 {
+            ", plus 4 check bytes a block"
+        } else {
+            ""
+        }
+    );
+    for (slot, what) in [
+        "first stage (inputs)",
+        "last stage (targets)",
+        "one stage (whole rows)",
+    ]
+    .iter()
+    .enumerate()
+    {
+        println!("    {what}: {}", rounds[0].bytes[slot].describe(rows));
     }
     println!(
         "  bytes fetched per byte of tokens used (cold): first stage (inputs) {}, last stage \
@@ -377,16 +464,6 @@ fn steps(args: &DataBenchArgs, src: &dyn TokenSource, part: RowPart) -> Result<V
 /// The median step time over steps 2.. (step 0 reads cold, step 1 is not prefetched yet).
 fn steady(times: &[f64]) -> f64 {
     median(&times[2..])
-}
-
-/// Bytes `src` fetched over the bytes of the tokens `args.steps` steps of `part` used.
-fn per_token(args: &DataBenchArgs, src: &ShardedSource, part: RowPart, width: f64) -> f64 {
-    let used = args.steps as f64
-        * args.micro_batches as f64
-        * args.micro_batch_size as f64
-        * part.span(args.seq_len).len() as f64
-        * width;
-    src.stats().fetched_bytes.load(Ordering::Relaxed) as f64 / used
 }
 
 /// A dataset of `train` + `val` pseudo-random GPT-2 ids (documents of 200 to 1200 tokens, each

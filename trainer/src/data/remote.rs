@@ -2,10 +2,19 @@
 //! `file://`, or a local directory holding an `index.json`), as a [`TokenSource`].
 //!
 //! A sample is drawn exactly as from single-file token files (same offset from the same key, over
-//! the same concatenated token stream), then read as the chunks that overlap it: from the local
-//! cache when a verified copy is there, else by byte range from the store. Every chunk, from the
-//! store or the cache, is checked against the index's BLAKE3 hash before a token of it is used;
-//! a corrupt cache file is discarded and fetched again, a corrupt object is an error naming it.
+//! the same concatenated token stream), then read from the local cache when a verified copy is
+//! there, else by byte range from the store:
+//!
+//! * version 2 datasets (block checks, see [`super::shards`]): the blocks the window overlaps,
+//!   one ranged `GET` of the shard and one of its sidecar per shard the window touches (both at
+//!   once), every block checked against its sidecar check and every whole chunk among them
+//!   against its BLAKE3 hash; the bytes fetched are the window's, rounded out to whole blocks,
+//!   plus 4 check bytes a block;
+//! * version 1 datasets: the whole chunks the window overlaps, each checked against its BLAKE3
+//!   hash.
+//!
+//! No token is used before its bytes pass their check; a corrupt cache file is discarded and
+//! fetched again, a corrupt object is an error naming it.
 //!
 //! Reads retry with exponential backoff, `read_attempts` times of at most `read_timeout_s` each;
 //! an object that stays missing, keeps failing its hash, or a store that stays unreachable is a
@@ -30,15 +39,22 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::keys::{sample_rng, uniform_below};
-use super::shards::{DatasetIndex, INDEX_FILE, MAX_INDEX_BYTES};
+use super::shards::{
+    CHECK_BYTES, DatasetIndex, INDEX_FILE, MAX_INDEX_BYTES, Run, block_check, check_key,
+};
 use super::{DataConfig, DataError, SampleKey, Split, TokenDtype, TokenSource, check_span};
 
 /// Byte counters of a [`ShardedSource`] (for tests and logs).
 #[derive(Debug, Default)]
 pub struct ReadStats {
-    /// Bytes received from the store (chunks, retries included; the index excluded).
+    /// Bytes received from the store (shard bytes and block checks, retries included; the index
+    /// excluded).
     pub fetched_bytes: AtomicU64,
-    /// Chunks served from the cache.
+    /// Of `fetched_bytes`, the bytes of block checks (sidecar objects).
+    pub check_bytes: AtomicU64,
+    /// Ranged reads answered by the store (shards and sidecars, retries excluded).
+    pub requests: AtomicU64,
+    /// Chunks (or block runs) served from the cache.
     pub cache_hits: AtomicU64,
     /// Cached chunk files found corrupt, discarded and fetched again.
     pub cache_corrupt: AtomicU64,
@@ -390,42 +406,254 @@ impl Inner {
 
     async fn window(&self, split: Split, start: u64, len: usize) -> Result<Vec<u32>, DataError> {
         let starts = &self.starts[split_slot(split)];
+        let outside = || {
+            DataError::InvalidArgument(format!(
+                "window [{start}, {start} + {len}) is outside the {split} split of {} ({} tokens)",
+                self.url,
+                self.index.split(split).tokens
+            ))
+        };
+        let mut out = Vec::with_capacity(len);
+        if self.index.block_bytes.is_some() {
+            let runs = self
+                .index
+                .runs(starts, start, len as u64)
+                .ok_or_else(outside)?;
+            for run in runs {
+                let bytes = self.blocks(split, run).await?;
+                let shard = &self.index.split(split).shards[run.shard];
+                let at = self
+                    .index
+                    .block_ranges(shard.bytes, run.first_block, run.end_block);
+                self.decode(
+                    shard,
+                    &bytes[run.from..run.to],
+                    at.0.start + run.from as u64,
+                    &mut out,
+                )?;
+            }
+            return Ok(out);
+        }
         let pieces = self
             .index
             .pieces(starts, start, len as u64)
-            .ok_or_else(|| {
-                DataError::InvalidArgument(format!(
-                    "window [{start}, {start} + {len}) is outside the {split} split of {} ({} \
-                     tokens)",
-                    self.url,
-                    self.index.split(split).tokens
-                ))
-            })?;
-        let width = self.index.dtype.width();
-        let mut out = Vec::with_capacity(len);
+            .ok_or_else(outside)?;
         for piece in pieces {
             let chunk = self.chunk(split, piece.shard, piece.chunk).await?;
             let shard = &self.index.split(split).shards[piece.shard];
             let chunk_start = self.index.chunk_range(shard.bytes, piece.chunk).start;
-            for (i, id) in chunk[piece.from..piece.to].chunks_exact(width).enumerate() {
-                let value = match self.index.dtype {
-                    TokenDtype::U16 => u32::from(u16::from_le_bytes([id[0], id[1]])),
-                    TokenDtype::U32 => u32::from_le_bytes([id[0], id[1], id[2], id[3]]),
-                };
-                if value as usize >= self.vocab_size {
-                    let byte_offset = chunk_start + (piece.from + i * width) as u64;
-                    return Err(DataError::TokenOutOfRange {
-                        path: PathBuf::from(format!("{}/{}", self.url, shard.key)),
-                        index: byte_offset / width as u64,
-                        byte_offset,
-                        value,
-                        vocab_size: self.vocab_size,
-                    });
-                }
-                out.push(value);
-            }
+            self.decode(
+                shard,
+                &chunk[piece.from..piece.to],
+                chunk_start + piece.from as u64,
+                &mut out,
+            )?;
         }
         Ok(out)
+    }
+
+    /// Appends the token ids in `bytes` (which start at byte `offset` of `shard`) to `out`,
+    /// each checked against the model's vocabulary.
+    fn decode(
+        &self,
+        shard: &super::shards::ShardEntry,
+        bytes: &[u8],
+        offset: u64,
+        out: &mut Vec<u32>,
+    ) -> Result<(), DataError> {
+        let width = self.index.dtype.width();
+        for (i, id) in bytes.chunks_exact(width).enumerate() {
+            let value = match self.index.dtype {
+                TokenDtype::U16 => u32::from(u16::from_le_bytes([id[0], id[1]])),
+                TokenDtype::U32 => u32::from_le_bytes([id[0], id[1], id[2], id[3]]),
+            };
+            if value as usize >= self.vocab_size {
+                let byte_offset = offset + (i * width) as u64;
+                return Err(DataError::TokenOutOfRange {
+                    path: PathBuf::from(format!("{}/{}", self.url, shard.key)),
+                    index: byte_offset / width as u64,
+                    byte_offset,
+                    value,
+                    vocab_size: self.vocab_size,
+                });
+            }
+            out.push(value);
+        }
+        Ok(())
+    }
+
+    /// Checks the bytes of blocks `first_block..` of `shard` against `checks` (their sidecar
+    /// checks), and every whole chunk among them against its BLAKE3 hash. The error says which
+    /// block or chunk failed.
+    fn verify_blocks(
+        &self,
+        split: Split,
+        shard: usize,
+        first_block: u64,
+        data: &[u8],
+        checks: &[u8],
+    ) -> Result<(), String> {
+        let block = self.index.block_bytes.expect("version 2") as usize;
+        let blocks = data.len().div_ceil(block);
+        if checks.len() != blocks * CHECK_BYTES as usize {
+            return Err(format!(
+                "{} check bytes for {blocks} blocks of {} bytes",
+                checks.len(),
+                data.len()
+            ));
+        }
+        let start = first_block * block as u64;
+        for (i, (bytes, want)) in data
+            .chunks(block)
+            .zip(checks.chunks_exact(CHECK_BYTES as usize))
+            .enumerate()
+        {
+            let b = first_block + i as u64;
+            let got = block_check(split, shard, b, bytes);
+            let want = u32::from_le_bytes([want[0], want[1], want[2], want[3]]);
+            if got != want {
+                let from = start + (i * block) as u64;
+                return Err(format!(
+                    "block {b} (bytes {from}..{}) checks to {got:08x}, but {} says {want:08x}",
+                    from + bytes.len() as u64,
+                    check_key(split, shard)
+                ));
+            }
+        }
+        // Whole chunks in the range: their BLAKE3 hashes too.
+        let entry = &self.index.split(split).shards[shard];
+        let end = start + data.len() as u64;
+        let mut chunk = start.div_ceil(self.index.chunk_bytes) as usize;
+        loop {
+            let range = self.index.chunk_range(entry.bytes, chunk);
+            if range.start >= entry.bytes || range.end > end {
+                break;
+            }
+            let bytes = &data[(range.start - start) as usize..(range.end - start) as usize];
+            let got = blake3::hash(bytes).to_hex();
+            if got.as_str() != entry.chunks[chunk] {
+                return Err(format!(
+                    "bytes {range:?} hash to {got}, but the index says {}",
+                    entry.chunks[chunk]
+                ));
+            }
+            chunk += 1;
+        }
+        Ok(())
+    }
+
+    /// The bytes of the blocks of `run` (version 2), verified: from the cache, else two ranged
+    /// reads at once, of the shard and of its sidecar. Cached as the bytes followed by their
+    /// checks, so that a cached copy is checked again on every read.
+    async fn blocks(&self, split: Split, run: Run) -> Result<Bytes, DataError> {
+        let entry = &self.index.split(split).shards[run.shard];
+        let (range, check_range) =
+            self.index
+                .block_ranges(entry.bytes, run.first_block, run.end_block);
+        let data_len = (range.end - range.start) as usize;
+        let name = format!(
+            "{}-{:06}-b{}-{}.bin",
+            split.as_str(),
+            run.shard,
+            run.first_block,
+            run.end_block
+        );
+        if let Some(cache) = &self.cache {
+            let verify = |b: &[u8]| {
+                b.len() > data_len
+                    && self
+                        .verify_blocks(
+                            split,
+                            run.shard,
+                            run.first_block,
+                            &b[..data_len],
+                            &b[data_len..],
+                        )
+                        .is_ok()
+            };
+            match cache.get(&name, verify) {
+                CacheRead::Hit(bytes) => {
+                    self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(bytes.slice(..data_len));
+                }
+                CacheRead::Corrupt => {
+                    self.stats.cache_corrupt.fetch_add(1, Ordering::Relaxed);
+                }
+                CacheRead::Miss => {}
+            }
+        }
+        let checks_key = check_key(split, run.shard);
+        let exact = |want: u64| {
+            move |b: &[u8]| {
+                if b.len() as u64 == want {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{} bytes came back for a {want}-byte range",
+                        b.len()
+                    ))
+                }
+            }
+        };
+        let (checks, mut data) = tokio::try_join!(
+            fetch(
+                &*self.store,
+                &self.url,
+                &checks_key,
+                Some(check_range.clone()),
+                self.retry,
+                exact(check_range.end - check_range.start),
+            ),
+            fetch(
+                &*self.store,
+                &self.url,
+                &entry.key,
+                Some(range.clone()),
+                self.retry,
+                exact(range.end - range.start),
+            )
+        )?;
+        self.count(2, data.len() + checks.len(), checks.len());
+        if self
+            .verify_blocks(split, run.shard, run.first_block, &data, &checks)
+            .is_err()
+        {
+            // Read the shard's bytes again until they pass (a flipped bit in transit), or name
+            // the object once the attempts are spent.
+            data = fetch(
+                &*self.store,
+                &self.url,
+                &entry.key,
+                Some(range.clone()),
+                self.retry,
+                |b| {
+                    exact(range.end - range.start)(b)?;
+                    self.verify_blocks(split, run.shard, run.first_block, b, &checks)
+                },
+            )
+            .await?;
+            self.count(1, data.len(), 0);
+        }
+        if let Some(cache) = &self.cache {
+            let mut file = Vec::with_capacity(data.len() + checks.len());
+            file.extend_from_slice(&data);
+            file.extend_from_slice(&checks);
+            if let Err(e) = cache.put(&name, &file) {
+                tracing::warn!(error = %e, "data cache: cannot store {name}");
+            }
+        }
+        Ok(data)
+    }
+
+    /// Counts `requests` answered with `bytes`, of which `check_bytes` were block checks.
+    fn count(&self, requests: u64, bytes: usize, check_bytes: usize) {
+        self.stats.requests.fetch_add(requests, Ordering::Relaxed);
+        self.stats
+            .fetched_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        self.stats
+            .check_bytes
+            .fetch_add(check_bytes as u64, Ordering::Relaxed);
     }
 
     /// Chunk `chunk` of shard `shard` of `split`, verified: from the cache, else the store.
@@ -434,7 +662,7 @@ impl Inner {
         let want = &entry.chunks[chunk];
         let name = format!("{}-{shard:06}-{chunk:06}.bin", split.as_str());
         if let Some(cache) = &self.cache {
-            match cache.get(&name, want) {
+            match cache.get(&name, |b| blake3::hash(b).to_hex().as_str() == want) {
                 CacheRead::Hit(bytes) => {
                     self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
                     return Ok(bytes);
@@ -470,9 +698,7 @@ impl Inner {
             },
         )
         .await?;
-        self.stats
-            .fetched_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.count(1, bytes.len(), 0);
         if let Some(cache) = &self.cache
             && let Err(e) = cache.put(&name, &bytes)
         {
@@ -623,12 +849,13 @@ impl Cache {
         })
     }
 
-    fn get(&self, name: &str, want: &str) -> CacheRead {
+    /// The file `name` if `verify` accepts its bytes; a file it refuses is removed.
+    fn get(&self, name: &str, verify: impl Fn(&[u8]) -> bool) -> CacheRead {
         let path = self.dir.join(name);
         let Ok(bytes) = std::fs::read(&path) else {
             return CacheRead::Miss;
         };
-        if blake3::hash(&bytes).to_hex().as_str() != want {
+        if !verify(&bytes) {
             tracing::warn!(
                 file = %path.display(),
                 "data cache: file fails its hash; discarding it and fetching the chunk again"
@@ -732,9 +959,22 @@ mod tests {
     use super::*;
 
     /// A single-file dataset of `n` train tokens (documents of 13 tokens ending in id 99) and
-    /// 200 val tokens in `dir`, and the same dataset sharded (64-byte shards of 16-byte chunks)
-    /// at `file://<dir>/sharded`, whose URL is returned.
+    /// 200 val tokens in `dir`, and the same dataset sharded (64-byte shards of 16-byte chunks,
+    /// no block checks: version 1) at `file://<dir>/sharded`, whose URL is returned.
     fn datasets(dir: &Path, n: u64) -> String {
+        datasets_with(
+            dir,
+            n,
+            ShardLayout {
+                shard_bytes: 64,
+                chunk_bytes: 16,
+                block_bytes: 0,
+            },
+        )
+    }
+
+    /// As [`datasets`], sharded with `layout`.
+    fn datasets_with(dir: &Path, n: u64, layout: ShardLayout) -> String {
         let train: Vec<u8> = (0..n)
             .flat_map(|i| {
                 (if i % 13 == 12 {
@@ -761,10 +1001,6 @@ mod tests {
             url: url.clone(),
             store: open_store(&url, false).unwrap(),
         };
-        let layout = ShardLayout {
-            shard_bytes: 64,
-            chunk_bytes: 16,
-        };
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -773,7 +1009,10 @@ mod tests {
             .block_on(publish(dir, &meta, Some(99), layout, &target))
             .unwrap();
         assert_eq!(index.train.tokens, n);
-        assert_eq!(index.train.shards.len() as u64, (2 * n).div_ceil(64));
+        assert_eq!(
+            index.train.shards.len() as u64,
+            (2 * n).div_ceil(layout.shard_bytes)
+        );
         assert_eq!(index.train.documents, n.div_ceil(13));
         // The same location is never overwritten.
         let again = rt.block_on(publish(dir, &meta, Some(99), layout, &target));
@@ -872,12 +1111,189 @@ mod tests {
         assert!(per_stage[0] > 0 && per_stage[2] > 0, "{per_stage:?}");
     }
 
+    /// With block checks, each stage of a 3-stage pipeline fetches exactly its part of each row
+    /// rounded out to whole blocks, plus 4 check bytes a block, in two requests per shard a row
+    /// touches (the middle stage fetches nothing). At the bench's shape (rows of 1024 u16
+    /// tokens, 128-byte blocks) that is at most 1.1 bytes fetched per byte used, where whole
+    /// 16 KiB chunks fetch several times more.
+    #[test]
+    fn with_blocks_each_stage_fetches_its_part_rounded_to_blocks_within_a_tenth() {
+        use super::super::keys::{sample_rng, uniform_below};
+        use super::super::{RowPart, micro_batch_part};
+        let tmp = TempDir::new("stage-blocks");
+        let n: u64 = 1 << 17;
+        let (shard, block) = (64u64 << 10, 128u64);
+        let mut urls = Vec::new();
+        for block_bytes in [block, 0] {
+            let dir = tmp.0.join(format!("b{block_bytes}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let layout = ShardLayout {
+                shard_bytes: shard,
+                chunk_bytes: 16 << 10,
+                block_bytes,
+            };
+            urls.push(datasets_with(&dir, n, layout));
+        }
+        let (seq_len, batch, micro_batches) = (1024usize, 4, 8);
+        // (data bytes, check bytes, requests) of tokens [from, to): per shard, its blocks.
+        let cost = |from: u64, to: u64| -> (u64, u64, u64) {
+            let (mut byte, stop) = (from * 2, to * 2);
+            let mut c = (0, 0, 0);
+            while byte < stop {
+                let shard_start = byte / shard * shard;
+                let end = stop.min(shard_start + shard);
+                let (first, last) = (
+                    (byte - shard_start) / block,
+                    (end - shard_start).div_ceil(block),
+                );
+                c.0 += (last * block).min(shard) - first * block;
+                c.1 += 4 * (last - first);
+                c.2 += 2;
+                byte = end;
+            }
+            c
+        };
+        for (stage, (first, last)) in [(true, false), (false, false), (false, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let part = RowPart::for_stage(first, last);
+            let mut ratios = Vec::new();
+            for url in &urls {
+                // No cache: every byte a stage needs comes from the store.
+                let src = ShardedSource::open(&cfg(url, &tmp.0.join("cache"), 0), 100).unwrap();
+                let Some(part) = part else {
+                    assert_eq!(src.stats().fetched_bytes.load(Ordering::Relaxed), 0);
+                    continue;
+                };
+                let span = part.span(seq_len);
+                let mut want = (0, 0, 0);
+                for mb in 0..micro_batches {
+                    micro_batch_part(&src, Split::Train, 7, 3, mb, batch, seq_len, part).unwrap();
+                    for row in 0..batch as u64 {
+                        let mut rng = sample_rng(Split::Train, key(3, mb, row));
+                        let start = uniform_below(&mut rng, n - seq_len as u64);
+                        let c = cost(start + span.start as u64, start + span.end as u64);
+                        want = (want.0 + c.0, want.1 + c.1, want.2 + c.2);
+                    }
+                }
+                let stats = src.stats();
+                let fetched = stats.fetched_bytes.load(Ordering::Relaxed);
+                if src.index().block_bytes.is_some() {
+                    assert_eq!(
+                        (
+                            fetched,
+                            stats.check_bytes.load(Ordering::Relaxed),
+                            stats.requests.load(Ordering::Relaxed)
+                        ),
+                        (want.0 + want.1, want.1, want.2),
+                        "stage {stage}"
+                    );
+                }
+                let used = micro_batches * batch as u64 * span.len() as u64 * 2;
+                ratios.push(fetched as f64 / used as f64);
+            }
+            if part.is_some() {
+                assert!(ratios[0] <= 1.1, "stage {stage}: {ratios:?}");
+                assert!(ratios[1] > 4.0, "stage {stage}: {ratios:?}");
+            }
+        }
+    }
+
+    /// A byte flipped in a shard's sidecar is a data error naming the shard and the sidecar; a
+    /// byte flipped in a cached block run is detected, the run fetched again.
+    #[test]
+    fn with_blocks_a_corrupt_sidecar_or_cache_file_is_caught() {
+        let tmp = TempDir::new("blocks-corrupt");
+        let layout = ShardLayout {
+            shard_bytes: 64,
+            chunk_bytes: 16,
+            block_bytes: 4,
+        };
+        let url = datasets_with(&tmp.0, 1000, layout);
+        let files = TokenFiles::open(&tmp.0, TokenDtype::U16, 100).unwrap();
+        let cache = tmp.0.join("cache");
+        // Cache every run of shard 2, then flip one byte in each cached file.
+        let src = ShardedSource::open(&cfg(&url, &cache, 1 << 20), 100).unwrap();
+        for start in 32..64 {
+            assert_eq!(
+                src.window(Split::Train, start, 3).unwrap(),
+                files.window(Split::Train, start, 3).unwrap()
+            );
+        }
+        let cached: Vec<PathBuf> = std::fs::read_dir(&src.inner.cache.as_ref().unwrap().dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        assert!(!cached.is_empty());
+        for (i, f) in cached.iter().enumerate() {
+            let mut bytes = std::fs::read(f).unwrap();
+            let at = i % bytes.len();
+            bytes[at] ^= 0x04;
+            std::fs::write(f, bytes).unwrap();
+        }
+        let again = ShardedSource::open(&cfg(&url, &cache, 1 << 20), 100).unwrap();
+        for start in 32..64 {
+            assert_eq!(
+                again.window(Split::Train, start, 3).unwrap(),
+                files.window(Split::Train, start, 3).unwrap()
+            );
+        }
+        assert_eq!(
+            again.stats().cache_corrupt.load(Ordering::Relaxed),
+            cached.len() as u64
+        );
+        // The sidecar of shard 3 corrupt in the store: its shard's reads fail, naming both.
+        let sidecar = tmp.0.join("sharded/train/000003.crc");
+        let mut bytes = std::fs::read(&sidecar).unwrap();
+        bytes[9] ^= 0x01;
+        std::fs::write(&sidecar, bytes).unwrap();
+        let msg = again
+            .window(Split::Train, 3 * 32, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains(&format!("{url}/train/000003.bin is corrupt"))
+                && msg.contains("block 2 (bytes 8..12)")
+                && msg.contains("train/000003.crc"),
+            "{msg}"
+        );
+        // A missing sidecar is a missing object.
+        std::fs::remove_file(&sidecar).unwrap();
+        let msg = again
+            .window(Split::Train, 3 * 32, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains(&format!("{url}/train/000003.crc is missing")),
+            "{msg}"
+        );
+    }
+
+    /// Both layouts: version 1 (whole chunks) and version 2 (blocks of 4 bytes with checks).
+    fn layouts() -> [(&'static str, ShardLayout); 2] {
+        let layout = |block_bytes| ShardLayout {
+            shard_bytes: 64,
+            chunk_bytes: 16,
+            block_bytes,
+        };
+        [("chunks", layout(0)), ("blocks", layout(4))]
+    }
+
     /// The same samples from the single files, the shards cold, the shards warm, a cache too small
-    /// for the data (its size checked after every sample), and a byte flipped in a cached file.
+    /// for the data (its size checked after every sample), and a byte flipped in a cached file,
+    /// with either layout.
     #[test]
     fn sharded_samples_equal_single_file_samples_through_the_cache() {
-        let tmp = TempDir::new("sharded");
-        let url = datasets(&tmp.0, 1000);
+        for (tag, layout) in layouts() {
+            samples_through_the_cache(tag, layout);
+        }
+    }
+
+    fn samples_through_the_cache(tag: &str, layout: ShardLayout) {
+        let tmp = TempDir::new(&format!("sharded-{tag}"));
+        let url = datasets_with(&tmp.0, 1000, layout);
         let files = TokenFiles::open(&tmp.0, TokenDtype::U16, 100).unwrap();
         let cache = tmp.0.join("cache");
         let keys: Vec<SampleKey> = (0..12)
@@ -888,7 +1304,12 @@ mod tests {
             .map(|&k| files.sample(Split::Train, k, 33).unwrap())
             .collect();
         for pass in ["cold", "warm"] {
-            let src = ShardedSource::open(&cfg(&url, &cache, 1 << 20), 100).unwrap();
+            let mut c = cfg(&url, &cache, 1 << 20);
+            if pass == "warm" {
+                // Its prefetch would read past the last step (new samples, never cached).
+                c.prefetch_steps = 0;
+            }
+            let src = ShardedSource::open(&c, 100).unwrap();
             for (k, w) in keys.iter().zip(&want) {
                 assert_eq!(
                     &src.sample(Split::Train, *k, 33).unwrap(),
@@ -912,15 +1333,18 @@ mod tests {
                 .vocab_size(),
             100
         );
-        // A cache of 5 chunks, over samples touching far more: never over its cap.
+        // A cache of 5 chunks (or a few block runs with their checks), over samples touching far
+        // more: never over its cap, yet used.
+        let cap = if layout.block_bytes > 0 { 300 } else { 80 };
         let small = tmp.0.join("small");
-        let src = ShardedSource::open(&cfg(&url, &small, 80), 100).unwrap();
+        let src = ShardedSource::open(&cfg(&url, &small, cap), 100).unwrap();
         for (k, w) in keys.iter().zip(&want) {
             assert_eq!(&src.sample(Split::Train, *k, 33).unwrap(), w);
             let used = Cache::total_bytes(&small);
-            assert!(used <= 80, "cache holds {used} bytes, cap 80");
+            assert!(used <= cap, "cache holds {used} bytes, cap {cap}");
         }
-        assert!(src.stats().fetched_bytes.load(Ordering::Relaxed) > 80 * 4);
+        assert!(Cache::total_bytes(&small) > 0);
+        assert!(src.stats().fetched_bytes.load(Ordering::Relaxed) > cap * 4);
         // Flip a byte of every cached file: each is detected, discarded and fetched again.
         let dataset_dir = std::fs::read_dir(&cache)
             .unwrap()
@@ -950,11 +1374,18 @@ mod tests {
     }
 
     /// A missing shard and a shard changed in the store are data errors naming the object, after
-    /// the configured attempts; the cache never serves what the store no longer agrees with.
+    /// the configured attempts, with either layout; the cache never serves what the store no
+    /// longer agrees with.
     #[test]
     fn missing_and_corrupt_objects_are_data_errors_naming_them() {
-        let tmp = TempDir::new("sharded-faults");
-        let url = datasets(&tmp.0, 1000);
+        for (tag, layout) in layouts() {
+            missing_and_corrupt(tag, layout);
+        }
+    }
+
+    fn missing_and_corrupt(tag: &str, layout: ShardLayout) {
+        let tmp = TempDir::new(&format!("sharded-faults-{tag}"));
+        let url = datasets_with(&tmp.0, 1000, layout);
         let shards = tmp.0.join("sharded/train");
         std::fs::remove_file(shards.join("000000.bin")).unwrap();
         let mut bytes = std::fs::read(shards.join("000001.bin")).unwrap();
@@ -970,9 +1401,18 @@ mod tests {
         assert!(msg.contains("not a node failure"), "{msg}");
         let msg = src.window(Split::Train, 32, 4).unwrap_err().to_string();
         assert!(
-            msg.contains(&format!("{url}/train/000001.bin is corrupt")) && msg.contains("hash"),
+            msg.contains(&format!("{url}/train/000001.bin is corrupt")),
             "{msg}"
         );
+        if layout.block_bytes > 0 {
+            // The block holding the flipped byte is named, with the sidecar it failed against.
+            assert!(
+                msg.contains("block 1 (bytes 4..8)") && msg.contains("train/000001.crc"),
+                "{msg}"
+            );
+        } else {
+            assert!(msg.contains("hash"), "{msg}");
+        }
         // Other shards still read.
         assert_eq!(src.window(Split::Train, 64, 2).unwrap().len(), 2);
         // A missing index.

@@ -4,8 +4,15 @@
 //!
 //! A split's tokens are its shards concatenated in index order: exactly the `train.bin` /
 //! `val.bin` a single-file dataset would hold, so a window of tokens (and hence every sample, see
-//! [`super::TokenSource`]) is the same whichever layout holds the dataset. Chunks are the unit a
-//! reader fetches, caches and verifies: a window needs the one or few chunks that overlap it.
+//! [`super::TokenSource`]) is the same whichever layout holds the dataset.
+//!
+//! Version 2 datasets also cut each shard into small blocks (`block_bytes`, 128 by default) and
+//! store a 4-byte check of every block ([`block_check`]) in a sidecar object beside the shard
+//! (`train/000000.crc`). A reader then fetches only the blocks a window overlaps (one ranged
+//! `GET` per shard, plus the matching range of the sidecar) and verifies each block before using
+//! it, so the bytes fetched stay within a few percent of the bytes used ([`DatasetIndex::runs`]).
+//! Version 1 datasets (no blocks) are read by whole chunks, each checked against its BLAKE3 hash
+//! ([`DatasetIndex::pieces`]).
 //!
 //! The index is written last, with create-only semantics: a dataset exists iff its index exists,
 //! and an existing dataset is never overwritten (a running job keeps reading what it started on).
@@ -27,14 +34,23 @@ use super::{DataError, Split, TokenDtype};
 pub const INDEX_FILE: &str = "index.json";
 /// The index's `format` field.
 pub const INDEX_FORMAT: &str = "seqpipe-dataset";
-/// The index version this build reads and writes.
-pub const INDEX_VERSION: u32 = 1;
+/// The index version this build writes when the dataset has block checks (it also reads
+/// [`INDEX_VERSION_CHUNKS`]).
+pub const INDEX_VERSION: u32 = 2;
+/// The index version of datasets without block checks (read by whole chunks).
+pub const INDEX_VERSION_CHUNKS: u32 = 1;
 /// Largest index a reader accepts (the index is held in memory).
 pub const MAX_INDEX_BYTES: u64 = 256 << 20;
 /// Default shard size written by `seqpipe data prepare`: 64 MiB.
 pub const DEFAULT_SHARD_BYTES: u64 = 64 << 20;
 /// Default chunk size (the unit of range reads, caching and verification): 256 KiB.
 pub const DEFAULT_CHUNK_BYTES: u64 = 256 << 10;
+/// Default block size (the unit of exact range reads and their checks): 128 bytes, so that a
+/// window of a few KiB fetches few bytes beyond its own (the rounding out to whole blocks plus
+/// 4 check bytes per block: about 1.09 bytes per byte used for a 2 KiB window).
+pub const DEFAULT_BLOCK_BYTES: u64 = 128;
+/// Bytes of one block's check in a sidecar object.
+pub const CHECK_BYTES: u64 = 4;
 /// Largest shard: below S3's 5 GiB limit on one `PUT`.
 pub const MAX_SHARD_BYTES: u64 = 4 << 30;
 /// Most shards a split may have.
@@ -56,6 +72,11 @@ pub struct DatasetIndex {
     pub dtype: TokenDtype,
     /// Bytes per chunk (the last chunk of a shard may be shorter); a multiple of the id width.
     pub chunk_bytes: u64,
+    /// Version 2: bytes per block (the last block of a shard may be shorter), a multiple of the
+    /// id width dividing `chunk_bytes`; every shard has a sidecar ([`check_key`]) holding
+    /// [`CHECK_BYTES`] of [`block_check`] per block. Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_bytes: Option<u64>,
     /// The training split.
     pub train: SplitIndex,
     /// The validation split.
@@ -92,6 +113,22 @@ pub struct ShardEntry {
     pub doc_starts: Vec<u64>,
 }
 
+/// The blocks of one shard that a token window overlaps, and where its bytes lie in them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// Index of the shard in its split.
+    pub shard: usize,
+    /// The blocks `[first_block, end_block)` to fetch (one ranged read of the shard and one of
+    /// its sidecar).
+    pub first_block: u64,
+    /// End of the block range.
+    pub end_block: u64,
+    /// Byte range of the window within the fetched bytes: `[from, to)`.
+    pub from: usize,
+    /// End of the window's bytes within the fetched bytes.
+    pub to: usize,
+}
+
 /// One byte range of one chunk that a token window needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -114,6 +151,31 @@ fn is_hex_hash(s: &str) -> bool {
 /// The object key of shard `n` of `split`.
 pub fn shard_key(split: Split, n: usize) -> String {
     format!("{}/{n:06}.bin", split.as_str())
+}
+
+/// The object key of the block checks of shard `n` of `split` (version 2).
+pub fn check_key(split: Split, n: usize) -> String {
+    format!("{}/{n:06}.crc", split.as_str())
+}
+
+/// The check of block `block` of shard `shard` of `split`: CRC-32 over the block's position
+/// (split, shard, block) and its bytes. It detects every error burst of up to 32 bits in a block
+/// (any one corrupted byte) with certainty, other corruption and a block returned from the wrong
+/// position with probability 1 - 2^-32.
+pub fn block_check(split: Split, shard: usize, block: u64, bytes: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&[split_tag(split)]);
+    h.update(&(shard as u64).to_le_bytes());
+    h.update(&block.to_le_bytes());
+    h.update(bytes);
+    h.finalize()
+}
+
+fn split_tag(split: Split) -> u8 {
+    match split {
+        Split::Train => 0,
+        Split::Val => 1,
+    }
 }
 
 impl DatasetIndex {
@@ -151,10 +213,12 @@ impl DatasetIndex {
 
     /// Checks the index's internal consistency; the error says what is wrong.
     pub fn validate(&self) -> Result<(), String> {
-        if self.format != INDEX_FORMAT || self.version != INDEX_VERSION {
+        if self.format != INDEX_FORMAT
+            || !(self.version == INDEX_VERSION || self.version == INDEX_VERSION_CHUNKS)
+        {
             return Err(format!(
-                "format {:?} version {} is not {INDEX_FORMAT:?} version {INDEX_VERSION}; \
-                 re-prepare the dataset with this seqpipe",
+                "format {:?} version {} is not {INDEX_FORMAT:?} version {INDEX_VERSION_CHUNKS} \
+                 or {INDEX_VERSION}; re-prepare the dataset with this seqpipe",
                 self.format, self.version
             ));
         }
@@ -167,6 +231,29 @@ impl DatasetIndex {
                 "chunk_bytes {} is not a positive multiple of {width} ({} ids)",
                 self.chunk_bytes, self.dtype
             ));
+        }
+        match (self.version, self.block_bytes) {
+            (INDEX_VERSION_CHUNKS, None) => {}
+            (INDEX_VERSION_CHUNKS, Some(_)) => {
+                return Err(format!(
+                    "version {INDEX_VERSION_CHUNKS} has no block_bytes (block checks came with \
+                     version {INDEX_VERSION})"
+                ));
+            }
+            (_, None) => {
+                return Err(format!(
+                    "version {INDEX_VERSION} needs block_bytes (the size of the checked blocks)"
+                ));
+            }
+            (_, Some(b)) => {
+                if b == 0 || !b.is_multiple_of(width) || !self.chunk_bytes.is_multiple_of(b) {
+                    return Err(format!(
+                        "block_bytes {b} is not a positive multiple of {width} ({} ids) dividing \
+                         chunk_bytes {}",
+                        self.dtype, self.chunk_bytes
+                    ));
+                }
+            }
         }
         for split in [Split::Train, Split::Val] {
             let s = self.split(split);
@@ -271,6 +358,53 @@ impl DatasetIndex {
         Some(out)
     }
 
+    /// The block runs holding tokens `[start, start + len)` of `split` (version 2), one per shard
+    /// the window touches, in order, given `starts` = [`DatasetIndex::shard_starts`]. `None` when
+    /// the window is outside the split or the dataset has no blocks.
+    pub fn runs(&self, starts: &[u64], start: u64, len: u64) -> Option<Vec<Run>> {
+        let block = self.block_bytes?;
+        let end = start.checked_add(len)?;
+        if end > *starts.last()? {
+            return None;
+        }
+        let width = self.dtype.width() as u64;
+        let mut out = Vec::new();
+        let mut token = start;
+        while token < end {
+            let shard = starts.partition_point(|&s| s <= token) - 1;
+            let take_to = end.min(starts[shard + 1]);
+            let (byte, stop) = (
+                (token - starts[shard]) * width,
+                (take_to - starts[shard]) * width,
+            );
+            let (first_block, end_block) = (byte / block, stop.div_ceil(block));
+            out.push(Run {
+                shard,
+                first_block,
+                end_block,
+                from: (byte - first_block * block) as usize,
+                to: (stop - first_block * block) as usize,
+            });
+            token = take_to;
+        }
+        Some(out)
+    }
+
+    /// Byte range of blocks `[first, end)` of a shard of `shard_bytes` bytes (version 2), and of
+    /// their checks in its sidecar.
+    pub fn block_ranges(
+        &self,
+        shard_bytes: u64,
+        first: u64,
+        end: u64,
+    ) -> (std::ops::Range<u64>, std::ops::Range<u64>) {
+        let block = self.block_bytes.unwrap_or(self.chunk_bytes);
+        (
+            first * block..(end * block).min(shard_bytes),
+            first * CHECK_BYTES..end * CHECK_BYTES,
+        )
+    }
+
     /// Byte range of chunk `chunk` of a shard of `shard_bytes` bytes.
     pub fn chunk_range(&self, shard_bytes: u64, chunk: usize) -> std::ops::Range<u64> {
         let from = chunk as u64 * self.chunk_bytes;
@@ -285,6 +419,9 @@ pub struct ShardLayout {
     pub shard_bytes: u64,
     /// Bytes per chunk; `shard_bytes` is a multiple of it.
     pub chunk_bytes: u64,
+    /// Bytes per checked block (a divisor of `chunk_bytes`); 0 writes a version 1 dataset
+    /// without block checks, read by whole chunks.
+    pub block_bytes: u64,
 }
 
 impl Default for ShardLayout {
@@ -292,11 +429,26 @@ impl Default for ShardLayout {
         ShardLayout {
             shard_bytes: DEFAULT_SHARD_BYTES,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            block_bytes: DEFAULT_BLOCK_BYTES,
         }
     }
 }
 
 impl ShardLayout {
+    /// Shards and chunks of the given sizes, with blocks of [`DEFAULT_BLOCK_BYTES`] or, when that
+    /// does not divide the chunk size, of their greatest common divisor.
+    pub fn with_default_blocks(shard_bytes: u64, chunk_bytes: u64) -> ShardLayout {
+        let (mut a, mut b) = (chunk_bytes, DEFAULT_BLOCK_BYTES);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        ShardLayout {
+            shard_bytes,
+            chunk_bytes,
+            block_bytes: a,
+        }
+    }
+
     /// Checks the sizes for ids of `dtype`.
     pub fn validate(&self, dtype: TokenDtype) -> Result<(), DataError> {
         let width = dtype.width() as u64;
@@ -304,16 +456,21 @@ impl ShardLayout {
             && self.chunk_bytes.is_multiple_of(width)
             && self.shard_bytes >= self.chunk_bytes
             && self.shard_bytes.is_multiple_of(self.chunk_bytes)
-            && self.shard_bytes <= MAX_SHARD_BYTES;
+            && self.shard_bytes <= MAX_SHARD_BYTES
+            && (self.block_bytes == 0
+                || (self.block_bytes.is_multiple_of(width)
+                    && self.chunk_bytes.is_multiple_of(self.block_bytes)));
         if ok {
             Ok(())
         } else {
             Err(DataError::InvalidArgument(format!(
-                "shard size {} and chunk size {} bytes: the chunk size must be a positive \
-                 multiple of {width} (the {dtype} id width) and the shard size a multiple of the \
-                 chunk size, at most {MAX_SHARD_BYTES}; e.g. --shard-bytes {DEFAULT_SHARD_BYTES} \
-                 --chunk-bytes {DEFAULT_CHUNK_BYTES}",
-                self.shard_bytes, self.chunk_bytes
+                "shard size {}, chunk size {} and block size {} bytes: the chunk size must be a \
+                 positive multiple of {width} (the {dtype} id width), the shard size a multiple \
+                 of the chunk size, at most {MAX_SHARD_BYTES}, and the block size 0 or a \
+                 multiple of {width} dividing the chunk size; e.g. --shard-bytes \
+                 {DEFAULT_SHARD_BYTES} --chunk-bytes {DEFAULT_CHUNK_BYTES} (block size \
+                 {DEFAULT_BLOCK_BYTES})",
+                self.shard_bytes, self.chunk_bytes, self.block_bytes
             )))
         }
     }
@@ -364,13 +521,19 @@ pub async fn publish(
     }
     let val = splits.pop().expect("two splits");
     let train = splits.pop().expect("two splits");
+    let block_bytes = (layout.block_bytes > 0).then_some(layout.block_bytes);
     let index = DatasetIndex {
         format: INDEX_FORMAT.into(),
-        version: INDEX_VERSION,
+        version: if block_bytes.is_some() {
+            INDEX_VERSION
+        } else {
+            INDEX_VERSION_CHUNKS
+        },
         tokenizer: meta.tokenizer.clone(),
         vocab_size: meta.vocab_size,
         dtype: meta.dtype,
         chunk_bytes: layout.chunk_bytes,
+        block_bytes,
         train,
         val,
     };
@@ -455,6 +618,22 @@ async fn publish_split(
             .map(|c| blake3::hash(c).to_hex().to_string())
             .collect();
         let key = shard_key(split, shards.len());
+        if layout.block_bytes > 0 {
+            // The sidecar first: a shard is only ever read through the index, written last.
+            let checks: Vec<u8> = buf
+                .chunks(layout.block_bytes as usize)
+                .enumerate()
+                .flat_map(|(b, bytes)| {
+                    block_check(split, shards.len(), b as u64, bytes).to_le_bytes()
+                })
+                .collect();
+            let checks_key = check_key(split, shards.len());
+            target
+                .store
+                .put(&object_path(&checks_key), PutPayload::from(checks))
+                .await
+                .map_err(store_err(&target.url, format!("uploading {checks_key}")))?;
+        }
         let entry = ShardEntry {
             key: key.clone(),
             tokens: (buf.len() / width) as u64,
@@ -500,11 +679,12 @@ mod tests {
             .collect::<Vec<_>>();
         DatasetIndex {
             format: INDEX_FORMAT.into(),
-            version: INDEX_VERSION,
+            version: INDEX_VERSION_CHUNKS,
             tokenizer: "gpt2".into(),
             vocab_size: 50257,
             dtype: TokenDtype::U16,
             chunk_bytes,
+            block_bytes: None,
             train: SplitIndex {
                 tokens: tokens.iter().sum(),
                 documents: tokens.len() as u64,
@@ -546,6 +726,59 @@ mod tests {
         assert_eq!(idx.pieces(&starts, u64::MAX, 2), None);
     }
 
+    /// Every window maps to one block run per shard it touches whose window bytes, laid end to
+    /// end, are exactly its bytes; each run's blocks are the fewest that hold them.
+    #[test]
+    fn runs_cover_windows_with_the_fewest_blocks() {
+        let mut idx = index(&[10, 7, 1, 12], 8);
+        assert_eq!(idx.runs(&idx.shard_starts(Split::Train), 0, 1), None);
+        idx.version = INDEX_VERSION;
+        idx.block_bytes = Some(4);
+        idx.validate().unwrap();
+        let starts = idx.shard_starts(Split::Train);
+        for start in 0..30u64 {
+            for len in 1..=(30 - start) {
+                let runs = idx.runs(&starts, start, len).unwrap();
+                let mut global = Vec::new();
+                for (i, r) in runs.iter().enumerate() {
+                    let shard = &idx.train.shards[r.shard];
+                    let (bytes, checks) = idx.block_ranges(shard.bytes, r.first_block, r.end_block);
+                    assert_eq!(checks.end - checks.start, 4 * (r.end_block - r.first_block));
+                    assert!(r.from < r.to && r.to as u64 <= bytes.end - bytes.start);
+                    // The fewest blocks: the first and the last hold window bytes.
+                    assert!(r.from < 4 && (bytes.end - bytes.start) - (r.to as u64) < 4);
+                    if i > 0 {
+                        assert_eq!(r.shard, runs[i - 1].shard + 1);
+                    }
+                    for b in r.from..r.to {
+                        global.push(starts[r.shard] * 2 + bytes.start + b as u64);
+                    }
+                }
+                let want: Vec<u64> = (start * 2..(start + len) * 2).collect();
+                assert_eq!(global, want, "window {start}+{len}");
+            }
+        }
+        assert_eq!(idx.runs(&starts, 25, 6), None);
+        assert_eq!(idx.runs(&starts, u64::MAX, 2), None);
+    }
+
+    /// A block's check depends on its bytes and its position (split, shard, block).
+    #[test]
+    fn block_checks_bind_bytes_to_their_position() {
+        let bytes = [1u8, 2, 3, 4];
+        let c = block_check(Split::Train, 3, 5, &bytes);
+        assert_ne!(c, block_check(Split::Val, 3, 5, &bytes));
+        assert_ne!(c, block_check(Split::Train, 4, 5, &bytes));
+        assert_ne!(c, block_check(Split::Train, 3, 6, &bytes));
+        for i in 0..bytes.len() {
+            for bit in 0..8 {
+                let mut flipped = bytes;
+                flipped[i] ^= 1 << bit;
+                assert_ne!(c, block_check(Split::Train, 3, 5, &flipped));
+            }
+        }
+    }
+
     #[test]
     fn inconsistent_indexes_are_refused_saying_why() {
         let good = index(&[10, 7], 6);
@@ -573,6 +806,15 @@ mod tests {
             ),
             (Box::new(|i| i.chunk_bytes = 3), "chunk_bytes 3"),
             (Box::new(|i| i.version = 9), "version 9"),
+            (Box::new(|i| i.block_bytes = Some(2)), "no block_bytes"),
+            (Box::new(|i| i.version = INDEX_VERSION), "needs block_bytes"),
+            (
+                Box::new(|i| {
+                    i.version = INDEX_VERSION;
+                    i.block_bytes = Some(4);
+                }),
+                "block_bytes 4",
+            ),
         ];
         for (edit, needle) in cases {
             let mut idx = good.clone();
