@@ -5,6 +5,7 @@
 //! decay rules. The CPU stage (`trainer::model`, over `ops`) and the CUDA stage (`gpu`) both build
 //! on it, so a parameter name or a bookkeeping rule is written once.
 
+pub mod block;
 pub mod config;
 pub mod error;
 pub mod grads;
@@ -13,6 +14,7 @@ pub mod params;
 pub mod partition;
 pub mod unit;
 
+pub use block::{BlockDevice, Residual, block_backward, block_forward};
 pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;
