@@ -3,8 +3,10 @@
 //! norm, fused QKV, tanh-GELU MLP), with the embeddings on the first stage and the final norm, the
 //! untied LM head and the cross-entropy (in row chunks) on the last — the arithmetic of the CPU
 //! stage (`trainer/src/model/stage.rs`), under the same parameter names, so weights move between
-//! the two unchanged and the CPU stage is the oracle of its gradients. `seqpipe gpu bench` runs one
-//! stage holding the whole model.
+//! the two unchanged and the CPU stage is the oracle of its gradients. The block's order of
+//! operations is the `model` crate's ([`model::block_forward`], [`model::block_backward`], run by
+//! both devices); this stage supplies the kernels and the buffers they write (`block`).
+//! `seqpipe gpu bench` runs one stage holding the whole model.
 //!
 //! Each in-flight micro-batch keeps, per held block, the fused QKV rows of its finished segments
 //! (a `(B, T, 3C)` cache of whole sequences: a segment attends to the keys and values of every
@@ -37,7 +39,7 @@ use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use model::params::{ParamKind, ParamSpec, WeightDecay, component_params};
+use model::params::{ParamKind, ParamSpec, WeightDecay, component_params, names};
 use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
@@ -49,6 +51,8 @@ use crate::types::Bf16Path;
 
 #[cfg(all(test, feature = "emulate"))]
 mod bf16_tests;
+mod block;
+use block::{BlockGrads, GpuBlock};
 mod links;
 pub use links::Side;
 use links::{Flow, Links};
@@ -261,7 +265,7 @@ impl Bf16Weights {
             }
             copies.push((i, len));
             at.insert(s.name.clone(), len);
-            len += if s.name == "lm_head.weight" {
+            len += if s.name == names::LM_HEAD {
                 head_rows * s.dims[1]
             } else {
                 s.len
@@ -1319,15 +1323,26 @@ impl GpuStage {
         self.load_input(unit, input, (micro_batch, segment), b)?;
         let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layout.layers.clone().enumerate() {
+            let acts = &unit.blocks[slot];
             let out = unit
                 .blocks
                 .get(slot + 1)
                 .map_or(unit.out.ptr(), |next| next.x.ptr());
-            self.block_forward(&unit.blocks[slot], out, &mb.qkv[slot], layer, rows)?;
+            let cache = &mb.qkv[slot];
+            let mut device = GpuBlock {
+                stage: self,
+                acts,
+                out,
+                cache,
+                layer,
+                rows,
+                grads: None,
+            };
+            model::block_forward(&mut device, acts.x.ptr())?;
         }
         let unit = &mut mb.units[segment];
         let output = if self.plan.layout.is_last() {
-            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, "lm_head.weight"));
+            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, names::LM_HEAD));
             let targets = targets.expect("checked by forward");
             UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
         } else if self.links.linked(Side::Next) {
@@ -1376,8 +1391,8 @@ impl GpuStage {
                 self.gpu.embed_forward(
                     x0,
                     unit.ids.ptr(),
-                    self.at(&self.values, "wte.weight"),
-                    self.at(&self.values, "wpe.weight"),
+                    self.at(&self.values, names::WTE),
+                    self.at(&self.values, names::WPE),
                     n,
                     c,
                     len,
@@ -1405,47 +1420,6 @@ impl GpuStage {
         Ok(())
     }
 
-    /// One block's forward for one unit: `a.x` in, `out` (the next block's input) out; the
-    /// segment's QKV rows join the micro-batch's `cache` of this block first.
-    fn block_forward(
-        &self,
-        a: &BlockActs,
-        out: u64,
-        cache: &Buf<f32>,
-        layer: usize,
-        UnitShape { b, start, len }: UnitShape,
-    ) -> Result<()> {
-        let m = &self.plan.model;
-        let (c, f, gpu) = (m.d_model, m.ffn(), &self.gpu);
-        let n = b * len;
-        let pre = format!("h.{layer}");
-        self.norm_forward(&a.ln1, a.x.ptr(), &format!("{pre}.ln_1"), n)?;
-        let qkv_shape = (n, c, 3 * c);
-        let (qkv, ln1) = (a.qkv.ptr(), a.ln1.out.ptr());
-        self.linear_forward(qkv, ln1, &format!("{pre}.attn.c_attn"), qkv_shape, true)?;
-        gpu.copy_rows(cache.ptr(), (self.seq, start), qkv, (len, 0), b, len, 3 * c)?;
-        let (sh, scale) = (self.attn_shape(b, start, len), self.attn_scale());
-        let (y, lse) = (a.y.ptr(), a.lse.ptr());
-        gpu.attention_forward(y, lse, qkv, cache.at(c), cache.at(2 * c), sh, scale)?;
-        let x1 = a.x1.ptr();
-        self.linear_forward(x1, y, &format!("{pre}.attn.c_proj"), (n, c, c), true)?;
-        gpu.add_assign(x1, a.x.ptr(), n * c)?;
-        self.norm_forward(&a.ln2, x1, &format!("{pre}.ln_2"), n)?;
-        // The bias joins in the GELU pass.
-        let (u, g) = (a.u.ptr(), a.g.ptr());
-        self.linear_forward(
-            u,
-            a.ln2.out.ptr(),
-            &format!("{pre}.mlp.c_fc"),
-            (n, c, f),
-            false,
-        )?;
-        let fc_bias = self.at(&self.values, &format!("{pre}.mlp.c_fc.bias"));
-        gpu.bias_gelu_forward(g, u, fc_bias, n, f)?;
-        self.linear_forward(out, g, &format!("{pre}.mlp.c_proj"), (n, f, c), true)?;
-        gpu.add_assign(out, x1, n * c)
-    }
-
     /// The final norm, LM head and cross-entropy of a unit's `n` rows in row chunks: the summed
     /// loss; with `dw` non-zero (training) d(ln_f) into `unit.dhead` and the head's weight
     /// gradient added at `dw`.
@@ -1460,12 +1434,9 @@ impl GpuStage {
         let (c, v) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let train = dw != 0;
         self.gpu.write(&mut unit.targets, targets)?;
-        self.norm_forward(&unit.lnf, unit.out.ptr(), "ln_f", n)?;
+        self.norm_forward(&unit.lnf, unit.out.ptr(), names::LN_F, n)?;
         let scratch = self.scratch.as_ref().expect("sized by fix_batch");
-        let (w, logits) = (
-            self.at(&self.values, "lm_head.weight"),
-            scratch.logits.ptr(),
-        );
+        let (w, logits) = (self.at(&self.values, names::LM_HEAD), scratch.logits.ptr());
         let chunk = CHUNK_ROWS.min(n);
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
@@ -1478,7 +1449,7 @@ impl GpuStage {
                 if train {
                     let dh = unit.dhead.at(r0 * c);
                     let (dlogits16, _) = w16.operands()?;
-                    let (w, vp) = (w16.weight("lm_head.weight")?, w16.head_rows);
+                    let (w, vp) = (w16.weight(names::LM_HEAD)?, w16.head_rows);
                     gpu.label_products("lm_head", Pass::Dx);
                     gpu.gemm_bf16(
                         dh,
@@ -1525,7 +1496,7 @@ impl GpuStage {
         let (c, v) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let (vp, gpu, train) = (w16.head_rows, &self.gpu, dw != 0);
         let (dlogits16, hh16) = w16.operands()?;
-        let w = w16.weight("lm_head.weight")?;
+        let w = w16.weight(names::LM_HEAD)?;
         // hh rounded once for the logits and the weight gradient.
         gpu.to_bf16(hh16, hh, rows * c)?;
         gpu.label_products("lm_head", Pass::Fwd);
@@ -1672,7 +1643,7 @@ impl GpuStage {
                 unit.dhead.ptr(),
                 unit.out.ptr(),
                 &unit.lnf,
-                "ln_f",
+                names::LN_F,
                 (n, acc_ptr, sc),
             )?,
             (false, Dy::Host(dy)) if dy.len() == n * c => gpu.write(&mut scratch.dx, dy)?,
@@ -1700,142 +1671,31 @@ impl GpuStage {
         }
         let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layout.layers.clone().enumerate().rev() {
-            let caches = (&mb.qkv[slot], &mb.dk[slot], &mb.dv[slot]);
-            self.block_backward(&unit.blocks[slot], caches, layer, rows, scratch, acc_ptr)?;
+            let mut device = GpuBlock {
+                stage: self,
+                acts: &unit.blocks[slot],
+                out: 0,
+                cache: &mb.qkv[slot],
+                layer,
+                rows,
+                grads: Some(BlockGrads {
+                    acc: acc_ptr,
+                    scratch: &*scratch,
+                    dk: &mb.dk[slot],
+                    dv: &mb.dv[slot],
+                }),
+            };
+            // d(output) is in scratch.dx, and so is d(input) after.
+            model::block_backward(&mut device, scratch.dx.ptr())?;
         }
         let dx = scratch.dx.ptr();
         if self.plan.layout.is_first() {
-            gpu.embed_backward_tokens(offset("wte.weight"), dx, &unit.host_ids, c)?;
-            gpu.embed_backward_positions(offset("wpe.weight"), dx, b, len, c, start)?;
+            gpu.embed_backward_tokens(offset(names::WTE), dx, &unit.host_ids, c)?;
+            gpu.embed_backward_positions(offset(names::WPE), dx, b, len, c, start)?;
             Ok(None)
         } else {
             Ok(Some(n * c))
         }
-    }
-
-    /// One block's backward for one unit: `scratch.dx` holds d(output) and becomes d(input); the
-    /// parameter gradients are added at `acc`, dK/dV of the whole prefix to the micro-batch's
-    /// accumulators `dk`, `dv` (later segments already added theirs).
-    fn block_backward(
-        &self,
-        a: &BlockActs,
-        (cache, dk, dv): (&Buf<f32>, &Buf<f32>, &Buf<f32>),
-        layer: usize,
-        UnitShape { b, start, len }: UnitShape,
-        scratch: &Scratch,
-        acc: u64,
-    ) -> Result<()> {
-        let m = &self.plan.model;
-        let (c, f, gpu) = (m.d_model, m.ffn(), &self.gpu);
-        let n = b * len;
-        let (dx, dtmp, dln, dff) = (
-            scratch.dx.ptr(),
-            scratch.dtmp.ptr(),
-            scratch.dln.ptr(),
-            scratch.dff.ptr(),
-        );
-        let (dqkv, sc) = (&scratch.dqkv, &scratch.columns);
-        let grads = (acc, sc);
-        let name = |x: &str| format!("h.{layer}.{x}");
-        // MLP branch: out = x1 + mlp(ln2(x1)); dx holds d(out).
-        self.linear_backward(
-            dff,
-            dx,
-            a.g.ptr(),
-            &name("mlp.c_proj"),
-            (n, f, c),
-            true,
-            grads,
-        )?;
-        gpu.gelu_backward(dff, dff, a.u.ptr(), n * f)?;
-        gpu.column_sum(
-            self.grad_at(acc, &name("mlp.c_fc.bias")),
-            dff,
-            n,
-            f,
-            true,
-            sc,
-        )?;
-        let ln2 = a.ln2.out.ptr();
-        self.linear_backward(dln, dff, ln2, &name("mlp.c_fc"), (n, c, f), false, grads)?;
-        self.norm_backward(dtmp, dln, a.x1.ptr(), &a.ln2, &name("ln_2"), (n, acc, sc))?;
-        gpu.add_assign(dx, dtmp, n * c)?; // d(x1)
-        // Attention branch: x1 = x + proj(attn(ln1(x))).
-        self.linear_backward(
-            dln,
-            dx,
-            a.y.ptr(),
-            &name("attn.c_proj"),
-            (n, c, c),
-            true,
-            grads,
-        )?;
-        // dQ into the first plane of dqkv; dK/dV added to the accumulators, then this segment's
-        // rows of them gathered into the second and third planes.
-        let (q, k, v) = (a.qkv.ptr(), cache.at(c), cache.at(2 * c));
-        let (sh, scale) = (self.attn_shape(b, start, len), self.attn_scale());
-        let (y, lse, delta) = (a.y.ptr(), a.lse.ptr(), scratch.delta.ptr());
-        gpu.attention_backward(
-            dqkv.ptr(),
-            dk.ptr(),
-            dv.ptr(),
-            q,
-            k,
-            v,
-            y,
-            dln,
-            lse,
-            delta,
-            sh,
-            scale,
-            true,
-        )?;
-        for (plane, acc_kv) in [(1, dk), (2, dv)] {
-            let dst = dqkv.at(plane * n * c);
-            gpu.copy_rows(dst, (len, 0), acc_kv.ptr(), (self.seq, start), b, len, c)?;
-        }
-        // c_attn backward with dqkv as three (N, C) planes: weight rows [iC, (i+1)C) and the bias
-        // thirds get one product each; d(ln1) = the sum of the three dy_i W_i.
-        let w = self.at(&self.values, &name("attn.c_attn.weight"));
-        let dw = self.grad_at(acc, &name("attn.c_attn.weight"));
-        let db = self.grad_at(acc, &name("attn.c_attn.bias"));
-        let ln1 = a.ln1.out.ptr();
-        // The BF16 fast path: the weight's copy, and ln1 rounded once for the three products.
-        let fast = match &self.bf16 {
-            Some(w16) => {
-                let (dy16, ln1_16) = w16.operands()?;
-                gpu.to_bf16(ln1_16, ln1, n * c)?;
-                Some((w16.weight(&name("attn.c_attn.weight"))?, dy16, ln1_16))
-            }
-            None => None,
-        };
-        let c_attn = name("attn.c_attn");
-        for i in 0..3 {
-            let dy = dqkv.at(i * n * c);
-            let (w_i, dw_i) = (w + (i * c * c * 4) as u64, dw + (i * c * c * 4) as u64);
-            let beta = if i == 0 { 0.0 } else { 1.0 };
-            match fast {
-                Some((w16, dy16, ln1_16)) => {
-                    let w16_i = w16 + (i * c * c * 2) as u64;
-                    gpu.to_bf16(dy16, dy, n * c)?;
-                    let t = (false, false);
-                    gpu.label_products(&c_attn, Pass::Dx);
-                    gpu.gemm_bf16(dln, dy16, w16_i, (n, c, c), t, (c, c), beta)?;
-                    let t = (true, false);
-                    gpu.label_pass(Pass::Dw);
-                    gpu.gemm_bf16(dw_i, dy16, ln1_16, (c, c, n), t, (c, c), 1.0)?;
-                }
-                None => {
-                    gpu.label_products(&c_attn, Pass::Dx);
-                    gpu.gemm(dln, dy, w_i, (n, c, c), false, false, beta)?;
-                    gpu.label_pass(Pass::Dw);
-                    gpu.gemm(dw_i, dy, ln1, (c, c, n), true, false, 1.0)?;
-                }
-            }
-            gpu.column_sum(db + (i * c * 4) as u64, dy, n, c, true, sc)?;
-        }
-        self.norm_backward(dtmp, dln, a.x.ptr(), &a.ln1, &name("ln_1"), (n, acc, sc))?;
-        gpu.add_assign(dx, dtmp, n * c) // d(x)
     }
 }
 

@@ -58,6 +58,11 @@ pub enum ModelError {
     /// Units were run in an order the model cannot honour.
     #[error("unit {unit:?}: {reason}")]
     Order { unit: Unit, reason: String },
+    /// A backward found nothing saved by its forward (which ran in evaluation mode, or not at all).
+    #[error(
+        "the backward of {layer} found no activation saved by its forward: run the unit's forward in training mode first"
+    )]
+    NotSaved { layer: String },
     /// The input does not match the stage.
     #[error("unit {unit:?}: {reason}")]
     Input { unit: Unit, reason: String },

@@ -1,10 +1,12 @@
 //! The GPT model (GPT-2 style decoder) and its pipeline stage, independent of the device that runs
-//! the kernels: the `[model]` config, parameter names, shapes and seeded init, which layers each
+//! the kernels: the `[model]` config, parameter names, shapes and seeded init, the transformer
+//! block's forward/backward order over a device trait ([`block`]), which layers each
 //! stage holds, the errors a stage can refuse with, the unit and the step's gradient bookkeeping
 //! (per-micro-batch accumulators summed in the canonical tree, with peak accounting), and AdamW's
 //! decay rules. The CPU stage (`trainer::model`, over `ops`) and the CUDA stage (`gpu`) both build
-//! on it, so a parameter name or a bookkeeping rule is written once.
+//! on it, so a parameter name, a layer of the block or a bookkeeping rule is written once.
 
+pub mod block;
 pub mod config;
 pub mod error;
 pub mod grads;
@@ -13,6 +15,7 @@ pub mod params;
 pub mod partition;
 pub mod unit;
 
+pub use block::{BlockDevice, Residual, block_backward, block_forward};
 pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;

@@ -62,6 +62,78 @@ pub struct ParamSpec {
     pub component: Component,
 }
 
+/// A layer of a transformer block with parameters: the one place its name is spelled. Block `i`'s
+/// layer `l` is `h.{i}.{l.name()}` ([`block_layer`]); its parameters are `{that}.weight` and (all
+/// but an RMS norm) `{that}.bias` ([`weight`], [`bias`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockLayer {
+    /// The norm before attention.
+    Ln1,
+    /// The fused Q, K, V projection `(3C, C)`.
+    CAttn,
+    /// Attention's output projection `(C, C)`.
+    AttnProj,
+    /// The norm before the MLP.
+    Ln2,
+    /// The MLP's widening layer `(F, C)`.
+    CFc,
+    /// The MLP's narrowing layer `(C, F)`.
+    MlpProj,
+}
+
+impl BlockLayer {
+    /// The layer's name inside its block (`attn.c_attn`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockLayer::Ln1 => "ln_1",
+            BlockLayer::CAttn => "attn.c_attn",
+            BlockLayer::AttnProj => "attn.c_proj",
+            BlockLayer::Ln2 => "ln_2",
+            BlockLayer::CFc => "mlp.c_fc",
+            BlockLayer::MlpProj => "mlp.c_proj",
+        }
+    }
+
+    /// A linear layer's `(in, out)` widths in a model shaped by `cfg`; `None` for a norm.
+    pub fn linear_dims(self, cfg: &ModelConfig) -> Option<(usize, usize)> {
+        let (c, f) = (cfg.d_model, cfg.ffn());
+        match self {
+            BlockLayer::Ln1 | BlockLayer::Ln2 => None,
+            BlockLayer::CAttn => Some((c, 3 * c)),
+            BlockLayer::AttnProj => Some((c, c)),
+            BlockLayer::CFc => Some((c, f)),
+            BlockLayer::MlpProj => Some((f, c)),
+        }
+    }
+}
+
+/// The name of layer `l` of block `layer`: `h.{layer}.{l.name()}`.
+pub fn block_layer(layer: usize, l: BlockLayer) -> String {
+    format!("h.{layer}.{}", l.name())
+}
+
+/// The embedding tables and the head's layers, by name.
+pub mod names {
+    /// Token embeddings `(V, C)`.
+    pub const WTE: &str = "wte.weight";
+    /// Learned position embeddings `(T, C)`.
+    pub const WPE: &str = "wpe.weight";
+    /// The final norm (a layer prefix: its parameters are `ln_f.weight`, `ln_f.bias`).
+    pub const LN_F: &str = "ln_f";
+    /// The LM head `(V, C)` (untied).
+    pub const LM_HEAD: &str = "lm_head.weight";
+}
+
+/// The weight of layer `prefix` (`h.3.ln_1` → `h.3.ln_1.weight`).
+pub fn weight(prefix: &str) -> String {
+    format!("{prefix}.weight")
+}
+
+/// The bias of layer `prefix` (`h.3.ln_1` → `h.3.ln_1.bias`).
+pub fn bias(prefix: &str) -> String {
+    format!("{prefix}.bias")
+}
+
 /// The model's components in canonical order.
 pub fn components(cfg: &ModelConfig) -> Vec<Component> {
     let mut all = vec![Component::Embeddings];
@@ -86,32 +158,22 @@ pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpe
         });
     };
     let norm = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind), prefix: &str| {
-        push(
-            format!("{prefix}.weight"),
-            vec![c],
-            Init::Ones,
-            ParamKind::Norm,
-        );
+        push(weight(prefix), vec![c], Init::Ones, ParamKind::Norm);
         if cfg.norm == Norm::LayerNorm {
-            push(
-                format!("{prefix}.bias"),
-                vec![c],
-                Init::Zeros,
-                ParamKind::Norm,
-            );
+            push(bias(prefix), vec![c], Init::Zeros, ParamKind::Norm);
         }
     };
     match component {
         Component::Embeddings => {
             push(
-                "wte.weight".into(),
+                names::WTE.into(),
                 vec![cfg.vocab_size, c],
                 Init::Normal(std),
                 ParamKind::Embedding,
             );
             if cfg.position == Position::Learned {
                 push(
-                    "wpe.weight".into(),
+                    names::WPE.into(),
                     vec![cfg.max_seq_len, c],
                     Init::Normal(std),
                     ParamKind::Embedding,
@@ -119,36 +181,30 @@ pub fn component_params(cfg: &ModelConfig, component: Component) -> Vec<ParamSpe
             }
         }
         Component::Block(i) => {
-            let p = format!("h.{i}");
             let linear = |push: &mut dyn FnMut(String, Vec<usize>, Init, ParamKind),
-                          name: &str,
-                          out_dim: usize,
-                          in_dim: usize,
+                          l: BlockLayer,
                           std: f64| {
+                let (in_dim, out_dim) = l.linear_dims(cfg).expect("a linear layer");
+                let prefix = block_layer(i, l);
                 push(
-                    format!("{p}.{name}.weight"),
+                    weight(&prefix),
                     vec![out_dim, in_dim],
                     Init::Normal(std),
                     ParamKind::Weight,
                 );
-                push(
-                    format!("{p}.{name}.bias"),
-                    vec![out_dim],
-                    Init::Zeros,
-                    ParamKind::Bias,
-                );
+                push(bias(&prefix), vec![out_dim], Init::Zeros, ParamKind::Bias);
             };
-            norm(&mut push, &format!("{p}.ln_1"));
-            linear(&mut push, "attn.c_attn", 3 * c, c, std);
-            linear(&mut push, "attn.c_proj", c, c, residual_std);
-            norm(&mut push, &format!("{p}.ln_2"));
-            linear(&mut push, "mlp.c_fc", cfg.ffn(), c, std);
-            linear(&mut push, "mlp.c_proj", c, cfg.ffn(), residual_std);
+            norm(&mut push, &block_layer(i, BlockLayer::Ln1));
+            linear(&mut push, BlockLayer::CAttn, std);
+            linear(&mut push, BlockLayer::AttnProj, residual_std);
+            norm(&mut push, &block_layer(i, BlockLayer::Ln2));
+            linear(&mut push, BlockLayer::CFc, std);
+            linear(&mut push, BlockLayer::MlpProj, residual_std);
         }
         Component::Head => {
-            norm(&mut push, "ln_f");
+            norm(&mut push, names::LN_F);
             push(
-                "lm_head.weight".into(),
+                names::LM_HEAD.into(),
                 vec![cfg.vocab_size, c],
                 Init::Normal(std),
                 ParamKind::Weight,

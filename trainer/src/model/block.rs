@@ -1,5 +1,6 @@
 //! One transformer block (pre-norm attention + MLP) as an explicit forward/backward pair over one
-//! sequence segment, with the K/V prefix of the earlier segments of the same micro-batch.
+//! sequence segment, with the K/V prefix of the earlier segments of the same micro-batch: the CPU
+//! device ([`BlockDevice`] over `ops`, the oracle) of the block the `model` crate writes once.
 
 use candle_core::Tensor;
 use ops::attention::{
@@ -13,7 +14,8 @@ use ops::rope::RopeTable;
 use super::config::ModelConfig;
 use super::error::ModelError;
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Gradients, Params};
+use super::params::{BlockLayer, Gradients, Params, bias, block_layer, weight};
+use ::model::{BlockDevice, Residual};
 
 /// Shape of one segment of one micro-batch.
 #[derive(Clone, Copy, Debug)]
@@ -76,16 +78,18 @@ impl SavedTensors for KvPrefix {
     }
 }
 
-/// Activations a block's backward needs for one segment.
+/// Activations a block's backward needs for one segment, filled by its forward and taken by its
+/// backward (one per kernel of [`::model::block_forward`]).
+#[derive(Default)]
 pub struct BlockCtx {
-    ln_1: NormLayerCtx,
-    c_attn: LinearCtx,
-    attn: AttentionCtx,
-    attn_proj: LinearCtx,
-    ln_2: NormLayerCtx,
-    c_fc: LinearCtx,
-    gelu: GeluCtx,
-    mlp_proj: LinearCtx,
+    ln_1: Option<NormLayerCtx>,
+    c_attn: Option<LinearCtx>,
+    attn: Option<AttentionCtx>,
+    attn_proj: Option<LinearCtx>,
+    ln_2: Option<NormLayerCtx>,
+    c_fc: Option<LinearCtx>,
+    gelu: Option<GeluCtx>,
+    mlp_proj: Option<LinearCtx>,
 }
 
 impl SavedTensors for BlockCtx {
@@ -101,10 +105,10 @@ impl SavedTensors for BlockCtx {
     }
 }
 
-/// A transformer block's static description: its name prefix and the model's shape.
+/// A transformer block's static description: its layer index and the model's shape.
 pub struct Block<'a> {
-    /// `h.{i}`.
-    pub prefix: String,
+    /// Block index `i` (its parameters are `h.{i}.…`).
+    pub layer: usize,
     /// Heads H.
     pub heads: usize,
     /// Head width D.
@@ -119,7 +123,7 @@ impl<'a> Block<'a> {
     /// Block `layer` of a model shaped by `cfg`.
     pub fn new(cfg: &ModelConfig, layer: usize, rope: Option<&'a RopeTable>) -> Self {
         Self {
-            prefix: format!("h.{layer}"),
+            layer,
             heads: cfg.heads,
             head_dim: cfg.head_dim(),
             norm: NormLayer::of(cfg),
@@ -127,43 +131,52 @@ impl<'a> Block<'a> {
         }
     }
 
-    fn name(&self, suffix: &str) -> String {
-        format!("{}.{suffix}", self.prefix)
-    }
-
-    /// `x W^T`, plus the layer's bias when `with_bias` (the MLP's first layer leaves its bias to
-    /// the fused bias + GELU).
-    fn linear_fwd(
+    /// Forward of one segment: `x (N, C)` → `(N, C)`, in the model's order
+    /// ([`::model::block_forward`]). Appends this segment's K/V to `kv`. Returns the saved context
+    /// when `keep_ctx` (training), none for evaluation.
+    pub fn forward(
         &self,
         params: &Params,
-        layer: &str,
         x: &Tensor,
-        with_bias: bool,
-    ) -> Result<(Tensor, LinearCtx), ModelError> {
-        let w = params.get(&self.name(&format!("{layer}.weight")))?;
-        let b = with_bias
-            .then(|| params.get(&self.name(&format!("{layer}.bias"))))
-            .transpose()?;
-        Ok(linear_forward(x, w, b)?)
+        seg: SegmentShape,
+        kv: &mut KvPrefix,
+        keep_ctx: bool,
+    ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
+        let mut ctx = BlockCtx::default();
+        let mut device = CpuBlock {
+            block: self,
+            params,
+            seg,
+            kv,
+            ctx: &mut ctx,
+            grads: None,
+        };
+        let out = ::model::block_forward(&mut device, x.clone())?;
+        Ok((out, keep_ctx.then_some(ctx)))
     }
 
-    /// Backward of [`Block::linear_fwd`] with the same `with_bias`.
-    fn linear_bwd(
+    /// Backward of segment `j` (the last segment in `kv` whose backward has not run): `dy (N, C)` →
+    /// `dx (N, C)`, in the model's order ([`::model::block_backward`]). Adds this segment's dK/dV
+    /// of earlier positions to `kv` for the earlier segments, and removes segment `j`'s K/V (no
+    /// later segment needs them any more).
+    pub fn backward(
         &self,
         params: &Params,
-        layer: &str,
-        ctx: &LinearCtx,
+        mut ctx: BlockCtx,
         dy: &Tensor,
-        with_bias: bool,
+        seg: SegmentShape,
+        kv: &mut KvPrefix,
         grads: &mut Gradients,
     ) -> Result<Tensor, ModelError> {
-        let w_name = self.name(&format!("{layer}.weight"));
-        let (dx, g) = linear_backward(ctx, params.get(&w_name)?, dy, with_bias)?;
-        grads.add(&w_name, g.dw)?;
-        if let Some(db) = g.db {
-            grads.add(&self.name(&format!("{layer}.bias")), db)?;
-        }
-        Ok(dx)
+        let mut device = CpuBlock {
+            block: self,
+            params,
+            seg,
+            kv,
+            ctx: &mut ctx,
+            grads: Some(grads),
+        };
+        ::model::block_backward(&mut device, dy.clone())
     }
 
     /// `(N, C)` → `(B, H, s, D)`.
@@ -183,86 +196,170 @@ impl<'a> Block<'a> {
     fn scale(&self) -> f64 {
         1.0 / (self.head_dim as f64).sqrt()
     }
+}
 
-    /// Forward of one segment: `x (N, C)` → `(N, C)`. Appends this segment's K/V to `kv`.
-    /// Returns the saved context when `keep_ctx` (training), none for evaluation.
-    pub fn forward(
-        &self,
-        params: &Params,
+/// The CPU device of one block for one unit: the `ops` kernels over candle tensors, saving into
+/// the unit's [`BlockCtx`] and the micro-batch's [`KvPrefix`].
+struct CpuBlock<'b, 'a> {
+    block: &'b Block<'a>,
+    params: &'b Params,
+    seg: SegmentShape,
+    kv: &'b mut KvPrefix,
+    ctx: &'b mut BlockCtx,
+    /// Where the backward adds parameter gradients (none in the forward).
+    grads: Option<&'b mut Gradients>,
+}
+
+impl CpuBlock<'_, '_> {
+    /// `h.{i}.{layer}`.
+    fn prefix(&self, layer: BlockLayer) -> String {
+        block_layer(self.block.layer, layer)
+    }
+
+    /// The saved context of linear `layer`.
+    fn linear_ctx(&mut self, layer: BlockLayer) -> Result<&mut Option<LinearCtx>, ModelError> {
+        match layer {
+            BlockLayer::CAttn => Ok(&mut self.ctx.c_attn),
+            BlockLayer::AttnProj => Ok(&mut self.ctx.attn_proj),
+            BlockLayer::CFc => Ok(&mut self.ctx.c_fc),
+            BlockLayer::MlpProj => Ok(&mut self.ctx.mlp_proj),
+            BlockLayer::Ln1 | BlockLayer::Ln2 => Err(ModelError::NotSaved {
+                layer: format!("{} (a norm, not a linear layer)", self.prefix(layer)),
+            }),
+        }
+    }
+
+    /// The saved context of norm `layer`.
+    fn norm_ctx(&mut self, layer: BlockLayer) -> Result<&mut Option<NormLayerCtx>, ModelError> {
+        match layer {
+            BlockLayer::Ln1 => Ok(&mut self.ctx.ln_1),
+            BlockLayer::Ln2 => Ok(&mut self.ctx.ln_2),
+            _ => Err(ModelError::NotSaved {
+                layer: format!("{} (a linear layer, not a norm)", self.prefix(layer)),
+            }),
+        }
+    }
+
+    /// The gradient accumulator (the backward's).
+    fn grads(&mut self, layer: &str) -> Result<&mut Gradients, ModelError> {
+        self.grads
+            .as_deref_mut()
+            .ok_or_else(|| ModelError::NotSaved {
+                layer: format!("{layer} (a backward without a gradient accumulator)"),
+            })
+    }
+}
+
+/// What a backward of `layer` needs from `slot`, or the error naming it.
+fn saved<T>(slot: &mut Option<T>, layer: impl FnOnce() -> String) -> Result<T, ModelError> {
+    slot.take()
+        .ok_or_else(|| ModelError::NotSaved { layer: layer() })
+}
+
+impl BlockDevice for CpuBlock<'_, '_> {
+    type X = Tensor;
+    type Err = ModelError;
+
+    fn norm_forward(&mut self, layer: BlockLayer, x: &Tensor) -> Result<Tensor, ModelError> {
+        let (y, ctx) = self
+            .block
+            .norm
+            .forward(self.params, &self.prefix(layer), x)?;
+        *self.norm_ctx(layer)? = Some(ctx);
+        Ok(y)
+    }
+
+    fn linear_forward(
+        &mut self,
+        layer: BlockLayer,
         x: &Tensor,
-        seg: SegmentShape,
-        kv: &mut KvPrefix,
-        keep_ctx: bool,
-    ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
-        let c = self.heads * self.head_dim;
-        let (h1, ln_1) = self.norm.forward(params, &self.name("ln_1"), x)?; // (N, C)
-        let (qkv, c_attn) = self.linear_fwd(params, "attn.c_attn", &h1, true)?; // (N, 3C)
-        let mut q = self.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
-        let mut k = self.split_heads(&qkv.narrow(1, c, c)?, seg)?;
-        let v = self.split_heads(&qkv.narrow(1, 2 * c, c)?, seg)?;
-        if let Some(rope) = self.rope {
+        with_bias: bool,
+    ) -> Result<Tensor, ModelError> {
+        let prefix = self.prefix(layer);
+        let w = self.params.get(&weight(&prefix))?;
+        let b = with_bias
+            .then(|| self.params.get(&bias(&prefix)))
+            .transpose()?;
+        let (y, ctx) = linear_forward(x, w, b)?;
+        *self.linear_ctx(layer)? = Some(ctx);
+        Ok(y)
+    }
+
+    fn attention_forward(&mut self, qkv: &Tensor) -> Result<Tensor, ModelError> {
+        let (block, seg) = (self.block, self.seg);
+        let c = block.heads * block.head_dim;
+        let mut q = block.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
+        let mut k = block.split_heads(&qkv.narrow(1, c, c)?, seg)?;
+        let v = block.split_heads(&qkv.narrow(1, 2 * c, c)?, seg)?;
+        if let Some(rope) = block.rope {
             q = rope.forward(&q, seg.start)?;
             k = rope.forward(&k, seg.start)?;
         }
-        kv.keys.push(k);
-        kv.values.push(v);
-        let k_all = KvPrefix::concat(&kv.keys)?; // (B, H, P+s, D)
-        let v_all = KvPrefix::concat(&kv.values)?;
-        let (y, attn) = causal_prefix_attention_forward(&q, &k_all, &v_all, self.scale())?; // (B, H, s, D)
-        let y = self.merge_heads(&y, seg)?; // (N, C)
-        let (a, attn_proj) = self.linear_fwd(params, "attn.c_proj", &y, true)?;
-        let x1 = x.add(&a)?;
-        let (h2, ln_2) = self.norm.forward(params, &self.name("ln_2"), &x1)?;
-        let (f, c_fc) = self.linear_fwd(params, "mlp.c_fc", &h2, false)?; // (N, 4C)
-        let (g, gelu) = gelu_forward(&f, Some(params.get(&self.name("mlp.c_fc.bias"))?))?;
-        let (m, mlp_proj) = self.linear_fwd(params, "mlp.c_proj", &g, true)?;
-        let out = x1.add(&m)?;
-        let ctx = keep_ctx.then_some(BlockCtx {
-            ln_1,
-            c_attn,
-            attn,
-            attn_proj,
-            ln_2,
-            c_fc,
-            gelu,
-            mlp_proj,
-        });
-        Ok((out, ctx))
+        self.kv.keys.push(k);
+        self.kv.values.push(v);
+        let k_all = KvPrefix::concat(&self.kv.keys)?; // (B, H, P+s, D)
+        let v_all = KvPrefix::concat(&self.kv.values)?;
+        let (y, attn) = causal_prefix_attention_forward(&q, &k_all, &v_all, block.scale())?; // (B, H, s, D)
+        self.ctx.attn = Some(attn);
+        Ok(block.merge_heads(&y, seg)?) // (N, C)
     }
 
-    /// Backward of segment `j` (the last segment in `kv` whose backward has not run): `dy (N, C)` → `dx (N, C)`.
-    /// Adds this segment's dK/dV of earlier positions to `kv` for the earlier segments, and removes
-    /// segment `j`'s K/V (no later segment needs them any more).
-    pub fn backward(
-        &self,
-        params: &Params,
-        ctx: BlockCtx,
-        dy: &Tensor,
-        seg: SegmentShape,
-        kv: &mut KvPrefix,
-        grads: &mut Gradients,
+    fn bias_gelu_forward(&mut self, f: &Tensor) -> Result<Tensor, ModelError> {
+        let b = self.params.get(&bias(&self.prefix(BlockLayer::CFc)))?;
+        let (g, ctx) = gelu_forward(f, Some(b))?;
+        self.ctx.gelu = Some(ctx);
+        Ok(g)
+    }
+
+    fn residual_forward(
+        &mut self,
+        _: Residual,
+        x: &Tensor,
+        branch: Tensor,
     ) -> Result<Tensor, ModelError> {
-        let j = kv.keys.len() - 1;
-        // MLP branch.
-        let dg = self.linear_bwd(params, "mlp.c_proj", &ctx.mlp_proj, dy, true, grads)?;
-        let (df, d_fc_bias) = gelu_backward(&ctx.gelu, &dg)?;
-        if let Some(db) = d_fc_bias {
-            grads.add(&self.name("mlp.c_fc.bias"), db)?;
+        Ok(x.add(&branch)?)
+    }
+
+    fn linear_backward(
+        &mut self,
+        layer: BlockLayer,
+        dy: &Tensor,
+        with_bias: bool,
+    ) -> Result<Tensor, ModelError> {
+        let prefix = self.prefix(layer);
+        let ctx = saved(self.linear_ctx(layer)?, || prefix.clone())?;
+        let w_name = weight(&prefix);
+        let (dx, g) = linear_backward(&ctx, self.params.get(&w_name)?, dy, with_bias)?;
+        let grads = self.grads(&prefix)?;
+        grads.add(&w_name, g.dw)?;
+        if let Some(db) = g.db {
+            grads.add(&bias(&prefix), db)?;
         }
-        let dh2 = self.linear_bwd(params, "mlp.c_fc", &ctx.c_fc, &df, false, grads)?;
-        let dx1 =
-            dy.add(
-                &self
-                    .norm
-                    .backward(params, &self.name("ln_2"), &ctx.ln_2, &dh2, grads)?,
-            )?;
-        // Attention branch.
-        let d_y = self.linear_bwd(params, "attn.c_proj", &ctx.attn_proj, &dx1, true, grads)?;
-        let d_y = self.split_heads(&d_y, seg)?; // (B, H, s, D)
+        Ok(dx)
+    }
+
+    fn bias_gelu_backward(&mut self, dg: &Tensor) -> Result<Tensor, ModelError> {
+        let prefix = self.prefix(BlockLayer::CFc);
+        let ctx = saved(&mut self.ctx.gelu, || format!("{prefix} (GELU)"))?;
+        let (df, d_fc_bias) = gelu_backward(&ctx, dg)?;
+        if let Some(db) = d_fc_bias {
+            self.grads(&prefix)?.add(&bias(&prefix), db)?;
+        }
+        Ok(df)
+    }
+
+    fn attention_backward(&mut self, dy: &Tensor) -> Result<Tensor, ModelError> {
+        let (block, seg) = (self.block, self.seg);
+        let ctx = saved(&mut self.ctx.attn, || {
+            format!("h.{} attention", block.layer)
+        })?;
+        let kv = &mut *self.kv;
+        let j = kv.keys.len() - 1;
+        let d_y = block.split_heads(dy, seg)?; // (B, H, s, D)
         let k_all = KvPrefix::concat(&kv.keys)?;
         let v_all = KvPrefix::concat(&kv.values)?;
         let (mut dq, dk_all, dv_all) =
-            causal_prefix_attention_backward(&ctx.attn, &k_all, &v_all, &d_y, self.scale())?;
+            causal_prefix_attention_backward(&ctx, &k_all, &v_all, &d_y, block.scale())?;
         drop((k_all, v_all));
         kv.d_keys.resize(j + 1, None);
         kv.d_values.resize(j + 1, None);
@@ -284,24 +381,34 @@ impl<'a> Block<'a> {
         let dv = own(kv.d_values.pop().flatten(), &dv_all)?;
         kv.keys.pop();
         kv.values.pop();
-        if let Some(rope) = self.rope {
+        if let Some(rope) = block.rope {
             dq = rope.backward(&dq, seg.start)?;
             dk = rope.backward(&dk, seg.start)?;
         }
-        let dqkv = Tensor::cat(
+        Ok(Tensor::cat(
             &[
-                self.merge_heads(&dq, seg)?,
-                self.merge_heads(&dk, seg)?,
-                self.merge_heads(&dv, seg)?,
+                block.merge_heads(&dq, seg)?,
+                block.merge_heads(&dk, seg)?,
+                block.merge_heads(&dv, seg)?,
             ],
             1,
-        )?; // (N, 3C)
-        let dh1 = self.linear_bwd(params, "attn.c_attn", &ctx.c_attn, &dqkv, true, grads)?;
-        Ok(dx1.add(
-            &self
-                .norm
-                .backward(params, &self.name("ln_1"), &ctx.ln_1, &dh1, grads)?,
-        )?)
+        )?) // (N, 3C)
+    }
+
+    fn norm_backward(&mut self, layer: BlockLayer, dy: &Tensor) -> Result<Tensor, ModelError> {
+        let prefix = self.prefix(layer);
+        let ctx = saved(self.norm_ctx(layer)?, || prefix.clone())?;
+        let (norm, params) = (self.block.norm, self.params);
+        norm.backward(params, &prefix, &ctx, dy, self.grads(&prefix)?)
+    }
+
+    fn residual_backward(
+        &mut self,
+        _: Residual,
+        dy: Tensor,
+        d_branch: Tensor,
+    ) -> Result<Tensor, ModelError> {
+        Ok(dy.add(&d_branch)?)
     }
 }
 

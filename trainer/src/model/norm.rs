@@ -8,7 +8,7 @@ use ops::norm::{
 
 use super::config::{ModelConfig, Norm};
 use super::error::ModelError;
-use super::params::{Gradients, Params};
+use super::params::{Gradients, Params, bias, weight};
 
 /// A norm layer's kind and epsilon; its parameters are `{prefix}.weight` (and `{prefix}.bias` for LayerNorm).
 #[derive(Clone, Copy, Debug)]
@@ -44,10 +44,10 @@ impl NormLayer {
         prefix: &str,
         x: &Tensor,
     ) -> Result<(Tensor, NormLayerCtx), ModelError> {
-        let w = params.get(&format!("{prefix}.weight"))?;
+        let w = params.get(&weight(prefix))?;
         let (y, ctx) = match self.kind {
             Norm::LayerNorm => {
-                layer_norm_forward(x, w, Some(params.get(&format!("{prefix}.bias"))?), self.eps)?
+                layer_norm_forward(x, w, Some(params.get(&bias(prefix))?), self.eps)?
             }
             Norm::RmsNorm => rms_norm_forward(x, w, self.eps)?,
         };
@@ -63,7 +63,7 @@ impl NormLayer {
         dy: &Tensor,
         grads: &mut Gradients,
     ) -> Result<Tensor, ModelError> {
-        let w_name = format!("{prefix}.weight");
+        let w_name = weight(prefix);
         let w = params.get(&w_name)?;
         let (dx, g) = match self.kind {
             Norm::LayerNorm => layer_norm_backward(&ctx.0, w, dy, true)?,
@@ -71,7 +71,7 @@ impl NormLayer {
         };
         grads.add(&w_name, g.dweight)?;
         if let Some(db) = g.dbias {
-            grads.add(&format!("{prefix}.bias"), db)?;
+            grads.add(&bias(prefix), db)?;
         }
         Ok(dx)
     }

@@ -15,7 +15,7 @@ use super::config::{ModelConfig, Position};
 use super::error::ModelError;
 use super::grads::StepGradients;
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param};
+use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param, names};
 use super::partition::StageLayout;
 use ::model::Unit;
 
@@ -376,10 +376,10 @@ impl Stage {
                     });
                 }
                 let ids = tokens.flatten_all()?; // (N,)
-                let mut x = embedding_forward(&ids, self.params.get("wte.weight")?)?; // (N, C)
+                let mut x = embedding_forward(&ids, self.params.get(names::WTE)?)?; // (N, C)
                 if self.cfg.position == Position::Learned {
                     let pos = position_ids(seg)?;
-                    x = x.add(&embedding_forward(&pos, self.params.get("wpe.weight")?)?)?;
+                    x = x.add(&embedding_forward(&pos, self.params.get(names::WPE)?)?)?;
                 }
                 (x, seg, Some(ids))
             }
@@ -430,8 +430,8 @@ impl Stage {
                 unit,
                 reason: "the last stage needs the segment's targets".into(),
             })?;
-            let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, "ln_f", &x)?; // (N, C)
-            let w = self.params.get("lm_head.weight")?; // (V, C)
+            let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, names::LN_F, &x)?; // (N, C)
+            let w = self.params.get(names::LM_HEAD)?; // (V, C)
             let loss_sum = match mode {
                 Mode::Train => {
                     let (loss_sum, lm_head) =
@@ -507,8 +507,8 @@ impl Stage {
         } = ctx;
         let mut dx = match (head, d_out) {
             (Some(head), None) => {
-                grads.add("lm_head.weight", head.lm_head.dw)?;
-                NormLayer::of(&self.cfg).backward(&self.params, "ln_f", &head.norm, &head.lm_head.dh, grads)?
+                grads.add(names::LM_HEAD, head.lm_head.dw)?;
+                NormLayer::of(&self.cfg).backward(&self.params, names::LN_F, &head.norm, &head.lm_head.dh, grads)?
             }
             (None, Some(d)) => d,
             _ => return Err(ModelError::Input { unit, reason: "the last stage starts backward from its loss, the others from the next stage's gradient".into() }),
@@ -520,12 +520,12 @@ impl Stage {
         }
         if let Some(ids) = &token_ids {
             grads.add(
-                "wte.weight",
+                names::WTE,
                 embedding_backward(ids, &dx, self.cfg.vocab_size)?,
             )?;
             if self.cfg.position == Position::Learned {
                 grads.add(
-                    "wpe.weight",
+                    names::WPE,
                     embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?,
                 )?;
             }
