@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 
 use elastic::etcd::{EtcdError, EtcdUrl, Rendezvous};
 use elastic::preemption::Notice;
-use elastic::{
-    ClusterState, FailureDetector, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy,
-};
+use elastic::{ClusterState, FailureDetector, Generation, NodeId, NodeStatus, Plan, ReplicaPolicy};
 use tracing::{info, warn};
 
 use super::auth::{self, Gate};
@@ -281,7 +279,6 @@ impl Coordinator {
         rendezvous.publish_plan(plan).map_err(etcd)
     }
 
-
     /// The address agents and workers connect to.
     pub fn addr(&self) -> &str {
         &self.addr
@@ -332,10 +329,6 @@ impl Coordinator {
             .as_ref()
             .expect("a plan is adopted at start")
     }
-
-
-
-
 
     /// Tells every agent of the plan to start its workers with `config`; logs and config go to the
     /// session's directory under each agent's directory.
@@ -509,15 +502,6 @@ impl Coordinator {
         }
     }
 
-
-
-
-
-
-
-
-
-
     /// The node that runs `stage` under the current plan.
     pub(super) fn node_of(&self, stage: usize) -> NodeId {
         self.plan().stages[stage].clone()
@@ -582,16 +566,6 @@ impl Coordinator {
         let _ = self.state.membership.leave(&node, Instant::now());
     }
 
-
-
-
-
-
-
-
-
-
-
     /// Ends the run: every agent stops its workers and exits.
     pub fn shutdown(&mut self) {
         for (_, sender) in self.agents.values() {
@@ -608,7 +582,6 @@ impl Coordinator {
         }
         self.kill_local_agents();
     }
-
 }
 
 impl Drop for Coordinator {
@@ -625,9 +598,3 @@ impl Drop for Coordinator {
 fn last_metrics_step(path: &std::path::Path) -> u64 {
     super::events::last_step(path)
 }
-
-
-
-
-
-
