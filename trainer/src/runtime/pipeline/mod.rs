@@ -19,9 +19,9 @@ use tracing::{info, warn};
 
 use super::control::{ToLauncher, ToWorker};
 use super::coordinator::{Coordinator, Incoming};
-pub(in crate::runtime) use decide::GATHER_QUIET;
 pub use super::error::{LaunchError, LossCause, Lost};
 use crate::config::Config;
+pub(in crate::runtime) use decide::GATHER_QUIET;
 
 /// The running pipeline of the coordinator's current plan: one worker per stage, started by the
 /// agents of the plan's nodes and connected to the coordinator's control port.
@@ -313,8 +313,6 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-
-
     /// The next message from a worker of this pipeline; errors when a worker fails, exits or
     /// disconnects, when a node is lost, or when nothing arrives before `deadline`.
     fn next_message(&mut self, deadline: Instant, what: &str) -> Result<ToLauncher, LaunchError> {
@@ -372,15 +370,6 @@ impl<'c> Pipeline<'c> {
             }
         }
     }
-
-
-
-
-
-
-
-
-
 
     /// Keeps a reply that arrived while something else was awaited: upload reports for the
     /// checkpoint writer, the rest for [`Pipeline::next_reply`].
@@ -466,10 +455,7 @@ impl<'c> Pipeline<'c> {
         let _ = self.broadcast(&ToWorker::Shutdown);
         self.coordinator.stop_workers(Duration::from_secs(10));
     }
-
 }
-
-
 
 /// The stage a reply comes from.
 fn reply_stage(msg: &ToLauncher) -> Option<usize> {
