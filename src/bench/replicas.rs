@@ -495,6 +495,9 @@ fn read_step_costs(metrics: &str, first: u64) -> Result<StepCosts> {
 /// Per replica and stage, each action's unit CPU time.
 type UnitTimes = Vec<Vec<HashMap<Action, f64>>>;
 
+/// Per (step, slot): its last backward's end and its reduction.
+type SlotSteps = HashMap<(u64, usize), SlotStep>;
+
 /// Reads a run's trace of `d` replicas of `p` stages, steps from `first` on: unit CPU times per
 /// (stage, action), least over steps and replicas; per (step, slot) the last backward's end and
 /// the reduction.
@@ -503,9 +506,9 @@ fn read_unit_trace(
     p: usize,
     d: usize,
     first: u64,
-) -> Result<(UnitTimes, HashMap<(u64, usize), SlotStep>)> {
+) -> Result<(UnitTimes, SlotSteps)> {
     let mut durations: UnitTimes = vec![vec![HashMap::new(); p]; d];
-    let mut slots: HashMap<(u64, usize), SlotStep> = HashMap::new();
+    let mut slots: SlotSteps = HashMap::new();
     for e in trace["traceEvents"].as_array().into_iter().flatten() {
         let tid = e["tid"].as_u64().unwrap_or(0) as usize;
         let Some(step) = e["args"]["step"].as_u64() else {

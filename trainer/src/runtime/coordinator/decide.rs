@@ -156,7 +156,7 @@ mod tests {
                 step: 5,
             }),
         ];
-        joined_in_plan(&mut events, &[b.clone()]);
+        joined_in_plan(&mut events, std::slice::from_ref(&b));
         assert_eq!(events.len(), 2);
         assert!(matches!(&events[0], RunEvent::NodeLeft(l) if l.node == a));
         assert!(matches!(&events[1], RunEvent::NodeJoined(j) if j.node == b));
