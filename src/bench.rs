@@ -25,7 +25,7 @@ use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::model::{ModelConfig, Stage, partition_layers};
 use trainer::plan::RunPlan;
-use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Recovered, RunEvent};
+use trainer::runtime::events::{self, CheckpointCommitted, NodeLost, Record, Recovered, RunEvent};
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
 
@@ -369,6 +369,21 @@ fn recovery_trial(
     every: u64,
     extra: &[&str],
 ) -> Result<RecoveryTrial> {
+    let mut child = start_recovery_run(dir, every, extra)?;
+    let metrics = dir.join("metrics.jsonl");
+    let killed_at = kill_a_node(&child, &metrics, kill_after_step, delay_ms, victim)?;
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "the run did not recover ({status})");
+    read_recovery_trial(&events::read_records(&metrics)?, killed_at, delay_ms)
+}
+
+/// Starts the small 30-step run of a recovery trial in `dir` (cleared first), with checkpoints
+/// `every` steps and the `extra` settings.
+fn start_recovery_run(
+    dir: &std::path::Path,
+    every: u64,
+    extra: &[&str],
+) -> Result<std::process::Child> {
     let _ = std::fs::remove_dir_all(dir);
     let exe = std::env::current_exe()?;
     let sets = [
@@ -389,14 +404,24 @@ fn recovery_trial(
     for s in sets.iter().chain(extra) {
         cmd.args(["--set", s]);
     }
-    let mut child = cmd
+    Ok(cmd
         .stderr(std::process::Stdio::null())
         .env("RAYON_NUM_THREADS", "1")
         .env("CANDLE_NUM_THREADS", "1")
-        .spawn()?;
-    let metrics = dir.join("metrics.jsonl");
+        .spawn()?)
+}
+
+/// Waits until the run of `child` recorded `kill_after_step` steps in `metrics`, then `delay_ms`
+/// more, and SIGKILLs the agent of node `victim` (modulo the nodes); returns when (Unix seconds).
+fn kill_a_node(
+    child: &std::process::Child,
+    metrics: &std::path::Path,
+    kill_after_step: usize,
+    delay_ms: u64,
+    victim: usize,
+) -> Result<f64> {
     let steps = || {
-        std::fs::read_to_string(&metrics)
+        std::fs::read_to_string(metrics)
             .unwrap_or_default()
             .lines()
             .filter(|l| l.contains("\"loss\""))
@@ -417,11 +442,14 @@ fn recovery_trial(
         .context("no node to kill")?;
     let killed_at = trainer::runtime::trace::unix_time_s();
     sigkill(*pid);
-    let status = child.wait()?;
-    anyhow::ensure!(status.success(), "the run did not recover ({status})");
-    let records = events::read_records(&metrics)?;
+    Ok(killed_at)
+}
+
+/// A recovery trial's numbers from its run's `records`, for a kill at `killed_at` (Unix seconds)
+/// `delay_ms` into a step.
+fn read_recovery_trial(records: &[Record], killed_at: f64, delay_ms: u64) -> Result<RecoveryTrial> {
     let median_of = |key: fn(&StepMetrics) -> f64| {
-        let mut v: Vec<f64> = events::steps(&records).map(key).collect();
+        let mut v: Vec<f64> = events::steps(records).map(key).collect();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
@@ -429,7 +457,7 @@ fn recovery_trial(
     // The share of the interrupted step done when the kill landed.
     let done_share = (delay_ms as f64 / 1000.0 / step_time_s.max(1e-9)).min(1.0);
     let step_start_redone_s = done_share * step_compute_s;
-    let detected_at_unix_s = events::events(&records)
+    let detected_at_unix_s = events::events(records)
         .find_map(|e| match e {
             RunEvent::NodeLost(NodeLost {
                 detected_at_unix_s, ..
@@ -437,7 +465,7 @@ fn recovery_trial(
             _ => None,
         })
         .context("no node_lost event")?;
-    let recovered = events::events(&records)
+    let recovered = events::events(records)
         .find(|e| matches!(e, RunEvent::Recovered(_)))
         .context("no recovered event")?;
     let RunEvent::Recovered(Recovered {
@@ -522,4 +550,77 @@ pub fn recovery_bench(trials: usize, every: u64) -> Result<()> {
     );
     let _ = std::fs::remove_dir_all(&base);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use elastic::NodeId;
+
+    fn step(step: u64, compute_s: f64, step_time_s: f64) -> Record {
+        let line = serde_json::json!({
+            "step": step, "compute_s": compute_s, "step_time_s": step_time_s,
+            "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64, "tokens_per_s": 1.0,
+        });
+        events::parse_records(&line.to_string()).remove(0)
+    }
+
+    fn lost(detected_at_unix_s: f64) -> Record {
+        Record::Event(RunEvent::NodeLost(NodeLost {
+            node: NodeId::new("local-001"),
+            failed_step: 4,
+            reason: "killed".into(),
+            detected_at_unix_s,
+            agent_alive: false,
+            stage: None,
+            mid_step: None,
+        }))
+    }
+
+    fn recovered(tier: Tier, lost_steps: u64, redone_s: Option<f64>) -> Record {
+        Record::Event(RunEvent::Recovered(Recovered {
+            step: 5,
+            recovery_s: 1.0,
+            lost_steps,
+            tier,
+            stages_before: 4,
+            stages_after: 4,
+            at_unix_s: 102.5,
+            stage: None,
+            node: None,
+            host: None,
+            redone_units: None,
+            redone_s,
+        }))
+    }
+
+    /// A checkpoint recovery's redone work is estimated (two completed steps plus a quarter of
+    /// the interrupted one, at the median step's compute); a mid-step one is the event's own.
+    #[test]
+    fn a_recovery_trial_reads_detection_recovery_and_redone_work_from_the_events() {
+        let steps = || vec![step(1, 0.8, 0.4), step(2, 0.4, 0.4), step(3, 0.4, 0.5)];
+        let mut records = steps();
+        records.extend([lost(100.25), recovered(Tier::Checkpoint, 2, None)]);
+        let t = read_recovery_trial(&records, 100.0, 100).unwrap();
+        assert_eq!((t.detection_s, t.recovery_s, t.lost_steps), (0.25, 2.5, 2));
+        assert_eq!(t.tier, Tier::Checkpoint.to_string());
+        assert!(
+            (t.step_start_redone_s - 0.1).abs() < 1e-12,
+            "{}",
+            t.step_start_redone_s
+        );
+        assert!((t.redone_s - 0.9).abs() < 1e-12, "{}", t.redone_s);
+        let mut records = steps();
+        records.extend([lost(100.25), recovered(Tier::MidStep, 0, Some(0.05))]);
+        assert_eq!(
+            read_recovery_trial(&records, 100.0, 100).unwrap().redone_s,
+            0.05
+        );
+        let mut records = steps();
+        records.push(recovered(Tier::MidStep, 0, None));
+        let Err(e) = read_recovery_trial(&records, 100.0, 100) else {
+            panic!("a run with no node_lost event has no detection time");
+        };
+        assert!(e.to_string().contains("no node_lost event"), "{e}");
+    }
 }

@@ -461,31 +461,7 @@ fn disturb(
         let now = Instant::now();
         if now > run.started + give_up_after {
             // Failures arriving faster than the job recovers can keep it from ever finishing.
-            let mut tree = live_nodes(launcher, &mut spares);
-            for node in tree.drain(..) {
-                node.workers.iter().for_each(|&w| sigkill(w));
-                sigkill(node.agent);
-            }
-            let _ = run.child.kill();
-            let _ = run.child.wait();
-            for mut spare in spares {
-                let _ = spare.wait();
-            }
-            let s = summarize(&run.metrics());
-            bail!(
-                "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers): {} step records, {} worker and {} node kills, {} replacement nodes started ({} joined), {} nodes lost, recoveries {:?} (lost steps {}, recovery_s sum {:.3}); its directory is {}",
-                give_up_after.as_secs_f64(),
-                s.step_records,
-                done.worker_kills,
-                done.node_kills,
-                done.spares_started,
-                s.nodes_joined,
-                s.nodes_lost,
-                s.recoveries,
-                s.lost_steps,
-                s.recovery_s,
-                run.run_dir.display()
-            );
+            return Err(give_up(run, spares, &done, give_up_after));
         }
         let Some(origin) = origin else {
             if run.metrics().contains("\"loss\"") {
@@ -495,17 +471,9 @@ fn disturb(
             continue;
         };
         while origin + next.at <= now {
-            if let Some(target) = choose_target(&live_nodes(launcher, &mut spares), &next) {
-                for &pid in &target.pids {
-                    sigkill(pid);
-                }
-                match target.victim {
-                    Victim::Worker => done.worker_kills += 1,
-                    Victim::Node => {
-                        done.node_kills += 1;
-                        joins.push(now + rejoin_after);
-                    }
-                }
+            let nodes = live_nodes(launcher, &mut spares);
+            if kill(&nodes, &next, &mut done) {
+                joins.push(now + rejoin_after);
             }
             next = schedule.next().context("an endless schedule")?;
         }
@@ -513,24 +481,50 @@ fn disturb(
         joins = later;
         for _ in due {
             done.spares_started += 1;
-            let name = format!("spare-{}", done.spares_started);
-            let dir = spare_dir.join(&name);
-            std::fs::create_dir_all(&dir)?;
-            let spare = Command::new(&job.exe)
-                .args(["agent", "--join", &run.listen, "--name", &name])
-                .arg("--dir")
-                .arg(&dir)
-                .env("SEQPIPE_JOB_TOKEN", &job.token)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.join("agent.log"))?)
-                .spawn()
-                .context("starting a replacement node")?;
-            spares.push(spare);
+            spares.push(start_spare(run, job, spare_dir, done.spares_started)?);
         }
         std::thread::sleep(Duration::from_millis(5));
     };
     let wall_s = run.started.elapsed().as_secs_f64();
-    // Replacement agents exit with the run; one that never got in is stopped.
+    stop_spares(spares);
+    run.check(status, "disturbed")?;
+    Ok((wall_s, done))
+}
+
+/// Carries out `failure` on the live `nodes` (a SIGKILL of its target's processes) and counts it
+/// in `done`; whether a node was killed (a replacement node is then due).
+fn kill(nodes: &[Node], failure: &Failure, done: &mut Disturbance) -> bool {
+    let Some(target) = choose_target(nodes, failure) else {
+        return false;
+    };
+    for &pid in &target.pids {
+        sigkill(pid);
+    }
+    match target.victim {
+        Victim::Worker => done.worker_kills += 1,
+        Victim::Node => done.node_kills += 1,
+    }
+    target.victim == Victim::Node
+}
+
+/// Starts replacement node number `n` (`spare-N` under `spare_dir`), joining the run.
+fn start_spare(run: &Launched, job: &Job, spare_dir: &Path, n: u64) -> Result<Child> {
+    let name = format!("spare-{n}");
+    let dir = spare_dir.join(&name);
+    std::fs::create_dir_all(&dir)?;
+    Command::new(&job.exe)
+        .args(["agent", "--join", &run.listen, "--name", &name])
+        .arg("--dir")
+        .arg(&dir)
+        .env("SEQPIPE_JOB_TOKEN", &job.token)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("agent.log"))?)
+        .spawn()
+        .context("starting a replacement node")
+}
+
+/// Replacement agents exit with the run; one that never got in is stopped.
+fn stop_spares(spares: Vec<Child>) {
     for mut spare in spares {
         let deadline = Instant::now() + Duration::from_secs(5);
         while matches!(spare.try_wait(), Ok(None)) && Instant::now() < deadline {
@@ -541,8 +535,41 @@ fn disturb(
             let _ = spare.wait();
         }
     }
-    run.check(status, "disturbed")?;
-    Ok((wall_s, done))
+}
+
+/// A run that did not finish within `give_up_after`: every process of it is killed, and the
+/// error says how far it got and what was done to it.
+fn give_up(
+    run: &mut Launched,
+    mut spares: Vec<Child>,
+    done: &Disturbance,
+    give_up_after: Duration,
+) -> anyhow::Error {
+    let mut tree = live_nodes(run.child.id(), &mut spares);
+    for node in tree.drain(..) {
+        node.workers.iter().for_each(|&w| sigkill(w));
+        sigkill(node.agent);
+    }
+    let _ = run.child.kill();
+    let _ = run.child.wait();
+    for mut spare in spares {
+        let _ = spare.wait();
+    }
+    let s = summarize(&run.metrics());
+    anyhow::anyhow!(
+        "the disturbed run did not finish within {:.0}s (failures may arrive faster than it recovers): {} step records, {} worker and {} node kills, {} replacement nodes started ({} joined), {} nodes lost, recoveries {:?} (lost steps {}, recovery_s sum {:.3}); its directory is {}",
+        give_up_after.as_secs_f64(),
+        s.step_records,
+        done.worker_kills,
+        done.node_kills,
+        done.spares_started,
+        s.nodes_joined,
+        s.nodes_lost,
+        s.recoveries,
+        s.lost_steps,
+        s.recovery_s,
+        run.run_dir.display()
+    )
 }
 
 /// `seqpipe bench goodput`.

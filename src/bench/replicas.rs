@@ -394,16 +394,62 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
             ..LaunchOptions::default()
         },
     )?;
-    let (p, d, k) = (
-        cfg.pipeline.stages,
-        cfg.pipeline.replicas,
-        cfg.pipeline.splits,
-    );
+    let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
     let c = cfg.pipeline.microbatches / d;
     let first = 2u64;
+    let costs = read_step_costs(
+        &std::fs::read_to_string(run_dir.join("metrics.jsonl"))?,
+        first,
+    )?;
+    let trace: Value = serde_json::from_slice(&std::fs::read(&trace_path)?)?;
+    let (durations, slots) = read_unit_trace(&trace, p, d, first)?;
+    let overlap = overlap(&slots, p, d);
+    let (joined_reduce_s, joined_by_stage) = joined_reductions(&slots, p, d)?;
+    let replayed = replay_replicas(cfg, durations, &joined_by_stage)?;
+    let (step, tensors) = final_state(
+        &cfg.checkpoint.resolved_url(run_dir),
+        &cfg.checkpoint.store_options(),
+    )?;
+    Ok((
+        ReplicaRun {
+            round,
+            d,
+            p,
+            c,
+            reduce_bytes: costs.reduce_bytes,
+            reduce_s: costs.reduce_s,
+            joined_reduce_s,
+            overlap,
+            replay_s: replayed.replay_s,
+            replayed_s: replayed.replayed_s,
+            unit_s_per_micro_batch: replayed.unit_s_per_micro_batch,
+            gradient_buffers: costs.gradient_buffers,
+            param_bytes: costs.param_bytes,
+            wall_s: costs.wall_s,
+        },
+        Outcome {
+            step,
+            tensors,
+            losses: costs.losses,
+        },
+    ))
+}
 
-    // metrics.jsonl: every step's loss bits; the measured steps' costs.
-    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl"))?;
+/// What `metrics.jsonl` says of a run: every step's loss bits, and the medians (or maxima) of the
+/// steps from `first` on.
+struct StepCosts {
+    losses: Vec<u64>,
+    reduce_bytes: u64,
+    reduce_s: f64,
+    wall_s: f64,
+    gradient_buffers: usize,
+    /// Bytes of the largest stage's parameters (one full-gradient buffer): the largest
+    /// `state_bytes` over 4.
+    param_bytes: u64,
+}
+
+/// Reads a run's `metrics.jsonl` text (see [`StepCosts`]).
+fn read_step_costs(metrics: &str, first: u64) -> Result<StepCosts> {
     let steps: Vec<Value> = metrics
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -436,12 +482,33 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         .max()
         .unwrap_or(0)
         / 4;
+    Ok(StepCosts {
+        losses,
+        reduce_bytes,
+        reduce_s,
+        wall_s,
+        gradient_buffers,
+        param_bytes,
+    })
+}
 
-    // The trace: unit CPU times per (stage, action), least over steps and replicas; per (step,
-    // slot) the last backward's end and the reduction.
-    let trace: Value = serde_json::from_slice(&std::fs::read(&trace_path)?)?;
-    let mut durations: Vec<Vec<HashMap<Action, f64>>> = vec![vec![HashMap::new(); p]; d];
-    let mut slots: HashMap<(u64, usize), SlotStep> = HashMap::new();
+/// Per replica and stage, each action's unit CPU time.
+type UnitTimes = Vec<Vec<HashMap<Action, f64>>>;
+
+/// Per (step, slot): its last backward's end and its reduction.
+type SlotSteps = HashMap<(u64, usize), SlotStep>;
+
+/// Reads a run's trace of `d` replicas of `p` stages, steps from `first` on: unit CPU times per
+/// (stage, action), least over steps and replicas; per (step, slot) the last backward's end and
+/// the reduction.
+fn read_unit_trace(
+    trace: &Value,
+    p: usize,
+    d: usize,
+    first: u64,
+) -> Result<(UnitTimes, SlotSteps)> {
+    let mut durations: UnitTimes = vec![vec![HashMap::new(); p]; d];
+    let mut slots: SlotSteps = HashMap::new();
     for e in trace["traceEvents"].as_array().into_iter().flatten() {
         let tid = e["tid"].as_u64().unwrap_or(0) as usize;
         let Some(step) = e["args"]["step"].as_u64() else {
@@ -480,11 +547,29 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
             _ => {}
         }
     }
+    Ok((durations, slots))
+}
 
-    let overlap = overlap(&slots, p, d);
-    let (joined_reduce_s, joined_by_stage) = joined_reductions(&slots, p, d)?;
+/// The step as each replica's own unit times replay it through its schedule.
+struct Replayed {
+    /// The slowest replica's replayed step.
+    replay_s: f64,
+    /// The same with each stage's joined reduction after its last unit.
+    replayed_s: f64,
+    /// The largest replica's unit CPU seconds per micro-batch.
+    unit_s_per_micro_batch: f64,
+}
 
-    // Each replica's own unit times through its schedule; the step waits for the slowest.
+/// Replays `cfg`'s schedule with each replica's unit times (`durations`); each stage reduces
+/// (`joined_by_stage` seconds) once its own last unit (a backward) is done; the step waits for
+/// the slowest replica.
+fn replay_replicas(
+    cfg: &Config,
+    durations: UnitTimes,
+    joined_by_stage: &[f64],
+) -> Result<Replayed> {
+    let (p, k) = (cfg.pipeline.stages, cfg.pipeline.splits);
+    let c = cfg.pipeline.microbatches / cfg.pipeline.replicas;
     let schedule = generate(cfg.pipeline.schedule, p, c, k)?;
     let tokens: Vec<usize> = cfg
         .segment_lengths()?
@@ -501,41 +586,17 @@ fn measure(cfg: &Config, round: usize) -> Result<(ReplicaRun, Outcome)> {
         };
         let sim = replay(&schedule, &costs)?;
         replay_s = replay_s.max(sim.step_time);
-        // Each stage reduces once its own last unit (a backward) is done.
         for (stage, units) in sim.timeline.iter().enumerate() {
             let done = units.iter().map(|u| u.end).fold(0.0, f64::max);
             let reduce = joined_by_stage.get(stage).copied().unwrap_or(0.0);
             replayed_s = replayed_s.max(done + reduce);
         }
     }
-
-    let (step, tensors) = final_state(
-        &cfg.checkpoint.resolved_url(run_dir),
-        &cfg.checkpoint.store_options(),
-    )?;
-    Ok((
-        ReplicaRun {
-            round,
-            d,
-            p,
-            c,
-            reduce_bytes,
-            reduce_s,
-            joined_reduce_s,
-            overlap,
-            replay_s,
-            replayed_s,
-            unit_s_per_micro_batch,
-            gradient_buffers,
-            param_bytes,
-            wall_s,
-        },
-        Outcome {
-            step,
-            tensors,
-            losses,
-        },
-    ))
+    Ok(Replayed {
+        replay_s,
+        replayed_s,
+        unit_s_per_micro_batch,
+    })
 }
 
 /// The share of the reductions' time (all workers, all measured steps) that ran before the

@@ -222,41 +222,81 @@ fn event_color(name: &str) -> &'static str {
 pub fn render_plot(m: &RunMetrics, title: &str) -> String {
     let width = LEFT + PLOT_WIDTH + RIGHT;
     let height = TOP + 2.0 * PANEL_HEIGHT + PANEL_GAP + BOTTOM;
-    let first = m.steps.first().map_or(0, |s| s.step);
-    let last = m.steps.last().map_or(0, |s| s.step);
-    let x_lo = m.events.iter().map(|e| e.step).fold(first, u64::min);
-    let x_hi = m.events.iter().map(|e| e.step).fold(last, u64::max);
-    let xs = Scale::new(x_lo as f64, x_hi as f64, false, true);
-    let x = |step: u64| LEFT + xs.map(step as f64, PLOT_WIDTH);
-    let losses = m
-        .steps
-        .iter()
-        .flat_map(|s| std::iter::once(s.loss).chain(s.val_loss));
-    let (loss_lo, loss_hi) = losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
-    let loss_scale = if loss_lo <= loss_hi {
-        Scale::new(loss_lo, loss_hi, true, false)
-    } else {
-        Scale::new(0.0, 1.0, true, false)
-    };
-    let throughput_hi = m
-        .steps
-        .iter()
-        .filter_map(|s| s.tokens_per_s)
-        .fold(0.0, f64::max);
-    let throughput_scale = Scale::new(0.0, throughput_hi, true, false);
-    let panels = [
-        (TOP, "loss", &loss_scale),
-        (
-            TOP + PANEL_HEIGHT + PANEL_GAP,
-            "tokens/s",
-            &throughput_scale,
-        ),
-    ];
-
+    let frame = Frame::of(m);
     let mut out = String::new();
     crate::svg::open(&mut out, width, height);
+    heading(&mut out, m, title);
+    for (top, name, scale) in frame.panels() {
+        axes(&mut out, top, name, scale, &frame.xs);
+    }
+    loss_series(&mut out, m, &frame);
+    throughput_series(&mut out, m, &frame);
+    event_marks(&mut out, m, &frame);
+    out.push_str("</svg>\n");
+    out
+}
+
+/// The scales of a plot: steps across (events included), loss and throughput up.
+struct Frame {
+    xs: Scale,
+    loss: Scale,
+    throughput: Scale,
+}
+
+/// The top of the throughput panel.
+const THROUGHPUT_TOP: f64 = TOP + PANEL_HEIGHT + PANEL_GAP;
+
+impl Frame {
+    fn of(m: &RunMetrics) -> Self {
+        let first = m.steps.first().map_or(0, |s| s.step);
+        let last = m.steps.last().map_or(0, |s| s.step);
+        let x_lo = m.events.iter().map(|e| e.step).fold(first, u64::min);
+        let x_hi = m.events.iter().map(|e| e.step).fold(last, u64::max);
+        let losses = m
+            .steps
+            .iter()
+            .flat_map(|s| std::iter::once(s.loss).chain(s.val_loss));
+        let (loss_lo, loss_hi) = losses.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+        let loss = if loss_lo <= loss_hi {
+            Scale::new(loss_lo, loss_hi, true, false)
+        } else {
+            Scale::new(0.0, 1.0, true, false)
+        };
+        let throughput_hi = m
+            .steps
+            .iter()
+            .filter_map(|s| s.tokens_per_s)
+            .fold(0.0, f64::max);
+        Self {
+            xs: Scale::new(x_lo as f64, x_hi as f64, false, true),
+            loss,
+            throughput: Scale::new(0.0, throughput_hi, true, false),
+        }
+    }
+
+    /// Each panel's top, name and value scale.
+    fn panels(&self) -> [(f64, &'static str, &Scale); 2] {
+        [
+            (TOP, "loss", &self.loss),
+            (THROUGHPUT_TOP, "tokens/s", &self.throughput),
+        ]
+    }
+
+    /// The x coordinate of `step`.
+    fn x(&self, step: u64) -> f64 {
+        LEFT + self.xs.map(step as f64, PLOT_WIDTH)
+    }
+
+    /// The y coordinate of `v` on `scale` in the panel at `top`.
+    fn y(top: f64, scale: &Scale, v: f64) -> f64 {
+        top + PANEL_HEIGHT - scale.map(v, PANEL_HEIGHT)
+    }
+}
+
+/// The title line (with the step count and final loss) and the legend.
+fn heading(out: &mut String, m: &RunMetrics, title: &str) {
     let final_loss = m
         .steps
         .last()
@@ -272,15 +312,14 @@ pub fn render_plot(m: &RunMetrics, title: &str) -> String {
         r#"<text x="{:.1}" y="20" font-size="11" text-anchor="end"><tspan fill="{LOSS_COLOR}">— loss</tspan> <tspan fill="{VAL_COLOR}">● val_loss</tspan> <tspan fill="{THROUGHPUT_COLOR}">— tokens/s</tspan></text>"#,
         LEFT + PLOT_WIDTH
     );
-    for (top, name, scale) in panels {
-        axes(&mut out, top, name, scale, &xs);
-    }
+}
 
-    let y = |top: f64, scale: &Scale, v: f64| top + PANEL_HEIGHT - scale.map(v, PANEL_HEIGHT);
+/// The training loss as a line and the validation losses as dots, in the top panel.
+fn loss_series(out: &mut String, m: &RunMetrics, f: &Frame) {
     let points: Vec<String> = m
         .steps
         .iter()
-        .map(|s| format!("{:.2},{:.2}", x(s.step), y(TOP, &loss_scale, s.loss)))
+        .map(|s| format!("{:.2},{:.2}", f.x(s.step), Frame::y(TOP, &f.loss, s.loss)))
         .collect();
     let _ = writeln!(
         out,
@@ -292,19 +331,24 @@ pub fn render_plot(m: &RunMetrics, title: &str) -> String {
             let _ = writeln!(
                 out,
                 r#"<circle class="val_loss" cx="{:.2}" cy="{:.2}" r="3.5" fill="{VAL_COLOR}"><title>step {}: val_loss {v:.4}</title></circle>"#,
-                x(s.step),
-                y(TOP, &loss_scale, v),
+                f.x(s.step),
+                Frame::y(TOP, &f.loss, v),
                 s.step
             );
         }
     }
-    let top = panels[1].0;
+}
+
+/// The throughput line (steps with a `tokens_per_s`) in the bottom panel.
+fn throughput_series(out: &mut String, m: &RunMetrics, f: &Frame) {
     let points: Vec<String> = m
         .steps
         .iter()
         .filter_map(|s| {
-            s.tokens_per_s
-                .map(|v| format!("{:.2},{:.2}", x(s.step), y(top, &throughput_scale, v)))
+            s.tokens_per_s.map(|v| {
+                let y = Frame::y(THROUGHPUT_TOP, &f.throughput, v);
+                format!("{:.2},{:.2}", f.x(s.step), y)
+            })
         })
         .collect();
     let _ = writeln!(
@@ -312,12 +356,16 @@ pub fn render_plot(m: &RunMetrics, title: &str) -> String {
         r#"<polyline class="tokens_per_s" fill="none" stroke="{THROUGHPUT_COLOR}" stroke-width="1.5" points="{}"/>"#,
         points.join(" ")
     );
+}
 
-    // Events at the same step get their labels side by side.
+/// Each event as a dashed line through both panels with its name; events at the same step get
+/// their labels side by side.
+fn event_marks(out: &mut String, m: &RunMetrics, f: &Frame) {
+    let top = THROUGHPUT_TOP;
     let mut at_step: BTreeMap<u64, usize> = BTreeMap::new();
     for e in &m.events {
         let nth = at_step.entry(e.step).or_default();
-        let (ex, color, name) = (x(e.step), event_color(&e.name), escape(&e.name));
+        let (ex, color, name) = (f.x(e.step), event_color(&e.name), escape(&e.name));
         let _ = writeln!(
             out,
             r#"<path class="event" d="M{ex:.2} {TOP} V{:.1} M{ex:.2} {top:.1} V{:.1}" stroke="{color}" stroke-dasharray="4 3"><title>{name} at step {}</title></path>"#,
@@ -333,8 +381,6 @@ pub fn render_plot(m: &RunMetrics, title: &str) -> String {
         );
         *nth += 1;
     }
-    out.push_str("</svg>\n");
-    out
 }
 
 /// A panel's frame, grid lines and tick labels (values on the left, steps below) and its name.

@@ -58,7 +58,7 @@ const FINAL_ATTEMPTS: u32 = 4;
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What bounds the attempts at the final checkpoint (see [`CheckpointWriter::commit_final`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum FinalDeadline {
     /// The normal end of a run: [`FINAL_ATTEMPTS`] attempts, each waiting up to this long for
     /// its upload.

@@ -1,0 +1,177 @@
+//! The pipeline's decisions, pure: when the reports of a failure are all in, which node hosts the
+//! replacement of a stage lost mid-step, and what the replacement and its neighbours are told to
+//! link up again. Which stage was lost is [`super::super::recovery::mid_step_stage`]'s decision;
+//! the pipeline's shells carry these out.
+
+use std::time::Duration;
+
+use super::super::control::{Side, ToWorker};
+
+/// How long the launcher keeps gathering the reports of a failure whose signs do not settle what
+/// was lost (a worker's own error, a timeout, a silent node): until no report came for this long.
+pub(in crate::runtime) const GATHER_QUIET: Duration = Duration::from_millis(300);
+
+/// How long the launcher keeps gathering the reports of a failure once they settle what was lost:
+/// losses at the same moment (a rack, a node and its buddy) show up within it, and are recovered
+/// from together.
+pub(super) const SETTLED_QUIET: Duration = Duration::from_millis(50);
+
+/// Whether the reports of a failure are all in, `quiet` after the last one: [`SETTLED_QUIET`]
+/// once they settle what was lost (`settled`: [`super::super::recovery::signs_settled`]), else
+/// [`GATHER_QUIET`].
+pub(super) fn gathered(quiet: Duration, settled: bool) -> bool {
+    quiet >= GATHER_QUIET || (quiet >= SETTLED_QUIET && settled)
+}
+
+/// The stages whose nodes may host the replacement of `stage` (of `stages`), in order of
+/// preference: its own node (when its agent lives), then its neighbours' (the previous first).
+pub(super) fn replacement_hosts(stage: usize, stages: usize) -> Vec<usize> {
+    std::iter::once(stage)
+        .chain(stage.checked_sub(1))
+        .chain((stage + 1 < stages).then_some(stage + 1))
+        .collect()
+}
+
+/// What a mid-step replacement of `stage` and its neighbours are told, as link generation
+/// `generation`: the previous stage links to the replacement's data address (it connects, as
+/// `Next`), the next stage waits for the replacement (as `Prev`), and the replacement gets its
+/// topology (`data_addrs`: every stage's data address, the replacement's included). Returns the
+/// neighbours' `Relink`s, then the replacement's `Topology`.
+pub(super) fn relinks(
+    stage: usize,
+    generation: u64,
+    data_addrs: &[String],
+) -> (Vec<(usize, ToWorker)>, ToWorker) {
+    let mut neighbours = Vec::new();
+    if stage > 0 {
+        neighbours.push((
+            stage - 1,
+            ToWorker::Relink {
+                generation,
+                side: Side::Next,
+                addr: Some(data_addrs[stage].clone()),
+            },
+        ));
+    }
+    if stage + 1 < data_addrs.len() {
+        neighbours.push((
+            stage + 1,
+            ToWorker::Relink {
+                generation,
+                side: Side::Prev,
+                addr: None,
+            },
+        ));
+    }
+    let topology = ToWorker::Topology {
+        generation,
+        prev: (stage > 0).then(|| data_addrs[stage - 1].clone()),
+        next: data_addrs.get(stage + 1).cloned(),
+        replacement: true,
+        replicas: Vec::new(),
+    };
+    (neighbours, topology)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_are_in_after_a_short_quiet_once_settled_else_a_longer_one() {
+        let ms = Duration::from_millis;
+        assert!(!gathered(ms(10), true));
+        assert!(gathered(ms(50), true));
+        assert!(!gathered(ms(299), false));
+        assert!(gathered(ms(300), false));
+    }
+
+    #[test]
+    fn a_replacement_runs_on_its_own_node_or_a_neighbours() {
+        assert_eq!(replacement_hosts(0, 4), [0, 1]);
+        assert_eq!(replacement_hosts(2, 4), [2, 1, 3]);
+        assert_eq!(replacement_hosts(3, 4), [3, 2]);
+        assert_eq!(replacement_hosts(0, 1), [0]);
+    }
+
+    fn addrs(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("10.0.0.{i}:7000")).collect()
+    }
+
+    #[test]
+    fn a_middle_replacement_relinks_both_neighbours() {
+        let (neighbours, topology) = relinks(1, 5, &addrs(3));
+        assert_eq!(neighbours.len(), 2);
+        assert!(matches!(
+            &neighbours[0],
+            (0, ToWorker::Relink { generation: 5, side: Side::Next, addr: Some(a) }) if a == "10.0.0.1:7000"
+        ));
+        assert!(matches!(
+            &neighbours[1],
+            (
+                2,
+                ToWorker::Relink {
+                    generation: 5,
+                    side: Side::Prev,
+                    addr: None
+                }
+            )
+        ));
+        let ToWorker::Topology {
+            generation,
+            prev,
+            next,
+            replacement,
+            replicas,
+        } = topology
+        else {
+            panic!("{topology:?}");
+        };
+        assert_eq!(generation, 5);
+        assert_eq!(prev.as_deref(), Some("10.0.0.0:7000"));
+        assert_eq!(next.as_deref(), Some("10.0.0.2:7000"));
+        assert!(replacement && replicas.is_empty());
+    }
+
+    #[test]
+    fn an_end_replacement_relinks_its_one_neighbour() {
+        let (first, topology) = relinks(0, 2, &addrs(3));
+        assert!(matches!(
+            first.as_slice(),
+            [(
+                1,
+                ToWorker::Relink {
+                    side: Side::Prev,
+                    ..
+                }
+            )]
+        ));
+        assert!(matches!(
+            topology,
+            ToWorker::Topology {
+                prev: None,
+                next: Some(_),
+                ..
+            }
+        ));
+        let (last, topology) = relinks(2, 2, &addrs(3));
+        assert!(matches!(
+            last.as_slice(),
+            [(
+                1,
+                ToWorker::Relink {
+                    side: Side::Next,
+                    ..
+                }
+            )]
+        ));
+        assert!(matches!(
+            topology,
+            ToWorker::Topology {
+                prev: Some(_),
+                next: None,
+                ..
+            }
+        ));
+    }
+}
