@@ -14,9 +14,9 @@
 //! ```
 //!
 //! For a single document `C(b) − C(a)` is exactly
-//! [`segment_flops`](super::segments::segment_flops)`(a, b − a)`. C is
-//! increasing and piecewise quadratic, so the boundary of cost `j·C(T)/k` has a closed form
-//! inside its document. Boundaries are rounded like the compute partition's (multiples of 8 after
+//! [`segment_flops`](super::segments::segment_flops)`(a, b − a)`. A micro-batch's cost is the sum
+//! of its rows' (they share the segment lengths). C is continuous and non-decreasing, so the
+//! boundary of cost `j·C(T)/k` is found by bisection. Boundaries are rounded like the compute partition's (multiples of 8 after
 //! the first segment's `T % 8` remainder, when `T ≥ 8k`).
 //!
 //! [`document_segment_lengths`] is a pure function of (layout, T, k, model): the same on every
@@ -25,29 +25,30 @@
 use super::ScheduleError;
 use super::segments::{FlopsModel, Partition, segment_lengths};
 
-/// The cost `C(x)` of the first x tokens of one sequence under a document mask.
+/// The cost `C(x)` of the first x tokens of a micro-batch's sequences under a document mask: the
+/// sum over its rows (all rows of a micro-batch share the segment lengths).
 #[derive(Clone, Debug)]
 pub struct MaskedCost {
     /// Matrix work per token, c.
     per_token: f64,
     /// Attention work per visible (query, key) pair, w.
     per_pair: f64,
+    rows: Vec<RowLayout>,
+    seq_len: usize,
+}
+
+/// One sequence's documents.
+#[derive(Clone, Debug)]
+struct RowLayout {
     /// Document starts within `0..seq_len`, beginning with 0.
     starts: Vec<usize>,
     /// `F(starts[i])`: the attention pairs of all documents before document i.
     before: Vec<f64>,
-    seq_len: usize,
 }
 
-impl MaskedCost {
-    /// The cost of a sequence of `seq_len` tokens whose documents start at `starts` (sorted,
-    /// beginning with 0; starts at or past `seq_len` are ignored). Errors when `starts` is not
-    /// sorted, does not begin with 0, or `seq_len` is 0.
-    pub fn new(starts: &[usize], seq_len: usize, m: &FlopsModel) -> Result<Self, ScheduleError> {
+impl RowLayout {
+    fn new(starts: &[usize], seq_len: usize) -> Result<Self, ScheduleError> {
         let err = |msg: String| Err(ScheduleError::InvalidPartition(msg));
-        if seq_len == 0 {
-            return err("seq_len must be at least 1 (got 0)".into());
-        }
         if starts.first() != Some(&0) {
             return err(format!(
                 "document starts must begin with 0, got {:?}",
@@ -73,6 +74,40 @@ impl MaskedCost {
             }
             before.push(acc);
         }
+        Ok(Self { starts, before })
+    }
+
+    /// `F(x)`: visible (query, key) pairs of the first x positions, one triangle per document.
+    fn pairs(&self, x: f64) -> f64 {
+        let i = self.starts.partition_point(|&s| s as f64 <= x).max(1) - 1;
+        self.before[i] + tri(x - self.starts[i] as f64)
+    }
+}
+
+impl MaskedCost {
+    /// The cost of a sequence of `seq_len` tokens whose documents start at `starts` (sorted,
+    /// beginning with 0; starts at or past `seq_len` are ignored). Errors when `starts` is not
+    /// sorted, does not begin with 0, or `seq_len` is 0.
+    pub fn new(starts: &[usize], seq_len: usize, m: &FlopsModel) -> Result<Self, ScheduleError> {
+        Self::batch(&[starts], seq_len, m)
+    }
+
+    /// The cost of a micro-batch: one `starts` per sequence (row), as in [`MaskedCost::new`].
+    /// Errors also when there are no rows.
+    pub fn batch(rows: &[&[usize]], seq_len: usize, m: &FlopsModel) -> Result<Self, ScheduleError> {
+        let err = |msg: String| Err(ScheduleError::InvalidPartition(msg));
+        if seq_len == 0 {
+            return err("seq_len must be at least 1 (got 0)".into());
+        }
+        if rows.is_empty() {
+            return err(
+                "a micro-batch needs at least one sequence (got no document layouts)".into(),
+            );
+        }
+        let rows = rows
+            .iter()
+            .map(|r| RowLayout::new(r, seq_len))
+            .collect::<Result<Vec<_>, _>>()?;
         let (l, hid, h, d) = (
             m.layers as f64,
             m.hidden as f64,
@@ -83,22 +118,20 @@ impl MaskedCost {
             per_token: 4.0 * hid * m.vocab as f64
                 + l * (8.0 * hid * h * d + 4.0 * hid * m.ffn as f64),
             per_pair: m.attention_cost * l * h * (4.0 * d + 3.0),
-            starts,
-            before,
+            rows,
             seq_len,
         })
     }
 
-    /// The document starts inside the sequence.
-    pub fn starts(&self) -> &[usize] {
-        &self.starts
+    /// Whether every sequence is a single document (within `seq_len`).
+    pub fn one_document_each(&self) -> bool {
+        self.rows.iter().all(|r| r.starts.len() == 1)
     }
 
     /// `C(x)` for a real position `0 ≤ x ≤ seq_len`.
     pub fn cumulative(&self, x: f64) -> f64 {
-        let i = self.starts.partition_point(|&s| s as f64 <= x).max(1) - 1;
-        let y = x - self.starts[i] as f64;
-        self.per_token * x + self.per_pair * (self.before[i] + tri(y))
+        let pairs: f64 = self.rows.iter().map(|r| r.pairs(x)).sum();
+        self.per_token * self.rows.len() as f64 * x + self.per_pair * pairs
     }
 
     /// The cost of the segment `[start, start + len)`.
@@ -118,28 +151,19 @@ impl MaskedCost {
             .collect()
     }
 
-    /// The real position x with `C(x) = target` (`0 ≤ target ≤ C(seq_len)`), in closed form inside
-    /// its document: `(w/2)y² + c·y = target − C(D)` with `y = x − D`.
+    /// The real position x with `C(x) = target` (`0 ≤ target ≤ C(seq_len)`): C is continuous and
+    /// non-decreasing, so bisection (a fixed 64 halvings of `[0, seq_len]`: deterministic).
     fn position_of(&self, target: f64) -> f64 {
-        let i = self
-            .starts
-            .partition_point(|&s| self.cumulative(s as f64) <= target)
-            .max(1)
-            - 1;
-        let d = self.starts[i] as f64;
-        let r = (target - self.cumulative(d)).max(0.0);
-        let (a, c) = (self.per_pair / 2.0, self.per_token);
-        // Positive root of a·y² + c·y − r = 0, cancellation-free.
-        let y = if r <= 0.0 {
-            0.0
-        } else if a > 0.0 {
-            2.0 * r / (c + (c * c + 4.0 * a * r).sqrt())
-        } else if c > 0.0 {
-            r / c
-        } else {
-            0.0
-        };
-        (d + y).min(self.seq_len as f64)
+        let (mut lo, mut hi) = (0.0f64, self.seq_len as f64);
+        for _ in 0..64 {
+            let mid = 0.5 * (lo + hi);
+            if self.cumulative(mid) < target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        hi
     }
 }
 
@@ -193,9 +217,20 @@ pub fn document_segment_lengths(
     splits: usize,
     m: &FlopsModel,
 ) -> Result<Vec<usize>, ScheduleError> {
+    batch_segment_lengths(&[starts], seq_len, splits, m)
+}
+
+/// [`document_segment_lengths`] for a micro-batch of several sequences (one layout per row): the
+/// rows share the segment lengths, so their summed cost is balanced.
+pub fn batch_segment_lengths(
+    rows: &[&[usize]],
+    seq_len: usize,
+    splits: usize,
+    m: &FlopsModel,
+) -> Result<Vec<usize>, ScheduleError> {
     let blind = segment_lengths(Partition::Compute, seq_len, splits, m)?;
-    let cost = MaskedCost::new(starts, seq_len, m)?;
-    if cost.starts().len() == 1 {
+    let cost = MaskedCost::batch(rows, seq_len, m)?;
+    if cost.one_document_each() {
         return Ok(blind);
     }
     let solved = solve_document_partition(&cost, splits);
@@ -393,6 +428,34 @@ mod tests {
         }
         assert!(document_segment_lengths(&[0], 4, 5, &m).is_err());
         assert!(document_segment_lengths(&[0], 4, 0, &m).is_err());
+    }
+
+    #[test]
+    fn batch_rows_share_lengths_and_balance_their_sum() {
+        let mut r = ChaCha8Rng::seed_from_u64(35);
+        let m = attention_only();
+        let rows: Vec<Vec<usize>> = (0..4)
+            .map(|_| lognormal_layout(&mut r, 16384, 1000.0))
+            .collect();
+        let refs: Vec<&[usize]> = rows.iter().map(|r| r.as_slice()).collect();
+        let cost = MaskedCost::batch(&refs, 16384, &m).unwrap();
+        // The batch's cost is the sum of its rows'.
+        let single: f64 = rows
+            .iter()
+            .map(|r| MaskedCost::new(r, 16384, &m).unwrap().segment(1000, 3000))
+            .sum();
+        assert!((cost.segment(1000, 3000) / single - 1.0).abs() < 1e-12);
+        let l = batch_segment_lengths(&refs, 16384, 8, &m).unwrap();
+        let blind = segment_lengths(Partition::Compute, 16384, 8, &m).unwrap();
+        let (ra, rb) = (
+            cost_ratio(&cost.segments(&l)),
+            cost_ratio(&cost.segments(&blind)),
+        );
+        assert!(ra < 1.02 && ra <= rb, "{ra} {rb} {l:?}");
+        assert!(MaskedCost::batch(&[], 16, &m).is_err());
+        // One document in every row: the compute partition.
+        let one: [&[usize]; 2] = [&[0], &[0, 20000]];
+        assert_eq!(batch_segment_lengths(&one, 16384, 8, &m).unwrap(), blind);
     }
 
     #[test]
