@@ -115,13 +115,7 @@ pub(crate) fn forward<T: Float>(
     Ok((tensor(out, &[b, h, s, d])?, tensor(lse, &[b, h, s, 1])?))
 }
 
-/// Backward of [`causal_prefix_attention_forward`].
-///
-/// Recomputes `probs = exp(scores - lse)` exactly, then
-/// `dv = probs^T dout`, `dprobs = dout v^T`, `ds = probs * (dprobs - sum(dout * out))`,
-/// `dq = scale * ds k`, `dk = scale * ds^T q`.
-/// Returns `(dq (B, H, s, D), dk (B, H, P+s, D), dv (B, H, P+s, D))`; `dk`/`dv` rows `0..P` are the
-
+/// Tensors the backward reads, as slices of one (batch, head).
 struct HeadInputs<'a, T> {
     q: &'a [T],
     k: &'a [T],
