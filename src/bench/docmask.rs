@@ -6,8 +6,11 @@
 //! document-masked attention forward + backward runs over its K/V prefix, trimmed to the earliest
 //! document start its queries need, on one thread, and is timed in that thread's CPU time (so
 //! other processes on a busy machine do not inflate it). Per partition it prints the
-//! slowest/fastest segment time (min and median over rounds) beside the modelled ratio. Then the
-//! whole sequence's attention with the mask against without it: how much work the mask skips.
+//! slowest/fastest segment time (min and median over rounds) beside the modelled ratio. The
+//! whole sequence's attention with the mask against without it shows how much work the mask
+//! skips; the two times also fit the kernels' own weights (time = a·pairs + b·tokens: a per-token
+//! overhead the FLOPs model lacks, from the 64-query blocks and the per-row work), and a third,
+//! "fitted" document-aware partition is solved with them.
 //!
 //! Shape: one sequence, one head, head dim `--head-dim` (16), f32. The partitions use the
 //! attention terms of the FLOPs model only (hidden, FFN and vocabulary 0), since only the
@@ -27,7 +30,9 @@ use ops::{
 use trainer::data::{
     DocumentLengths, SampleKey, Split, SyntheticDocuments, TokenSource, document_starts,
 };
-use trainer::schedule::doc_segments::{MaskedCost, cost_ratio, document_segment_lengths};
+use trainer::schedule::doc_segments::{
+    MaskedCost, cost_ratio, document_segment_lengths, solve_document_partition,
+};
 use trainer::schedule::{FlopsModel, Partition, segment_lengths};
 
 /// Flags of `seqpipe bench docmask`.
@@ -80,6 +85,8 @@ struct MaskRow {
     unmasked_s: Vec<f64>,
     /// Visible (query, key) pairs with the mask / without.
     modelled_fraction: f64,
+    /// The fitted per-token time in units of the per-pair time.
+    per_token_in_pairs: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -153,10 +160,42 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
         };
         let n = t * args.head_dim;
         let (q, k, v, g) = (rand(n)?, rand(n)?, rand(n)?, rand(n)?);
+        // The whole sequence with the mask and without, first: their times also fit the
+        // kernels' own weights (time = a·pairs + b·tokens) for the "fitted" partition.
+        let (mut masked_s, mut unmasked_s) = (Vec::new(), Vec::new());
+        for _ in 0..args.rounds {
+            let start = thread_cpu_s();
+            let (_, ctx) = document_prefix_attention_forward(&q, &k, &v, scale, &mask, 0)?;
+            document_prefix_attention_backward(&ctx, &k, &v, &g, scale, &mask, 0)?;
+            masked_s.push(thread_cpu_s() - start);
+            let start = thread_cpu_s();
+            let (_, ctx) = causal_prefix_attention_forward(&q, &k, &v, scale)?;
+            causal_prefix_attention_backward(&ctx, &k, &v, &g, scale)?;
+            unmasked_s.push(thread_cpu_s() - start);
+        }
+        let pairs = |x: f64| x * (x + 1.0) / 2.0;
+        let visible: f64 = starts
+            .iter()
+            .zip(starts.iter().skip(1).chain([&t]))
+            .map(|(a, b)| pairs((b - a) as f64))
+            .sum();
+        let (tm, tu, all) = (min(&masked_s), min(&unmasked_s), pairs(t as f64));
+        let per_pair = ((tu - tm) / (all - visible)).max(0.0);
+        let per_token = ((tm - per_pair * visible) / t as f64).max(0.0);
+        let fitted = MaskedCost::with_weights(&[&starts], t, per_token, per_pair)?;
+        report.masks.push(MaskRow {
+            seq_len: t,
+            documents: starts.len(),
+            masked_s,
+            unmasked_s,
+            modelled_fraction: visible / all,
+            per_token_in_pairs: per_token / per_pair,
+        });
         for &splits in &args.splits {
             let blind = segment_lengths(Partition::Compute, t, splits, &model)?;
             let aware = document_segment_lengths(&starts, t, splits, &model)?;
-            for (name, lengths) in [("blind", blind), ("aware", aware)] {
+            let fit = solve_document_partition(&fitted, splits);
+            for (name, lengths) in [("blind", blind), ("aware", aware), ("fitted", fit)] {
                 let mut time_ratios = Vec::with_capacity(args.rounds);
                 for _ in 0..args.rounds {
                     let times = segment_times(&q, &k, &v, &g, scale, &mask, &lengths)?;
@@ -183,41 +222,18 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
                 report.partitions.push(row);
             }
         }
-        let (mut masked_s, mut unmasked_s) = (Vec::new(), Vec::new());
-        for _ in 0..args.rounds {
-            let start = thread_cpu_s();
-            let (_, ctx) = document_prefix_attention_forward(&q, &k, &v, scale, &mask, 0)?;
-            document_prefix_attention_backward(&ctx, &k, &v, &g, scale, &mask, 0)?;
-            masked_s.push(thread_cpu_s() - start);
-            let start = thread_cpu_s();
-            let (_, ctx) = causal_prefix_attention_forward(&q, &k, &v, scale)?;
-            causal_prefix_attention_backward(&ctx, &k, &v, &g, scale)?;
-            unmasked_s.push(thread_cpu_s() - start);
-        }
-        let pairs = |x: f64| x * (x + 1.0) / 2.0;
-        let visible: f64 = starts
-            .iter()
-            .zip(starts.iter().skip(1).chain([&t]))
-            .map(|(a, b)| pairs((b - a) as f64))
-            .sum();
-        report.masks.push(MaskRow {
-            seq_len: t,
-            documents: starts.len(),
-            masked_s,
-            unmasked_s,
-            modelled_fraction: visible / pairs(t as f64),
-        });
     }
     println!();
     println!(
-        "{:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>16}",
+        "{:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>14} {:>15}",
         "T",
         "docs",
         "masked min",
         "unmasked min",
         "masked/unm min",
         "masked/unm med",
-        "visible pairs"
+        "visible pairs",
+        "fit tok/pair"
     );
     for m in &report.masks {
         let ratios: Vec<f64> = m
@@ -227,14 +243,15 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
             .map(|(a, b)| a / b)
             .collect();
         println!(
-            "{:>6} {:>5} {:>11.3}s {:>11.3}s {:>14.4} {:>14.4} {:>16.4}",
+            "{:>6} {:>5} {:>11.3}s {:>11.3}s {:>14.4} {:>14.4} {:>14.4} {:>15.1}",
             m.seq_len,
             m.documents,
             min(&m.masked_s),
             min(&m.unmasked_s),
             min(&ratios),
             median(&ratios),
-            m.modelled_fraction
+            m.modelled_fraction,
+            m.per_token_in_pairs
         );
     }
     if let Some(path) = &args.json {

@@ -123,6 +123,38 @@ impl MaskedCost {
         })
     }
 
+    /// The cost with measured weights instead of the FLOPs model's: `per_token` per token of
+    /// each row and `per_pair` per visible (query, key) pair (both finite, ≥ 0, not both 0), e.g.
+    /// fitted to kernel times by `seqpipe bench docmask`.
+    pub fn with_weights(
+        rows: &[&[usize]],
+        seq_len: usize,
+        per_token: f64,
+        per_pair: f64,
+    ) -> Result<Self, ScheduleError> {
+        let ok = |w: f64| w.is_finite() && w >= 0.0;
+        if !(ok(per_token) && ok(per_pair) && per_token + per_pair > 0.0) {
+            return Err(ScheduleError::InvalidPartition(format!(
+                "cost weights must be finite and >= 0, not both 0: per token {per_token}, per \
+                 pair {per_pair}"
+            )));
+        }
+        let zero = FlopsModel {
+            layers: 0,
+            hidden: 0,
+            heads: 0,
+            head_dim: 0,
+            ffn: 0,
+            vocab: 0,
+            attention_cost: 0.0,
+        };
+        Ok(Self {
+            per_token,
+            per_pair,
+            ..Self::batch(rows, seq_len, &zero)?
+        })
+    }
+
     /// Whether every sequence is a single document (within `seq_len`).
     pub fn one_document_each(&self) -> bool {
         self.rows.iter().all(|r| r.starts.len() == 1)
@@ -453,6 +485,11 @@ mod tests {
         );
         assert!(ra < 1.02 && ra <= rb, "{ra} {rb} {l:?}");
         assert!(MaskedCost::batch(&[], 16, &m).is_err());
+        // Explicit weights: the same costs as the model's when they are the model's.
+        let w = MaskedCost::with_weights(&refs, 16384, 0.0, 67.0).unwrap();
+        assert!((w.segment(100, 5000) / cost.segment(100, 5000) - 1.0).abs() < 1e-12);
+        assert!(MaskedCost::with_weights(&refs, 16384, 0.0, 0.0).is_err());
+        assert!(MaskedCost::with_weights(&refs, 16384, -1.0, 1.0).is_err());
         // One document in every row: the compute partition.
         let one: [&[usize]; 2] = [&[0], &[0, 20000]];
         assert_eq!(batch_segment_lengths(&one, 16384, 8, &m).unwrap(), blind);
