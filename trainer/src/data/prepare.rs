@@ -646,7 +646,7 @@ mod tests {
         assert_eq!(
             meta,
             serde_json::json!({"vocab_size": 50257, "dtype": "u16", "tokenizer": "gpt2",
-                               "train_tokens": 3, "val_tokens": 2})
+                               "train_tokens": 3, "val_tokens": 2, "end_of_text": 50256})
         );
         assert!(!out.join("train.bin.tmp").exists());
 
