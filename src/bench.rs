@@ -5,9 +5,11 @@
 //! pipeline runs) in [`schedule`], `seqpipe bench goodput` (a whole job under random failures) in
 //! [`goodput`], `seqpipe bench replicas` (data parallelism's reduction cost and replayed step
 //! time) in [`replicas`], `seqpipe bench data` (training data from an object store against a local
-//! directory) in [`data`].
+//! directory) in [`data`], `seqpipe bench docmask` (document-masked attention per segment) in
+//! [`docmask`].
 
 pub mod data;
+pub mod docmask;
 pub mod goodput;
 pub mod overhead;
 pub mod replicas;

@@ -223,6 +223,10 @@ enum BenchCommand {
     /// Training data from an object store next to a local directory: a fresh node's time to its
     /// first unit, step time with a cold and a warm cache, and bytes fetched per token used.
     Data(crate::bench::data::DataBenchArgs),
+    /// Document-masked attention on packed documents: slowest/fastest segment time for the
+    /// document-aware and the document-blind partition, and the whole sequence with the mask
+    /// against without.
+    Docmask(crate::bench::docmask::DocmaskBenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -509,6 +513,7 @@ fn bench(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Goodput(args) => crate::bench::goodput::run(&args),
         BenchCommand::Replicas(args) => crate::bench::replicas::run(&args),
         BenchCommand::Data(args) => crate::bench::data::run(&args),
+        BenchCommand::Docmask(args) => crate::bench::docmask::run(&args),
     }
 }
 

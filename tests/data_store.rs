@@ -401,6 +401,7 @@ fn a_node_killed_mid_run_with_its_cache_emptied_stays_bit_identical() {
         tokenizer: "test".into(),
         train_tokens: 40_000,
         val_tokens: 2_000,
+        end_of_text: None,
     };
     std::fs::write(
         local.join("meta.json"),

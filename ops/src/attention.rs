@@ -13,6 +13,13 @@
 //! probabilities from `q`, `k` and the saved log-sum-exp (flash-attention style) and accumulates
 //! dK/dV over the query blocks in order. Forward blocks run in parallel; the backward runs the
 //! (batch, head) pairs in parallel; either way the arithmetic does not depend on the thread count.
+//!
+//! With a [`DocumentMask`] (packed documents) query `t` attends only to keys of its own document:
+//! `doc_start(P+t)..=P+t`. A block's scores start at the document start of its first query (the
+//! earliest among its queries), so keys before it cost nothing — skipped, not masked after the
+//! fact — and the dK/dV rows of skipped keys stay zero: what is carried back to earlier segments
+//! follows the mask. The unmasked kernels are the masked ones with one document per sequence,
+//! bit for bit (the same gemms on the same slices).
 
 use candle_core::Tensor;
 use rayon::prelude::*;
@@ -20,6 +27,7 @@ use rayon::prelude::*;
 use crate::cpu::{
     Float, Mat, Threads, View, contiguous, dispatch_float, lane_max, lane_sum, matmul, tensor,
 };
+use crate::documents::DocumentMask;
 use crate::error::Result;
 use crate::memory::SavedTensors;
 use crate::util::{dims4, expect_float, shape_err};
@@ -83,17 +91,99 @@ pub fn causal_prefix_attention_forward(
     v: &Tensor,
     scale: f64,
 ) -> Result<(Tensor, AttentionCtx)> {
-    const OP: &str = "causal_prefix_attention_forward";
-    let (b, h, s, p, d) = check(q, k, v, OP)?;
+    let b = q.dims().first().copied().unwrap_or(0);
+    forward_impl(
+        q,
+        k,
+        v,
+        scale,
+        &DocumentMask::single(b),
+        0,
+        "causal_prefix_attention_forward",
+    )
+}
+
+/// Forward of document-masked prefix attention: query `t` of the segment (at position
+/// `key_start + P + t` of its sequence) attends to the keys of its own document up to itself.
+///
+/// `k`/`v` `(B, H, P+s, D)` hold the keys/values of positions `key_start..key_start+P+s`: the
+/// K/V prefix may begin at [`DocumentMask::prefix_start`] of the segment's first position (or
+/// anywhere before); `key_start = 0` is the whole prefix. `mask` gives each of the `B` sequences'
+/// document starts in absolute positions. Returns `out` `(B, H, s, D)` and the context for
+/// [`document_prefix_attention_backward`]. Errors on shapes as the unmasked kernel does, when
+/// `mask` does not have `B` rows, or when the prefix begins after the document start of a query.
+pub fn document_prefix_attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: &DocumentMask,
+    key_start: usize,
+) -> Result<(Tensor, AttentionCtx)> {
+    forward_impl(
+        q,
+        k,
+        v,
+        scale,
+        mask,
+        key_start,
+        "document_prefix_attention_forward",
+    )
+}
+
+fn forward_impl(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: &DocumentMask,
+    key_start: usize,
+    op: &'static str,
+) -> Result<(Tensor, AttentionCtx)> {
+    let (b, h, s, p, d) = check(q, k, v, op)?;
+    let lo = key_lows(mask, b, s, p, key_start, op)?;
     let dtype = q.dtype();
     let (q, k, v) = (
-        contiguous(q, dtype, OP, "q")?,
-        contiguous(k, dtype, OP, "k")?,
-        contiguous(v, dtype, OP, "v")?,
+        contiguous(q, dtype, op, "q")?,
+        contiguous(k, dtype, op, "k")?,
+        contiguous(v, dtype, op, "v")?,
     );
     let shape = Shape { b, h, s, p, d };
-    let (out, lse) = dispatch_float!(dtype, OP, forward(&q, &k, &v, scale, shape))?;
+    let (out, lse) = dispatch_float!(dtype, op, forward(&q, &k, &v, scale, shape, &lo, op))?;
     Ok((out.clone(), AttentionCtx { q, out, lse }))
+}
+
+/// Per sequence and query of the segment, the index into `k` of its first visible key (its
+/// document's start, relative to `key_start`). // (B, s)
+fn key_lows(
+    mask: &DocumentMask,
+    b: usize,
+    s: usize,
+    p: usize,
+    key_start: usize,
+    op: &str,
+) -> Result<Vec<usize>> {
+    if mask.batch() != b {
+        return shape_err(format!(
+            "{op}: the document mask has {} rows but the batch has {b} sequences",
+            mask.batch()
+        ));
+    }
+    let mut lo = Vec::with_capacity(b * s);
+    for row in 0..b {
+        let first = key_start + p;
+        let start = mask.doc_start(row, first);
+        if s > 0 && start < key_start {
+            return shape_err(format!(
+                "{op}: sequence {row}: the K/V prefix begins at position {key_start}, but the \
+                 query at position {first} belongs to the document starting at {start}; keep the \
+                 keys from DocumentMask::prefix_start ({}) on",
+                mask.prefix_start(first)
+            ));
+        }
+        lo.extend((0..s).map(|t| mask.doc_start(row, first + t) - key_start));
+    }
+    Ok(lo)
 }
 
 /// `(B, H, s, P, D)` of one call.
@@ -113,10 +203,23 @@ impl Shape {
     }
 }
 
-/// Query block `t0..t1` of a segment with prefix `p`: keys `0..p + t1` are visible to some query.
-fn block(t0: usize, s: usize, p: usize) -> (usize, usize, usize) {
+/// Query block `t0..t1` of a segment with prefix `p`, whose queries' first visible keys are `lo`
+/// (non-decreasing): keys `lo[t0]..p + t1` are visible to some query. Returns
+/// `(t0, t1, first key, number of keys)`.
+fn block(t0: usize, s: usize, p: usize, lo: &[usize]) -> (usize, usize, usize, usize) {
     let t1 = (t0 + Q_BLOCK).min(s);
-    (t0, t1, p + t1)
+    let k0 = lo[t0];
+    (t0, t1, k0, p + t1 - k0)
+}
+
+/// Zeroes the keys of a block's score row `row` (keys `k0..`) that query `t` may not see: those
+/// before its document's start `lo_t` and those after itself (`p + t`). Returns the visible part.
+fn visible_part<T: Float>(row: &mut [T], k0: usize, lo_t: usize, p: usize, t: usize) -> &mut [T] {
+    let (before, rest) = row.split_at_mut(lo_t - k0);
+    before.fill(T::zero());
+    let (seen, after) = rest.split_at_mut(p + t + 1 - lo_t);
+    after.fill(T::zero());
+    seen
 }
 
 /// The first `len` elements of `scratch`, grown (with zeros) when it is shorter; old contents stay.
@@ -145,11 +248,12 @@ fn forward<T: Float>(
     v: &Tensor,
     scale: f64,
     sh: Shape,
+    lo: &[usize],
+    op: &str,
 ) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "causal_prefix_attention_forward";
     let Shape { b, h, s, p, d } = sh;
     let l = sh.l();
-    let (qv, kv, vv) = (View::new(q, OP)?, View::new(k, OP)?, View::new(v, OP)?);
+    let (qv, kv, vv) = (View::new(q, op)?, View::new(k, op)?, View::new(v, op)?);
     let (qs, ks, vs) = (qv.slice::<T>()?, kv.slice::<T>()?, vv.slice::<T>()?);
     let scale = T::from_f64(scale);
     let mut out = vec![T::zero(); b * h * s * d]; // (B, H, s, D)
@@ -164,19 +268,20 @@ fn forward<T: Float>(
                     &ks[bh * l * d..(bh + 1) * l * d],
                     &vs[bh * l * d..(bh + 1) * l * d],
                 );
+                let row = bh / h;
+                let lo = &lo[row * s..(row + 1) * s];
                 out.par_chunks_mut(Q_BLOCK * d)
                     .zip(lse.par_chunks_mut(Q_BLOCK))
                     .enumerate()
                     // One score buffer per task, reused by its blocks: the gemm overwrites
                     // every entry it is given, so it is never cleared.
                     .for_each_init(Vec::new, |scratch, (blk, (out, lse))| {
-                        let (t0, t1, lk) = block(blk * Q_BLOCK, s, p);
+                        let (t0, t1, k0, lk) = block(blk * Q_BLOCK, s, p, lo);
                         let nb = t1 - t0;
                         let probs = reuse(scratch, nb * lk); // (nb, lk)
-                        block_scores(probs, &q[t0 * d..t1 * d], k, nb, lk, d);
+                        block_scores(probs, &q[t0 * d..t1 * d], &k[k0 * d..], nb, lk, d);
                         for (i, row) in probs.chunks_mut(lk).enumerate() {
-                            let visible = p + t0 + i + 1;
-                            let (seen, masked) = row.split_at_mut(visible);
+                            let seen = visible_part(row, k0, lo[t0 + i], p, t0 + i);
                             let max = lane_max(seen) * scale;
                             // The exponentials first, then their sum in lanes: both loops
                             // vectorize (a running sum would serialize the exponentials).
@@ -185,7 +290,6 @@ fn forward<T: Float>(
                             let sum = lane_sum(seen);
                             let inv = T::one() / sum;
                             seen.iter_mut().for_each(|x| *x *= inv);
-                            masked.fill(T::zero());
                             lse[i] = max + sum.ln();
                         }
                         matmul(
@@ -193,7 +297,7 @@ fn forward<T: Float>(
                             d,
                             false,
                             Mat::rows(probs, nb, lk, lk),
-                            Mat::rows(v, lk, d, d),
+                            Mat::rows(&v[k0 * d..], lk, d, d),
                             Threads::One,
                         );
                     });
@@ -216,19 +320,69 @@ pub fn causal_prefix_attention_backward(
     d_out: &Tensor,
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    const OP: &str = "causal_prefix_attention_backward";
+    let b = ctx.q.dims().first().copied().unwrap_or(0);
+    backward_impl(
+        ctx,
+        k,
+        v,
+        d_out,
+        scale,
+        &DocumentMask::single(b),
+        0,
+        "causal_prefix_attention_backward",
+    )
+}
+
+/// Backward of [`document_prefix_attention_forward`], with the same `mask` and `key_start`.
+///
+/// Returns `(dq (B, H, s, D), dk (B, H, P+s, D), dv (B, H, P+s, D))`; `dk`/`dv` rows `0..P` are the
+/// contributions of this segment's queries to the prefix keys/values of their own documents (zero
+/// for keys of other documents): the dK/dV to carry back to the earlier segments.
+pub fn document_prefix_attention_backward(
+    ctx: &AttentionCtx,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    scale: f64,
+    mask: &DocumentMask,
+    key_start: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    backward_impl(
+        ctx,
+        k,
+        v,
+        d_out,
+        scale,
+        mask,
+        key_start,
+        "document_prefix_attention_backward",
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_impl(
+    ctx: &AttentionCtx,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    scale: f64,
+    mask: &DocumentMask,
+    key_start: usize,
+    op: &'static str,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let q = &ctx.q;
-    let (b, h, s, p, d) = check(q, k, v, OP)?;
+    let (b, h, s, p, d) = check(q, k, v, op)?;
+    let lo = key_lows(mask, b, s, p, key_start, op)?;
     let dtype = q.dtype();
     let (q, k, v, d_out) = (
-        &contiguous(q, dtype, OP, "ctx.q")?,
-        &contiguous(k, dtype, OP, "k")?,
-        &contiguous(v, dtype, OP, "v")?,
-        &contiguous(d_out, dtype, OP, "d_out")?,
+        &contiguous(q, dtype, op, "ctx.q")?,
+        &contiguous(k, dtype, op, "k")?,
+        &contiguous(v, dtype, op, "v")?,
+        &contiguous(d_out, dtype, op, "d_out")?,
     );
     if d_out.dims() != [b, h, s, d] || ctx.out.dims() != [b, h, s, d] {
         return shape_err(format!(
-            "{OP}: d_out {:?} and ctx.out {:?} must have the shape of q {:?}",
+            "{op}: d_out {:?} and ctx.out {:?} must have the shape of q {:?}",
             d_out.dims(),
             ctx.out.dims(),
             q.dims()
@@ -236,17 +390,17 @@ pub fn causal_prefix_attention_backward(
     }
     if ctx.lse.dims() != [b, h, s, 1] {
         return shape_err(format!(
-            "{OP}: ctx.lse must be ({b}, {h}, {s}, 1), got {:?}",
+            "{op}: ctx.lse must be ({b}, {h}, {s}, 1), got {:?}",
             ctx.lse.dims()
         ));
     }
-    let out = contiguous(&ctx.out, dtype, OP, "ctx.out")?;
-    let lse = contiguous(&ctx.lse, dtype, OP, "ctx.lse")?;
+    let out = contiguous(&ctx.out, dtype, op, "ctx.out")?;
+    let lse = contiguous(&ctx.lse, dtype, op, "ctx.lse")?;
     let shape = Shape { b, h, s, p, d };
     dispatch_float!(
         dtype,
-        OP,
-        backward(q, k, v, &out, &lse, d_out, scale, shape)
+        op,
+        backward(q, k, v, &out, &lse, d_out, scale, shape, &lo, op)
     )
 }
 
@@ -258,6 +412,8 @@ struct HeadInputs<'a, T> {
     out: &'a [T],
     lse: &'a [T],
     d_out: &'a [T],
+    /// Per query, the first visible key (its document's start). // (s)
+    lo: &'a [usize],
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -270,13 +426,14 @@ fn backward<T: Float>(
     d_out: &Tensor,
     scale: f64,
     sh: Shape,
+    lo: &[usize],
+    op: &str,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    const OP: &str = "causal_prefix_attention_backward";
     let Shape { b, h, s, d, .. } = sh;
     let l = sh.l();
     let views = [q, k, v, out, lse, d_out]
         .into_iter()
-        .map(|t| View::new(t, OP))
+        .map(|t| View::new(t, op))
         .collect::<Result<Vec<_>>>()?;
     let [qs, ks, vs, outs, lses, d_outs] = [0, 1, 2, 3, 4, 5].map(|i| views[i].slice::<T>());
     let (qs, ks, vs, outs, lses, d_outs) = (qs?, ks?, vs?, outs?, lses?, d_outs?);
@@ -297,6 +454,7 @@ fn backward<T: Float>(
                     out: &outs[sd.clone()],
                     lse: &lses[bh * s..(bh + 1) * s],
                     d_out: &d_outs[sd],
+                    lo: &lo[(bh / h) * s..(bh / h + 1) * s],
                 };
                 head_backward(&inputs, dq, dk, dv, T::from_f64(scale), sh);
             });
@@ -323,22 +481,23 @@ fn head_backward<T: Float>(
     let most = Q_BLOCK.min(s) * sh.l();
     let (mut probs_buf, mut ds_buf) = (vec![T::zero(); most], vec![T::zero(); most]);
     for t0 in (0..s).step_by(Q_BLOCK) {
-        let (t0, t1, lk) = block(t0, s, p);
+        let (t0, t1, k0, lk) = block(t0, s, p, x.lo);
         let nb = t1 - t0;
         let (q_blk, d_out_blk) = (&x.q[t0 * d..t1 * d], &x.d_out[t0 * d..t1 * d]);
+        // The keys the block sees, k0..k0 + lk. // (lk, D)
+        let (k_blk, v_blk) = (&x.k[k0 * d..], &x.v[k0 * d..]);
         // probs = exp(scale * q k^T - lse) on the visible keys, 0 elsewhere. // (nb, lk)
         let probs = &mut probs_buf[..nb * lk];
-        block_scores(probs, q_blk, x.k, nb, lk, d);
+        block_scores(probs, q_blk, k_blk, nb, lk, d);
         for (i, row) in probs.chunks_mut(lk).enumerate() {
-            let (seen, masked) = row.split_at_mut(p + t0 + i + 1);
+            let seen = visible_part(row, k0, x.lo[t0 + i], p, t0 + i);
             let lse = x.lse[t0 + i];
             seen.iter_mut()
                 .for_each(|z| *z = (*z * scale - lse).exp_fast());
-            masked.fill(T::zero());
         }
         // dv += probs^T d_out
         matmul(
-            &mut dv[..lk * d],
+            &mut dv[k0 * d..(k0 + lk) * d],
             d,
             true,
             Mat::transposed(probs, lk, nb, lk),
@@ -347,7 +506,7 @@ fn head_backward<T: Float>(
         );
         // dprobs = d_out v^T, then ds = scale * probs * (dprobs - sum(d_out * out)). // (nb, lk)
         let ds = &mut ds_buf[..nb * lk];
-        block_scores(ds, d_out_blk, x.v, nb, lk, d);
+        block_scores(ds, d_out_blk, v_blk, nb, lk, d);
         for (i, (ds, probs)) in ds.chunks_mut(lk).zip(probs.chunks(lk)).enumerate() {
             let t = t0 + i;
             let delta: T = d_out_blk[i * d..(i + 1) * d]
@@ -365,11 +524,11 @@ fn head_backward<T: Float>(
             d,
             false,
             Mat::rows(ds, nb, lk, lk),
-            Mat::rows(x.k, lk, d, d),
+            Mat::rows(k_blk, lk, d, d),
             Threads::One,
         );
         matmul(
-            &mut dk[..lk * d],
+            &mut dk[k0 * d..(k0 + lk) * d],
             d,
             true,
             Mat::transposed(ds, lk, nb, lk),

@@ -14,9 +14,12 @@
 
 pub mod adamw;
 pub mod attention;
+#[cfg(test)]
+mod attention_frozen;
 pub mod clip;
 mod cpu;
 pub mod cross_entropy;
+pub mod documents;
 pub mod embedding;
 pub mod error;
 pub mod gelu;
@@ -33,9 +36,11 @@ mod util;
 pub use adamw::{AdamW, AdamWConfig, Moments};
 pub use attention::{
     AttentionCtx, causal_prefix_attention_backward, causal_prefix_attention_forward,
+    document_prefix_attention_backward, document_prefix_attention_forward,
 };
 pub use clip::{clip_coefficient, global_norm, sum_of_squares};
 pub use cross_entropy::{cross_entropy_forward_backward, cross_entropy_loss};
+pub use documents::{DocumentMask, doc_start};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use error::{OpsError, Result};
 pub use gelu::{GeluCtx, gelu_backward, gelu_forward};

@@ -500,6 +500,7 @@ fn write_local(dir: &Path, train: u64, val: u64) -> Result<()> {
         tokenizer: "gpt2".into(),
         train_tokens: train,
         val_tokens: val,
+        end_of_text: Some(EOT),
     };
     std::fs::write(dir.join("meta.json"), serde_json::to_string(&meta)?)?;
     Ok(())

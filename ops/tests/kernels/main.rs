@@ -6,6 +6,7 @@ mod attention;
 mod clip;
 mod common;
 mod cross_entropy;
+mod doc_attention;
 mod embedding;
 mod gelu;
 mod linear;

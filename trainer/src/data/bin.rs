@@ -30,6 +30,11 @@ pub struct DatasetMeta {
     pub train_tokens: u64,
     /// Tokens in `val.bin`.
     pub val_tokens: u64,
+    /// The token that ends every document (`<|endoftext|>` = 50256 for GPT-2 BPE), from which
+    /// document starts are found ([`document_starts`](super::documents::document_starts)).
+    /// Absent in datasets prepared before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_of_text: Option<u32>,
 }
 
 impl DatasetMeta {
@@ -439,6 +444,7 @@ pub(crate) mod tests {
             tokenizer: "test".into(),
             train_tokens: 100,
             val_tokens: 20,
+            end_of_text: None,
         };
         std::fs::write(tmp.0.join(META_FILE), serde_json::to_string(&meta).unwrap()).unwrap();
         let files = TokenFiles::open(&tmp.0, TokenDtype::U32, 70_100).unwrap();

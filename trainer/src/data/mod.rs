@@ -20,6 +20,7 @@
 //!   sample are the same as from the single-file dataset the shards were cut from.
 
 pub mod bin;
+pub mod documents;
 pub mod keys;
 pub mod prepare;
 pub mod remote;
@@ -33,6 +34,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use bin::{DatasetMeta, TokenFiles};
+pub use documents::{DocumentLengths, SyntheticDocuments, document_starts};
 pub use prepare::{PrepareReport, prepare};
 pub use remote::ShardedSource;
 pub use synthetic::SyntheticLanguage;
@@ -108,6 +110,13 @@ pub struct DataConfig {
     pub read_attempts: u32,
     /// URL sources: seconds one read attempt may take.
     pub read_timeout_s: f64,
+    /// Packed documents: a token attends only to earlier tokens of its own document (documents
+    /// end with the dataset's end-of-text token, `end_of_text` in its metadata). Parsed and
+    /// validated, but the stage does not apply it yet: `true` is refused (docs/data.md).
+    pub document_mask: bool,
+    /// With `document_mask`: positions restart at 0 at each document start. Needs
+    /// `document_mask = true`.
+    pub reset_positions: bool,
 }
 
 impl Default for DataConfig {
@@ -123,6 +132,8 @@ impl Default for DataConfig {
             prefetch_steps: 2,
             read_attempts: 4,
             read_timeout_s: 30.0,
+            document_mask: false,
+            reset_positions: false,
         }
     }
 }

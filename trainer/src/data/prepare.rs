@@ -502,6 +502,7 @@ pub fn prepare(
         tokenizer: "gpt2".into(),
         train_tokens,
         val_tokens,
+        end_of_text: Some(GPT2_EOT),
     };
     let meta_path = out_dir.join(META_FILE);
     let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
@@ -645,7 +646,7 @@ mod tests {
         assert_eq!(
             meta,
             serde_json::json!({"vocab_size": 50257, "dtype": "u16", "tokenizer": "gpt2",
-                               "train_tokens": 3, "val_tokens": 2})
+                               "train_tokens": 3, "val_tokens": 2, "end_of_text": 50256})
         );
         assert!(!out.join("train.bin.tmp").exists());
 
@@ -734,6 +735,12 @@ mod tests {
         );
         let meta = crate::data::DatasetMeta::read(&out).unwrap().unwrap();
         assert_eq!((meta.train_tokens, meta.val_tokens), (24, 6));
+        // The separator is recorded, and finds the documents of val.bin.
+        assert_eq!(meta.end_of_text, Some(50256));
+        assert_eq!(
+            crate::data::documents::document_starts(&read_u16(&report.val_path), GPT2_EOT),
+            vec![0, 3]
+        );
     }
 
     #[test]

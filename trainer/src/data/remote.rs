@@ -994,6 +994,7 @@ mod tests {
             tokenizer: "test".into(),
             train_tokens: n,
             val_tokens: 200,
+            end_of_text: None,
         };
         std::fs::write(dir.join(META_FILE), serde_json::to_string(&meta).unwrap()).unwrap();
         let url = format!("file://{}/sharded", dir.display());

@@ -175,7 +175,7 @@ impl SyntheticLanguage {
     }
 
     /// Generates `len` tokens from the random stream `rng`.
-    fn generate(&self, rng: &mut impl RngCore, len: usize) -> Vec<u32> {
+    pub(crate) fn generate(&self, rng: &mut impl RngCore, len: usize) -> Vec<u32> {
         let mut out: Vec<u32> = Vec::with_capacity(len);
         let mut succ = Vec::with_capacity(self.branching);
         for pos in 0..len {

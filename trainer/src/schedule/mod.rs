@@ -23,6 +23,7 @@
 //! The module is pure: no tensors, no IO.
 
 mod action;
+pub mod doc_segments;
 mod error;
 mod generate;
 mod parse;
