@@ -118,7 +118,7 @@ struct Case {
 /// lost stage. Returns the number of cases.
 fn for_each_case(mut check: impl FnMut(&Case)) -> usize {
     let mut cases = 0;
-    for (kind_index, kind) in ScheduleKind::ALL.into_iter().enumerate() {
+    for (kind_index, kind) in ScheduleKind::runtime_kinds().enumerate() {
         for p in [2, 3, 4] {
             for m in [1, 2, 4] {
                 for k in [1, 2, 4] {
