@@ -95,6 +95,10 @@ impl Schedule {
     }
 }
 
+/// The most chunks per stage a schedule may have (far above any real model's layers per stage;
+/// bounds what a loaded schedule makes the validator allocate).
+pub(crate) const MAX_VIRTUAL_STAGES: usize = 1024;
+
 /// serde's default for [`Schedule::virtual_stages`].
 fn one() -> usize {
     1
@@ -304,6 +308,11 @@ fn check_virtual(
     k: usize,
 ) -> Result<(), ScheduleError> {
     let bad = |why: String| Err(ScheduleError::InvalidParameters(why));
+    if v > MAX_VIRTUAL_STAGES {
+        return bad(format!(
+            "virtual_stages {v} is out of range: at most {MAX_VIRTUAL_STAGES} chunks per stage"
+        ));
+    }
     if !kind.is_interleaved() {
         if v != 1 {
             return bad(format!(

@@ -29,7 +29,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::fmt::Write as _;
 
-use super::generate::check_parameters;
+use super::generate::{MAX_VIRTUAL_STAGES, check_parameters};
 use super::{Action, Op, Schedule, ScheduleError, Unit};
 
 /// How many grid rows a deadlock report shows (the most recent ones).
@@ -42,10 +42,11 @@ const GRID_ROWS: usize = 48;
 /// stage's action list and the action.
 pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
     check_parameters(s.stages, s.microbatches, s.splits)?;
-    if s.virtual_stages == 0 {
-        return Err(ScheduleError::InvalidParameters(
-            "virtual_stages must be at least 1 (got 0)".into(),
-        ));
+    if s.virtual_stages == 0 || s.virtual_stages > MAX_VIRTUAL_STAGES {
+        return Err(ScheduleError::InvalidParameters(format!(
+            "virtual_stages must be 1 to {MAX_VIRTUAL_STAGES} (got {})",
+            s.virtual_stages
+        )));
     }
     if s.actions.len() != s.stages {
         return Err(ScheduleError::StageCount {
