@@ -206,6 +206,25 @@ mod tests {
     }
 
     #[test]
+    fn svg_draws_chunks_and_split_backwards() {
+        let s =
+            super::super::generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 4, 2).unwrap();
+        let sim = simulate(&s, &UnitCosts::uniform(2, 4)).unwrap();
+        let svg = render_svg(&s, &sim);
+        let slots = sim.timeline.iter().map(Vec::len).sum::<usize>();
+        assert_eq!(slots, 2 * 2 * 4 * 2 * 2);
+        assert_eq!(svg.matches("<title>").count(), slots);
+        assert!(svg.contains("seq1f1b-i p=2 v=2 m=4 k=2"), "{svg}");
+        assert!(svg.contains("<title>F0.1@1 stage 0") && svg.contains("<title>B3.0@1 stage 1"));
+        let z = generate(ScheduleKind::Seq1F1BZeroBubble, 3, 2, 2).unwrap();
+        let sim = simulate(&z, &UnitCosts::uniform(2, 4)).unwrap();
+        let svg = render_svg(&z, &sim);
+        assert!(svg.contains("<title>I1.0 stage 2") && svg.contains("<title>W1.0 stage 0"));
+        // Input halves red, weight halves green.
+        assert!(svg.contains("hsl(0,") && svg.contains("hsl(130,"));
+    }
+
+    #[test]
     fn report_has_the_documented_keys() {
         let s = generate(ScheduleKind::OneFOneB, 2, 2, 2).unwrap();
         let sim = simulate(&s, &UnitCosts::uniform(2, 4)).unwrap();
