@@ -338,7 +338,7 @@ fn check_virtual(
             "{kind} needs at least 2 stages (got {p}): one worker has no one to interleave with"
         ));
     }
-    if m % p != 0 {
+    if !m.is_multiple_of(p) {
         return bad(format!(
             "{kind} needs the micro-batches to be a multiple of the stages (m = {m}, p = {p}): \
              the interleaved order walks each chunk in rounds of p, as Megatron and the \
@@ -347,14 +347,14 @@ fn check_virtual(
             (m / p + 1) * p
         ));
     }
-    if kind == ScheduleKind::Seq1F1BInterleaved && p % k != 0 {
+    if kind == ScheduleKind::Seq1F1BInterleaved && !p.is_multiple_of(k) {
         return bad(format!(
             "{kind} needs the splits to divide the stages (k = {k}, p = {p}): each chunk takes \
              its units in rounds of p, and only when a round holds whole micro-batches does the \
              last virtual stage forward a micro-batch's last segment before its first backward \
              (the reference's order with p = 2, k = 3 has worker 1 run B0.2@1 before F0.2@1); \
              use k in {:?}",
-            (1..=p).filter(|d| p % d == 0).collect::<Vec<_>>()
+            (1..=p).filter(|&d| p.is_multiple_of(d)).collect::<Vec<_>>()
         ));
     }
     Ok(())
@@ -819,11 +819,11 @@ mod family_tests {
     /// The interleaved shapes the property tests cover: p ∈ 2..=6, v ∈ 2..=4, m ∈ {p, 2p, 3p},
     /// k ∈ 1..=p dividing p (the shapes `seq1f1b-i` accepts; `1f1b-i` takes them too).
     fn interleaved_shapes() -> impl Iterator<Item = (usize, usize, usize, usize)> {
-        (2..=6).flat_map(|p| {
+        (2..=6usize).flat_map(|p| {
             (2..=4).flat_map(move |v| {
                 [p, 2 * p, 3 * p].into_iter().flat_map(move |m| {
                     (1..=p)
-                        .filter(move |k| p % k == 0)
+                        .filter(move |&k| p.is_multiple_of(k))
                         .map(move |k| (p, v, m, k))
                 })
             })

@@ -523,10 +523,9 @@ fn deadlock(
     grid: &[Vec<Option<Action>>],
     ch: &Channels,
 ) -> ScheduleError {
-    let p = s.stages;
     let mut blocked = Vec::new();
-    for r in 0..p {
-        if let Some(&a) = s.actions[r].get(pc[r]) {
+    for (r, &at) in pc.iter().enumerate() {
+        if let Some(&a) = s.actions[r].get(at) {
             let (what, from, empty) = match a.op() {
                 Op::RecvActivation => {
                     let from = ch.before(r);
@@ -537,8 +536,7 @@ fn deadlock(
             };
             debug_assert!(empty);
             blocked.push(format!(
-                "stage {r} waits at #{} {a} for {what} from stage {from}",
-                pc[r]
+                "stage {r} waits at #{at} {a} for {what} from stage {from}"
             ));
         }
     }
