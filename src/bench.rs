@@ -2,7 +2,8 @@
 //! same store measured in the same run, and the training stall that asynchronous checkpoints cause.
 //! `seqpipe bench recovery` (one SIGKILLed node per trial, per tier) is here too; `seqpipe bench step`
 //! (training step time and memory) lives in [`step`], `seqpipe bench schedule` (the schedules on real
-//! pipeline runs) in [`schedule`], `seqpipe bench goodput` (a whole job under random failures) in
+//! pipeline runs) in [`schedule`] (with `--simulated`, the whole schedule family on the cost model,
+//! in [`schedule_family`]), `seqpipe bench goodput` (a whole job under random failures) in
 //! [`goodput`], `seqpipe bench replicas` (data parallelism's reduction cost and replayed step
 //! time) in [`replicas`], `seqpipe bench data` (training data from an object store against a local
 //! directory) in [`data`], `seqpipe bench docmask` (document-masked attention per segment) in
@@ -14,6 +15,7 @@ pub mod goodput;
 pub mod overhead;
 pub mod replicas;
 pub mod schedule;
+pub mod schedule_family;
 pub mod step;
 
 use std::time::Instant;

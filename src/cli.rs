@@ -24,8 +24,8 @@ use trainer::runtime::recovery::{ResumePoint, Start};
 use trainer::runtime::run::{LaunchOptions, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use trainer::schedule::{
-    Partition, ScheduleKind, UnitCosts, generate, render_svg, render_text, report_json,
-    segment_lengths, simulate,
+    Partition, ScheduleKind, UnitCosts, formula_bubble, generate_virtual, render_svg, render_text,
+    report_json, segment_lengths, simulate,
 };
 
 /// seqpipe: a fault-tolerant Seq1F1B pipeline-parallel GPT trainer.
@@ -254,9 +254,13 @@ struct ScheduleArgs {
     /// Segments per micro-batch k.
     #[arg(long, default_value_t = 1)]
     splits: usize,
-    /// seq1f1b, 1f1b or gpipe.
+    /// seq1f1b, 1f1b, gpipe, seq1f1b-i, 1f1b-i or seq1f1b-zb.
     #[arg(long, default_value = "seq1f1b")]
     schedule: ScheduleKind,
+    /// Layer chunks per stage v (virtual stages) for seq1f1b-i and 1f1b-i (default 2 for them,
+    /// 1 for the others).
+    #[arg(long)]
+    virtual_stages: Option<usize>,
     /// Sequence length (for segment lengths and token counts).
     #[arg(long, default_value_t = 4096)]
     seq_len: usize,
@@ -1163,7 +1167,10 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
         args.splits,
         &cfg.flops_model(),
     )?;
-    let sched = generate(args.schedule, args.stages, c, args.splits)?;
+    let v = args
+        .virtual_stages
+        .unwrap_or(if args.schedule.is_interleaved() { 2 } else { 1 });
+    let sched = generate_virtual(args.schedule, args.stages, v, c, args.splits)?;
     let batch = cfg.train.micro_batch_size;
     let costs = match args.costs.as_str() {
         "flops" => UnitCosts::from_flops(&lengths, batch, &cfg.flops_model()),
@@ -1193,12 +1200,19 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
         "data parallelism: {d} replicas × {} stages; each replica runs c = m/d = {}/{d} = {c} micro-batches (the schedule below is one replica's)",
         args.stages, args.microbatches
     );
+    if v > 1 {
+        println!(
+            "virtual stages: {v} layer chunks per stage; `@c` marks an action on a stage's chunk c (virtual stage c·p + stage)"
+        );
+    }
     print!("{}", render_text(&sched));
     println!(
-        "simulated bubble fraction per replica: {:.4} (Seq1F1B ideal (p-1)/(ck+p-1) = {:.4}; 1F1B (p-1)/(c+p-1) = {:.4})",
+        "simulated bubble fraction per replica: {:.4} (Seq1F1B ideal (p-1)/(ck+p-1) = {:.4}; 1F1B (p-1)/(c+p-1) = {:.4}; {} formula {:.4})",
         sim.bubble_fraction,
         (p - 1.0) / (c_f * k + p - 1.0),
-        (p - 1.0) / (c_f + p - 1.0)
+        (p - 1.0) / (c_f + p - 1.0),
+        args.schedule,
+        formula_bubble(args.schedule, args.stages, v, c, args.splits)
     );
     for st in &sim.stages {
         println!(

@@ -85,6 +85,67 @@ fn schedule_text_and_svg() {
     );
 }
 
+/// The interleaved and zero-bubble kinds print, simulate and draw; `train` refuses them with the
+/// reason instead of running something else.
+#[test]
+fn schedule_only_kinds_print_and_train_refuses_them() {
+    let dir = fresh_dir("family-svg");
+    let svg = dir.join("zb.svg");
+    let out = run_ok(seqpipe().args([
+        "schedule",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--splits",
+        "2",
+        "--schedule",
+        "seq1f1b-i",
+        "--virtual-stages",
+        "2",
+    ]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("stage 0: F0.0 F0.1 F0.0@1 F0.1@1 F1.0 F1.1 B0.1@1"),
+        "{text}"
+    );
+    assert!(text.contains("seq1f1b-i formula"), "{text}");
+    let out = run_ok(
+        seqpipe()
+            .args([
+                "schedule",
+                "--stages",
+                "3",
+                "--microbatches",
+                "2",
+                "--splits",
+                "2",
+                "--schedule",
+                "seq1f1b-zb",
+                "--svg",
+            ])
+            .arg(&svg),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("I0.1") && text.contains("W0.1"), "{text}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("W0.1"));
+    let err = run_err(seqpipe().args([
+        "schedule",
+        "--stages",
+        "4",
+        "--microbatches",
+        "6",
+        "--schedule",
+        "1f1b-i",
+    ]));
+    assert!(err.contains("multiple of the stages"), "{err}");
+    let err = run_err(seqpipe().args(["train", "--set", "pipeline.schedule=seq1f1b-zb"]));
+    assert!(
+        err.contains("seq1f1b-zb") && err.contains("cannot run"),
+        "{err}"
+    );
+}
+
 /// With data parallelism the printed schedule is one replica's, over c = m/d micro-batches, and a
 /// replica count that cannot split the micro-batches deterministically is refused with the valid
 /// ones.

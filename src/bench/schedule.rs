@@ -50,6 +50,11 @@ pub struct ScheduleBenchArgs {
     /// Also write every run's numbers as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Instead of real runs, compare 1f1b, 1f1b-i, seq1f1b, seq1f1b-i and seq1f1b-zb on the
+    /// simulator's FLOPs cost model (p = 4, v = 2, m ∈ {4, 8}, k ∈ {2, 4}, T ∈ {2048, 8192}),
+    /// including the kinds the runtime cannot run yet; see [`super::schedule_family`].
+    #[arg(long)]
+    simulated: bool,
 }
 
 /// The model and batch of every run (before `--set`).
@@ -129,6 +134,9 @@ impl ScheduleRun {
 /// Runs the benchmark and prints one line per configuration and the comparisons the schedules
 /// are judged by.
 pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
+    if args.simulated {
+        return super::schedule_family::run(args.json.as_deref());
+    }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }

@@ -46,6 +46,10 @@ pub enum ConfigError {
     /// A value is out of range or inconsistent with another.
     #[error("invalid value for `{key}`: {message}")]
     Invalid { key: &'static str, message: String },
+    /// `pipeline.schedule` names a kind that exists at the schedule level only (interleaved or
+    /// zero-bubble): the stage runtime cannot run it yet.
+    #[error(transparent)]
+    ScheduleNotRunnable(crate::schedule::ScheduleError),
 }
 
 /// `[run]`: where the run writes and how its processes are set up.
@@ -158,8 +162,11 @@ pub struct PipelineConfig {
     pub microbatches: usize,
     /// Sequence segments k per micro-batch (Seq1F1B's splits).
     pub splits: usize,
-    /// `seq1f1b`, `1f1b` or `gpipe`.
+    /// `seq1f1b`, `1f1b` or `gpipe`; `seq1f1b-i`, `1f1b-i` and `seq1f1b-zb` parse but are
+    /// refused by [`Config::validate`] until the runtime can run them.
     pub schedule: ScheduleKind,
+    /// Layer chunks per stage (virtual stages) v: 1, or ≥ 2 for the interleaved schedules.
+    pub virtual_stages: usize,
     /// Segment lengths: `uniform` or `compute` (equal FLOPs under causal attention).
     pub partition: Partition,
     /// For `partition = "compute"`: the time of an attention FLOP relative to a dense (matmul)
@@ -200,6 +207,7 @@ impl Default for PipelineConfig {
             microbatches: 4,
             splits: 4,
             schedule: ScheduleKind::Seq1F1B,
+            virtual_stages: 1,
             partition: Partition::Compute,
             attention_cost: 1.0,
             timeout_s: 60.0,
@@ -520,6 +528,19 @@ impl Config {
                 "must be at least 1 (each read of a dataset object is tried this many times)"
                     .into(),
             );
+        }
+        if p.schedule.is_interleaved() != (p.virtual_stages > 1) || p.virtual_stages == 0 {
+            return invalid(
+                "pipeline.virtual_stages",
+                format!(
+                    "{} with schedule \"{}\": the interleaved schedules (1f1b-i, seq1f1b-i) need \
+                     at least 2 chunks per stage, the others exactly 1",
+                    p.virtual_stages, p.schedule
+                ),
+            );
+        }
+        if let Some(e) = crate::schedule::ScheduleError::not_runnable_kind(p.schedule) {
+            return Err(ConfigError::ScheduleNotRunnable(e));
         }
         if p.transport == StageTransport::Nccl && m.device != DeviceKind::Cuda {
             return invalid(
@@ -849,6 +870,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
+    }
+
+    #[test]
+    fn schedule_only_kinds_parse_and_are_refused_with_the_reason() {
+        for (kind, v) in [("seq1f1b-i", 2), ("1f1b-i", 2), ("seq1f1b-zb", 1)] {
+            let cfg = Config::default()
+                .with_overrides(&[
+                    format!("pipeline.schedule={kind}"),
+                    format!("pipeline.virtual_stages={v}"),
+                ])
+                .unwrap();
+            assert_eq!(cfg.pipeline.schedule.as_str(), kind);
+            let err = cfg.validate().unwrap_err();
+            assert!(matches!(err, ConfigError::ScheduleNotRunnable(_)), "{err}");
+            let text = err.to_string();
+            assert!(
+                text.contains(kind) && text.contains("cannot run") && text.contains("seq1f1b"),
+                "{text}"
+            );
+        }
+        // Chunk counts that do not fit the kind are refused before that, naming the key.
+        for (kind, v) in [("seq1f1b-i", 1), ("seq1f1b", 2), ("1f1b", 0)] {
+            let err = Config::default()
+                .with_overrides(&[
+                    format!("pipeline.schedule={kind}"),
+                    format!("pipeline.virtual_stages={v}"),
+                ])
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("pipeline.virtual_stages"),
+                "{kind} v={v}: {err}"
+            );
+        }
     }
 
     #[test]

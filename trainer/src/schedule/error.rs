@@ -1,6 +1,15 @@
 //! The one error type of the schedule module.
 
-use super::action::{Action, Unit};
+use super::action::{Action, ScheduleKind, Unit};
+
+/// `" on chunk c"` for chunks ≥ 1, nothing for chunk 0 (the only one without virtual stages).
+fn on_chunk(chunk: usize) -> String {
+    if chunk == 0 {
+        String::new()
+    } else {
+        format!(" on chunk {chunk}")
+    }
+}
 
 /// Everything that can be wrong with a schedule, its parameters, or a partition.
 ///
@@ -47,14 +56,17 @@ pub enum ScheduleError {
 
     /// A unit is missing, or present more than once, on a stage.
     #[error(
-        "stage {stage}: incomplete schedule: unit {unit} has {count} {what} action(s), \
-         expected exactly {expected}"
+        "stage {stage}: incomplete schedule: unit {unit}{} has {count} {what} action(s), \
+         expected exactly {expected}",
+        on_chunk(*.chunk)
     )]
     Incomplete {
         /// Stage index.
         stage: usize,
         /// The unit.
         unit: Unit,
+        /// The stage's local chunk (0 without virtual stages).
+        chunk: usize,
         /// Which action ("forward (F)", "backward (B)", "receive-activation (RF)", ...).
         what: &'static str,
         /// How many there are.
@@ -157,7 +169,44 @@ pub enum ScheduleError {
     #[error("invalid unit costs: {0}")]
     InvalidCosts(String),
 
+    /// Something that exists at the schedule level (virtual-stage chunks, split backwards) but that
+    /// the stage runtime cannot execute yet.
+    #[error(
+        "the stage runtime cannot run {what} yet: {reason}; it runs gpipe, 1f1b and seq1f1b \
+         (`seqpipe schedule` and `seqpipe bench schedule --simulated` show the others)"
+    )]
+    NotRunnable {
+        /// The kind or action refused.
+        what: String,
+        /// What the runtime lacks.
+        reason: &'static str,
+    },
+
     /// A sequence partition that cannot be made.
     #[error("invalid partition: {0}")]
     InvalidPartition(String),
 }
+
+impl ScheduleError {
+    /// Why the stage runtime refuses `kind` ([`ScheduleError::NotRunnable`]), or `None` when it
+    /// runs it.
+    pub fn not_runnable_kind(kind: ScheduleKind) -> Option<ScheduleError> {
+        (!kind.runs_in_runtime()).then(|| ScheduleError::NotRunnable {
+            what: format!("pipeline.schedule = \"{kind}\""),
+            reason: RUNTIME_LACKS,
+        })
+    }
+
+    /// Why the stage runtime refuses `action` (a chunk or split-backward action).
+    pub fn not_runnable_action(action: Action) -> ScheduleError {
+        ScheduleError::NotRunnable {
+            what: format!("action {action}"),
+            reason: RUNTIME_LACKS,
+        }
+    }
+}
+
+/// What the stage runtime lacks for the interleaved and zero-bubble kinds.
+const RUNTIME_LACKS: &str = "its workers hold one layer chunk each and run whole backwards \
+                             (virtual stages and input/weight backward halves exist at the \
+                             schedule level only)";

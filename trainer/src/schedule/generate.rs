@@ -1,32 +1,46 @@
-//! Schedule generation: per-stage action lists for GPipe, 1F1B and Seq1F1B.
+//! Schedule generation: per-worker action lists for GPipe, 1F1B, Seq1F1B, their interleaved
+//! forms 1F1B-I and Seq1F1B-I (virtual stages), and the zero-bubble Seq1F1B.
 //!
-//! All three kinds are one algorithm over "groups" of units:
+//! All kinds but the zero-bubble one are one algorithm over "groups" of compute actions:
 //!
-//! * forward groups in order, backward groups in order (the backward order is always micro-batch
-//!   ascending, segment descending, for every kind and every stage, so gradient accumulation
-//!   order never depends on the partition);
-//! * stage r first runs `w(r)` forward groups (warm-up), then alternates one forward group and
+//! * forward groups in order, backward groups in order (on each chunk the backward order is
+//!   always micro-batch ascending, segment descending, for every kind and every stage, so
+//!   gradient accumulation order never depends on the partition);
+//! * worker r first runs `w(r)` forward groups (warm-up), then alternates one forward group and
 //!   one backward group (steady state), then runs the remaining backward groups (cool-down).
 //!
-//! | kind      | group                       | warm-up groups on stage r        |
-//! |-----------|-----------------------------|----------------------------------|
-//! | `gpipe`   | one unit                    | all m·k                          |
-//! | `1f1b`    | one micro-batch (k units)   | min(p−r−1, m)                    |
-//! | `seq1f1b` | one unit                    | min((p−r−1)+(k−1), m·k)          |
+//! | kind        | group                       | warm-up groups on worker r                   |
+//! |-------------|-----------------------------|----------------------------------------------|
+//! | `gpipe`     | one unit                    | all m·k                                      |
+//! | `1f1b`      | one micro-batch (k units)   | min(p−r−1, m)                                |
+//! | `seq1f1b`   | one unit                    | min((p−r−1)+(k−1), m·k)                      |
+//! | `1f1b-i`    | one micro-batch on a chunk  | min((v−1)·p + 2·(p−r−1), m·v); all if m = p  |
+//! | `seq1f1b-i` | one unit on a chunk         | min((v−1)·p + 2·(p−r−1) + (k−1), m·k·v); all if m = p |
 //!
-//! Compute actions are then wrapped in their communication actions: on stage r>0 a forward is
-//! preceded by its `RecvActivation`, on r<p−1 followed by its `SendActivation`; on r<p−1 a
-//! backward is preceded by its `RecvGrad`, on r>0 followed by its `SendGrad`.
+//! In the interleaved kinds the t-th forward group of a worker is on chunk `(t mod p·v) / p` and
+//! the t-th backward group on chunk `v−1 − (t mod p·v) / p` (Megatron's `get_model_chunk_id`),
+//! each chunk taking its groups in order. `seq1f1b-zb` is built by list scheduling
+//! ([`zero_bubble_order`]).
+//!
+//! Compute actions are then wrapped in their communication actions: a forward is preceded by its
+//! `RecvActivation` unless it is on the first virtual stage and followed by its `SendActivation`
+//! unless on the last; a backward (`B`, or the input half `I`) is preceded by its `RecvGrad`
+//! unless on the last virtual stage and followed by its `SendGrad` unless on the first.
+
+use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Action, ScheduleError, ScheduleKind, Unit};
+#[cfg(test)]
+use super::formula_bubble;
+use super::{Action, Op, ScheduleError, ScheduleKind, Unit};
 
-/// A whole schedule: one ordered action list per stage, communication actions included.
+/// A whole schedule: one ordered action list per stage (worker), communication actions included.
 ///
-/// On stage r>0 every `Forward(u)` is preceded by `RecvActivation(u)`; on r<p−1 it is followed by
-/// `SendActivation(u)`. On r<p−1 every `Backward(u)` is preceded by `RecvGrad(u)`; on r>0 it is
-/// followed by `SendGrad(u)`. A `forward_only` schedule (evaluation) has no backward-pass
+/// Without virtual stages: on stage r>0 every `Forward(u)` is preceded by `RecvActivation(u)`; on
+/// r<p−1 it is followed by `SendActivation(u)`. On r<p−1 every `Backward(u)` is preceded by
+/// `RecvGrad(u)`; on r>0 it is followed by `SendGrad(u)`. With v chunks per worker the same holds
+/// per virtual stage (see the module docs). A `forward_only` schedule (evaluation) has no backward-pass
 /// actions. Serializes to JSON with actions as strings (`"RF0.1"`), so a schedule can be saved,
 /// edited and loaded; run [`super::validate`] on anything loaded.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,8 +48,12 @@ pub struct Schedule {
     /// Which schedule this is (forward-only schedules say [`ScheduleKind::GPipe`]: their order is
     /// GPipe's forward phase).
     pub kind: ScheduleKind,
-    /// Number of pipeline stages p.
+    /// Number of pipeline stages p: workers, one action list each.
     pub stages: usize,
+    /// Chunks v per worker (virtual stages; 1 without interleaving). Worker r's local chunk c is
+    /// virtual stage `c·p + r`. Absent in JSON written before virtual stages existed: 1.
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
     /// Micro-batches per step m.
     pub microbatches: usize,
     /// Segments per micro-batch k.
@@ -47,7 +65,7 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// Stage `stage`'s compute actions ([`Action::Forward`] / [`Action::Backward`]) in order.
+    /// Stage `stage`'s compute actions (`F`, `B`, `I`, `W`) in order.
     pub fn compute_actions(&self, stage: usize) -> impl Iterator<Item = Action> + '_ {
         self.actions[stage]
             .iter()
@@ -55,16 +73,35 @@ impl Schedule {
             .filter(|a| a.is_compute())
     }
 
-    /// Stage `stage`'s backward units in execution order.
+    /// Stage `stage`'s backward units in execution order: the units of its `B` and `I` actions
+    /// (the ones that produce input gradients), on any chunk.
     pub fn backward_order(&self, stage: usize) -> Vec<Unit> {
         self.actions[stage]
             .iter()
-            .filter_map(|a| match a {
-                Action::Backward(u) => Some(*u),
-                _ => None,
-            })
+            .filter(|a| a.op().is_input_backward())
+            .map(|a| a.unit())
             .collect()
     }
+
+    /// Stage `stage`'s parameter-gradient accumulations in execution order: (local chunk, unit)
+    /// of every `B` (whole backward) and `W` (weight half). Per chunk, this is the order in which
+    /// the chunk's parameter gradients sum over the step's units.
+    pub fn gradient_order(&self, stage: usize) -> Vec<(usize, Unit)> {
+        self.actions[stage]
+            .iter()
+            .filter(|a| matches!(a.op(), Op::Backward | Op::BackwardWeight))
+            .map(|a| (a.chunk(), a.unit()))
+            .collect()
+    }
+}
+
+/// The most chunks per stage a schedule may have (far above any real model's layers per stage;
+/// bounds what a loaded schedule makes the validator allocate).
+pub(crate) const MAX_VIRTUAL_STAGES: usize = 1024;
+
+/// serde's default for [`Schedule::virtual_stages`].
+fn one() -> usize {
+    1
 }
 
 /// Checks that p, m and k are all at least 1.
@@ -105,50 +142,301 @@ pub(crate) fn backward_units(microbatches: usize, splits: usize) -> Vec<Unit> {
 }
 
 /// Generates the training schedule of `kind` for `stages` stages, `microbatches` micro-batches
-/// and `splits` segments per micro-batch.
+/// and `splits` segments per micro-batch, without virtual stages (v = 1).
 ///
-/// Errors with [`ScheduleError::InvalidParameters`] when any of them is 0. The result always
-/// passes [`super::validate`].
+/// Errors with [`ScheduleError::InvalidParameters`] when any of them is 0, or for the interleaved
+/// kinds (which need v ≥ 2: use [`generate_virtual`]). The result always passes
+/// [`super::validate`].
 pub fn generate(
     kind: ScheduleKind,
     stages: usize,
     microbatches: usize,
     splits: usize,
 ) -> Result<Schedule, ScheduleError> {
+    generate_virtual(kind, stages, 1, microbatches, splits)
+}
+
+/// Generates the training schedule of `kind` for `stages` workers holding `virtual_stages`
+/// chunks each (chunk c of worker r is virtual stage `c·p + r`), `microbatches` micro-batches
+/// and `splits` segments per micro-batch.
+///
+/// | kind         | order on worker r                                                      |
+/// |--------------|------------------------------------------------------------------------|
+/// | `1f1b-i`     | Megatron's interleaved 1F1B over micro-batches: warm-up `(v−1)·p + 2·(p−r−1)` |
+/// | `seq1f1b-i`  | the Seq1F1B reference's interleaved order over units: warm-up `(v−1)·p + 2·(p−r−1) + (k−1)` |
+/// | `seq1f1b-zb` | Seq1F1B with split backwards, weight halves in the bubbles (see [`zero_bubble_order`]) |
+///
+/// Shapes refused with [`ScheduleError::InvalidParameters`], saying why: any count 0; v ≠ 1 for a
+/// kind without virtual stages; for the interleaved kinds v < 2, p < 2 (one worker has no one to
+/// interleave with) or m not a multiple of p (the interleaved order walks every chunk in rounds
+/// of p micro-batches — p units for `seq1f1b-i` — and the reference, like Megatron, asserts
+/// `m % p == 0`: with a short last round a worker would wait for a chunk its neighbour has not
+/// reached); for `seq1f1b-i` also k not dividing p (a round of p units must hold whole
+/// micro-batches, or the last virtual stage meets a backward before the micro-batch's last
+/// segment is forwarded: the reference's order is invalid there, its code assumes it).
+pub fn generate_virtual(
+    kind: ScheduleKind,
+    stages: usize,
+    virtual_stages: usize,
+    microbatches: usize,
+    splits: usize,
+) -> Result<Schedule, ScheduleError> {
     check_parameters(stages, microbatches, splits)?;
-    let (p, m, k) = (stages, microbatches, splits);
-    let units = |v: Vec<Unit>| v.into_iter().map(|u| vec![u]).collect::<Vec<_>>();
-    let (fwd_groups, bwd_groups): (Vec<Vec<Unit>>, Vec<Vec<Unit>>) = match kind {
-        ScheduleKind::GPipe | ScheduleKind::Seq1F1B => {
-            (units(forward_units(m, k)), units(backward_units(m, k)))
-        }
-        ScheduleKind::OneFOneB => (
-            (0..m)
-                .map(|i| (0..k).map(|j| Unit::new(i, j)).collect())
-                .collect(),
-            (0..m)
-                .map(|i| (0..k).rev().map(|j| Unit::new(i, j)).collect())
-                .collect(),
-        ),
+    check_virtual(kind, stages, virtual_stages, microbatches, splits)?;
+    let (p, v, m, k) = (stages, virtual_stages, microbatches, splits);
+    let on_chunk0 = |u: &Unit, op: Op| Action::new(op, *u, 0);
+    let singles = |units: Vec<Unit>, op: Op| -> Vec<Vec<Action>> {
+        units.iter().map(|u| vec![on_chunk0(u, op)]).collect()
     };
-    let actions = (0..p)
-        .map(|r| {
-            let warmup = match kind {
-                ScheduleKind::GPipe => m * k,
-                ScheduleKind::OneFOneB => (p - r - 1).min(m),
-                ScheduleKind::Seq1F1B => ((p - r - 1) + (k - 1)).min(m * k),
+    let whole_microbatches = |op: Op| -> Vec<Vec<Action>> {
+        (0..m)
+            .map(|i| {
+                let segs: Vec<usize> = match op {
+                    Op::Forward => (0..k).collect(),
+                    _ => (0..k).rev().collect(),
+                };
+                segs.into_iter()
+                    .map(|j| on_chunk0(&Unit::new(i, j), op))
+                    .collect()
+            })
+            .collect()
+    };
+    let actions: Vec<Vec<Action>> = match kind {
+        ScheduleKind::GPipe | ScheduleKind::Seq1F1B | ScheduleKind::OneFOneB => {
+            let (fwd, bwd) = if kind == ScheduleKind::OneFOneB {
+                (
+                    whole_microbatches(Op::Forward),
+                    whole_microbatches(Op::Backward),
+                )
+            } else {
+                (
+                    singles(forward_units(m, k), Op::Forward),
+                    singles(backward_units(m, k), Op::Backward),
+                )
             };
-            let order = one_f_one_b(&fwd_groups, &bwd_groups, warmup);
-            with_communication(&order, r, p)
-        })
-        .collect();
+            (0..p)
+                .map(|r| {
+                    let warmup = match kind {
+                        ScheduleKind::GPipe => m * k,
+                        ScheduleKind::OneFOneB => (p - r - 1).min(m),
+                        _ => seq1f1b_warmup(p, m, k, r),
+                    };
+                    one_f_one_b(&fwd, &bwd, warmup)
+                })
+                .collect()
+        }
+        ScheduleKind::OneFOneBInterleaved | ScheduleKind::Seq1F1BInterleaved => {
+            let seq = kind == ScheduleKind::Seq1F1BInterleaved;
+            // The items each chunk works through, in order: units for seq1f1b-i (backward order
+            // micro-batch ascending, segment descending: FIFO across micro-batches, LIFO within
+            // one), whole micro-batches for 1f1b-i.
+            let (fwd_items, bwd_items) = if seq {
+                (
+                    singles(forward_units(m, k), Op::Forward),
+                    singles(backward_units(m, k), Op::Backward),
+                )
+            } else {
+                (
+                    whole_microbatches(Op::Forward),
+                    whole_microbatches(Op::Backward),
+                )
+            };
+            let n = fwd_items.len();
+            let on = |items: &[Vec<Action>], q: usize, chunk: usize| -> Vec<Action> {
+                items[q]
+                    .iter()
+                    .map(|a| Action::new(a.op(), a.unit(), chunk))
+                    .collect()
+            };
+            // Megatron's `get_model_chunk_id`: the t-th forward of a worker is on chunk
+            // (t mod p·v) / p, the t-th backward on chunk v−1 − (t mod p·v) / p; each chunk
+            // takes its items in order, in rounds of p.
+            let item = |t: usize| (t / (p * v)) * p + t % p;
+            let fwd: Vec<Vec<Action>> = (0..n * v)
+                .map(|t| on(&fwd_items, item(t), (t % (p * v)) / p))
+                .collect();
+            let bwd: Vec<Vec<Action>> = (0..n * v)
+                .map(|t| on(&bwd_items, item(t), v - 1 - (t % (p * v)) / p))
+                .collect();
+            (0..p)
+                .map(|r| {
+                    let warmup = interleaved_warmup(p, v, m, if seq { k } else { 1 }, r, n * v);
+                    one_f_one_b(&fwd, &bwd, warmup)
+                })
+                .collect()
+        }
+        ScheduleKind::Seq1F1BZeroBubble => zero_bubble_order(p, m, k)?,
+    };
     Ok(Schedule {
         kind,
         stages: p,
+        virtual_stages: v,
         microbatches: m,
         splits: k,
         forward_only: false,
-        actions,
+        actions: actions
+            .iter()
+            .enumerate()
+            .map(|(r, order)| with_communication(order, r, p, v))
+            .collect(),
+    })
+}
+
+/// Seq1F1B's warm-up forwards on stage r: `min((p−r−1) + (k−1), m·k)`.
+pub(crate) fn seq1f1b_warmup(p: usize, m: usize, k: usize, r: usize) -> usize {
+    ((p - r - 1) + (k - 1)).min(m * k)
+}
+
+/// The interleaved warm-up on worker r, in forward groups (units for seq1f1b-i, where `k` is the
+/// split count; micro-batches for 1f1b-i, called with `k = 1`), out of `total` = m·v(·k) groups:
+/// everything when m = p (Megatron's `all_warmup_microbatches`), else
+/// `min((v−1)·p + 2·(p−r−1) + (k−1), total)`.
+fn interleaved_warmup(p: usize, v: usize, m: usize, k: usize, r: usize, total: usize) -> usize {
+    if m == p {
+        total
+    } else {
+        ((v - 1) * p + 2 * (p - r - 1) + (k - 1)).min(total)
+    }
+}
+
+/// The virtual-stage rules of [`generate_virtual`].
+fn check_virtual(
+    kind: ScheduleKind,
+    p: usize,
+    v: usize,
+    m: usize,
+    k: usize,
+) -> Result<(), ScheduleError> {
+    let bad = |why: String| Err(ScheduleError::InvalidParameters(why));
+    if v > MAX_VIRTUAL_STAGES {
+        return bad(format!(
+            "virtual_stages {v} is out of range: at most {MAX_VIRTUAL_STAGES} chunks per stage"
+        ));
+    }
+    if !kind.is_interleaved() {
+        if v != 1 {
+            return bad(format!(
+                "{kind} has no virtual stages: virtual_stages must be 1 (got {v}); the \
+                 interleaved kinds are 1f1b-i and seq1f1b-i"
+            ));
+        }
+        return Ok(());
+    }
+    if v < 2 {
+        return bad(format!(
+            "{kind} interleaves v ≥ 2 chunks per worker: virtual_stages must be at least 2 \
+             (got {v}); with one chunk use {}",
+            if kind == ScheduleKind::Seq1F1BInterleaved {
+                "seq1f1b"
+            } else {
+                "1f1b"
+            }
+        ));
+    }
+    if p < 2 {
+        return bad(format!(
+            "{kind} needs at least 2 stages (got {p}): one worker has no one to interleave with"
+        ));
+    }
+    if !m.is_multiple_of(p) {
+        return bad(format!(
+            "{kind} needs the micro-batches to be a multiple of the stages (m = {m}, p = {p}): \
+             the interleaved order walks each chunk in rounds of p, as Megatron and the \
+             Seq1F1B reference require; use m = {} or {}",
+            (m / p).max(1) * p,
+            (m / p + 1) * p
+        ));
+    }
+    if kind == ScheduleKind::Seq1F1BInterleaved && !p.is_multiple_of(k) {
+        return bad(format!(
+            "{kind} needs the splits to divide the stages (k = {k}, p = {p}): each chunk takes \
+             its units in rounds of p, and only when a round holds whole micro-batches does the \
+             last virtual stage forward a micro-batch's last segment before its first backward \
+             (the reference's order with p = 2, k = 3 has worker 1 run B0.2@1 before F0.2@1); \
+             use k in {:?}",
+            (1..=p).filter(|&d| p.is_multiple_of(d)).collect::<Vec<_>>()
+        ));
+    }
+    Ok(())
+}
+
+/// The compute order of `seq1f1b-zb` on each stage: Seq1F1B's units with every backward split
+/// into `I` (input gradient) and `W` (weight gradient), the `W`s deferred into the bubbles.
+///
+/// Built by list scheduling over unit time (every `F`, `I` and `W` takes one tick: the
+/// zero-bubble papers' T_F = T_B = T_W, i.e. a whole backward is twice a forward, as in
+/// [`super::UnitCosts::uniform`]; communication free). At each tick a free stage runs, in
+/// order of preference:
+///
+/// 1. its next `I`, when the gradient has arrived (on the last stage: when the micro-batch's
+///    last segment is forwarded) — the critical path;
+/// 2. its next `F`, when the activation has arrived and fewer units than Seq1F1B's peak on this
+///    stage are alive (a unit is alive from its `F` until its `W`, which needs the saved
+///    inputs and output gradients);
+/// 3. its oldest pending `W`.
+///
+/// So the peak number of live units on every stage is at most Seq1F1B's (ZB-H1's rule, per
+/// unit), the `I`s run in Seq1F1B's backward order (micro-batch ascending, segment descending:
+/// the dK/dV carry flows from later to earlier segments), and the `W`s run in the order of the
+/// `I`s (a FIFO), which is the order of Seq1F1B's `B`s: every parameter's gradient accumulates
+/// over the step's units in exactly Seq1F1B's order.
+fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    let n = m * k;
+    let idx = |u: Unit| u.micro_batch * k + u.segment;
+    let fwd = forward_units(m, k);
+    let bwd = backward_units(m, k);
+    // Seq1F1B's peak of live units on stage r: warm-up + 1 (counted from its own order).
+    let cap: Vec<usize> = (0..p)
+        .map(|r| (seq1f1b_warmup(p, m, k, r) + 1).min(n))
+        .collect();
+    // End ticks of each stage's F and I of each unit.
+    let mut f_end = vec![vec![None::<usize>; n]; p];
+    let mut i_end = vec![vec![None::<usize>; n]; p];
+    let mut next_f = vec![0usize; p];
+    let mut next_i = vec![0usize; p];
+    let mut pending_w: Vec<VecDeque<Unit>> = vec![VecDeque::new(); p];
+    let mut alive = vec![0usize; p];
+    let mut order: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * n); p];
+    // Every tick at least one stage can work while any is left (the greedy never waits when an
+    // action is ready), so 3·n·p ticks bound a schedule with 3·n actions per stage.
+    let limit = 3 * n * p + p + 1;
+    let done_by = |end: Option<usize>, t: usize| end.is_some_and(|e| e <= t);
+    for t in 0..limit {
+        if (0..p).all(|r| order[r].len() == 3 * n) {
+            return Ok(order);
+        }
+        for r in 0..p {
+            // What each stage does at tick t depends only on ends ≤ t, so the stages of one
+            // tick do not see each other's choices.
+            let input_ready = bwd.get(next_i[r]).copied().filter(|&u| {
+                let local = done_by(f_end[r][idx(u)], t)
+                    && done_by(f_end[r][idx(Unit::new(u.micro_batch, k - 1))], t);
+                local && (r + 1 == p || done_by(i_end[r + 1][idx(u)], t))
+            });
+            let forward_ready = fwd
+                .get(next_f[r])
+                .copied()
+                .filter(|&u| alive[r] < cap[r] && (r == 0 || done_by(f_end[r - 1][idx(u)], t)));
+            if let Some(u) = input_ready {
+                i_end[r][idx(u)] = Some(t + 1);
+                next_i[r] += 1;
+                pending_w[r].push_back(u);
+                order[r].push(Action::new(Op::BackwardInput, u, 0));
+            } else if let Some(u) = forward_ready {
+                f_end[r][idx(u)] = Some(t + 1);
+                next_f[r] += 1;
+                alive[r] += 1;
+                order[r].push(Action::Forward(u));
+            } else if let Some(u) = pending_w[r].pop_front() {
+                alive[r] -= 1;
+                order[r].push(Action::new(Op::BackwardWeight, u, 0));
+            }
+        }
+    }
+    Err(ScheduleError::Deadlock {
+        steps: limit,
+        blocked: format!("seq1f1b-zb list scheduling stalled for p={p} m={m} k={k}"),
+        grid: String::new(),
     })
 }
 
@@ -170,63 +458,68 @@ pub fn generate_forward_only(
     Ok(Schedule {
         kind: ScheduleKind::GPipe,
         stages,
+        virtual_stages: 1,
         microbatches,
         splits,
         forward_only: true,
         actions: (0..stages)
-            .map(|r| with_communication(&order, r, stages))
+            .map(|r| with_communication(&order, r, stages, 1))
             .collect(),
     })
 }
 
 /// Warm-up / steady / cool-down over groups: `warmup` forward groups, then alternately one
 /// forward group and one backward group, then the remaining backward groups.
-fn one_f_one_b(fwd: &[Vec<Unit>], bwd: &[Vec<Unit>], warmup: usize) -> Vec<Action> {
+fn one_f_one_b(fwd: &[Vec<Action>], bwd: &[Vec<Action>], warmup: usize) -> Vec<Action> {
     debug_assert_eq!(fwd.len(), bwd.len());
     let n = fwd.len();
     let warmup = warmup.min(n);
-    let fwd_actions = |g: &Vec<Unit>| g.iter().copied().map(Action::Forward).collect::<Vec<_>>();
-    let bwd_actions = |g: &Vec<Unit>| g.iter().copied().map(Action::Backward).collect::<Vec<_>>();
     let mut out = Vec::new();
     for g in &fwd[..warmup] {
-        out.extend(fwd_actions(g));
+        out.extend(g);
     }
     for t in 0..n - warmup {
-        out.extend(fwd_actions(&fwd[warmup + t]));
-        out.extend(bwd_actions(&bwd[t]));
+        out.extend(&fwd[warmup + t]);
+        out.extend(&bwd[t]);
     }
     for g in &bwd[n - warmup..] {
-        out.extend(bwd_actions(g));
+        out.extend(g);
     }
     out
 }
 
-/// Wraps stage `r`'s compute order in its receives and sends.
-fn with_communication(compute: &[Action], r: usize, p: usize) -> Vec<Action> {
-    let first = r == 0;
-    let last = r + 1 == p;
+/// Wraps worker `r`'s compute order in its receives and sends. An action on local chunk c is
+/// on virtual stage `s = c·p + r` of `p·v`: a forward receives unless s is the first and sends
+/// unless it is the last; a `B` or `I` receives unless s is the last and sends unless it is the
+/// first; a `W` neither receives nor sends.
+fn with_communication(compute: &[Action], r: usize, p: usize, v: usize) -> Vec<Action> {
     let mut out = Vec::with_capacity(compute.len() * 3);
     for &a in compute {
-        match a {
-            Action::Forward(u) => {
+        let (u, c) = (a.unit(), a.chunk());
+        let s = c * p + r;
+        let first = s == 0;
+        let last = s + 1 == p * v;
+        match a.op() {
+            Op::Forward => {
                 if !first {
-                    out.push(Action::RecvActivation(u));
+                    out.push(Action::new(Op::RecvActivation, u, c));
                 }
                 out.push(a);
                 if !last {
-                    out.push(Action::SendActivation(u));
+                    out.push(Action::new(Op::SendActivation, u, c));
                 }
             }
-            Action::Backward(u) => {
+            Op::Backward | Op::BackwardInput => {
                 if !last {
-                    out.push(Action::RecvGrad(u));
+                    out.push(Action::new(Op::RecvGrad, u, c));
                 }
                 out.push(a);
                 if !first {
-                    out.push(Action::SendGrad(u));
+                    out.push(Action::new(Op::SendGrad, u, c));
                 }
             }
-            other => unreachable!("compute order holds only compute actions, got {other}"),
+            Op::BackwardWeight => out.push(a),
+            other => unreachable!("compute order holds only compute actions, got {other:?}"),
         }
     }
     out
@@ -324,7 +617,10 @@ mod tests {
 
     #[test]
     fn every_generated_schedule_validates() {
-        for kind in ScheduleKind::ALL {
+        for kind in ScheduleKind::ALL
+            .into_iter()
+            .filter(|k| !k.is_interleaved())
+        {
             for p in 1..=6 {
                 for m in 1..=6 {
                     for k in 1..=5 {
@@ -353,7 +649,10 @@ mod tests {
             for m in 1..=6 {
                 for k in 1..=5 {
                     let expected = backward_units(m, k);
-                    for kind in ScheduleKind::ALL {
+                    for kind in ScheduleKind::ALL
+                        .into_iter()
+                        .filter(|k| !k.is_interleaved())
+                    {
                         let s = generate(kind, p, m, k).unwrap();
                         for r in 0..p {
                             assert_eq!(
@@ -406,5 +705,323 @@ mod tests {
         );
         let back: Schedule = serde_json::from_str(&json).unwrap();
         assert_eq!(back, s);
+    }
+}
+
+/// The interleaved and zero-bubble kinds.
+#[cfg(test)]
+mod family_tests {
+    use std::collections::HashMap;
+
+    use super::super::{UnitCosts, render_text, simulate, validate};
+    use super::*;
+
+    fn compute_line(s: &Schedule, r: usize) -> String {
+        s.compute_actions(r)
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Golden orders derived by hand from the reference's
+    /// `forward_backward_pipelining_with_interleaving` (thunlp/Seq1F1B,
+    /// megatron/core/pipeline_parallel/schedules.py), not by running this code:
+    ///
+    /// * `total = m·v·k` iterations per worker; warm-up `(v−1)·p + 2·(p−r−1) + (k−1)`, capped at
+    ///   `total`, or all of them when `m == p`;
+    /// * forward iteration t runs on chunk `get_model_chunk_id(t) = (t mod p·v) / p`, backward
+    ///   iteration t on chunk `v−1 − (t mod p·v) / p`;
+    /// * each chunk's inputs are an `sp_queue`: forwards take the chunk's next unit in order
+    ///   (micro-batch, then segment), backwards `pop` the head micro-batch's *last* segment
+    ///   (FIFO across micro-batches, LIFO within one);
+    /// * warm-up forwards, then `total − warm-up` pairs (forward t+w, backward t), then the
+    ///   remaining backwards.
+    ///
+    /// For p=2, v=2, m=4, k=2, worker 0: warm-up 2+2+1 = 5; forwards t=0..7 visit chunk
+    /// 0,0,1,1,0,0,1,1 on units 0.0 0.1 0.0 0.1 1.0 1.1 1.0 1.1; backwards t=0..7 visit chunk
+    /// 1,1,0,0,1,1,0,0 on units 0.1 0.0 0.1 0.0 1.1 1.0 1.1 1.0. Worker 1: warm-up 2+0+1 = 3.
+    #[test]
+    fn seq1f1b_i_golden_orders_p2_v2_m4_k2() {
+        let s = generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 4, 2).unwrap();
+        assert_eq!(
+            compute_line(&s, 0),
+            "F0.0 F0.1 F0.0@1 F0.1@1 F1.0 \
+             F1.1 B0.1@1 F1.0@1 B0.0@1 F1.1@1 B0.1 F2.0 B0.0 F2.1 B1.1@1 F2.0@1 B1.0@1 \
+             F2.1@1 B1.1 F3.0 B1.0 F3.1 B2.1@1 F3.0@1 B2.0@1 F3.1@1 B2.1 \
+             B2.0 B3.1@1 B3.0@1 B3.1 B3.0"
+        );
+        assert_eq!(
+            compute_line(&s, 1),
+            "F0.0 F0.1 F0.0@1 \
+             F0.1@1 B0.1@1 F1.0 B0.0@1 F1.1 B0.1 F1.0@1 B0.0 F1.1@1 B1.1@1 F2.0 B1.0@1 \
+             F2.1 B1.1 F2.0@1 B1.0 F2.1@1 B2.1@1 F3.0 B2.0@1 F3.1 B2.1 F3.0@1 B2.0 F3.1@1 \
+             B3.1@1 B3.0@1 B3.1 B3.0"
+        );
+        validate(&s).unwrap();
+        // m == p: Megatron's all-warm-up case, every forward before any backward.
+        let w = generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 2, 2).unwrap();
+        for r in 0..2 {
+            assert_eq!(
+                compute_line(&w, r),
+                "F0.0 F0.1 F0.0@1 F0.1@1 F1.0 F1.1 F1.0@1 F1.1@1 \
+                 B0.1@1 B0.0@1 B0.1 B0.0 B1.1@1 B1.0@1 B1.1 B1.0"
+            );
+        }
+        validate(&w).unwrap();
+    }
+
+    /// Megatron's interleaved 1F1B (k = 1 in the reference's terms, whole micro-batches here),
+    /// derived as above: p=2, v=2, m=4, worker 0 warm-up (v−1)·p + 2·(p−1) = 4, worker 1: 2.
+    /// Forward micro-batches 0 1 0 1 2 3 2 3 on chunks 0 0 1 1 0 0 1 1; backward on chunks
+    /// 1 1 0 0 1 1 0 0. With k = 2 each group is a micro-batch's segments (backward reversed).
+    #[test]
+    fn one_f_one_b_i_golden_orders_p2_v2_m4() {
+        let s = generate_virtual(ScheduleKind::OneFOneBInterleaved, 2, 2, 4, 1).unwrap();
+        assert_eq!(
+            compute_line(&s, 0),
+            "F0.0 F1.0 F0.0@1 F1.0@1 F2.0 B0.0@1 F3.0 B1.0@1 F2.0@1 B0.0 F3.0@1 B1.0 \
+             B2.0@1 B3.0@1 B2.0 B3.0"
+        );
+        assert_eq!(
+            compute_line(&s, 1),
+            "F0.0 F1.0 F0.0@1 B0.0@1 F1.0@1 B1.0@1 F2.0 B0.0 F3.0 B1.0 F2.0@1 B2.0@1 \
+             F3.0@1 B3.0@1 B2.0 B3.0"
+        );
+        let s2 = generate_virtual(ScheduleKind::OneFOneBInterleaved, 2, 2, 4, 2).unwrap();
+        assert!(
+            compute_line(&s2, 0).starts_with(
+                "F0.0 F0.1 F1.0 F1.1 F0.0@1 F0.1@1 F1.0@1 F1.1@1 F2.0 F2.1 B0.1@1 B0.0@1"
+            ),
+            "{}",
+            compute_line(&s2, 0)
+        );
+        validate(&s).unwrap();
+        validate(&s2).unwrap();
+    }
+
+    #[test]
+    fn interleaved_warmup_counts_follow_the_reference() {
+        for (p, v, m, k) in [(4, 2, 8, 2), (4, 3, 8, 4), (6, 2, 12, 3), (3, 2, 9, 1)] {
+            let s = generate_virtual(ScheduleKind::Seq1F1BInterleaved, p, v, m, k).unwrap();
+            let total = m * k * v;
+            for r in 0..p {
+                let before = s
+                    .compute_actions(r)
+                    .take_while(|a| a.op() == Op::Forward)
+                    .count();
+                let w = ((v - 1) * p + 2 * (p - r - 1) + (k - 1)).min(total);
+                // Warm-up, plus the first steady-state forward unless the warm-up is everything.
+                assert_eq!(before, (w + 1).min(total), "p={p} v={v} m={m} k={k} r={r}");
+            }
+        }
+    }
+
+    /// The interleaved shapes the property tests cover: p ∈ 2..=6, v ∈ 2..=4, m ∈ {p, 2p, 3p},
+    /// k ∈ 1..=p dividing p (the shapes `seq1f1b-i` accepts; `1f1b-i` takes them too).
+    fn interleaved_shapes() -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        (2..=6usize).flat_map(|p| {
+            (2..=4).flat_map(move |v| {
+                [p, 2 * p, 3 * p].into_iter().flat_map(move |m| {
+                    (1..=p)
+                        .filter(move |&k| p.is_multiple_of(k))
+                        .map(move |k| (p, v, m, k))
+                })
+            })
+        })
+    }
+
+    #[test]
+    fn every_interleaved_schedule_validates_and_keeps_each_chunks_backward_order() {
+        let mut n = 0;
+        for kind in [
+            ScheduleKind::OneFOneBInterleaved,
+            ScheduleKind::Seq1F1BInterleaved,
+        ] {
+            for (p, v, m, k) in interleaved_shapes() {
+                let s = generate_virtual(kind, p, v, m, k).unwrap();
+                if let Err(e) = validate(&s) {
+                    panic!("{kind} p={p} v={v} m={m} k={k}: {e}\n{}", render_text(&s));
+                }
+                let expected = backward_units(m, k);
+                for r in 0..p {
+                    for c in 0..v {
+                        let order: Vec<Unit> = s
+                            .gradient_order(r)
+                            .into_iter()
+                            .filter(|&(chunk, _)| chunk == c)
+                            .map(|(_, u)| u)
+                            .collect();
+                        assert_eq!(
+                            order, expected,
+                            "{kind} p={p} v={v} m={m} k={k} r={r} c={c}"
+                        );
+                    }
+                }
+                n += 1;
+            }
+        }
+        // Divisors of 2..=6: 2 + 2 + 3 + 2 + 4 = 13 (p, k) pairs, × 3 v × 3 m × 2 kinds.
+        assert_eq!(n, 2 * 13 * 3 * 3);
+    }
+
+    #[test]
+    fn invalid_shapes_are_refused_with_the_reason() {
+        use ScheduleKind::*;
+        let cases: [(ScheduleKind, usize, usize, usize, &str); 7] = [
+            (Seq1F1BInterleaved, 4, 2, 6, "multiple of the stages"),
+            (Seq1F1BInterleaved, 3, 2, 6, "splits to divide the stages"),
+            (OneFOneBInterleaved, 4, 1, 8, "at least 2"),
+            (Seq1F1BInterleaved, 1, 2, 4, "at least 2 stages"),
+            (Seq1F1B, 4, 2, 8, "virtual_stages must be 1"),
+            (Seq1F1BZeroBubble, 4, 2, 8, "virtual_stages must be 1"),
+            (Seq1F1BInterleaved, 4, 2, 0, "at least 1"),
+        ];
+        for (kind, p, v, m, why) in cases {
+            let e = generate_virtual(kind, p, v, m, 2).unwrap_err();
+            assert!(matches!(e, ScheduleError::InvalidParameters(_)), "{e}");
+            assert!(e.to_string().contains(why), "{kind} p={p} v={v} m={m}: {e}");
+        }
+        // The v = 1 entry point says where to go for the interleaved kinds.
+        let e = generate(Seq1F1BInterleaved, 4, 8, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("seq1f1b-i") && e.contains("at least 2"), "{e}");
+    }
+
+    /// Live units per stage along its own order: `F` allocates, `B` or `W` frees. (The count
+    /// along the order is the count in every execution: a stage runs its actions one at a time.)
+    fn peak_live_units(s: &Schedule, r: usize) -> usize {
+        let (mut live, mut peak) = (0i64, 0i64);
+        for a in s.compute_actions(r) {
+            match a.op() {
+                Op::Forward => live += 1,
+                Op::Backward | Op::BackwardWeight => live -= 1,
+                _ => {}
+            }
+            peak = peak.max(live);
+        }
+        peak as usize
+    }
+
+    #[test]
+    fn zero_bubble_validates_at_seq1f1b_memory_with_seq1f1b_gradient_order() {
+        for p in 1..=6 {
+            for m in 1..=6 {
+                for k in 1..=5 {
+                    let z = generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap();
+                    if let Err(e) = validate(&z) {
+                        panic!("p={p} m={m} k={k}: {e}\n{}", render_text(&z));
+                    }
+                    let s = generate(ScheduleKind::Seq1F1B, p, m, k).unwrap();
+                    for r in 0..p {
+                        // Every backward is split, I before W (the validator checks the order).
+                        assert!(z.compute_actions(r).all(|a| a.op() != Op::Backward));
+                        // The same units accumulate into the parameter gradients in the same
+                        // order as Seq1F1B's B's: W's follow Seq1F1B's backward order.
+                        assert_eq!(
+                            z.gradient_order(r),
+                            s.gradient_order(r),
+                            "p={p} m={m} k={k} r={r}"
+                        );
+                        assert_eq!(z.backward_order(r), s.backward_order(r));
+                        assert!(
+                            peak_live_units(&z, r) <= peak_live_units(&s, r),
+                            "p={p} m={m} k={k} r={r}: zb {} > seq1f1b {}\n{}",
+                            peak_live_units(&z, r),
+                            peak_live_units(&s, r),
+                            render_text(&z)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_bubble_golden_order_p4_m3_k2() {
+        // I's as soon as the gradient is there, else F's up to Seq1F1B's live units on the stage
+        // (5, 4, 3, 2), else the oldest W (see `zero_bubble_order`). The last stage: F0.0 F0.1,
+        // then the micro-batch's I's (last segment first), W0.1 while F1.0 waits for stage 2.
+        let z = generate(ScheduleKind::Seq1F1BZeroBubble, 4, 3, 2).unwrap();
+        assert_eq!(
+            compute_line(&z, 3),
+            "F0.0 F0.1 I0.1 I0.0 W0.1 F1.0 W0.0 F1.1 I1.1 I1.0 W1.1 F2.0 W1.0 F2.1 I2.1 I2.0 \
+             W2.1 W2.0"
+        );
+        assert_eq!(
+            compute_line(&z, 0),
+            "F0.0 F0.1 F1.0 F1.1 F2.0 I0.1 I0.0 W0.1 F2.1 W0.0 I1.1 I1.0 W1.1 W1.0 I2.1 I2.0 \
+             W2.1 W2.0"
+        );
+    }
+
+    #[test]
+    fn zero_bubble_has_a_smaller_bubble_than_seq1f1b() {
+        // With F = I = W = 1 (a whole backward 2) Seq1F1B idles 3·(p−1) per stage; the
+        // zero-bubble order 2·(p−1): see `zero_bubble_order` for why not ZB-H1's (p−1) at
+        // Seq1F1B's per-stage live units.
+        for p in [2, 4, 6] {
+            for (m, k) in [(4, 2), (8, 4), (8, 1)] {
+                let costs = UnitCosts::uniform(k, 1);
+                let z = simulate(
+                    &generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap(),
+                    &costs,
+                )
+                .unwrap();
+                let s =
+                    simulate(&generate(ScheduleKind::Seq1F1B, p, m, k).unwrap(), &costs).unwrap();
+                let busy = 3.0 * (m * k) as f64;
+                assert_eq!(
+                    s.step_time,
+                    busy + 3.0 * (p - 1) as f64,
+                    "p={p} m={m} k={k}"
+                );
+                assert_eq!(
+                    z.step_time,
+                    busy + 2.0 * (p - 1) as f64,
+                    "p={p} m={m} k={k}"
+                );
+                assert!(z.bubble_fraction < s.bubble_fraction);
+            }
+        }
+    }
+
+    #[test]
+    fn interleaving_shrinks_the_bubble_as_its_formula_says() {
+        // Equal-cost units, chunks of 1/v the time: the simulated bubble follows
+        // (p−1)/(v·m·k + p−1) when m > p (m = p runs all forwards first).
+        for (p, v, m, k) in [(4, 2, 8, 2), (4, 2, 8, 4), (4, 4, 8, 1), (6, 3, 12, 2)] {
+            let costs = UnitCosts::uniform(k, 1);
+            let si = simulate(
+                &generate_virtual(ScheduleKind::Seq1F1BInterleaved, p, v, m, k).unwrap(),
+                &costs,
+            )
+            .unwrap();
+            let formula = formula_bubble(ScheduleKind::Seq1F1BInterleaved, p, v, m, k);
+            assert!(
+                (si.bubble_fraction - formula).abs() < 0.01,
+                "p={p} v={v} m={m} k={k}: simulated {} vs formula {formula}",
+                si.bubble_fraction
+            );
+            let seq = simulate(&generate(ScheduleKind::Seq1F1B, p, m, k).unwrap(), &costs).unwrap();
+            assert!(si.bubble_fraction < seq.bubble_fraction);
+        }
+    }
+
+    #[test]
+    fn chunk_actions_name_their_virtual_stage_neighbours() {
+        // p=2, v=2: worker 1's chunk 0 (virtual stage 1) sends to worker 0's chunk 1 (virtual
+        // stage 2); virtual stage 3 (worker 1's chunk 1) is the last and sends nothing on.
+        let s = generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 2, 1).unwrap();
+        let ops: HashMap<String, usize> = s.actions[1].iter().map(|a| (a.to_string(), 1)).collect();
+        for present in ["RF0.0", "SF0.0", "RF0.0@1", "RB0.0", "SB0.0", "SB0.0@1"] {
+            assert!(ops.contains_key(present), "{present}: {:?}", s.actions[1]);
+        }
+        for absent in ["SF0.0@1", "RB0.0@1"] {
+            assert!(!ops.contains_key(absent), "{absent}: {:?}", s.actions[1]);
+        }
+        let w0: Vec<String> = s.actions[0].iter().map(|a| a.to_string()).collect();
+        assert_eq!(&w0[..3], ["F0.0", "SF0.0", "F1.0"]);
+        assert!(w0.contains(&"RF0.0@1".to_string()) && !w0.contains(&"RF0.0".to_string()));
     }
 }

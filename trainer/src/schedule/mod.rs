@@ -1,4 +1,6 @@
-//! Pipeline schedules as data: GPipe, 1F1B and Seq1F1B (arXiv 2406.03488).
+//! Pipeline schedules as data: GPipe, 1F1B and Seq1F1B (arXiv 2406.03488), the interleaved
+//! 1F1B-I and Seq1F1B-I (v layer chunks per worker), and a zero-bubble Seq1F1B whose backwards
+//! are split into an input half and a weight half.
 //!
 //! A step's work is m·k *units* — micro-batch i, sequence segment j. A [`Schedule`] is one
 //! ordered [`Action`] list per stage (compute and communication), which can be printed
@@ -7,9 +9,14 @@
 //! is lost mid-step, [`resume_after_loss`] gives the rest of the step (the recovery protocol as
 //! data) and [`validate_resumed`] dry-runs it from the state the loss left.
 //!
-//! Invariant kept by every generator: on every stage the backward units run in the same order —
-//! micro-batch ascending, segment descending — whatever the kind and the stage count, so the
-//! order in which parameter gradients accumulate never depends on the pipeline partition.
+//! Invariant kept by every generator: on every stage and chunk the backward units run in the same
+//! order — micro-batch ascending, segment descending — whatever the kind and the stage count, and
+//! a split backward's weight halves run in the order of its input halves, so the order in which
+//! parameter gradients accumulate never depends on the pipeline partition or the schedule.
+//!
+//! The stage runtime runs `gpipe`, `1f1b` and `seq1f1b`; the interleaved and zero-bubble kinds
+//! exist here (generated, validated, simulated, drawn) ahead of the runtime
+//! ([`ScheduleKind::runs_in_runtime`]).
 //!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`].
 //!
@@ -33,9 +40,9 @@ pub mod segments;
 mod simulate;
 mod validate;
 
-pub use action::{Action, ScheduleKind, Unit};
+pub use action::{Action, Op, ScheduleKind, Unit};
 pub use error::ScheduleError;
-pub use generate::{Schedule, generate, generate_forward_only};
+pub use generate::{Schedule, generate, generate_forward_only, generate_virtual};
 pub use render::{render_svg, render_text, report_json};
 pub use resume::{
     Delivered, NeighbourRelink, ResumedStep, neighbour_relink, resume_after_loss, validate_resumed,
@@ -43,5 +50,7 @@ pub use resume::{
 pub use segments::{
     FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
 };
-pub use simulate::{MeasuredCosts, Simulation, Slot, StageStats, UnitCosts, replay, simulate};
+pub use simulate::{
+    MeasuredCosts, Simulation, Slot, StageStats, UnitCosts, formula_bubble, replay, simulate,
+};
 pub use validate::validate;

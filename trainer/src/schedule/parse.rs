@@ -4,7 +4,7 @@
 
 use std::str::FromStr;
 
-use super::action::{Action, ScheduleKind, Unit};
+use super::action::{Action, Op, ScheduleKind, Unit};
 use super::error::ScheduleError;
 
 impl FromStr for ScheduleKind {
@@ -18,7 +18,14 @@ impl FromStr for ScheduleKind {
             .ok_or_else(|| ScheduleError::Parse {
                 what: "schedule kind",
                 input: s.to_string(),
-                reason: "allowed values are \"gpipe\", \"1f1b\", \"seq1f1b\"".to_string(),
+                reason: format!(
+                    "allowed values are {}",
+                    ScheduleKind::ALL
+                        .iter()
+                        .map(|k| format!("{:?}", k.as_str()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             })
     }
 }
@@ -57,34 +64,45 @@ impl FromStr for Action {
     type Err = ScheduleError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        // Two-letter prefixes first: "RF0.0" must not be read as "R" + "F0.0".
-        type Ctor = fn(Unit) -> Action;
-        const CTORS: [(&str, Ctor); 6] = [
-            ("RF", Action::RecvActivation),
-            ("SF", Action::SendActivation),
-            ("RB", Action::RecvGrad),
-            ("SB", Action::SendGrad),
-            ("F", Action::Forward),
-            ("B", Action::Backward),
-        ];
-        let t = s.trim();
-        for (prefix, ctor) in CTORS {
-            if let Some(rest) = t.strip_prefix(prefix) {
-                let unit = parse_unit(rest).map_err(|e| ScheduleError::Parse {
-                    what: "action",
-                    input: s.to_string(),
-                    reason: format!("bad unit after {prefix:?}: {e}"),
-                })?;
-                return Ok(ctor(unit));
-            }
-        }
-        Err(ScheduleError::Parse {
+        let err = |reason: String| ScheduleError::Parse {
             what: "action",
             input: s.to_string(),
-            reason: "expected F, B, RF, SF, RB or SB followed by \"<micro_batch>.<segment>\", \
-                     e.g. \"F0.1\""
-                .to_string(),
-        })
+            reason,
+        };
+        let t = s.trim();
+        // `Op::ALL` lists two-letter prefixes first: "RF0.0" must not be read as "R" + "F0.0".
+        let Some((op, rest)) = Op::ALL
+            .into_iter()
+            .find_map(|op| t.strip_prefix(op.prefix()).map(|rest| (op, rest)))
+        else {
+            return Err(err(
+                "expected F, B, I, W, RF, SF, RB or SB followed by \"<micro_batch>.<segment>\" \
+                 and optionally \"@<chunk>\", e.g. \"F0.1\" or \"RB2.0@1\""
+                    .to_string(),
+            ));
+        };
+        let (unit, chunk) = match rest.split_once('@') {
+            None => (rest, 0),
+            Some((unit, chunk)) => {
+                if chunk.is_empty() || !chunk.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(err(format!(
+                        "the chunk after '@' must be a decimal integer, got {chunk:?}"
+                    )));
+                }
+                let c = chunk
+                    .parse::<usize>()
+                    .map_err(|_| err(format!("chunk {chunk:?} does not fit in usize")))?;
+                if c == 0 {
+                    return Err(err(
+                        "chunk 0 is written without \"@0\" (one text per action)".to_string(),
+                    ));
+                }
+                (unit, c)
+            }
+        };
+        let prefix = op.prefix();
+        let unit = parse_unit(unit).map_err(|e| err(format!("bad unit after {prefix:?}: {e}")))?;
+        Ok(Action::new(op, unit, chunk))
     }
 }
 

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use super::{Action, Schedule, Simulation};
+use super::{Action, Op, Schedule, Simulation};
 
 /// One line per stage with its compute actions in order, e.g.
 /// `stage 0: F0.0 F0.1 F1.0 B0.1 …`. Communication actions are left out.
@@ -27,8 +27,10 @@ const RIGHT: f64 = 20.0;
 const BOTTOM: f64 = 34.0;
 
 /// A self-contained SVG timeline of `sim`: one row per stage, one rectangle per compute slot
-/// (forwards blue, backwards orange, shade cycling with the micro-batch), labelled `F0.1` where
-/// the rectangle is wide enough, with a hover title giving start and end times.
+/// (forwards blue, whole backwards orange, input halves `I` red, weight halves `W` green, shade
+/// cycling with the micro-batch; a later chunk's forwards and backwards a little shifted in hue),
+/// labelled `F0.1` / `F0.1@1` where the rectangle is wide enough, with a hover title giving start
+/// and end times.
 pub fn render_svg(s: &Schedule, sim: &Simulation) -> String {
     let p = sim.timeline.len();
     let scale = if sim.step_time > 0.0 {
@@ -42,7 +44,7 @@ pub fn render_svg(s: &Schedule, sim: &Simulation) -> String {
     crate::svg::open(&mut out, width, height);
     let _ = writeln!(
         out,
-        r#"<text x="{LEFT}" y="20" font-size="13">{}{} p={} m={} k={}: step time {:.2}, bubble {:.1}%</text>"#,
+        r#"<text x="{LEFT}" y="20" font-size="13">{}{} p={}{} m={} k={}: step time {:.2}, bubble {:.1}%</text>"#,
         s.kind,
         if s.forward_only {
             " (forward only)"
@@ -50,6 +52,11 @@ pub fn render_svg(s: &Schedule, sim: &Simulation) -> String {
             ""
         },
         s.stages,
+        if s.virtual_stages > 1 {
+            format!(" v={}", s.virtual_stages)
+        } else {
+            String::new()
+        },
         s.microbatches,
         s.splits,
         sim.step_time,
@@ -114,10 +121,13 @@ pub fn render_svg(s: &Schedule, sim: &Simulation) -> String {
 /// Fill and text colour of a slot: forwards blue, backwards orange, four shades cycling with
 /// the micro-batch so neighbouring micro-batches are told apart.
 fn colors(a: Action) -> (String, &'static str) {
-    let hue = match a {
-        Action::Backward(_) => 28,
+    let base = match a.op() {
+        Op::Backward => 28,
+        Op::BackwardInput => 0,
+        Op::BackwardWeight => 130,
         _ => 212,
     };
+    let hue = base + 24 * (a.chunk() % 3);
     let lightness = [38, 50, 62, 74][a.unit().micro_batch % 4];
     let text = if lightness < 56 { "white" } else { "black" };
     (format!("hsl({hue},70%,{lightness}%)"), text)
@@ -125,7 +135,8 @@ fn colors(a: Action) -> (String, &'static str) {
 
 /// A JSON report of a schedule and its simulation.
 ///
-/// Keys: `"schedule"` (kind), `"forward_only"`, `"stages_count"`, `"microbatches"`, `"splits"`,
+/// Keys: `"schedule"` (kind), `"forward_only"`, `"stages_count"`, `"virtual_stages"`,
+/// `"microbatches"`, `"splits"`,
 /// `"bubble_fraction"`, `"step_time"`, `"segment_lengths"`, and `"stages"`: one object per stage
 /// with `"stage"`, `"actions"` (all actions as strings, in order), `"busy"`,
 /// `"bubble_fraction"`, `"peak_activation_tokens"`, `"peak_inflight_units"`.
@@ -153,6 +164,7 @@ pub fn report_json(s: &Schedule, sim: &Simulation, segment_lengths: &[usize]) ->
         "schedule": s.kind.as_str(),
         "forward_only": s.forward_only,
         "stages_count": s.stages,
+        "virtual_stages": s.virtual_stages,
         "microbatches": s.microbatches,
         "splits": s.splits,
         "bubble_fraction": sim.bubble_fraction,
@@ -194,6 +206,25 @@ mod tests {
     }
 
     #[test]
+    fn svg_draws_chunks_and_split_backwards() {
+        let s =
+            super::super::generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 4, 2).unwrap();
+        let sim = simulate(&s, &UnitCosts::uniform(2, 4)).unwrap();
+        let svg = render_svg(&s, &sim);
+        let slots = sim.timeline.iter().map(Vec::len).sum::<usize>();
+        assert_eq!(slots, 2 * 2 * 4 * 2 * 2);
+        assert_eq!(svg.matches("<title>").count(), slots);
+        assert!(svg.contains("seq1f1b-i p=2 v=2 m=4 k=2"), "{svg}");
+        assert!(svg.contains("<title>F0.1@1 stage 0") && svg.contains("<title>B3.0@1 stage 1"));
+        let z = generate(ScheduleKind::Seq1F1BZeroBubble, 3, 2, 2).unwrap();
+        let sim = simulate(&z, &UnitCosts::uniform(2, 4)).unwrap();
+        let svg = render_svg(&z, &sim);
+        assert!(svg.contains("<title>I1.0 stage 2") && svg.contains("<title>W1.0 stage 0"));
+        // Input halves red, weight halves green.
+        assert!(svg.contains("hsl(0,") && svg.contains("hsl(130,"));
+    }
+
+    #[test]
     fn report_has_the_documented_keys() {
         let s = generate(ScheduleKind::OneFOneB, 2, 2, 2).unwrap();
         let sim = simulate(&s, &UnitCosts::uniform(2, 4)).unwrap();
@@ -201,6 +232,7 @@ mod tests {
         for key in [
             "schedule",
             "stages_count",
+            "virtual_stages",
             "microbatches",
             "splits",
             "bubble_fraction",

@@ -181,6 +181,7 @@ pub fn resume_after_loss(
     done: &[usize],
 ) -> Result<ResumedStep, ScheduleError> {
     validate(s)?;
+    check_resumable(s)?;
     let p = s.stages;
     check_shape(p, lost, done)?;
     let claimed: Vec<usize> = (0..p)
@@ -262,6 +263,7 @@ pub fn resume_after_loss(
 /// (positions are in `resumed.rest`'s lists).
 pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), ScheduleError> {
     validate(s)?;
+    check_resumable(s)?;
     let (p, lost, rest) = (s.stages, resumed.lost, &resumed.rest);
     check_shape(p, lost, &resumed.done)?;
     if without_actions(rest) != without_actions(s) || rest.actions.len() != p {
@@ -312,6 +314,31 @@ pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), Sched
 }
 
 /// `s`'s parameters with no actions.
+/// The recovery protocol is modelled for one chunk per stage and whole backwards: refuses
+/// schedules with virtual stages or split backwards (`1f1b-i`, `seq1f1b-i`, `seq1f1b-zb`).
+fn check_resumable(s: &Schedule) -> Result<(), ScheduleError> {
+    let split = s
+        .actions
+        .iter()
+        .flatten()
+        .any(|a| matches!(a, Action::Extended { .. }));
+    if s.virtual_stages != 1 || split {
+        return Err(ScheduleError::InvalidParameters(format!(
+            "mid-step resume is modelled for schedules with one chunk per stage and whole \
+             backwards; this {} schedule has {} chunk(s) per stage{}: recover it from a peer \
+             snapshot or a checkpoint (restart the step)",
+            s.kind,
+            s.virtual_stages,
+            if split {
+                " and chunk or split-backward actions"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(())
+}
+
 fn without_actions(s: &Schedule) -> Schedule {
     Schedule {
         actions: Vec::new(),

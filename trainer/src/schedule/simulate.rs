@@ -2,18 +2,23 @@
 //! is (the bubble), and how many activations each stage holds at its peak.
 //!
 //! Model: communication is free; a compute action starts when its stage is free and its
-//! cross-stage input exists (`F(u)` on stage r>0 after `F(u)` ends on r−1; `B(u)` on r<p−1 after
-//! `B(u)` ends on r+1); it takes `costs.forward[j]` or `costs.backward[j]` for segment j.
-//! Unit (i,j) holds `costs.tokens[j]` tokens of activations from the start of `F(i,j)` to the end
-//! of `B(i,j)`; in a forward-only schedule until the end of the micro-batch's last segment's
-//! forward (its K/V prefix is kept for the later segments).
+//! cross-stage input exists (`F(u)` on virtual stage s>0 after `F(u)` ends on s−1; a backward
+//! `B(u)` or `I(u)` on s < p·v−1 after the backward of u ends on s+1; `W(u)` needs nothing from
+//! other stages). Costs for segment j: `F` takes `costs.forward[j] / v`, `B` takes
+//! `costs.backward[j] / v`, and the halves `I` and `W` take half of that each (the zero-bubble
+//! papers' T_B = T_W: each is one matmul per weight); a chunk holds 1/v of a stage's layers.
+//! Unit (i,j) on a chunk holds `costs.tokens[j]` tokens of the chunk's activations from the start
+//! of its `F` to the end of its `B` — or of its `W`, which needs the saved inputs and output
+//! gradients; in a forward-only schedule until the end of the micro-batch's last segment's
+//! forward on that chunk (its K/V prefix is kept for the later segments). With v chunks a
+//! token counted here is 1/v of a whole stage's activations per token.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::segments::{FlopsModel, segment_flops};
-use super::{Action, Schedule, ScheduleError, validate};
+use super::{Action, Op, Schedule, ScheduleError, ScheduleKind, validate};
 
 /// Per-segment costs of one unit (a micro-batch's segment j), for [`simulate`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -119,9 +124,14 @@ pub struct MeasuredCosts {
 pub fn simulate(s: &Schedule, costs: &UnitCosts) -> Result<Simulation, ScheduleError> {
     validate(s)?;
     check_costs(costs, s.splits)?;
-    place(s, &costs.tokens, |_, a| match a {
-        Action::Forward(u) => costs.forward[u.segment],
-        _ => costs.backward[a.unit().segment],
+    let v = s.virtual_stages as f64;
+    place(s, &costs.tokens, |_, a| {
+        let j = a.unit().segment;
+        match a.op() {
+            Op::Forward => costs.forward[j] / v,
+            Op::Backward => costs.backward[j] / v,
+            _ => costs.backward[j] / (2.0 * v),
+        }
     })
 }
 
@@ -161,13 +171,16 @@ fn place(
     tokens: &[usize],
     duration: impl Fn(usize, Action) -> f64,
 ) -> Result<Simulation, ScheduleError> {
-    let (p, k) = (s.stages, s.splits);
+    let (p, k, v) = (s.stages, s.splits, s.virtual_stages);
     let n = s.microbatches * k;
     let idx = |a: Action| a.unit().micro_batch * k + a.unit().segment;
+    let virtual_stage = |r: usize, a: Action| a.chunk() * p + r;
 
     let compute: Vec<Vec<Action>> = (0..p).map(|r| s.compute_actions(r).collect()).collect();
-    let mut fwd_end: Vec<Vec<Option<f64>>> = vec![vec![None; n]; p];
-    let mut bwd_end: Vec<Vec<Option<f64>>> = vec![vec![None; n]; p];
+    // End times per virtual stage and unit: forward, and the backward that sends the input
+    // gradient on (`B` or `I`).
+    let mut fwd_end: Vec<Vec<Option<f64>>> = vec![vec![None; n]; p * v];
+    let mut bwd_end: Vec<Vec<Option<f64>>> = vec![vec![None; n]; p * v];
     let mut timeline: Vec<Vec<Slot>> = vec![Vec::new(); p];
     let mut free = vec![0.0f64; p];
     let mut next = vec![0usize; p];
@@ -175,17 +188,19 @@ fn place(
         let mut progressed = false;
         for r in 0..p {
             while let Some(&a) = compute[r].get(next[r]) {
-                let ready = match a {
-                    Action::Forward(_) if r > 0 => fwd_end[r - 1][idx(a)],
-                    Action::Backward(_) if r + 1 < p => bwd_end[r + 1][idx(a)],
+                let vs = virtual_stage(r, a);
+                let ready = match a.op() {
+                    Op::Forward if vs > 0 => fwd_end[vs - 1][idx(a)],
+                    Op::Backward | Op::BackwardInput if vs + 1 < p * v => bwd_end[vs + 1][idx(a)],
                     _ => Some(0.0),
                 };
                 let Some(ready) = ready else { break };
                 let start = free[r].max(ready);
                 let end = start + duration(r, a);
-                match a {
-                    Action::Forward(_) => fwd_end[r][idx(a)] = Some(end),
-                    _ => bwd_end[r][idx(a)] = Some(end),
+                match a.op() {
+                    Op::Forward => fwd_end[vs][idx(a)] = Some(end),
+                    Op::Backward | Op::BackwardInput => bwd_end[vs][idx(a)] = Some(end),
+                    _ => {}
                 }
                 timeline[r].push(Slot {
                     action: a,
@@ -250,6 +265,23 @@ fn place(
     })
 }
 
+/// The bubble fraction each kind's formula predicts for equal-cost units, p stages, v chunks,
+/// m micro-batches and k segments: `(p−1)/(n + p−1)` with n the number of pipeline "slots" a
+/// stage fills — m for `1f1b`, m·k for `seq1f1b` and `gpipe` (whose units stream), v·m for
+/// `1f1b-i`, v·m·k for `seq1f1b-i` — and for `seq1f1b-zb` ZB-H1's `(p−1)(T_F + T_B − T_W)` idle
+/// against `m·k·(T_F + T_B + T_W)` busy with T_F = T_B = T_W: `(p−1)/(3·m·k + p−1)`.
+pub fn formula_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize, k: usize) -> f64 {
+    let (p, v, m, k) = (p as f64, v as f64, m as f64, k as f64);
+    let slots = match kind {
+        ScheduleKind::OneFOneB => m,
+        ScheduleKind::GPipe | ScheduleKind::Seq1F1B => m * k,
+        ScheduleKind::OneFOneBInterleaved => v * m,
+        ScheduleKind::Seq1F1BInterleaved => v * m * k,
+        ScheduleKind::Seq1F1BZeroBubble => 3.0 * m * k,
+    };
+    (p - 1.0) / (slots + p - 1.0)
+}
+
 fn check_costs(costs: &UnitCosts, splits: usize) -> Result<(), ScheduleError> {
     for (name, len) in [
         ("forward", costs.forward.len()),
@@ -276,30 +308,30 @@ fn check_costs(costs: &UnitCosts, splits: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
-/// Peak (tokens, units) alive on one stage, from its timeline.
+/// Peak (tokens, units) alive on one stage, from its timeline: a unit on a chunk is alive from
+/// the start of its `F` to the end of its `B` or `W` (see the module docs).
 fn peak_memory(s: &Schedule, tokens: &[usize], slots: &[Slot]) -> (usize, usize) {
-    let k = s.splits;
+    let (k, m) = (s.splits, s.microbatches);
     // (time, release-before-allocate at equal times, sequence, token delta, unit delta)
     let mut events: Vec<(f64, u8, usize, i64, i64)> = Vec::new();
-    let mut last_fwd_end = vec![0.0f64; s.microbatches];
+    let mut last_fwd_end = vec![0.0f64; m * s.virtual_stages];
+    let mb = |a: Action| a.chunk() * m + a.unit().micro_batch;
     for sl in slots {
-        if let Action::Forward(u) = sl.action
-            && u.segment + 1 == k
-        {
-            last_fwd_end[u.micro_batch] = sl.end;
+        if sl.action.op() == Op::Forward && sl.action.unit().segment + 1 == k {
+            last_fwd_end[mb(sl.action)] = sl.end;
         }
     }
     for (seq, sl) in slots.iter().enumerate() {
         let u = sl.action.unit();
         let tok = tokens[u.segment] as i64;
-        match sl.action {
-            Action::Forward(_) => {
+        match sl.action.op() {
+            Op::Forward => {
                 events.push((sl.start, 1, seq, tok, 1));
                 if s.forward_only {
-                    events.push((last_fwd_end[u.micro_batch], 0, seq, -tok, -1));
+                    events.push((last_fwd_end[mb(sl.action)], 0, seq, -tok, -1));
                 }
             }
-            Action::Backward(_) => events.push((sl.end, 0, seq, -tok, -1)),
+            Op::Backward | Op::BackwardWeight => events.push((sl.end, 0, seq, -tok, -1)),
             _ => {}
         }
     }

@@ -2,18 +2,25 @@
 //!
 //! Checks, in this order (the first failure is returned):
 //!
-//! 1. parameters: p, m, k ≥ 1 and one action list per stage;
-//! 2. every action is allowed where it is: unit in range, no receive from / send to a neighbour
-//!    that does not exist, no backward-pass action in a forward-only schedule;
-//! 3. completeness: on every stage every unit is forwarded exactly once and (training) backwarded
-//!    exactly once, with exactly one of each communication action its position needs;
-//! 4. local order on each stage: `F(i,j)` after `F(i,j−1)`; `B(i,j)` after `F(i,j)`, after
-//!    `F(i,k−1)` (the whole micro-batch's K/V exists) and after `B(i,j+1)`; receives before the
-//!    compute that consumes them, sends after the compute that produces them;
-//! 5. cross-stage execution: all stages run in lock-step with one FIFO channel per neighbour pair
-//!    and direction. Sends never block; a receive waits for a message and must find exactly its
-//!    unit at the head of the channel. No stage able to progress is a deadlock, reported with a
-//!    step × stage grid of what ran. Every message sent must be received by the end.
+//! 1. parameters: p, m, k, v ≥ 1 and one action list per stage (worker);
+//! 2. every action is allowed where it is: canonical form, chunk in range, unit in range, no
+//!    receive from / send to a neighbour that does not exist (the first virtual stage has no
+//!    previous one, the last no next one), no backward-pass action in a forward-only schedule;
+//! 3. completeness: on every stage, for every chunk, every unit is forwarded exactly once and
+//!    (training) backwarded exactly once — one whole `B`, or one `I` and one `W` — with exactly
+//!    one of each communication action its position needs;
+//! 4. local order on each stage and chunk: `F(i,j)` after `F(i,j−1)`; a backward (`B` or `I`)
+//!    of `(i,j)` after `F(i,j)`, after `F(i,k−1)` (the whole micro-batch's K/V exists) and after
+//!    the backward of `(i,j+1)`; `W(i,j)` after `I(i,j)`; receives before the compute that
+//!    consumes them, sends after the compute that produces them;
+//! 5. cross-stage execution: all stages run in lock-step with one FIFO channel per neighbouring
+//!    pair of workers and direction (with virtual stages, worker p−1 and worker 0 are neighbours
+//!    too, and the messages of all chunks share their workers' channel). Sends never block; a
+//!    receive waits for a message and must find exactly its unit, from the virtual stage before
+//!    (activations) or after (gradients) its own, at the head of the channel. This is where
+//!    dependencies across chunks and workers are checked. No stage able to progress is a
+//!    deadlock, reported with a step × stage grid of what ran. Every message sent must be
+//!    received by the end.
 //!
 //! Steps 2–5 are shared with [`super::validate_resumed`], which checks the rest of a step after a
 //! stage loss: there each stage starts with a done prefix (counted for completeness and local
@@ -22,8 +29,8 @@
 use std::collections::{HashSet, VecDeque};
 use std::fmt::Write as _;
 
-use super::generate::check_parameters;
-use super::{Action, Schedule, ScheduleError, Unit};
+use super::generate::{MAX_VIRTUAL_STAGES, check_parameters};
+use super::{Action, Op, Schedule, ScheduleError, Unit};
 
 /// How many grid rows a deadlock report shows (the most recent ones).
 const GRID_ROWS: usize = 48;
@@ -35,6 +42,12 @@ const GRID_ROWS: usize = 48;
 /// stage's action list and the action.
 pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
     check_parameters(s.stages, s.microbatches, s.splits)?;
+    if s.virtual_stages == 0 || s.virtual_stages > MAX_VIRTUAL_STAGES {
+        return Err(ScheduleError::InvalidParameters(format!(
+            "virtual_stages must be 1 to {MAX_VIRTUAL_STAGES} (got {})",
+            s.virtual_stages
+        )));
+    }
     if s.actions.len() != s.stages {
         return Err(ScheduleError::StageCount {
             expected: s.stages,
@@ -50,34 +63,69 @@ pub fn validate(s: &Schedule) -> Result<(), ScheduleError> {
     for r in 0..s.stages {
         check_local_order(s, r, &[])?;
     }
-    let left = dry_run(s, Channels::new(s.stages))?;
+    let left = dry_run(s, Channels::for_schedule(s))?;
     check_delivered(&left)
 }
 
-/// Step 2: units in range, communication only with existing neighbours, forward-only purity.
+/// Where an action runs: its virtual stage `chunk·p + r` and whether that is the first or the
+/// last of the `p·v`.
+struct Place {
+    virtual_stage: usize,
+    first: bool,
+    last: bool,
+}
+
+fn place_of(s: &Schedule, r: usize, a: Action) -> Place {
+    let virtual_stage = a.chunk() * s.stages + r;
+    Place {
+        virtual_stage,
+        first: virtual_stage == 0,
+        last: virtual_stage + 1 == s.stages * s.virtual_stages,
+    }
+}
+
+/// Step 2: canonical form, chunk and unit in range, communication only with existing
+/// neighbours, forward-only purity.
 pub(super) fn check_allowed(s: &Schedule, r: usize) -> Result<(), ScheduleError> {
-    let (m, k, p) = (s.microbatches, s.splits, s.stages);
+    let (m, k, v) = (s.microbatches, s.splits, s.virtual_stages);
     for (position, &action) in s.actions[r].iter().enumerate() {
         let u = action.unit();
-        let reason = if u.micro_batch >= m || u.segment >= k {
+        let c = action.chunk();
+        let at = place_of(s, r, action);
+        let (this, last_name) = if v == 1 {
+            (format!("stage {r}"), format!("the last stage ({r})"))
+        } else {
+            let here = format!("virtual stage {} (stage {r}'s chunk {c})", at.virtual_stage);
+            (here.clone(), format!("the last {here}"))
+        };
+        let reason = if !action.is_canonical() {
+            Some(format!(
+                "not in canonical form: write it as {} (one form per action)",
+                Action::new(action.op(), u, c)
+            ))
+        } else if c >= v {
+            Some(format!(
+                "chunk {c} out of range (the schedule has {v} chunk(s) per stage)"
+            ))
+        } else if u.micro_batch >= m || u.segment >= k {
             Some(format!(
                 "unit out of range (micro-batches 0..{m}, segments 0..{k})"
             ))
         } else if s.forward_only && action.is_backward_pass() {
             Some("backward-pass action in a forward-only schedule".to_string())
         } else {
-            match action {
-                Action::RecvActivation(_) if r == 0 => {
-                    Some("stage 0 has no previous stage to receive an activation from".into())
-                }
-                Action::SendGrad(_) if r == 0 => {
-                    Some("stage 0 has no previous stage to send a gradient to".into())
-                }
-                Action::SendActivation(_) if r + 1 == p => Some(format!(
-                    "the last stage ({r}) has no next stage to send an activation to"
+            match action.op() {
+                Op::RecvActivation if at.first => Some(format!(
+                    "{this} has no previous stage to receive an activation from"
                 )),
-                Action::RecvGrad(_) if r + 1 == p => Some(format!(
-                    "the last stage ({r}) has no next stage to receive a gradient from"
+                Op::SendGrad if at.first => Some(format!(
+                    "{this} has no previous stage to send a gradient to"
+                )),
+                Op::SendActivation if at.last => Some(format!(
+                    "{last_name} has no next stage to send an activation to"
+                )),
+                Op::RecvGrad if at.last => Some(format!(
+                    "{last_name} has no next stage to receive a gradient from"
                 )),
                 _ => None,
             }
@@ -94,58 +142,82 @@ pub(super) fn check_allowed(s: &Schedule, r: usize) -> Result<(), ScheduleError>
     Ok(())
 }
 
-/// Index of an action's kind in the count table.
+/// The count table's columns: F, B, RF, SF, RB, SB, I, W.
+const KINDS: usize = 8;
+
+/// Index of an action's op in the count table.
 fn kind_index(a: Action) -> usize {
-    match a {
-        Action::Forward(_) => 0,
-        Action::Backward(_) => 1,
-        Action::RecvActivation(_) => 2,
-        Action::SendActivation(_) => 3,
-        Action::RecvGrad(_) => 4,
-        Action::SendGrad(_) => 5,
+    match a.op() {
+        Op::Forward => 0,
+        Op::Backward => 1,
+        Op::RecvActivation => 2,
+        Op::SendActivation => 3,
+        Op::RecvGrad => 4,
+        Op::SendGrad => 5,
+        Op::BackwardInput => 6,
+        Op::BackwardWeight => 7,
     }
 }
 
-/// Step 3: exactly one of each expected action per unit, none of the others, counting stage r's
-/// `done` actions followed by `s.actions[r]`. With `sends` false the two send kinds are not
-/// counted (a resumed step sends some messages twice and some not at all; the dry run checks that
-/// what is received is sent).
+/// Step 3: exactly one of each expected action per (chunk, unit), none of the others, counting
+/// stage r's `done` actions followed by `s.actions[r]`. A unit's backward is either one whole `B`
+/// or one `I` and one `W` (the form is read from the unit's actions). With `sends` false the two
+/// send kinds are not counted (a resumed step sends some messages twice and some not at all; the
+/// dry run checks that what is received is sent).
 pub(super) fn check_counts(
     s: &Schedule,
     r: usize,
     done: &[Action],
     sends: bool,
 ) -> Result<(), ScheduleError> {
-    const NAMES: [&str; 6] = [
+    const NAMES: [&str; KINDS] = [
         "forward (F)",
         "backward (B)",
         "receive-activation (RF)",
         "send-activation (SF)",
         "receive-gradient (RB)",
         "send-gradient (SB)",
+        "input-gradient backward (I)",
+        "weight-gradient backward (W)",
     ];
-    let (m, k, p) = (s.microbatches, s.splits, s.stages);
+    let (m, k, p, v) = (s.microbatches, s.splits, s.stages, s.virtual_stages);
     let train = !s.forward_only;
-    let (first, last) = (r == 0, r + 1 == p);
-    let expected = [true, train, !first, !last, train && !last, train && !first].map(usize::from);
-    let mut counts = vec![[0usize; 6]; m * k];
+    let mut counts = vec![[0usize; KINDS]; v * m * k];
+    let slot = |c: usize, u: Unit| (c * m + u.micro_batch) * k + u.segment;
     for &a in done.iter().chain(&s.actions[r]) {
-        let u = a.unit();
-        counts[u.micro_batch * k + u.segment][kind_index(a)] += 1;
+        counts[slot(a.chunk(), a.unit())][kind_index(a)] += 1;
     }
     let checked = |t: usize| sends || !matches!(t, 3 | 5);
-    for i in 0..m {
-        for j in 0..k {
-            let c = &counts[i * k + j];
-            for t in (0..6).filter(|&t| checked(t)) {
-                if c[t] != expected[t] {
-                    return Err(ScheduleError::Incomplete {
-                        stage: r,
-                        unit: Unit::new(i, j),
-                        what: NAMES[t],
-                        count: c[t],
-                        expected: expected[t],
-                    });
+    for c in 0..v {
+        let virtual_stage = c * p + r;
+        let (first, last) = (virtual_stage == 0, virtual_stage + 1 == p * v);
+        for i in 0..m {
+            for j in 0..k {
+                let unit = Unit::new(i, j);
+                let n = &counts[slot(c, unit)];
+                let split = n[6] + n[7] > 0;
+                let expected = [
+                    true,
+                    train && !split,
+                    !first,
+                    !last,
+                    train && !last,
+                    train && !first,
+                    train && split,
+                    train && split,
+                ]
+                .map(usize::from);
+                for t in (0..KINDS).filter(|&t| checked(t)) {
+                    if n[t] != expected[t] {
+                        return Err(ScheduleError::Incomplete {
+                            stage: r,
+                            unit,
+                            chunk: c,
+                            what: NAMES[t],
+                            count: n[t],
+                            expected: expected[t],
+                        });
+                    }
                 }
             }
         }
@@ -160,10 +232,27 @@ pub(super) fn check_local_order(
     r: usize,
     done: &[Action],
 ) -> Result<(), ScheduleError> {
-    let (k, p) = (s.splits, s.stages);
+    let k = s.splits;
+    // The (chunk, unit)s whose backward is split into I and W on this stage.
+    let split: HashSet<(usize, Unit)> = done
+        .iter()
+        .chain(&s.actions[r])
+        .filter(|a| a.op() == Op::BackwardInput)
+        .map(|a| (a.chunk(), a.unit()))
+        .collect();
+    let input_backward = |c: usize, u: Unit| {
+        let op = if split.contains(&(c, u)) {
+            Op::BackwardInput
+        } else {
+            Op::Backward
+        };
+        Action::new(op, u, c)
+    };
     let mut done: HashSet<Action> = done.iter().copied().collect();
     for (position, &action) in s.actions[r].iter().enumerate() {
         let u = action.unit();
+        let c = action.chunk();
+        let at = place_of(s, r, action);
         let (i, j) = (u.micro_batch, u.segment);
         let dependency = |needs: Action, why: &'static str| ScheduleError::Dependency {
             stage: r,
@@ -178,29 +267,29 @@ pub(super) fn check_local_order(
             action,
             needs,
         };
-        match action {
-            Action::Forward(_) => {
-                let prev = Action::Forward(Unit::new(i, j.wrapping_sub(1)));
+        match action.op() {
+            Op::Forward => {
+                let prev = Action::new(Op::Forward, Unit::new(i, j.wrapping_sub(1)), c);
                 if j > 0 && !done.contains(&prev) {
                     return Err(dependency(
                         prev,
                         "a segment attends to the K/V of the previous segments of its micro-batch",
                     ));
                 }
-                let recv = Action::RecvActivation(u);
-                if r > 0 && !done.contains(&recv) {
+                let recv = action.with_op(Op::RecvActivation);
+                if !at.first && !done.contains(&recv) {
                     return Err(unpaired(recv));
                 }
             }
-            Action::Backward(_) => {
-                let fwd = Action::Forward(u);
+            Op::Backward | Op::BackwardInput => {
+                let fwd = action.with_op(Op::Forward);
                 if !done.contains(&fwd) {
                     return Err(dependency(
                         fwd,
                         "a backward needs the unit's forward context",
                     ));
                 }
-                let last_fwd = Action::Forward(Unit::new(i, k - 1));
+                let last_fwd = Action::new(Op::Forward, Unit::new(i, k - 1), c);
                 if !done.contains(&last_fwd) {
                     return Err(dependency(
                         last_fwd,
@@ -208,7 +297,7 @@ pub(super) fn check_local_order(
                          (later segments' K/V)",
                     ));
                 }
-                let later = Action::Backward(Unit::new(i, j + 1));
+                let later = input_backward(c, Unit::new(i, j + 1));
                 if j + 1 < k && !done.contains(&later) {
                     return Err(dependency(
                         later,
@@ -216,24 +305,34 @@ pub(super) fn check_local_order(
                          prefix flows backwards)",
                     ));
                 }
-                let recv = Action::RecvGrad(u);
-                if r + 1 < p && !done.contains(&recv) {
+                let recv = action.with_op(Op::RecvGrad);
+                if !at.last && !done.contains(&recv) {
                     return Err(unpaired(recv));
                 }
             }
-            Action::SendActivation(_) => {
-                let fwd = Action::Forward(u);
+            Op::BackwardWeight => {
+                let input = action.with_op(Op::BackwardInput);
+                if !done.contains(&input) {
+                    return Err(dependency(
+                        input,
+                        "the weight half of a backward needs the output gradients its input \
+                         half completed (dK/dV from later segments included)",
+                    ));
+                }
+            }
+            Op::SendActivation => {
+                let fwd = action.with_op(Op::Forward);
                 if !done.contains(&fwd) {
                     return Err(unpaired(fwd));
                 }
             }
-            Action::SendGrad(_) => {
-                let bwd = Action::Backward(u);
+            Op::SendGrad => {
+                let bwd = input_backward(c, u);
                 if !done.contains(&bwd) {
                     return Err(unpaired(bwd));
                 }
             }
-            Action::RecvActivation(_) | Action::RecvGrad(_) => {}
+            Op::RecvActivation | Op::RecvGrad => {}
         }
         done.insert(action);
     }
@@ -246,20 +345,52 @@ pub(super) type Msg = (Unit, Action);
 /// The messages in flight between neighbouring stages, one FIFO channel per pair and direction.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Channels {
-    /// `act[r]`: activations from stage r to stage r+1.
+    /// `act[r]`: activations from stage r to stage r+1 (mod p with virtual stages).
     pub(super) act: Vec<VecDeque<Msg>>,
-    /// `grad[r]`: gradients from stage r+1 to stage r.
+    /// `grad[r]`: gradients from stage r+1 (mod p with virtual stages) to stage r.
     pub(super) grad: Vec<VecDeque<Msg>>,
+    /// True with virtual stages: the channels form a ring of p pairs (stage p−1's chunk c feeds
+    /// stage 0's chunk c+1); false: a line of p−1 pairs.
+    ring: bool,
 }
 
 impl Channels {
-    /// Empty channels for `stages` stages.
+    /// Empty channels for `stages` stages without virtual stages: p−1 pairs of neighbours.
     pub(super) fn new(stages: usize) -> Self {
-        let none = vec![VecDeque::new(); stages.saturating_sub(1)];
+        Self::with_pairs(stages.saturating_sub(1), false)
+    }
+
+    /// Empty channels for `s`: with virtual stages the last worker's chunk c feeds the first
+    /// worker's chunk c+1, so the p workers form a ring of p pairs.
+    pub(super) fn for_schedule(s: &Schedule) -> Self {
+        if s.virtual_stages > 1 {
+            Self::with_pairs(s.stages, true)
+        } else {
+            Self::new(s.stages)
+        }
+    }
+
+    fn with_pairs(pairs: usize, ring: bool) -> Self {
+        let none = vec![VecDeque::new(); pairs];
         Channels {
             act: none.clone(),
             grad: none,
+            ring,
         }
+    }
+
+    /// The stage after `r` (`act[r]` goes to it, `grad[r]` comes from it).
+    fn after(&self, r: usize) -> usize {
+        if self.ring && r + 1 == self.act.len() {
+            0
+        } else {
+            r + 1
+        }
+    }
+
+    /// The stage before `r` (`act` of it comes to r, `grad` of it is where r's gradients go).
+    fn before(&self, r: usize) -> usize {
+        if r == 0 { self.act.len() - 1 } else { r - 1 }
     }
 }
 
@@ -268,15 +399,15 @@ impl Channels {
 ///
 /// Each step, every stage that has actions left tries its next one; messages sent during a step
 /// are delivered at its end. A receive on an empty channel waits; a receive that finds another
-/// unit at the head is a [`ScheduleError::ChannelMismatch`].
+/// message at the head is a [`ScheduleError::ChannelMismatch`].
 pub(super) fn dry_run(s: &Schedule, channels: Channels) -> Result<Channels, ScheduleError> {
     let p = s.stages;
-    let Channels { mut act, mut grad } = channels;
+    let mut ch = channels;
     let mut pc = vec![0usize; p];
     let mut grid: Vec<Vec<Option<Action>>> = Vec::new();
     loop {
         if (0..p).all(|r| pc[r] == s.actions[r].len()) {
-            return Ok(Channels { act, grad });
+            return Ok(ch);
         }
         let mut row: Vec<Option<Action>> = vec![None; p];
         let mut sent_act: Vec<(usize, Msg)> = Vec::new();
@@ -286,18 +417,26 @@ pub(super) fn dry_run(s: &Schedule, channels: Channels) -> Result<Channels, Sche
                 continue;
             };
             let u = action.unit();
-            let ran = match action {
-                Action::RecvActivation(_) => receive(&mut act[r - 1], r, pc[r], action, r - 1)?,
-                Action::RecvGrad(_) => receive(&mut grad[r], r, pc[r], action, r + 1)?,
-                Action::SendActivation(_) => {
+            let ran = match action.op() {
+                Op::RecvActivation => {
+                    let from = ch.before(r);
+                    let expects = sender(s, r, action);
+                    receive(&mut ch.act[from], r, pc[r], action, expects, from)?
+                }
+                Op::RecvGrad => {
+                    let from = ch.after(r);
+                    let expects = sender(s, r, action);
+                    receive(&mut ch.grad[r], r, pc[r], action, expects, from)?
+                }
+                Op::SendActivation => {
                     sent_act.push((r, (u, action)));
                     true
                 }
-                Action::SendGrad(_) => {
-                    sent_grad.push((r - 1, (u, action)));
+                Op::SendGrad => {
+                    sent_grad.push((ch.before(r), (u, action)));
                     true
                 }
-                Action::Forward(_) | Action::Backward(_) => true,
+                Op::Forward | Op::Backward | Op::BackwardInput | Op::BackwardWeight => true,
             };
             if ran {
                 row[r] = Some(action);
@@ -305,22 +444,42 @@ pub(super) fn dry_run(s: &Schedule, channels: Channels) -> Result<Channels, Sche
             }
         }
         if row.iter().all(Option::is_none) {
-            return Err(deadlock(s, &pc, &grid, &act, &grad));
+            return Err(deadlock(s, &pc, &grid, &ch));
         }
         for (c, msg) in sent_act {
-            act[c].push_back(msg);
+            ch.act[c].push_back(msg);
         }
         for (c, msg) in sent_grad {
-            grad[c].push_back(msg);
+            ch.grad[c].push_back(msg);
         }
         grid.push(row);
     }
 }
 
+/// The send that a receive on stage `r` must find: `SF` from the virtual stage before for an
+/// `RF`, `SB` from the virtual stage after for an `RB`.
+fn sender(s: &Schedule, r: usize, recv: Action) -> Action {
+    let p = s.stages;
+    let here = recv.chunk() * p + r;
+    let (op, from) = match recv.op() {
+        Op::RecvActivation => (Op::SendActivation, here - 1),
+        _ => (Op::SendGrad, here + 1),
+    };
+    Action::new(op, recv.unit(), from / p)
+}
+
 /// The end of step 5: a message still in a channel was sent and never received.
 pub(super) fn check_delivered(left: &Channels) -> Result<(), ScheduleError> {
-    let down = left.act.iter().enumerate().map(|(c, q)| (c, c + 1, q));
-    let up = left.grad.iter().enumerate().map(|(c, q)| (c + 1, c, q));
+    let down = left
+        .act
+        .iter()
+        .enumerate()
+        .map(|(c, q)| (c, left.after(c), q));
+    let up = left
+        .grad
+        .iter()
+        .enumerate()
+        .map(|(c, q)| (left.after(c), c, q));
     match down
         .chain(up)
         .find_map(|(from, to, q)| q.front().map(|&(_, action)| (from, to, action)))
@@ -330,18 +489,19 @@ pub(super) fn check_delivered(left: &Channels) -> Result<(), ScheduleError> {
     }
 }
 
-/// Tries a receive: `Ok(true)` if the expected unit was at the head (consumed), `Ok(false)` if
-/// the channel is empty, an error if another unit is at the head.
+/// Tries a receive: `Ok(true)` if the expected send's message was at the head (consumed),
+/// `Ok(false)` if the channel is empty, an error if another message is at the head.
 fn receive(
     chan: &mut VecDeque<Msg>,
     stage: usize,
     position: usize,
     action: Action,
+    expects: Action,
     from: usize,
 ) -> Result<bool, ScheduleError> {
     match chan.front() {
         None => Ok(false),
-        Some(&(unit, _)) if unit == action.unit() => {
+        Some(&(_, sent)) if sent == expects => {
             chan.pop_front();
             Ok(true)
         }
@@ -361,22 +521,22 @@ fn deadlock(
     s: &Schedule,
     pc: &[usize],
     grid: &[Vec<Option<Action>>],
-    act: &[VecDeque<Msg>],
-    grad: &[VecDeque<Msg>],
+    ch: &Channels,
 ) -> ScheduleError {
-    let p = s.stages;
     let mut blocked = Vec::new();
-    for r in 0..p {
-        if let Some(&a) = s.actions[r].get(pc[r]) {
-            let (what, from, empty) = match a {
-                Action::RecvActivation(_) => ("an activation", r - 1, act[r - 1].is_empty()),
-                Action::RecvGrad(_) => ("a gradient", r + 1, grad[r].is_empty()),
+    for (r, &at) in pc.iter().enumerate() {
+        if let Some(&a) = s.actions[r].get(at) {
+            let (what, from, empty) = match a.op() {
+                Op::RecvActivation => {
+                    let from = ch.before(r);
+                    ("an activation", from, ch.act[from].is_empty())
+                }
+                Op::RecvGrad => ("a gradient", ch.after(r), ch.grad[r].is_empty()),
                 _ => unreachable!("only receives block"),
             };
             debug_assert!(empty);
             blocked.push(format!(
-                "stage {r} waits at #{} {a} for {what} from stage {from}",
-                pc[r]
+                "stage {r} waits at #{at} {a} for {what} from stage {from}"
             ));
         }
     }
@@ -465,6 +625,7 @@ mod tests {
         let s = Schedule {
             kind: ScheduleKind::OneFOneB,
             stages: 2,
+            virtual_stages: 1,
             microbatches: 2,
             splits: 1,
             forward_only: false,
@@ -566,6 +727,7 @@ mod tests {
             ScheduleError::Incomplete {
                 stage: 2,
                 unit: Unit::new(0, 1),
+                chunk: 0,
                 what: "backward (B)",
                 count: 0,
                 expected: 1,
@@ -612,6 +774,7 @@ mod tests {
         let s = Schedule {
             kind: ScheduleKind::Seq1F1B,
             stages: 1,
+            virtual_stages: 1,
             microbatches: 1,
             splits: 2,
             forward_only: false,
@@ -691,6 +854,7 @@ mod tests {
         let s = Schedule {
             kind: ScheduleKind::GPipe,
             stages: 0,
+            virtual_stages: 1,
             microbatches: 1,
             splits: 1,
             forward_only: false,
@@ -724,5 +888,160 @@ mod tests {
         };
         assert!(grid.contains("earlier steps not shown"), "{grid}");
         assert!(grid.lines().count() <= GRID_ROWS + 4, "{grid}");
+    }
+
+    #[test]
+    fn split_backward_rules() {
+        let z = generate(ScheduleKind::Seq1F1BZeroBubble, 3, 2, 2).unwrap();
+        validate(&z).unwrap();
+        // W before its I.
+        let mut s = z.clone();
+        let (i, w) = (pos(&s, 1, "I0.1"), pos(&s, 1, "W0.1"));
+        let wa = s.actions[1].remove(w);
+        s.actions[1].insert(i, wa);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::Dependency { stage: 1, needs, .. } if needs == a("I0.1")),
+            "{e}"
+        );
+        // A split unit without its W.
+        let mut s = z.clone();
+        let w = pos(&s, 2, "W1.0");
+        s.actions[2].remove(w);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Incomplete {
+                    stage: 2,
+                    what: "weight-gradient backward (W)",
+                    count: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Both a whole B and an I for one unit.
+        let mut s = z.clone();
+        s.actions[0].push(a("B1.1"));
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Incomplete {
+                    stage: 0,
+                    what: "backward (B)",
+                    count: 1,
+                    expected: 0,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // The input halves keep the dK/dV order: I(i,j) after I(i,j+1).
+        let mut s = z.clone();
+        let (hi, lo) = (pos(&s, 2, "I0.1"), pos(&s, 2, "I0.0"));
+        s.actions[2].swap(hi, lo);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::Dependency { stage: 2, needs, .. } if needs == a("I0.1")),
+            "{e}"
+        );
+        // The gradient sent back is the input half's: SB after I.
+        let mut s = z;
+        let (i, sb) = (pos(&s, 1, "I0.0"), pos(&s, 1, "SB0.0"));
+        let x = s.actions[1].remove(sb);
+        s.actions[1].insert(i, x);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(e, ScheduleError::Unpaired { stage: 1, needs, .. } if needs == a("I0.0")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn chunk_rules() {
+        let g =
+            super::super::generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 2, 2).unwrap();
+        validate(&g).unwrap();
+        // A chunk the schedule does not have.
+        let mut s = g.clone();
+        s.actions[0].push(a("F0.0@2"));
+        let e = validate(&s).unwrap_err();
+        assert!(e.to_string().contains("chunk 2 out of range"), "{e}");
+        // The last virtual stage (worker 1's chunk 1) sends no activation on.
+        let mut s = g.clone();
+        s.actions[1].push(a("SF0.0@1"));
+        let e = validate(&s).unwrap_err();
+        assert!(e.to_string().contains("the last virtual stage 3"), "{e}");
+        // A non-canonical spelling of a plain action.
+        let mut s = g.clone();
+        s.actions[0][0] = Action::Extended {
+            op: super::super::Op::Forward,
+            unit: Unit::new(0, 0),
+            chunk: 0,
+        };
+        let e = validate(&s).unwrap_err();
+        assert!(e.to_string().contains("canonical"), "{e}");
+        // Worker 0 receiving its chunk-1 inputs in another order than worker 1 sent its chunk-0
+        // outputs: the ring channel from worker 1 to worker 0 is FIFO.
+        let mut s = g.clone();
+        let (x, y) = (pos(&s, 0, "RF0.0@1"), pos(&s, 0, "RF0.1@1"));
+        s.actions[0].swap(x, y);
+        let (fx, fy) = (pos(&s, 0, "F0.0@1"), pos(&s, 0, "F0.1@1"));
+        s.actions[0].swap(fx, fy);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Dependency { .. } | ScheduleError::ChannelMismatch { .. }
+            ),
+            "{e}"
+        );
+        // Missing a chunk's backward names the chunk.
+        let mut s = g;
+        let b = pos(&s, 1, "B1.0@1");
+        s.actions[1].remove(b);
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::Incomplete {
+                    stage: 1,
+                    chunk: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("unit 1.0 on chunk 1"), "{e}");
+    }
+
+    #[test]
+    fn a_chunk_order_mismatch_across_the_ring_is_a_channel_mismatch() {
+        // p=2, v=2, m=2, k=1: worker 1 sends its chunk-0 outputs F0 then F1 to worker 0's chunk
+        // 1. Worker 0 receiving F1 first (and forwarding it first) finds F0 at the channel head.
+        let g =
+            super::super::generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 2, 1).unwrap();
+        let mut s = g;
+        let swap = |s: &mut Schedule, x: &str, y: &str| {
+            let (i, j) = (pos(s, 0, x), pos(s, 0, y));
+            s.actions[0].swap(i, j);
+        };
+        swap(&mut s, "RF0.0@1", "RF1.0@1");
+        swap(&mut s, "F0.0@1", "F1.0@1");
+        swap(&mut s, "SF0.0@1", "SF1.0@1");
+        let e = validate(&s).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ScheduleError::ChannelMismatch {
+                    stage: 0,
+                    from: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -21,7 +21,7 @@ use crate::runtime::control::ControlStream;
 use crate::runtime::kill_switch::Point;
 use crate::runtime::trace::unix_time_us;
 use crate::runtime::transport::{Payload, TcpLink, Transport, TransportError};
-use crate::schedule::{Action, Schedule, Unit, generate_forward_only, validate};
+use crate::schedule::{Action, Schedule, ScheduleError, Unit, generate_forward_only, validate};
 
 /// A schedule that passed [`validate`] (complete, in order, deadlock-free): the only kind a worker
 /// runs. An invalid one is refused with [`WorkerError::InvalidSchedule`], a permanent failure.
@@ -226,6 +226,9 @@ impl Worker {
             Action::SendGrad(u) => {
                 let t = take(&mut state.outbox, u)?;
                 self.send_boundary(train, step, action, t)?;
+            }
+            Action::Extended { .. } => {
+                return Err(ScheduleError::not_runnable_action(action).into());
             }
         }
         Ok(())
@@ -459,12 +462,13 @@ fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, W
         .map_err(|e| bad(e.to_string()))
 }
 
-/// The boundary tensor a communication action moves: its payload and unit (`None` for compute).
+/// The boundary tensor a communication action moves: its payload and unit (`None` for compute,
+/// and for the chunk and split-backward actions, which this runtime refuses to run).
 pub(super) fn boundary(action: Action) -> Option<(Payload, Unit)> {
     match action {
         Action::RecvActivation(u) | Action::SendActivation(u) => Some((Payload::Activation, u)),
         Action::RecvGrad(u) | Action::SendGrad(u) => Some((Payload::Grad, u)),
-        Action::Forward(_) | Action::Backward(_) => None,
+        Action::Forward(_) | Action::Backward(_) | Action::Extended { .. } => None,
     }
 }
 
