@@ -372,7 +372,10 @@ impl<'c> Pipeline<'c> {
             if self.stage_of(conn).is_some() {
                 return Ok(msg);
             }
-            info!(?msg, "dropped a reply of a worker replaced or retired since");
+            info!(
+                ?msg,
+                "dropped a reply of a worker replaced or retired since"
+            );
         }
         loop {
             match self.next_message(deadline, what)? {
