@@ -570,6 +570,7 @@ fn each_stage_fetches_at_most_a_tenth_more_bytes_than_it_uses() {
         tokenizer: "test".into(),
         train_tokens: tokens,
         val_tokens: 4096,
+        end_of_text: None,
     };
     let url = s3.url("datasets/bytes");
     let store = checkpoint::CheckpointStore::open(&url, &s3.store_options())
