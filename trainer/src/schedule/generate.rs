@@ -530,7 +530,8 @@ mod tests {
     use super::super::{render_text, validate};
     use super::*;
 
-    fn compute_line(s: &Schedule, r: usize) -> String {
+    /// Rank `r`'s compute actions on one line, as the golden orders are written.
+    pub(super) fn compute_line(s: &Schedule, r: usize) -> String {
         s.compute_actions(r)
             .map(|a| a.to_string())
             .collect::<Vec<_>>()
@@ -714,14 +715,8 @@ mod family_tests {
     use std::collections::HashMap;
 
     use super::super::{UnitCosts, render_text, simulate, validate};
+    use super::tests::compute_line;
     use super::*;
-
-    fn compute_line(s: &Schedule, r: usize) -> String {
-        s.compute_actions(r)
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
 
     /// Golden orders derived by hand from the reference's
     /// `forward_backward_pipelining_with_interleaving` (thunlp/Seq1F1B,
