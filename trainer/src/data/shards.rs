@@ -698,6 +698,29 @@ mod tests {
         }
     }
 
+    /// Every window `start + len` of the train split (whose shards begin at token `starts`, the
+    /// last entry its end): `spans(start, len)` names, in order, the shard, the first byte in that
+    /// shard of what it read, and the window's bytes within what it read; laid end to end they
+    /// must be exactly the window's bytes (2 a token).
+    fn for_every_window(
+        starts: &[u64],
+        mut spans: impl FnMut(u64, u64) -> Vec<(usize, u64, std::ops::Range<usize>)>,
+    ) {
+        let total = *starts.last().unwrap();
+        for start in 0..total {
+            for len in 1..=(total - start) {
+                let global: Vec<u64> = spans(start, len)
+                    .into_iter()
+                    .flat_map(|(shard, first, within)| {
+                        within.map(move |b| starts[shard] * 2 + first + b as u64)
+                    })
+                    .collect();
+                let want: Vec<u64> = (start * 2..(start + len) * 2).collect();
+                assert_eq!(global, want, "window {start}+{len}");
+            }
+        }
+    }
+
     /// Every window maps to pieces that, laid end to end, cover exactly its bytes, in order,
     /// within chunk and shard bounds.
     #[test]
@@ -706,22 +729,17 @@ mod tests {
         idx.validate().unwrap();
         let starts = idx.shard_starts(Split::Train);
         assert_eq!(starts, vec![0, 10, 17, 18, 30]);
-        for start in 0..30u64 {
-            for len in 1..=(30 - start) {
-                let pieces = idx.pieces(&starts, start, len).unwrap();
-                let mut global = Vec::new();
-                for p in &pieces {
-                    let shard = &idx.train.shards[p.shard];
-                    let range = idx.chunk_range(shard.bytes, p.chunk);
-                    assert!(p.from < p.to && (p.to as u64) <= range.end - range.start);
-                    for b in p.from..p.to {
-                        global.push(starts[p.shard] * 2 + range.start + b as u64);
-                    }
-                }
-                let want: Vec<u64> = (start * 2..(start + len) * 2).collect();
-                assert_eq!(global, want, "window {start}+{len}");
+        for_every_window(&starts, |start, len| {
+            let pieces = idx.pieces(&starts, start, len).unwrap();
+            let mut spans = Vec::new();
+            for p in &pieces {
+                let shard = &idx.train.shards[p.shard];
+                let range = idx.chunk_range(shard.bytes, p.chunk);
+                assert!(p.from < p.to && (p.to as u64) <= range.end - range.start);
+                spans.push((p.shard, range.start, p.from..p.to));
             }
-        }
+            spans
+        });
         assert_eq!(idx.pieces(&starts, 25, 6), None);
         assert_eq!(idx.pieces(&starts, u64::MAX, 2), None);
     }
@@ -736,28 +754,23 @@ mod tests {
         idx.block_bytes = Some(4);
         idx.validate().unwrap();
         let starts = idx.shard_starts(Split::Train);
-        for start in 0..30u64 {
-            for len in 1..=(30 - start) {
-                let runs = idx.runs(&starts, start, len).unwrap();
-                let mut global = Vec::new();
-                for (i, r) in runs.iter().enumerate() {
-                    let shard = &idx.train.shards[r.shard];
-                    let (bytes, checks) = idx.block_ranges(shard.bytes, r.first_block, r.end_block);
-                    assert_eq!(checks.end - checks.start, 4 * (r.end_block - r.first_block));
-                    assert!(r.from < r.to && r.to as u64 <= bytes.end - bytes.start);
-                    // The fewest blocks: the first and the last hold window bytes.
-                    assert!(r.from < 4 && (bytes.end - bytes.start) - (r.to as u64) < 4);
-                    if i > 0 {
-                        assert_eq!(r.shard, runs[i - 1].shard + 1);
-                    }
-                    for b in r.from..r.to {
-                        global.push(starts[r.shard] * 2 + bytes.start + b as u64);
-                    }
+        for_every_window(&starts, |start, len| {
+            let runs = idx.runs(&starts, start, len).unwrap();
+            let mut spans = Vec::new();
+            for (i, r) in runs.iter().enumerate() {
+                let shard = &idx.train.shards[r.shard];
+                let (bytes, checks) = idx.block_ranges(shard.bytes, r.first_block, r.end_block);
+                assert_eq!(checks.end - checks.start, 4 * (r.end_block - r.first_block));
+                assert!(r.from < r.to && r.to as u64 <= bytes.end - bytes.start);
+                // The fewest blocks: the first and the last hold window bytes.
+                assert!(r.from < 4 && (bytes.end - bytes.start) - (r.to as u64) < 4);
+                if i > 0 {
+                    assert_eq!(r.shard, runs[i - 1].shard + 1);
                 }
-                let want: Vec<u64> = (start * 2..(start + len) * 2).collect();
-                assert_eq!(global, want, "window {start}+{len}");
+                spans.push((r.shard, bytes.start, r.from..r.to));
             }
-        }
+            spans
+        });
         assert_eq!(idx.runs(&starts, 25, 6), None);
         assert_eq!(idx.runs(&starts, u64::MAX, 2), None);
     }
