@@ -571,15 +571,8 @@ impl Inner {
                         )
                         .is_ok()
             };
-            match cache.get(&name, verify) {
-                CacheRead::Hit(bytes) => {
-                    self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(bytes.slice(..data_len));
-                }
-                CacheRead::Corrupt => {
-                    self.stats.cache_corrupt.fetch_add(1, Ordering::Relaxed);
-                }
-                CacheRead::Miss => {}
+            if let Some(bytes) = self.cached(cache, &name, verify) {
+                return Ok(bytes.slice(..data_len));
             }
         }
         let checks_key = check_key(split, run.shard);
@@ -645,6 +638,22 @@ impl Inner {
         Ok(data)
     }
 
+    /// The verified copy of `name` in `cache`, counting a hit or a corrupt copy (which the cache
+    /// has removed); none when the store must be read.
+    fn cached(&self, cache: &Cache, name: &str, verify: impl Fn(&[u8]) -> bool) -> Option<Bytes> {
+        match cache.get(name, verify) {
+            CacheRead::Hit(bytes) => {
+                self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                Some(bytes)
+            }
+            CacheRead::Corrupt => {
+                self.stats.cache_corrupt.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            CacheRead::Miss => None,
+        }
+    }
+
     /// Counts `requests` answered with `bytes`, of which `check_bytes` were block checks.
     fn count(&self, requests: u64, bytes: usize, check_bytes: usize) {
         self.stats.requests.fetch_add(requests, Ordering::Relaxed);
@@ -662,15 +671,10 @@ impl Inner {
         let want = &entry.chunks[chunk];
         let name = format!("{}-{shard:06}-{chunk:06}.bin", split.as_str());
         if let Some(cache) = &self.cache {
-            match cache.get(&name, |b| blake3::hash(b).to_hex().as_str() == want) {
-                CacheRead::Hit(bytes) => {
-                    self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(bytes);
-                }
-                CacheRead::Corrupt => {
-                    self.stats.cache_corrupt.fetch_add(1, Ordering::Relaxed);
-                }
-                CacheRead::Miss => {}
+            if let Some(bytes) =
+                self.cached(cache, &name, |b| blake3::hash(b).to_hex().as_str() == want)
+            {
+                return Ok(bytes);
             }
         }
         let range = self.index.chunk_range(entry.bytes, chunk);
