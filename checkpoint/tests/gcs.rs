@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use checkpoint::emulators::FakeGcs;
 use checkpoint::testing::{delete_object, read_object};
 use checkpoint::{CheckpointError, CheckpointStore, Manifest, StoreOptions, step_dir};
-use common::{commit_sample, fresh_dir, run, sample};
+use common::{commit_sample, fresh_dir, reads_by_range, run, sample};
 
 /// A local store and the same objects as a `gs://` store, at a fresh prefix.
 struct Pair {
@@ -114,30 +114,7 @@ async fn read_by_range(server: &FakeGcs) {
     let p = Pair::new(server);
     let m = commit_sample(&p.local, 3).await;
     p.upload(server);
-    let all: std::collections::HashMap<String, _> = sample("a.", 3)
-        .into_iter()
-        .chain(sample("b.", 103))
-        .collect();
-    let want: Vec<String> = ["b.idx", "a.empty", "a.w", "b.scalar", "a.w"]
-        .map(String::from)
-        .to_vec();
-    let got = p.gcs.read_tensors(&m, &want).await.unwrap();
-    assert_eq!(
-        got.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-        want.iter().collect::<Vec<_>>()
-    );
-    for (name, t) in &got {
-        assert_eq!(t, &all[name], "{name}");
-    }
-    let e = p
-        .gcs
-        .read_tensors(&m, &["a.w".into(), "nope".into()])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::MissingTensor { name, step: 3, .. } if name == "nope"),
-        "{e}"
-    );
+    reads_by_range(&p.gcs, &m).await;
 }
 
 /// A flipped byte, a truncated shard and a missing shard on GCS are errors naming the shard, and
