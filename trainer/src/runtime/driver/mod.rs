@@ -29,7 +29,6 @@ use super::metrics_log::MetricsLog;
 use super::pipeline::Pipeline;
 use super::recovery::{self, Start};
 use super::trace::{TraceLog, unix_time_s, unix_time_us};
-use crate::checkpointing::state::TrainerState;
 use crate::config::Config;
 use crate::lr::learning_rate;
 use crate::metrics::StepMetrics;
@@ -286,12 +285,7 @@ impl Driver<'_, '_> {
             })?;
         self.record_recovery(step, step, resumed_from.is_some(), &ProgressBar::hidden())?;
         if !self.checkpoints.committed_steps()?.contains(&step) {
-            let state = self.trainer_state(step, record.lr, record.loss);
-            self.checkpoints.begin(
-                self.pipeline,
-                state,
-                self.metrics.as_mut().expect("metrics"),
-            )?;
+            self.begin_checkpoint(&record)?;
         }
         let timeout = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
         self.checkpoints.commit_final(
@@ -411,9 +405,8 @@ impl Driver<'_, '_> {
         if let Some(failure) = self.rerouted.take() {
             // A replica was lost during this step: its state is in the other replicas only. It is
             // committed here, and the pipeline is rebuilt on the survivors from it.
-            let state = self.trainer_state(step, record.lr, record.loss);
+            self.begin_checkpoint(record)?;
             let metrics = self.metrics.as_mut().expect("metrics");
-            self.checkpoints.begin(self.pipeline, state, metrics)?;
             self.checkpoints
                 .finish(self.pipeline, metrics, cfg.elastic.grace())?;
             return Err(failure);
@@ -444,12 +437,7 @@ impl Driver<'_, '_> {
         }
         let end = decide::step_end(facts);
         if end.checkpoint {
-            let state = self.trainer_state(step, record.lr, record.loss);
-            self.checkpoints.begin(
-                self.pipeline,
-                state,
-                self.metrics.as_mut().expect("metrics"),
-            )?;
+            self.begin_checkpoint(record)?;
         }
         self.checkpoints
             .poll(self.pipeline, self.metrics.as_mut().expect("metrics"))?;
@@ -676,8 +664,15 @@ impl Driver<'_, '_> {
         Ok(Some(loss_sum / tokens as f64))
     }
 
-    fn trainer_state(&self, step: u64, lr: f64, loss: f64) -> TrainerState {
-        decide::trainer_state(self.cfg, step, lr, loss)
+    /// Starts the checkpoint of the step that `record` describes (its learning rate and loss go
+    /// into the trainer state).
+    fn begin_checkpoint(&mut self, record: &StepMetrics) -> Result<(), LaunchError> {
+        let state = decide::trainer_state(self.cfg, record.step, record.lr, record.loss);
+        self.checkpoints.begin(
+            self.pipeline,
+            state,
+            self.metrics.as_mut().expect("metrics"),
+        )
     }
 }
 
