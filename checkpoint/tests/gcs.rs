@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use checkpoint::emulators::FakeGcs;
 use checkpoint::testing::{delete_object, read_object};
 use checkpoint::{CheckpointError, CheckpointStore, Manifest, StoreOptions, step_dir};
-use common::{commit_sample, fresh_dir, reads_by_range, run, sample};
+use common::{
+    assert_problem, assert_read_corrupt, commit_sample, fresh_dir, reads_by_range, run, sample,
+};
 
 /// A local store and the same objects as a `gs://` store, at a fresh prefix.
 struct Pair {
@@ -128,55 +130,27 @@ async fn corruption_is_named(server: &FakeGcs) {
     let mut raw = read_object(&p.gcs, &shard.key).await.unwrap().to_vec();
     raw[t.offset as usize + 3] ^= 0x10;
     server.upload(&p.key(&shard.key), &raw);
-    let e = p.gcs.read_tensors(&m, &["a.f64".into()]).await.unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == &shard.key && detail.contains("a.f64")),
-        "{e}"
-    );
+    assert_read_corrupt(&p.gcs, &m, "a.f64", &shard.key, "a.f64").await;
     assert_eq!(
         p.gcs.read_tensors(&m, &["a.w".into()]).await.unwrap().len(),
         1,
         "the shard's other tensors stay readable"
     );
     let report = p.gcs.verify(&m).await.unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|x| x.contains(&shard.key) && x.contains("a.f64") && x.contains("hash mismatch")),
-        "{report}"
-    );
+    assert_problem(&report.problems, &[&shard.key, "a.f64", "hash mismatch"]);
 
     // Cut into a.scalar: a short ranged read.
     let (shard, t) = m.tensor("a.scalar").unwrap();
     let whole = read_object(&p.local, &shard.key).await.unwrap();
     server.upload(&p.key(&shard.key), &whole[..t.offset as usize + 3]);
-    let e = p
-        .gcs
-        .read_tensors(&m, &["a.scalar".into()])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == &shard.key && detail.contains("a.scalar")),
-        "{e}"
-    );
+    assert_read_corrupt(&p.gcs, &m, "a.scalar", &shard.key, "a.scalar").await;
     let report = p.gcs.verify(&m).await.unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|x| x.contains(&shard.key) && x.contains("size mismatch")),
-        "{report}"
-    );
+    assert_problem(&report.problems, &[&shard.key, "size mismatch"]);
 
     // A missing shard (deleted through the GCS client).
     let other = m.tensor("b.w").unwrap().0.key.clone();
     delete_object(&p.gcs, &other).await.unwrap();
-    let e = p.gcs.read_tensors(&m, &["b.w".into()]).await.unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == &other && detail.contains("missing")),
-        "{e}"
-    );
+    assert_read_corrupt(&p.gcs, &m, "b.w", &other, "missing").await;
 }
 
 /// A damaged newest checkpoint (an unparsable manifest) read from GCS is reported as damage

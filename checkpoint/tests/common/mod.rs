@@ -191,8 +191,25 @@ fn names(tensors: &[(String, TensorData)]) -> Vec<String> {
     tensors.iter().map(|(n, _)| n.clone()).collect()
 }
 
+/// Reading `tensor` of `m` from `store` fails as corrupt, naming the shard `key` with `detail_has`
+/// in the detail.
+pub async fn assert_read_corrupt(
+    store: &CheckpointStore,
+    m: &Manifest,
+    tensor: &str,
+    key: &str,
+    detail_has: &str,
+) {
+    let e = store.read_tensors(m, &[tensor.into()]).await.unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Corrupt { key: k, detail, .. } if k == key && detail.contains(detail_has)),
+        "reading {tensor} from {}: {e}",
+        store.url()
+    );
+}
+
 /// Finds the problem mentioning all `needles`, or panics listing the problems.
-fn assert_problem(problems: &[String], needles: &[&str]) {
+pub fn assert_problem(problems: &[String], needles: &[&str]) {
     assert!(
         problems
             .iter()
@@ -455,15 +472,7 @@ pub async fn truncated_or_missing_shard_is_corrupt(b: &Backend) {
     write_object(&store, &shard.key, raw.slice(..t.offset as usize + 3))
         .await
         .unwrap();
-    let e = store
-        .read_tensors(&m, &["a.scalar".into()])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == &shard.key && detail.contains("a.scalar")),
-        "[{}] {e}",
-        b.name
-    );
+    assert_read_corrupt(&store, &m, "a.scalar", &shard.key, "a.scalar").await;
     let report = store.verify(&m).await.unwrap();
     assert_problem(&report.problems, &[&shard.key, "size mismatch"]);
     assert_problem(&report.problems, &[&shard.key, "a.scalar", "truncated"]);
@@ -472,23 +481,12 @@ pub async fn truncated_or_missing_shard_is_corrupt(b: &Backend) {
     write_object(&store, &shard.key, raw.slice(..t.offset as usize - 1))
         .await
         .unwrap();
-    let e = store
-        .read_tensors(&m, &["a.scalar".into()])
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == &shard.key && detail.contains("a.scalar")),
-        "{e}"
-    );
+    assert_read_corrupt(&store, &m, "a.scalar", &shard.key, "a.scalar").await;
 
     // A missing shard.
     let other = &m.tensor("b.w").unwrap().0.key;
     delete_object(&store, other).await.unwrap();
-    let e = store.read_tensors(&m, &["b.w".into()]).await.unwrap_err();
-    assert!(
-        matches!(&e, CheckpointError::Corrupt { key, detail, .. } if key == other && detail.contains("missing")),
-        "{e}"
-    );
+    assert_read_corrupt(&store, &m, "b.w", other, "missing").await;
     let report = store.verify(&m).await.unwrap();
     assert_problem(&report.problems, &[other, "missing"]);
     assert_eq!(report.shards_checked, 2, "{report}");
