@@ -558,22 +558,20 @@ impl Inner {
             run.first_block,
             run.end_block
         );
-        if let Some(cache) = &self.cache {
-            let verify = |b: &[u8]| {
-                b.len() > data_len
-                    && self
-                        .verify_blocks(
-                            split,
-                            run.shard,
-                            run.first_block,
-                            &b[..data_len],
-                            &b[data_len..],
-                        )
-                        .is_ok()
-            };
-            if let Some(bytes) = self.cached(cache, &name, verify) {
-                return Ok(bytes.slice(..data_len));
-            }
+        let verify = |b: &[u8]| {
+            b.len() > data_len
+                && self
+                    .verify_blocks(
+                        split,
+                        run.shard,
+                        run.first_block,
+                        &b[..data_len],
+                        &b[data_len..],
+                    )
+                    .is_ok()
+        };
+        if let Some(bytes) = self.cached(&name, verify) {
+            return Ok(bytes.slice(..data_len));
         }
         let checks_key = check_key(split, run.shard);
         let exact = |want: u64| {
@@ -638,10 +636,10 @@ impl Inner {
         Ok(data)
     }
 
-    /// The verified copy of `name` in `cache`, counting a hit or a corrupt copy (which the cache
-    /// has removed); none when the store must be read.
-    fn cached(&self, cache: &Cache, name: &str, verify: impl Fn(&[u8]) -> bool) -> Option<Bytes> {
-        match cache.get(name, verify) {
+    /// The verified copy of `name` in the cache, counting a hit or a corrupt copy (which the cache
+    /// has removed); none when there is no cache or the store must be read.
+    fn cached(&self, name: &str, verify: impl Fn(&[u8]) -> bool) -> Option<Bytes> {
+        match self.cache.as_ref()?.get(name, verify) {
             CacheRead::Hit(bytes) => {
                 self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
                 Some(bytes)
@@ -670,12 +668,8 @@ impl Inner {
         let entry = &self.index.split(split).shards[shard];
         let want = &entry.chunks[chunk];
         let name = format!("{}-{shard:06}-{chunk:06}.bin", split.as_str());
-        if let Some(cache) = &self.cache {
-            if let Some(bytes) =
-                self.cached(cache, &name, |b| blake3::hash(b).to_hex().as_str() == want)
-            {
-                return Ok(bytes);
-            }
+        if let Some(bytes) = self.cached(&name, |b| blake3::hash(b).to_hex().as_str() == want) {
+            return Ok(bytes);
         }
         let range = self.index.chunk_range(entry.bytes, chunk);
         let bytes = fetch(
