@@ -4,9 +4,9 @@
 //! `node_joined` events a plan change keeps. The coordinator's shells gather the facts and carry
 //! the answers out; each is tested here.
 
-use elastic::NodeId;
+use elastic::{Decision, NodeId};
 
-use super::super::events::{NodeJoined, RunEvent};
+use super::super::events::{NodeJoined, NodeLeft, RunEvent};
 use super::super::recovery::Start;
 
 /// Where the wait for the first plan's nodes stands.
@@ -68,18 +68,32 @@ pub(super) fn resume_from(start: &Start, latest: Option<u64>) -> Option<u64> {
     }
 }
 
-/// A plan change's events without the `node_joined` of joiners the adopted plan (`nodes`) did
-/// not take: they stay spares.
-pub(super) fn joined_in_plan(events: &mut Vec<RunEvent>, nodes: &[NodeId]) {
+/// A plan change's events as the adopted plan (`nodes`) made them true: no `node_joined` of
+/// joiners it did not take (they stay spares), and no `node_left` of nodes still in it (their
+/// notices came too late for this boundary's change, see [`restarts_on_same_nodes`]).
+pub(super) fn as_adopted(events: &mut Vec<RunEvent>, nodes: &[NodeId]) {
     events.retain(|e| match e {
         RunEvent::NodeJoined(NodeJoined { node, .. }) => nodes.contains(node),
+        RunEvent::NodeLeft(NodeLeft { node, .. }) => !nodes.contains(node),
         _ => true,
     });
 }
 
+/// Whether a re-plan restarts the stopped pipeline on the nodes it had instead of adopting the
+/// elastic core's `decision`:
+/// - `Continue`: the change the pipeline stopped for is no longer wanted (its joiner was lost
+///   again);
+/// - `Stop`: more preemption notices came after the boundary decided its change (cloud notices
+///   reach the nodes seconds apart), and now too few nodes would remain. The boundary's state
+///   may exist only in peer snapshots, which a stop cannot commit; the noticed nodes are alive
+///   until their grace ends. So the pipeline restarts on them and the run stops at the next
+///   boundary with a checkpoint, as it does for notices that come mid-step.
+pub(super) fn restarts_on_same_nodes(decision: &Decision) -> bool {
+    matches!(decision, Decision::Continue | Decision::Stop { .. })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::super::events::NodeLeft;
     use super::super::super::recovery::ResumePoint;
     use super::*;
 
@@ -156,9 +170,69 @@ mod tests {
                 step: 5,
             }),
         ];
-        joined_in_plan(&mut events, std::slice::from_ref(&b));
+        as_adopted(&mut events, std::slice::from_ref(&b));
         assert_eq!(events.len(), 2);
         assert!(matches!(&events[0], RunEvent::NodeLeft(l) if l.node == a));
         assert!(matches!(&events[1], RunEvent::NodeJoined(j) if j.node == b));
+    }
+
+    /// Cloud notices reach the nodes seconds apart: three of four nodes announced by the boundary
+    /// (a shrink onto the fourth), the fourth before the re-plan. The pipeline restarts on all
+    /// four with no `node_left`, and the next boundary stops the run with every node leaving
+    /// (before, the re-plan failed the run: exit 1 instead of a checkpoint and exit 75).
+    #[test]
+    fn a_notice_after_the_boundarys_shrink_restarts_on_the_same_nodes_then_stops() {
+        use elastic::{ClusterState, ElasticConfig, NodeInfo, decide, restart_plan};
+        use std::time::Instant;
+        let now = Instant::now();
+        let cfg = ElasticConfig::default();
+        let mut state = ClusterState::new(4);
+        let names = ["a", "b", "c", "d"];
+        for id in names {
+            let info = NodeInfo::new(id, 1, format!("{id}:29500"));
+            state.membership.join(info, now).unwrap();
+        }
+        let (first, _) = decide(now, &state, &cfg);
+        state.apply(&first, now);
+        for id in ["a", "b", "c"] {
+            state.membership.leave(&id.into(), now).unwrap();
+        }
+        state.step = 6;
+        state.at_step_boundary = true;
+        let (at_boundary, reason) = decide(now, &state, &cfg);
+        assert!(matches!(at_boundary, Decision::Shrink { .. }), "{reason}");
+        assert!(!restarts_on_same_nodes(&at_boundary));
+
+        // The re-plan, after d's notice too.
+        state.membership.leave(&"d".into(), now).unwrap();
+        let (replan, reason) = decide(now, &state, &cfg);
+        assert!(matches!(replan, Decision::Stop { .. }), "{reason}");
+        assert!(restarts_on_same_nodes(&replan));
+        let (restart, _) = restart_plan(&state).unwrap();
+        let nodes = restart.plan().unwrap().nodes.clone();
+        assert_eq!(nodes, names.map(NodeId::new));
+        let mut events: Vec<RunEvent> = ["a", "b", "c"]
+            .map(|id| {
+                RunEvent::NodeLeft(NodeLeft {
+                    node: NodeId::new(id),
+                    step: 5,
+                    reason: "preemption notice (SIGTERM)".into(),
+                })
+            })
+            .into();
+        as_adopted(&mut events, &nodes);
+        assert!(events.is_empty(), "{events:?}");
+        state.apply(&restart, now);
+
+        // The next boundary: every node leaves, the run stops there with a checkpoint.
+        state.step = 7;
+        let (next, reason) = decide(now, &state, &cfg);
+        assert_eq!(
+            next,
+            Decision::Stop {
+                leaving: names.map(NodeId::new).into()
+            },
+            "{reason}"
+        );
     }
 }

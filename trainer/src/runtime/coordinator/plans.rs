@@ -167,8 +167,9 @@ impl Coordinator {
         }
     }
 
-    /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the checkpoint of
-    /// `step` was committed.
+    /// Adopts the plan that [`Coordinator::at_step_boundary`] announced, after the state of `step`
+    /// was kept (peer snapshots or a committed checkpoint) — or, when notices that came since
+    /// leave too few nodes, restarts on the nodes it had (see [`decide::restarts_on_same_nodes`]).
     pub(in crate::runtime) fn change_plan_at_boundary(
         &mut self,
         step: u64,
@@ -182,7 +183,7 @@ impl Coordinator {
                 events.push(RunEvent::NodeLeft(NodeLeft {
                     node: id.clone(),
                     step,
-                    reason: elastic::preemption::leave_reason(self.notices.remove(id).as_ref()),
+                    reason: elastic::preemption::leave_reason(self.notices.get(id)),
                 }));
             }
         }
@@ -193,9 +194,14 @@ impl Coordinator {
             }));
         }
         self.replan(&mut events)?;
-        // Joiners the plan did not take stay spares: no event for them.
+        // Joiners the plan did not take stay spares, leaving nodes it kept stay: no event for them.
         let nodes = self.plan().nodes.clone();
-        decide::joined_in_plan(&mut events, &nodes);
+        decide::as_adopted(&mut events, &nodes);
+        for event in &events {
+            if let RunEvent::NodeLeft(left) = event {
+                self.notices.remove(&left.node);
+            }
+        }
         self.recovery = Some(Recovery {
             failed_at: now,
             failed_step: step + 1,
@@ -217,14 +223,18 @@ impl Coordinator {
         let plan = loop {
             let now = Instant::now();
             let (decision, reason) = match elastic::decide(now, &self.state, &self.cfg.elastic) {
-                // The pipeline stopped for a change that is no longer wanted (its joiner was lost
-                // again): it restarts on the nodes it had.
-                (Decision::Continue, reason) => {
-                    elastic::restart_plan(&self.state).ok_or_else(|| {
+                // A change no longer wanted, or notices that came too late for this boundary's
+                // change (the run then stops at the next boundary): the nodes it had.
+                (decision, reason) if decide::restarts_on_same_nodes(&decision) => {
+                    let (restart, text) = elastic::restart_plan(&self.state).ok_or_else(|| {
                         LaunchError::Protocol(format!(
                             "the pipeline stopped for a plan change but there is no plan to restart: {reason}"
                         ))
-                    })?
+                    })?;
+                    match decision {
+                        Decision::Stop { .. } => (restart, format!("{text}; {reason}")),
+                        _ => (restart, text),
+                    }
                 }
                 other => other,
             };
@@ -247,15 +257,13 @@ impl Coordinator {
                         self.unexpected(incoming);
                     }
                 }
-                // Only at a boundary the pipeline reached (see `at_step_boundary`): one whose
-                // nodes were lost instead stops like a failed run.
-                Decision::Fail { .. } | Decision::Stop { .. } => {
+                Decision::Fail { .. } => {
                     return Err(LaunchError::Run(format!(
                         "{reason} (run directory {})",
                         self.cfg.run.dir.display()
                     )));
                 }
-                Decision::Continue => {
+                Decision::Continue | Decision::Stop { .. } => {
                     return Err(LaunchError::Protocol(format!(
                         "the elastic core kept a plan it was asked to restart: {reason}"
                     )));
