@@ -186,7 +186,7 @@ mod enabled {
     use std::time::Instant;
 
     use anyhow::{Context, Result, bail};
-    use candle_core::DType;
+    use candle_core::{DType, Tensor};
     use gpu::stage::{GpuStage, StageParam, StagePlan, UnitInput, UnitOutput};
     use gpu::{Gpu, Precision};
     use ops::adamw::AdamWConfig;
@@ -195,7 +195,7 @@ mod enabled {
     use super::{CheckArgs, GemmArgs, GpuBenchArgs, InfoArgs, PtxArgs};
     use crate::bench::step::{median, random_batch};
     use trainer::model::params::{WeightDecay, param_count};
-    use trainer::model::{Mode, Stage, StageInput, StageLayout, StageOutput};
+    use trainer::model::{Mode, ModelConfig, Stage, StageInput, StageLayout, StageOutput};
     use trainer::schedule::Unit;
 
     /// Learning rate, weight decay and clipping of the benchmark (as `bench step`'s).
@@ -429,27 +429,209 @@ mod enabled {
         Ok(hasher.finalize().to_hex().to_string())
     }
 
+    /// The shape a bench run trains, checked: the preset's model, `batch` rows of `seq` tokens cut
+    /// into `micro_batches` × `segments` units.
+    struct BenchShape {
+        model: ModelConfig,
+        batch: usize,
+        seq: usize,
+        micro_batches: usize,
+        segments: usize,
+    }
+
+    impl BenchShape {
+        fn from_args(args: &GpuBenchArgs) -> Result<Self> {
+            let (model, preset_batch, seq) = args.preset.shape();
+            let batch = args.batch.unwrap_or(preset_batch);
+            if batch == 0 || args.steps == 0 {
+                bail!("--batch and --steps must be at least 1");
+            }
+            let (mbs, segs) = (args.micro_batches, args.segments);
+            if mbs == 0 || segs == 0 || !batch.is_multiple_of(mbs) || !seq.is_multiple_of(segs) {
+                bail!(
+                    "--micro-batches {mbs} must divide the batch ({batch}) and --segments {segs} the sequence length ({seq}), both at least 1"
+                );
+            }
+            if args.check && (mbs, segs) != (1, 1) {
+                bail!(
+                    "--check compares one unit per step with the CPU stage: leave out --micro-batches and --segments"
+                );
+            }
+            if args.profile && args.profile_steps == 0 {
+                bail!("--profile-steps must be at least 1");
+            }
+            Ok(Self {
+                model,
+                batch,
+                seq,
+                micro_batches: mbs,
+                segments: segs,
+            })
+        }
+
+        /// The loss of a step is a sum over its tokens; this makes it their mean.
+        fn loss_scale(&self) -> f64 {
+            1.0 / (self.batch * self.seq) as f64
+        }
+    }
+
+    /// One training step of the whole model on one GPU stage, in the pipeline's order on a
+    /// single stage: each micro-batch's segments forward, then backward in reverse (1F1B of one
+    /// stage); then the optimizer update as the runtime does it.
+    struct BenchStep {
+        /// Each unit's tokens and targets, by micro-batch then segment.
+        units: Vec<Vec<(Vec<u32>, Vec<u32>)>>,
+        loss_scale: f64,
+    }
+
+    impl BenchStep {
+        fn new(shape: &BenchShape, inputs: &[u32], targets: &[u32]) -> Self {
+            let (mbs, segs) = (shape.micro_batches, shape.segments);
+            let units = (0..mbs)
+                .map(|mb| {
+                    (0..segs)
+                        .map(|j| {
+                            let cut = |flat: &[u32]| {
+                                unit_values(flat, (shape.batch, shape.seq), (mbs, segs), (mb, j))
+                            };
+                            (cut(inputs), cut(targets))
+                        })
+                        .collect()
+                })
+                .collect();
+            Self {
+                units,
+                loss_scale: shape.loss_scale(),
+            }
+        }
+
+        /// Forward and backward of every unit; returns the step's summed loss.
+        fn gradients(&self, m: &mut GpuStage) -> Result<f64> {
+            m.begin_step(self.units.len());
+            let mut loss = 0.0;
+            for (mb, unit) in self.units.iter().enumerate() {
+                for (j, (inputs, targets)) in unit.iter().enumerate() {
+                    let out = m.forward(
+                        (mb, j),
+                        UnitInput::Tokens(inputs),
+                        Some(targets),
+                        self.loss_scale,
+                        true,
+                    )?;
+                    let UnitOutput::LossSum(l) = out else {
+                        bail!("a stage holding the whole model ends in the loss");
+                    };
+                    loss += l;
+                }
+                for j in (0..unit.len()).rev() {
+                    m.backward((mb, j), None)?;
+                }
+            }
+            m.finish_gradients()?;
+            Ok(loss)
+        }
+
+        /// Global-norm clipping as the runtime does it (sums of squares in canonical order), then
+        /// AdamW.
+        fn update(&self, m: &mut GpuStage) -> Result<()> {
+            let adamw = AdamWConfig::default();
+            let betas = (adamw.beta1, adamw.beta2, adamw.eps);
+            let weight_decay = WeightDecay {
+                rate: WEIGHT_DECAY,
+                embeddings: false,
+            };
+            let sums = m.grad_sums_of_squares()?;
+            let norm = ops::clip::global_norm(sums.into_iter().map(|(_, s)| s));
+            let clip = ops::clip::clip_coefficient(norm, GRAD_CLIP);
+            m.apply_update(LR, clip, weight_decay, betas)?;
+            Ok(())
+        }
+
+        /// A whole step; returns its mean loss.
+        fn run(&self, m: &mut GpuStage) -> Result<f64> {
+            let loss = self.gradients(m)?;
+            self.update(m)?;
+            Ok(loss * self.loss_scale)
+        }
+    }
+
+    /// `--check`: one step's gradients on the GPU against the CPU stage's from the same weights
+    /// and tokens (then the GPU step's update, so the timed steps start from the same state as
+    /// without it).
+    fn check_against_cpu(
+        step: &BenchStep,
+        m: &mut GpuStage,
+        stage: &mut Stage,
+        (inputs, targets): (&Tensor, &Tensor),
+        precision: Precision,
+    ) -> Result<GradCheck> {
+        stage.begin_step(1);
+        let loss_gpu = step.gradients(m)?;
+        let out = stage.forward(
+            Unit::new(0, 0),
+            StageInput::Tokens(inputs.clone()),
+            Some(targets),
+            step.loss_scale,
+            Mode::Train,
+        )?;
+        let StageOutput::LossSum(loss_cpu) = out else {
+            bail!("a single stage must end in the loss");
+        };
+        stage.backward(Unit::new(0, 0), None)?;
+        stage.finish_gradients()?;
+        let (worst_rel_l2, worst_param) = worst_gradient(m, stage)?;
+        step.update(m)?;
+        Ok(GradCheck {
+            worst_rel_l2,
+            worst_param,
+            loss_gpu: loss_gpu * step.loss_scale,
+            loss_cpu: loss_cpu * step.loss_scale,
+            bound: (precision == Precision::Fp32).then_some(GRAD_BOUND_FP32),
+        })
+    }
+
+    /// `warmup + steps` synchronised steps; returns the times of the last `steps`, in ms.
+    fn timed_steps(
+        step: &BenchStep,
+        m: &mut GpuStage,
+        (warmup, steps): (usize, usize),
+        losses: &mut Vec<f64>,
+    ) -> Result<Vec<f64>> {
+        let mut step_ms = Vec::new();
+        for i in 0..warmup + steps {
+            m.gpu().sync()?;
+            let started = Instant::now();
+            losses.push(step.run(m)?);
+            m.gpu().sync()?;
+            if i >= warmup {
+                step_ms.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(step_ms)
+    }
+
+    /// `--profile`: `steps` profiled steps after one that creates the timing events they reuse.
+    fn profiled_steps(
+        step: &BenchStep,
+        m: &mut GpuStage,
+        steps: usize,
+        losses: &mut Vec<f64>,
+    ) -> Result<gpu::Profile> {
+        m.gpu().profile_begin()?;
+        losses.push(step.run(m)?);
+        m.gpu().profile_end(1)?;
+        m.gpu().profile_begin()?;
+        for _ in 0..steps {
+            losses.push(step.run(m)?);
+        }
+        Ok(m.gpu().profile_end(steps)?)
+    }
+
     pub(super) fn bench(args: &GpuBenchArgs) -> Result<()> {
         let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
-        let (model, preset_batch, seq) = args.preset.shape();
-        let batch = args.batch.unwrap_or(preset_batch);
-        if batch == 0 || args.steps == 0 {
-            bail!("--batch and --steps must be at least 1");
-        }
-        let (mbs, segs) = (args.micro_batches, args.segments);
-        if mbs == 0 || segs == 0 || !batch.is_multiple_of(mbs) || !seq.is_multiple_of(segs) {
-            bail!(
-                "--micro-batches {mbs} must divide the batch ({batch}) and --segments {segs} the sequence length ({seq}), both at least 1"
-            );
-        }
-        if args.check && (mbs, segs) != (1, 1) {
-            bail!(
-                "--check compares one unit per step with the CPU stage: leave out --micro-batches and --segments"
-            );
-        }
-        if args.profile && args.profile_steps == 0 {
-            bail!("--profile-steps must be at least 1");
-        }
+        let shape = BenchShape::from_args(args)?;
+        let (model, batch, seq) = (&shape.model, shape.batch, shape.seq);
+        let (mbs, segs) = (shape.micro_batches, shape.segments);
         let mut g = Gpu::open(args.device, precision)?;
         g.set_bf16_path(if args.bf16_operands {
             gpu::Bf16Path::Operands
@@ -463,123 +645,30 @@ mod enabled {
         };
         // The CPU stage gives the initial weights (same seed, same names) and, with --check, the
         // reference gradients.
-        let mut stage = Stage::new(&model, layout, vec![seq], args.seed)?;
+        let mut stage = Stage::new(model, layout, vec![seq], args.seed)?;
         let params = initial_params(&stage)?;
-        let weight_decay = WeightDecay {
-            rate: WEIGHT_DECAY,
-            embeddings: false,
-        };
-        let (inputs, targets) = random_batch(&model, batch, seq, args.seed)?;
-        let host_inputs = inputs.flatten_all()?.to_vec1::<u32>()?;
-        let host_targets = targets.to_vec1::<u32>()?;
+        let (inputs, targets) = random_batch(model, batch, seq, args.seed)?;
+        let step = BenchStep::new(
+            &shape,
+            &inputs.flatten_all()?.to_vec1::<u32>()?,
+            &targets.to_vec1::<u32>()?,
+        );
         let plan = StagePlan::whole(model.clone(), vec![seq / segs; segs]);
         let free_before = g.memory()?.0;
         // The pipeline's CUDA stage, holding the whole model: one micro-batch of one segment.
         let mut m = GpuStage::new(g, plan, params).context("building the model on the GPU")?;
-        let loss_scale = 1.0 / (batch * seq) as f64;
-        let adamw = AdamWConfig::default();
-        let betas = (adamw.beta1, adamw.beta2, adamw.eps);
-        // Each unit's tokens and targets, by micro-batch then segment.
-        let units: Vec<Vec<(Vec<u32>, Vec<u32>)>> = (0..mbs)
-            .map(|mb| {
-                (0..segs)
-                    .map(|j| {
-                        let cut =
-                            |flat: &[u32]| unit_values(flat, (batch, seq), (mbs, segs), (mb, j));
-                        (cut(&host_inputs), cut(&host_targets))
-                    })
-                    .collect()
-            })
-            .collect();
-        // The pipeline's order on one stage: a micro-batch's segments forward, then backward in
-        // reverse (1F1B of a single stage).
-        let step = |m: &mut GpuStage| -> Result<f64> {
-            m.begin_step(mbs);
-            let mut loss = 0.0;
-            for (mb, unit) in units.iter().enumerate() {
-                for (j, (inputs, targets)) in unit.iter().enumerate() {
-                    let out = m.forward(
-                        (mb, j),
-                        UnitInput::Tokens(inputs),
-                        Some(targets),
-                        loss_scale,
-                        true,
-                    )?;
-                    let UnitOutput::LossSum(l) = out else {
-                        bail!("a stage holding the whole model ends in the loss");
-                    };
-                    loss += l;
-                }
-                for j in (0..segs).rev() {
-                    m.backward((mb, j), None)?;
-                }
-            }
-            m.finish_gradients()?;
-            Ok(loss)
-        };
-        let update = |m: &mut GpuStage| -> Result<()> {
-            // Global-norm clipping as the runtime does it: sums of squares in canonical order.
-            let sums = m.grad_sums_of_squares()?;
-            let norm = ops::clip::global_norm(sums.into_iter().map(|(_, s)| s));
-            let clip = ops::clip::clip_coefficient(norm, GRAD_CLIP);
-            m.apply_update(LR, clip, weight_decay, betas)?;
-            Ok(())
-        };
         let mut losses = Vec::new();
-        let mut grad_check = None;
-        if args.check {
-            stage.begin_step(1);
-            let loss_gpu = step(&mut m)?;
-            let out = stage.forward(
-                Unit::new(0, 0),
-                StageInput::Tokens(inputs.clone()),
-                Some(&targets),
-                loss_scale,
-                Mode::Train,
-            )?;
-            let StageOutput::LossSum(loss_cpu) = out else {
-                bail!("a single stage must end in the loss");
-            };
-            stage.backward(Unit::new(0, 0), None)?;
-            stage.finish_gradients()?;
-            let worst = worst_gradient(&m, &stage)?;
-            update(&mut m)?;
-            losses.push(loss_gpu * loss_scale);
-            grad_check = Some(GradCheck {
-                worst_rel_l2: worst.0,
-                worst_param: worst.1,
-                loss_gpu: loss_gpu * loss_scale,
-                loss_cpu: loss_cpu * loss_scale,
-                bound: (precision == Precision::Fp32).then_some(GRAD_BOUND_FP32),
-            });
-        }
-        let mut step_ms = Vec::new();
-        for i in 0..args.warmup + args.steps {
-            m.gpu().sync()?;
-            let started = Instant::now();
-            let loss = step(&mut m)?;
-            update(&mut m)?;
-            m.gpu().sync()?;
-            let ms = started.elapsed().as_secs_f64() * 1e3;
-            losses.push(loss * loss_scale);
-            if i >= args.warmup {
-                step_ms.push(ms);
-            }
-        }
+        let grad_check = if args.check {
+            let check =
+                check_against_cpu(&step, &mut m, &mut stage, (&inputs, &targets), precision)?;
+            losses.push(check.loss_gpu);
+            Some(check)
+        } else {
+            None
+        };
+        let step_ms = timed_steps(&step, &mut m, (args.warmup, args.steps), &mut losses)?;
         let profile = if args.profile {
-            // One profiled step first: it creates the timing events the later ones reuse.
-            m.gpu().profile_begin()?;
-            let loss = step(&mut m)?;
-            update(&mut m)?;
-            losses.push(loss * loss_scale);
-            m.gpu().profile_end(1)?;
-            m.gpu().profile_begin()?;
-            for _ in 0..args.profile_steps {
-                let loss = step(&mut m)?;
-                update(&mut m)?;
-                losses.push(loss * loss_scale);
-            }
-            let p = m.gpu().profile_end(args.profile_steps)?;
+            let p = profiled_steps(&step, &mut m, args.profile_steps, &mut losses)?;
             println!(
                 "profile of {} steps ({batch} x {seq} tokens, {mbs} micro-batches x {segs} segments, median unprofiled step {:.3} ms):",
                 args.profile_steps,
@@ -592,7 +681,7 @@ mod enabled {
         };
         let g = m.gpu();
         let free_after = g.memory()?.0;
-        let params = param_count(&model);
+        let params = param_count(model);
         let flops_per_token =
             6.0 * params as f64 + 12.0 * (model.layers * model.d_model * seq) as f64;
         let median_ms = median(&step_ms);
