@@ -1,0 +1,126 @@
+//! Recovery scenarios decided by the order in which the coordinator hears things on different
+//! control links, made deterministic by holding one link's messages (see `harness::links`): a
+//! message is held until an event (the coordinator has handled a node's death), then delivered
+//! or dropped with its connection. Each scenario ends bit-identical to an undisturbed run.
+
+mod common;
+mod harness;
+
+use std::sync::{Arc, OnceLock};
+
+use harness::links::{Dir, End, Hold, Msg};
+use harness::{Cluster, Pos, Rule, UNITS_PER_STAGE, WorkerId};
+use trainer::runtime::control::ToLauncher;
+use trainer::runtime::kill_switch::Verdict;
+use trainer::runtime::recovery::Tier;
+
+/// The step the scenarios disturb: a checkpoint step (`checkpoint.every = 2`), so that a step
+/// that went on too early meets the checkpoint's wait for the workers' shards.
+const STEP: u64 = 4;
+
+/// Whether `msg` on `end`'s link in `dir` is the report of `step` by the first worker of `stage`
+/// (not a replacement).
+fn step_done_of(stage: usize, step: u64, end: &End, dir: Dir, msg: &Msg) -> bool {
+    matches!(end, End::Worker(id) if id.stage == stage && !id.replacement)
+        && dir == Dir::ToCoordinator
+        && matches!(msg, Msg::FromWorker(ToLauncher::StepDone { step: s, .. }) if *s == step)
+}
+
+/// Rules that hold stage 3's `StepDone` of [`STEP`] on its way to the coordinator, and once it
+/// is held (and the peer snapshots of the step before are too) run `then` on the worker's node.
+fn hold_step_done_then(
+    then: impl FnOnce(&Arc<Cluster>, &WorkerId, &Hold) + Send + 'static,
+) -> Vec<Rule> {
+    let slot: Arc<OnceLock<Arc<Hold>>> = Arc::default();
+    let armed = Arc::clone(&slot);
+    vec![
+        // Armed before the worker's last action of the step, so before its report is sent.
+        Rule::at(3, STEP, Pos::LastAction, move |c, _| {
+            let hold = c.hold(|end, dir, msg| step_done_of(3, STEP, end, dir, msg));
+            assert!(armed.set(hold).is_ok(), "armed twice");
+            Verdict::Go
+        }),
+        // The report is sent (and held by the relay): the worker's node dies now.
+        Rule::at(3, STEP, Pos::StepDone, move |c, id| {
+            let hold = slot.get().expect("the hold was armed at the last action");
+            hold.wait_caught();
+            c.wait_held(STEP - 1, 2);
+            then(c, id, hold);
+            Verdict::Kill
+        }),
+    ]
+}
+
+/// The race of commit 17da276, made deterministic: stage 3's node (agent and worker) dies just
+/// after its worker sent `StepDone`, and the coordinator reads the agent's closed connection
+/// before that report (held here until the coordinator has handled the death). The stage looks
+/// lost mid-step, so a replacement redoes its part of the step on a neighbour's node; the dead
+/// worker's report, read while the loss was being gathered, must not count as the
+/// replacement's. (It used to: the step went on to its update while the replacement still ran
+/// it, and the replacement's late `Updated` ended the run with a protocol error.)
+#[test]
+fn a_dead_workers_last_report_read_after_its_nodes_death_is_not_its_replacements() {
+    let out = harness::run(
+        "stale-step-done",
+        4,
+        &[],
+        hold_step_done_then(|c, id, hold| {
+            c.kill_node_seen_first(&id.node);
+            hold.release();
+        }),
+    );
+    let r = out.recoveries();
+    assert_eq!(r.len(), 2, "{:#?}", out.events);
+    assert_eq!(
+        (
+            r[0].tier,
+            r[0].stage,
+            r[0].node.as_ref().map(|n| n.as_str()),
+            r[0].host.as_ref().map(|n| n.as_str()),
+        ),
+        (Tier::MidStep, Some(3), Some("node-3"), Some("node-2")),
+        "{:#?}",
+        out.events
+    );
+    // The dead worker had finished every unit, but the coordinator never counted its report:
+    // the replacement redoes them all.
+    assert_eq!(r[0].redone_units, Some(UNITS_PER_STAGE as usize), "{r:?}");
+    assert_eq!(
+        (r[1].tier, r[1].stages_before, r[1].stages_after),
+        (Tier::Handover, 4, 3),
+        "{:#?}",
+        out.events
+    );
+    let lost = out.lost();
+    assert_eq!(lost.len(), 1, "{:#?}", out.events);
+    assert_eq!(
+        (lost[0].node.as_str(), lost[0].agent_alive, lost[0].mid_step),
+        ("node-3", false, Some(true))
+    );
+    out.assert_bit_identical();
+}
+
+/// The same death, with the held report dropped with its connection (it never arrives): the
+/// replacement's own report is the only one, and the run ends as the one above.
+#[test]
+fn a_dead_workers_report_lost_with_its_connection_is_redone_by_its_replacement() {
+    let out = harness::run(
+        "lost-step-done",
+        4,
+        &[],
+        hold_step_done_then(|c, id, hold| {
+            c.kill_node_seen_first(&id.node);
+            hold.drop_with_connection();
+        }),
+    );
+    let r = out.recoveries();
+    assert_eq!(r.len(), 2, "{:#?}", out.events);
+    assert_eq!(
+        (r[0].tier, r[0].stage, r[0].redone_units),
+        (Tier::MidStep, Some(3), Some(UNITS_PER_STAGE as usize)),
+        "{:#?}",
+        out.events
+    );
+    assert_eq!(out.lost_nodes(), ["node-3"]);
+    out.assert_bit_identical();
+}
