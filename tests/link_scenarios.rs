@@ -69,6 +69,12 @@ fn a_dead_workers_last_report_read_after_its_nodes_death_is_not_its_replacements
             hold.release();
         }),
     );
+    assert_eq!(
+        out.result,
+        Ok(harness::STEPS),
+        "the run failed; events: {:#?}",
+        out.events
+    );
     let r = out.recoveries();
     assert_eq!(r.len(), 2, "{:#?}", out.events);
     assert_eq!(
