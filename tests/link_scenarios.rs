@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use harness::links::{Dir, End, Hold, Msg};
 use harness::{Cluster, Pos, Rule, UNITS_PER_STAGE, WorkerId};
-use trainer::runtime::control::ToLauncher;
+use trainer::runtime::control::{FromAgent, ToLauncher};
 use trainer::runtime::kill_switch::Verdict;
 use trainer::runtime::recovery::Tier;
 
@@ -128,5 +128,78 @@ fn a_dead_workers_report_lost_with_its_connection_is_redone_by_its_replacement()
         out.events
     );
     assert_eq!(out.lost_nodes(), ["node-3"]);
+    out.assert_bit_identical();
+}
+
+/// A stall of the whole fleet as the coordinator sees it (issue 35): every agent's heartbeats
+/// stop reaching it (held on their links) while the pipeline stands still (stage 0 stops at the
+/// start of step 3), so it declares all four nodes dead at once and fences them. Each agent
+/// joins again as a new incarnation, as the real agent does, while its old incarnation's held
+/// heartbeats reach the coordinator only afterwards (refused). The run must re-plan on the new
+/// incarnations — not report "only 0 nodes alive" — and end bit-identical. The old agents'
+/// memory is gone with them, so the step is redone from the newest checkpoint (or the start).
+#[test]
+fn a_fleet_wide_stall_that_fences_every_node_keeps_the_whole_pipeline() {
+    let out = harness::run(
+        "fleet-stall",
+        4,
+        &["elastic.dead_after_s=1"],
+        vec![Rule::at(0, 3, Pos::Action(0), |c, _| {
+            c.rejoin_when_fenced();
+            let holds: Vec<Arc<Hold>> = (0..4)
+                .map(|r| {
+                    let node = format!("node-{r}");
+                    c.hold(move |end, dir, msg| {
+                        matches!(end, End::Agent { node: n } if *n == node)
+                            && dir == Dir::ToCoordinator
+                            && matches!(msg, Msg::FromAgent(FromAgent::Heartbeat))
+                    })
+                })
+                .collect();
+            for hold in &holds {
+                hold.wait_caught();
+            }
+            // The coordinator's own clock runs: after `dead_after_s` of silence it fences all.
+            c.wait_fenced(4);
+            for hold in &holds {
+                hold.release();
+            }
+            Verdict::Kill
+        })],
+    );
+    assert_eq!(
+        out.result,
+        Ok(harness::STEPS),
+        "the run failed; events: {:#?}",
+        out.events
+    );
+    let mut lost = out.lost_nodes();
+    lost.sort();
+    assert_eq!(
+        lost,
+        ["node-0", "node-1", "node-2", "node-3"],
+        "{:#?}",
+        out.events
+    );
+    let r = out.the_recovery();
+    assert_eq!(
+        (r.stages_before, r.stages_after),
+        (4, 4),
+        "{:#?}",
+        out.events
+    );
+    assert!(
+        matches!(r.tier, Tier::Checkpoint | Tier::Restart),
+        "{:#?}",
+        out.events
+    );
+    let plans = out.plans();
+    assert_eq!(plans.len(), 1, "{:#?}", out.events);
+    let mut nodes: Vec<&str> = plans[0].nodes.iter().map(|n| n.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["node-0", "node-1", "node-2", "node-3"], "{plans:?}");
+    let mut fenced = out.fenced.clone();
+    fenced.sort();
+    assert_eq!(fenced, ["node-0", "node-1", "node-2", "node-3"]);
     out.assert_bit_identical();
 }

@@ -305,8 +305,12 @@ pub struct Cluster {
     /// Every worker started: (id, thread).
     workers: Mutex<Vec<(WorkerId, JoinHandle<()>)>>,
     next_serial: AtomicU64,
-    /// Agents fenced by the coordinator (they heard `Refused`).
+    /// Agents fenced by the coordinator (they heard `Refused`). Signalled on every change.
     fenced: Mutex<Vec<String>>,
+    fenced_changed: Condvar,
+    /// A fenced agent joins again as a new incarnation, as the real agent does
+    /// ([`Cluster::rejoin_when_fenced`]).
+    rejoin_fenced: AtomicBool,
     /// Earlier incarnations' agents (ended at teardown).
     retired: Mutex<Vec<AgentHandle>>,
     /// Agents report the exit of a worker that ended by itself only just before they handle the
@@ -386,6 +390,26 @@ impl Cluster {
         let agent = self.link(|end| matches!(end, End::Agent { node: n } if n == node));
         self.kill_node(node);
         agent.wait_coordinator_closed();
+    }
+
+    /// From now on an agent that the coordinator fences joins again at once as a new
+    /// incarnation of its node (its workers and peer snapshots gone), as the real agent does.
+    pub fn rejoin_when_fenced(&self) {
+        self.rejoin_fenced.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until `count` agents have been fenced in all (at most the scenario limit).
+    pub fn wait_fenced(&self, count: usize) {
+        let fenced = self.fenced.lock().unwrap_or_else(|p| p.into_inner());
+        let (fenced, _) = self
+            .fenced_changed
+            .wait_timeout_while(fenced, SCENARIO_LIMIT, |f| f.len() < count)
+            .unwrap_or_else(|p| p.into_inner());
+        assert!(
+            fenced.len() >= count,
+            "only {:?} were fenced, {count} expected",
+            *fenced
+        );
     }
 
     /// Arms a hold: the first message `matcher` accepts (on any link, in either direction) stops
@@ -570,6 +594,8 @@ impl Cluster {
             workers: Mutex::default(),
             next_serial: AtomicU64::new(0),
             fenced: Mutex::default(),
+            fenced_changed: Condvar::new(),
+            rejoin_fenced: AtomicBool::new(false),
             retired: Mutex::default(),
             reap_late,
             holds: Arc::default(),
@@ -690,6 +716,7 @@ fn agent_main(
     let mut workers: Vec<Running> = Vec::new();
     let mut late_reports: Vec<FromAgent> = Vec::new();
     let mut silent = false;
+    let mut rejoin = false;
     let mut next_heartbeat = Instant::now() + heartbeat;
     let end_all = |workers: &mut Vec<Running>| {
         for w in workers.drain(..) {
@@ -765,6 +792,8 @@ fn agent_main(
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(name.clone());
+                cluster.fenced_changed.notify_all();
+                rejoin = cluster.rejoin_fenced.load(Ordering::SeqCst);
                 break;
             }
             AgentMsg::Coordinator(Ok(ToAgent::Shutdown) | Err(_)) => break,
@@ -819,6 +848,9 @@ fn agent_main(
     end_all(&mut workers);
     let _ = raw.shutdown(Shutdown::Both);
     drop(gate);
+    if rejoin {
+        cluster.start_agent(&name);
+    }
 }
 
 /// What a worker is started with.
