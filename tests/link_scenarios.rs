@@ -203,3 +203,95 @@ fn a_fleet_wide_stall_that_fences_every_node_keeps_the_whole_pipeline() {
     assert_eq!(fenced, ["node-0", "node-1", "node-2", "node-3"]);
     out.assert_bit_identical();
 }
+
+/// A node agent's control link cut in the middle of step 3 (its node otherwise fine): the
+/// coordinator sees the agent's connection close, and the agent — its coordinator gone — ends
+/// with its workers, as the real agent does. That is the node's loss: its stage is replaced mid-
+/// step on a neighbour's node, and the pipeline shrinks at the step's boundary.
+#[test]
+fn an_agents_cut_link_loses_its_node_mid_step() {
+    let out = harness::run(
+        "cut-agent-link",
+        4,
+        &[],
+        vec![Rule::at(1, 3, Pos::Action(20), |c, id| {
+            c.wait_held(2, 2);
+            c.cut_agent_link(&id.node);
+            Verdict::Go
+        })],
+    );
+    assert_eq!(
+        out.result,
+        Ok(harness::STEPS),
+        "the run failed; events: {:#?}",
+        out.events
+    );
+    let r = out.recoveries();
+    assert_eq!(r.len(), 2, "{:#?}", out.events);
+    assert_eq!(
+        (
+            r[0].tier,
+            r[0].stage,
+            r[0].node.as_ref().map(|n| n.as_str())
+        ),
+        (Tier::MidStep, Some(1), Some("node-1")),
+        "{:#?}",
+        out.events
+    );
+    assert_eq!(
+        (r[1].tier, r[1].stages_before, r[1].stages_after),
+        (Tier::Handover, 4, 3),
+        "{:#?}",
+        out.events
+    );
+    let lost = out.lost();
+    assert_eq!(lost.len(), 1, "{:#?}", out.events);
+    assert_eq!(
+        (lost[0].node.as_str(), lost[0].agent_alive),
+        ("node-1", false)
+    );
+    assert!(
+        lost[0].reason.contains("agent's connection closed"),
+        "{:?}",
+        lost[0]
+    );
+    out.assert_bit_identical();
+}
+
+/// A worker's control link cut in the middle of step 3 (the worker and its node otherwise
+/// fine): the coordinator sees the worker's connection close and replaces its stage mid-step on
+/// the same node (its agent lives); nothing is lost.
+#[test]
+fn a_workers_cut_control_link_is_repaired_mid_step() {
+    let out = harness::run(
+        "cut-worker-link",
+        4,
+        &[],
+        vec![Rule::at(2, 3, Pos::Action(20), |c, id| {
+            c.wait_held(2, 2);
+            c.cut_worker_link(id.stage);
+            Verdict::Go
+        })],
+    );
+    assert_eq!(
+        out.result,
+        Ok(harness::STEPS),
+        "the run failed; events: {:#?}",
+        out.events
+    );
+    let r = out.the_recovery();
+    assert_eq!(
+        (
+            r.tier,
+            r.stage,
+            r.host.as_ref().map(|n| n.as_str()),
+            r.stages_after
+        ),
+        (Tier::MidStep, Some(2), Some("node-2"), 4),
+        "{:#?}",
+        out.events
+    );
+    assert_eq!(out.lost_nodes(), ["node-2"]);
+    assert!(out.lost()[0].agent_alive, "{:?}", out.lost()[0]);
+    out.assert_bit_identical();
+}
