@@ -269,11 +269,7 @@ impl Link {
     /// Forwards the frames of `dir` from `source` until it ends, through the holds.
     fn forward(self: &Arc<Self>, dir: Dir, source: TcpStream, holds: &Holds) {
         let mut reader = BufReader::new(source);
-        loop {
-            let frame = match read_frame(&mut reader, Limits::CONTROL) {
-                Ok(frame) => frame,
-                Err(_) => break,
-            };
+        while let Ok(frame) = read_frame(&mut reader, Limits::CONTROL) {
             let valve = self.valve(dir);
             let mut state = valve.lock();
             if !state.held {
