@@ -16,15 +16,22 @@
 //! - wait until the agents hold every peer snapshot of a step, so that what the coordinator
 //!   knows at the fault does not depend on how fast background copies were.
 //!
+//! Every control link (an agent's, a worker's) reaches the coordinator through a relay of the
+//! harness ([`links`]), so that a scenario can also cut one link, or hold one direction of one
+//! link at a chosen message and deliver (or drop) what it held when an event says so — e.g. a
+//! worker's `StepDone` held until the coordinator has handled its node's death.
+//!
 //! A run's outcome carries its `metrics.jsonl` events, its error if it failed, and its final
 //! checkpoint, which scenarios compare with an undisturbed run's ([`reference_state`]).
 
 #![allow(dead_code)]
 
+pub mod links;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::JoinHandle;
@@ -46,6 +53,8 @@ use trainer::runtime::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use trainer::runtime::recovery::Tier;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
+
+use links::{Dir, End, Hold, Holds, Link, Msg};
 
 /// The job token every scenario's coordinator, agents and workers share.
 const TOKEN: &str = "in-process-harness-token";
@@ -296,13 +305,23 @@ pub struct Cluster {
     /// Every worker started: (id, thread).
     workers: Mutex<Vec<(WorkerId, JoinHandle<()>)>>,
     next_serial: AtomicU64,
-    /// Agents fenced by the coordinator (they heard `Refused`).
+    /// Agents fenced by the coordinator (they heard `Refused`). Signalled on every change.
     fenced: Mutex<Vec<String>>,
+    fenced_changed: Condvar,
+    /// A fenced agent joins again as a new incarnation, as the real agent does
+    /// ([`Cluster::rejoin_when_fenced`]).
+    rejoin_fenced: AtomicBool,
     /// Earlier incarnations' agents (ended at teardown).
     retired: Mutex<Vec<AgentHandle>>,
     /// Agents report the exit of a worker that ended by itself only just before they handle the
     /// coordinator's next message (see [`run_reaping_late`]).
     reap_late: bool,
+    /// The holds armed on the control links ([`Cluster::hold`]).
+    holds: Holds,
+    /// Every control link relayed so far, in the order the nodes connected.
+    links: Arc<Mutex<Vec<Arc<Link>>>>,
+    /// Set at teardown: relays stop waiting for their node to connect.
+    closing: Arc<AtomicBool>,
 }
 
 impl Cluster {
@@ -362,6 +381,75 @@ impl Cluster {
     /// Kills `node`: its workers, its agent's connection and its snapshot port.
     pub fn kill_node(&self, node: &str) {
         self.ask(node, |done| AgentMsg::Die { done });
+    }
+
+    /// [`Cluster::kill_node`], then waits until the coordinator has handled the close of the
+    /// node's agent connection (it closes its end then): the coordinator knows of the death
+    /// before anything a [`Hold`] keeps of the node's workers reaches it.
+    pub fn kill_node_seen_first(&self, node: &str) {
+        let agent = self.link(|end| matches!(end, End::Agent { node: n } if n == node));
+        self.kill_node(node);
+        agent.wait_coordinator_closed();
+    }
+
+    /// From now on an agent that the coordinator fences joins again at once as a new
+    /// incarnation of its node (its workers and peer snapshots gone), as the real agent does.
+    pub fn rejoin_when_fenced(&self) {
+        self.rejoin_fenced.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until `count` agents have been fenced in all (at most the scenario limit).
+    pub fn wait_fenced(&self, count: usize) {
+        let fenced = self.fenced.lock().unwrap_or_else(|p| p.into_inner());
+        let (fenced, _) = self
+            .fenced_changed
+            .wait_timeout_while(fenced, SCENARIO_LIMIT, |f| f.len() < count)
+            .unwrap_or_else(|p| p.into_inner());
+        assert!(
+            fenced.len() >= count,
+            "only {:?} were fenced, {count} expected",
+            *fenced
+        );
+    }
+
+    /// Arms a hold: the first message `matcher` accepts (on any link, in either direction) stops
+    /// that direction of its link until the hold is released or dropped.
+    pub fn hold(
+        &self,
+        matcher: impl Fn(&End, Dir, &Msg) -> bool + Send + Sync + 'static,
+    ) -> Arc<Hold> {
+        let hold = Arc::new(Hold::new(matcher));
+        self.holds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(&hold));
+        hold
+    }
+
+    /// The newest control link whose end `pick` accepts (panics if there is none).
+    pub fn link(&self, pick: impl Fn(&End) -> bool) -> Arc<Link> {
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        match links.iter().rev().find(|l| pick(&l.end)) {
+            Some(link) => Arc::clone(link),
+            None => panic!(
+                "no such control link among {:?}",
+                links.iter().map(|l| &l.end).collect::<Vec<_>>()
+            ),
+        }
+    }
+
+    /// Cuts the control connection of `node`'s current agent: the coordinator sees it close, and
+    /// the agent ends as a real one does when its coordinator goes away (its workers with it).
+    pub fn cut_agent_link(&self, node: &str) {
+        self.link(|end| matches!(end, End::Agent { node: n } if n == node))
+            .cut();
+    }
+
+    /// Cuts the control connection of the newest worker of `stage` (the worker lives on; its
+    /// next control read or write fails).
+    pub fn cut_worker_link(&self, stage: usize) {
+        self.link(|end| matches!(end, End::Worker(id) if id.stage == stage))
+            .cut();
     }
 
     /// Cuts `node` off: its agent stops heartbeating and reporting, its workers stop at their
@@ -506,8 +594,13 @@ impl Cluster {
             workers: Mutex::default(),
             next_serial: AtomicU64::new(0),
             fenced: Mutex::default(),
+            fenced_changed: Condvar::new(),
+            rejoin_fenced: AtomicBool::new(false),
             retired: Mutex::default(),
             reap_late,
+            holds: Arc::default(),
+            links: Arc::default(),
+            closing: Arc::default(),
         }
     }
 }
@@ -584,7 +677,14 @@ fn agent_main(
         })
         .unwrap()
     };
-    let (mut control, raw) = connect_control(&cluster.addr);
+    let relay = links::relay(
+        End::Agent { node: name.clone() },
+        &cluster.addr,
+        &cluster.holds,
+        &cluster.links,
+        &cluster.closing,
+    );
+    let (mut control, raw) = connect_control(&relay.addr);
     control
         .send(&FromAgent::Join {
             node: elastic::NodeInfo::new(name.clone(), 1, snapshot_addr),
@@ -616,6 +716,7 @@ fn agent_main(
     let mut workers: Vec<Running> = Vec::new();
     let mut late_reports: Vec<FromAgent> = Vec::new();
     let mut silent = false;
+    let mut rejoin = false;
     let mut next_heartbeat = Instant::now() + heartbeat;
     let end_all = |workers: &mut Vec<Running>| {
         for w in workers.drain(..) {
@@ -691,6 +792,8 @@ fn agent_main(
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(name.clone());
+                cluster.fenced_changed.notify_all();
+                rejoin = cluster.rejoin_fenced.load(Ordering::SeqCst);
                 break;
             }
             AgentMsg::Coordinator(Ok(ToAgent::Shutdown) | Err(_)) => break,
@@ -745,6 +848,9 @@ fn agent_main(
     end_all(&mut workers);
     let _ = raw.shutdown(Shutdown::Both);
     drop(gate);
+    if rejoin {
+        cluster.start_agent(&name);
+    }
 }
 
 /// What a worker is started with.
@@ -775,8 +881,15 @@ fn start_worker(
         let (cluster, id) = (Arc::clone(cluster), id.clone());
         KillSwitch::new(move |point| cluster.on_point(&id, point))
     };
+    let relay = links::relay(
+        End::Worker(id.clone()),
+        &cluster.addr,
+        &cluster.holds,
+        &cluster.links,
+        &cluster.closing,
+    );
     let args = WorkerArgs {
-        control: cluster.addr.clone(),
+        control: relay.addr,
         stage: id.stage,
         generation: id.generation,
         bind: "127.0.0.1".into(),
@@ -943,6 +1056,7 @@ fn run_cluster(
 
 /// Ends every agent (killing whatever workers are left) and joins every thread of the cluster.
 fn teardown(cluster: &Arc<Cluster>) {
+    cluster.closing.store(true, Ordering::SeqCst);
     let mut handles: Vec<AgentHandle> =
         std::mem::take(&mut *cluster.agents.lock().unwrap_or_else(|p| p.into_inner()))
             .into_values()
