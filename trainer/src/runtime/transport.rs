@@ -34,6 +34,9 @@ pub enum Payload {
     Grad,
 }
 
+/// The document starts of each row of a micro-batch, as an activation's header carries them.
+pub type DocumentStarts = Vec<Vec<usize>>;
+
 /// The small header in front of every tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorHeader {
@@ -54,7 +57,7 @@ pub struct TensorHeader {
     /// micro-batch (the same for all its segments), which stages past the first cannot read
     /// from tokens. The receiver checks them (untrusted input).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub documents: Option<Vec<Vec<usize>>>,
+    pub documents: Option<DocumentStarts>,
 }
 
 /// The first frame on a link between stages with device links: the ids of the device link (one
@@ -425,7 +428,7 @@ impl TcpLink {
         step: u64,
         payload: Payload,
         unit: Unit,
-    ) -> Result<(Tensor, Option<Vec<Vec<usize>>>), TransportError> {
+    ) -> Result<(Tensor, Option<DocumentStarts>), TransportError> {
         let frame = self.next_frame()?;
         let mut header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
         let documents = header.documents.take();
