@@ -383,26 +383,13 @@ impl Worker {
         let masks = self.cfg.data.document_mask;
         let tcp = link(&mut self.prev, "previous")?;
         let (t, docs) = tcp.recv_documented(step, Payload::Activation, u)?;
-        let bad = |reason: String| TransportError::BadTensor {
-            peer: tcp.peer().to_string(),
-            reason,
-        };
-        match (docs, masks) {
-            (None, false) => Ok((Boundary::Host(t), None)),
-            (Some(docs), true) => {
-                ::model::documents::check_starts(&docs, batch, seq_len)
-                    .map_err(|e| bad(format!("unit {u}: {e}")))?;
-                Ok((Boundary::Host(t), Some(DocStarts::new(docs))))
+        let docs = received_documents(docs, masks, batch, seq_len).map_err(|reason| {
+            TransportError::BadTensor {
+                peer: tcp.peer().to_string(),
+                reason: format!("unit {u}: {reason}"),
             }
-            (None, true) => Err(bad(format!(
-                "unit {u}: no document starts, but data.document_mask is on"
-            ))
-            .into()),
-            (Some(_), false) => Err(bad(format!(
-                "unit {u}: document starts, but data.document_mask is off"
-            ))
-            .into()),
-        }
+        })?;
+        Ok((Boundary::Host(t), docs))
     }
 
     /// Sends a boundary tensor (the send `action`) to its neighbour, an activation with its
@@ -560,6 +547,26 @@ fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, W
         .map_err(|e| bad(e.to_string()))
 }
 
+/// The document starts an activation brought (a peer's claim): there exactly when document
+/// masks are on (`masks`), and then fitting a micro-batch of `batch` rows of `seq_len`
+/// positions (sorted, from 0, below `seq_len`); the reason otherwise.
+fn received_documents(
+    docs: Option<Vec<Vec<usize>>>,
+    masks: bool,
+    batch: usize,
+    seq_len: usize,
+) -> Result<Option<DocStarts>, String> {
+    match (docs, masks) {
+        (None, false) => Ok(None),
+        (Some(docs), true) => {
+            ::model::documents::check_starts(&docs, batch, seq_len).map_err(|e| e.to_string())?;
+            Ok(Some(DocStarts::new(docs)))
+        }
+        (None, true) => Err("no document starts, but data.document_mask is on".into()),
+        (Some(_), false) => Err("document starts, but data.document_mask is off".into()),
+    }
+}
+
 /// The boundary tensor a communication action moves: its payload and unit (`None` for compute,
 /// and for the chunk and split-backward actions, which this runtime refuses to run).
 pub(super) fn boundary(action: Action) -> Option<(Payload, Unit)> {
@@ -688,6 +695,27 @@ mod tests {
             matches!(&e, WorkerError::InvalidSchedule(_)),
             "expected an invalid-schedule error, got {e:?}"
         );
+    }
+
+    #[test]
+    fn received_document_starts_are_checked_against_the_run_and_the_micro_batch() {
+        let good = vec![vec![0, 5], vec![0]];
+        assert_eq!(received_documents(None, false, 2, 8), Ok(None));
+        assert_eq!(
+            received_documents(Some(good.clone()), true, 2, 8)
+                .unwrap()
+                .as_deref(),
+            Some(&good)
+        );
+        let refused = |docs: Option<Vec<Vec<usize>>>, masks: bool| {
+            received_documents(docs, masks, 2, 8).unwrap_err()
+        };
+        assert!(refused(None, true).contains("document_mask is on"));
+        assert!(refused(Some(good.clone()), false).contains("document_mask is off"));
+        assert!(refused(Some(vec![vec![0]]), true).contains("for 1 rows"));
+        assert!(refused(Some(vec![vec![0, 8], vec![0]]), true).contains("past the sequence"));
+        assert!(refused(Some(vec![vec![0, 3, 2], vec![0]]), true).contains("3 is followed by 2"));
+        assert!(refused(Some(vec![vec![2], vec![0]]), true).contains("first start"));
     }
 
     #[test]
