@@ -573,8 +573,9 @@ pub fn document_separator(
     src.end_of_text().map(Some).ok_or_else(|| {
         DataError::InvalidConfig(format!(
             "data.document_mask = true needs the dataset's end-of-text token, but {} names none \
-             (a prepared dataset records it as \"end_of_text\" in meta.json: prepare it again \
-             with `seqpipe data prepare`; the synthetic source has documents only with \
+             (a prepared directory records it as \"end_of_text\" in meta.json: prepare it again \
+             with `seqpipe data prepare --out DIR`; a sharded dataset's index.json does not \
+             record it yet; the synthetic source has documents only with \
              data.synthetic_document_median > 0); or set data.document_mask = false",
             src.describe()
         ))
