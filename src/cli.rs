@@ -817,6 +817,9 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
             cfg.model.vocab_size,
             (cfg.model.vocab_size as f64).ln()
         ),
+        DataSummary::SyntheticDocuments { describe } => eprintln!(
+            "data: synthetic {describe}; no loss lower bound (document ends follow the length distribution's hazard, not the language's)"
+        ),
         DataSummary::Tokens { source } => eprintln!("data: {source}"),
     }
     let bound = plan.data.loss_lower_bound();

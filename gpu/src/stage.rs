@@ -1338,7 +1338,7 @@ impl GpuStage {
                 rows,
                 grads: None,
             };
-            model::block_forward(&mut device, acts.x.ptr())?;
+            model::block_forward(&mut device, acts.x.ptr(), None)?;
         }
         let unit = &mut mb.units[segment];
         let output = if self.plan.layout.is_last() {
@@ -1686,7 +1686,7 @@ impl GpuStage {
                 }),
             };
             // d(output) is in scratch.dx, and so is d(input) after.
-            model::block_backward(&mut device, scratch.dx.ptr())?;
+            model::block_backward(&mut device, scratch.dx.ptr(), None)?;
         }
         let dx = scratch.dx.ptr();
         if self.plan.layout.is_first() {

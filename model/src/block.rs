@@ -15,6 +15,8 @@
 //! [`BlockLayer`] site: the handles [`BlockDevice::X`] are then plain addresses, with no
 //! allocation, copy or sync per operation.
 
+use ops::DocumentMask;
+
 use crate::error::ModelError;
 use crate::params::BlockLayer;
 
@@ -48,8 +50,14 @@ pub trait BlockDevice {
     ) -> Result<Self::X, Self::Err>;
     /// Causal attention of the segment's queries over the keys and values of every earlier segment
     /// of the micro-batch and its own: `qkv (N, 3C)` → `(N, C)`. The segment's keys and values
-    /// join the micro-batch's K/V prefix of this block.
-    fn attention_forward(&mut self, qkv: &Self::X) -> Result<Self::X, Self::Err>;
+    /// join the micro-batch's K/V prefix of this block. With `docs` (the micro-batch's document
+    /// starts, absolute positions) a query attends only to its own document's keys; `None` is
+    /// plain causal attention. A device that cannot mask refuses `Some`, never ignores it.
+    fn attention_forward(
+        &mut self,
+        qkv: &Self::X,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Self::X, Self::Err>;
     /// `gelu(f + c_fc.bias)`: `(N, F)` → `(N, F)`.
     fn bias_gelu_forward(&mut self, f: &Self::X) -> Result<Self::X, Self::Err>;
     /// `x + branch` (the sum may reuse the branch's storage).
@@ -74,8 +82,13 @@ pub trait BlockDevice {
     /// Backward of [`BlockDevice::attention_forward`]: `dy (N, C)` → `dqkv (N, 3C)`. The dK/dV of
     /// the earlier segments' positions are added to what later segments left for them (their
     /// backward comes later); this segment's own dK/dV include what later segments left for it,
-    /// and its keys and values leave the prefix.
-    fn attention_backward(&mut self, dy: &Self::X) -> Result<Self::X, Self::Err>;
+    /// and its keys and values leave the prefix. `docs` is the forward's: the dK/dV left for other
+    /// documents' keys are zero.
+    fn attention_backward(
+        &mut self,
+        dy: &Self::X,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Self::X, Self::Err>;
     /// Backward of [`BlockDevice::norm_forward`]: `dy (N, C)` → `dx (N, C)`; the weight (and bias)
     /// gradients are added.
     fn norm_backward(&mut self, layer: BlockLayer, dy: &Self::X) -> Result<Self::X, Self::Err>;
@@ -89,11 +102,16 @@ pub trait BlockDevice {
     ) -> Result<Self::X, Self::Err>;
 }
 
-/// Forward of one block for one unit: `x (N, C)` → `(N, C)`.
-pub fn block_forward<D: BlockDevice>(d: &mut D, x: D::X) -> Result<D::X, D::Err> {
+/// Forward of one block for one unit: `x (N, C)` → `(N, C)`; `docs` masks attention to each
+/// query's own document (none: plain causal attention).
+pub fn block_forward<D: BlockDevice>(
+    d: &mut D,
+    x: D::X,
+    docs: Option<&DocumentMask>,
+) -> Result<D::X, D::Err> {
     let h1 = d.norm_forward(BlockLayer::Ln1, &x)?; // (N, C)
     let qkv = d.linear_forward(BlockLayer::CAttn, &h1, true)?; // (N, 3C)
-    let y = d.attention_forward(&qkv)?; // (N, C)
+    let y = d.attention_forward(&qkv, docs)?; // (N, C)
     let a = d.linear_forward(BlockLayer::AttnProj, &y, true)?; // (N, C)
     let x1 = d.residual_forward(Residual::Attn, &x, a)?;
     let h2 = d.norm_forward(BlockLayer::Ln2, &x1)?;
@@ -105,8 +123,12 @@ pub fn block_forward<D: BlockDevice>(d: &mut D, x: D::X) -> Result<D::X, D::Err>
 }
 
 /// Backward of one block for one unit, [`block_forward`] in reverse: `dy (N, C)` (the gradient of
-/// its output) → `dx (N, C)`.
-pub fn block_backward<D: BlockDevice>(d: &mut D, dy: D::X) -> Result<D::X, D::Err> {
+/// its output) → `dx (N, C)`, with the forward's `docs`.
+pub fn block_backward<D: BlockDevice>(
+    d: &mut D,
+    dy: D::X,
+    docs: Option<&DocumentMask>,
+) -> Result<D::X, D::Err> {
     // MLP branch: out = x1 + mlp(ln_2(x1)).
     let dg = d.linear_backward(BlockLayer::MlpProj, &dy, true)?; // (N, F)
     let df = d.bias_gelu_backward(&dg)?;
@@ -115,7 +137,7 @@ pub fn block_backward<D: BlockDevice>(d: &mut D, dy: D::X) -> Result<D::X, D::Er
     let dx1 = d.residual_backward(Residual::Mlp, dy, d_mlp)?;
     // Attention branch: x1 = x + c_proj(attn(ln_1(x))).
     let d_y = d.linear_backward(BlockLayer::AttnProj, &dx1, true)?; // (N, C)
-    let dqkv = d.attention_backward(&d_y)?; // (N, 3C)
+    let dqkv = d.attention_backward(&d_y, docs)?; // (N, 3C)
     let dh1 = d.linear_backward(BlockLayer::CAttn, &dqkv, true)?; // (N, C)
     let d_attn = d.norm_backward(BlockLayer::Ln1, &dh1)?;
     d.residual_backward(Residual::Attn, dx1, d_attn)
@@ -153,8 +175,13 @@ mod tests {
         ) -> Result<String, ModelError> {
             self.log(format!("{}{}({x})", l.name(), if b { "+b" } else { "" }))
         }
-        fn attention_forward(&mut self, qkv: &String) -> Result<String, ModelError> {
-            self.log(format!("attn({qkv})"))
+        fn attention_forward(
+            &mut self,
+            qkv: &String,
+            docs: Option<&DocumentMask>,
+        ) -> Result<String, ModelError> {
+            let m = if docs.is_some() { "masked_" } else { "" };
+            self.log(format!("{m}attn({qkv})"))
         }
         fn bias_gelu_forward(&mut self, f: &String) -> Result<String, ModelError> {
             self.log(format!("gelu({f})"))
@@ -178,8 +205,13 @@ mod tests {
         fn bias_gelu_backward(&mut self, dg: &String) -> Result<String, ModelError> {
             self.log(format!("dgelu<{dg}>"))
         }
-        fn attention_backward(&mut self, dy: &String) -> Result<String, ModelError> {
-            self.log(format!("dattn<{dy}>"))
+        fn attention_backward(
+            &mut self,
+            dy: &String,
+            docs: Option<&DocumentMask>,
+        ) -> Result<String, ModelError> {
+            let m = if docs.is_some() { "masked_" } else { "" };
+            self.log(format!("{m}dattn<{dy}>"))
         }
         fn norm_backward(&mut self, l: BlockLayer, dy: &String) -> Result<String, ModelError> {
             self.log(format!("d{}<{dy}>", l.name()))
@@ -197,7 +229,7 @@ mod tests {
     #[test]
     fn the_block_is_pre_norm_and_its_backward_walks_the_same_layers_in_reverse() {
         let mut t = Trace::default();
-        let out = block_forward(&mut t, "x".into()).unwrap();
+        let out = block_forward(&mut t, "x".into(), None).unwrap();
         let x1 = "[x] + attn.c_proj+b(attn(attn.c_attn+b(ln_1(x))))";
         assert_eq!(
             out,
@@ -205,7 +237,7 @@ mod tests {
         );
         let forward_calls = t.calls.len();
         t.calls.clear();
-        let dx = block_backward(&mut t, "dy".into()).unwrap();
+        let dx = block_backward(&mut t, "dy".into(), None).unwrap();
         let dx1 = "(dy | dln_2<dmlp.c_fc<dgelu<dmlp.c_proj+b<dy>>>>)";
         assert_eq!(
             dx,
@@ -213,5 +245,20 @@ mod tests {
         );
         // Every forward kernel has its backward.
         assert_eq!(t.calls.len(), forward_calls);
+    }
+
+    #[test]
+    fn a_document_mask_reaches_the_attention_of_both_passes_and_nothing_else() {
+        let docs = DocumentMask::new(vec![vec![0, 3]]).unwrap();
+        let mut t = Trace::default();
+        block_forward(&mut t, "x".into(), Some(&docs)).unwrap();
+        block_backward(&mut t, "dy".into(), Some(&docs)).unwrap();
+        let masked: Vec<&String> = t
+            .calls
+            .iter()
+            .filter(|c| c.starts_with("masked_"))
+            .collect();
+        assert_eq!(masked.len(), 2, "{masked:#?}");
+        assert!(masked[0].starts_with("masked_attn(") && masked[1].starts_with("masked_dattn<"));
     }
 }

@@ -79,6 +79,20 @@ pub enum ModelError {
     /// The configured device cannot run the stage.
     #[error("{0}")]
     Device(String),
+    /// Document masks asked of a device whose attention kernels do not take them.
+    #[error(
+        "data.document_mask: the {device} device's attention kernels do not take document starts yet ({missing}); set model.device = \"cpu\" or data.document_mask = false"
+    )]
+    DocumentMaskUnsupported {
+        device: &'static str,
+        missing: &'static str,
+    },
+    /// A micro-batch's document starts cannot be used.
+    #[error("micro-batch {micro_batch}: {source}")]
+    Documents {
+        micro_batch: usize,
+        source: crate::documents::DocumentError,
+    },
     /// A device link to a neighbouring stage failed or was aborted (the neighbour is lost).
     #[error("device link: {0}")]
     Link(String),

@@ -8,6 +8,7 @@
 
 pub mod block;
 pub mod config;
+pub mod documents;
 pub mod error;
 pub mod grads;
 pub mod order;
@@ -17,6 +18,7 @@ pub mod unit;
 
 pub use block::{BlockDevice, Residual, block_backward, block_forward};
 pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
+pub use documents::{DocumentError, document_mask};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;
 pub use partition::{StageLayout, partition_layers};

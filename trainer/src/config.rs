@@ -578,9 +578,10 @@ impl Config {
         self.validate_documents()
     }
 
-    /// `data.document_mask` and `data.reset_positions`: consistent, then refused while the stage
-    /// does not apply them (the kernels, the data layer and the partition exist; see
-    /// docs/data.md, "Packed documents").
+    /// `data.document_mask` and `data.reset_positions`: consistent, and refused where the stage
+    /// cannot apply them: on CUDA devices (their attention kernels take no document starts yet),
+    /// and positions restarting per document with RoPE (the rotary table takes contiguous
+    /// positions only). See docs/data.md, "Packed documents".
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if d.reset_positions && !d.document_mask {
@@ -591,13 +592,22 @@ impl Config {
                     .into(),
             });
         }
-        if d.document_mask {
+        if d.document_mask && self.model.device == DeviceKind::Cuda {
             return Err(ConfigError::NotWired {
                 key: "data.document_mask",
-                what: "the document-masked attention kernels (ops), document starts from the \
-                       end-of-text token and the document-aware partition exist, but the stage \
-                       still attends across documents; set data.document_mask = false (see \
-                       docs/data.md, \"Packed documents\")"
+                what: "CPU stages mask attention to each document, but the CUDA attention \
+                       kernels (gpu/) take no per-query document start yet; set \
+                       model.device = \"cpu\" or data.document_mask = false (see docs/data.md, \
+                       \"Packed documents\")"
+                    .into(),
+            });
+        }
+        if d.reset_positions && self.model.position == crate::model::Position::Rope {
+            return Err(ConfigError::Invalid {
+                key: "data.reset_positions",
+                message: "with model.position = \"rope\": the rotary kernels take contiguous \
+                          positions only; use model.position = \"learned\" or \
+                          data.reset_positions = false"
                     .into(),
             });
         }
@@ -1013,7 +1023,7 @@ mod tests {
     }
 
     #[test]
-    fn document_keys_parse_validate_and_are_refused_until_wired() {
+    fn document_keys_parse_validate_and_are_refused_only_where_not_wired() {
         let cfg = Config::default();
         assert!(!cfg.data.document_mask && !cfg.data.reset_positions);
         cfg.validate().unwrap();
@@ -1037,37 +1047,51 @@ mod tests {
             err.to_string().contains("data.document_mask = true"),
             "{err}"
         );
-        // The mask parses, and is refused with a typed error saying it is not wired yet.
+        // On CPU stages the mask (and restarting positions) is accepted.
         for sets in [
             &["data.document_mask=true"][..],
             &["data.document_mask=true", "data.reset_positions=true"][..],
         ] {
             let cfg = with(sets);
             assert!(cfg.data.document_mask);
-            let err = cfg.validate().unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    ConfigError::NotWired {
-                        key: "data.document_mask",
-                        ..
-                    }
-                ),
-                "{err}"
-            );
-            let text = err.to_string();
-            assert!(
-                text.contains("not wired") && text.contains("document_mask = false"),
-                "{text}"
-            );
+            cfg.validate().unwrap();
         }
+        // On CUDA stages it is refused with a typed error naming what is missing.
+        let err = with(&["data.document_mask=true", "model.device=\"cuda\""])
+            .validate()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::NotWired {
+                    key: "data.document_mask",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("CUDA attention kernels") && text.contains("model.device = \"cpu\""),
+            "{text}"
+        );
+        // Restarting positions needs the learned position table.
+        let err = with(&[
+            "data.document_mask=true",
+            "data.reset_positions=true",
+            "model.position=\"rope\"",
+        ])
+        .validate()
+        .unwrap_err();
+        assert!(err.to_string().contains("rotary"), "{err}");
         // A file spells them too; a wrong type is a parse error.
         let cfg = Config::from_toml(
-            "[data]\ndocument_mask = false\nreset_positions = false\n",
+            "[data]\ndocument_mask = true\nreset_positions = false\nsynthetic_document_median = 40\nsynthetic_document_sigma = 0.5\n",
             "t",
         )
         .unwrap();
         cfg.validate().unwrap();
+        assert_eq!(cfg.data.synthetic_document_median, 40);
         assert!(Config::from_toml("[data]\ndocument_mask = \"yes\"\n", "t").is_err());
     }
 }

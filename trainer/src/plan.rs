@@ -5,7 +5,7 @@
 //! (config, plan) in one place, [`RunPlan::pipeline_config`].
 
 use crate::config::{Config, ConfigError};
-use crate::data::{DataError, check_source, synthetic_language};
+use crate::data::{DataError, TokenSource, check_source, synthetic_documents, synthetic_language};
 use crate::model::{PartitionError, StageLayout, partition_layers};
 
 /// Why no plan can be made of a validated config.
@@ -34,6 +34,14 @@ pub enum DataSummary {
         /// The lowest mean loss a model can reach on sequences of `train.seq_len` tokens.
         loss_lower_bound: f64,
     },
+    /// The synthetic language in document mode (`data.synthetic_document_median > 0`). No loss
+    /// lower bound is stated: where a document ends follows the log-normal length's hazard at
+    /// each position, and the documents' first tokens come from the language's fresh start, so
+    /// the plain language's bound does not hold and the exact one is not computed.
+    SyntheticDocuments {
+        /// The source's own description (lengths, separator, language).
+        describe: String,
+    },
     /// Token files or objects at `data.source`, checked to hold a training sample and a validation
     /// split that fits the vocabulary.
     Tokens {
@@ -52,6 +60,12 @@ impl DataSummary {
                 source: cfg.data.source.clone(),
             });
         }
+        if cfg.data.synthetic_document_median > 0 {
+            let docs = synthetic_documents(&cfg.data, cfg.model.vocab_size)?;
+            return Ok(Self::SyntheticDocuments {
+                describe: docs.describe(),
+            });
+        }
         let lang = synthetic_language(&cfg.data, cfg.model.vocab_size)?;
         Ok(Self::Synthetic {
             order: lang.order(),
@@ -66,7 +80,7 @@ impl DataSummary {
             Self::Synthetic {
                 loss_lower_bound, ..
             } => Some(*loss_lower_bound),
-            Self::Tokens { .. } => None,
+            Self::Tokens { .. } | Self::SyntheticDocuments { .. } => None,
         }
     }
 }

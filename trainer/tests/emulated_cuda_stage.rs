@@ -626,3 +626,33 @@ fn both_devices_refuse_misordered_units_with_the_models_typed_error() {
         );
     }
 }
+
+/// Document masks (issue 32) are CPU-only for now: a CUDA stage refuses a micro-batch's document
+/// starts and restarting positions with the model's typed error naming what is missing, never
+/// attending across documents silently; the CPU stage takes them.
+#[test]
+fn cuda_stages_refuse_document_masks_with_the_models_typed_error() {
+    use trainer::model::ModelError;
+    let docs = vec![vec![0, 5], vec![0]];
+    for s in stages(&model(DeviceKind::Cuda)).iter_mut() {
+        let e = s.set_documents(0, docs.clone()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ModelError::DocumentMaskUnsupported { device: "cuda", .. }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("model.device = \"cpu\""), "{e}");
+        let e = s.set_reset_positions(true).unwrap_err();
+        assert!(
+            matches!(e, ModelError::DocumentMaskUnsupported { .. }),
+            "{e}"
+        );
+        s.set_reset_positions(false).unwrap();
+    }
+    for s in stages(&model(DeviceKind::Cpu)).iter_mut() {
+        s.set_documents(0, docs.clone()).unwrap();
+        s.set_reset_positions(true).unwrap();
+    }
+}

@@ -11,6 +11,7 @@
 
 use model::params::{BlockLayer, bias, block_layer, weight};
 use model::{BlockDevice, ModelError, Residual};
+use ops::DocumentMask;
 
 use super::{BlockActs, GpuStage, NormActs, Scratch, UnitShape};
 use crate::device::Buf;
@@ -158,7 +159,8 @@ impl BlockDevice for GpuBlock<'_> {
         Ok(y)
     }
 
-    fn attention_forward(&mut self, qkv: &u64) -> Result<u64> {
+    fn attention_forward(&mut self, qkv: &u64, docs: Option<&DocumentMask>) -> Result<u64> {
+        refuse_documents(docs)?;
         let (stage, a, cache) = (self.stage, self.acts, self.cache);
         let UnitShape { b, start, len } = self.rows;
         let c = stage.plan.model.d_model;
@@ -237,7 +239,8 @@ impl BlockDevice for GpuBlock<'_> {
         Ok(df)
     }
 
-    fn attention_backward(&mut self, dy: &u64) -> Result<u64> {
+    fn attention_backward(&mut self, dy: &u64, docs: Option<&DocumentMask>) -> Result<u64> {
+        refuse_documents(docs)?;
         let g = self.backward(BlockLayer::CAttn)?;
         let (stage, a, cache) = (self.stage, self.acts, self.cache);
         let UnitShape { b, start, len } = self.rows;
@@ -285,5 +288,17 @@ impl BlockDevice for GpuBlock<'_> {
         let c = self.stage.plan.model.d_model;
         self.stage.gpu.add_assign(dy, d_branch, self.n() * c)?;
         Ok(dy)
+    }
+}
+
+/// The CUDA attention kernels take no document starts yet: a mask is refused, never ignored.
+fn refuse_documents(docs: Option<&DocumentMask>) -> Result<()> {
+    match docs {
+        None => Ok(()),
+        Some(_) => Err(ModelError::DocumentMaskUnsupported {
+            device: "cuda",
+            missing: "the CUDA attention kernels take no per-query document start",
+        }
+        .into()),
     }
 }

@@ -301,6 +301,10 @@ impl TokenFiles {
 }
 
 impl TokenSource for TokenFiles {
+    fn end_of_text(&self) -> Option<u32> {
+        self.meta.as_ref().and_then(|m| m.end_of_text)
+    }
+
     fn vocab_size(&self) -> usize {
         self.meta
             .as_ref()

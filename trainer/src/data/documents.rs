@@ -128,6 +128,10 @@ impl TokenSource for SyntheticDocuments {
         self.lang.vocab_size() + 1
     }
 
+    fn end_of_text(&self) -> Option<u32> {
+        Some(SyntheticDocuments::end_of_text(self))
+    }
+
     fn describe(&self) -> String {
         format!(
             "packed documents (log-normal lengths, median {}, sigma {}, separator {}) of the {}",

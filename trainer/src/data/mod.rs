@@ -111,12 +111,17 @@ pub struct DataConfig {
     /// URL sources: seconds one read attempt may take.
     pub read_timeout_s: f64,
     /// Packed documents: a token attends only to earlier tokens of its own document (documents
-    /// end with the dataset's end-of-text token, `end_of_text` in its metadata). Parsed and
-    /// validated, but the stage does not apply it yet: `true` is refused (docs/data.md).
+    /// end with the dataset's end-of-text token: `end_of_text` in a prepared dataset's
+    /// `meta.json`, `vocab_size − 1` for synthetic documents). CPU stages only for now.
     pub document_mask: bool,
     /// With `document_mask`: positions restart at 0 at each document start. Needs
     /// `document_mask = true`.
     pub reset_positions: bool,
+    /// Synthetic source: `0` is the plain language; `n > 0` packs documents of log-normal
+    /// lengths with median `n` tokens, each ended by the separator `vocab_size − 1`.
+    pub synthetic_document_median: usize,
+    /// Synthetic documents: σ of the log of their lengths (`0..=4`; 0 = all of the median's length).
+    pub synthetic_document_sigma: f64,
 }
 
 impl Default for DataConfig {
@@ -134,6 +139,8 @@ impl Default for DataConfig {
             read_timeout_s: 30.0,
             document_mask: false,
             reset_positions: false,
+            synthetic_document_median: 0,
+            synthetic_document_sigma: 1.0,
         }
     }
 }
@@ -429,6 +436,13 @@ pub trait TokenSource: Send + Sync {
     /// A one-line human-readable description for logs.
     fn describe(&self) -> String;
 
+    /// The token that ends every document of a packed source (`end_of_text` in a prepared
+    /// dataset's `meta.json`, `vocab_size − 1` for synthetic documents): documents start right
+    /// after it. `None`: the source does not say, and document masks cannot be used with it.
+    fn end_of_text(&self) -> Option<u32> {
+        None
+    }
+
     /// Returns `len` tokens of sample `(split, key.seed, key.step, key.micro_batch, key.row)`.
     /// Every token is below the model `vocab_size` the source was opened with.
     fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError>;
@@ -498,7 +512,9 @@ impl RowPart {
 /// checked when a window is sampled (the error names the file and offset); the synthetic
 /// language uses `vocab_size` as its alphabet.
 pub fn open_source(cfg: &DataConfig, vocab_size: usize) -> Result<Box<dyn TokenSource>, DataError> {
-    if cfg.is_synthetic() {
+    if cfg.is_synthetic() && cfg.synthetic_document_median > 0 {
+        Ok(Box::new(synthetic_documents(cfg, vocab_size)?))
+    } else if cfg.is_synthetic() {
         Ok(Box::new(synthetic_language(cfg, vocab_size)?))
     } else if cfg.source.trim().is_empty() {
         Err(DataError::InvalidConfig(
@@ -529,17 +545,57 @@ pub fn check_source(
     sample_len: usize,
 ) -> Result<(), DataError> {
     if cfg.is_synthetic() {
-        return open_source(cfg, vocab_size).map(|_| ());
+        return open_source(cfg, vocab_size)
+            .and_then(|src| document_separator(cfg, src.as_ref()).map(|_| ()));
     }
     if remote::is_sharded(&cfg.source) {
         let sharded = ShardedSource::open(cfg, vocab_size)?;
+        document_separator(cfg, &sharded)?;
         sharded.check(Split::Train, sample_len, false)?;
         return sharded.check(Split::Val, sample_len, true);
     }
     open_source(cfg, vocab_size)?;
     let files = TokenFiles::open(Path::new(&cfg.source), cfg.dtype, vocab_size)?;
+    document_separator(cfg, &files)?;
     files.check(Split::Train, sample_len, false)?;
     files.check(Split::Val, sample_len, true)
+}
+
+/// The separator document masks split `src`'s sequences at, when `cfg.document_mask` is on
+/// (`None` when it is off); a source that names none is refused with what to do.
+pub fn document_separator(
+    cfg: &DataConfig,
+    src: &dyn TokenSource,
+) -> Result<Option<u32>, DataError> {
+    if !cfg.document_mask {
+        return Ok(None);
+    }
+    src.end_of_text().map(Some).ok_or_else(|| {
+        DataError::InvalidConfig(format!(
+            "data.document_mask = true needs the dataset's end-of-text token, but {} names none \
+             (a prepared directory records it as \"end_of_text\" in meta.json: prepare it again \
+             with `seqpipe data prepare --out DIR`; a sharded dataset's index.json does not \
+             record it yet; the synthetic source has documents only with \
+             data.synthetic_document_median > 0); or set data.document_mask = false",
+            src.describe()
+        ))
+    })
+}
+
+/// The synthetic language of `cfg` in document mode ([`SyntheticDocuments`]): documents of
+/// log-normal lengths (`synthetic_document_median`, `synthetic_document_sigma`) over ids
+/// `0..vocab_size − 1`, each ended by the separator `vocab_size − 1`.
+pub fn synthetic_documents(
+    cfg: &DataConfig,
+    vocab_size: usize,
+) -> Result<SyntheticDocuments, DataError> {
+    SyntheticDocuments::new(
+        vocab_size,
+        cfg.synthetic_order,
+        cfg.synthetic_branching,
+        cfg.synthetic_seed,
+        DocumentLengths::new(cfg.synthetic_document_median, cfg.synthetic_document_sigma)?,
+    )
 }
 
 /// Builds the synthetic language described by `cfg` over an alphabet of `vocab_size` tokens

@@ -3,8 +3,10 @@
 //! device ([`BlockDevice`] over `ops`, the oracle) of the block the `model` crate writes once.
 
 use candle_core::Tensor;
+use ops::DocumentMask;
 use ops::attention::{
     AttentionCtx, causal_prefix_attention_backward, causal_prefix_attention_forward,
+    document_prefix_attention_backward, document_prefix_attention_forward,
 };
 use ops::gelu::{GeluCtx, gelu_backward, gelu_forward};
 use ops::linear::{LinearCtx, linear_backward, linear_forward};
@@ -133,7 +135,8 @@ impl<'a> Block<'a> {
 
     /// Forward of one segment: `x (N, C)` → `(N, C)`, in the model's order
     /// ([`::model::block_forward`]). Appends this segment's K/V to `kv`. Returns the saved context
-    /// when `keep_ctx` (training), none for evaluation.
+    /// when `keep_ctx` (training), none for evaluation. With `docs` a query attends only to its
+    /// own document ([`ops::document_prefix_attention_forward`]).
     pub fn forward(
         &self,
         params: &Params,
@@ -141,6 +144,7 @@ impl<'a> Block<'a> {
         seg: SegmentShape,
         kv: &mut KvPrefix,
         keep_ctx: bool,
+        docs: Option<&DocumentMask>,
     ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
         let mut ctx = BlockCtx::default();
         let mut device = CpuBlock {
@@ -151,14 +155,15 @@ impl<'a> Block<'a> {
             ctx: &mut ctx,
             grads: None,
         };
-        let out = ::model::block_forward(&mut device, x.clone())?;
+        let out = ::model::block_forward(&mut device, x.clone(), docs)?;
         Ok((out, keep_ctx.then_some(ctx)))
     }
 
     /// Backward of segment `j` (the last segment in `kv` whose backward has not run): `dy (N, C)` →
     /// `dx (N, C)`, in the model's order ([`::model::block_backward`]). Adds this segment's dK/dV
     /// of earlier positions to `kv` for the earlier segments, and removes segment `j`'s K/V (no
-    /// later segment needs them any more).
+    /// later segment needs them any more). `docs` is the forward's.
+    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         params: &Params,
@@ -167,6 +172,7 @@ impl<'a> Block<'a> {
         seg: SegmentShape,
         kv: &mut KvPrefix,
         grads: &mut Gradients,
+        docs: Option<&DocumentMask>,
     ) -> Result<Tensor, ModelError> {
         let mut device = CpuBlock {
             block: self,
@@ -176,7 +182,7 @@ impl<'a> Block<'a> {
             ctx: &mut ctx,
             grads: Some(grads),
         };
-        ::model::block_backward(&mut device, dy.clone())
+        ::model::block_backward(&mut device, dy.clone(), docs)
     }
 
     /// `(N, C)` → `(B, H, s, D)`.
@@ -285,7 +291,11 @@ impl BlockDevice for CpuBlock<'_, '_> {
         Ok(y)
     }
 
-    fn attention_forward(&mut self, qkv: &Tensor) -> Result<Tensor, ModelError> {
+    fn attention_forward(
+        &mut self,
+        qkv: &Tensor,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Tensor, ModelError> {
         let (block, seg) = (self.block, self.seg);
         let c = block.heads * block.head_dim;
         let mut q = block.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
@@ -299,7 +309,14 @@ impl BlockDevice for CpuBlock<'_, '_> {
         self.kv.values.push(v);
         let k_all = KvPrefix::concat(&self.kv.keys)?; // (B, H, P+s, D)
         let v_all = KvPrefix::concat(&self.kv.values)?;
-        let (y, attn) = causal_prefix_attention_forward(&q, &k_all, &v_all, block.scale())?; // (B, H, s, D)
+        let (y, attn) = match docs {
+            // The whole prefix is kept (key_start 0): the kernel skips, per block of queries, the
+            // keys before its first query's document.
+            Some(docs) => {
+                document_prefix_attention_forward(&q, &k_all, &v_all, block.scale(), docs, 0)?
+            }
+            None => causal_prefix_attention_forward(&q, &k_all, &v_all, block.scale())?,
+        }; // (B, H, s, D)
         self.ctx.attn = Some(attn);
         Ok(block.merge_heads(&y, seg)?) // (N, C)
     }
@@ -348,7 +365,11 @@ impl BlockDevice for CpuBlock<'_, '_> {
         Ok(df)
     }
 
-    fn attention_backward(&mut self, dy: &Tensor) -> Result<Tensor, ModelError> {
+    fn attention_backward(
+        &mut self,
+        dy: &Tensor,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Tensor, ModelError> {
         let (block, seg) = (self.block, self.seg);
         let ctx = saved(&mut self.ctx.attn, || {
             format!("h.{} attention", block.layer)
@@ -358,8 +379,18 @@ impl BlockDevice for CpuBlock<'_, '_> {
         let d_y = block.split_heads(dy, seg)?; // (B, H, s, D)
         let k_all = KvPrefix::concat(&kv.keys)?;
         let v_all = KvPrefix::concat(&kv.values)?;
-        let (mut dq, dk_all, dv_all) =
-            causal_prefix_attention_backward(&ctx, &k_all, &v_all, &d_y, block.scale())?;
+        let (mut dq, dk_all, dv_all) = match docs {
+            Some(docs) => document_prefix_attention_backward(
+                &ctx,
+                &k_all,
+                &v_all,
+                &d_y,
+                block.scale(),
+                docs,
+                0,
+            )?,
+            None => causal_prefix_attention_backward(&ctx, &k_all, &v_all, &d_y, block.scale())?,
+        };
         drop((k_all, v_all));
         kv.d_keys.resize(j + 1, None);
         kv.d_values.resize(j + 1, None);

@@ -56,6 +56,25 @@ pub trait StageCompute: Send {
     fn param_names(&self) -> Vec<String>;
     /// Starts a training step of `micro_batches` micro-batches (see [`Stage::begin_step`]).
     fn begin_step(&mut self, micro_batches: usize);
+    /// Masks micro-batch `micro_batch`'s attention to each query's own document, from its rows'
+    /// document starts (see [`Stage::set_documents`]). A device whose kernels cannot mask refuses
+    /// it ([`ModelError::DocumentMaskUnsupported`]), never ignores it.
+    fn set_documents(
+        &mut self,
+        micro_batch: usize,
+        rows: Vec<Vec<usize>>,
+    ) -> Result<(), ModelError> {
+        let _ = (micro_batch, rows);
+        Err(documents_unsupported(self.device()))
+    }
+    /// Positions restart at each document (see [`Stage::set_reset_positions`]); refused like
+    /// [`StageCompute::set_documents`] where the device cannot mask.
+    fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {
+        if reset {
+            return Err(documents_unsupported(self.device()));
+        }
+        Ok(())
+    }
     /// Forward of one unit (see [`Stage::forward`]).
     fn forward(
         &mut self,
@@ -107,6 +126,17 @@ pub trait StageCompute: Send {
     /// The stage's device links, if its device has them (a CUDA stage; not the CPU).
     fn device_links(&mut self) -> Option<&mut dyn DeviceLinks> {
         None
+    }
+}
+
+/// What a device without document masks answers when asked for them.
+fn documents_unsupported(device: DeviceKind) -> ModelError {
+    ModelError::DocumentMaskUnsupported {
+        device: match device {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        },
+        missing: "its attention kernels take no per-query document start",
     }
 }
 
@@ -255,6 +285,18 @@ impl StageCompute for CpuStage {
 
     fn begin_step(&mut self, micro_batches: usize) {
         self.stage.begin_step(micro_batches);
+    }
+
+    fn set_documents(
+        &mut self,
+        micro_batch: usize,
+        rows: Vec<Vec<usize>>,
+    ) -> Result<(), ModelError> {
+        self.stage.set_documents(micro_batch, rows)
+    }
+
+    fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {
+        self.stage.set_reset_positions(reset)
     }
 
     fn forward(

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Device, Tensor};
+use ops::DocumentMask;
 use ops::adamw::AdamW;
 use ops::embedding::{embedding_backward, embedding_forward};
 use ops::lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
@@ -80,6 +81,8 @@ impl SavedTensors for UnitCtx {
 struct MicroBatchState {
     kv: Vec<KvPrefix>, // one per held block
     units: BTreeMap<usize, UnitCtx>,
+    /// Its document starts ([`Stage::set_documents`]); none: plain causal attention.
+    docs: Option<DocumentMask>,
 }
 
 impl SavedTensors for MicroBatchState {
@@ -105,6 +108,9 @@ pub struct Stage {
     peak_activation_bytes: usize,
     /// Bytes the stage may hold in all (see [`Stage::set_memory_budget`]).
     memory_budget: Option<usize>,
+    /// Positions restart at each document (`data.reset_positions`, see
+    /// [`Stage::set_reset_positions`]).
+    reset_positions: bool,
 }
 
 impl Stage {
@@ -163,7 +169,66 @@ impl Stage {
             in_flight: BTreeMap::new(),
             peak_activation_bytes: 0,
             memory_budget: None,
+            reset_positions: false,
         })
+    }
+
+    /// Positions restart at 0 at each document start (`data.reset_positions`): the learned
+    /// position embedding of position `pos` is that of `pos − doc_start(pos)`. Every micro-batch
+    /// then needs its documents ([`Stage::set_documents`]) before its first forward. RoPE models
+    /// are refused (the rotary table takes contiguous positions only).
+    pub fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {
+        if reset && self.cfg.position == Position::Rope {
+            return Err(ModelError::Device(
+                "data.reset_positions with model.position = \"rope\": the rotary kernels take \
+                 contiguous positions only; use model.position = \"learned\" or \
+                 data.reset_positions = false"
+                    .into(),
+            ));
+        }
+        self.reset_positions = reset;
+        Ok(())
+    }
+
+    /// Sets the document starts of micro-batch `micro_batch` (per row, absolute positions; a
+    /// pure function of its input tokens, the same on every stage): its attention is then masked
+    /// to each query's own document, through every segment's K/V prefix and dK/dV carry. Must
+    /// come before the micro-batch's first forward; setting the same starts again is allowed
+    /// (every unit's message carries them), other starts are refused, as are starts that are not
+    /// sorted, beginning with 0 and below the sequence length (they come from a peer: untrusted).
+    pub fn set_documents(
+        &mut self,
+        micro_batch: usize,
+        rows: Vec<Vec<usize>>,
+    ) -> Result<(), ModelError> {
+        let seq_len: usize = self.segment_lengths.iter().sum();
+        let batch = rows.len();
+        let mask = ::model::document_mask(rows, batch, seq_len).map_err(|source| {
+            ModelError::Documents {
+                micro_batch,
+                source,
+            }
+        })?;
+        let state = self.in_flight.entry(micro_batch).or_default();
+        match &state.docs {
+            Some(held) if *held == mask => Ok(()),
+            Some(_) => Err(ModelError::Order {
+                unit: Unit::new(micro_batch, 0),
+                reason: "other document starts than the micro-batch's forward used".into(),
+            }),
+            None if !state.units.is_empty()
+                || state.kv.first().is_some_and(|kv| !kv.is_empty()) =>
+            {
+                Err(ModelError::Order {
+                    unit: Unit::new(micro_batch, 0),
+                    reason: "document starts after the micro-batch's forward began unmasked".into(),
+                })
+            }
+            None => {
+                state.docs = Some(mask);
+                Ok(())
+            }
+        }
     }
 
     /// Which layers this stage holds.
@@ -365,6 +430,18 @@ impl Stage {
         loss_scale: f64,
         mode: Mode,
     ) -> Result<StageOutput, ModelError> {
+        let docs = self
+            .in_flight
+            .get(&unit.micro_batch)
+            .and_then(|mb| mb.docs.clone());
+        if self.reset_positions && docs.is_none() {
+            return Err(ModelError::Input {
+                unit,
+                reason: "positions restart at each document (data.reset_positions) but the \
+                         micro-batch has no document starts (Stage::set_documents)"
+                    .into(),
+            });
+        }
         let (mut x, seg, token_ids) = match input {
             StageInput::Tokens(tokens) if self.layout.is_first() => {
                 let (batch, len) = tokens.dims2()?;
@@ -378,7 +455,7 @@ impl Stage {
                 let ids = tokens.flatten_all()?; // (N,)
                 let mut x = embedding_forward(&ids, self.params.get(names::WTE)?)?; // (N, C)
                 if self.cfg.position == Position::Learned {
-                    let pos = position_ids(seg)?;
+                    let pos = position_ids(seg, docs.as_ref(), self.reset_positions)?;
                     x = x.add(&embedding_forward(&pos, self.params.get(names::WPE)?)?)?;
                 }
                 (x, seg, Some(ids))
@@ -404,6 +481,16 @@ impl Stage {
                 });
             }
         };
+        if let Some(d) = docs.as_ref().filter(|d| d.batch() != seg.batch) {
+            return Err(ModelError::Input {
+                unit,
+                reason: format!(
+                    "the micro-batch has {} rows but its document starts {}",
+                    seg.batch,
+                    d.batch()
+                ),
+            });
+        }
         let layers = self.layout.layers.clone();
         let state = self.in_flight.entry(unit.micro_batch).or_default();
         if state.kv.is_empty() {
@@ -420,6 +507,7 @@ impl Stage {
                 seg,
                 &mut state.kv[slot],
                 mode == Mode::Train,
+                docs.as_ref(),
             )?;
             x = y;
             blocks.extend(ctx);
@@ -499,6 +587,7 @@ impl Stage {
             .grads
             .accumulator(unit, || Ok::<_, ModelError>(Gradients::default()))?;
         let ctx = state.units.remove(&unit.segment).expect("checked above");
+        let docs = state.docs.clone();
         let UnitCtx {
             seg,
             token_ids,
@@ -516,7 +605,15 @@ impl Stage {
         let layers: Vec<usize> = self.layout.layers.clone().collect();
         for (slot, ctx) in blocks.into_iter().enumerate().rev() {
             let block = Block::new(&self.cfg, layers[slot], self.rope.as_ref());
-            dx = block.backward(&self.params, ctx, &dx, seg, &mut state.kv[slot], grads)?;
+            dx = block.backward(
+                &self.params,
+                ctx,
+                &dx,
+                seg,
+                &mut state.kv[slot],
+                grads,
+                docs.as_ref(),
+            )?;
         }
         if let Some(ids) = &token_ids {
             grads.add(
@@ -526,7 +623,11 @@ impl Stage {
             if self.cfg.position == Position::Learned {
                 grads.add(
                     names::WPE,
-                    embedding_backward(&position_ids(seg)?, &dx, self.cfg.max_seq_len)?,
+                    embedding_backward(
+                        &position_ids(seg, docs.as_ref(), self.reset_positions)?,
+                        &dx,
+                        self.cfg.max_seq_len,
+                    )?,
                 )?;
             }
         }
@@ -605,11 +706,13 @@ impl Stage {
     }
 }
 
-/// Position ids of a segment for every row: `(B·s,)` U32.
-fn position_ids(seg: SegmentShape) -> candle_core::Result<Tensor> {
-    let ids: Vec<u32> = (0..seg.batch)
-        .flat_map(|_| (seg.start..seg.start + seg.len).map(|p| p as u32))
-        .collect();
+/// Position ids of a segment for every row: `(B·s,)` U32 (with `reset`, within each document).
+fn position_ids(
+    seg: SegmentShape,
+    docs: Option<&DocumentMask>,
+    reset: bool,
+) -> candle_core::Result<Tensor> {
+    let ids = ::model::documents::position_ids(docs, seg.batch, seg.start, seg.len, reset);
     Tensor::from_vec(ids, seg.tokens(), &Device::Cpu)
 }
 

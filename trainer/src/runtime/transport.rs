@@ -34,6 +34,9 @@ pub enum Payload {
     Grad,
 }
 
+/// The document starts of each row of a micro-batch, as an activation's header carries them.
+pub type DocumentStarts = Vec<Vec<usize>>;
+
 /// The small header in front of every tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorHeader {
@@ -50,6 +53,11 @@ pub struct TensorHeader {
     /// The values follow on the device link, not in this frame.
     #[serde(default)]
     pub on_device: bool,
+    /// With document masks, on activations: the document starts of each row of the unit's
+    /// micro-batch (the same for all its segments), which stages past the first cannot read
+    /// from tokens. The receiver checks them (untrusted input).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub documents: Option<DocumentStarts>,
 }
 
 /// The first frame on a link between stages with device links: the ids of the device link (one
@@ -212,6 +220,9 @@ pub struct TcpLink {
     max_tensor_bytes: u64,
 }
 
+/// Bytes of JSON one document start may take in a header (`18446744073709551615,`).
+const BYTES_PER_DOCUMENT_START: usize = 21;
+
 /// A dropped link is closed: its reader thread holds a clone of the socket, which would otherwise
 /// keep the connection open and the peer waiting.
 impl Drop for TcpLink {
@@ -230,8 +241,24 @@ impl TcpLink {
         timeout: Duration,
         max_tensor_bytes: u64,
     ) -> io::Result<Self> {
+        Self::with_documents(stream, peer_stage, generation, timeout, max_tensor_bytes, 0)
+    }
+
+    /// [`TcpLink::new`] for a run with document masks: a header may also carry up to
+    /// `max_document_starts` document starts (a micro-batch's rows × `seq_len`).
+    pub fn with_documents(
+        stream: TcpStream,
+        peer_stage: usize,
+        generation: u64,
+        timeout: Duration,
+        max_tensor_bytes: u64,
+        max_document_starts: usize,
+    ) -> io::Result<Self> {
         let peer = format!("stage {peer_stage}");
-        let limits = Limits::data(max_tensor_bytes);
+        let mut limits = Limits::data(max_tensor_bytes);
+        limits.header = limits
+            .header
+            .saturating_add(max_document_starts.saturating_mul(BYTES_PER_DOCUMENT_START));
         stream.set_nodelay(true)?;
         let mut reader = BufReader::with_capacity(1 << 20, stream.try_clone()?);
         let (tx, incoming) = channel();
@@ -365,7 +392,86 @@ impl TcpLink {
             unit,
             shape,
             on_device,
+            documents: None,
         }
+    }
+
+    /// Sends `tensor` (f32) as the `payload` of `unit` in `step`, with the document starts of
+    /// its micro-batch's rows when masks are on.
+    pub fn send_documented(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        tensor: &Tensor,
+        documents: Option<&[Vec<usize>]>,
+    ) -> Result<(), TransportError> {
+        let bad = |e: candle_core::Error| TransportError::BadTensor {
+            peer: self.peer.clone(),
+            reason: e.to_string(),
+        };
+        let values = tensor
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(bad)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut header = self.header(step, payload, unit, tensor.dims().to_vec(), false);
+        header.documents = documents.map(<[Vec<usize>]>::to_vec);
+        write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
+    }
+
+    /// Receives the next message, which must be the `payload` of `unit` in `step`: the tensor and
+    /// the document starts it carries, if any (unchecked: the caller checks them against the
+    /// micro-batch).
+    pub fn recv_documented(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+    ) -> Result<(Tensor, Option<DocumentStarts>), TransportError> {
+        let frame = self.next_frame()?;
+        let mut header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
+        let documents = header.documents.take();
+        let expected = self.header(step, payload, unit, header.shape.clone(), false);
+        if header != expected {
+            return Err(TransportError::Unexpected {
+                peer: self.peer.clone(),
+                expected: format!("{expected:?}"),
+                got: format!("{header:?}"),
+            });
+        }
+        // The shape is the peer's claim: its product is checked, never trusted to fit.
+        let bytes = header
+            .shape
+            .iter()
+            .try_fold(4usize, |acc, &d| acc.checked_mul(d));
+        if bytes != Some(frame.payload.len()) {
+            return Err(TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: format!(
+                    "shape {:?} does not match the {}-byte payload",
+                    header.shape,
+                    frame.payload.len()
+                ),
+            });
+        }
+        let values: Vec<f32> = frame
+            .payload
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let tensor = Tensor::from_vec(values, header.shape, &Device::Cpu).map_err(|e| {
+            TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        Ok((tensor, documents))
+    }
+
+    /// This link's peer, as errors name it.
+    pub fn peer(&self) -> &str {
+        &self.peer
     }
 
     /// Tells the peer (a replacement stage) which `payload` units of `step` this side already has.
@@ -429,56 +535,18 @@ impl Transport for TcpLink {
         unit: Unit,
         tensor: &Tensor,
     ) -> Result<(), TransportError> {
-        let bad = |e: candle_core::Error| TransportError::BadTensor {
-            peer: self.peer.clone(),
-            reason: e.to_string(),
-        };
-        let values = tensor
-            .flatten_all()
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(bad)?;
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let header = self.header(step, payload, unit, tensor.dims().to_vec(), false);
-        write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
+        self.send_documented(step, payload, unit, tensor, None)
     }
 
     fn recv(&mut self, step: u64, payload: Payload, unit: Unit) -> Result<Tensor, TransportError> {
-        let frame = self.next_frame()?;
-        let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
-        let expected = self.header(step, payload, unit, header.shape.clone(), false);
-        if header != expected {
-            return Err(TransportError::Unexpected {
+        match self.recv_documented(step, payload, unit)? {
+            (tensor, None) => Ok(tensor),
+            (_, Some(_)) => Err(TransportError::Unexpected {
                 peer: self.peer.clone(),
-                expected: format!("{expected:?}"),
-                got: format!("{header:?}"),
-            });
+                expected: format!("the {payload:?} of unit {unit} without document starts"),
+                got: "document starts (data.document_mask differs between the stages?)".into(),
+            }),
         }
-        // The shape is the peer's claim: its product is checked, never trusted to fit.
-        let bytes = header
-            .shape
-            .iter()
-            .try_fold(4usize, |acc, &d| acc.checked_mul(d));
-        if bytes != Some(frame.payload.len()) {
-            return Err(TransportError::BadTensor {
-                peer: self.peer.clone(),
-                reason: format!(
-                    "shape {:?} does not match the {}-byte payload",
-                    header.shape,
-                    frame.payload.len()
-                ),
-            });
-        }
-        let values: Vec<f32> = frame
-            .payload
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect();
-        Tensor::from_vec(values, header.shape, &Device::Cpu).map_err(|e| {
-            TransportError::BadTensor {
-                peer: self.peer.clone(),
-                reason: e.to_string(),
-            }
-        })
     }
 }
 
@@ -524,6 +592,39 @@ mod tests {
         stale.send(7, Payload::Activation, unit, &t).unwrap();
         let err = current.recv(7, Payload::Activation, unit).unwrap_err();
         assert!(err.to_string().contains("generation: 2"), "{err}");
+    }
+
+    /// Document starts ride in an activation's header, within the link's bound; a plain receive
+    /// refuses them, and a link opened without room for them refuses a header that carries many.
+    #[test]
+    fn document_starts_cross_with_their_activation_within_the_bound() {
+        let unit = Unit::new(0, 1);
+        let t = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        let timeout = Duration::from_secs(5);
+        let seq_len = 16384;
+        let mut a = TcpLink::with_documents(a, 1, 1, timeout, 1 << 20, 2 * seq_len).unwrap();
+        let mut b = TcpLink::with_documents(b, 0, 1, timeout, 1 << 20, 2 * seq_len).unwrap();
+        // The worst case: every position of both rows starts a one-token document.
+        let docs = vec![(0..seq_len).collect::<Vec<_>>(), vec![0, 17]];
+        a.send_documented(3, Payload::Activation, unit, &t, Some(&docs))
+            .unwrap();
+        let (got, got_docs) = b.recv_documented(3, Payload::Activation, unit).unwrap();
+        assert_eq!(got.dims(), &[2, 3]);
+        assert_eq!(got_docs.as_ref(), Some(&docs));
+        a.send_documented(3, Payload::Activation, unit, &t, Some(&docs))
+            .unwrap();
+        let err = b.recv(3, Payload::Activation, unit).unwrap_err();
+        assert!(err.to_string().contains("document starts"), "{err}");
+        // A link without documents (64 KiB headers) breaks on a header of 16384 starts (~98 KB).
+        let (mut plain_a, mut plain_b) = pair(1, 1);
+        plain_a
+            .send_documented(3, Payload::Activation, unit, &t, Some(&docs))
+            .unwrap();
+        let err = plain_b.recv(3, Payload::Activation, unit).unwrap_err();
+        assert!(err.to_string().contains("frame too large"), "{err}");
     }
 
     /// With device links the TCP link carries the links' ids and each tensor's header; a header
@@ -588,6 +689,7 @@ mod tests {
                 unit,
                 shape,
                 on_device: false,
+                documents: None,
             };
             write_frame(&mut raw, &Frame::new(&header, vec![0u8; 8])).unwrap();
             let err = link.recv(1, Payload::Activation, unit).unwrap_err();

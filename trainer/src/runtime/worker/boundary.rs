@@ -2,7 +2,13 @@
 //! device links) only its shape, the values staying on the stage's device. Shared by the step's
 //! execution and its record of what was sent.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
+
+/// The document starts of each row of a micro-batch (with document masks), shared by the
+/// messages of its units: activations carry them to the stages that read no tokens.
+pub(super) type DocStarts = Arc<Vec<Vec<usize>>>;
 
 /// A boundary tensor between a link and the stage.
 #[derive(Clone, Debug)]

@@ -9,11 +9,11 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use ops::sum_tree::SumTree;
 
-use super::boundary::Boundary;
+use super::boundary::{Boundary, DocStarts};
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
 use crate::config::{ConfigError, StageTransport};
-use crate::data::{RowPart, Split, micro_batch_part};
+use crate::data::{RowPart, Split, document_starts, micro_batch_part};
 use crate::model::{
     DeviceLinks, LinkedInput, LinkedOutput, Mode, ModelError, StageCompute, StageInput, StageOutput,
 };
@@ -53,6 +53,9 @@ struct ExecState {
     /// Last stage: each micro-batch's sum of token losses, over its segments in order.
     losses: Option<BTreeMap<usize, f64>>,
     loss_scale: f64,
+    /// With document masks: each micro-batch's document starts, from its tokens (first stage) or
+    /// from the activations received for it (the others), sent on with its activations.
+    docs: HashMap<usize, DocStarts>,
 }
 
 impl Worker {
@@ -126,6 +129,7 @@ impl Worker {
             outbox: HashMap::new(),
             losses: last.then(BTreeMap::new),
             loss_scale: 0.0,
+            docs: HashMap::new(),
         };
         let train = mode == Mode::Train;
         // The loss is the mean over the step's micro-batches, all replicas' together.
@@ -187,13 +191,17 @@ impl Worker {
         let train = mode == Mode::Train;
         match action {
             Action::RecvActivation(u) => {
-                let b = self.receive_boundary(step, Payload::Activation, u)?;
+                let (b, docs) = self.receive_activation(step, u)?;
+                if let Some(docs) = docs {
+                    state.docs.insert(u.micro_batch, docs);
+                }
                 state.inbox.insert(u, b);
             }
             Action::Forward(u) => self.forward(u, state, split, step, mode)?,
             Action::SendActivation(u) => {
                 let t = take(&mut state.outbox, u)?;
-                self.send_boundary(train, step, action, t)?;
+                let docs = state.docs.get(&u.micro_batch).cloned();
+                self.send_boundary(train, step, action, t, docs)?;
             }
             Action::RecvGrad(u) => {
                 let b = self.receive_boundary(step, Payload::Grad, u)?;
@@ -225,7 +233,7 @@ impl Worker {
             }
             Action::SendGrad(u) => {
                 let t = take(&mut state.outbox, u)?;
-                self.send_boundary(train, step, action, t)?;
+                self.send_boundary(train, step, action, t, None)?;
             }
             Action::Extended { .. } => {
                 return Err(ScheduleError::not_runnable_action(action).into());
@@ -260,6 +268,9 @@ impl Worker {
         } else {
             None
         };
+        if self.cfg.data.document_mask {
+            self.set_documents(state, u)?;
+        }
         if u.segment + 1 == self.segment_lengths.len() {
             state.tokens.tokens.remove(&u.micro_batch);
         }
@@ -316,7 +327,73 @@ impl Worker {
         Ok(())
     }
 
-    /// Sends a boundary tensor (the send `action`) to its neighbour; in training it is kept until
+    /// Gives the stage unit `u`'s micro-batch's document starts (document masks on): on the
+    /// first stage from the input tokens of its rows (read for this unit just before), on the
+    /// others from the activations received for it. Kept in `state.docs` for the activations
+    /// this stage sends on.
+    fn set_documents(&mut self, state: &mut ExecState, u: Unit) -> Result<(), WorkerError> {
+        let docs = match state.docs.get(&u.micro_batch) {
+            Some(docs) => docs.clone(),
+            None if self.stage.layout().is_first() => {
+                let eot = self.end_of_text.ok_or_else(|| {
+                    WorkerError::Protocol(
+                        "document masks on, but the first stage knows no end-of-text token".into(),
+                    )
+                })?;
+                let rows =
+                    state.tokens.tokens.get(&u.micro_batch).ok_or_else(|| {
+                        WorkerError::Protocol(format!("no tokens read for unit {u}"))
+                    })?;
+                let seq_len = self.cfg.train.seq_len;
+                // The first stage's part of a row starts at the row's first token (inputs, or
+                // the whole row on a one-stage pipeline): the inputs are its first seq_len.
+                let span = rows.len() / self.cfg.train.micro_batch_size;
+                let docs: Vec<Vec<usize>> = rows
+                    .chunks_exact(span)
+                    .map(|row| document_starts(&row[..seq_len], eot))
+                    .collect();
+                let docs = DocStarts::new(docs);
+                state.docs.insert(u.micro_batch, docs.clone());
+                docs
+            }
+            None => {
+                return Err(WorkerError::Protocol(format!(
+                    "the activation of unit {u} came without its micro-batch's document starts \
+                     (data.document_mask differs between the stages?)"
+                )));
+            }
+        };
+        self.stage
+            .set_documents(u.micro_batch, docs.as_ref().clone())?;
+        Ok(())
+    }
+
+    /// Receives unit `u`'s activation from the previous stage, and the document starts it
+    /// carries: refused unless they are there exactly when document masks are on, and fit the
+    /// micro-batch (sorted, from 0, below `seq_len`; a peer's message is untrusted input).
+    fn receive_activation(
+        &mut self,
+        step: u64,
+        u: Unit,
+    ) -> Result<(Boundary, Option<DocStarts>), WorkerError> {
+        if self.cfg.pipeline.transport != StageTransport::Tcp {
+            return Ok((self.receive_boundary(step, Payload::Activation, u)?, None));
+        }
+        let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
+        let masks = self.cfg.data.document_mask;
+        let tcp = link(&mut self.prev, "previous")?;
+        let (t, docs) = tcp.recv_documented(step, Payload::Activation, u)?;
+        let docs = received_documents(docs, masks, batch, seq_len).map_err(|reason| {
+            TransportError::BadTensor {
+                peer: tcp.peer().to_string(),
+                reason: format!("unit {u}: {reason}"),
+            }
+        })?;
+        Ok((Boundary::Host(t), docs))
+    }
+
+    /// Sends a boundary tensor (the send `action`) to its neighbour, an activation with its
+    /// micro-batch's document starts `docs` (with document masks); in training it is kept until
     /// the step's update (first, so that a send that fails is still in the record), and a
     /// replacement does not send what the neighbour already has.
     fn send_boundary(
@@ -325,10 +402,11 @@ impl Worker {
         step: u64,
         action: Action,
         b: Boundary,
+        docs: Option<DocStarts>,
     ) -> Result<(), WorkerError> {
         let (payload, u) = boundary(action).expect("a send action");
         if train {
-            self.record.retain(payload, u, &b);
+            self.record.retain(payload, u, &b, docs.as_ref());
             if self.record.delivered.skips(action) {
                 return Ok(());
             }
@@ -343,7 +421,14 @@ impl Worker {
             link: link(side, which)?,
             stage: peer,
         };
-        send_on(to, self.stage.as_mut(), (step, payload, u), &b, deadline)
+        let docs = docs.as_deref().map(Vec::as_slice);
+        send_on(
+            to,
+            self.stage.as_mut(),
+            (step, payload, u),
+            (&b, docs),
+            deadline,
+        )
     }
 
     /// Whether boundary tensors cross device links (`pipeline.transport = "nccl"`).
@@ -462,6 +547,26 @@ fn tree_sum(micro_batches: usize, losses: BTreeMap<usize, f64>) -> Result<f64, W
         .map_err(|e| bad(e.to_string()))
 }
 
+/// The document starts an activation brought (a peer's claim): there exactly when document
+/// masks are on (`masks`), and then fitting a micro-batch of `batch` rows of `seq_len`
+/// positions (sorted, from 0, below `seq_len`); the reason otherwise.
+fn received_documents(
+    docs: Option<Vec<Vec<usize>>>,
+    masks: bool,
+    batch: usize,
+    seq_len: usize,
+) -> Result<Option<DocStarts>, String> {
+    match (docs, masks) {
+        (None, false) => Ok(None),
+        (Some(docs), true) => {
+            ::model::documents::check_starts(&docs, batch, seq_len).map_err(|e| e.to_string())?;
+            Ok(Some(DocStarts::new(docs)))
+        }
+        (None, true) => Err("no document starts, but data.document_mask is on".into()),
+        (Some(_), false) => Err("document starts, but data.document_mask is off".into()),
+    }
+}
+
 /// The boundary tensor a communication action moves: its payload and unit (`None` for compute,
 /// and for the chunk and split-backward actions, which this runtime refuses to run).
 pub(super) fn boundary(action: Action) -> Option<(Payload, Unit)> {
@@ -491,17 +596,20 @@ pub(super) struct Peer<'a> {
 }
 
 /// Sends boundary tensor `b`, the `payload` of unit `u` in `step`, to a neighbour: its values over
-/// the TCP link, or its header over TCP and its values (kept on the stage's device) over the
-/// device link.
+/// the TCP link (with its micro-batch's document starts `docs`, if any), or its header over TCP
+/// and its values (kept on the stage's device) over the device link.
 pub(super) fn send_on(
     to: Peer,
     stage: &mut dyn StageCompute,
     (step, payload, u): (u64, Payload, Unit),
-    b: &Boundary,
+    (b, docs): (&Boundary, Option<&[Vec<usize>]>),
     deadline: Instant,
 ) -> Result<(), WorkerError> {
     match b {
-        Boundary::Host(t) => Ok(to.link.send(step, payload, u, t)?),
+        Boundary::Host(t) => Ok(to.link.send_documented(step, payload, u, t, docs)?),
+        Boundary::Device { .. } if docs.is_some() => Err(WorkerError::Protocol(
+            "document starts over device links (document masks are CPU-only)".into(),
+        )),
         Boundary::Device { rows, width } => {
             to.link.send_header(step, payload, u, &[*rows, *width])?;
             let links = stage.device_links().ok_or_else(no_device_links)?;
@@ -587,6 +695,27 @@ mod tests {
             matches!(&e, WorkerError::InvalidSchedule(_)),
             "expected an invalid-schedule error, got {e:?}"
         );
+    }
+
+    #[test]
+    fn received_document_starts_are_checked_against_the_run_and_the_micro_batch() {
+        let good = vec![vec![0, 5], vec![0]];
+        assert_eq!(received_documents(None, false, 2, 8), Ok(None));
+        assert_eq!(
+            received_documents(Some(good.clone()), true, 2, 8)
+                .unwrap()
+                .as_deref(),
+            Some(&good)
+        );
+        let refused = |docs: Option<Vec<Vec<usize>>>, masks: bool| {
+            received_documents(docs, masks, 2, 8).unwrap_err()
+        };
+        assert!(refused(None, true).contains("document_mask is on"));
+        assert!(refused(Some(good.clone()), false).contains("document_mask is off"));
+        assert!(refused(Some(vec![vec![0]]), true).contains("for 1 rows"));
+        assert!(refused(Some(vec![vec![0, 8], vec![0]]), true).contains("past the sequence"));
+        assert!(refused(Some(vec![vec![0, 3, 2], vec![0]]), true).contains("3 is followed by 2"));
+        assert!(refused(Some(vec![vec![2], vec![0]]), true).contains("first start"));
     }
 
     #[test]

@@ -57,8 +57,15 @@ impl Worker {
             .map_err(io_error(format!("connecting to {peer}")))?;
         auth::connect(&mut stream, &self.token, Purpose::Data).map_err(link_err)?;
         self.next = Some(
-            TcpLink::new(stream, r + 1, generation, timeout, self.max_tensor_bytes())
-                .map_err(io_error("next-stage link".into()))?,
+            TcpLink::with_documents(
+                stream,
+                r + 1,
+                generation,
+                timeout,
+                self.max_tensor_bytes(),
+                self.max_document_starts(),
+            )
+            .map_err(io_error("next-stage link".into()))?,
         );
         self.join_device_link(Neighbour::Next, timeout)
     }
@@ -82,8 +89,15 @@ impl Worker {
         register(self.kill_switch.as_ref(), &stream)
             .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
         self.prev = Some(
-            TcpLink::new(stream, r - 1, generation, timeout, self.max_tensor_bytes())
-                .map_err(io_error("previous-stage link".into()))?,
+            TcpLink::with_documents(
+                stream,
+                r - 1,
+                generation,
+                timeout,
+                self.max_tensor_bytes(),
+                self.max_document_starts(),
+            )
+            .map_err(io_error("previous-stage link".into()))?,
         );
         self.join_device_link(Neighbour::Prev, timeout)
     }
@@ -112,6 +126,17 @@ impl Worker {
         links
             .join_link(side, ids, timeout, tcp.peer_gone())
             .map_err(|e| link_failure(format!("stage {peer}"), e))
+    }
+
+    /// The most document starts an activation's header may carry: one per position of the
+    /// micro-batch's rows with document masks, none without.
+    fn max_document_starts(&self) -> usize {
+        let t = &self.cfg.train;
+        if self.cfg.data.document_mask {
+            t.micro_batch_size.saturating_mul(t.seq_len)
+        } else {
+            0
+        }
     }
 
     /// The largest boundary tensor of the run (a micro-batch's hidden states over the whole

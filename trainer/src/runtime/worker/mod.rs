@@ -38,7 +38,7 @@ use super::peer_snapshots::PeerCopier;
 use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::config::{Config, ConfigError};
-use crate::data::{DataError, TokenSource, open_source};
+use crate::data::{DataError, TokenSource, document_separator, open_source};
 use crate::model::{
     ModelError, StageCompute, StageSpec, UpdateSettings, build_stage, partition_layers,
 };
@@ -145,6 +145,8 @@ struct Worker {
     cfg: Config,
     stage: Box<dyn StageCompute>,
     data: Option<Box<dyn TokenSource>>,
+    /// With document masks, on the first stage: the token that ends each document of its data.
+    end_of_text: Option<u32>,
     schedule: ValidSchedule,
     segment_lengths: Vec<usize>,
     /// This worker's slot (`replica · stages + stage`): its name in control messages.
@@ -437,10 +439,19 @@ impl Worker {
                 memory_budget: t.memory_budget(),
             },
         )?;
+        let mut stage = stage;
+        if cfg.data.reset_positions {
+            stage.set_reset_positions(true)?;
+        }
         let data = if first || last {
             Some(open_source(&cfg.data, cfg.model.vocab_size)?)
         } else {
             None
+        };
+        // The first stage reads the documents off its tokens; the others receive them.
+        let end_of_text = match (&data, first) {
+            (Some(src), true) => document_separator(&cfg.data, src.as_ref())?,
+            _ => None,
         };
         let schedule = ValidSchedule::new(generate(
             cfg.pipeline.schedule,
@@ -452,6 +463,7 @@ impl Worker {
             cfg,
             stage,
             data,
+            end_of_text,
             schedule,
             segment_lengths,
             slot,

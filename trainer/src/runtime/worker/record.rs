@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::WorkerError;
-use super::boundary::Boundary;
+use super::boundary::{Boundary, DocStarts};
 use crate::runtime::control::{StepCost, UnitTime};
 use crate::runtime::transport::Payload;
 use crate::schedule::{Action, Delivered, Unit};
@@ -19,8 +19,9 @@ pub(super) struct StepRecord {
     /// How many actions of the stage's list have completed (a send the stage was stopped on by a
     /// broken link counts: its tensor is kept and goes out again on the rebuilt link).
     pub(super) done_actions: usize,
-    /// The boundary tensors sent in the step (on the host, or kept on the stage's device).
-    retained: HashMap<(Payload, Unit), Boundary>,
+    /// The boundary tensors sent in the step (on the host, or kept on the stage's device), with
+    /// the document starts an activation carried.
+    retained: HashMap<(Payload, Unit), (Boundary, Option<DocStarts>)>,
     /// Forward and backward units computed in the step.
     pub(super) done_units: usize,
     pub(super) cost: StepCost,
@@ -47,14 +48,25 @@ impl StepRecord {
         }
     }
 
-    /// Keeps a boundary tensor sent in the step.
-    pub(super) fn retain(&mut self, payload: Payload, u: Unit, b: &Boundary) {
+    /// Keeps a boundary tensor sent in the step (and the document starts it carried).
+    pub(super) fn retain(
+        &mut self,
+        payload: Payload,
+        u: Unit,
+        b: &Boundary,
+        docs: Option<&DocStarts>,
+    ) {
         self.cost.retained_bytes += b.bytes() as u64;
-        self.retained.insert((payload, u), b.clone());
+        self.retained
+            .insert((payload, u), (b.clone(), docs.cloned()));
     }
 
-    /// A boundary tensor kept by [`StepRecord::retain`].
-    pub(super) fn retained(&self, payload: Payload, u: Unit) -> Result<&Boundary, WorkerError> {
+    /// A boundary tensor kept by [`StepRecord::retain`], and its document starts.
+    pub(super) fn retained(
+        &self,
+        payload: Payload,
+        u: Unit,
+    ) -> Result<&(Boundary, Option<DocStarts>), WorkerError> {
         self.retained.get(&(payload, u)).ok_or_else(|| {
             WorkerError::Protocol(format!(
                 "no {payload:?} of unit {u} was kept in step {} to send again",

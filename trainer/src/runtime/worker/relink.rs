@@ -101,8 +101,14 @@ impl Worker {
         for &action in &plan.resend {
             let (payload, u) = boundary(action).expect("re-sends are sends");
             let to = Peer { link, stage: lost };
-            let kept = self.record.retained(payload, u)?;
-            send_on(to, self.stage.as_mut(), (step, payload, u), kept, deadline)?;
+            let (kept, docs) = self.record.retained(payload, u)?;
+            send_on(
+                to,
+                self.stage.as_mut(),
+                (step, payload, u),
+                (kept, docs.as_deref().map(Vec::as_slice)),
+                deadline,
+            )?;
         }
         info!(
             step,

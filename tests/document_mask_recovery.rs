@@ -1,0 +1,93 @@
+//! Document masks through mid-step recovery (issue 32), in process (see `harness`): the scenarios'
+//! 4-stage job on synthetic packed documents with `data.document_mask` and
+//! `data.reset_positions`, a stage killed in the middle of step 3 and replaced on its node. The
+//! replacement of the first stage reads the documents off its tokens again; a middle stage's
+//! replacement gets them with the activations its neighbour kept and sends again. Either way the
+//! run ends bit-identical to the undisturbed masked run, which itself ends elsewhere than the
+//! unmasked one (the masks matter).
+
+mod common;
+mod harness;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use harness::{Cluster, Pos, Rule, STEPS, WorkerId, final_state, reference_state, run};
+use trainer::runtime::kill_switch::Verdict;
+use trainer::runtime::recovery::Tier;
+
+/// Packed documents of median 6 tokens (several per 32-token row), masked, positions restarting.
+const DOCUMENTS: [&str; 3] = [
+    "data.synthetic_document_median=6",
+    "data.document_mask=true",
+    "data.reset_positions=true",
+];
+
+/// The final state of the masked job run undisturbed (computed once).
+fn masked_reference() -> &'static BTreeMap<String, Vec<u8>> {
+    static REFERENCE: OnceLock<BTreeMap<String, Vec<u8>>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let out = run("docmask-reference", 4, &DOCUMENTS, Vec::new());
+        assert_eq!(out.result, Ok(STEPS), "the undisturbed masked run failed");
+        assert!(out.recoveries().is_empty(), "{:#?}", out.events);
+        let (step, state) = final_state(&out.dir);
+        assert_eq!(step, STEPS);
+        state
+    })
+}
+
+/// Kills the worker that reached the point, once the agents hold both copies of the state after
+/// `step − 1`.
+fn kill_it(step: u64) -> impl FnOnce(&Arc<Cluster>, &WorkerId) -> Verdict + Send + 'static {
+    move |c, id| {
+        c.wait_held(step - 1, 2);
+        c.kill_worker(&id.node, id.stage);
+        Verdict::Kill
+    }
+}
+
+/// Stage `stage` killed at `pos` of step 3: recovered mid-step, and the run ends bit-identical to
+/// the undisturbed masked run.
+fn mid_step_kill(name: &str, stage: usize, pos: Pos) {
+    let reference = masked_reference();
+    let out = run(
+        name,
+        4,
+        &DOCUMENTS,
+        vec![Rule::at(stage, 3, pos, kill_it(3))],
+    );
+    out.assert_recovery(Tier::MidStep, 0, (4, 4));
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    let (step, state) = final_state(&out.dir);
+    assert_eq!(step, STEPS);
+    let differing: Vec<&String> = reference
+        .iter()
+        .filter(|(n, b)| state.get(*n) != Some(*b))
+        .map(|(n, _)| n)
+        .collect();
+    assert!(
+        differing.is_empty() && state.len() == reference.len(),
+        "{name}: final state differs from the undisturbed masked run in {differing:?}"
+    );
+}
+
+#[test]
+fn the_masks_change_the_run() {
+    let plain = reference_state();
+    let masked = masked_reference();
+    assert_eq!(plain.len(), masked.len());
+    assert!(
+        plain.iter().any(|(n, b)| masked.get(n) != Some(b)),
+        "the masked run ended where the unmasked one did: the scenarios below would be blind"
+    );
+}
+
+#[test]
+fn a_first_stage_killed_mid_step_rereads_its_documents_and_ends_bit_identical() {
+    mid_step_kill("docmask-mid-step-0", 0, Pos::Action(12));
+}
+
+#[test]
+fn a_middle_stage_killed_mid_step_gets_its_documents_again_and_ends_bit_identical() {
+    mid_step_kill("docmask-mid-step-2", 2, Pos::Action(20));
+}
