@@ -21,8 +21,10 @@
 //! link at a chosen message and deliver (or drop) what it held when an event says so — e.g. a
 //! worker's `StepDone` held until the coordinator has handled its node's death.
 //!
-//! A run's outcome carries its `metrics.jsonl` events, its error if it failed, and its final
-//! checkpoint, which scenarios compare with an undisturbed run's ([`reference_state`]).
+//! A run's outcome carries its `metrics.jsonl` events, its error if it failed (or why it stopped
+//! early for preemption notices), and its final checkpoint, which scenarios compare with an
+//! undisturbed run's ([`reference_state`]); a stopped run can be resumed from its checkpoint
+//! ([`resume`]).
 
 #![allow(dead_code)]
 
@@ -37,6 +39,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use elastic::preemption::Notice;
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::plan::RunPlan;
@@ -50,7 +53,7 @@ use trainer::runtime::events::{
 };
 use trainer::runtime::kill_switch::{Ending, KillSwitch, Point, Verdict};
 use trainer::runtime::peer_snapshots::{PutBounds, SnapshotStore, serve};
-use trainer::runtime::recovery::Tier;
+use trainer::runtime::recovery::{ResumePoint, Start, Tier};
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 
@@ -267,8 +270,12 @@ enum AgentMsg {
     Silence {
         done: Sender<()>,
     },
-    /// A preemption notice (what SIGTERM is to the real agent).
-    Leave,
+    /// A preemption notice: SIGTERM's (`notice` none) or the cloud's, as the real agent gets
+    /// them; answers (if asked to) once the node's workers know and `Leaving` is sent.
+    Leave {
+        notice: Option<Notice>,
+        done: Option<Sender<()>>,
+    },
 }
 
 /// A fake agent's handle.
@@ -464,7 +471,21 @@ impl Cluster {
 
     /// Gives `node` a preemption notice.
     pub fn preempt(&self, node: &str) {
-        let _ = self.agent_tx(node).send(AgentMsg::Leave);
+        let _ = self.agent_tx(node).send(AgentMsg::Leave {
+            notice: None,
+            done: None,
+        });
+    }
+
+    /// Gives `node` the cloud's preemption notice `notice` and waits until its agent has acted on
+    /// it: its workers' next step reports say they leave, and its `Leaving` (with the notice) is
+    /// on its way, ahead of anything the agent sends afterwards (e.g. its answer to a held
+    /// `StopWorkers`, once released).
+    pub fn preempt_now(&self, node: &str, notice: Notice) {
+        self.ask(node, |done| AgentMsg::Leave {
+            notice: Some(notice),
+            done: Some(done),
+        });
     }
 
     /// Waits until, for every tensor of the model's state after `step`, `copies` live agents
@@ -834,11 +855,14 @@ fn agent_main(
                 *report_to.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 let _ = done.send(());
             }
-            AgentMsg::Leave => {
+            AgentMsg::Leave { notice, done } => {
                 for w in &workers {
                     w.switch.notify_leaving();
                 }
-                let _ = sender.send(&FromAgent::Leaving { notice: None });
+                let _ = sender.send(&FromAgent::Leaving { notice });
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
             }
         }
     }
@@ -932,8 +956,11 @@ fn start_worker(
 pub struct Outcome {
     /// The run directory.
     pub dir: PathBuf,
-    /// The coordinator's result (`Err`: its error message).
+    /// The coordinator's result: the last step (`Err`: its error message).
     pub result: Result<u64, String>,
+    /// Why the run stopped early for preemption notices, if it did (at the boundary of its last
+    /// step, with that step's checkpoint committed: `seqpipe train` exits 75 then).
+    pub preempted: Option<String>,
     /// The events of `metrics.jsonl`, in order.
     pub events: Vec<RunEvent>,
     /// Every line of `metrics.jsonl` (steps and events).
@@ -949,7 +976,20 @@ pub struct Outcome {
 /// Runs the scenario's job (`base_sets` then `sets`) on `nodes` fake agents named `node-0`…,
 /// with `rules`, to its end; every worker and agent is gone when it returns.
 pub fn run(name: &str, nodes: usize, sets: &[&str], rules: Vec<Rule>) -> Outcome {
-    run_cluster(name, nodes, sets, rules, false)
+    run_cluster(name, nodes, sets, rules, Launch::default())
+}
+
+/// Resumes the run of `from` (its run directory, its newest committed checkpoint) as
+/// `seqpipe resume` does, with the same job settings (`base_sets` then `sets`) on `nodes` fresh
+/// fake agents, to its end. The resumed run appends to the same `metrics.jsonl`: its outcome's
+/// events are both runs'.
+pub fn resume(name: &str, from: &Outcome, nodes: usize, sets: &[&str]) -> Outcome {
+    let launch = Launch {
+        run_dir: Some(from.dir.clone()),
+        start: Start::Resume(ResumePoint::Latest),
+        reap_late: false,
+    };
+    run_cluster(name, nodes, sets, Vec::new(), launch)
 }
 
 /// [`run`] with agents that reap their workers late: a worker that ends by itself is reported
@@ -957,7 +997,22 @@ pub fn run(name: &str, nodes: usize, sets: &[&str], rules: Vec<Rule>) -> Outcome
 /// worker's own last words (its `Failed` report) before its agent's `WorkerExited`. A real agent
 /// reaps every 20 ms, which makes that order likely but not certain.
 pub fn run_reaping_late(name: &str, nodes: usize, sets: &[&str], rules: Vec<Rule>) -> Outcome {
-    run_cluster(name, nodes, sets, rules, true)
+    let launch = Launch {
+        reap_late: true,
+        ..Launch::default()
+    };
+    run_cluster(name, nodes, sets, rules, launch)
+}
+
+/// How a scenario's run is launched.
+#[derive(Default)]
+struct Launch {
+    /// The run directory: an earlier run's (to resume it), or a fresh one in the scenario's.
+    run_dir: Option<PathBuf>,
+    /// Where the state comes from.
+    start: Start,
+    /// Agents reap their workers late ([`run_reaping_late`]).
+    reap_late: bool,
 }
 
 fn run_cluster(
@@ -965,12 +1020,13 @@ fn run_cluster(
     nodes: usize,
     sets: &[&str],
     rules: Vec<Rule>,
-    reap_late: bool,
+    launch: Launch,
 ) -> Outcome {
     init_process();
     let started = Instant::now();
     let dir = fresh_dir(name);
-    let run_dir = dir.join("run");
+    let run_dir = launch.run_dir.unwrap_or_else(|| dir.join("run"));
+    let (start, reap_late) = (launch.start, launch.reap_late);
     let mut all: Vec<String> = base_sets();
     all.extend(sets.iter().map(|s| s.to_string()));
     all.push(format!("run.dir={}", run_dir.display()));
@@ -989,11 +1045,12 @@ fn run_cluster(
                 &plan,
                 &LaunchOptions {
                     quiet: true,
+                    start,
                     listening: Some(listening),
                     ..LaunchOptions::default()
                 },
             )
-            .map(|s| s.last_step)
+            .map(|s| (s.last_step, s.preempted))
             .map_err(|e| e.to_string())
         })
         .unwrap();
@@ -1023,7 +1080,10 @@ fn run_cluster(
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let result = coordinator.join().expect("the coordinator panicked");
+    let (result, preempted) = match coordinator.join().expect("the coordinator panicked") {
+        Ok((last_step, preempted)) => (Ok(last_step), preempted),
+        Err(e) => (Err(e), None),
+    };
     let workers = cluster
         .workers
         .lock()
@@ -1046,6 +1106,7 @@ fn run_cluster(
     Outcome {
         dir: run_dir,
         result,
+        preempted,
         events,
         records,
         workers,
