@@ -305,6 +305,12 @@ impl TokenSource for TokenFiles {
         self.meta.as_ref().and_then(|m| m.end_of_text)
     }
 
+    fn end_of_text_missing(&self) -> String {
+        "a prepared directory records it as \"end_of_text\" in meta.json: prepare it again with \
+         `seqpipe data prepare --out DIR`"
+            .into()
+    }
+
     fn vocab_size(&self) -> usize {
         self.meta
             .as_ref()

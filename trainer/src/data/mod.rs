@@ -443,6 +443,12 @@ pub trait TokenSource: Send + Sync {
         None
     }
 
+    /// What to do when [`end_of_text`](TokenSource::end_of_text) is `None` and document masks
+    /// are asked for: how this kind of source gets a separator.
+    fn end_of_text_missing(&self) -> String {
+        "the synthetic source has documents only with data.synthetic_document_median > 0".into()
+    }
+
     /// Returns `len` tokens of sample `(split, key.seed, key.step, key.micro_batch, key.row)`.
     /// Every token is below the model `vocab_size` the source was opened with.
     fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError>;
@@ -573,11 +579,9 @@ pub fn document_separator(
     src.end_of_text().map(Some).ok_or_else(|| {
         DataError::InvalidConfig(format!(
             "data.document_mask = true needs the dataset's end-of-text token, but {} names none \
-             (a prepared directory records it as \"end_of_text\" in meta.json: prepare it again \
-             with `seqpipe data prepare --out DIR`; a sharded dataset's index.json does not \
-             record it yet; the synthetic source has documents only with \
-             data.synthetic_document_median > 0); or set data.document_mask = false",
-            src.describe()
+             ({}); or set data.document_mask = false",
+            src.describe(),
+            src.end_of_text_missing()
         ))
     })
 }

@@ -786,6 +786,19 @@ impl TokenSource for ShardedSource {
         )
     }
 
+    /// `end_of_text` from the dataset's index (validated below its vocabulary when read).
+    fn end_of_text(&self) -> Option<u32> {
+        self.inner.index.end_of_text
+    }
+
+    fn end_of_text_missing(&self) -> String {
+        format!(
+            "its {INDEX_FILE} was written before `seqpipe data prepare` recorded \"end_of_text\" \
+             there: prepare the corpus again with `seqpipe data prepare --out URL` to a new \
+             location (a dataset is never overwritten) and set data.source to it"
+        )
+    }
+
     fn sample(&self, split: Split, key: SampleKey, len: usize) -> Result<Vec<u32>, DataError> {
         self.sample_span(split, key, len, 0..len)
     }
@@ -1370,6 +1383,59 @@ mod tests {
             src.window(Split::Val, 0, 200).unwrap(),
             files.window(Split::Val, 0, 200).unwrap()
         );
+    }
+
+    /// The separator `publish` was given is the sharded source's `end_of_text`, so document masks
+    /// find their documents; an index written before it was recorded opens and samples as before
+    /// without masks, and is refused with them, naming the dataset and what to do.
+    #[test]
+    fn the_index_end_of_text_is_the_separator_and_an_old_index_is_refused_for_masks() {
+        use super::super::document_separator;
+        let tmp = TempDir::new("sharded-eot");
+        let url = datasets(&tmp.0, 300);
+        let cache = tmp.0.join("cache");
+        let masked = DataConfig {
+            document_mask: true,
+            ..cfg(&url, &cache, 1 << 20)
+        };
+        let src = ShardedSource::open(&masked, 100).unwrap();
+        assert_eq!(src.end_of_text(), Some(99));
+        assert_eq!(document_separator(&masked, &src).unwrap(), Some(99));
+        let want = src.sample(Split::Train, key(0, 0, 0), 40).unwrap();
+        drop(src);
+
+        let index_path = tmp.0.join("sharded").join(INDEX_FILE);
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&index_path).unwrap()).unwrap();
+        assert_eq!(json["end_of_text"], 99);
+        json.as_object_mut().unwrap().remove("end_of_text");
+        std::fs::write(&index_path, serde_json::to_vec(&json).unwrap()).unwrap();
+        let plain = cfg(&url, &cache, 1 << 20);
+        let old = ShardedSource::open(&plain, 100).unwrap();
+        assert_eq!(old.end_of_text(), None);
+        assert_eq!(document_separator(&plain, &old).unwrap(), None);
+        assert_eq!(old.sample(Split::Train, key(0, 0, 0), 40).unwrap(), want);
+        let err = document_separator(&masked, &old).unwrap_err().to_string();
+        assert!(
+            err.contains(&url)
+                && err.contains("end_of_text")
+                && err.contains(INDEX_FILE)
+                && err.contains("seqpipe data prepare"),
+            "{err}"
+        );
+        // The start-up check refuses it too, before any worker starts.
+        let err = super::super::check_source(&masked, 100, 17)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&url) && err.contains("seqpipe data prepare"),
+            "{err}"
+        );
+        // An index naming a separator outside its vocabulary is refused when read.
+        json["end_of_text"] = 100.into();
+        std::fs::write(&index_path, serde_json::to_vec(&json).unwrap()).unwrap();
+        let err = ShardedSource::open(&plain, 100).err().unwrap().to_string();
+        assert!(err.contains("end_of_text 100 is not a token"), "{err}");
     }
 
     /// A missing shard and a shard changed in the store are data errors naming the object, after

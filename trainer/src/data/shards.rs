@@ -77,6 +77,13 @@ pub struct DatasetIndex {
     /// [`CHECK_BYTES`] of [`block_check`] per block. Absent in version 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_bytes: Option<u64>,
+    /// The token that ends every document (`<|endoftext|>` = 50256 for GPT-2 BPE), below
+    /// `vocab_size`: where `doc_starts` were cut, and what document masks split sequences at.
+    /// Absent in indexes written before it was recorded (in either version: it changes no byte a
+    /// reader fetches, so it is an optional field rather than a new version); such a dataset
+    /// trains without masks and is refused with them ([`super::document_separator`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_of_text: Option<u32>,
     /// The training split.
     pub train: SplitIndex,
     /// The validation split.
@@ -224,6 +231,15 @@ impl DatasetIndex {
         }
         if self.vocab_size == 0 {
             return Err("vocab_size is 0".into());
+        }
+        if let Some(eot) = self.end_of_text
+            && eot as usize >= self.vocab_size
+        {
+            return Err(format!(
+                "end_of_text {eot} is not a token of the {}-token vocabulary; re-prepare the \
+                 dataset with `seqpipe data prepare`",
+                self.vocab_size
+            ));
         }
         let width = self.dtype.width() as u64;
         if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(width) {
@@ -534,6 +550,7 @@ pub async fn publish(
         dtype: meta.dtype,
         chunk_bytes: layout.chunk_bytes,
         block_bytes,
+        end_of_text: eot,
         train,
         val,
     };
@@ -685,6 +702,7 @@ mod tests {
             dtype: TokenDtype::U16,
             chunk_bytes,
             block_bytes: None,
+            end_of_text: Some(50256),
             train: SplitIndex {
                 tokens: tokens.iter().sum(),
                 documents: tokens.len() as u64,
@@ -828,6 +846,10 @@ mod tests {
                 }),
                 "block_bytes 4",
             ),
+            (
+                Box::new(|i| i.end_of_text = Some(50257)),
+                "end_of_text 50257 is not a token",
+            ),
         ];
         for (edit, needle) in cases {
             let mut idx = good.clone();
@@ -845,5 +867,36 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("not a dataset index"), "{msg}");
+    }
+
+    /// `end_of_text` is written when known and read back; an index written before it was
+    /// recorded (no such key) still parses, in both versions, and says it has none.
+    #[test]
+    fn end_of_text_is_recorded_and_optional() {
+        let idx = index(&[10, 7], 6);
+        let json = serde_json::to_value(&idx).unwrap();
+        assert_eq!(json["end_of_text"], 50256);
+        let back = DatasetIndex::parse(&serde_json::to_vec(&json).unwrap(), "u").unwrap();
+        assert_eq!(back.end_of_text, Some(50256));
+        for blocks in [false, true] {
+            let mut old = idx.clone();
+            if blocks {
+                old.version = INDEX_VERSION;
+                old.block_bytes = Some(2);
+            }
+            let mut json = serde_json::to_value(&old).unwrap();
+            json.as_object_mut().unwrap().remove("end_of_text");
+            let text = serde_json::to_vec(&json).unwrap();
+            assert!(!String::from_utf8_lossy(&text).contains("end_of_text"));
+            let parsed = DatasetIndex::parse(&text, "u").unwrap();
+            assert_eq!(parsed.end_of_text, None);
+            assert_eq!(
+                DatasetIndex {
+                    end_of_text: Some(50256),
+                    ..parsed
+                },
+                old
+            );
+        }
     }
 }
