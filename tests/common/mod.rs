@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod disturbed;
+pub mod gradients;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
