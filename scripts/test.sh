@@ -324,7 +324,9 @@ circles=$(python3 scripts/import-circles.py) || {
 # --release: the end-to-end tests launch the release binary, and this shares one optimized build
 # of candle between the binary and the test harnesses.
 # --features seqpipe/cuda: the CUDA path builds and its kernels compile (NVRTC) without a GPU.
-cargo test --release --workspace --features seqpipe/cuda
+# --no-fail-fast: a failing binary does not hide the ones after it (CI prints only the tail,
+# which then names every failing target).
+cargo test --release --workspace --features seqpipe/cuda --no-fail-fast
 # The CUDA stage's host code on the CPU emulation of the GPU (gpu's `emulate` feature: the same
 # kernels.cu under a CUDA shim), against the CPU stages: a two-stage Seq1F1B step, snapshots,
 # determinism. A separate build of the gpu and trainer crates (the feature replaces the device).
