@@ -7,8 +7,17 @@
 //! run. When the coordinator declares the node dead (fenced), the agent stops its workers and
 //! joins again as a new incarnation; when the coordinator goes away, the agent stops its workers
 //! and exits.
+//!
+//! What ties an agent to its process sits behind [`AgentHooks`]: how workers are started
+//! ([`workers::WorkerLauncher`]), how the coordinator is reached, the preemption flag and its
+//! signal, the peer-snapshot report, whether to join again when fenced, and a kill switch. The
+//! binary runs [`run_agent`] with the process's hooks; the in-process harness (`tests/harness`)
+//! runs the same agent with workers as threads and every connection through its relays.
 
-use std::path::{Path, PathBuf};
+pub mod workers;
+
+use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
@@ -22,10 +31,13 @@ use tracing::{info, warn};
 
 use super::auth::{self, Gate, Purpose};
 use super::control::{ControlSender, ControlStream, FromAgent, ToAgent};
+use super::kill_switch::KillSwitch;
 use super::notice_watch::{self, WatchConfig};
 use super::peer_input;
 use super::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use crate::config::Config;
+use workers::{ProcessLauncher, RunningWorker, WorkerLauncher, WorkerSpec, reap, stop};
+pub(super) use workers::{append_log, die_with_parent};
 
 /// How an agent is started.
 #[derive(Clone, Debug)]
@@ -102,15 +114,67 @@ pub enum AgentError {
     CoordinatorFailed { status: String, log: String },
 }
 
-/// A worker this agent started.
-struct RunningWorker {
-    generation: u64,
-    stage: usize,
-    /// Its CUDA device ordinal ([`cuda_device`]).
-    device: usize,
-    child: Child,
-    log: PathBuf,
+/// The seams between an agent and its process. `AgentHooks::default()` is the `seqpipe agent`
+/// binary's: worker processes, plain TCP, SIGTERM, every fence answered by joining again.
+pub struct AgentHooks {
+    /// Starts the node's workers.
+    pub launcher: Box<dyn WorkerLauncher>,
+    /// Opens a TCP connection to the coordinator at an address (`host:port`); the agent retries
+    /// it until `connect_timeout` and authenticates it.
+    pub connect: Box<dyn Fn(&str) -> std::io::Result<TcpStream> + Send + Sync>,
+    /// The node's preemption notice: set by SIGTERM (with `sigterm`), by the cloud's notice (with
+    /// `AgentArgs::preemption`), or by whoever holds a clone.
+    pub leave: Preempted,
+    /// SIGTERM sets `leave` (the binary; an in-process agent leaves the test process's signals
+    /// alone).
+    pub sigterm: bool,
+    /// What the agent tells its host, and asks it.
+    pub events: Arc<dyn AgentEvents>,
+    /// Ends the agent as SIGKILL ends its process: its control connection and snapshot port are
+    /// registered with it (in-process harnesses only; `None` in the binary).
+    pub kill_switch: Option<KillSwitch>,
 }
+
+impl Default for AgentHooks {
+    fn default() -> Self {
+        Self {
+            launcher: Box::new(ProcessLauncher),
+            connect: Box::new(|addr| TcpStream::connect(addr)),
+            leave: Preempted::default(),
+            sigterm: true,
+            events: Arc::new(ProcessEvents),
+            kill_switch: None,
+        }
+    }
+}
+
+/// What an agent tells its host at a few moments, and asks it; every method has the binary's
+/// behaviour as its default.
+pub trait AgentEvents: Send + Sync {
+    /// The coordinator welcomed this node as incarnation `incarnation` (its snapshot reports go
+    /// to that connection from now on).
+    fn joined(&self, _incarnation: u64) {}
+
+    /// The coordinator fenced this node: whether to join again as a new incarnation.
+    fn join_again_after_fence(&self) -> bool {
+        true
+    }
+
+    /// A peer snapshot of `step` holding `names` was stored; `report` tells the coordinator
+    /// (false when there is no connection to tell). The worker that sent it hears "stored" once
+    /// this returns.
+    fn snapshot_stored(&self, _step: u64, _names: &[String], report: &dyn Fn() -> bool) {
+        report();
+    }
+
+    /// The node's leave was announced (`Leaving` sent) and its workers told.
+    fn leave_announced(&self) {}
+}
+
+/// The `seqpipe agent` binary's [`AgentEvents`]: every default.
+struct ProcessEvents;
+
+impl AgentEvents for ProcessEvents {}
 
 /// How one incarnation ended.
 enum Ended {
@@ -164,7 +228,7 @@ fn route_ip(target: &str) -> std::io::Result<std::net::IpAddr> {
 }
 
 impl Snapshots {
-    fn start(args: &AgentArgs) -> Result<Self, AgentError> {
+    fn start(args: &AgentArgs, hooks: &AgentHooks) -> Result<Self, AgentError> {
         let io = |what: &str| {
             let what = what.to_string();
             move |source| AgentError::Io {
@@ -185,14 +249,28 @@ impl Snapshots {
         let listener = std::net::TcpListener::bind((bind.as_str(), 0))
             .map_err(io(&format!("binding the snapshot port on {bind}")))?;
         let port = listener.local_addr().map_err(io("snapshot port"))?.port();
+        if let Some(switch) = &hooks.kill_switch {
+            switch
+                .register_listener(&listener)
+                .map_err(io("registering the snapshot port"))?;
+        }
         let store = Arc::new(Mutex::new(SnapshotStore::default()));
         let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::new(Mutex::new(None));
         let reporter = Arc::clone(&report_to);
+        let events = Arc::clone(&hooks.events);
         let token = auth::required_token("an agent")?;
         let gate = serve(listener, token, Arc::clone(&store), move |step, names| {
-            if let Some(sender) = reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                let _ = sender.send(&FromAgent::SnapshotHeld { step, names });
-            }
+            let report = || match reporter.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                Some(sender) => {
+                    let _ = sender.send(&FromAgent::SnapshotHeld {
+                        step,
+                        names: names.clone(),
+                    });
+                    true
+                }
+                None => false,
+            };
+            events.snapshot_stored(step, &names, &report);
         })
         .map_err(io("starting the snapshot service"))?;
         Ok(Self {
@@ -215,9 +293,9 @@ impl Snapshots {
 }
 
 /// Whether this node got a preemption notice: SIGTERM sets `flag`; the cloud's notice is stored
-/// in `cloud` before it sets `flag`, so that the leave names it.
+/// in `cloud` before it sets `flag`, so that the leave names it. Clones share one flag.
 #[derive(Clone, Default)]
-struct Preempted {
+pub struct Preempted {
     flag: Arc<AtomicBool>,
     cloud: Arc<Mutex<Option<Notice>>>,
 }
@@ -232,23 +310,35 @@ impl Preempted {
         self.cloud.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set_by_cloud(&self, notice: Notice) {
+    /// The cloud's notice: the node leaves, naming it.
+    pub fn set_by_cloud(&self, notice: Notice) {
         *self.cloud.lock().unwrap_or_else(|p| p.into_inner()) = Some(notice);
+        self.flag.store(true, Ordering::SeqCst);
+    }
+
+    /// A notice without the cloud's words, as SIGTERM gives.
+    pub fn set(&self) {
         self.flag.store(true, Ordering::SeqCst);
     }
 }
 
 /// Runs the agent until the coordinator shuts the run down (or goes away).
 pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
+    run_agent_with(args, AgentHooks::default())
+}
+
+/// [`run_agent`] with the process's seams replaced by `hooks`.
+pub fn run_agent_with(args: &AgentArgs, hooks: AgentHooks) -> Result<(), AgentError> {
     // Before anything listens or connects: no port of this node runs without the job's secret.
     auth::required_token("an agent")?;
-    let leaving = Preempted::default();
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving.flag)).map_err(
-        |source| AgentError::Io {
-            what: "installing the SIGTERM handler".into(),
-            source,
-        },
-    )?;
+    let leaving = hooks.leave.clone();
+    if hooks.sigterm {
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&leaving.flag))
+            .map_err(|source| AgentError::Io {
+                what: "installing the SIGTERM handler".into(),
+                source,
+            })?;
+    }
     if let Some(watch) = &args.preemption {
         let leaving = leaving.clone();
         notice_watch::spawn(watch.clone(), move |notice| leaving.set_by_cloud(notice)).map_err(
@@ -258,17 +348,18 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
             },
         )?;
     }
-    let snapshots = Snapshots::start(args)?;
+    let snapshots = Snapshots::start(args, &hooks)?;
     if let Some(job) = &args.job {
-        return run_with_etcd(args, job, &leaving, &snapshots);
+        return run_with_etcd(args, &hooks, job, &leaving, &snapshots);
     }
     loop {
-        match run_incarnation(args, &leaving, &snapshots)? {
+        match run_incarnation(args, &hooks, &leaving, &snapshots)? {
             Ended::Shutdown => return Ok(()),
             Ended::Fenced if leaving.is_set() => {
                 info!("left the run after a preemption notice");
                 return Ok(());
             }
+            Ended::Fenced if !hooks.events.join_again_after_fence() => return Ok(()),
             Ended::Fenced => {
                 warn!(node = %args.name, "declared dead by the coordinator; joining again");
                 std::thread::sleep(Duration::from_millis(500));
@@ -283,6 +374,7 @@ pub fn run_agent(args: &AgentArgs) -> Result<(), AgentError> {
 /// next campaign and resumes the job from the newest committed checkpoint.
 fn run_with_etcd(
     args: &AgentArgs,
+    hooks: &AgentHooks,
     job: &Config,
     leaving: &Preempted,
     snapshots: &Snapshots,
@@ -355,9 +447,10 @@ fn run_with_etcd(
             connect_timeout: Duration::from_secs(1),
             ..args.clone()
         };
-        match run_incarnation(&follow, leaving, snapshots) {
+        match run_incarnation(&follow, hooks, leaving, snapshots) {
             Ok(Ended::Shutdown) => break Ok(()),
             Ok(Ended::Fenced) if leaving.is_set() => break Ok(()),
+            Ok(Ended::Fenced) if !hooks.events.join_again_after_fence() => break Ok(()),
             Ok(Ended::Fenced) => {}
             Err(e @ (AgentError::CoordinatorGone { .. } | AgentError::Connect { .. })) => {
                 warn!(leader = %leader.candidate, error = %e, "lost the coordinator; following the next leader");
@@ -430,7 +523,7 @@ fn spawn_coordinator(
     Ok((child, log))
 }
 
-fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
+fn connect(args: &AgentArgs, hooks: &AgentHooks) -> Result<ControlStream, AgentError> {
     let err = |source| AgentError::Connect {
         addr: args.join.clone(),
         source,
@@ -438,7 +531,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
     let token = auth::required_token("an agent")?;
     let deadline = Instant::now() + args.connect_timeout;
     let mut stream = loop {
-        match std::net::TcpStream::connect(&args.join) {
+        match (hooks.connect)(&args.join) {
             Ok(s) => break s,
             Err(e) if Instant::now() < deadline => {
                 warn!(addr = %args.join, error = %e, "coordinator not reachable yet; retrying");
@@ -447,6 +540,9 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
             Err(e) => return Err(err(e)),
         }
     };
+    if let Some(switch) = &hooks.kill_switch {
+        switch.register(&stream).map_err(err)?;
+    }
     auth::connect(&mut stream, &token, Purpose::Control).map_err(err)?;
     ControlStream::new(stream).map_err(err)
 }
@@ -456,6 +552,7 @@ fn connect(args: &AgentArgs) -> Result<ControlStream, AgentError> {
 /// ends.
 fn run_incarnation(
     args: &AgentArgs,
+    hooks: &AgentHooks,
     leaving: &Preempted,
     snapshots: &Snapshots,
 ) -> Result<Ended, AgentError> {
@@ -463,12 +560,16 @@ fn run_incarnation(
         control,
         host,
         heartbeat,
-    } = join(args, snapshots)?;
+        incarnation,
+    } = join(args, hooks, snapshots)?;
     let sender = control.sender();
     snapshots.report_to(sender.clone());
+    hooks.events.joined(incarnation);
     let messages = receive_in_background(control);
     let mut node = Incarnation {
         args,
+        launcher: hooks.launcher.as_ref(),
+        events: hooks.events.as_ref(),
         host,
         sender,
         heartbeat,
@@ -489,15 +590,17 @@ struct Joined {
     host: String,
     /// How often to heartbeat.
     heartbeat: Duration,
+    /// The coordinator's number for this incarnation of the node.
+    incarnation: u64,
 }
 
 /// Connects, sends `Join` and reads the coordinator's answer.
-fn join(args: &AgentArgs, snapshots: &Snapshots) -> Result<Joined, AgentError> {
+fn join(args: &AgentArgs, hooks: &AgentHooks, snapshots: &Snapshots) -> Result<Joined, AgentError> {
     let gone = |reason: String| AgentError::CoordinatorGone {
         addr: args.join.clone(),
         reason,
     };
-    let mut control = connect(args)?;
+    let mut control = connect(args, hooks)?;
     let host = match &args.host {
         Some(h) => h.clone(),
         None => control
@@ -542,6 +645,7 @@ fn join(args: &AgentArgs, snapshots: &Snapshots) -> Result<Joined, AgentError> {
         control,
         host,
         heartbeat,
+        incarnation,
     })
 }
 
@@ -593,6 +697,8 @@ fn receive_in_background(mut control: ControlStream) -> Receiver<std::io::Result
 /// A joined node's state: the connection's sending half, the heartbeat clock, the workers.
 struct Incarnation<'a> {
     args: &'a AgentArgs,
+    launcher: &'a dyn WorkerLauncher,
+    events: &'a dyn AgentEvents,
     /// The address this node's workers listen on.
     host: String,
     sender: ControlSender,
@@ -633,6 +739,10 @@ impl Incarnation<'_> {
                     return Err(self.gone("connection closed".into()));
                 }
             };
+            // Exits seen by now are reported before the message is acted on: a `StopWorkers`
+            // would otherwise stop a worker that had exited by itself without its exit ever
+            // being reported.
+            self.report_exits();
             if let Some(ended) = self.handle(msg)? {
                 return Ok(ended);
             }
@@ -657,15 +767,21 @@ impl Incarnation<'_> {
             );
             // The coordinator hears why before the workers report the leave with their step.
             let _ = self.sender.send(&FromAgent::Leaving { notice });
-            for w in &self.workers {
-                signal(&w.child, libc::SIGTERM);
+            for w in &mut self.workers {
+                w.worker.notify_leaving();
             }
+            self.events.leave_announced();
         }
+        self.report_exits();
+        Ok(())
+    }
+
+    /// Reports the workers that exited since the last call.
+    fn report_exits(&mut self) {
         for exit in reap(&mut self.workers) {
             // A failed send shows up as a closed connection in the message loop.
             let _ = self.sender.send(&exit);
         }
-        Ok(())
     }
 
     /// Acts on one message; `Some` when it ends the incarnation.
@@ -753,6 +869,9 @@ impl Incarnation<'_> {
             let device = cuda_device(self.args.local, stage, &used);
             used.push(device);
             let spec = WorkerSpec {
+                node: &self.args.name,
+                control: &self.args.join,
+                dir: &self.args.dir,
                 host: &self.host,
                 generation: start.generation,
                 stage,
@@ -761,9 +880,15 @@ impl Incarnation<'_> {
                 snapshot_to: &start.snapshot_to,
                 session: &start.session,
                 dump_grads: start.dump_grads.as_deref(),
+                replacement: start.keep_running,
             };
-            match spawn_worker(self.args, &spec) {
-                Ok(w) => self.workers.push(w),
+            match self.launcher.launch(&spec) {
+                Ok(worker) => self.workers.push(RunningWorker {
+                    generation: start.generation,
+                    stage,
+                    device,
+                    worker,
+                }),
                 Err(e) => {
                     warn!(stage, error = %e, "cannot start a worker");
                     let _ = self.sender.send(&FromAgent::WorkerExited {
@@ -836,48 +961,6 @@ fn check_start(
     Ok(())
 }
 
-/// Workers that exited by themselves since the last call, as reports (and forgets them).
-fn reap(workers: &mut Vec<RunningWorker>) -> Vec<FromAgent> {
-    let mut exits = Vec::new();
-    workers.retain_mut(|w| match w.child.try_wait() {
-        Ok(Some(status)) => {
-            info!(stage = w.stage, %status, "worker exited");
-            exits.push(FromAgent::WorkerExited {
-                generation: w.generation,
-                stage: w.stage,
-                code: status.code(),
-                status: status.to_string(),
-                log_tail: log_tail(&w.log, 15),
-                log: w.log.display().to_string(),
-            });
-            false
-        }
-        _ => true,
-    });
-    exits
-}
-
-/// Kills the workers of `generation` and older ones, and waits for them.
-fn stop(workers: &mut Vec<RunningWorker>, generation: u64) {
-    workers.retain_mut(|w| {
-        if w.generation > generation {
-            return true;
-        }
-        let _ = w.child.kill();
-        let _ = w.child.wait();
-        false
-    });
-}
-
-fn signal(child: &Child, sig: i32) {
-    if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) on a child's pid has no memory-safety preconditions.
-        unsafe {
-            libc::kill(pid, sig);
-        }
-    }
-}
-
 /// The CUDA device of a new worker of `stage` (a `model.device = "cuda"` stage opens it, modulo the
 /// GPUs it sees): the lowest not `used` by this node's running workers, so a node's slots map onto
 /// its GPUs; on a local agent (one per stage, all on the launcher's machine) the worker's global
@@ -889,161 +972,10 @@ fn cuda_device(local: bool, stage: usize, used: &[usize]) -> usize {
     (0..).find(|d| !used.contains(d)).expect("a free ordinal")
 }
 
-/// What one worker is started with.
-struct WorkerSpec<'a> {
-    host: &'a str,
-    generation: u64,
-    stage: usize,
-    device: usize,
-    config: &'a str,
-    snapshot_to: &'a [String],
-    session: &'a str,
-    dump_grads: Option<&'a Path>,
-}
-
-fn spawn_worker(args: &AgentArgs, spec: &WorkerSpec) -> Result<RunningWorker, AgentError> {
-    let WorkerSpec {
-        host,
-        generation,
-        stage,
-        device,
-        config,
-        snapshot_to,
-        session,
-        dump_grads,
-    } = *spec;
-    let io = |what: String| {
-        move |source| AgentError::Io {
-            what: what.clone(),
-            source,
-        }
-    };
-    let cfg = Config::from_toml(config, "the coordinator's config")?;
-    let logs = args.dir.join(session).join("logs");
-    std::fs::create_dir_all(&logs).map_err(io(format!("creating {}", logs.display())))?;
-    let config_path = logs.join(format!("{}.config.toml", args.name));
-    std::fs::write(&config_path, config)
-        .map_err(io(format!("writing {}", config_path.display())))?;
-    let log = logs.join(format!("stage-{stage}.log"));
-    // Appended to, not truncated: a replacement worker keeps its predecessor's log, which the
-    // failure report of that predecessor names.
-    let file = append_log(
-        &log,
-        &format!("worker of stage {stage}, generation {generation}"),
-    )
-    .map_err(io(format!("opening {}", log.display())))?;
-    let exe = std::env::current_exe().map_err(io("locating the seqpipe executable".into()))?;
-    let threads = cfg.threads_per_worker().to_string();
-    let mut cmd = Command::new(exe);
-    cmd.arg("worker")
-        .args(["--control", &args.join])
-        .args(["--stage", &stage.to_string()])
-        .args(["--generation", &generation.to_string()])
-        .args(["--bind", host])
-        .arg("--config")
-        .arg(&config_path);
-    if let Some(dir) = dump_grads {
-        cmd.arg("--dump-grads").arg(dir);
-    }
-    for addr in snapshot_to {
-        cmd.args(["--snapshot-to", addr]);
-    }
-    cmd.env("RAYON_NUM_THREADS", &threads)
-        .env("CANDLE_NUM_THREADS", &threads)
-        .env(crate::model::compute::CUDA_DEVICE_ENV, device.to_string());
-    if std::env::var_os("RUST_LOG").is_none() {
-        cmd.env("RUST_LOG", &cfg.run.log);
-    }
-    let stderr = file.try_clone().map_err(io("log file".into()))?;
-    // Own process group: a SIGTERM to the agent reaches a worker only through the agent, which
-    // forwards it as a preemption notice.
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    die_with_parent(&mut cmd);
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::from(file))
-        .stderr(Stdio::from(stderr));
-    let child = cmd
-        .spawn()
-        .map_err(io(format!("starting the worker of stage {stage}")))?;
-    info!(stage, generation, pid = child.id(), "worker started");
-    Ok(RunningWorker {
-        generation,
-        stage,
-        device,
-        child,
-        log,
-    })
-}
-
-/// The child gets SIGKILL when its parent dies: no worker outlives its agent, no agent its
-/// launcher, whatever killed the parent.
-pub(super) fn die_with_parent(cmd: &mut Command) {
-    // SAFETY: the closure runs between fork and exec and calls only prctl(2) and getppid(2),
-    // which are async-signal-safe.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(cmd, || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The parent may have died before prctl: then we were re-parented already.
-            if libc::getppid() == 1 {
-                return Err(std::io::Error::other("the parent process already exited"));
-            }
-            Ok(())
-        });
-    }
-}
-
-/// The last `lines` lines of a log file, indented.
-/// Opens the log at `path` for appending (creating it) and marks where the process `who`
-/// starts writing, so that the logs of earlier processes at the same path survive.
-pub(super) fn append_log(path: &Path, who: &str) -> std::io::Result<std::fs::File> {
-    use std::io::Write;
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
-    let unix_s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    writeln!(file, "==== {who} starts (unix time {unix_s}) ====")?;
-    Ok(file)
-}
-
-fn log_tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..]
-        .iter()
-        .map(|l| format!("  | {l}"))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A replacement worker's log is appended to its predecessor's, which a failure report names
-    /// by path: both processes' lines survive, each after a header.
-    #[test]
-    fn a_second_process_appends_to_the_log() {
-        use std::io::Write;
-        let dir = std::env::temp_dir().join(format!("seqpipe-append-log-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("stage-1.log");
-        let _ = std::fs::remove_file(&path);
-        writeln!(append_log(&path, "first").unwrap(), "predecessor died here").unwrap();
-        writeln!(append_log(&path, "second").unwrap(), "replacement line").unwrap();
-        let text = std::fs::read_to_string(&path).unwrap();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 4, "{text}");
-        assert!(lines[0].contains("first starts"), "{text}");
-        assert_eq!(lines[1], "predecessor died here");
-        assert!(lines[2].contains("second starts"), "{text}");
-        assert_eq!(lines[3], "replacement line");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
     /// A `StartWorkers` that every check accepts: two stages for two slots, a plain session name,
     /// snapshot addresses, no gradient dumps.
     fn good_start() -> StartRequest {
