@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::io::BufReader;
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,8 @@ pub(super) type Holds = Arc<Mutex<Vec<Arc<Hold>>>>;
 /// One direction of a link: its receiving socket and what is held back from it.
 struct Valve {
     state: Mutex<ValveState>,
+    /// Frames written to the sink so far (counted before each write).
+    delivered: AtomicU64,
 }
 
 struct ValveState {
@@ -192,7 +194,15 @@ impl Valve {
                 queue: VecDeque::new(),
                 source_ended: false,
             }),
+            delivered: AtomicU64::new(0),
         }
+    }
+
+    /// Writes `frame` to the sink, counted first (so that the receiver, once it has read it,
+    /// sees it counted).
+    fn deliver(&self, sink: &mut TcpStream, frame: &Frame) -> std::io::Result<()> {
+        self.delivered.fetch_add(1, Ordering::SeqCst);
+        write_frame(sink, frame)
     }
 
     fn lock(&self) -> MutexGuard<'_, ValveState> {
@@ -203,7 +213,7 @@ impl Valve {
         let mut state = self.lock();
         state.held = false;
         while let Some(frame) = state.queue.pop_front() {
-            let _ = write_frame(&mut state.sink, &frame);
+            let _ = self.deliver(&mut state.sink, &frame);
         }
         if state.source_ended {
             let _ = state.sink.shutdown(Shutdown::Write);
@@ -237,6 +247,18 @@ impl Link {
             Dir::ToCoordinator => &self.to_coordinator,
             Dir::FromCoordinator => &self.from_coordinator,
         }
+    }
+
+    /// Freezes the link both ways, as a partition would: from now on nothing is delivered in
+    /// either direction, and the connection stays open (until the scenario ends).
+    pub fn freeze(&self) {
+        self.to_coordinator.lock().held = true;
+        self.from_coordinator.lock().held = true;
+    }
+
+    /// How many frames the coordinator's side has delivered to the node so far.
+    pub fn delivered_to_node(&self) -> u64 {
+        self.from_coordinator.delivered.load(Ordering::SeqCst)
     }
 
     /// Cuts the link: both ends see the connection close, nothing held is delivered.
@@ -279,7 +301,7 @@ impl Link {
             }
             if state.held {
                 state.queue.push_back(frame);
-            } else if write_frame(&mut state.sink, &frame).is_err() && dir == Dir::ToCoordinator {
+            } else if valve.deliver(&mut state.sink, &frame).is_err() && dir == Dir::ToCoordinator {
                 // The coordinator's end is gone: nothing more to deliver that way.
                 break;
             }

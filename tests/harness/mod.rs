@@ -1,9 +1,10 @@
 //! An in-process cluster for recovery scenarios (in the spirit of raft-rs's test `Network`): the
-//! REAL coordinator and driver (`run_training`) and the REAL stage workers (`run_worker`) run as
-//! threads of the test process and talk over loopback TCP; only the node agent is a fake — a
-//! thread per node that speaks the agent's control protocol (join, heartbeats, worker exits,
-//! `WorkersStopped`, `SnapshotHeld`, `Leaving`), serves a real peer-snapshot store, and starts
-//! each worker as a thread with a [`KillSwitch`].
+//! REAL coordinator and driver (`run_training`), the REAL node agents (`run_agent_with`) and the
+//! REAL stage workers (`run_worker`) run as threads of the test process and talk over loopback
+//! TCP. Each agent runs behind hooks of the harness ([`agents`]): its workers are threads with a
+//! kill switch (`trainer::runtime::kill_switch`), and the agent itself has one, so that killing a
+//! node ends it as SIGKILL ends
+//! the agent's process.
 //!
 //! Faults are injected at exact points of the workers' execution, never after a sleep: a scenario
 //! lists [`Rule`]s ("when stage 2 is about to run its 5th action of step 3, kill its node"), and
@@ -28,35 +29,31 @@
 
 #![allow(dead_code)]
 
+mod agents;
 pub mod links;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::mpsc::channel;
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use elastic::preemption::Notice;
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::plan::RunPlan;
-use trainer::runtime::auth::{self, Purpose};
-use trainer::runtime::control::{
-    ControlSender, ControlStream, FromAgent, PEER_FAILURE_EXIT_CODE, ToAgent, ToWorker,
-};
+use trainer::runtime::auth;
+use trainer::runtime::control::ToWorker;
 use trainer::runtime::events::{
     CheckpointCommitted, CheckpointFailed, NodeJoined, NodeLeft, NodeLost, PlanAdopted, Record,
     Recovered, RunEvent,
 };
-use trainer::runtime::kill_switch::{Ending, KillSwitch, Point, Verdict};
-use trainer::runtime::peer_snapshots::{PutBounds, SnapshotStore, serve};
+use trainer::runtime::kill_switch::{Point, Verdict};
 use trainer::runtime::recovery::{ResumePoint, Start, Tier};
 use trainer::runtime::run::{LaunchOptions, run_training};
-use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 
+use agents::{AgentHandle, WorkerSlot};
 use links::{Dir, End, Hold, Holds, Link, Msg};
 
 /// The job token every scenario's coordinator, agents and workers share.
@@ -247,57 +244,13 @@ pub fn reached(point: &Point<'_>, step: u64, pos: Pos) -> bool {
 // ---------------------------------------------------------------------------------------------
 // The cluster.
 
-/// What a fake agent is told.
-enum AgentMsg {
-    Coordinator(std::io::Result<ToAgent>),
-    /// A worker thread returned (or was ended).
-    WorkerEnded {
-        serial: u64,
-        ending: Ending,
-    },
-    /// Kill the worker of `stage` as SIGKILL would, report it (at once, or `late`: just before
-    /// handling the coordinator's next message), then answer.
-    KillWorker {
-        stage: usize,
-        late: bool,
-        done: Sender<()>,
-    },
-    /// The node dies: workers killed, connection and snapshot port closed; then answer.
-    Die {
-        done: Sender<()>,
-    },
-    /// A partition: stop sending anything; the node's workers stop at their next point.
-    Silence {
-        done: Sender<()>,
-    },
-    /// A preemption notice: SIGTERM's (`notice` none) or the cloud's, as the real agent gets
-    /// them; answers (if asked to) once the node's workers know and `Leaving` is sent.
-    Leave {
-        notice: Option<Notice>,
-        done: Option<Sender<()>>,
-    },
-}
-
-/// A fake agent's handle.
-struct AgentHandle {
-    tx: Sender<AgentMsg>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// A worker a fake agent started.
-struct Running {
-    serial: u64,
-    id: WorkerId,
-    switch: KillSwitch,
-}
-
 /// The shared state of one scenario's cluster (what rules act on).
 pub struct Cluster {
     pub dir: PathBuf,
     cfg: Config,
     addr: String,
     rules: Vec<Rule>,
-    /// Current agent incarnation per node name.
+    /// Current agent per node name.
     agents: Mutex<BTreeMap<String, AgentHandle>>,
     /// Nodes whose workers must hang at their next point (silenced).
     frozen: Mutex<BTreeSet<String>>,
@@ -309,16 +262,16 @@ pub struct Cluster {
     /// its report) until released: the sending worker's copy stays in flight.
     stalled_puts: Mutex<Option<(String, u64)>>,
     stalled_changed: Condvar,
-    /// Every worker started: (id, thread).
-    workers: Mutex<Vec<(WorkerId, JoinHandle<()>)>>,
+    /// Every worker started, in order.
+    workers: Mutex<Vec<Arc<WorkerSlot>>>,
     next_serial: AtomicU64,
     /// Agents fenced by the coordinator (they heard `Refused`). Signalled on every change.
     fenced: Mutex<Vec<String>>,
     fenced_changed: Condvar,
-    /// A fenced agent joins again as a new incarnation, as the real agent does
-    /// ([`Cluster::rejoin_when_fenced`]).
+    /// A fenced agent joins again as a new incarnation, as the binary's agent does
+    /// ([`Cluster::rejoin_when_fenced`]); otherwise it ends.
     rejoin_fenced: AtomicBool,
-    /// Earlier incarnations' agents (ended at teardown).
+    /// Agents replaced by a new one under the same name (ended at teardown).
     retired: Mutex<Vec<AgentHandle>>,
     /// Agents report the exit of a worker that ended by itself only just before they handle the
     /// coordinator's next message (see [`run_reaping_late`]).
@@ -352,42 +305,73 @@ impl Cluster {
         Verdict::Go
     }
 
-    fn agent_tx(&self, node: &str) -> Sender<AgentMsg> {
-        self.agents.lock().unwrap_or_else(|p| p.into_inner())[node]
-            .tx
-            .clone()
+    /// The newest worker of `stage` on `node` that is still running.
+    fn running_worker(&self, node: &str, stage: usize) -> Option<Arc<WorkerSlot>> {
+        self.workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .rev()
+            .find(|w| w.id.node == node && w.id.stage == stage && !w.switch.is_ended())
+            .cloned()
     }
 
-    fn ask(&self, node: &str, msg: impl FnOnce(Sender<()>) -> AgentMsg) {
-        let (done, wait) = channel();
-        if self.agent_tx(node).send(msg(done)).is_ok() {
-            let _ = wait.recv_timeout(SCENARIO_LIMIT);
-        }
+    /// Whether `node`'s agent can no longer report: it was killed, or it is cut off.
+    fn agent_gone(&self, node: &str) -> bool {
+        self.is_frozen(node)
+            || self
+                .agents
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(node)
+                .is_none_or(|a| a.switch.is_ended())
     }
 
-    /// Kills the worker of `stage` on `node` as SIGKILL would; its agent reports the exit.
+    fn is_frozen(&self, node: &str) -> bool {
+        self.frozen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(node)
+    }
+
+    /// Kills the worker of `stage` on `node` as SIGKILL would, and waits until its agent has
+    /// seen the exit (it reports it then).
     pub fn kill_worker(&self, node: &str, stage: usize) {
-        self.ask(node, |done| AgentMsg::KillWorker {
-            stage,
-            late: false,
-            done,
-        });
+        if let Some(worker) = self.running_worker(node, stage) {
+            worker.kill();
+            worker.wait_reported(|| self.agent_gone(node));
+        }
     }
 
     /// Kills the worker of `stage` on `node` as SIGKILL would; its agent notices late: it reports
     /// the exit just before it handles the coordinator's next message (a busy agent's reaping).
     /// The coordinator then learns of the death from the worker's closed connection first.
     pub fn kill_worker_reaped_late(&self, node: &str, stage: usize) {
-        self.ask(node, |done| AgentMsg::KillWorker {
-            stage,
-            late: true,
-            done,
-        });
+        if let Some(worker) = self.running_worker(node, stage) {
+            worker.kill_reaped_late();
+        }
     }
 
-    /// Kills `node`: its workers, its agent's connection and its snapshot port.
+    /// Kills `node`: its agent (its control connection and snapshot port) and its workers, as
+    /// SIGKILL of the whole node would.
     pub fn kill_node(&self, node: &str) {
-        self.ask(node, |done| AgentMsg::Die { done });
+        if let Some(agent) = self
+            .agents
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(node)
+        {
+            agent.switch.kill();
+        }
+        let workers = self
+            .workers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for w in workers.iter().filter(|w| w.id.node == node) {
+            w.switch.kill();
+        }
+        self.forget_held(node);
     }
 
     /// [`Cluster::kill_node`], then waits until the coordinator has handled the close of the
@@ -399,8 +383,9 @@ impl Cluster {
         agent.wait_coordinator_closed();
     }
 
-    /// From now on an agent that the coordinator fences joins again at once as a new
-    /// incarnation of its node (its workers and peer snapshots gone), as the real agent does.
+    /// From now on an agent that the coordinator fences joins again as a new incarnation of its
+    /// node (its workers stopped, its peer snapshots kept), as the binary's agent does; until
+    /// then a fenced agent ends.
     pub fn rejoin_when_fenced(&self) {
         self.rejoin_fenced.store(true, Ordering::SeqCst);
     }
@@ -459,22 +444,23 @@ impl Cluster {
             .cut();
     }
 
-    /// Cuts `node` off: its agent stops heartbeating and reporting, its workers stop at their
-    /// next point with their connections open.
+    /// Cuts `node` off: nothing its agent sends reaches the coordinator any more, nor the other
+    /// way (its control link is frozen in both directions, connection open); its workers stop
+    /// at their next point with their connections open.
     pub fn silence(&self, node: &str) {
         self.frozen
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(node.to_string());
-        self.ask(node, |done| AgentMsg::Silence { done });
+        self.link(|end| matches!(end, End::Agent { node: n } if n == node))
+            .freeze();
     }
 
-    /// Gives `node` a preemption notice.
+    /// Gives `node` a preemption notice, as SIGTERM does.
     pub fn preempt(&self, node: &str) {
-        let _ = self.agent_tx(node).send(AgentMsg::Leave {
-            notice: None,
-            done: None,
-        });
+        self.agents.lock().unwrap_or_else(|p| p.into_inner())[node]
+            .leave
+            .set();
     }
 
     /// Gives `node` the cloud's preemption notice `notice` and waits until its agent has acted on
@@ -482,10 +468,16 @@ impl Cluster {
     /// on its way, ahead of anything the agent sends afterwards (e.g. its answer to a held
     /// `StopWorkers`, once released).
     pub fn preempt_now(&self, node: &str, notice: Notice) {
-        self.ask(node, |done| AgentMsg::Leave {
-            notice: Some(notice),
-            done: Some(done),
-        });
+        let (leave, announced) = {
+            let agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
+            (
+                agents[node].leave.clone(),
+                Arc::clone(&agents[node].announced),
+            )
+        };
+        let seen = announced.get();
+        leave.set_by_cloud(notice);
+        announced.wait_past(seen);
     }
 
     /// Waits until, for every tensor of the model's state after `step`, `copies` live agents
@@ -520,29 +512,15 @@ impl Cluster {
         }
     }
 
-    /// Starts a fake agent for `node` (a joiner, or a new incarnation of a node) and waits for
-    /// the coordinator's welcome.
+    /// Starts an agent for `node` (a joiner, or a restarted agent of a node) and waits for the
+    /// coordinator's welcome.
     pub fn start_agent(self: &Arc<Self>, node: &str) {
-        let (tx, rx) = channel();
-        let (welcomed, wait) = channel();
-        let cluster = Arc::clone(self);
-        let name = node.to_string();
-        let agent_tx = tx.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("agent-{node}"))
-            .spawn(move || agent_main(cluster, name, rx, agent_tx, welcomed))
-            .unwrap();
+        let (handle, wait) = agents::start_agent(self, node);
         let old = self
             .agents
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                node.to_string(),
-                AgentHandle {
-                    tx,
-                    thread: Some(thread),
-                },
-            );
+            .insert(node.to_string(), handle);
         // An agent restarted under the same name: the old one's thread is left to its fate
         // (killed or silenced by the rule that restarted it); teardown ends it.
         if let Some(old) = old {
@@ -624,329 +602,6 @@ impl Cluster {
             closing: Arc::default(),
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The fake agent.
-
-/// Connects to the coordinator (retrying while it is not listening yet) and authenticates;
-/// returns the stream and a clone of its socket (to close it as a dying host would).
-fn connect_control(addr: &str) -> (ControlStream, TcpStream) {
-    let deadline = Instant::now() + SCENARIO_LIMIT;
-    let mut stream = loop {
-        match TcpStream::connect(addr) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() < deadline => {
-                assert!(
-                    e.kind() == std::io::ErrorKind::ConnectionRefused,
-                    "connecting to {addr}: {e}"
-                );
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("the coordinator at {addr} never listened: {e}"),
-        }
-    };
-    auth::connect(&mut stream, TOKEN, Purpose::Control).expect("authenticating to the coordinator");
-    let raw = stream.try_clone().expect("control socket");
-    (ControlStream::new(stream).expect("control stream"), raw)
-}
-
-/// How a worker's end is reported (`WorkerExited`), as the real agent words it.
-fn exited(w: &Running, ending: Ending) -> FromAgent {
-    let (code, status) = match ending {
-        Ending::Killed => (None, "signal: 9 (SIGKILL)".to_string()),
-        Ending::Exited(c) => (Some(c), format!("exit status: {c}")),
-    };
-    FromAgent::WorkerExited {
-        generation: w.id.generation,
-        stage: w.id.stage,
-        code,
-        status,
-        log_tail: String::new(),
-        log: format!("(in-process worker of stage {})", w.id.stage),
-    }
-}
-
-/// One fake agent incarnation: joins, heartbeats, runs workers as threads, reports.
-fn agent_main(
-    cluster: Arc<Cluster>,
-    name: String,
-    rx: Receiver<AgentMsg>,
-    tx: Sender<AgentMsg>,
-    welcomed: Sender<()>,
-) {
-    // The node's peer-snapshot store, served on its own port as the real agent does.
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let snapshot_addr = listener.local_addr().unwrap().to_string();
-    let store = Arc::new(Mutex::new(SnapshotStore::default()));
-    let report_to: Arc<Mutex<Option<ControlSender>>> = Arc::default();
-    let plans = Arc::clone(&store);
-    let gate = {
-        let (report_to, cluster, name) =
-            (Arc::clone(&report_to), Arc::clone(&cluster), name.clone());
-        serve(listener, TOKEN.into(), store, move |step, names| {
-            cluster.wait_while_stalled(&name, step);
-            // Reported to the coordinator first, then recorded for `wait_held`.
-            let sender = report_to.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if let Some(sender) = sender {
-                let _ = sender.send(&FromAgent::SnapshotHeld {
-                    step,
-                    names: names.clone(),
-                });
-                cluster.record_held(&name, step, names);
-            }
-        })
-        .unwrap()
-    };
-    let relay = links::relay(
-        End::Agent { node: name.clone() },
-        &cluster.addr,
-        &cluster.holds,
-        &cluster.links,
-        &cluster.closing,
-    );
-    let (mut control, raw) = connect_control(&relay.addr);
-    control
-        .send(&FromAgent::Join {
-            node: elastic::NodeInfo::new(name.clone(), 1, snapshot_addr),
-            pid: std::process::id(),
-        })
-        .unwrap();
-    let heartbeat = match control.recv::<ToAgent>() {
-        Ok(ToAgent::Welcome { heartbeat_s, .. }) => Duration::from_secs_f64(heartbeat_s),
-        other => panic!("agent {name}: expected a welcome, got {other:?}"),
-    };
-    let sender = control.sender();
-    *report_to.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender.clone());
-    let _ = welcomed.send(());
-    {
-        let tx = tx.clone();
-        std::thread::Builder::new()
-            .name(format!("agent-{name}-recv"))
-            .spawn(move || {
-                loop {
-                    let msg = control.recv::<ToAgent>();
-                    let closed = msg.is_err();
-                    if tx.send(AgentMsg::Coordinator(msg)).is_err() || closed {
-                        return;
-                    }
-                }
-            })
-            .unwrap();
-    }
-    let mut workers: Vec<Running> = Vec::new();
-    let mut late_reports: Vec<FromAgent> = Vec::new();
-    let mut silent = false;
-    let mut rejoin = false;
-    let mut next_heartbeat = Instant::now() + heartbeat;
-    let end_all = |workers: &mut Vec<Running>| {
-        for w in workers.drain(..) {
-            w.switch.kill();
-        }
-    };
-    loop {
-        if !silent && Instant::now() >= next_heartbeat {
-            next_heartbeat = Instant::now() + heartbeat;
-            let _ = sender.send(&FromAgent::Heartbeat);
-        }
-        let wait = next_heartbeat.saturating_duration_since(Instant::now());
-        let msg = match rx.recv_timeout(wait) {
-            Ok(msg) => msg,
-            Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => break,
-        };
-        if matches!(msg, AgentMsg::Coordinator(_)) {
-            for report in late_reports.drain(..) {
-                let _ = sender.send(&report);
-            }
-        }
-        match msg {
-            // A node cut off hears nothing from the coordinator any more.
-            AgentMsg::Coordinator(_) if silent => {}
-            AgentMsg::Coordinator(Ok(ToAgent::StartWorkers {
-                generation,
-                first_step,
-                stages,
-                config,
-                snapshot_to,
-                session,
-                dump_grads,
-                keep_running,
-            })) => {
-                // As the real agent: the plan bounds what peers may store.
-                plans
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .plan(PutBounds::from_config(generation, first_step, &config));
-                if !keep_running {
-                    end_all(&mut workers);
-                }
-                for stage in stages {
-                    let id = WorkerId {
-                        node: name.clone(),
-                        stage,
-                        generation,
-                        replacement: keep_running,
-                    };
-                    let spec = WorkerSpec {
-                        config: &config,
-                        snapshot_to: &snapshot_to,
-                        session: &session,
-                        dump_grads: dump_grads.clone(),
-                    };
-                    workers.push(start_worker(&cluster, id, &spec, tx.clone()));
-                }
-            }
-            AgentMsg::Coordinator(Ok(ToAgent::StopWorkers { generation })) => {
-                workers.retain(|w| {
-                    let stop = w.id.generation <= generation;
-                    if stop {
-                        w.switch.kill();
-                    }
-                    !stop
-                });
-                let _ = sender.send(&FromAgent::WorkersStopped { generation });
-            }
-            AgentMsg::Coordinator(Ok(ToAgent::Refused { .. })) => {
-                cluster
-                    .fenced
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(name.clone());
-                cluster.fenced_changed.notify_all();
-                rejoin = cluster.rejoin_fenced.load(Ordering::SeqCst);
-                break;
-            }
-            AgentMsg::Coordinator(Ok(ToAgent::Shutdown) | Err(_)) => break,
-            AgentMsg::Coordinator(Ok(ToAgent::Welcome { .. })) => {}
-            AgentMsg::WorkerEnded { serial, ending } => {
-                if let Some(i) = workers.iter().position(|w| w.serial == serial) {
-                    let w = workers.remove(i);
-                    if cluster.reap_late {
-                        late_reports.push(exited(&w, ending));
-                    } else if !silent {
-                        let _ = sender.send(&exited(&w, ending));
-                    }
-                }
-            }
-            AgentMsg::KillWorker { stage, late, done } => {
-                if let Some(i) = workers.iter().rposition(|w| w.id.stage == stage) {
-                    let w = workers.remove(i);
-                    let ending = w.switch.kill();
-                    if late {
-                        late_reports.push(exited(&w, ending));
-                    } else {
-                        let _ = sender.send(&exited(&w, ending));
-                    }
-                }
-                let _ = done.send(());
-            }
-            AgentMsg::Die { done } => {
-                *report_to.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                gate.stop();
-                cluster.forget_held(&name);
-                let _ = raw.shutdown(Shutdown::Both);
-                end_all(&mut workers);
-                let _ = done.send(());
-                break;
-            }
-            AgentMsg::Silence { done } => {
-                silent = true;
-                *report_to.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                let _ = done.send(());
-            }
-            AgentMsg::Leave { notice, done } => {
-                for w in &workers {
-                    w.switch.notify_leaving();
-                }
-                let _ = sender.send(&FromAgent::Leaving { notice });
-                if let Some(done) = done {
-                    let _ = done.send(());
-                }
-            }
-        }
-    }
-    // Whatever ended this incarnation, its workers end with it (the real agent stops them). A
-    // silenced node stays in the loop, its workers hung, until it dies (teardown).
-    *report_to.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    end_all(&mut workers);
-    let _ = raw.shutdown(Shutdown::Both);
-    drop(gate);
-    if rejoin {
-        cluster.start_agent(&name);
-    }
-}
-
-/// What a worker is started with.
-struct WorkerSpec<'a> {
-    config: &'a str,
-    snapshot_to: &'a [String],
-    session: &'a str,
-    dump_grads: Option<PathBuf>,
-}
-
-/// Starts a worker thread as the real agent starts a worker process (same arguments), with a
-/// kill switch whose points go to the cluster's rules.
-fn start_worker(
-    cluster: &Arc<Cluster>,
-    id: WorkerId,
-    spec: &WorkerSpec<'_>,
-    agent: Sender<AgentMsg>,
-) -> Running {
-    let serial = cluster.next_serial.fetch_add(1, Ordering::SeqCst);
-    let logs = cluster.dir.join("agents").join(&id.node).join(spec.session);
-    std::fs::create_dir_all(&logs).unwrap();
-    let config = logs.join(format!(
-        "stage-{}-gen-{}-{serial}.toml",
-        id.stage, id.generation
-    ));
-    std::fs::write(&config, spec.config).unwrap();
-    let switch = {
-        let (cluster, id) = (Arc::clone(cluster), id.clone());
-        KillSwitch::new(move |point| cluster.on_point(&id, point))
-    };
-    let relay = links::relay(
-        End::Worker(id.clone()),
-        &cluster.addr,
-        &cluster.holds,
-        &cluster.links,
-        &cluster.closing,
-    );
-    let args = WorkerArgs {
-        control: relay.addr,
-        stage: id.stage,
-        generation: id.generation,
-        bind: "127.0.0.1".into(),
-        config,
-        dump_grads: spec.dump_grads.clone(),
-        snapshot_to: spec.snapshot_to.to_vec(),
-        kill_switch: Some(switch.clone()),
-    };
-    let thread_switch = switch.clone();
-    let thread = std::thread::Builder::new()
-        .name(format!("worker-{}-{}", id.node, id.stage))
-        .spawn(move || {
-            // The exit code `seqpipe worker` would end with (101: a panic).
-            let code =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match run_worker(args) {
-                    Ok(()) => 0,
-                    Err(WorkerError::Transport(_) | WorkerError::Collective(_)) => {
-                        i32::from(PEER_FAILURE_EXIT_CODE)
-                    }
-                    Err(_) => 1,
-                }))
-                .unwrap_or(101);
-            // The process ends: its sockets close.
-            let ending = thread_switch.end(Ending::Exited(code));
-            let _ = agent.send(AgentMsg::WorkerEnded { serial, ending });
-        })
-        .unwrap();
-    cluster
-        .workers
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push((id.clone(), thread));
-    Running { serial, id, switch }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1089,7 +744,7 @@ fn run_cluster(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
-        .map(|(id, _)| id.clone())
+        .map(|w| w.id.clone())
         .collect();
     teardown(&cluster);
     let records = metrics_records(&run_dir);
@@ -1115,7 +770,7 @@ fn run_cluster(
     }
 }
 
-/// Ends every agent (killing whatever workers are left) and joins every thread of the cluster.
+/// Ends every agent and worker as SIGKILL would and joins every thread of the cluster.
 fn teardown(cluster: &Arc<Cluster>) {
     cluster.closing.store(true, Ordering::SeqCst);
     let mut handles: Vec<AgentHandle> =
@@ -1126,26 +781,31 @@ fn teardown(cluster: &Arc<Cluster>) {
         &mut *cluster.retired.lock().unwrap_or_else(|p| p.into_inner()),
     ));
     for h in &handles {
-        let (done, _wait) = channel();
-        let _ = h.tx.send(AgentMsg::Die { done });
+        h.switch.kill();
     }
+    let workers = std::mem::take(&mut *cluster.workers.lock().unwrap_or_else(|p| p.into_inner()));
+    for w in &workers {
+        w.switch.kill();
+    }
+    // An agent whose connection closed stops its workers and returns.
     for mut h in handles {
-        drop(h.tx);
         if let Some(t) = h.thread.take() {
             t.join().expect("an agent thread panicked");
         }
     }
-    // A worker thread ends once its switch is ended (its agent ended it) and it notices: at its
-    // next point or socket operation — or, waiting for a connection that will never come, at its
-    // timeout. Those are left to end on their own: their sockets are closed already.
-    let workers = std::mem::take(&mut *cluster.workers.lock().unwrap_or_else(|p| p.into_inner()));
+    // A worker thread ends once its switch is ended and it notices: at its next point or socket
+    // operation — or, waiting for a connection that will never come, at its timeout. Those are
+    // left to end on their own: their sockets are closed already.
     let deadline = Instant::now() + Duration::from_secs(2);
-    for (id, t) in workers {
+    for w in workers {
+        let Some(t) = w.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            continue;
+        };
         while !t.is_finished() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
         if t.is_finished() && t.join().is_err() {
-            panic!("the worker thread of {id:?} panicked");
+            panic!("the worker thread of {:?} panicked", w.id);
         }
     }
 }
