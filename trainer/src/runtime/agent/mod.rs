@@ -93,9 +93,6 @@ pub enum AgentError {
         what: String,
         source: std::io::Error,
     },
-    /// The coordinator sent a config this binary cannot use.
-    #[error("the coordinator's config: {0}")]
-    Config(#[from] crate::config::ConfigError),
     /// The coordinator sent a message with a value that cannot be used (a name that is not a plain
     /// file name, a number out of range): it is not trusted further.
     #[error("the coordinator at {addr} sent a bad message: {problem}; leaving it")]
@@ -1063,6 +1060,85 @@ mod tests {
             ..good_start()
         };
         refused(&start, 2, false, "dump_grads");
+    }
+
+    /// A worker that has exited, but whose exit the agent sees only from its second poll on (it
+    /// died between the agent's last reaping and the coordinator's next message).
+    struct ExitsAfterOnePoll {
+        polls: usize,
+    }
+
+    impl workers::Worker for ExitsAfterOnePoll {
+        fn try_exit(&mut self) -> Option<workers::WorkerExit> {
+            self.polls += 1;
+            (self.polls > 1).then(|| workers::WorkerExit {
+                code: Some(1),
+                status: "exit status: 1".into(),
+                log_tail: String::new(),
+                log: String::new(),
+            })
+        }
+        fn notify_leaving(&mut self) {}
+        fn kill(&mut self) {}
+    }
+
+    /// A worker's exit that the agent can see when `StopWorkers` arrives is reported before the
+    /// workers are stopped (stopping it first dropped the report: the coordinator never heard
+    /// how the worker ended).
+    #[test]
+    fn an_exit_seen_when_stop_workers_arrives_is_reported_before_workers_stopped() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let agent_end = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let mut coordinator = ControlStream::new(listener.accept().unwrap().0).unwrap();
+        let agent_end = ControlStream::new(agent_end).unwrap();
+        let args = AgentArgs {
+            join: "127.0.0.1:1".into(),
+            name: "node-0".into(),
+            slots: 1,
+            host: Some("127.0.0.1".into()),
+            dir: PathBuf::new(),
+            connect_timeout: Duration::ZERO,
+            job: None,
+            local: true,
+            preemption: None,
+        };
+        let mut node = Incarnation {
+            args: &args,
+            launcher: &ProcessLauncher,
+            events: &ProcessEvents,
+            host: "127.0.0.1".into(),
+            sender: agent_end.sender(),
+            heartbeat: Duration::from_secs(3600),
+            last_heartbeat: Instant::now(),
+            announced_leave: false,
+            workers: vec![RunningWorker {
+                generation: 2,
+                stage: 1,
+                device: 1,
+                worker: Box::new(ExitsAfterOnePoll { polls: 0 }),
+            }],
+            snapshots: Arc::default(),
+        };
+        let (tx, messages) = channel();
+        tx.send(Ok(ToAgent::StopWorkers { generation: 2 })).unwrap();
+        tx.send(Ok(ToAgent::Shutdown)).unwrap();
+        assert!(matches!(
+            node.follow(&Preempted::default(), &messages),
+            Ok(Ended::Shutdown)
+        ));
+        match coordinator.recv::<FromAgent>().unwrap() {
+            FromAgent::WorkerExited {
+                generation: 2,
+                stage: 1,
+                code: Some(1),
+                ..
+            } => {}
+            other => panic!("expected the worker's exit first, got {other:?}"),
+        }
+        assert!(matches!(
+            coordinator.recv::<FromAgent>().unwrap(),
+            FromAgent::WorkersStopped { generation: 2 }
+        ));
     }
 
     #[test]
