@@ -1,5 +1,5 @@
-//! Recovery scenarios, in process: the real coordinator and stage workers run as threads over
-//! loopback TCP beside fake node agents (see `harness`), and each scenario injects its faults at
+//! Recovery scenarios, in process: the real coordinator, node agents and stage workers run as
+//! threads over loopback TCP (see `harness`), and each scenario injects its faults at
 //! exact points of a step (an action, a control message, the report of a step). Every scenario
 //! asserts the recovery the coordinator chose — the `recovered` events' tier, the completed steps
 //! lost, the units redone, the stages before and after, the `node_lost` events — and that the run

@@ -1,5 +1,5 @@
 //! The harness's control links, one at a time: every connection from a node to the coordinator
-//! (a fake agent's, a stage worker's) goes through a relay that the harness owns, so that a
+//! (a node agent's, a stage worker's) goes through a relay that the harness owns, so that a
 //! scenario can cut one link, or hold one direction of one link at a chosen message and later
 //! deliver what it held (or drop it with the connection) — in the spirit of raft-rs's `Network`
 //! (`cut`, `filter`, `recover`), over the real TCP protocol.

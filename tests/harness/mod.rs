@@ -3,8 +3,7 @@
 //! REAL stage workers (`run_worker`) run as threads of the test process and talk over loopback
 //! TCP. Each agent runs behind hooks of the harness ([`agents`]): its workers are threads with a
 //! kill switch (`trainer::runtime::kill_switch`), and the agent itself has one, so that killing a
-//! node ends it as SIGKILL ends
-//! the agent's process.
+//! node ends it as SIGKILL ends the agent's process.
 //!
 //! Faults are injected at exact points of the workers' execution, never after a sleep: a scenario
 //! lists [`Rule`]s ("when stage 2 is about to run its 5th action of step 3, kill its node"), and
@@ -628,7 +627,7 @@ pub struct Outcome {
     pub seconds: f64,
 }
 
-/// Runs the scenario's job (`base_sets` then `sets`) on `nodes` fake agents named `node-0`…,
+/// Runs the scenario's job (`base_sets` then `sets`) on `nodes` agents named `node-0`…,
 /// with `rules`, to its end; every worker and agent is gone when it returns.
 pub fn run(name: &str, nodes: usize, sets: &[&str], rules: Vec<Rule>) -> Outcome {
     run_cluster(name, nodes, sets, rules, Launch::default())
@@ -636,7 +635,7 @@ pub fn run(name: &str, nodes: usize, sets: &[&str], rules: Vec<Rule>) -> Outcome
 
 /// Resumes the run of `from` (its run directory, its newest committed checkpoint) as
 /// `seqpipe resume` does, with the same job settings (`base_sets` then `sets`) on `nodes` fresh
-/// fake agents, to its end. The resumed run appends to the same `metrics.jsonl`: its outcome's
+/// agents, to its end. The resumed run appends to the same `metrics.jsonl`: its outcome's
 /// events are both runs'.
 pub fn resume(name: &str, from: &Outcome, nodes: usize, sets: &[&str]) -> Outcome {
     let launch = Launch {

@@ -9,7 +9,12 @@
 //! whether to go on, die there, or hang there (alive, sockets open, silent — as under SIGSTOP).
 //! The switch also carries the worker's preemption flag, which a process takes from SIGTERM.
 //!
-//! The `seqpipe worker` binary runs without a switch: none of this changes its behaviour.
+//! A node agent run in process (`agent::AgentHooks::kill_switch`) registers its control
+//! connections and its snapshot port with a switch of its own, so that killing it ends it as
+//! SIGKILL ends the agent process.
+//!
+//! The `seqpipe worker` and `seqpipe agent` binaries run without a switch: none of this changes
+//! their behaviour.
 
 use std::io;
 use std::net::{Shutdown, TcpListener, TcpStream};
