@@ -42,6 +42,7 @@ use elastic::preemption::Notice;
 use trainer::config::Config;
 use trainer::metrics::StepMetrics;
 use trainer::plan::RunPlan;
+use trainer::runtime::agent::Preempted;
 use trainer::runtime::auth;
 use trainer::runtime::control::ToWorker;
 use trainer::runtime::events::{
@@ -455,11 +456,11 @@ impl Cluster {
             .freeze();
     }
 
-    /// Gives `node` a preemption notice, as SIGTERM does.
+    /// Gives `node` a preemption notice, as SIGTERM does, and waits until its agent has acted on
+    /// it (it polls its flag between messages): its `Leaving` is sent and its workers know, so
+    /// they leave at the boundary of the step they are in.
     pub fn preempt(&self, node: &str) {
-        self.agents.lock().unwrap_or_else(|p| p.into_inner())[node]
-            .leave
-            .set();
+        self.notify(node, |leave| leave.set());
     }
 
     /// Gives `node` the cloud's preemption notice `notice` and waits until its agent has acted on
@@ -467,6 +468,11 @@ impl Cluster {
     /// on its way, ahead of anything the agent sends afterwards (e.g. its answer to a held
     /// `StopWorkers`, once released).
     pub fn preempt_now(&self, node: &str, notice: Notice) {
+        self.notify(node, |leave| leave.set_by_cloud(notice));
+    }
+
+    /// Sets `node`'s preemption flag with `set` and waits until its agent has announced the leave.
+    fn notify(&self, node: &str, set: impl FnOnce(&Preempted)) {
         let (leave, announced) = {
             let agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
             (
@@ -475,7 +481,7 @@ impl Cluster {
             )
         };
         let seen = announced.get();
-        leave.set_by_cloud(notice);
+        set(&leave);
         announced.wait_past(seen);
     }
 
