@@ -118,7 +118,7 @@ pub struct AgentHooks {
     pub launcher: Box<dyn WorkerLauncher>,
     /// Opens a TCP connection to the coordinator at an address (`host:port`); the agent retries
     /// it until `connect_timeout` and authenticates it.
-    pub connect: Box<dyn Fn(&str) -> std::io::Result<TcpStream> + Send + Sync>,
+    pub connect: Box<Connect>,
     /// The node's preemption notice: set by SIGTERM (with `sigterm`), by the cloud's notice (with
     /// `AgentArgs::preemption`), or by whoever holds a clone.
     pub leave: Preempted,
@@ -131,6 +131,9 @@ pub struct AgentHooks {
     /// registered with it (in-process harnesses only; `None` in the binary).
     pub kill_switch: Option<KillSwitch>,
 }
+
+/// Opens a TCP connection to an address (`host:port`).
+pub type Connect = dyn Fn(&str) -> std::io::Result<TcpStream> + Send + Sync;
 
 impl Default for AgentHooks {
     fn default() -> Self {
