@@ -156,6 +156,7 @@ fn an_authenticated_coordinator_cannot_make_an_agent_panic_or_escape_its_dir() {
             session: session.into(),
             dump_grads: dump.map(Into::into),
             keep_running: false,
+            launch: 1,
         }
     };
     let start = |session: &str| order(session, vec![0], None, &[]);

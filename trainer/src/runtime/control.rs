@@ -332,6 +332,11 @@ pub enum FromAgent {
     WorkerExited {
         generation: u64,
         stage: usize,
+        /// The `launch` of the `StartWorkers` that started it: a stage replaced mid-step runs
+        /// again in the same generation, and this says whether the exit is the replacement's or
+        /// its predecessor's.
+        #[serde(default)]
+        launch: u64,
         /// Exit code, or `None` when a signal ended it.
         code: Option<i32>,
         /// How it ended, for people (`exit status: 1`, `signal: 9 (SIGKILL)`).
@@ -387,6 +392,10 @@ pub enum ToAgent {
         /// are stopped first.
         #[serde(default)]
         keep_running: bool,
+        /// The coordinator's number for this start (every `StartWorkers` it sends has its own):
+        /// the workers' exits are reported with it.
+        #[serde(default)]
+        launch: u64,
     },
     /// Stop (kill) the workers of `generation` and every older one; answer with `WorkersStopped`.
     StopWorkers { generation: u64 },

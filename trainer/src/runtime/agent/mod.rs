@@ -36,7 +36,9 @@ use super::notice_watch::{self, WatchConfig};
 use super::peer_input;
 use super::peer_snapshots::{PutBounds, SnapshotStore, serve};
 use crate::config::Config;
-use workers::{ProcessLauncher, RunningWorker, WorkerLauncher, WorkerSpec, reap, stop};
+use workers::{
+    ProcessLauncher, RunningWorker, WorkerLauncher, WorkerSpec, reap, stop, stop_stages,
+};
 pub(super) use workers::{append_log, die_with_parent};
 
 /// How an agent is started.
@@ -796,6 +798,7 @@ impl Incarnation<'_> {
                 session,
                 dump_grads,
                 keep_running,
+                launch,
             } => {
                 let start = StartRequest {
                     generation,
@@ -805,6 +808,7 @@ impl Incarnation<'_> {
                     session,
                     dump_grads,
                     keep_running,
+                    launch,
                 };
                 check_start(&start, self.args.slots, self.args.local)
                     .map_err(|e| bad_message(self.args, e))?;
@@ -817,7 +821,12 @@ impl Incarnation<'_> {
                         first_step,
                         &start.config,
                     ));
-                if !start.keep_running {
+                if start.keep_running {
+                    // A replacement: a worker of its stage still running here was declared lost
+                    // (e.g. its control connection broke) and is stopped without a report, so
+                    // that its exit cannot be taken for the replacement's.
+                    stop_stages(&mut self.workers, &start.stages);
+                } else {
                     stop(&mut self.workers, u64::MAX);
                 }
                 match self.memory_refusal(&start) {
@@ -886,6 +895,7 @@ impl Incarnation<'_> {
                 Ok(worker) => self.workers.push(RunningWorker {
                     generation: start.generation,
                     stage,
+                    launch: start.launch,
                     device,
                     worker,
                 }),
@@ -894,6 +904,7 @@ impl Incarnation<'_> {
                     let _ = self.sender.send(&FromAgent::WorkerExited {
                         generation: start.generation,
                         stage,
+                        launch: start.launch,
                         code: Some(1),
                         status: "not started".into(),
                         log_tail: e.to_string(),
@@ -915,6 +926,7 @@ struct StartRequest {
     session: String,
     dump_grads: Option<PathBuf>,
     keep_running: bool,
+    launch: u64,
 }
 
 /// Most stage workers one `StartWorkers` may ask for, whatever `--slots` says.
@@ -987,6 +999,7 @@ mod tests {
             session: "session-1732".into(),
             dump_grads: None,
             keep_running: false,
+            launch: 4,
         }
     }
 
@@ -1117,6 +1130,7 @@ mod tests {
             workers: vec![RunningWorker {
                 generation: 2,
                 stage: 1,
+                launch: 1,
                 device: 1,
                 worker: Box::new(ExitsAfterOnePoll { polls: 0 }),
             }],

@@ -88,6 +88,8 @@ pub enum StartError {
 pub(super) struct RunningWorker {
     pub(super) generation: u64,
     pub(super) stage: usize,
+    /// The coordinator's number of the `StartWorkers` that started it.
+    pub(super) launch: u64,
     /// Its CUDA device ordinal.
     pub(super) device: usize,
     pub(super) worker: Box<dyn Worker>,
@@ -102,6 +104,7 @@ pub(super) fn reap(workers: &mut Vec<RunningWorker>) -> Vec<FromAgent> {
             exits.push(FromAgent::WorkerExited {
                 generation: w.generation,
                 stage: w.stage,
+                launch: w.launch,
                 code: exit.code,
                 status: exit.status,
                 log_tail: exit.log_tail,
@@ -112,6 +115,22 @@ pub(super) fn reap(workers: &mut Vec<RunningWorker>) -> Vec<FromAgent> {
         None => true,
     });
     exits
+}
+
+/// Kills the workers of `stages` (replaced mid-step), and waits for them; their exits are not
+/// reported.
+pub(super) fn stop_stages(workers: &mut Vec<RunningWorker>, stages: &[usize]) {
+    workers.retain_mut(|w| {
+        if !stages.contains(&w.stage) {
+            return true;
+        }
+        info!(
+            stage = w.stage,
+            "stopping the worker a replacement takes over from"
+        );
+        w.worker.kill();
+        false
+    });
 }
 
 /// Kills the workers of `generation` and older ones, and waits for them.
@@ -356,11 +375,28 @@ mod tests {
             RunningWorker {
                 generation,
                 stage,
+                // Each test worker its own start, numbered after its generation and stage.
+                launch: generation * 100 + stage as u64,
                 device: 0,
                 worker: Box::new(worker),
             },
             killed,
         )
+    }
+
+    /// A replacement's start stops the still-running worker of its stage, without an exit
+    /// report (its exit would otherwise be taken for the replacement's), and spares the others.
+    #[test]
+    fn a_replacement_stops_the_worker_of_its_stage_without_a_report() {
+        let (a, a_killed) = running(1, 0, usize::MAX);
+        let (b, b_killed) = running(1, 1, usize::MAX);
+        let mut workers = vec![a, b];
+        stop_stages(&mut workers, &[1]);
+        assert!(b_killed.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(!a_killed.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(workers.len(), 1);
+        assert_eq!(workers[0].stage, 0);
+        assert!(reap(&mut workers).is_empty());
     }
 
     /// Reaping reports each exited worker once, with its generation and stage, and keeps the
@@ -375,7 +411,7 @@ mod tests {
         assert_eq!(exits.len(), 1);
         assert!(matches!(
             &exits[0],
-            FromAgent::WorkerExited { generation: 1, stage: 0, code: Some(3), status, log, .. }
+            FromAgent::WorkerExited { generation: 1, stage: 0, launch: 100, code: Some(3), status, log, .. }
                 if status == "exit status: 3" && log == "here"
         ));
         assert!(reap(&mut workers).is_empty());

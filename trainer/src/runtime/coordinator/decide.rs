@@ -92,10 +92,39 @@ pub(super) fn restarts_on_same_nodes(decision: &Decision) -> bool {
     matches!(decision, Decision::Continue | Decision::Stop { .. })
 }
 
+/// Whether an agent's report that the worker of `slot` started by `launch` exited is about the
+/// slot's current worker. A stage replaced mid-step on the same node runs again in the same
+/// generation: the exit of its lost predecessor, reported after the replacement was asked for,
+/// must not count as the replacement's (it would be recovered a second time). A slot no start
+/// was recorded for keeps every report.
+pub(super) fn exit_is_current(
+    launches: &std::collections::BTreeMap<usize, u64>,
+    slot: usize,
+    launch: u64,
+) -> bool {
+    launches.get(&slot).is_none_or(|&current| current == launch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::super::recovery::ResumePoint;
     use super::*;
+
+    #[test]
+    fn an_exit_counts_only_for_the_slots_current_worker() {
+        // Slot 2 was started by launch 1, then replaced mid-step by launch 5.
+        let launches = std::collections::BTreeMap::from([(0, 1), (1, 1), (2, 5)]);
+        assert!(exit_is_current(&launches, 0, 1));
+        assert!(
+            exit_is_current(&launches, 2, 5),
+            "the replacement's own exit"
+        );
+        assert!(
+            !exit_is_current(&launches, 2, 1),
+            "the lost predecessor's late exit"
+        );
+        assert!(exit_is_current(&launches, 7, 3), "no start recorded: kept");
+    }
 
     #[test]
     fn the_first_plan_waits_for_every_node_then_settles_for_the_minimum() {

@@ -105,6 +105,11 @@ pub struct Coordinator {
     workers: HashMap<u64, ControlSender>,
     /// Worker exits reported for the current generation: stage → exit code (`None`: a signal).
     pub(super) exits: BTreeMap<usize, Option<i32>>,
+    /// The `launch` number of the `StartWorkers` that started each slot's current worker: an
+    /// exit reported for another (a worker replaced mid-step) is not the slot's.
+    pub(super) launches: BTreeMap<usize, u64>,
+    /// The last `launch` number given out.
+    last_launch: u64,
     /// When the current failure was first seen (Unix seconds), for the `node_lost` events.
     failure_seen_at: Option<f64>,
     /// The step the current failure happened in, when that step still completed (a lost
@@ -190,6 +195,8 @@ impl Coordinator {
             agents: BTreeMap::new(),
             workers: HashMap::new(),
             exits: BTreeMap::new(),
+            launches: BTreeMap::new(),
+            last_launch: 0,
             held: BTreeMap::new(),
             notices: BTreeMap::new(),
             failure_seen_at: None,
@@ -338,6 +345,7 @@ impl Coordinator {
         dump_grads: Option<&std::path::Path>,
     ) -> Result<(), LaunchError> {
         self.exits.clear();
+        self.launches.clear();
         let plan = self.plan().clone();
         for node in &plan.nodes {
             let msg = self.start_message(node, plan.slots_of(node), config, dump_grads, false);
@@ -356,18 +364,25 @@ impl Coordinator {
         dump_grads: Option<&std::path::Path>,
     ) -> Result<(), LaunchError> {
         self.exits.remove(&stage);
+        // From here on, an exit reported for the lost worker of `stage` is not the replacement's.
         let msg = self.start_message(node, vec![stage], config, dump_grads, true);
         self.send_to_node(node, &msg)
     }
 
+    /// A `StartWorkers` for `stages` on `node`, with a new `launch` number recorded as theirs.
     fn start_message(
-        &self,
+        &mut self,
         node: &NodeId,
         stages: Vec<usize>,
         config: &str,
         dump_grads: Option<&std::path::Path>,
         keep_running: bool,
     ) -> ToAgent {
+        self.last_launch += 1;
+        let launch = self.last_launch;
+        for &slot in &stages {
+            self.launches.insert(slot, launch);
+        }
         let plan = self.plan();
         let snapshot_to: Vec<String> = if self.cfg.elastic.peer_snapshots {
             // The buddy first: its copy survives the loss of this whole node, and a loss early
@@ -391,6 +406,7 @@ impl Coordinator {
             session: self.session.clone(),
             dump_grads: dump_grads.map(|d| d.to_path_buf()),
             keep_running,
+            launch,
         }
     }
 

@@ -19,7 +19,7 @@ use super::super::error::{LaunchError, LossCause, Lost};
 use super::super::peer_input;
 use super::super::recovery;
 use super::super::wire::{Limits, read_frame};
-use super::{Coordinator, Incoming};
+use super::{Coordinator, Incoming, decide};
 
 /// What arrived on the control port.
 pub(super) enum Event {
@@ -313,6 +313,7 @@ impl Coordinator {
             FromAgent::WorkerExited {
                 generation,
                 stage,
+                launch,
                 code,
                 status,
                 log_tail,
@@ -324,6 +325,10 @@ impl Coordinator {
                     .as_ref()
                     .is_some_and(|p| p.admits(generation))
                 {
+                    return None;
+                }
+                if !decide::exit_is_current(&self.launches, stage, launch) {
+                    info!(%node, stage, launch, %status, "ignored the exit of a worker since replaced");
                     return None;
                 }
                 self.exits.insert(stage, code);
