@@ -593,6 +593,16 @@ impl Config {
                     .into(),
             });
         }
+        if d.document_mask && self.pipeline.transport == StageTransport::Nccl {
+            return Err(ConfigError::NotWired {
+                key: "data.document_mask",
+                what: "the stages past the first get a micro-batch's document starts from the \
+                       header of its activation message over TCP, but NCCL device links carry \
+                       the tensor alone; set pipeline.transport = \"tcp\" or \
+                       data.document_mask = false (see docs/data.md, \"Packed documents\")"
+                    .into(),
+            });
+        }
         if d.reset_positions && self.model.device == DeviceKind::Cuda {
             return Err(ConfigError::NotWired {
                 key: "data.reset_positions",
@@ -1084,6 +1094,28 @@ mod tests {
         assert!(
             text.contains("CUDA position kernels") && text.contains("model.device = \"cpu\""),
             "{text}"
+        );
+        // NCCL device links carry no document starts: refused, naming the way out.
+        let err = with(&[
+            "data.document_mask=true",
+            "model.device=\"cuda\"",
+            "pipeline.transport=\"nccl\"",
+        ])
+        .validate()
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::NotWired {
+                    key: "data.document_mask",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("pipeline.transport = \"tcp\""),
+            "{err}"
         );
         // Restarting positions needs the learned position table.
         let err = with(&[
