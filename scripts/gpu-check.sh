@@ -19,7 +19,8 @@
 #                 batch 1): within 1e-4
 #     determinism two runs of the same GPT-2 bf16 job give bit-identical weights
 #     pipeline    the pipeline runtime with CUDA stages on a small model (several stages on the one
-#                 GPU, host-staged links): first-step gradients against CPU stages, 2 vs 4 stages
+#                 GPU, host-staged links): first-step gradients against CPU stages (unmasked, and
+#                 with document masks on synthetic packed documents), 2 vs 4 stages
 #                 bit-identical, stop + resume onto 3 stages, one worker SIGKILLed mid-run, bf16
 #     bench-gpt2-eager  one round of GPT-2 124M bf16 steps: seqpipe against PyTorch eager
 #   PASS=2 (estimated 7 min): gemm (the step's products in FP32, TF32 and three ways of BF16),
@@ -47,7 +48,7 @@
 # reference gradients) is scaled from this 2-core machine by 1/4 for 16 cores. The pipeline is
 # the DEVICE=cpu rehearsal's time here (tests/gpu_check.rs) divided by 4, plus a second per worker.
 #   pass 1: preflight 15, kernels (bare 15 + memcheck 60 + racecheck on attention 60) 135,
-#           grads-fp32 70, determinism 30, pipeline 120, bench-gpt2-eager 35: 405 s (6.8 min)
+#           grads-fp32 70, determinism 30, pipeline 150, bench-gpt2-eager 35: 435 s (7.3 min)
 #           of a 540 s budget
 #   pass 2: preflight 15, gemm 20, profile-gpt2 30 (two processes of ~4 s of start and weight
 #           init each; 12 steps of ~60 ms at 8 x 1024 tokens, then 12 of ~0.4 s at 32 x 1024 in
@@ -461,6 +462,13 @@ pipeline() {
   compare grads-cuda4-cpu4 grads "$T/cpu4-grads" "$T/cuda4-grads" --bound 1e-4
   say "-- per-step losses, CUDA vs CPU (within 1e-3 relative after 12 steps):"
   compare losses-cuda4-cpu4 losses "$T/cpu4" "$T/cuda4" --rel 1e-3
+  # Document masks (issue 32): the attention kernels read each position's document start.
+  local docs=(--set data.synthetic_document_median=40 --set data.document_mask=true)
+  train_job cpu4-docs 150 "${job[@]}" "${docs[@]}" --set train.steps=12 --dump-grads "$T/cpu4-docs-grads"
+  train_job cuda4-docs 150 "${cuda[@]}" "${docs[@]}" --set train.steps=12 --dump-grads "$T/cuda4-docs-grads"
+  say "-- document masks: first-step gradients and per-step losses, CUDA stages (fp32) vs CPU stages:"
+  compare grads-docs grads "$T/cpu4-docs-grads" "$T/cuda4-docs-grads" --bound 1e-4
+  compare losses-docs losses "$T/cpu4-docs" "$T/cuda4-docs" --rel 1e-3
   train_job cuda2 150 "${cuda[@]}" --set train.steps=12 --set pipeline.stages=2
   say "-- 2 stages vs 4 stages on the GPU (bit-identical):"
   compare losses-cuda2 losses "$T/cuda4" "$T/cuda2"

@@ -37,10 +37,16 @@ fn the_kernel_check_passes_on_the_emulated_gpu_bf16_attention_on_tensor_cores_in
     // Linear layers and the LM head in each precision; the FP32 attention at six shapes (y, lse,
     // dQ, dK, dV), the BF16 tensor-core attention's v1 kernels at five and its v2 kernels at six
     // (each v2 shape also run twice, bit-identical: one row); at one shape of each, the K/V
-    // cache's rows past the segment checked untouched (exactly: FP32 rows).
-    assert!(kernels.len() >= 98, "{report:#}");
-    assert_eq!(rows("fp32", "attention"), 6 * 5 + 2 + 2 + 2, "{report:#}");
-    assert_eq!(rows("bf16", "attention"), 5 * 5 + 6 * 5 + 6, "{report:#}");
+    // cache's rows past the segment checked untouched (exactly: FP32 rows). Document masks: the
+    // FP32 and v2 kernels at three more shapes each (one of them in a K/V cache), against
+    // ops::document_prefix_attention_*.
+    assert!(kernels.len() >= 98 + 2 * 17 + 3, "{report:#}");
+    assert_eq!(
+        rows("fp32", "attention"),
+        9 * 5 + 2 + 2 + 2 + 2 + 2,
+        "{report:#}"
+    );
+    assert_eq!(rows("bf16", "attention"), 5 * 5 + 9 * 5 + 9, "{report:#}");
     let named = |version: &str| {
         kernels
             .iter()
@@ -48,10 +54,23 @@ fn the_kernel_check_passes_on_the_emulated_gpu_bf16_attention_on_tensor_cores_in
             .count()
     };
     assert_eq!(named("tensor cores v1"), 5 * 5 + 2, "{report:#}");
-    assert_eq!(named("tensor cores v2"), 6 * 5 + 2 + 6, "{report:#}");
+    assert_eq!(named("tensor cores v2"), 9 * 5 + 2 + 2 + 9, "{report:#}");
     assert_eq!(
         named("attention run twice, outputs bit-identical"),
-        6,
+        9,
+        "{report:#}"
+    );
+    // The masked rows: 3 shapes × 5 outputs + 2 untouched-rows checks in FP32, the same with v2
+    // plus its 3 bit-identical reruns; none with v1, which takes no document starts.
+    assert_eq!(named("document masks"), 17 + 17 + 3, "{report:#}");
+    assert_eq!(
+        kernels
+            .iter()
+            .filter(|k| k["what"]
+                .as_str()
+                .is_some_and(|w| w.contains("document masks") && w.contains("v1")))
+            .count(),
+        0,
         "{report:#}"
     );
     for k in kernels {
@@ -145,8 +164,8 @@ fn the_attention_only_kernel_check_runs_exactly_the_attention_kernels() {
             .count()
     };
     // The same attention rows as the whole check's (see the first test), and only those.
-    assert_eq!(count("fp32"), 6 * 5 + 2 + 2 + 2, "{report:#}");
-    assert_eq!(count("bf16"), 5 * 5 + 6 * 5 + 6, "{report:#}");
+    assert_eq!(count("fp32"), 9 * 5 + 2 + 2 + 2 + 2 + 2, "{report:#}");
+    assert_eq!(count("bf16"), 5 * 5 + 9 * 5 + 9, "{report:#}");
     assert_eq!(kernels.len(), count("fp32") + count("bf16"), "{report:#}");
     for k in kernels {
         assert!(

@@ -26,8 +26,12 @@ unsigned nb(size_t t) { return (t + 255) / 256; }
 // ----- attention in the stage's layout
 // `tc`: the tensor-core kernels (bf16 operands), within `bound` of the double reference; with
 // `v2` their second version (attn_tc2_*, `SEQPIPE_ATTENTION=v2`), whose forward blocks hold 128
-// queries for D <= 64 (so tails of 128-query blocks are exercised too).
-void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-5, int b = 2, int h = 3, bool v2 = false) {
+// queries for D <= 64 (so tails of 128-query blocks are exercised too). `docs` (not for v1): per
+// sequence and position of the cache, its document's start (the kernels' document mask).
+void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-5, int b = 2, int h = 3, bool v2 = false,
+               const std::vector<unsigned>* docs = nullptr) {
+    const unsigned* dd = docs ? docs->data() : nullptr;
+    auto lo_of = [&](int bi, int pos) { return docs ? (int)(*docs)[(size_t)bi * seq + pos] : 0; };
     unsigned rows_per_block = 64, threads = tc ? 128 : 64;
     unsigned fwd_rows = v2 && d <= 64 ? 128 : rows_per_block;
     int c = h * d, L = p + s, n = b * s;
@@ -41,9 +45,10 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
         cache[((size_t)bi * seq + l) * 3 * c + j] = full[((size_t)bi * seq + l) * 3 * c + j];
     launch(G(nb((size_t)b * s * 3 * c)), 256, [&] { copy_rows(cache.data(), qkv.data(), b, s, 3 * c, seq, p, s, 0); });
     V y((size_t)n * c, NAN), lse((size_t)b * h * s, NAN);
-    auto fwd = [&](auto kern) { launch(G((s + fwd_rows - 1) / fwd_rows, b * h), threads, [&] { kern(y.data(), lse.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, b, h, s, p, 3 * c, 3 * c, seq, scale); }); };
+    auto fwd = [&](auto kern) { launch(G((s + fwd_rows - 1) / fwd_rows, b * h), threads, [&] { kern(y.data(), lse.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dd, b, h, s, p, 3 * c, 3 * c, seq, scale); }); };
+    auto fwd1 = [&](auto kern) { launch(G((s + fwd_rows - 1) / fwd_rows, b * h), threads, [&] { kern(y.data(), lse.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, b, h, s, p, 3 * c, 3 * c, seq, scale); }); };
     if (v2) { if (d == 16) fwd(attn_tc2_forward_d16); else if (d == 32) fwd(attn_tc2_forward_d32); else if (d == 64) fwd(attn_tc2_forward_d64); else fwd(attn_tc2_forward_d128); }
-    else if (tc) { if (d == 16) fwd(attn_tc_forward_d16); else if (d == 32) fwd(attn_tc_forward_d32); else if (d == 64) fwd(attn_tc_forward_d64); else fwd(attn_tc_forward_d128); }
+    else if (tc) { if (d == 16) fwd1(attn_tc_forward_d16); else if (d == 32) fwd1(attn_tc_forward_d32); else if (d == 64) fwd1(attn_tc_forward_d64); else fwd1(attn_tc_forward_d128); }
     else if (d == 16) fwd(attn_forward_d16); else if (d == 32) fwd(attn_forward_d32); else if (d == 64) fwd(attn_forward_d64); else fwd(attn_forward_d128);
     V dy = rnd((size_t)n * c);
     // reference in double
@@ -52,22 +57,22 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
     auto Vv = [&](int bi, int l, int hh, int e) { return (double)full[((size_t)bi * seq + l) * 3 * c + 2 * c + hh * d + e]; };
     std::vector<double> ry((size_t)n * c), rl((size_t)b * h * s), rdq((size_t)n * c, 0), rdk((size_t)b * seq * c, 0.5), rdv((size_t)b * seq * c, 0.5);
     for (int bi = 0; bi < b; ++bi) for (int hh = 0; hh < h; ++hh) for (int t = 0; t < s; ++t) {
-        int vis = p + t + 1; std::vector<double> sc(vis), pr(vis); double mx = -1e300;
-        for (int l = 0; l < vis; ++l) { double z = 0; for (int e = 0; e < d; ++e) z += Q(bi, t, hh, e) * K(bi, l, hh, e); sc[l] = z * scale; mx = std::max(mx, sc[l]); }
-        double sum = 0; for (int l = 0; l < vis; ++l) sum += std::exp(sc[l] - mx);
-        for (int l = 0; l < vis; ++l) pr[l] = std::exp(sc[l] - mx) / sum;
+        int vis = p + t + 1, lo = lo_of(bi, p + t); std::vector<double> sc(vis), pr(vis, 0.0); double mx = -1e300;
+        for (int l = lo; l < vis; ++l) { double z = 0; for (int e = 0; e < d; ++e) z += Q(bi, t, hh, e) * K(bi, l, hh, e); sc[l] = z * scale; mx = std::max(mx, sc[l]); }
+        double sum = 0; for (int l = lo; l < vis; ++l) sum += std::exp(sc[l] - mx);
+        for (int l = lo; l < vis; ++l) pr[l] = std::exp(sc[l] - mx) / sum;
         rl[((size_t)bi * h + hh) * s + t] = mx + std::log(sum);
         size_t row = ((size_t)bi * s + t) * c + hh * d;
-        for (int e = 0; e < d; ++e) { double a = 0; for (int l = 0; l < vis; ++l) a += pr[l] * Vv(bi, l, hh, e); ry[row + e] = a; }
+        for (int e = 0; e < d; ++e) { double a = 0; for (int l = lo; l < vis; ++l) a += pr[l] * Vv(bi, l, hh, e); ry[row + e] = a; }
         double delta = 0; for (int e = 0; e < d; ++e) delta += dy[row + e] * ry[row + e];
-        for (int l = 0; l < vis; ++l) {
+        for (int l = lo; l < vis; ++l) {
             double dp = 0; for (int e = 0; e < d; ++e) dp += dy[row + e] * Vv(bi, l, hh, e);
             double ds = pr[l] * (dp - delta) * scale;
             size_t kr = ((size_t)bi * seq + l) * c + hh * d;
             for (int e = 0; e < d; ++e) { rdq[row + e] += ds * K(bi, l, hh, e); rdk[kr + e] += ds * Q(bi, t, hh, e); rdv[kr + e] += pr[l] * dy[row + e]; }
         }
     }
-    char tag[128]; snprintf(tag, sizeof tag, "(D %d, s %d, P %d, cache %d)%s", d, s, p, seq, v2 ? " tensor cores v2" : tc ? " tensor cores" : "");
+    char tag[160]; snprintf(tag, sizeof tag, "(D %d, s %d, P %d, cache %d)%s%s", d, s, p, seq, v2 ? " tensor cores v2" : tc ? " tensor cores" : "", docs ? " documents" : "");
     cmp(std::string("attn y ") + tag, y.data(), ry, bound);
     cmp(std::string("attn lse ") + tag, lse.data(), rl, bound);
     for (int acc = 1; acc >= 0; --acc) {
@@ -75,6 +80,10 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
         if (v2) launch(G((unsigned)(((size_t)b * h * s + 3) / 4)), 128, [&] { attn_tc2_backward_delta(delta.data(), dy.data(), y.data(), b, h, s, d); });
         else launch(G(nb((size_t)b * h * s)), 256, [&] { attn_backward_delta(delta.data(), dy.data(), y.data(), b, h, s, d); });
         auto dqk = [&](auto kq, auto kkv) {
+            launch(G((s + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kq(dq.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), dd, b, h, s, p, 3 * c, 3 * c, seq, scale); });
+            launch(G((L + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kkv(dk.data(), dv.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), dd, b, h, s, p, 3 * c, 3 * c, seq, acc, scale); });
+        };
+        auto dqk1 = [&](auto kq, auto kkv) {
             launch(G((s + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kq(dq.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), b, h, s, p, 3 * c, 3 * c, seq, scale); });
             launch(G((L + rows_per_block - 1) / rows_per_block, b * h), threads, [&] { kkv(dk.data(), dv.data(), qkv.data(), cache.data() + c, cache.data() + 2 * c, dy.data(), lse.data(), delta.data(), b, h, s, p, 3 * c, 3 * c, seq, acc, scale); });
         };
@@ -82,8 +91,8 @@ void attention(int d, int s, int p, int seq, bool tc = false, double bound = 1e-
             if (d == 16) dqk(attn_tc2_backward_dq_d16, attn_tc2_backward_dkdv_d16); else if (d == 32) dqk(attn_tc2_backward_dq_d32, attn_tc2_backward_dkdv_d32);
             else if (d == 64) dqk(attn_tc2_backward_dq_d64, attn_tc2_backward_dkdv_d64); else dqk(attn_tc2_backward_dq_d128, attn_tc2_backward_dkdv_d128);
         } else if (tc) {
-            if (d == 16) dqk(attn_tc_backward_dq_d16, attn_tc_backward_dkdv_d16); else if (d == 32) dqk(attn_tc_backward_dq_d32, attn_tc_backward_dkdv_d32);
-            else if (d == 64) dqk(attn_tc_backward_dq_d64, attn_tc_backward_dkdv_d64); else dqk(attn_tc_backward_dq_d128, attn_tc_backward_dkdv_d128);
+            if (d == 16) dqk1(attn_tc_backward_dq_d16, attn_tc_backward_dkdv_d16); else if (d == 32) dqk1(attn_tc_backward_dq_d32, attn_tc_backward_dkdv_d32);
+            else if (d == 64) dqk1(attn_tc_backward_dq_d64, attn_tc_backward_dkdv_d64); else dqk1(attn_tc_backward_dq_d128, attn_tc_backward_dkdv_d128);
         } else if (d == 16) dqk(attn_backward_dq_d16, attn_backward_dkdv_d16); else if (d == 32) dqk(attn_backward_dq_d32, attn_backward_dkdv_d32);
         else if (d == 64) dqk(attn_backward_dq_d64, attn_backward_dkdv_d64); else dqk(attn_backward_dq_d128, attn_backward_dkdv_d128);
         std::string a = acc ? " acc " : " write ";
@@ -199,12 +208,38 @@ void misc() {
       printf("%s xent target past the vocabulary gives a NaN loss\n", ok ? "ok  " : "FAIL"); }
 }
 
+// Document layouts for the masked attention: per sequence of two, the start of each position's
+// document, from sorted starts. Documents span the prefix boundary and whole key tiles, a
+// one-token document, a start exactly at the segment's first query, one whole-sequence row.
+struct Masked { int d, s, p, seq; std::vector<unsigned> docs; };
+static std::vector<unsigned> doc_layout(int seq, const std::vector<std::vector<int>>& rows) {
+    std::vector<unsigned> out;
+    for (auto& starts : rows) {
+        size_t i = 0;
+        for (int pos = 0; pos < seq; ++pos) { while (i + 1 < starts.size() && starts[i + 1] <= pos) ++i; out.push_back((unsigned)starts[i]); }
+    }
+    return out;
+}
+static std::vector<Masked> masked_cases() {
+    return {
+        // prefix 160, segment 96: documents 0..37, 37..38 (one token), 38..160 (ends at the
+        // segment's start), 160..201, 201..; the second row a document spanning everything.
+        {64, 96, 160, 300, doc_layout(300, {{0, 37, 38, 160, 201}, {0}})},
+        // a document from the prefix through the whole segment, and many short ones
+        {32, 70, 33, 110, doc_layout(110, {{0, 5, 90}, {0, 2, 3, 40, 41, 64, 65, 66, 100}})},
+        // two 128-query blocks (v2's forward), starts inside the second block and past a key tile
+        {16, 200, 57, 300, doc_layout(300, {{0, 130, 131, 250}, {0, 56, 57, 58, 190}})},
+        {128, 64, 64, 128, doc_layout(128, {{0, 64, 100}, {0, 127}})},
+    };
+}
+
 int main(int argc, char** argv) {
     std::string only = argc > 1 ? argv[1] : "";
     if (only.empty() || only == "misc") { misc(); for (bool r : {false, true}) { norms(257, 384, r); norms(3, 100, r); norms(2, 768, r); } xent(3, 1000, true); xent(2, 1000, false); xent(1, 50257, true); }
     if (only.empty() || only == "attn") {
         attention(64, 128, 0, 128); attention(64, 96, 160, 300); attention(32, 70, 33, 110); attention(128, 64, 64, 128);
         attention(16, 50, 0, 50); attention(64, 1, 200, 256); attention(64, 65, 0, 65); attention(32, 33, 31, 100); attention(16, 130, 70, 260);
+        for (auto& m : masked_cases()) attention(m.d, m.s, m.p, m.seq, false, 1e-5, 2, 3, false, &m.docs);
     }
     if (only.empty() || only == "attn-tc") {
         // bf16 operands (8-bit significands) leave ~0.2-0.35% here; a misplaced fragment ~100%.
@@ -223,6 +258,7 @@ int main(int argc, char** argv) {
         attention(128, 64, 64, 128, true, tc, 1, 2, true); attention(16, 50, 0, 50, true, tc, 1, 2, true);
         attention(64, 1, 200, 256, true, tc, 1, 2, true); attention(16, 130, 70, 260, true, tc, 1, 2, true);
         attention(64, 200, 57, 300, true, tc, 1, 2, true); attention(128, 70, 35, 120, true, tc, 1, 2, true);
+        for (auto& m : masked_cases()) attention(m.d, m.s, m.p, m.seq, true, tc, 2, 2, true, &m.docs);
     }
     printf("%d failures\n", fails);
     return fails != 0;

@@ -95,6 +95,17 @@ pub enum GpuError {
         /// What does not fit.
         reason: String,
     },
+    /// Document masks asked of attention kernels that take no document starts (the v1
+    /// tensor-core kernels, `SEQPIPE_ATTENTION=v1`).
+    #[error(
+        "{op}: the {kernels} attention kernels take no document starts; unset SEQPIPE_ATTENTION (v2, the default, masks) or set data.document_mask = false"
+    )]
+    MaskUnsupported {
+        /// The kernel call.
+        op: &'static str,
+        /// Which kernels (`tensor-core v1`).
+        kernels: &'static str,
+    },
     /// An environment variable the GPU reads holds a value it does not accept.
     #[error("{name}={value:?}: {reason}")]
     Env {

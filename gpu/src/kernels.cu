@@ -284,11 +284,26 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 // k[(b*kv_rows + l) * kv_stride + h*D + e] (kv_rows >= L: a K/V cache may hold the whole sequence). Query t sees keys 0..=P+t. Output y (B*s, H*D) row-major,
 // lse (B, H, s): log-sum-exp of the scaled, masked scores (saved for the backward).
 //
+// Document masks (packed documents): `docs`, when not null, holds per sequence and key position
+// the start of the document that position belongs to, laid out like the K/V rows (position l of
+// sequence b at docs[b*kv_rows + l]: one u32 per position of the micro-batch, uploaded once and
+// read by every segment and layer). Query t then sees keys docs[p+t]..=p+t only. Starts are
+// non-decreasing along a sequence, so a block's first query has its smallest start: every pass
+// begins its key tiles there and never loads the keys before it (skipped, not masked after the
+// fact), and the dK/dV pass stops at the first query tile whose first query starts after the
+// block's last key. With `docs` null every start is 0 and the arithmetic is the unmasked one.
+//
 // One thread owns one query row (its q and accumulator live in registers); a block of BR threads
 // walks the visible keys in tiles of BC held in shared memory, with an online softmax.
 
 #define BR 64
 #define BC 32
+
+// The document start of position `pos` of sequence b (the first key a query there may see); 0
+// with no mask.
+__device__ __forceinline__ int doc_start(const unsigned int* docs, int b, int kv_rows, int pos) {
+    return docs ? (int)docs[(size_t)b * kv_rows + pos] : 0;
+}
 
 // Keys/values k0..k0+BC of (sequence b, head h) into shared memory (zeros past `keys`), between
 // barriers: the tile of the previous iteration is no longer read when this one is written.
@@ -309,8 +324,8 @@ __device__ __forceinline__ void load_kv_tile(float (*ks)[D], float (*vs)[D], con
 
 template <int D>
 __device__ void attn_forward(float* y, float* lse, const float* q, const float* k, const float* v,
-                             int b_count, int h_count, int s, int p, int q_stride, int kv_stride,
-                             int kv_rows, float scale) {
+                             const unsigned int* docs, int b_count, int h_count, int s, int p, int q_stride,
+                             int kv_stride, int kv_rows, float scale) {
     __shared__ float ks[BC][D];
     __shared__ float vs[BC][D];
     int bh = blockIdx.y;
@@ -328,15 +343,18 @@ __device__ void attn_forward(float* y, float* lse, const float* q, const float* 
     int t_last = min(s, (int)(blockIdx.x + 1) * BR) - 1;
     int keys = p + t_last + 1;  // keys some query of this block sees
     int visible = active ? p + t + 1 : 0;
-    for (int k0 = 0; k0 < keys; k0 += BC) {
+    int lo = active ? doc_start(docs, b, kv_rows, p + t) : 0;  // first key this query sees
+    int k_begin = doc_start(docs, b, kv_rows, p + blockIdx.x * BR);  // first key any query sees
+    for (int k0 = k_begin; k0 < keys; k0 += BC) {
         load_kv_tile<D>(ks, vs, k, v, b, h, kv_rows, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
-        if (n_here <= 0) continue;
+        int r_lo = max(0, lo - k0);
+        if (n_here <= r_lo) continue;
         float sc[BC];
         float tile_max = -INFINITY;
         #pragma unroll
         for (int r = 0; r < BC; ++r) {
-            if (r < n_here) {
+            if (r >= r_lo && r < n_here) {
                 float dot = 0.0f;
                 #pragma unroll
                 for (int e = 0; e < D; ++e) dot += qr[e] * ks[r][e];
@@ -351,7 +369,7 @@ __device__ void attn_forward(float* y, float* lse, const float* q, const float* 
         for (int e = 0; e < D; ++e) acc[e] *= corr;
         #pragma unroll
         for (int r = 0; r < BC; ++r) {
-            if (r < n_here) {
+            if (r >= r_lo && r < n_here) {
                 float pr = expf(sc[r] - m_new);
                 l += pr;
                 #pragma unroll
@@ -389,8 +407,9 @@ extern "C" __global__ void attn_backward_delta(float* delta, const float* dy, co
 // dq (B*s, H*D) row-major, written (not accumulated).
 template <int D>
 __device__ void attn_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
-                                 const float* lse, const float* delta, int b_count, int h_count, int s, int p,
-                                 int q_stride, int kv_stride, int kv_rows, float scale) {
+                                 const float* lse, const float* delta, const unsigned int* docs, int b_count,
+                                 int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
+                                 float scale) {
     __shared__ float ks[BC][D];
     __shared__ float vs[BC][D];
     int bh = blockIdx.y;
@@ -412,10 +431,12 @@ __device__ void attn_backward_dq(float* dq, const float* q, const float* k, cons
     int t_last = min(s, (int)(blockIdx.x + 1) * BR) - 1;
     int keys = p + t_last + 1;
     int visible = active ? p + t + 1 : 0;
-    for (int k0 = 0; k0 < keys; k0 += BC) {
+    int lo = doc_start(docs, b, kv_rows, p + tt);
+    int k_begin = doc_start(docs, b, kv_rows, p + blockIdx.x * BR);
+    for (int k0 = k_begin; k0 < keys; k0 += BC) {
         load_kv_tile<D>(ks, vs, k, v, b, h, kv_rows, k0, keys, kv_stride);
         int n_here = min(BC, visible - k0);
-        for (int r = 0; r < n_here; ++r) {
+        for (int r = max(0, lo - k0); r < n_here; ++r) {
             float dot = 0.0f, dp = 0.0f;
             #pragma unroll
             for (int e = 0; e < D; ++e) {
@@ -438,16 +459,18 @@ __device__ void attn_backward_dq(float* dq, const float* q, const float* k, cons
 // dK, dV: one thread per key position l of 0..L; walks the queries that see it (t >= l - P) in
 // tiles of BC held in shared memory. dk, dv: rows of H*D floats, kv_rows per sequence like k and v
 // (row l of sequence b at (b*kv_rows + l)); written, or added to with `accumulate` (the dK/dV of
-// a K/V prefix gathers every later segment's share, in backward order: no atomics).
+// a K/V prefix gathers every later segment's share, in backward order: no atomics). With `docs`,
+// key l is seen by the queries t >= l - P whose document starts at or before l: a prefix of them.
 template <int D>
 __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
-                                   const float* dy, const float* lse, const float* delta, int b_count,
-                                   int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
-                                   int accumulate, float scale) {
+                                   const float* dy, const float* lse, const float* delta,
+                                   const unsigned int* docs, int b_count, int h_count, int s, int p,
+                                   int q_stride, int kv_stride, int kv_rows, int accumulate, float scale) {
     __shared__ float qs[BC][D];
     __shared__ float ds_[BC][D];
     __shared__ float ls[BC];
     __shared__ float dl[BC];
+    __shared__ int los[BC];
     int bh = blockIdx.y;
     int b = bh / h_count, h = bh % h_count;
     int L = p + s;
@@ -468,7 +491,10 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
     int l_first = blockIdx.x * BR;
     int t_start = max(0, l_first - p);
     int my_first = active ? max(0, l - p) : s;
+    int l_last = min(L, l_first + BR) - 1;  // this block's last key
     for (int t0 = t_start; t0 < s; t0 += BC) {
+        // Queries from here on start their documents after every key of the block (uniform).
+        if (doc_start(docs, b, kv_rows, p + t0) > l_last) break;
         __syncthreads();
         for (int idx = threadIdx.x; idx < BC * D; idx += BR) {
             int r = idx / D, e = idx % D;
@@ -484,11 +510,13 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
             size_t stat = ((size_t)b * h_count + h) * s + (ok ? t : 0);
             ls[r] = ok ? lse[stat] : 0.0f;
             dl[r] = ok ? delta[stat] : 0.0f;
+            los[r] = ok ? doc_start(docs, b, kv_rows, p + t) : 0;
         }
         __syncthreads();
         int r0 = max(0, my_first - t0);
         int r1 = min(BC, s - t0);
         for (int r = r0; r < r1; ++r) {
+            if (los[r] > l) break;  // this query's document (and every later one's) starts after l
             float dot = 0.0f, dp = 0.0f;
             #pragma unroll
             for (int e = 0; e < D; ++e) {
@@ -517,22 +545,23 @@ __device__ void attn_backward_dkdv(float* dk, float* dv, const float* q, const f
 
 #define ATTN_INSTANCES(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(BR) attn_forward_d##D(                                   \
-        float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
-        int q_stride, int kv_stride, int kv_rows, float scale) {                                           \
-        attn_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, kv_rows, scale);                 \
+        float* y, float* lse, const float* q, const float* k, const float* v, const unsigned int* docs,     \
+        int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {               \
+        attn_forward<D>(y, lse, q, k, v, docs, b, h, s, p, q_stride, kv_stride, kv_rows, scale);           \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(BR) attn_backward_dq_d##D(                               \
         float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
-        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows,          \
-        float scale) {                                                                                     \
-        attn_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows, scale); \
+        const float* delta, const unsigned int* docs, int b, int h, int s, int p, int q_stride,            \
+        int kv_stride, int kv_rows, float scale) {                                                         \
+        attn_backward_dq<D>(dq, q, k, v, dy, lse, delta, docs, b, h, s, p, q_stride, kv_stride, kv_rows,   \
+                            scale);                                                                        \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(BR) attn_backward_dkdv_d##D(                             \
         float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
-        const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
-        int kv_rows, int accumulate, float scale) {                                                        \
-        attn_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows,   \
-                              accumulate, scale);                                                          \
+        const float* lse, const float* delta, const unsigned int* docs, int b, int h, int s, int p,        \
+        int q_stride, int kv_stride, int kv_rows, int accumulate, float scale) {                           \
+        attn_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, docs, b, h, s, p, q_stride, kv_stride,      \
+                              kv_rows, accumulate, scale);                                                 \
     }
 
 ATTN_INSTANCES(16)
@@ -973,7 +1002,10 @@ ATTN_TC_INSTANCES(128)
 //   loaded from shared memory feeds MT products;
 // - the causal mask is applied only on tiles that cross the diagonal (or hold a tail), and the
 //   exponentials are exp2 of one fused multiply-add;
-// - query blocks run heaviest first (the last queries see the most keys).
+// - query blocks run heaviest first (the last queries see the most keys);
+// - document masks (`docs`, as the FP32 kernels take them): a tile is masked element by element
+//   only where it holds a key before the last document start of the warp's (or m-tile's)
+//   queries, and tiles wholly before the first one are neither loaded nor multiplied.
 // Each output element is still one thread's fixed-order sum: no atomics, bit-identical run to run.
 
 #define LOG2E 1.4426950408889634f
@@ -1068,8 +1100,9 @@ __device__ __forceinline__ void acc_to_a_v2(unsigned int* a, const float* lo, co
 }
 
 template <int D>
-__device__ void attn_tc2_forward(float* y, float* lse, const float* q, const float* k, const float* v, int b_count,
-                                 int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {
+__device__ void attn_tc2_forward(float* y, float* lse, const float* q, const float* k, const float* v,
+                                 const unsigned int* docs, int b_count, int h_count, int s, int p, int q_stride,
+                                 int kv_stride, int kv_rows, float scale) {
     constexpr int MT = V2Shape<D>::MT, BK = V2Shape<D>::BK, ROWS = 4 * 16 * MT;
     __shared__ __align__(16) unsigned short ks[BK * (D + TC_PAD)];   // K, as it lies (keys × D)
     __shared__ __align__(16) unsigned short vt[D * (BK + TC_PAD)];   // Vᵀ (D × keys)
@@ -1077,6 +1110,8 @@ __device__ void attn_tc2_forward(float* y, float* lse, const float* q, const flo
     int blk = gridDim.x - 1 - blockIdx.x;  // heaviest (last) queries first
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
     int row0[MT], rows[MT];
+    // Document starts: of rows g and g + 8 of each m-tile, of its first and last rows.
+    int lo0[MT], lo8[MT], lo_first[MT], lo_last[MT];
     unsigned int qa[MT][D / 16][4];
     float o[MT][D / 8][4], m0[MT], m8[MT], l0[MT], l8[MT];  // rows g and g + 8 of each m-tile
     #pragma unroll
@@ -1089,19 +1124,24 @@ __device__ void attn_tc2_forward(float* y, float* lse, const float* q, const flo
         for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
         m0[mt] = m8[mt] = -INFINITY;
         l0[mt] = l8[mt] = 0.0f;
+        lo0[mt] = g < rows[mt] ? doc_start(docs, b, kv_rows, p + row0[mt] + g) : 0;
+        lo8[mt] = g + 8 < rows[mt] ? doc_start(docs, b, kv_rows, p + row0[mt] + g + 8) : 0;
+        lo_first[mt] = rows[mt] > 0 ? doc_start(docs, b, kv_rows, p + row0[mt]) : 0;
+        lo_last[mt] = rows[mt] > 0 ? doc_start(docs, b, kv_rows, p + row0[mt] + rows[mt] - 1) : 0;
     }
     int t_last = min(s, (blk + 1) * ROWS) - 1;
     int keys = p + t_last + 1;
-    // Keys this warp's queries see (its last m-tile's rows are its last queries).
+    // Keys this warp's queries see (its last m-tile's rows are its last queries), from warp_lo.
     int warp_keys = rows[0] > 0 ? p + min(s, row0[0] + 16 * MT) : 0;
+    int warp_lo = lo_first[0];
     const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
     const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
-    for (int k0 = 0; k0 < keys; k0 += BK) {
+    for (int k0 = doc_start(docs, b, kv_rows, p + blk * ROWS); k0 < keys; k0 += BK) {
         __syncthreads();
         load_tile_v2<D, BK>(ks, nullptr, kb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
         load_tile_v2<D, BK>(nullptr, vt, vb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
         __syncthreads();
-        if (k0 >= warp_keys) continue;
+        if (k0 >= warp_keys || k0 + BK <= warp_lo) continue;
         float sc[MT][BK / 8][4];
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -1118,22 +1158,25 @@ __device__ void attn_tc2_forward(float* y, float* lse, const float* q, const flo
             }
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            if (k0 >= p + row0[mt] + rows[mt]) {  // no query of this m-tile sees these keys
+            // No query of this m-tile sees these keys.
+            if (k0 >= p + row0[mt] + rows[mt] || k0 + BK <= lo_first[mt]) {
                 #pragma unroll
                 for (int n = 0; n < BK / 8; ++n) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.0f;
                 continue;
             }
             float mx0 = -INFINITY, mx8 = -INFINITY;
             // Causal mask (query row0 + r sees keys 0..=p + row0 + r), only where a key of the tile
-            // lies past the m-tile's first query's last key, or the m-tile is a tail.
-            bool mask = k0 + BK - 1 > p + row0[mt] || rows[mt] < 16;
+            // lies past the m-tile's first query's last key, or the m-tile is a tail; document
+            // mask (keys from the query's document start), only where a key lies before the
+            // m-tile's last start.
+            bool mask = k0 + BK - 1 > p + row0[mt] || rows[mt] < 16 || k0 < lo_last[mt];
             #pragma unroll
             for (int n = 0; n < BK / 8; ++n)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     if (mask) {
                         int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
-                        bool ok = r < rows[mt] && key <= p + row0[mt] + r;
+                        bool ok = r < rows[mt] && key <= p + row0[mt] + r && key >= (i >= 2 ? lo8[mt] : lo0[mt]);
                         sc[mt][n][i] = ok ? sc[mt][n][i] : -INFINITY;
                     }
                     if (i < 2) mx0 = fmaxf(mx0, sc[mt][n][i]); else mx8 = fmaxf(mx8, sc[mt][n][i]);
@@ -1219,8 +1262,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_delta
 // tiles of BK: K (for S = QKᵀ), Kᵀ (for dQ += dS·K) and V (for dP = dO·Vᵀ) in shared memory.
 template <int D>
 __device__ void attn_tc2_backward_dq(float* dq, const float* q, const float* k, const float* v, const float* dy,
-                                     const float* lse, const float* delta, int b_count, int h_count, int s, int p,
-                                     int q_stride, int kv_stride, int kv_rows, float scale) {
+                                     const float* lse, const float* delta, const unsigned int* docs, int b_count,
+                                     int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
+                                     float scale) {
     constexpr int BK = V2Shape<D>::BK;
     __shared__ __align__(16) unsigned short ks[BK * (D + TC_PAD)];
     __shared__ __align__(16) unsigned short kt[D * (BK + TC_PAD)];
@@ -1245,15 +1289,20 @@ __device__ void attn_tc2_backward_dq(float* dq, const float* q, const float* k, 
     int t_last = min(s, (blk + 1) * TC_ROWS) - 1;
     int keys = p + t_last + 1;
     int warp_keys = rows > 0 ? p + row0 + rows : 0;
+    // Document starts of rows g and g + 8, and of the warp's first and last rows.
+    int lo0 = g < rows ? doc_start(docs, b, kv_rows, p + row0 + g) : 0;
+    int lo8 = g + 8 < rows ? doc_start(docs, b, kv_rows, p + row0 + g + 8) : 0;
+    int warp_lo = rows > 0 ? doc_start(docs, b, kv_rows, p + row0) : 0;
+    int warp_lo_last = rows > 0 ? doc_start(docs, b, kv_rows, p + row0 + rows - 1) : 0;
     const float* kb = k + (size_t)b * kv_rows * kv_stride + h * D;
     const float* vb = v + (size_t)b * kv_rows * kv_stride + h * D;
-    for (int k0 = 0; k0 < keys; k0 += BK) {
+    for (int k0 = doc_start(docs, b, kv_rows, p + blk * TC_ROWS); k0 < keys; k0 += BK) {
         __syncthreads();
         load_tile_v2<D, BK>(ks, kt, kb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
         load_tile_v2<D, BK>(vs, nullptr, vb + (size_t)k0 * kv_stride, kv_stride, keys - k0, 1.0f);
         __syncthreads();
-        if (k0 >= warp_keys) continue;
-        bool mask = k0 + BK - 1 > p + row0 || rows < 16;
+        if (k0 >= warp_keys || k0 + BK <= warp_lo) continue;
+        bool mask = k0 + BK - 1 > p + row0 || rows < 16 || k0 < warp_lo_last;
         float sc[BK / 8][4], dp[BK / 8][4];
         #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
@@ -1273,7 +1322,7 @@ __device__ void attn_tc2_backward_dq(float* dq, const float* q, const float* k, 
                 bool ok = true;
                 if (mask) {
                     int r = g + (i >= 2 ? 8 : 0), key = k0 + 8 * n + 2 * j + (i & 1);
-                    ok = r < rows && key <= p + row0 + r;
+                    ok = r < rows && key <= p + row0 + r && key >= (i >= 2 ? lo8 : lo0);
                 }
                 float pr = ok ? exp2f(fmaf(sc[n][i], LOG2E, i >= 2 ? nl8 : nl0)) : 0.0f;
                 sc[n][i] = pr * (dp[n][i] - (i >= 2 ? dl8 : dl0));
@@ -1310,9 +1359,9 @@ __device__ void attn_tc2_backward_dq(float* dq, const float* q, const float* k, 
 // transposed (for dK += dSᵀ·Q, dV += Pᵀ·dO); written, or added to with `accumulate`.
 template <int D>
 __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, const float* k, const float* v,
-                                       const float* dy, const float* lse, const float* delta, int b_count,
-                                       int h_count, int s, int p, int q_stride, int kv_stride, int kv_rows,
-                                       int accumulate, float scale) {
+                                       const float* dy, const float* lse, const float* delta,
+                                       const unsigned int* docs, int b_count, int h_count, int s, int p,
+                                       int q_stride, int kv_stride, int kv_rows, int accumulate, float scale) {
     constexpr int BQ = V2Shape<D>::BK;
     __shared__ __align__(16) unsigned short qs[BQ * (D + TC_PAD)];
     __shared__ __align__(16) unsigned short qt[D * (BQ + TC_PAD)];
@@ -1320,6 +1369,7 @@ __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, con
     __shared__ __align__(16) unsigned short dt[D * (BQ + TC_PAD)];
     __shared__ float nls[BQ];  // -lse·log2(e)
     __shared__ float dl[BQ];
+    __shared__ int los[BQ];  // document starts of the tile's queries
     int bh = blockIdx.y, b = bh / h_count, h = bh % h_count;
     int L = p + s;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, j = threadIdx.x % 4;
@@ -1340,7 +1390,10 @@ __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, con
     const float* qb = q + (size_t)b * s * q_stride + h * D;
     const float* db = dy + (size_t)b * s * (h_count * D) + h * D;
     size_t stat = ((size_t)b * h_count + h) * s;
+    int block_last = min(L, ((int)blockIdx.x + 1) * TC_ROWS) - 1;  // this block's last key
     for (int t0 = t_start; t0 < s; t0 += BQ) {
+        // Queries from here on start their documents after every key of the block (uniform).
+        if (doc_start(docs, b, kv_rows, p + t0) > block_last) break;
         __syncthreads();
         load_tile_v2<D, BQ>(qs, qt, qb + (size_t)t0 * q_stride, q_stride, s - t0, scale);
         load_tile_v2<D, BQ>(ds_, dt, db + (size_t)t0 * (h_count * D), (size_t)h_count * D, s - t0, 1.0f);
@@ -1348,11 +1401,13 @@ __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, con
             bool ok = t0 + r < s;
             nls[r] = ok ? -lse[stat + t0 + r] * LOG2E : 0.0f;
             dl[r] = ok ? delta[stat + t0 + r] : 0.0f;
+            los[r] = ok ? doc_start(docs, b, kv_rows, p + t0 + r) : 0;
         }
         __syncthreads();
-        if (t0 + BQ <= warp_first) continue;
-        // Every key of this warp is seen by every query of the tile: no mask.
-        bool mask = key0 + 15 > p + t0 || t0 + BQ > s || rows < 16;
+        if (t0 + BQ <= warp_first || (rows > 0 && los[0] > key0 + rows - 1)) continue;
+        // Every key of this warp is seen by every query of the tile (a full tile whose last
+        // query's document starts at or before the warp's first key): no mask.
+        bool mask = key0 + 15 > p + t0 || t0 + BQ > s || rows < 16 || los[BQ - 1] > key0;
         float pt[BQ / 8][4], dpt[BQ / 8][4];  // Pᵀ, dPᵀ: rows keys, columns queries
         #pragma unroll
         for (int n = 0; n < BQ / 8; ++n) {
@@ -1372,7 +1427,7 @@ __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, con
                 bool ok = true;
                 if (mask) {
                     int r = g + (i >= 2 ? 8 : 0), t = t0 + c;
-                    ok = r < rows && t < s && key0 + r <= p + t;
+                    ok = r < rows && t < s && key0 + r <= p + t && los[c] <= key0 + r;
                 }
                 float pr = ok ? exp2f(fmaf(pt[n][i], LOG2E, nls[c])) : 0.0f;
                 pt[n][i] = pr;
@@ -1414,22 +1469,22 @@ __device__ void attn_tc2_backward_dkdv(float* dk, float* dv, const float* q, con
 
 #define ATTN_TC2_INSTANCES(D)                                                                              \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_forward_d##D(                       \
-        float* y, float* lse, const float* q, const float* k, const float* v, int b, int h, int s, int p,   \
-        int q_stride, int kv_stride, int kv_rows, float scale) {                                           \
-        attn_tc2_forward<D>(y, lse, q, k, v, b, h, s, p, q_stride, kv_stride, kv_rows, scale);             \
+        float* y, float* lse, const float* q, const float* k, const float* v, const unsigned int* docs,     \
+        int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows, float scale) {               \
+        attn_tc2_forward<D>(y, lse, q, k, v, docs, b, h, s, p, q_stride, kv_stride, kv_rows, scale);       \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_dq_d##D(                   \
         float* dq, const float* q, const float* k, const float* v, const float* dy, const float* lse,      \
-        const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride, int kv_rows,          \
-        float scale) {                                                                                     \
-        attn_tc2_backward_dq<D>(dq, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride, kv_rows,     \
-                                scale);                                                                    \
+        const float* delta, const unsigned int* docs, int b, int h, int s, int p, int q_stride,            \
+        int kv_stride, int kv_rows, float scale) {                                                         \
+        attn_tc2_backward_dq<D>(dq, q, k, v, dy, lse, delta, docs, b, h, s, p, q_stride, kv_stride,        \
+                                kv_rows, scale);                                                           \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_tc2_backward_dkdv_d##D(                 \
         float* dk, float* dv, const float* q, const float* k, const float* v, const float* dy,             \
-        const float* lse, const float* delta, int b, int h, int s, int p, int q_stride, int kv_stride,     \
-        int kv_rows, int accumulate, float scale) {                                                        \
-        attn_tc2_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, b, h, s, p, q_stride, kv_stride,        \
+        const float* lse, const float* delta, const unsigned int* docs, int b, int h, int s, int p,        \
+        int q_stride, int kv_stride, int kv_rows, int accumulate, float scale) {                           \
+        attn_tc2_backward_dkdv<D>(dk, dv, q, k, v, dy, lse, delta, docs, b, h, s, p, q_stride, kv_stride,  \
                                   kv_rows, accumulate, scale);                                             \
     }
 

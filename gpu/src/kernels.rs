@@ -3,7 +3,7 @@
 //! Buffers are the caller's: a method never allocates except for the scratch of its reductions.
 
 use crate::device::{Buf, Gpu, Precision};
-use crate::error::{Result, shape};
+use crate::error::{GpuError, Result, shape};
 use crate::profile::{LAYERNORM_BWD, Pass};
 use crate::types::{Arg, AttentionKernels, Bf16Path, Operands, int};
 
@@ -75,6 +75,55 @@ impl AttnShape {
     }
 }
 
+/// The document starts of a micro-batch for the attention kernels' document mask: a device buffer
+/// of `u32`, one per position of each sequence, laid out like the K/V cache's rows (position `l`
+/// of sequence `b` at `b · kv_rows + l`), holding the start of the document that position belongs
+/// to. Query `t` of a segment sees keys `start(p + t)..=p + t` only. One value per position (not
+/// the sorted starts) so that a kernel thread finds its query's start with one load, no search,
+/// and the same buffer serves every segment and layer of the micro-batch (uploaded once). The
+/// values must be what [`position_doc_starts`] makes: non-decreasing along a sequence and at most
+/// the position itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DocStarts {
+    /// Device address of the `u32`s.
+    pub ptr: u64,
+    /// How many there are: at least `b · kv_rows` of a call.
+    pub len: usize,
+}
+
+/// Per sequence of `mask` and position `0..seq`, the start of its document (the layout of
+/// [`DocStarts`]); positions must fit the kernels' `int`s (checked by the kernel wrappers).
+pub fn position_doc_starts(mask: &ops::DocumentMask, seq: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(mask.batch() * seq);
+    for b in 0..mask.batch() {
+        let starts = mask.starts(b);
+        let mut i = 0;
+        for pos in 0..seq {
+            while i + 1 < starts.len() && starts[i + 1] <= pos {
+                i += 1;
+            }
+            out.push(starts[i] as u32);
+        }
+    }
+    out
+}
+
+/// The `docs` argument of an attention kernel: the buffer's address (checked to cover the call's
+/// sequences), or null for no mask.
+fn doc_arg(docs: Option<DocStarts>, sh: &AttnShape, op: &'static str) -> Result<u64> {
+    match docs {
+        None => Ok(0),
+        Some(d) if d.len >= sh.b * sh.kv_rows => Ok(d.ptr),
+        Some(d) => shape(
+            op,
+            format!(
+                "{} document starts cannot cover {} sequences of {} key/value rows",
+                d.len, sh.b, sh.kv_rows
+            ),
+        ),
+    }
+}
+
 /// Query (or key) rows per attention block: `BR` and `TC_ROWS` of kernels.cu.
 const ATTN_ROWS: usize = 64;
 
@@ -92,6 +141,8 @@ struct AttnLaunch {
     warp_delta: bool,
     /// The kernels read rows with 16-byte loads: the rows must be 16-byte aligned.
     aligned_rows: bool,
+    /// The kernels take document starts (a `docs` argument): all but the v1 tensor-core ones.
+    masks: bool,
 }
 
 /// The attention kernels of a call: FP32 on CUDA cores (a thread per row), or BF16 on tensor
@@ -105,6 +156,7 @@ fn attention_launch(tensor_cores: bool, kernels: AttentionKernels, d: usize) -> 
             forward_rows: ATTN_ROWS,
             warp_delta: false,
             aligned_rows: false,
+            masks: true,
         },
         (true, AttentionKernels::V1) => AttnLaunch {
             prefix: "attn_tc_",
@@ -112,6 +164,7 @@ fn attention_launch(tensor_cores: bool, kernels: AttentionKernels, d: usize) -> 
             forward_rows: ATTN_ROWS,
             warp_delta: false,
             aligned_rows: false,
+            masks: false,
         },
         (true, AttentionKernels::V2) => AttnLaunch {
             prefix: "attn_tc2_",
@@ -119,6 +172,7 @@ fn attention_launch(tensor_cores: bool, kernels: AttentionKernels, d: usize) -> 
             forward_rows: if d <= 64 { 2 * ATTN_ROWS } else { ATTN_ROWS },
             warp_delta: true,
             aligned_rows: true,
+            masks: true,
         },
     }
 }
@@ -662,12 +716,14 @@ impl Gpu {
     }
 
     /// The attention kernels this `Gpu` launches for head width `d`, with the rows of `matrices`
-    /// checked for alignment when those kernels need it ([`rows_aligned`]).
+    /// checked for alignment when those kernels need it ([`rows_aligned`]), and document starts
+    /// refused by kernels that take none.
     fn attention_launch_checked(
         &self,
         op: &'static str,
         d: usize,
         matrices: &[(&str, u64, usize)],
+        docs: Option<DocStarts>,
     ) -> Result<AttnLaunch> {
         let l = attention_launch(
             self.attention_on_tensor_cores(),
@@ -677,11 +733,18 @@ impl Gpu {
         if l.aligned_rows {
             rows_aligned(op, matrices)?;
         }
+        if docs.is_some() && !l.masks {
+            return Err(GpuError::MaskUnsupported {
+                op,
+                kernels: "tensor-core v1",
+            });
+        }
         Ok(l)
     }
 
     /// Causal prefix attention: `y (b·s, h·d)` and `lse (b, h, s)` from queries `q` and keys/values
-    /// `k`, `v` laid out as [`AttnShape`] says.
+    /// `k`, `v` laid out as [`AttnShape`] says; with `docs`, each query sees only the keys of its
+    /// own document ([`DocStarts`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_forward(
         &self,
@@ -690,6 +753,7 @@ impl Gpu {
         q: u64,
         k: u64,
         v: u64,
+        docs: Option<DocStarts>,
         sh: AttnShape,
         scale: f32,
     ) -> Result<()> {
@@ -703,7 +767,14 @@ impl Gpu {
                 ("k", k, sh.kv_stride),
                 ("v", v, sh.kv_stride),
             ],
+            docs,
         )?;
+        let mut args = vec![Arg::P(y), Arg::P(lse), Arg::P(q), Arg::P(k), Arg::P(v)];
+        if l.masks {
+            args.push(Arg::P(doc_arg(docs, &sh, OP)?));
+        }
+        args.extend(a);
+        args.push(Arg::F(scale));
         self.launch(
             &format!("{}forward_d{}", l.prefix, sh.d),
             (
@@ -712,28 +783,15 @@ impl Gpu {
                 1,
             ),
             l.threads,
-            &[
-                Arg::P(y),
-                Arg::P(lse),
-                Arg::P(q),
-                Arg::P(k),
-                Arg::P(v),
-                a[0],
-                a[1],
-                a[2],
-                a[3],
-                a[4],
-                a[5],
-                a[6],
-                Arg::F(scale),
-            ],
+            &args,
         )
     }
 
     /// Backward of [`Gpu::attention_forward`]: writes `dq (b·s, h·d)` and `dk`, `dv` (rows of
     /// `h·d`, `kv_rows` per sequence; rows `0..p+s` of each, rows `0..p` being this segment's
     /// gradient for the prefix), or adds to them with `accumulate_kv` (a K/V cache's gradient gathering every later
-    /// segment's share). `delta` holds `b·h·s` floats of scratch.
+    /// segment's share). `delta` holds `b·h·s` floats of scratch. `docs` is the forward's: the
+    /// rows of keys no query of theirs sees get zero (or are left as they were, when added to).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &self,
@@ -747,6 +805,7 @@ impl Gpu {
         dy: u64,
         lse: u64,
         delta: u64,
+        docs: Option<DocStarts>,
         sh: AttnShape,
         scale: f32,
         accumulate_kv: bool,
@@ -762,6 +821,7 @@ impl Gpu {
                 ("v", v, sh.kv_stride),
                 ("dy", dy, sh.h * sh.d),
             ],
+            docs,
         )?;
         let rows = sh.b * sh.h * sh.s;
         let (delta_kernel, delta_grid, delta_threads) = if l.warp_delta {
@@ -784,23 +844,20 @@ impl Gpu {
                 Arg::I(int(sh.d, OP, "d")?),
             ],
         )?;
-        let common = [
+        let mut common = vec![
             Arg::P(q),
             Arg::P(k),
             Arg::P(v),
             Arg::P(dy),
             Arg::P(lse),
             Arg::P(delta),
-            a[0],
-            a[1],
-            a[2],
-            a[3],
-            a[4],
-            a[5],
-            a[6],
         ];
+        if l.masks {
+            common.push(Arg::P(doc_arg(docs, &sh, OP)?));
+        }
+        common.extend(a);
         let mut args = vec![Arg::P(dq)];
-        args.extend(common);
+        args.extend(common.iter().copied());
         args.push(Arg::F(scale));
         self.launch(
             &format!("{}backward_dq_d{}", l.prefix, sh.d),
@@ -1006,14 +1063,15 @@ mod tests {
         for kernels in [V1, V2] {
             let l = attention_launch(false, kernels, 64);
             assert_eq!((l.prefix, l.threads, l.forward_rows), ("attn_", 64, 64));
-            assert!(!l.warp_delta && !l.aligned_rows);
+            assert!(!l.warp_delta && !l.aligned_rows && l.masks);
         }
         let v1 = attention_launch(true, V1, 64);
         assert_eq!(
             (v1.prefix, v1.threads, v1.forward_rows),
             ("attn_tc_", 128, 64)
         );
-        assert!(!v1.warp_delta && !v1.aligned_rows);
+        // v1 takes no document starts (it is kept for comparison, not extended).
+        assert!(!v1.warp_delta && !v1.aligned_rows && !v1.masks);
         // v2's forward: two m-tiles of 16 queries per warp up to D = 64 (V2Shape of kernels.cu).
         for (d, rows) in [(16, 128), (32, 128), (64, 128), (128, 64)] {
             let v2 = attention_launch(true, V2, d);
@@ -1021,8 +1079,35 @@ mod tests {
                 (v2.prefix, v2.threads, v2.forward_rows),
                 ("attn_tc2_", 128, rows)
             );
-            assert!(v2.warp_delta && v2.aligned_rows);
+            assert!(v2.warp_delta && v2.aligned_rows && v2.masks);
         }
+    }
+
+    #[test]
+    fn document_starts_are_one_per_position_and_must_cover_the_call() {
+        let mask = ops::DocumentMask::new(vec![vec![0, 3, 4], vec![0], vec![0, 5]]).unwrap();
+        assert_eq!(
+            position_doc_starts(&mask, 6),
+            [[0, 0, 0, 3, 4, 4], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 5]].concat()
+        );
+        let sh = AttnShape {
+            b: 3,
+            h: 1,
+            d: 16,
+            s: 2,
+            p: 4,
+            q_stride: 16,
+            kv_stride: 16,
+            kv_rows: 6,
+        };
+        let docs = |len| Some(DocStarts { ptr: 0x100, len });
+        assert_eq!(doc_arg(None, &sh, "op").unwrap(), 0);
+        assert_eq!(doc_arg(docs(18), &sh, "op").unwrap(), 0x100);
+        let err = doc_arg(docs(17), &sh, "op").unwrap_err().to_string();
+        assert!(
+            err.contains("17 document starts cannot cover 3 sequences of 6"),
+            "{err}"
+        );
     }
 
     #[test]

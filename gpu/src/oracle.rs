@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::device::{Gpu, Precision};
 use crate::error::{GpuError, Result};
-use crate::kernels::AttnShape;
+use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
 use crate::types::AttentionKernels;
 
 /// One compared output.
@@ -153,11 +153,16 @@ pub fn check(gpu: &mut Gpu, seed: u64, which: Kernels) -> Result<Vec<Comparison>
             (128, 64, 64),
             (16, 50, 0),
         ] {
-            attention(&mut c, d, s, p, 0)?;
+            attention(&mut c, d, s, p, 0, false)?;
         }
         // As the pipeline stage calls it: K/V in a cache of whole sequences (rows past the prefix
         // and segment hold other data), dK/dV added to an accumulator.
-        attention(&mut c, 64, 40, 30, 25)?;
+        attention(&mut c, 64, 40, 30, 25, false)?;
+        // Document masks ([`masked_layout`]: documents spanning the prefix boundary, one starting
+        // on it, one-token documents), against ops::document_prefix_attention_*.
+        for (d, s, p, extra) in MASKED {
+            attention(&mut c, d, s, p, extra, true)?;
+        }
         // BF16 mode's attention on tensor cores (compute capability 8.0 and later), both
         // versions of its kernels; v2 also at a segment of two 128-query forward blocks, the
         // second a tail.
@@ -166,11 +171,15 @@ pub fn check(gpu: &mut Gpu, seed: u64, which: Kernels) -> Result<Vec<Comparison>
             for version in AttentionKernels::ALL {
                 c.gpu.set_attention_kernels(version);
                 for (d, s, p) in [(64, 128, 0), (64, 96, 160), (32, 70, 33), (128, 64, 64)] {
-                    attention(&mut c, d, s, p, 0)?;
+                    attention(&mut c, d, s, p, 0, false)?;
                 }
-                attention(&mut c, 64, 40, 30, 25)?;
+                attention(&mut c, 64, 40, 30, 25, false)?;
                 if version == AttentionKernels::V2 {
-                    attention(&mut c, 64, 200, 57, 0)?;
+                    attention(&mut c, 64, 200, 57, 0, false)?;
+                    // v1 takes no document starts (it refuses them): masks are v2's.
+                    for (d, s, p, extra) in MASKED {
+                        attention(&mut c, d, s, p, extra, true)?;
+                    }
                 }
             }
         }
@@ -479,12 +488,44 @@ fn compare_kv_grad(
     Ok(())
 }
 
+/// The document-masked attention checks: `(D, segment, prefix, extra cache rows)`. Two 128-query
+/// blocks (v2's forward) in the second; a K/V cache with dK/dV added in the third.
+const MASKED: [(usize, usize, usize, usize); 3] =
+    [(64, 96, 160, 0), (64, 200, 57, 0), (64, 40, 30, 25)];
+
+/// Document starts of two sequences of `l` positions whose last `s` are the segment's queries
+/// (prefix `p = l - s`): the first has a one-token document early on, a document spanning the
+/// prefix boundary and one starting mid-segment; the second a document starting exactly at the
+/// segment's first query, a one-token document right after it, and one starting on its last
+/// query. Starts at or past `l` are dropped.
+pub fn masked_layout(p: usize, s: usize) -> Result<ops::DocumentMask> {
+    let l = p + s;
+    let row = |starts: &[usize]| {
+        let mut v: Vec<usize> = starts.iter().copied().filter(|&x| x < l).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let a = row(&[0, p / 4, p / 4 + 1, p.saturating_sub(10), p + s / 2]);
+    let b = row(&[0, p, p + 1, l - 1]);
+    ops::DocumentMask::new(vec![a, b]).map_err(|e| GpuError::Oracle(e.to_string()))
+}
+
 /// Causal prefix attention against the CPU's. With `extra > 0` the keys and values sit in a cache
 /// of `p + s + extra` rows per sequence and dK/dV are added to accumulators holding [`PRIOR`].
+/// With `masked`, each query sees only its own document's keys ([`masked_layout`]), against
+/// `ops::document_prefix_attention_*`.
 /// In BF16 mode on tensor cores, the BF16 bound applies, and the rows name the kernels' version
 /// (`v1`, `v2`); the v2 kernels also run a second time on the same inputs, and every output of
 /// the two runs must be bit-identical (the project's determinism, checked on the GPU itself).
-fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Result<()> {
+fn attention(
+    c: &mut Checker,
+    d: usize,
+    s: usize,
+    p: usize,
+    extra: usize,
+    masked: bool,
+) -> Result<()> {
     let tensor_cores = c.gpu.attention_on_tensor_cores();
     let precision = if tensor_cores {
         Precision::Bf16
@@ -499,12 +540,26 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
     let (vv, v) = c.tensor(&[b, h, l, d], 1.0)?;
     let (dyv, dy) = c.tensor(&[b, h, s, d], 1.0)?;
     let scale = 1.0 / (d as f64).sqrt();
-    let (y, ctx) = ops(ops::causal_prefix_attention_forward(&q, &k, &v, scale))?;
-    let (dq, dk, dv) = ops(ops::causal_prefix_attention_backward(
-        &ctx, &k, &v, &dy, scale,
+    let mask = if masked {
+        masked_layout(p, s)?
+    } else {
+        ops::DocumentMask::single(b)
+    };
+    // The unmasked kernels are the masked ones with one document per sequence, bit for bit.
+    let (y, ctx) = ops(ops::document_prefix_attention_forward(
+        &q, &k, &v, scale, &mask, 0,
+    ))?;
+    let (dq, dk, dv) = ops(ops::document_prefix_attention_backward(
+        &ctx, &k, &v, &dy, scale, &mask, 0,
     ))?;
     let cached = extra > 0;
     let rows = l + extra;
+    let starts = position_doc_starts(&mask, rows);
+    let starts_dev = c.gpu.upload(&starts)?;
+    let docs = masked.then_some(DocStarts {
+        ptr: starts_dev.ptr(),
+        len: starts.len(),
+    });
     // Junk in the cache's unused rows (finite: a kernel that reads them shows up as an error).
     let kv_rows = |x: &[f32]| pad_rows(&to_rows(x, b, h, l, d), b, l, extra, h * d, 7.0);
     let gpu = &*c.gpu;
@@ -544,6 +599,7 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
             qd.ptr(),
             kd.ptr(),
             vd.ptr(),
+            docs,
             sh,
             scale as f32,
         )?;
@@ -558,6 +614,7 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
             dyd.ptr(),
             lse.ptr(),
             delta.ptr(),
+            docs,
             sh,
             scale as f32,
             cached,
@@ -576,10 +633,18 @@ fn attention(c: &mut Checker, d: usize, s: usize, p: usize, extra: usize) -> Res
     } else {
         String::new()
     };
-    let tag = if cached {
-        format!("(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added{kernels})")
+    let documents = if masked {
+        let counts: Vec<usize> = (0..b).map(|r| mask.starts(r).len()).collect();
+        format!(", document masks of {counts:?} documents")
     } else {
-        format!("(D {d}, segment {s}, prefix {p}{kernels})")
+        String::new()
+    };
+    let tag = if cached {
+        format!(
+            "(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added{kernels}{documents})"
+        )
+    } else {
+        format!("(D {d}, segment {s}, prefix {p}{kernels}{documents})")
     };
     let [gy, glse, gdq, gdk, gdv] = &got;
     for (name, got, want) in [("forward y", gy, &y), ("backward dQ", gdq, &dq)] {

@@ -31,6 +31,12 @@
 //! copies are derived data: the state, snapshots and parameter shapes keep the real vocabulary and
 //! never include them. FP32 master weights, gradients and AdamW moments are as in every mode.
 //!
+//! Document masks (packed documents): [`GpuStage::set_documents`] gives a micro-batch its rows'
+//! document starts before its first forward; they are uploaded once as one start per position
+//! ([`crate::DocStarts`]) and every block's attention kernels of every segment read them, so a
+//! query attends only to its own document's keys through the K/V cache, and the dK/dV left for
+//! other documents' keys are zero.
+//!
 //! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
 //! returns at once; the next update waits for that copy on the device before it overwrites them.
@@ -44,7 +50,7 @@ use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::AttnShape;
+use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
 use crate::offload::{Download, Fence, StagingPool};
 use crate::profile::{GRAD_ACCUMULATION, Pass, WEIGHT_REFRESH};
 use crate::types::Bf16Path;
@@ -199,6 +205,22 @@ struct MicroBatch {
     kv_len: usize,
 }
 
+/// A micro-batch's document starts: the mask as given, and one start per position of each row on
+/// the device (the attention kernels' [`DocStarts`]).
+struct Documents {
+    mask: ops::DocumentMask,
+    starts: Buf<u32>,
+}
+
+impl Documents {
+    fn kernel_arg(&self) -> DocStarts {
+        DocStarts {
+            ptr: self.starts.ptr(),
+            len: self.starts.len(),
+        }
+    }
+}
+
 /// The rows a unit covers: `b` sequences, positions `start..start + len` of each.
 #[derive(Clone, Copy)]
 struct UnitShape {
@@ -319,6 +341,8 @@ pub struct GpuStage {
     batch: Option<usize>,
     scratch: Option<Scratch>,
     in_flight: BTreeMap<usize, MicroBatch>,
+    /// Document starts of micro-batches of this step ([`GpuStage::set_documents`]).
+    documents: BTreeMap<usize, Documents>,
     spare_micro_batches: Vec<MicroBatch>,
     spare_grads: Vec<Buf<f32>>,
     /// The step's gradients, one flat buffer per micro-batch (the model's bookkeeping).
@@ -535,6 +559,7 @@ impl GpuStage {
             batch: None,
             scratch: None,
             in_flight: BTreeMap::new(),
+            documents: BTreeMap::new(),
             spare_micro_batches: Vec::new(),
             spare_grads: Vec::new(),
             grads: StepGradients::default(),
@@ -828,8 +853,61 @@ impl GpuStage {
         self.spare_grads.extend(released);
     }
 
+    /// Masks micro-batch `micro_batch`'s attention to each query's own document: `mask` holds
+    /// its rows' document starts (absolute positions). Must come before the micro-batch's first
+    /// forward; the same starts again are accepted, other starts for a micro-batch under way are
+    /// refused. Kept until the micro-batch's backward (or evaluation) is done.
+    pub fn set_documents(&mut self, micro_batch: usize, mask: ops::DocumentMask) -> Result<()> {
+        const OP: &str = "GpuStage::set_documents";
+        if let Some(held) = self.documents.get(&micro_batch) {
+            return if held.mask == mask {
+                Ok(())
+            } else {
+                Err(order(
+                    OP,
+                    format!(
+                        "micro-batch {micro_batch}: other document starts than its forward used"
+                    ),
+                ))
+            };
+        }
+        if self
+            .in_flight
+            .get(&micro_batch)
+            .is_some_and(|mb| mb.kv_len > 0)
+        {
+            return Err(order(
+                OP,
+                format!(
+                    "micro-batch {micro_batch}: document starts after its forward began unmasked"
+                ),
+            ));
+        }
+        if let Some(b) = self.batch.filter(|&b| b != mask.batch()) {
+            return shape(
+                OP,
+                format!(
+                    "{} rows of document starts for micro-batches of {b} rows",
+                    mask.batch()
+                ),
+            );
+        }
+        if self.seq > i32::MAX as usize {
+            return shape(
+                OP,
+                format!("{} positions do not fit the kernels' ints", self.seq),
+            );
+        }
+        self.gpu.bind()?;
+        let starts = self.gpu.upload(&position_doc_starts(&mask, self.seq))?;
+        self.documents
+            .insert(micro_batch, Documents { mask, starts });
+        Ok(())
+    }
+
     /// Drops every in-flight unit and gradient (an aborted step).
     pub fn reset_step(&mut self) {
+        self.documents.clear();
         let mbs = std::mem::take(&mut self.in_flight);
         for mb in mbs.into_values() {
             self.recycle(mb);
@@ -1278,6 +1356,9 @@ impl GpuStage {
         // A failed forward changes nothing it was given: the K/V count and the pending units move
         // only when it succeeds.
         let done_eval = !train && segment + 1 == self.plan.segments.len();
+        if result.is_ok() && done_eval {
+            self.documents.remove(&micro_batch);
+        }
         if (result.is_err() && !was_in_flight) || (result.is_ok() && done_eval) {
             self.recycle(mb);
         } else {
@@ -1319,8 +1400,22 @@ impl GpuStage {
         let b = self.batch.expect("fixed");
         let c = self.plan.model.d_model;
         let n = b * len;
+        if let Some(d) = self
+            .documents
+            .get(&micro_batch)
+            .filter(|d| d.mask.batch() != b)
+        {
+            return shape(
+                OP,
+                format!(
+                    "micro-batch {micro_batch} has {b} rows but its document starts {}",
+                    d.mask.batch()
+                ),
+            );
+        }
         let unit = &mut mb.units[segment];
         self.load_input(unit, input, (micro_batch, segment), b)?;
+        let docs = self.documents.get(&micro_batch);
         let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layout.layers.clone().enumerate() {
             let acts = &unit.blocks[slot];
@@ -1336,9 +1431,10 @@ impl GpuStage {
                 cache,
                 layer,
                 rows,
+                docs: docs.map(Documents::kernel_arg),
                 grads: None,
             };
-            model::block_forward(&mut device, acts.x.ptr(), None)?;
+            model::block_forward(&mut device, acts.x.ptr(), docs.map(|d| &d.mask))?;
         }
         let unit = &mut mb.units[segment];
         let output = if self.plan.layout.is_last() {
@@ -1566,6 +1662,7 @@ impl GpuStage {
             mb.kv_len = start;
         }
         if result.is_ok() && segment == 0 {
+            self.documents.remove(&micro_batch);
             self.recycle(mb);
             self.complete(Unit::new(micro_batch, segment))?;
         } else {
@@ -1623,7 +1720,7 @@ impl GpuStage {
     fn backward_units(
         &self,
         mb: &MicroBatch,
-        (_, segment): (usize, usize),
+        (micro_batch, segment): (usize, usize),
         scratch: &mut Scratch,
         acc_ptr: u64,
         d_out: Dy,
@@ -1670,6 +1767,7 @@ impl GpuStage {
             }
         }
         let rows = UnitShape { b, start, len };
+        let docs = self.documents.get(&micro_batch);
         for (slot, layer) in self.plan.layout.layers.clone().enumerate().rev() {
             let mut device = GpuBlock {
                 stage: self,
@@ -1678,6 +1776,7 @@ impl GpuStage {
                 cache: &mb.qkv[slot],
                 layer,
                 rows,
+                docs: docs.map(Documents::kernel_arg),
                 grads: Some(BlockGrads {
                     acc: acc_ptr,
                     scratch: &*scratch,
@@ -1686,7 +1785,7 @@ impl GpuStage {
                 }),
             };
             // d(output) is in scratch.dx, and so is d(input) after.
-            model::block_backward(&mut device, scratch.dx.ptr(), None)?;
+            model::block_backward(&mut device, scratch.dx.ptr(), docs.map(|d| &d.mask))?;
         }
         let dx = scratch.dx.ptr();
         if self.plan.layout.is_first() {

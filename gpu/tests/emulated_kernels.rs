@@ -50,8 +50,8 @@ fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu(
     );
     // Every output was compared: attention (y, lse, dq, dk, dv in both dK/dV modes) at nine
     // shapes in FP32, six on tensor cores (BF16 operands) and eight with the v2 tensor-core
-    // kernels (the six and two more), the norms, cross-entropy, column sums, GELU, embeddings,
-    // RoPE, AdamW, sums of squares.
+    // kernels (the six and two more), each of FP32 and v2 also at four document-masked layouts,
+    // the norms, cross-entropy, column sums, GELU, embeddings, RoPE, AdamW, sums of squares.
     let checked = stdout.lines().filter(|l| l.starts_with("ok")).count();
     let tensor_cores = |version: &str| {
         stdout
@@ -59,10 +59,12 @@ fn every_kernel_matches_its_double_precision_reference_when_emulated_on_the_cpu(
             .filter(|l| l.starts_with("ok") && l.contains(version))
             .count()
     };
-    assert_eq!(tensor_cores("tensor cores "), 6 * 8 + 8 * 8, "{stdout}");
-    assert_eq!(tensor_cores("tensor cores v2"), 8 * 8, "{stdout}");
+    assert_eq!(tensor_cores("tensor cores "), 6 * 8 + 12 * 8, "{stdout}");
+    assert_eq!(tensor_cores("tensor cores v2"), 12 * 8, "{stdout}");
+    // Document masks: four layouts in FP32 and four with the v2 kernels.
+    assert_eq!(tensor_cores("documents"), 2 * 4 * 8, "{stdout}");
     assert!(
-        checked >= 224,
+        checked >= 288,
         "only {checked} outputs were checked:\n{stdout}"
     );
     assert!(stdout.contains("0 failures"), "{stdout}");

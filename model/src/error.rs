@@ -79,11 +79,12 @@ pub enum ModelError {
     /// The configured device cannot run the stage.
     #[error("{0}")]
     Device(String),
-    /// Document masks asked of a device whose attention kernels do not take them.
+    /// Positions restarting at each document asked of a device whose position embedding takes
+    /// contiguous positions only.
     #[error(
-        "data.document_mask: the {device} device's attention kernels do not take document starts yet ({missing}); set model.device = \"cpu\" or data.document_mask = false"
+        "data.reset_positions: the {device} device's position embedding does not restart at documents ({missing}); set model.device = \"cpu\" or data.reset_positions = false"
     )]
-    DocumentMaskUnsupported {
+    ResetPositionsUnsupported {
         device: &'static str,
         missing: &'static str,
     },

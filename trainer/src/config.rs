@@ -579,9 +579,10 @@ impl Config {
     }
 
     /// `data.document_mask` and `data.reset_positions`: consistent, and refused where the stage
-    /// cannot apply them: on CUDA devices (their attention kernels take no document starts yet),
-    /// and positions restarting per document with RoPE (the rotary table takes contiguous
-    /// positions only). See docs/data.md, "Packed documents".
+    /// cannot apply them: positions restarting per document on CUDA devices (their position
+    /// kernels take contiguous positions) and with RoPE (the rotary table takes contiguous
+    /// positions only). Masks themselves work on both devices. See docs/data.md, "Packed
+    /// documents".
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if d.reset_positions && !d.document_mask {
@@ -592,13 +593,24 @@ impl Config {
                     .into(),
             });
         }
-        if d.document_mask && self.model.device == DeviceKind::Cuda {
+        if d.document_mask && self.pipeline.transport == StageTransport::Nccl {
             return Err(ConfigError::NotWired {
                 key: "data.document_mask",
-                what: "CPU stages mask attention to each document, but the CUDA attention \
-                       kernels (gpu/) take no per-query document start yet; set \
-                       model.device = \"cpu\" or data.document_mask = false (see docs/data.md, \
-                       \"Packed documents\")"
+                what: "the stages past the first get a micro-batch's document starts from the \
+                       header of its activation message over TCP, but NCCL device links carry \
+                       the tensor alone; set pipeline.transport = \"tcp\" or \
+                       data.document_mask = false (see docs/data.md, \"Packed documents\")"
+                    .into(),
+            });
+        }
+        if d.reset_positions && self.model.device == DeviceKind::Cuda {
+            return Err(ConfigError::NotWired {
+                key: "data.reset_positions",
+                what: "CPU stages restart learned positions at each document, but the CUDA \
+                       position kernels (gpu/: embed_forward, embed_backward_positions) take \
+                       contiguous positions; set model.device = \"cpu\" or \
+                       data.reset_positions = false (document masks alone work on CUDA; see \
+                       docs/data.md, \"Packed documents\")"
                     .into(),
             });
         }
@@ -1056,10 +1068,41 @@ mod tests {
             assert!(cfg.data.document_mask);
             cfg.validate().unwrap();
         }
-        // On CUDA stages it is refused with a typed error naming what is missing.
-        let err = with(&["data.document_mask=true", "model.device=\"cuda\""])
+        // On CUDA stages the mask is accepted (the attention kernels take document starts), but
+        // restarting positions is refused with a typed error naming what is missing.
+        with(&["data.document_mask=true", "model.device=\"cuda\""])
             .validate()
-            .unwrap_err();
+            .unwrap();
+        let err = with(&[
+            "data.document_mask=true",
+            "data.reset_positions=true",
+            "model.device=\"cuda\"",
+        ])
+        .validate()
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::NotWired {
+                    key: "data.reset_positions",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("CUDA position kernels") && text.contains("model.device = \"cpu\""),
+            "{text}"
+        );
+        // NCCL device links carry no document starts: refused, naming the way out.
+        let err = with(&[
+            "data.document_mask=true",
+            "model.device=\"cuda\"",
+            "pipeline.transport=\"nccl\"",
+        ])
+        .validate()
+        .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1070,10 +1113,9 @@ mod tests {
             ),
             "{err}"
         );
-        let text = err.to_string();
         assert!(
-            text.contains("CUDA attention kernels") && text.contains("model.device = \"cpu\""),
-            "{text}"
+            err.to_string().contains("pipeline.transport = \"tcp\""),
+            "{err}"
         );
         // Restarting positions needs the learned position table.
         let err = with(&[

@@ -4,7 +4,8 @@
 //! filled segment by segment, dK/dV accumulated by later segments' backwards, unequal segment
 //! lengths, the gradient buffers and their summation tree, AdamW, the state's names and order,
 //! snapshots and restores — runs a two-stage Seq1F1B step here exactly as it would on a GPU, and
-//! must match the CPU stages (FP32, within rounding).
+//! must match the CPU stages (FP32, within rounding). Document masks too: the micro-batch's
+//! document starts reach the attention kernels, through the K/V cache and the dK/dV carry.
 //!
 //! Run: `cargo test --release -p trainer --features emulate-gpu --test emulated_cuda_stage`
 //! (scripts/test.sh does).
@@ -627,26 +628,42 @@ fn both_devices_refuse_misordered_units_with_the_models_typed_error() {
     }
 }
 
-/// Document masks (issue 32) are CPU-only for now: a CUDA stage refuses a micro-batch's document
-/// starts and restarting positions with the model's typed error naming what is missing, never
-/// attending across documents silently; the CPU stage takes them.
+/// A CUDA stage takes a micro-batch's document starts after the CPU stage's checks (untrusted
+/// input: rows sorted from 0 and below the sequence length, one per row), refuses other starts for
+/// a micro-batch under way, and refuses restarting positions (`data.reset_positions`: its position
+/// kernels take contiguous positions) with the model's typed error naming the key; the CPU stage
+/// takes both.
 #[test]
-fn cuda_stages_refuse_document_masks_with_the_models_typed_error() {
+fn cuda_stages_take_document_starts_and_refuse_restarting_positions_with_a_typed_error() {
     use trainer::model::ModelError;
     let docs = vec![vec![0, 5], vec![0]];
     for s in stages(&model(DeviceKind::Cuda)).iter_mut() {
-        let e = s.set_documents(0, docs.clone()).unwrap_err();
+        s.begin_step(MICRO_BATCHES);
+        s.set_documents(0, docs.clone()).unwrap();
+        s.set_documents(0, docs.clone()).unwrap();
+        let e = s.set_documents(0, vec![vec![0, 6], vec![0]]).unwrap_err();
+        assert!(e.to_string().contains("other document starts"), "{e}");
+        for bad in [
+            vec![vec![1], vec![0]],
+            vec![vec![0, 5, 5], vec![0]],
+            vec![vec![0, SEQ], vec![0]],
+        ] {
+            let e = s.set_documents(1, bad.clone()).unwrap_err();
+            assert!(
+                matches!(e, ModelError::Documents { micro_batch: 1, .. }),
+                "{bad:?}: {e}"
+            );
+        }
+        let e = s.set_reset_positions(true).unwrap_err();
         assert!(
             matches!(
                 e,
-                ModelError::DocumentMaskUnsupported { device: "cuda", .. }
+                ModelError::ResetPositionsUnsupported { device: "cuda", .. }
             ),
             "{e}"
         );
-        assert!(e.to_string().contains("model.device = \"cpu\""), "{e}");
-        let e = s.set_reset_positions(true).unwrap_err();
         assert!(
-            matches!(e, ModelError::DocumentMaskUnsupported { .. }),
+            e.to_string().contains("data.reset_positions = false"),
             "{e}"
         );
         s.set_reset_positions(false).unwrap();
@@ -654,5 +671,252 @@ fn cuda_stages_refuse_document_masks_with_the_models_typed_error() {
     for s in stages(&model(DeviceKind::Cpu)).iter_mut() {
         s.set_documents(0, docs.clone()).unwrap();
         s.set_reset_positions(true).unwrap();
+    }
+}
+
+// Document masks through Seq1F1B's segments on the emulated CUDA stages (issue 32).
+
+/// Positions of the masked tests' sequences: several of the kernels' 64-query blocks and 32-key
+/// tiles, so the kernels' skipping of whole tiles before a document's start runs.
+const DOC_SEQ: usize = 160;
+/// Three segments (k = 3, unequal): a K/V prefix of one and of two earlier segments, and the dK/dV
+/// carried back over both.
+const DOC_SEGMENTS: [usize; 3] = [48, 50, 62];
+
+fn doc_model(device: DeviceKind) -> ModelConfig {
+    ModelConfig {
+        max_seq_len: DOC_SEQ,
+        ..model(device)
+    }
+}
+
+/// Both stages of a two-stage split, cut into [`DOC_SEGMENTS`].
+fn doc_stages(model: &ModelConfig) -> Vec<Box<dyn StageCompute>> {
+    partition_layers(model, DOC_SEQ, 2)
+        .unwrap()
+        .into_iter()
+        .map(|layout| {
+            build_stage(
+                model,
+                StageSpec {
+                    layout,
+                    segment_lengths: DOC_SEGMENTS.to_vec(),
+                    seed: 9,
+                    adamw: AdamWConfig {
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                    },
+                    memory_budget: None,
+                },
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+/// Per micro-batch, per row, the document starts. Micro-batch 0 holds the edge cases: a document
+/// starting exactly on each segment boundary (48, 98), one-token documents (48..49, 97..98 — the
+/// last position of a segment — and 159..160, the sequence's last), and documents spanning a
+/// boundary (49..100, 0..97 spanning two); micro-batch 1 is drawn at random (lengths uniform in
+/// 1..=70, a fixed seed), so its documents span segments or sit inside one.
+fn doc_layouts() -> Vec<Vec<Vec<usize>>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(32);
+    let mut random_row = || {
+        let mut row = vec![0];
+        loop {
+            let next = row.last().unwrap() + rng.random_range(1..=70usize);
+            if next >= DOC_SEQ {
+                return row;
+            }
+            row.push(next);
+        }
+    };
+    let random = vec![random_row(), random_row()];
+    vec![
+        vec![vec![0, 30, 48, 49, 100, 140, 159], vec![0, 97, 98, 130]],
+        random,
+    ]
+}
+
+/// Token ids and targets of micro-batch `mb`, segment `seg` of [`DOC_SEGMENTS`].
+fn doc_batch(step: usize, mb: usize, seg: usize) -> (Tensor, Tensor) {
+    let start: usize = DOC_SEGMENTS[..seg].iter().sum();
+    let len = DOC_SEGMENTS[seg];
+    let id = |r: usize, t: usize, salt: usize| {
+        ((r * 31 + (start + t) * 7 + (start + t) / 5 * 3 + mb * 13 + step * 17 + salt) % 48) as u32
+    };
+    let ids: Vec<u32> = (0..ROWS)
+        .flat_map(|r| (0..len).map(move |t| id(r, t, 0)))
+        .collect();
+    let targets: Vec<u32> = (0..ROWS)
+        .flat_map(|r| (0..len).map(move |t| id(r, t, 5)))
+        .collect();
+    (
+        Tensor::from_vec(ids, (ROWS, len), &Device::Cpu).unwrap(),
+        Tensor::from_vec(targets, ROWS * len, &Device::Cpu).unwrap(),
+    )
+}
+
+/// One two-stage Seq1F1B step over [`DOC_SEGMENTS`] (as [`step`]), each micro-batch's document
+/// starts given to both stages first when `docs` has them. Returns the step's loss.
+fn doc_step(
+    stages: &mut [Box<dyn StageCompute>],
+    n: usize,
+    docs: Option<&[Vec<Vec<usize>>]>,
+) -> f64 {
+    let scale = 1.0 / (MICRO_BATCHES * ROWS * DOC_SEQ) as f64;
+    for s in stages.iter_mut() {
+        s.begin_step(MICRO_BATCHES);
+    }
+    let mut loss = 0.0;
+    for mb in 0..MICRO_BATCHES {
+        if let Some(docs) = docs {
+            for s in stages.iter_mut() {
+                s.set_documents(mb, docs[mb].clone()).unwrap();
+            }
+        }
+        for seg in 0..DOC_SEGMENTS.len() {
+            let unit = Unit::new(mb, seg);
+            let (ids, targets) = doc_batch(n, mb, seg);
+            let StageOutput::Hidden(hidden) = stages[0]
+                .forward(unit, StageInput::Tokens(ids), None, scale, Mode::Train)
+                .unwrap()
+            else {
+                panic!("stage 0 of 2 returned a loss")
+            };
+            let StageOutput::LossSum(l) = stages[1]
+                .forward(
+                    unit,
+                    StageInput::Hidden(hidden),
+                    Some(&targets),
+                    scale,
+                    Mode::Train,
+                )
+                .unwrap()
+            else {
+                panic!("the last stage returned hidden states")
+            };
+            loss += l * scale;
+        }
+    }
+    for mb in (0..MICRO_BATCHES).rev() {
+        for seg in (0..DOC_SEGMENTS.len()).rev() {
+            let unit = Unit::new(mb, seg);
+            let d = stages[1].backward(unit, None).unwrap();
+            assert!(stages[0].backward(unit, d).unwrap().is_none());
+        }
+    }
+    for s in stages.iter_mut() {
+        s.finish_gradients().unwrap();
+    }
+    loss
+}
+
+/// Issue 32: the emulated CUDA stages agree with the CPU stages on document-masked attention. Two
+/// two-stage Seq1F1B steps (k = 3) with masks on [`doc_layouts`]: the losses and every gradient of
+/// the CUDA stages (the FP32 attention kernels reading the micro-batch's per-position document
+/// starts through the K/V cache and the dK/dV carry) against the CPU stages' (the CPU oracle,
+/// `ops::document_prefix_attention_*`); the second step from the same weights on both (the CPU's
+/// gradients applied on both, as in the first test).
+///
+/// Measured on the development machine (2026-11-26): losses 1.4e-9 and 2.3e-9 relative, gradients
+/// 5.9e-7 relative L2 at worst (`h.1.ln_1.bias`). Bounds: 5e-8 and 1e-5, 17-20× those. With the
+/// kernels ignoring the starts (the block passing no `DocStarts`), step 0 misses them by far:
+/// loss 1.08e-4, gradients 0.81 (`h.1.ln_1.weight`). The unmasked run must differ from the masked
+/// one by 100× the bounds (checked at each step), so the test cannot pass with the masks lost.
+#[test]
+fn emulated_cuda_stages_match_the_cpu_stages_with_document_masks_through_the_segments() {
+    const LOSS_BOUND: f64 = 5e-8;
+    const GRAD_BOUND: f64 = 1e-5;
+    let layouts = doc_layouts();
+    let mut cpu = doc_stages(&doc_model(DeviceKind::Cpu));
+    let mut cuda = doc_stages(&doc_model(DeviceKind::Cuda));
+    let mut unmasked = doc_stages(&doc_model(DeviceKind::Cpu));
+    for n in 0..2 {
+        let (lc, lg) = (
+            doc_step(&mut cpu, n, Some(&layouts)),
+            doc_step(&mut cuda, n, Some(&layouts)),
+        );
+        let lu = doc_step(&mut unmasked, n, None);
+        let rel = ((lc - lg) / lc).abs();
+        let (mut worst, mut masks_move) = ((0.0f64, String::new()), 0.0f64);
+        for (s, ((c, g), u)) in cpu.iter().zip(&cuda).zip(&unmasked).enumerate() {
+            let (w, name) = worst_rel(&g.gradients().unwrap(), &c.gradients().unwrap());
+            if w > worst.0 || w.is_nan() {
+                worst = (w, format!("stage {s}, {name}"));
+            }
+            masks_move =
+                masks_move.max(worst_rel(&u.gradients().unwrap(), &c.gradients().unwrap()).0);
+        }
+        let loss_move = ((lu - lc) / lc).abs();
+        eprintln!(
+            "step {n}: masked loss {lc} on the CPU, {lg} on CUDA ({rel:.2e}); unmasked {lu} \
+             ({loss_move:.2e}); worst gradient {:.2e} ({}); unmasked gradients differ by up to \
+             {masks_move:.2e}",
+            worst.0, worst.1
+        );
+        assert!(
+            loss_move > 100.0 * LOSS_BOUND && masks_move > 100.0 * GRAD_BOUND,
+            "step {n}: the masks move the loss by {loss_move:.2e} and the gradients by \
+             {masks_move:.2e} only: the test could not fail"
+        );
+        assert!(
+            rel < LOSS_BOUND,
+            "step {n}: loss {lg} on CUDA, {lc} on the CPU ({rel:.2e})"
+        );
+        assert!(
+            worst.0 < GRAD_BOUND,
+            "step {n}: gradient of {} differs by {:.2e} (relative L2)",
+            worst.1,
+            worst.0
+        );
+        for (c, g) in cpu.iter().zip(cuda.iter_mut()) {
+            g.set_gradient_vector(&c.gradient_vector().unwrap())
+                .unwrap();
+        }
+        for (c, u) in cpu.iter().zip(unmasked.iter_mut()) {
+            u.set_gradient_vector(&c.gradient_vector().unwrap())
+                .unwrap();
+        }
+        update(&mut cpu);
+        update(&mut cuda);
+        update(&mut unmasked);
+    }
+}
+
+/// With one document per row the masked CUDA stages compute exactly what the unmasked ones do: the
+/// kernels' document starts are all 0, so every sum runs as without them — losses and gradients
+/// bit-identical over two steps.
+#[test]
+fn emulated_cuda_stages_with_one_document_per_row_are_bit_identical_to_unmasked() {
+    let single = vec![vec![vec![0]; ROWS]; MICRO_BATCHES];
+    let mut masked = doc_stages(&doc_model(DeviceKind::Cuda));
+    let mut plain = doc_stages(&doc_model(DeviceKind::Cuda));
+    for n in 0..2 {
+        let (lm, lp) = (
+            doc_step(&mut masked, n, Some(&single)),
+            doc_step(&mut plain, n, None),
+        );
+        assert_eq!(
+            lm.to_bits(),
+            lp.to_bits(),
+            "step {n}: loss {lm} masked, {lp} not"
+        );
+        for (s, (m, p)) in masked.iter().zip(&plain).enumerate() {
+            let (gm, gp) = (m.gradient_vector().unwrap(), p.gradient_vector().unwrap());
+            let differ = gm
+                .iter()
+                .zip(&gp)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "step {n}, stage {s}: {differ} gradient elements differ"
+            );
+        }
+        update(&mut masked);
+        update(&mut plain);
     }
 }

@@ -16,6 +16,7 @@ use ops::DocumentMask;
 use super::{BlockActs, GpuStage, NormActs, Scratch, UnitShape};
 use crate::device::Buf;
 use crate::error::{GpuError, Result};
+use crate::kernels::DocStarts;
 use crate::profile::Pass;
 
 /// What a block's backward adds to and works in.
@@ -40,6 +41,8 @@ pub(super) struct GpuBlock<'s> {
     pub cache: &'s Buf<f32>,
     pub layer: usize,
     pub rows: UnitShape,
+    /// The micro-batch's document starts on the device, when its attention is masked.
+    pub docs: Option<DocStarts>,
     /// The backward's buffers (none in the forward).
     pub grads: Option<BlockGrads<'s>>,
 }
@@ -160,7 +163,7 @@ impl BlockDevice for GpuBlock<'_> {
     }
 
     fn attention_forward(&mut self, qkv: &u64, docs: Option<&DocumentMask>) -> Result<u64> {
-        refuse_documents(docs)?;
+        let doc_starts = self.doc_starts(docs)?;
         let (stage, a, cache) = (self.stage, self.acts, self.cache);
         let UnitShape { b, start, len } = self.rows;
         let c = stage.plan.model.d_model;
@@ -177,7 +180,8 @@ impl BlockDevice for GpuBlock<'_> {
         )?;
         let (sh, scale) = (stage.attn_shape(b, start, len), stage.attn_scale());
         let (y, lse) = (a.y.ptr(), a.lse.ptr());
-        gpu.attention_forward(y, lse, *qkv, cache.at(c), cache.at(2 * c), sh, scale)?;
+        let (k, v) = (cache.at(c), cache.at(2 * c));
+        gpu.attention_forward(y, lse, *qkv, k, v, doc_starts, sh, scale)?;
         Ok(y)
     }
 
@@ -240,7 +244,7 @@ impl BlockDevice for GpuBlock<'_> {
     }
 
     fn attention_backward(&mut self, dy: &u64, docs: Option<&DocumentMask>) -> Result<u64> {
-        refuse_documents(docs)?;
+        let doc_starts = self.doc_starts(docs)?;
         let g = self.backward(BlockLayer::CAttn)?;
         let (stage, a, cache) = (self.stage, self.acts, self.cache);
         let UnitShape { b, start, len } = self.rows;
@@ -262,6 +266,7 @@ impl BlockDevice for GpuBlock<'_> {
             *dy,
             lse,
             delta,
+            doc_starts,
             sh,
             scale,
             true,
@@ -291,14 +296,19 @@ impl BlockDevice for GpuBlock<'_> {
     }
 }
 
-/// The CUDA attention kernels take no document starts yet: a mask is refused, never ignored.
-fn refuse_documents(docs: Option<&DocumentMask>) -> Result<()> {
-    match docs {
-        None => Ok(()),
-        Some(_) => Err(ModelError::DocumentMaskUnsupported {
-            device: "cuda",
-            missing: "the CUDA attention kernels take no per-query document start",
+impl GpuBlock<'_> {
+    /// The device copy of `docs`, the mask the model hands the attention: the stage uploaded it
+    /// with the micro-batch's starts ([`GpuStage::set_documents`]), so the two come together.
+    fn doc_starts(&self, docs: Option<&DocumentMask>) -> Result<Option<DocStarts>> {
+        match (docs, self.docs) {
+            (None, _) => Ok(None),
+            (Some(_), Some(d)) => Ok(Some(d)),
+            (Some(_), None) => Err(GpuError::from(ModelError::NotSaved {
+                layer: format!(
+                    "{} (a document mask with no document starts on the device)",
+                    self.prefix(BlockLayer::CAttn)
+                ),
+            })),
         }
-        .into()),
     }
 }

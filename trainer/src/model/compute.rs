@@ -57,21 +57,18 @@ pub trait StageCompute: Send {
     /// Starts a training step of `micro_batches` micro-batches (see [`Stage::begin_step`]).
     fn begin_step(&mut self, micro_batches: usize);
     /// Masks micro-batch `micro_batch`'s attention to each query's own document, from its rows'
-    /// document starts (see [`Stage::set_documents`]). A device whose kernels cannot mask refuses
-    /// it ([`ModelError::DocumentMaskUnsupported`]), never ignores it.
+    /// document starts (see [`Stage::set_documents`]): every device does.
     fn set_documents(
         &mut self,
         micro_batch: usize,
         rows: Vec<Vec<usize>>,
-    ) -> Result<(), ModelError> {
-        let _ = (micro_batch, rows);
-        Err(documents_unsupported(self.device()))
-    }
-    /// Positions restart at each document (see [`Stage::set_reset_positions`]); refused like
-    /// [`StageCompute::set_documents`] where the device cannot mask.
+    ) -> Result<(), ModelError>;
+    /// Positions restart at each document (see [`Stage::set_reset_positions`]); a device whose
+    /// position embedding cannot refuses it ([`ModelError::ResetPositionsUnsupported`]), never
+    /// ignores it.
     fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {
         if reset {
-            return Err(documents_unsupported(self.device()));
+            return Err(reset_positions_unsupported(self.device()));
         }
         Ok(())
     }
@@ -129,14 +126,15 @@ pub trait StageCompute: Send {
     }
 }
 
-/// What a device without document masks answers when asked for them.
-fn documents_unsupported(device: DeviceKind) -> ModelError {
-    ModelError::DocumentMaskUnsupported {
+/// What a device whose position embedding takes contiguous positions only answers when asked to
+/// restart them at each document.
+fn reset_positions_unsupported(device: DeviceKind) -> ModelError {
+    ModelError::ResetPositionsUnsupported {
         device: match device {
             DeviceKind::Cpu => "cpu",
             DeviceKind::Cuda => "cuda",
         },
-        missing: "its attention kernels take no per-query document start",
+        missing: "its position kernels gather and sum rows pos0 + t, contiguous within a segment",
     }
 }
 

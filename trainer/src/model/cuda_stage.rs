@@ -4,7 +4,8 @@
 //! same values for a seed), and opens the worker's GPU.
 //!
 //! What the CUDA kernels do not cover is refused when the stage is built, with what to do: RoPE
-//! positions and f64 stages.
+//! positions and f64 stages; and positions restarting at each document (`data.reset_positions`)
+//! when asked. Document masks are the device stage's ([`GpuStage::set_documents`]).
 //!
 //! It also offers [`DeviceLinks`]: NCCL links to the neighbouring stages' GPUs
 //! (`pipeline.transport = "nccl"`), with the boundary tensors kept on the device.
@@ -40,6 +41,8 @@ pub struct CudaStage {
     specs: Vec<ParamSpec>,
     adamw: AdamWConfig,
     d_model: usize,
+    /// Positions per sequence (the segments' sum).
+    seq_len: usize,
 }
 
 /// The model's own refusals (units out of order, no step begun) come back as they are; any
@@ -124,6 +127,7 @@ impl CudaStage {
             specs,
             adamw: spec.adamw,
             d_model: model.d_model,
+            seq_len: spec.segment_lengths.iter().sum(),
         })
     }
 
@@ -218,6 +222,24 @@ impl StageCompute for CudaStage {
 
     fn begin_step(&mut self, micro_batches: usize) {
         self.stage.begin_step(micro_batches);
+    }
+
+    fn set_documents(
+        &mut self,
+        micro_batch: usize,
+        rows: Vec<Vec<usize>>,
+    ) -> Result<(), ModelError> {
+        // The CPU stage's checks of untrusted starts (sorted, from 0, below the sequence length).
+        let batch = rows.len();
+        let mask = ::model::document_mask(rows, batch, self.seq_len).map_err(|source| {
+            ModelError::Documents {
+                micro_batch,
+                source,
+            }
+        })?;
+        self.stage
+            .set_documents(micro_batch, mask)
+            .map_err(device_err)
     }
 
     fn forward(
