@@ -799,7 +799,7 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         .map(|l| format!("{:?}", l.layers))
         .collect();
     eprintln!(
-        "pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {:?}",
+        "pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {}",
         plan.stages,
         ranges.join(" "),
         cfg.pipeline.schedule,

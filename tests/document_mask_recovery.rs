@@ -4,7 +4,8 @@
 //! replacement of the first stage reads the documents off its tokens again; a middle stage's
 //! replacement gets them with the activations its neighbour kept and sends again. Either way the
 //! run ends bit-identical to the undisturbed masked run, which itself ends elsewhere than the
-//! unmasked one (the masks matter).
+//! unmasked one (the masks matter). The same with the document partition (each micro-batch cut
+//! from its own documents): a replacement recomputes the same lengths from the same starts.
 
 mod common;
 mod harness;
@@ -90,4 +91,59 @@ fn a_first_stage_killed_mid_step_rereads_its_documents_and_ends_bit_identical() 
 #[test]
 fn a_middle_stage_killed_mid_step_gets_its_documents_again_and_ends_bit_identical() {
     mid_step_kill("docmask-mid-step-2", 2, Pos::Action(20));
+}
+
+/// The document partition on top: each micro-batch cut into 8 segments from its own documents
+/// (below 8 tokens per segment the lengths are not rounded to multiples of 8, so they differ
+/// from micro-batch to micro-batch).
+const DOCUMENT_PARTITION: [&str; 5] = [
+    DOCUMENTS[0],
+    DOCUMENTS[1],
+    DOCUMENTS[2],
+    "pipeline.partition=\"documents\"",
+    "pipeline.splits=8",
+];
+
+/// The final state of the document-partitioned job run undisturbed (computed once).
+fn partitioned_reference() -> &'static BTreeMap<String, Vec<u8>> {
+    static REFERENCE: OnceLock<BTreeMap<String, Vec<u8>>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let out = run("docpart-reference", 4, &DOCUMENT_PARTITION, Vec::new());
+        assert_eq!(out.result, Ok(STEPS), "the undisturbed run failed");
+        assert!(out.recoveries().is_empty(), "{:#?}", out.events);
+        let (step, state) = final_state(&out.dir);
+        assert_eq!(step, STEPS);
+        state
+    })
+}
+
+/// With the document partition, stage `stage` killed at `pos` of step 3: its replacement cuts
+/// each micro-batch from the same documents (read off its tokens again, or from the activations
+/// its neighbour sends again), and the run ends bit-identical to the undisturbed one.
+fn partitioned_mid_step_kill(name: &str, stage: usize, pos: Pos) {
+    let reference = partitioned_reference();
+    let out = run(
+        name,
+        4,
+        &DOCUMENT_PARTITION,
+        vec![Rule::at(stage, 3, pos, kill_it(3))],
+    );
+    out.assert_recovery(Tier::MidStep, 0, (4, 4));
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    let (step, state) = final_state(&out.dir);
+    assert_eq!(step, STEPS);
+    assert!(
+        state == *reference,
+        "{name}: final state differs from the undisturbed document-partitioned run"
+    );
+}
+
+#[test]
+fn a_first_stage_killed_mid_step_recuts_its_micro_batches_and_ends_bit_identical() {
+    partitioned_mid_step_kill("docpart-mid-step-0", 0, Pos::Action(40));
+}
+
+#[test]
+fn a_middle_stage_killed_mid_step_recuts_its_micro_batches_and_ends_bit_identical() {
+    partitioned_mid_step_kill("docpart-mid-step-2", 2, Pos::Action(100));
 }

@@ -13,7 +13,7 @@ use crate::checkpointing::CheckpointConfig;
 use crate::data::DataConfig;
 use crate::model::ModelConfig;
 use crate::model::config::DeviceKind;
-use crate::schedule::{FlopsModel, Partition, ScheduleKind, segment_lengths};
+use crate::schedule::{FlopsModel, Partition, ScheduleKind, SegmentRule};
 
 /// The embedded default config (`configs/tiny.toml`).
 pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/tiny.toml");
@@ -167,7 +167,9 @@ pub struct PipelineConfig {
     pub schedule: ScheduleKind,
     /// Layer chunks per stage (virtual stages) v: 1, or ≥ 2 for the interleaved schedules.
     pub virtual_stages: usize,
-    /// Segment lengths: `uniform` or `compute` (equal FLOPs under causal attention).
+    /// Segment lengths: `uniform`, `compute` (equal FLOPs under causal attention) or `documents`
+    /// (each micro-batch its own lengths, equal cost under its document masks; needs
+    /// `data.document_mask = true` and CPU stages).
     pub partition: Partition,
     /// For `partition = "compute"`: the time of an attention FLOP relative to a dense (matmul)
     /// FLOP, γ. 1 = the paper's pure FLOPs count; `seqpipe bench schedule` measures γ for this
@@ -331,9 +333,9 @@ impl Config {
         }
     }
 
-    /// The segment lengths of every micro-batch's sequence.
-    pub fn segment_lengths(&self) -> Result<Vec<usize>, ConfigError> {
-        segment_lengths(
+    /// How every micro-batch's sequence is cut into segments (`pipeline.partition`).
+    pub fn segment_rule(&self) -> Result<SegmentRule, ConfigError> {
+        SegmentRule::new(
             self.pipeline.partition,
             self.train.seq_len,
             self.pipeline.splits,
@@ -343,6 +345,21 @@ impl Config {
             key: "pipeline.splits",
             message: e.to_string(),
         })
+    }
+
+    /// The segment lengths of every micro-batch's sequence, where one table serves them all.
+    /// Refused for `pipeline.partition = "documents"` (each micro-batch has its own lengths:
+    /// [`Config::segment_rule`]), naming the key.
+    pub fn segment_lengths(&self) -> Result<Vec<usize>, ConfigError> {
+        match self.segment_rule()? {
+            SegmentRule::Fixed(lengths) => Ok(lengths),
+            SegmentRule::Documents { .. } => Err(ConfigError::Invalid {
+                key: "pipeline.partition",
+                message: "\"documents\" gives each micro-batch its own segment lengths, and this \
+                          needs one table for every micro-batch: use \"compute\" or \"uniform\""
+                    .into(),
+            }),
+        }
     }
 
     /// The replica counts `pipeline.replicas` may take with this micro-batch count, ascending.
@@ -473,7 +490,7 @@ impl Config {
                 ),
             );
         }
-        self.segment_lengths()?;
+        self.segment_rule()?;
         for (key, value) in [("train.lr", t.lr), ("train.eps", t.eps)] {
             if !(value > 0.0 && value.is_finite()) {
                 return invalid(key, format!("must be a positive number, got {value}"));
@@ -578,10 +595,11 @@ impl Config {
         self.validate_documents()
     }
 
-    /// `data.document_mask` and `data.reset_positions`: consistent, and refused where the stage
-    /// cannot apply them: positions restarting per document on CUDA devices (their position
-    /// kernels take contiguous positions) and with RoPE (the rotary table takes contiguous
-    /// positions only). Masks themselves work on both devices. See docs/data.md, "Packed
+    /// `data.document_mask`, `data.reset_positions` and `pipeline.partition = "documents"`:
+    /// consistent, and refused where the stage cannot apply them: positions restarting per
+    /// document on CUDA devices (their position kernels take contiguous positions) and with RoPE
+    /// (the rotary table takes contiguous positions only); the document partition without masks
+    /// (no documents to balance on) and on CUDA devices (per-segment buffers sized once). Masks themselves work on both devices. See docs/data.md, "Packed
     /// documents".
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let d = &self.data;
@@ -602,6 +620,27 @@ impl Config {
                        data.document_mask = false (see docs/data.md, \"Packed documents\")"
                     .into(),
             });
+        }
+        if self.pipeline.partition == Partition::Documents {
+            if !d.document_mask {
+                return Err(ConfigError::Invalid {
+                    key: "pipeline.partition",
+                    message: "\"documents\" balances each micro-batch's segments on its \
+                              documents, which exist only with document masks: set \
+                              data.document_mask = true, or use \"compute\""
+                        .into(),
+                });
+            }
+            if self.model.device == DeviceKind::Cuda {
+                return Err(ConfigError::Invalid {
+                    key: "pipeline.partition",
+                    message: "\"documents\" gives each micro-batch its own segment lengths, but \
+                              a CUDA stage sizes its per-segment buffers once for one table of \
+                              lengths; use \"compute\" with model.device = \"cuda\", or \
+                              model.device = \"cpu\" (see docs/data.md, \"Packed documents\")"
+                        .into(),
+                });
+            }
         }
         if d.reset_positions && self.model.device == DeviceKind::Cuda {
             return Err(ConfigError::NotWired {
@@ -1032,6 +1071,64 @@ mod tests {
                 "{key}={value}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn the_document_partition_needs_masks_and_cpu_stages() {
+        let with = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::default().with_overrides(&sets).unwrap()
+        };
+        let partition_error = |err: &ConfigError, needle: &str| {
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::Invalid {
+                        key: "pipeline.partition",
+                        ..
+                    }
+                ) && err.to_string().contains(needle),
+                "{err}"
+            );
+        };
+        // Without masks there are no documents to balance on.
+        let err = with(&["pipeline.partition=\"documents\""])
+            .validate()
+            .unwrap_err();
+        partition_error(&err, "data.document_mask = true");
+        // CUDA stages size their per-segment buffers for one table.
+        let err = with(&[
+            "pipeline.partition=\"documents\"",
+            "data.document_mask=true",
+            "model.device=\"cuda\"",
+        ])
+        .validate()
+        .unwrap_err();
+        partition_error(&err, "CUDA stage");
+        // With masks on CPU stages: accepted, each micro-batch cut from its documents; one table
+        // for all is refused, naming the key.
+        let cfg = with(&[
+            "pipeline.partition=\"documents\"",
+            "data.document_mask=true",
+        ]);
+        cfg.validate().unwrap();
+        let rule = cfg.segment_rule().unwrap();
+        assert!(rule.per_micro_batch());
+        assert_eq!(rule.splits(), cfg.pipeline.splits);
+        assert_eq!(rule.seq_len(), cfg.train.seq_len);
+        partition_error(&cfg.segment_lengths().unwrap_err(), "one table");
+        // The other partitions keep their one table.
+        let compute = Config::default();
+        assert_eq!(
+            compute.segment_rule().unwrap(),
+            SegmentRule::Fixed(compute.segment_lengths().unwrap())
+        );
+        // An unknown name lists the three.
+        let err = Config::default()
+            .with_overrides(&["pipeline.partition=\"docs\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"documents\""), "{err}");
     }
 
     #[test]

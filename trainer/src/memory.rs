@@ -139,7 +139,11 @@ pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
     let ffn = c.saturating_mul(m.ffn_mult as u64);
     let tokens_per_mb = mul(&[t.micro_batch_size as u64, t.seq_len as u64]);
     let per_token_layer = mul(&[c, 6]).saturating_add(ffn).saturating_mul(F32);
-    let segment = (t.seq_len as u64).div_ceil(p.splits.max(1) as u64);
+    // The longest segment a micro-batch may get (with the document partition, of any layout).
+    let segment = cfg.segment_rule().map_or_else(
+        |_| (t.seq_len as u64).div_ceil(p.splits.max(1) as u64),
+        |rule| rule.longest() as u64,
+    );
     Some(
         layouts
             .iter()
@@ -161,7 +165,7 @@ pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
                 let mut activation_bytes =
                     mul(&[in_flight, tokens_per_mb, layers, per_token_layer]);
                 if layout.is_last() {
-                    // Logits of one segment and their gradient.
+                    // Logits of the longest segment and their gradient.
                     let logits = mul(&[
                         t.micro_batch_size as u64,
                         segment,
@@ -285,6 +289,33 @@ mod tests {
         let params: u64 = stages.iter().map(|s| s.params).sum();
         assert_eq!(params, crate::model::params::param_count(&cfg.model) as u64);
         assert!(stages.iter().all(|s| s.activation_bytes > 0));
+    }
+
+    #[test]
+    fn the_last_stage_holds_the_logits_of_its_longest_segment() {
+        let sets = |partition: &str| {
+            Config::default()
+                .with_overrides(&[
+                    format!("pipeline.partition=\"{partition}\""),
+                    "data.document_mask=true".into(),
+                ])
+                .unwrap()
+        };
+        let (compute, documents) = (sets("compute"), sets("documents"));
+        let logits = |cfg: &Config, tokens: usize| {
+            (cfg.train.micro_batch_size * tokens * cfg.model.vocab_size * 8) as u64
+        };
+        let (a, b) = (estimate(&compute).unwrap(), estimate(&documents).unwrap());
+        let longest_compute = *compute.segment_lengths().unwrap().iter().max().unwrap();
+        let longest = documents.segment_rule().unwrap().longest();
+        assert!(longest > longest_compute, "{longest} vs {longest_compute}");
+        // Only the last stage's logits differ: sized for the longest segment of any layout.
+        let last = a.len() - 1;
+        assert_eq!(a[..last], b[..last]);
+        assert_eq!(
+            b[last].activation_bytes - a[last].activation_bytes,
+            logits(&documents, longest) - logits(&compute, longest_compute)
+        );
     }
 
     #[test]

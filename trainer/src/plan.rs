@@ -7,6 +7,7 @@
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, check_source, synthetic_documents, synthetic_language};
 use crate::model::{PartitionError, StageLayout, partition_layers};
+use crate::schedule::SegmentRule;
 
 /// Why no plan can be made of a validated config.
 #[derive(Debug, thiserror::Error)]
@@ -95,9 +96,9 @@ pub struct RunPlan {
     pub replicas: usize,
     /// The layers each stage holds, stage by stage (`stages` of them).
     pub layouts: Vec<StageLayout>,
-    /// The lengths of the segments every micro-batch's sequence is split into (the same on every
-    /// stage and replica).
-    pub segments: Vec<usize>,
+    /// How every micro-batch's sequence is split into segments: one table, or each micro-batch's
+    /// own lengths from its documents (the same on every stage and replica either way).
+    pub segments: SegmentRule,
     /// The dataset, as checked when the run was planned.
     pub data: DataSummary,
 }
@@ -135,7 +136,7 @@ impl RunPlan {
             stages,
             replicas,
             layouts: partition_layers(&cfg.model, cfg.train.seq_len, stages)?,
-            segments: cfg.segment_lengths()?,
+            segments: cfg.segment_rule()?,
             data,
         })
     }
@@ -180,7 +181,7 @@ mod tests {
             plan.layouts,
             partition_layers(&cfg.model, cfg.train.seq_len, 2).unwrap()
         );
-        assert_eq!(plan.segments, cfg.segment_lengths().unwrap());
+        assert_eq!(plan.segments, cfg.segment_rule().unwrap());
         assert!(matches!(plan.data, DataSummary::Synthetic { .. }));
         assert!(plan.data.loss_lower_bound().unwrap() > 0.0);
     }

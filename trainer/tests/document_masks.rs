@@ -1,6 +1,7 @@
 //! Document masks through the pipeline stage (issue 32): pipelined Seq1F1B gradients with masks
 //! equal the single-process masked model's for p ∈ {1, 2, 4} stages and k ∈ {1, 2, 4, 8}
-//! segments with the uniform and the compute partition, on random document layouts (a fixed set
+//! segments with the uniform, the compute and the document partition (each micro-batch cut from
+//! its own documents, the lengths given to every stage), on random document layouts (a fixed set
 //! of seeds) and on the edge cases (documents spanning segments, shorter than one, starting on a
 //! boundary, one token long); one document per row is today's unmasked model bit for bit; packed
 //! documents with positions restarting per document are exactly the documents run one by one (an
@@ -21,7 +22,7 @@ use trainer::model::{
     Mode, ModelConfig, ModelError, Norm, Position, Stage, StageInput, StageLayout, StageOutput,
     partition_layers,
 };
-use trainer::schedule::{Action, ScheduleKind, Unit, generate};
+use trainer::schedule::{Action, ScheduleKind, SegmentRule, Unit, generate};
 
 const VOCAB: usize = 32;
 const D_MODEL: usize = 16;
@@ -183,9 +184,9 @@ fn starts(segments: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-/// The segment lengths of `partition` ("uniform" or "compute") for k splits of this model, as the
-/// trainer computes them from its config.
-fn partition(kind: &str, k: usize) -> Result<Vec<usize>> {
+/// The segment rule of `partition` ("uniform", "compute" or "documents") for k splits of this
+/// model, as the trainer computes it from its config.
+fn rule(kind: &str, k: usize) -> Result<SegmentRule> {
     let sets: Vec<String> = [
         format!("model.vocab_size={VOCAB}"),
         format!("model.layers={LAYERS}"),
@@ -195,9 +196,58 @@ fn partition(kind: &str, k: usize) -> Result<Vec<usize>> {
         format!("train.seq_len={SEQ}"),
         format!("pipeline.splits={k}"),
         format!("pipeline.partition=\"{kind}\""),
+        "data.document_mask=true".into(),
     ]
     .into();
-    Ok(Config::default().with_overrides(&sets)?.segment_lengths()?)
+    let cfg = Config::default().with_overrides(&sets)?;
+    cfg.validate()?;
+    Ok(cfg.segment_rule()?)
+}
+
+/// The segment lengths of a partition with one table ("uniform" or "compute").
+fn partition(kind: &str, k: usize) -> Result<Vec<usize>> {
+    match rule(kind, k)? {
+        SegmentRule::Fixed(lengths) => Ok(lengths),
+        other => bail!("{kind} has no single table: {other}"),
+    }
+}
+
+/// How a step cuts its micro-batches into segments.
+struct Cut {
+    /// The lengths each stage is built with (its table).
+    table: Vec<usize>,
+    /// Each micro-batch's lengths.
+    lengths: Vec<Vec<usize>>,
+    /// Whether the stages are given each micro-batch's lengths (the document partition), as the
+    /// worker does, or use their table.
+    own: bool,
+}
+
+impl Cut {
+    /// Every micro-batch cut by `table`.
+    fn table(table: &[usize]) -> Self {
+        Self {
+            table: table.to_vec(),
+            lengths: vec![table.to_vec(); MICRO_BATCHES],
+            own: false,
+        }
+    }
+
+    /// The cut `rule` gives `batch`: for the document rule, each micro-batch's own lengths from
+    /// its rows' document starts, as every stage of the trainer computes them.
+    fn of(rule: &SegmentRule, batch: &Batch) -> Result<Self> {
+        Ok(Self {
+            table: rule.table().to_vec(),
+            lengths: (0..MICRO_BATCHES)
+                .map(|mb| rule.lengths(Some(&batch.docs(mb))))
+                .collect::<Result<_, _>>()?,
+            own: rule.per_micro_batch(),
+        })
+    }
+
+    fn splits(&self) -> usize {
+        self.table.len()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,7 +269,7 @@ enum Masks {
 fn run_step(
     stages: &mut [Stage],
     batch: &Batch,
-    segments: &[usize],
+    cut: &Cut,
     kind: ScheduleKind,
     masks: Masks,
 ) -> Result<(f64, HashMap<String, Tensor>)> {
@@ -227,7 +277,7 @@ fn run_step(
     for stage in stages.iter_mut() {
         stage.begin_step(MICRO_BATCHES);
     }
-    let schedule = generate(kind, p, MICRO_BATCHES, segments.len())?;
+    let schedule = generate(kind, p, MICRO_BATCHES, cut.splits())?;
     let compute: Vec<Vec<Action>> = schedule
         .actions
         .iter()
@@ -239,7 +289,6 @@ fn run_step(
         })
         .collect();
     let scale = 1.0 / batch.tokens() as f64;
-    let seg_starts = starts(segments);
     let mut next = vec![0; p];
     let mut activations: HashMap<(usize, Unit), Tensor> = HashMap::new();
     let mut gradients: HashMap<(usize, Unit), Tensor> = HashMap::new();
@@ -250,7 +299,8 @@ fn run_step(
             while let Some(&action) = compute[r].get(next[r]) {
                 match action {
                     Action::Forward(u) => {
-                        let (start, len) = (seg_starts[u.segment], segments[u.segment]);
+                        let lengths = &cut.lengths[u.micro_batch];
+                        let (start, len) = (starts(lengths)[u.segment], lengths[u.segment]);
                         let input = if r == 0 {
                             StageInput::Tokens(batch.inputs(u.micro_batch, start, len)?)
                         } else {
@@ -262,6 +312,10 @@ fn run_step(
                         if masks == Masks::On {
                             // As the worker does: every unit's message carries the starts.
                             stages[r].set_documents(u.micro_batch, batch.docs(u.micro_batch))?;
+                        }
+                        if cut.own {
+                            // As the worker does: every stage computes them from the starts.
+                            stages[r].set_segment_lengths(u.micro_batch, lengths.clone())?;
                         }
                         let targets = batch.targets(u.micro_batch, start, len)?;
                         let targets = (r + 1 == p).then_some(&targets);
@@ -319,7 +373,13 @@ fn run_step(
 /// one segment.
 fn reference(cfg: &ModelConfig, batch: &Batch) -> Result<(f64, HashMap<String, Tensor>)> {
     let mut stages = make_stages(cfg, 1, &[SEQ])?;
-    run_step(&mut stages, batch, &[SEQ], ScheduleKind::Seq1F1B, Masks::On)
+    run_step(
+        &mut stages,
+        batch,
+        &Cut::table(&[SEQ]),
+        ScheduleKind::Seq1F1B,
+        Masks::On,
+    )
 }
 
 fn max_abs(t: &Tensor) -> Result<f64> {
@@ -357,24 +417,33 @@ fn bits(t: &Tensor) -> Result<Vec<u32>> {
         .collect())
 }
 
+/// What the document partition did in [`check_pipelined`]: whether it cut two micro-batches of
+/// a step differently, and a micro-batch otherwise than the compute partition (else the checks
+/// of it prove nothing beyond the compute partition's).
+#[derive(Default)]
+struct DocumentCuts {
+    between_micro_batches: bool,
+    from_compute: bool,
+}
+
 /// Checks the pipelined step against the reference for every p, k and partition.
-fn check_pipelined(cfg: &ModelConfig, batch: &Batch, what: &str) -> Result<()> {
+fn check_pipelined(cfg: &ModelConfig, batch: &Batch, what: &str) -> Result<DocumentCuts> {
     let (ref_loss, ref_grads) = reference(cfg, batch)?;
     let mut non_uniform = false;
-    for kind in ["uniform", "compute"] {
+    let mut cuts = DocumentCuts::default();
+    for kind in ["uniform", "compute", "documents"] {
         for k in [1, 2, 4, 8] {
-            let segments = partition(kind, k)?;
-            non_uniform |= segments.iter().any(|&s| s != SEQ / k);
+            let cut = Cut::of(&rule(kind, k)?, batch)?;
+            non_uniform |= cut.table.iter().any(|&s| s != SEQ / k);
+            if cut.own {
+                cuts.between_micro_batches |= cut.lengths.iter().any(|l| *l != cut.lengths[0]);
+                cuts.from_compute |= cut.lengths.iter().any(|l| *l != cut.table);
+            }
             for p in [1, 2, 4] {
-                let mut stages = make_stages(cfg, p, &segments)?;
-                let (loss, grads) = run_step(
-                    &mut stages,
-                    batch,
-                    &segments,
-                    ScheduleKind::Seq1F1B,
-                    Masks::On,
-                )?;
-                let at = format!("{what}: {kind} k={k} {segments:?} p={p}");
+                let mut stages = make_stages(cfg, p, &cut.table)?;
+                let (loss, grads) =
+                    run_step(&mut stages, batch, &cut, ScheduleKind::Seq1F1B, Masks::On)?;
+                let at = format!("{what}: {kind} k={k} {:?} p={p}", cut.lengths);
                 let rel_loss = (loss - ref_loss).abs() / ref_loss.abs();
                 ensure!(
                     rel_loss <= 1e-5,
@@ -389,7 +458,7 @@ fn check_pipelined(cfg: &ModelConfig, batch: &Batch, what: &str) -> Result<()> {
         non_uniform,
         "the compute partition was uniform: the test is blind to it"
     );
-    Ok(())
+    Ok(cuts)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -400,6 +469,7 @@ fn check_pipelined(cfg: &ModelConfig, batch: &Batch, what: &str) -> Result<()> {
 fn pipelined_masked_gradients_equal_the_single_process_masked_model_on_random_layouts() -> Result<()>
 {
     let cfg = config(Position::Learned);
+    let mut cuts = DocumentCuts::default();
     for seed in LAYOUT_SEEDS {
         // Sparse (documents spanning segments) and dense (many one-token documents) layouts.
         let density = if seed % 2 == 0 { 0.08 } else { 0.4 };
@@ -409,7 +479,7 @@ fn pipelined_masked_gradients_equal_the_single_process_masked_model_on_random_la
         let (_, plain_grads) = run_step(
             &mut plain,
             &batch,
-            &[SEQ],
+            &Cut::table(&[SEQ]),
             ScheduleKind::Seq1F1B,
             Masks::Off,
         )?;
@@ -419,8 +489,15 @@ fn pipelined_masked_gradients_equal_the_single_process_masked_model_on_random_la
             apart > 1e-2,
             "seed {seed}: masks change the gradients by only {apart:e}"
         );
-        check_pipelined(&cfg, &batch, &format!("seed {seed} density {density}"))?;
+        let c = check_pipelined(&cfg, &batch, &format!("seed {seed} density {density}"))?;
+        cuts.between_micro_batches |= c.between_micro_batches;
+        cuts.from_compute |= c.from_compute;
     }
+    ensure!(
+        cuts.between_micro_batches && cuts.from_compute,
+        "the document partition cut every micro-batch alike, or as the compute partition: the \
+         test is blind to per-micro-batch lengths"
+    );
     Ok(())
 }
 
@@ -438,9 +515,16 @@ fn pipelined_masked_gradients_equal_the_reference_on_the_edge_cases() -> Result<
         (0..SEQ).collect(),
     ];
     let batch = Batch::new(5, docs);
-    check_pipelined(&config(Position::Learned), &batch, "edge cases")?;
+    // (Here both micro-batches happen to get the same lengths at k = 8; the random layouts
+    // above are cut differently from micro-batch to micro-batch.)
+    let cuts = check_pipelined(&config(Position::Learned), &batch, "edge cases")?;
+    ensure!(
+        cuts.from_compute,
+        "the document partition cut the edge cases as the compute partition"
+    );
     // RoPE reaches the masked kernels through the same path.
-    check_pipelined(&config(Position::Rope), &batch, "edge cases, rope")
+    check_pipelined(&config(Position::Rope), &batch, "edge cases, rope")?;
+    Ok(())
 }
 
 #[test]
@@ -448,21 +532,29 @@ fn one_document_per_row_is_the_unmasked_model_bit_for_bit() -> Result<()> {
     let cfg = config(Position::Learned);
     let single = vec![vec![0]; MICRO_BATCHES * BATCH];
     let batch = Batch::new(9, single);
-    for (p, k) in [(1, 1), (2, 2), (4, 4)] {
+    for (p, k, partition_kind) in [
+        (1, 1, "compute"),
+        (2, 2, "compute"),
+        (4, 4, "compute"),
+        (2, 4, "documents"),
+        (4, 8, "documents"),
+    ] {
+        // The document partition on one document per row is the compute partition.
         let segments = partition("compute", k)?;
+        let cut = Cut::of(&rule(partition_kind, k)?, &batch)?;
+        ensure!(
+            cut.lengths.iter().all(|l| *l == segments),
+            "{partition_kind} k={k}: {:?} on one document per row, not the compute partition's \
+             {segments:?}",
+            cut.lengths
+        );
         let mut masked = make_stages(&cfg, p, &segments)?;
         let mut plain = make_stages(&cfg, p, &segments)?;
-        let (l1, g1) = run_step(
-            &mut masked,
-            &batch,
-            &segments,
-            ScheduleKind::Seq1F1B,
-            Masks::On,
-        )?;
+        let (l1, g1) = run_step(&mut masked, &batch, &cut, ScheduleKind::Seq1F1B, Masks::On)?;
         let (l0, g0) = run_step(
             &mut plain,
             &batch,
-            &segments,
+            &Cut::table(&segments),
             ScheduleKind::Seq1F1B,
             Masks::Off,
         )?;
@@ -489,22 +581,19 @@ fn packed_documents_with_restarting_positions_are_the_documents_run_alone() -> R
     let cfg = config(Position::Learned);
     let docs = vec![vec![0, 5, 6, 19], vec![0, 11], vec![0, 16, 17], vec![0]];
     let batch = Batch::new(3, docs.clone());
-    for (p, segments) in [
-        (1, vec![SEQ]),
-        (2, partition("compute", 4)?),
-        (4, partition("uniform", 8)?),
+    for (p, cut) in [
+        (1, Cut::table(&[SEQ])),
+        (2, Cut::table(&partition("compute", 4)?)),
+        (4, Cut::table(&partition("uniform", 8)?)),
+        (2, Cut::of(&rule("documents", 4)?, &batch)?),
+        (4, Cut::of(&rule("documents", 8)?, &batch)?),
     ] {
-        let mut packed = make_stages(&cfg, p, &segments)?;
+        let segments = &cut.lengths;
+        let mut packed = make_stages(&cfg, p, &cut.table)?;
         for stage in &mut packed {
             stage.set_reset_positions(true)?;
         }
-        let (loss, grads) = run_step(
-            &mut packed,
-            &batch,
-            &segments,
-            ScheduleKind::Seq1F1B,
-            Masks::On,
-        )?;
+        let (loss, grads) = run_step(&mut packed, &batch, &cut, ScheduleKind::Seq1F1B, Masks::On)?;
         // The same tokens, document by document, as one-row one-micro-batch sequences.
         let mut want_loss = 0.0;
         let mut want: HashMap<String, Tensor> = HashMap::new();
@@ -636,6 +725,49 @@ fn the_stage_checks_the_document_starts_it_is_given() -> Result<()> {
     ensure!(
         rope.set_reset_positions(true).is_err(),
         "RoPE with restarting positions accepted"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_stage_checks_the_segment_lengths_it_is_given() -> Result<()> {
+    let cfg = config(Position::Learned);
+    let mut stage = make_stages(&cfg, 1, &[16, 16])?.remove(0);
+    // Another count, another sum, an empty segment: refused (they follow from a peer's starts).
+    for bad in [vec![32], vec![16, 8], vec![32, 0], vec![8, 8, 16]] {
+        let e = refused(stage.set_segment_lengths(0, bad.clone()))?;
+        ensure!(e.to_string().contains("do not cut"), "{bad:?}: {e}");
+    }
+    let batch = Batch::new(1, vec![vec![0]; MICRO_BATCHES * BATCH]);
+    let u0 = Unit::new(0, 0);
+    let forward = |stage: &mut Stage, len: usize| {
+        let targets = batch.targets(0, 0, len)?;
+        Ok::<_, anyhow::Error>(stage.forward(
+            u0,
+            StageInput::Tokens(batch.inputs(0, 0, len)?),
+            Some(&targets),
+            1.0,
+            Mode::Train,
+        ))
+    };
+    stage.begin_step(1);
+    stage.set_segment_lengths(0, vec![24, 8])?;
+    // The micro-batch's own first segment is 24 tokens, not the table's 16.
+    let e = refused(forward(&mut stage, 16)?)?;
+    ensure!(e.to_string().contains("segment has 24"), "{e}");
+    forward(&mut stage, 24)??;
+    // The same lengths again are fine; others for a micro-batch under way are refused.
+    stage.set_segment_lengths(0, vec![24, 8])?;
+    let e = refused(stage.set_segment_lengths(0, vec![16, 16]))?;
+    ensure!(e.to_string().contains("forward used [24, 8]"), "{e}");
+    // Lengths after a micro-batch began with the table are refused.
+    stage.reset_step();
+    stage.begin_step(1);
+    forward(&mut stage, 16)??;
+    let e = refused(stage.set_segment_lengths(0, vec![24, 8]))?;
+    ensure!(
+        e.to_string().contains("began with the stage's table"),
+        "{e}"
     );
     Ok(())
 }

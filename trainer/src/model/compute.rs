@@ -63,6 +63,21 @@ pub trait StageCompute: Send {
         micro_batch: usize,
         rows: Vec<Vec<usize>>,
     ) -> Result<(), ModelError>;
+    /// Gives micro-batch `micro_batch` its own segment lengths (the document partition; see
+    /// [`Stage::set_segment_lengths`]). A device that sizes its buffers for one table of lengths
+    /// refuses it ([`ModelError::Device`]), never ignores it.
+    fn set_segment_lengths(
+        &mut self,
+        micro_batch: usize,
+        lengths: Vec<usize>,
+    ) -> Result<(), ModelError> {
+        Err(ModelError::Device(format!(
+            "micro-batch {micro_batch}: the {:?} stage takes one table of segment lengths for \
+             every micro-batch, not {lengths:?} of its own (pipeline.partition = \"documents\" \
+             needs model.device = \"cpu\")",
+            self.device()
+        )))
+    }
     /// Positions restart at each document (see [`Stage::set_reset_positions`]); a device whose
     /// position embedding cannot refuses it ([`ModelError::ResetPositionsUnsupported`]), never
     /// ignores it.
@@ -235,7 +250,8 @@ pub const NO_CUDA_BUILD: &str = "model.device = \"cuda\": this seqpipe was built
 pub struct StageSpec {
     /// The layers the stage holds.
     pub layout: StageLayout,
-    /// The segment lengths of every micro-batch's sequence.
+    /// The segment lengths of a micro-batch given none of its own
+    /// ([`StageCompute::set_segment_lengths`]).
     pub segment_lengths: Vec<usize>,
     /// Seed of the initial weights (a function of `(seed, name)` only).
     pub seed: u64,
@@ -291,6 +307,14 @@ impl StageCompute for CpuStage {
         rows: Vec<Vec<usize>>,
     ) -> Result<(), ModelError> {
         self.stage.set_documents(micro_batch, rows)
+    }
+
+    fn set_segment_lengths(
+        &mut self,
+        micro_batch: usize,
+        lengths: Vec<usize>,
+    ) -> Result<(), ModelError> {
+        self.stage.set_segment_lengths(micro_batch, lengths)
     }
 
     fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {

@@ -83,6 +83,8 @@ struct MicroBatchState {
     units: BTreeMap<usize, UnitCtx>,
     /// Its document starts ([`Stage::set_documents`]); none: plain causal attention.
     docs: Option<DocumentMask>,
+    /// Its own segment lengths ([`Stage::set_segment_lengths`]); none: the stage's table.
+    segments: Option<Vec<usize>>,
 }
 
 impl SavedTensors for MicroBatchState {
@@ -96,8 +98,8 @@ impl SavedTensors for MicroBatchState {
 pub struct Stage {
     cfg: ModelConfig,
     layout: StageLayout,
+    /// The segment lengths of a micro-batch that was given none of its own.
     segment_lengths: Vec<usize>,
-    segment_starts: Vec<usize>,
     params: Params,
     grads: StepGradients<Gradients>,
     /// No gradients: what [`Stage::grads`] shows before the step is summed.
@@ -152,15 +154,9 @@ impl Stage {
             )?),
             Position::Learned => None,
         };
-        let segment_starts = segment_lengths.iter().scan(0, |acc, len| {
-            let start = *acc;
-            *acc += len;
-            Some(start)
-        });
         Ok(Self {
             cfg: cfg.clone(),
             layout,
-            segment_starts: segment_starts.collect(),
             segment_lengths,
             params: Params::new(specs, values),
             grads: StepGradients::default(),
@@ -226,6 +222,56 @@ impl Stage {
             }
             None => {
                 state.docs = Some(mask);
+                Ok(())
+            }
+        }
+    }
+
+    /// Gives micro-batch `micro_batch` its own segment lengths instead of the stage's table (the
+    /// document partition: a pure function of its documents, the same on every stage). Must come
+    /// before the micro-batch's first forward; the same lengths again are allowed, others
+    /// refused, as are lengths whose count or sum differ from the table's (k segments of the
+    /// sequence) or that hold an empty segment.
+    pub fn set_segment_lengths(
+        &mut self,
+        micro_batch: usize,
+        lengths: Vec<usize>,
+    ) -> Result<(), ModelError> {
+        let unit = Unit::new(micro_batch, 0);
+        let (k, seq_len) = (
+            self.segment_lengths.len(),
+            self.segment_lengths.iter().sum::<usize>(),
+        );
+        if lengths.len() != k || lengths.iter().sum::<usize>() != seq_len || lengths.contains(&0) {
+            return Err(ModelError::Input {
+                unit,
+                reason: format!(
+                    "segment lengths {lengths:?} do not cut the {seq_len}-token sequence into {k} \
+                     non-empty segments"
+                ),
+            });
+        }
+        let state = self.in_flight.entry(micro_batch).or_default();
+        match &state.segments {
+            Some(held) if *held == lengths => Ok(()),
+            Some(held) => Err(ModelError::Order {
+                unit,
+                reason: format!(
+                    "segment lengths {lengths:?}, but the micro-batch's forward used {held:?}"
+                ),
+            }),
+            None if !state.units.is_empty()
+                || state.kv.first().is_some_and(|kv| !kv.is_empty()) =>
+            {
+                Err(ModelError::Order {
+                    unit,
+                    reason: "segment lengths after the micro-batch's forward began with the \
+                             stage's table"
+                        .into(),
+                })
+            }
+            None => {
+                state.segments = Some(lengths);
                 Ok(())
             }
         }
@@ -402,20 +448,23 @@ impl Stage {
         Ok(())
     }
 
+    /// Unit `unit`'s segment: from its micro-batch's own lengths if it has them, else the table.
     fn segment(&self, unit: Unit, batch: usize) -> Result<SegmentShape, ModelError> {
-        let len = *self
-            .segment_lengths
-            .get(unit.segment)
-            .ok_or_else(|| ModelError::Input {
-                unit,
-                reason: format!(
-                    "segment out of range (the step has {} segments)",
-                    self.segment_lengths.len()
-                ),
-            })?;
+        let lengths = self
+            .in_flight
+            .get(&unit.micro_batch)
+            .and_then(|mb| mb.segments.as_deref())
+            .unwrap_or(&self.segment_lengths);
+        let len = *lengths.get(unit.segment).ok_or_else(|| ModelError::Input {
+            unit,
+            reason: format!(
+                "segment out of range (the step has {} segments)",
+                lengths.len()
+            ),
+        })?;
         Ok(SegmentShape {
             batch,
-            start: self.segment_starts[unit.segment],
+            start: lengths[..unit.segment].iter().sum(),
             len,
         })
     }

@@ -218,6 +218,10 @@ pub struct UnitTime {
     pub cpu_us: u64,
     /// A replacement's replay of a unit a neighbour already had the output of.
     pub redone: bool,
+    /// The unit's segment length (tokens per row): its micro-batch's own with the document
+    /// partition, so the trace records each micro-batch's lengths.
+    #[serde(default)]
+    pub len: usize,
 }
 
 /// A replica group rebuilt from the surviving replicas of a stage.

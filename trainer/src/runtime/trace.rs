@@ -6,7 +6,9 @@
 //! with one complete slice per step (`step N`: forward, backward and update) and one per
 //! evaluation (`eval`); thread `w + 1` is worker slot `w` (stage `w % p` of replica `w / p`; with
 //! one replica, stage `w`), with one complete slice per forward or backward unit, named `F0.1` /
-//! `B0.1` (micro-batch.segment, the micro-batch counted within the replica), and with replicas one
+//! `B0.1` (micro-batch.segment, the micro-batch counted within the replica; `args.len`: the
+//! segment's length in tokens per row, so the trace records each micro-batch's segment lengths,
+//! its own with `pipeline.partition = "documents"`), and with replicas one
 //! slice `reduce` (category `reduce`, `args.bytes` sent) per step for the gradient all-reduce.
 //! Slices are `"ph": "X"` events with
 //! `ts` (microseconds since the Unix epoch, so that the stages' processes line up) and `dur`
@@ -76,7 +78,7 @@ impl TraceLog {
             } else {
                 ('F', "forward")
             };
-            let mut args = json!({"step": step, "cpu_us": t.cpu_us});
+            let mut args = json!({"step": step, "cpu_us": t.cpu_us, "len": t.len});
             if t.redone {
                 args["redone"] = json!(true);
             }
@@ -167,6 +169,7 @@ mod tests {
             dur_us: 5,
             cpu_us: 4,
             redone,
+            len: 8 + seg,
         };
         trace.units(
             1,
@@ -180,7 +183,7 @@ mod tests {
         assert_eq!(slices.len(), 3);
         assert_eq!(slices[0]["name"], "F0.1");
         assert_eq!(slices[0]["tid"], 2);
-        assert_eq!(slices[0]["args"], json!({"step": 3, "cpu_us": 4}));
+        assert_eq!(slices[0]["args"], json!({"step": 3, "cpu_us": 4, "len": 9}));
         assert_eq!(slices[1]["name"], "B0.1");
         assert_eq!(slices[1]["args"]["redone"], true);
         assert_eq!(slices[2]["tid"], 0);

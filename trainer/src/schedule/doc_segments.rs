@@ -273,6 +273,39 @@ pub fn batch_segment_lengths(
     }
 }
 
+/// An upper bound on any segment the document-aware partition gives a micro-batch of `seq_len`
+/// tokens cut into `splits` (whatever its documents): what memory is sized for.
+///
+/// A segment of s tokens costs at least `c·s` per row (its matrix work), and a row costs at most
+/// `c·T + w·T²/2` (one document: the most attention pairs), so a balanced boundary is at most
+/// `(T + w·T²/(2c))/k` tokens after the previous one. Rounding to the grid (8 tokens, or 1 when
+/// `T < 8k`) moves each boundary by at most half a grid unit, and a boundary forced past its
+/// neighbour leaves a segment of one unit: a segment gains at most one unit. The fallback is the
+/// compute partition, whose longest segment is included. Capped at `T − (k − 1)`. Errors as
+/// [`segment_lengths`] does.
+pub fn longest_segment(
+    seq_len: usize,
+    splits: usize,
+    m: &FlopsModel,
+) -> Result<usize, ScheduleError> {
+    let blind = segment_lengths(Partition::Compute, seq_len, splits, m)?;
+    let cost = MaskedCost::new(&[0], seq_len, m)?;
+    let blind_longest = blind.iter().copied().max().unwrap_or(seq_len);
+    let cap = seq_len - (splits - 1);
+    if cost.per_token <= 0.0 {
+        return Ok(cap);
+    }
+    let t = seq_len as f64;
+    let unit = if seq_len >= 8 * splits { 8 } else { 1 };
+    let balanced = (t + cost.per_pair * t * t / (2.0 * cost.per_token)) / splits as f64;
+    let bound = if balanced.is_finite() && balanced < t {
+        balanced.ceil() as usize + unit
+    } else {
+        seq_len
+    };
+    Ok(bound.max(blind_longest).min(cap))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,6 +412,11 @@ mod tests {
                         let solved = solve_document_partition(&cost, k);
                         assert_eq!(aware.iter().sum::<usize>(), t);
                         assert!(aware.iter().all(|&l| l >= 8 && l % 8 == 0));
+                        let longest = longest_segment(t, k, &m).unwrap();
+                        assert!(
+                            aware.iter().all(|&l| l <= longest),
+                            "T={t} k={k}: {aware:?} has a segment over the bound {longest}"
+                        );
                         let (ra, rb, rs) = (
                             cost_ratio(&cost.segments(&aware)),
                             cost_ratio(&cost.segments(&blind)),
@@ -493,6 +531,52 @@ mod tests {
         // One document in every row: the compute partition.
         let one: [&[usize]; 2] = [&[0], &[0, 20000]];
         assert_eq!(batch_segment_lengths(&one, 16384, 8, &m).unwrap(), blind);
+    }
+
+    /// The memory bound holds for every layout, the adversarial ones included: many one-token
+    /// documents before one long one (cheap tokens first, so the first segment is long).
+    #[test]
+    fn no_layout_gets_a_segment_longer_than_the_bound() {
+        let mut r = ChaCha8Rng::seed_from_u64(36);
+        let small = FlopsModel {
+            layers: 4,
+            hidden: 16,
+            heads: 2,
+            head_dim: 8,
+            ffn: 64,
+            vocab: 32,
+            attention_cost: 1.0,
+        };
+        for m in [gpt2_like(), small, attention_only()] {
+            for t in [5usize, 32, 100, 1003, 4096] {
+                for k in (1..=8).filter(|&k| k <= t) {
+                    let longest = longest_segment(t, k, &m).unwrap();
+                    assert!(longest <= t - (k - 1));
+                    let mut layouts: Vec<Vec<usize>> = vec![
+                        vec![0],
+                        (0..t).collect(),
+                        (0..t / 2).collect(),
+                        (0..t - t / 8).collect(),
+                        lognormal_layout(&mut r, t, (t / 16).max(1) as f64),
+                    ];
+                    for density in [0.02, 0.3] {
+                        layouts.push(
+                            std::iter::once(0)
+                                .chain((1..t).filter(|_| r.random::<f64>() < density))
+                                .collect(),
+                        );
+                    }
+                    for starts in &layouts {
+                        let l = document_segment_lengths(starts, t, k, &m).unwrap();
+                        assert_eq!(l.iter().sum::<usize>(), t);
+                        assert!(
+                            l.iter().all(|&x| x <= longest),
+                            "T={t} k={k} {m:?}: {l:?} over {longest}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

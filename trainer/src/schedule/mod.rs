@@ -18,7 +18,9 @@
 //! exist here (generated, validated, simulated, drawn) ahead of the runtime
 //! ([`ScheduleKind::runs_in_runtime`]).
 //!
-//! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`].
+//! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
+//! document-aware partition (equal cost under document masks, per micro-batch) in
+//! [`doc_segments`]; which of them a step uses, per micro-batch, is its [`SegmentRule`].
 //!
 //! ```
 //! use trainer::schedule::{ScheduleKind, generate, render_text, validate};
@@ -36,6 +38,7 @@ mod generate;
 mod parse;
 mod render;
 mod resume;
+mod segment_rule;
 pub mod segments;
 mod simulate;
 mod validate;
@@ -47,6 +50,7 @@ pub use render::{render_svg, render_text, report_json};
 pub use resume::{
     Delivered, NeighbourRelink, ResumedStep, neighbour_relink, resume_after_loss, validate_resumed,
 };
+pub use segment_rule::SegmentRule;
 pub use segments::{
     FlopsModel, Partition, segment_flops, segment_lengths, solve_compute_partition,
 };

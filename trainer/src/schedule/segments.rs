@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ScheduleError;
 
-/// How to choose segment lengths. Text and JSON forms: `"uniform"`, `"compute"`.
+/// How to choose segment lengths. Text and JSON forms: `"uniform"`, `"compute"`, `"documents"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum Partition {
@@ -34,14 +34,23 @@ pub enum Partition {
     /// Equal FLOPs per segment (the paper's computation-wise partition), lengths rounded to
     /// multiples of 8 where possible.
     Compute,
+    /// Each micro-batch its own lengths: equal cost per segment under document masks, from its
+    /// rows' document starts ([`super::doc_segments::batch_segment_lengths`]; one document per
+    /// row gives exactly [`Partition::Compute`]). No single table: see
+    /// [`super::SegmentRule`].
+    Documents,
 }
 
 impl Partition {
-    /// The canonical name (`"uniform"`, `"compute"`).
+    /// Every partition, in the order their names are listed.
+    pub const ALL: [Partition; 3] = [Partition::Uniform, Partition::Compute, Partition::Documents];
+
+    /// The canonical name (`"uniform"`, `"compute"`, `"documents"`).
     pub fn as_str(self) -> &'static str {
         match self {
             Partition::Uniform => "uniform",
             Partition::Compute => "compute",
+            Partition::Documents => "documents",
         }
     }
 }
@@ -56,13 +65,13 @@ impl FromStr for Partition {
     type Err = ScheduleError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [Partition::Uniform, Partition::Compute]
+        Partition::ALL
             .into_iter()
             .find(|p| p.as_str().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| ScheduleError::Parse {
                 what: "partition",
                 input: s.to_string(),
-                reason: "allowed values are \"uniform\", \"compute\"".to_string(),
+                reason: "allowed values are \"uniform\", \"compute\", \"documents\"".to_string(),
             })
     }
 }
@@ -184,8 +193,11 @@ fn equal_lengths(seq_len: usize, splits: usize) -> Vec<usize> {
 ///   lengths non-increasing. When `seq_len` is not a multiple of 8 the first segment takes the
 ///   remainder, all others are multiples of 8. When `seq_len < 8·splits` the raw lengths are used.
 ///
+/// * [`Partition::Documents`]: an error. Its lengths differ per micro-batch (each from its
+///   documents): [`super::SegmentRule`] gives them.
+///
 /// Errors ([`ScheduleError::InvalidPartition`]) when `splits == 0`, `seq_len == 0`,
-/// `splits > seq_len`, or (compute) the model's FLOPs are zero.
+/// `splits > seq_len`, (compute) the model's FLOPs are zero, or for the document partition.
 pub fn segment_lengths(
     partition: Partition,
     seq_len: usize,
@@ -229,6 +241,12 @@ pub fn segment_lengths(
             let raw = solve_compute_partition(seq_len, splits, m);
             Ok(align_to_8(&raw))
         }
+        Partition::Documents => err(
+            "the \"documents\" partition has no single table of segment lengths: each \
+             micro-batch's come from its own documents (SegmentRule::lengths); use \"compute\" \
+             or \"uniform\" where one table for every micro-batch is needed"
+                .into(),
+        ),
     }
 }
 
@@ -427,12 +445,19 @@ mod tests {
 
     #[test]
     fn partition_text_round_trip() {
-        for p in [Partition::Uniform, Partition::Compute] {
+        for p in Partition::ALL {
             assert_eq!(p.to_string().parse::<Partition>().unwrap(), p);
             let json = serde_json::to_string(&p).unwrap();
             assert_eq!(serde_json::from_str::<Partition>(&json).unwrap(), p);
         }
         let e = "flops".parse::<Partition>().unwrap_err().to_string();
-        assert!(e.contains("uniform") && e.contains("compute"), "{e}");
+        assert!(
+            e.contains("uniform") && e.contains("compute") && e.contains("documents"),
+            "{e}"
+        );
+        let e = segment_lengths(Partition::Documents, 64, 2, &tiny_model())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no single table"), "{e}");
     }
 }

@@ -4,6 +4,7 @@
 //! and the stage receives, keeps and sends the values ([`crate::model::DeviceLinks`]).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -56,6 +57,9 @@ struct ExecState {
     /// With document masks: each micro-batch's document starts, from its tokens (first stage) or
     /// from the activations received for it (the others), sent on with its activations.
     docs: HashMap<usize, DocStarts>,
+    /// Each micro-batch's segment lengths: the rule's table, or (document partition) its own,
+    /// computed from its document starts as every stage does.
+    lengths: HashMap<usize, Arc<Vec<usize>>>,
 }
 
 impl Worker {
@@ -130,6 +134,7 @@ impl Worker {
             losses: last.then(BTreeMap::new),
             loss_scale: 0.0,
             docs: HashMap::new(),
+            lengths: HashMap::new(),
         };
         let train = mode == Mode::Train;
         // The loss is the mean over the step's micro-batches, all replicas' together.
@@ -229,7 +234,11 @@ impl Worker {
                     state.outbox.insert(u, dx);
                 }
                 let redone = self.record.delivered.replays(action);
-                self.record.computed(action, started, redone);
+                let len = state
+                    .lengths
+                    .get(&u.micro_batch)
+                    .map_or(0, |l| l[u.segment]);
+                self.record.computed(action, started, redone, len);
             }
             Action::SendGrad(u) => {
                 let t = take(&mut state.outbox, u)?;
@@ -255,23 +264,29 @@ impl Worker {
         let layout = self.stage.layout();
         let (first, last) = (layout.is_first(), layout.is_last());
         let started = UnitStart::now();
+        if first || last {
+            self.read_rows(&mut state.tokens, split, step, u.micro_batch)?;
+        }
+        // The documents before the lengths: the document partition cuts the micro-batch from
+        // them, and the tokens are sliced by its lengths.
+        if self.cfg.data.document_mask {
+            self.set_documents(state, u)?;
+        }
+        let lengths = self.set_segment_lengths(state, u)?;
         let input = if first {
-            Input::Tokens(self.segment_tokens(&mut state.tokens, split, step, u, 0)?)
+            Input::Tokens(self.segment_tokens(&state.tokens, &lengths, u, 0)?)
         } else {
             Input::Boundary(take(&mut state.inbox, u)?)
         };
         let targets = if last {
             Some(
-                self.segment_tokens(&mut state.tokens, split, step, u, 1)?
+                self.segment_tokens(&state.tokens, &lengths, u, 1)?
                     .flatten_all()?,
             )
         } else {
             None
         };
-        if self.cfg.data.document_mask {
-            self.set_documents(state, u)?;
-        }
-        if u.segment + 1 == self.segment_lengths.len() {
+        if u.segment + 1 == lengths.len() {
             state.tokens.tokens.remove(&u.micro_batch);
         }
         let loss_scale = state.loss_scale;
@@ -322,7 +337,8 @@ impl Worker {
         if mode == Mode::Train {
             // Proven redone: a neighbour has this unit's output (or its backward's).
             let redone = self.record.delivered.replays(Action::Forward(u));
-            self.record.computed(Action::Forward(u), started, redone);
+            self.record
+                .computed(Action::Forward(u), started, redone, lengths[u.segment]);
         }
         Ok(())
     }
@@ -366,6 +382,30 @@ impl Worker {
         self.stage
             .set_documents(u.micro_batch, docs.as_ref().clone())?;
         Ok(())
+    }
+
+    /// Unit `u`'s micro-batch's segment lengths: the rule's table, or with the document
+    /// partition its own from its document starts (set just before; the same on every stage and
+    /// replica, and on a replacement, which gets the same starts), which the stage is given too.
+    fn set_segment_lengths(
+        &mut self,
+        state: &mut ExecState,
+        u: Unit,
+    ) -> Result<Arc<Vec<usize>>, WorkerError> {
+        let lengths = match state.lengths.get(&u.micro_batch) {
+            Some(lengths) => lengths.clone(),
+            None => {
+                let docs = state.docs.get(&u.micro_batch).map(|d| d.as_slice());
+                let lengths = Arc::new(self.segments.lengths(docs)?);
+                state.lengths.insert(u.micro_batch, lengths.clone());
+                lengths
+            }
+        };
+        if self.segments.per_micro_batch() {
+            self.stage
+                .set_segment_lengths(u.micro_batch, lengths.to_vec())?;
+        }
+        Ok(lengths)
     }
 
     /// Receives unit `u`'s activation from the previous stage, and the document starts it
@@ -476,15 +516,15 @@ impl Worker {
         Ok(Boundary::Device { rows, width })
     }
 
-    /// Token ids `(B, s)` of unit `u`'s segment, shifted by `shift` (0 = inputs, 1 = targets).
-    fn segment_tokens(
+    /// Reads this stage's part of local micro-batch `micro_batch`'s rows into `cache`, unless
+    /// they are there.
+    fn read_rows(
         &self,
         cache: &mut MicroBatchTokens,
         split: Split,
         step: u64,
-        u: Unit,
-        shift: usize,
-    ) -> Result<Tensor, WorkerError> {
+        micro_batch: usize,
+    ) -> Result<(), WorkerError> {
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
         // A replica's micro-batch i of a training step is the step's micro-batch
         // `first_micro_batch + i`: the data does not depend on the replica count.
@@ -497,28 +537,45 @@ impl Worker {
             .expect("only the first and last stages read tokens");
         // This stage reads only its part of each row: inputs on the first stage, targets on
         // the last (a sharded dataset then fetches only their byte ranges).
+        if let std::collections::hash_map::Entry::Vacant(e) = cache.tokens.entry(micro_batch) {
+            let src = self
+                .data
+                .as_deref()
+                .expect("first and last stages hold a data source");
+            e.insert(micro_batch_part(
+                src,
+                split,
+                self.cfg.train.seed,
+                step,
+                (offset + micro_batch) as u64,
+                batch,
+                seq_len,
+                part,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// Token ids `(B, s)` of unit `u`'s segment of its micro-batch's `lengths`, shifted by
+    /// `shift` (0 = inputs, 1 = targets), from the rows [`Worker::read_rows`] read.
+    fn segment_tokens(
+        &self,
+        cache: &MicroBatchTokens,
+        lengths: &[usize],
+        u: Unit,
+        shift: usize,
+    ) -> Result<Tensor, WorkerError> {
+        let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
+        let layout = self.stage.layout();
+        let part = RowPart::for_stage(layout.is_first(), layout.is_last())
+            .expect("only the first and last stages read tokens");
         let span = part.span(seq_len);
-        let rows = match cache.tokens.entry(u.micro_batch) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let src = self
-                    .data
-                    .as_deref()
-                    .expect("first and last stages hold a data source");
-                e.insert(micro_batch_part(
-                    src,
-                    split,
-                    self.cfg.train.seed,
-                    step,
-                    (offset + u.micro_batch) as u64,
-                    batch,
-                    seq_len,
-                    part,
-                )?)
-            }
-        };
-        let start: usize = self.segment_lengths[..u.segment].iter().sum();
-        let len = self.segment_lengths[u.segment];
+        let rows = cache
+            .tokens
+            .get(&u.micro_batch)
+            .ok_or_else(|| WorkerError::Protocol(format!("no tokens read for unit {u}")))?;
+        let start: usize = lengths[..u.segment].iter().sum();
+        let len = lengths[u.segment];
         let ids: Vec<u32> = (0..batch)
             .flat_map(|b| {
                 rows[b * span.len() + start + shift - span.start..][..len]

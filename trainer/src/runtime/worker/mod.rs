@@ -42,7 +42,7 @@ use crate::data::{DataError, TokenSource, document_separator, open_source};
 use crate::model::{
     ModelError, StageCompute, StageSpec, UpdateSettings, build_stage, partition_layers,
 };
-use crate::schedule::{Delivered, ScheduleError, generate};
+use crate::schedule::{Delivered, ScheduleError, SegmentRule, generate};
 use crate::usage::ProcessUsage;
 use execute::ValidSchedule;
 use record::StepRecord;
@@ -148,7 +148,8 @@ struct Worker {
     /// With document masks, on the first stage: the token that ends each document of its data.
     end_of_text: Option<u32>,
     schedule: ValidSchedule,
-    segment_lengths: Vec<usize>,
+    /// How each micro-batch is cut into segments (one table, or from its documents).
+    segments: SegmentRule,
     /// This worker's slot (`replica · stages + stage`): its name in control messages.
     slot: usize,
     /// Its data-parallel replica.
@@ -421,15 +422,15 @@ impl Worker {
             })?;
         // Replica r computes the step's micro-batches [r·c, (r+1)·c).
         let local_micro_batches = cfg.pipeline.microbatches / d;
-        let segment_lengths = cfg.segment_lengths()?;
+        let segments = cfg.segment_rule()?;
         let (first, last) = (layout.is_first(), layout.is_last());
-        info!(stage = stage_index, layers = ?layout.layers, ?segment_lengths, "building stage");
+        info!(stage = stage_index, layers = ?layout.layers, %segments, "building stage");
         let t = &cfg.train;
         let stage = build_stage(
             &cfg.model,
             StageSpec {
                 layout,
-                segment_lengths: segment_lengths.clone(),
+                segment_lengths: segments.table().to_vec(),
                 seed: t.seed,
                 adamw: AdamWConfig {
                     beta1: t.beta1,
@@ -465,7 +466,7 @@ impl Worker {
             data,
             end_of_text,
             schedule,
-            segment_lengths,
+            segments,
             slot,
             replica,
             first_micro_batch: replica * local_micro_batches,

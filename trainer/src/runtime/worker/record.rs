@@ -75,8 +75,15 @@ impl StepRecord {
         })
     }
 
-    /// Counts a forward or backward unit that started at `started` and just ended.
-    pub(super) fn computed(&mut self, action: Action, started: UnitStart, redone: bool) {
+    /// Counts a forward or backward unit of `len` tokens per row that started at `started` and
+    /// just ended.
+    pub(super) fn computed(
+        &mut self,
+        action: Action,
+        started: UnitStart,
+        redone: bool,
+        len: usize,
+    ) {
         let elapsed = started.wall.elapsed();
         let seconds = elapsed.as_secs_f64();
         let cpu = process_cpu_time().saturating_sub(started.cpu);
@@ -90,6 +97,7 @@ impl StepRecord {
                 dur_us: elapsed.as_micros() as u64,
                 cpu_us: cpu.as_micros() as u64,
                 redone,
+                len,
             });
         }
         self.done_units += 1;
