@@ -202,6 +202,9 @@ fn every_stage_and_replica_cuts_each_micro_batch_from_its_documents() {
             "pipeline.partition=\"documents\"".into(),
             format!("train.steps={STEPS}"),
             "checkpoint.every=1".into(),
+            // Evaluation cuts its held-out micro-batches from their documents too.
+            format!("train.eval_every={STEPS}"),
+            "train.eval_batches=2".into(),
             format!("run.dir={}", run.display()),
         ]
         .into_iter()
@@ -260,6 +263,14 @@ fn every_stage_and_replica_cuts_each_micro_batch_from_its_documents() {
             differ.0 && differ.1,
             "the documents gave every micro-batch the same lengths, or the compute \
              partition's {table:?}: the test is blind"
+        );
+        let evaluated: Vec<f64> = common::records(&run)
+            .iter()
+            .filter_map(|r| r.as_step().and_then(|s| s.val_loss))
+            .collect();
+        assert!(
+            evaluated.len() == 1 && evaluated[0].is_finite(),
+            "d={replicas}: one evaluation at step {STEPS}: {evaluated:?}"
         );
         runs.push(final_state(&ckpt_url(&run)));
     }
