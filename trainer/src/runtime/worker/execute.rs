@@ -237,7 +237,8 @@ impl Worker {
                 let len = state
                     .lengths
                     .get(&u.micro_batch)
-                    .map_or(0, |l| l[u.segment]);
+                    .and_then(|l| l.get(u.segment).copied())
+                    .unwrap_or(0);
                 self.record.computed(action, started, redone, len);
             }
             Action::SendGrad(u) => {
