@@ -5,7 +5,8 @@
 //! replacement gets them with the activations its neighbour kept and sends again. Either way the
 //! run ends bit-identical to the undisturbed masked run, which itself ends elsewhere than the
 //! unmasked one (the masks matter). The same with the document partition (each micro-batch cut
-//! from its own documents): a replacement recomputes the same lengths from the same starts.
+//! from its own documents): a replacement recomputes the same lengths from the same starts, and a
+//! replica that takes over a lost replica's micro-batches cuts them as it would have.
 
 mod common;
 mod harness;
@@ -146,4 +147,39 @@ fn a_first_stage_killed_mid_step_recuts_its_micro_batches_and_ends_bit_identical
 #[test]
 fn a_middle_stage_killed_mid_step_recuts_its_micro_batches_and_ends_bit_identical() {
     partitioned_mid_step_kill("docpart-mid-step-2", 2, Pos::Action(100));
+}
+
+/// Two replicas of a 2-stage pipeline with the document partition; replica 1's first stage
+/// (worker slot 2) killed in the middle of its share of step 3: replica 0 computes the lost
+/// share, cutting those micro-batches from their documents as replica 1 did, and the run ends
+/// bit-identical to the undisturbed one-replica, 4-stage run.
+#[test]
+fn a_replica_lost_mid_step_with_the_document_partition_is_rerouted_bit_identical() {
+    let reference = partitioned_reference();
+    let sets: Vec<&str> = DOCUMENT_PARTITION
+        .iter()
+        .copied()
+        .chain(["pipeline.replicas=2", "pipeline.stages=2"])
+        .collect();
+    let out = run(
+        "docpart-reroute",
+        4,
+        &sets,
+        vec![Rule::at(2, 3, Pos::Action(40), kill_it(3))],
+    );
+    let r = out.recoveries();
+    assert!(!r.is_empty(), "{:#?}", out.events);
+    assert_eq!(
+        (r[0].tier, r[0].step, r[0].lost_steps),
+        (Tier::Reroute, 3, 0),
+        "{:#?}",
+        out.events
+    );
+    assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
+    let (step, state) = final_state(&out.dir);
+    assert_eq!(step, STEPS);
+    assert!(
+        state == *reference,
+        "the re-routed two-replica run differs from the undisturbed one-replica run"
+    );
 }
