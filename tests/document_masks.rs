@@ -371,3 +371,40 @@ fn a_worker_sigkilled_with_the_document_partition_ends_bit_identical() {
     assert_final_state(&run, STEPS, &reference);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_document_partition_is_refused_without_masks_and_on_cuda_stages() {
+    let dir = fresh_dir("docmask-partition-refused");
+    let refused = |extra: &[&str]| {
+        let mut cmd = seqpipe();
+        cmd.args(["train", "-q"])
+            .args(tiny_model_args())
+            .args([
+                "--set",
+                "pipeline.partition=\"documents\"",
+                "--set",
+                "train.steps=1",
+            ])
+            .arg("--set")
+            .arg(format!("run.dir={}", dir.join("run").display()));
+        for s in extra {
+            cmd.args(["--set", s]);
+        }
+        run_err(&mut cmd)
+    };
+    let err = refused(&[]);
+    assert!(
+        err.contains("pipeline.partition") && err.contains("data.document_mask = true"),
+        "{err}"
+    );
+    let err = refused(&[DOCUMENTS[0], DOCUMENTS[2], "model.device=\"cuda\""]);
+    assert!(
+        err.contains("pipeline.partition") && err.contains("CUDA stage"),
+        "{err}"
+    );
+    assert!(
+        !dir.join("run").join("metrics.jsonl").exists(),
+        "a refused run trained"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
