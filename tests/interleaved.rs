@@ -11,7 +11,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
-use common::{ckpt_url, final_state, fresh_dir, metrics, resumable_train, run_err, run_ok};
+use common::{
+    assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, metrics,
+    resumable_train, run_err, run_events, run_ok, wait_for_steps,
+};
+use trainer::runtime::events::RunEvent;
 
 /// Settings every run here shares: 8 layers (so p·v = 4·2 virtual stages each get one), an
 /// evaluation every 2 steps (the forward-only pass over the chunks), and mid-step recovery and
@@ -172,7 +176,19 @@ fn interleaved_schedules_train_bit_identically_to_their_plain_counterparts() {
         };
         let (a, b) = (dir.join(format!("{name}-plain")), dir.join(&name));
         run_ok(&mut train(&a, shape(plain, 1), STEPS));
-        run_ok(&mut train(&b, shape(interleaved, 2), STEPS));
+        let out = run_ok(&mut train(&b, shape(interleaved, 2), STEPS));
+        // The run says what it holds: p stages of two chunks each (`0..1+4..5` on stage 0 of 4).
+        let banner = String::from_utf8_lossy(&out.stderr);
+        let says = format!("pipeline: {p} stages x 2 virtual stages (layers ");
+        let chunks: Vec<&str> = banner
+            .split_once(says.as_str())
+            .and_then(|(_, rest)| rest.split_once(')'))
+            .map(|(ranges, _)| ranges.split(' ').collect())
+            .unwrap_or_default();
+        assert!(
+            chunks.len() == p && chunks.iter().all(|c| c.matches('+').count() == 1),
+            "{name}: {banner}"
+        );
         assert_same_training(&a, &b, 2, STEPS as usize);
         assert!(
             step_records(&b)
@@ -272,5 +288,89 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
             !run.join("metrics.jsonl").exists(),
             "{set}: nothing should have run"
         );
+    }
+}
+
+/// A worker holding v chunks lost mid-run (SIGKILL of its process, or of its whole node): with
+/// mid-step recovery and peer snapshots off for virtual stages, the run restarts from its last
+/// checkpoint — on the same four nodes when only the worker died, on the three left when its
+/// node did (three stages cannot interleave four micro-batches: those steps run the plain
+/// `seq1f1b`, bit-identical) — and ends bit-identical to the uninterrupted run.
+#[test]
+fn a_lost_worker_of_an_interleaved_run_restarts_from_the_checkpoint_bit_identically() {
+    const STEPS: u64 = 16;
+    let dir = fresh_dir("interleaved-loss");
+    let job = |run: &Path| {
+        let mut cmd = elastic_job(run, STEPS);
+        for s in [
+            "model.layers=8",
+            "pipeline.schedule=seq1f1b-i",
+            "pipeline.stages=4",
+            "pipeline.virtual_stages=2",
+            "pipeline.microbatches=4",
+            "pipeline.splits=2",
+            "elastic.mid_step=false",
+            "elastic.peer_snapshots=false",
+        ] {
+            cmd.args(["--set", s]);
+        }
+        cmd
+    };
+    let reference_dir = dir.join("reference");
+    run_ok(&mut job(&reference_dir));
+    let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    for (name, whole_node) in [("worker", false), ("node", true)] {
+        let run = dir.join(name);
+        let child = job(&run)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_steps(&run, 5);
+        // The launcher's children are the nodes' agents, theirs the workers.
+        let agent = children_of(child.id())[1];
+        let victims = if whole_node {
+            let mut v = children_of(agent);
+            v.push(agent);
+            v
+        } else {
+            children_of(agent)
+        };
+        assert!(!victims.is_empty(), "{name}: no worker to kill");
+        for pid in &victims {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {:?}\n{stderr}", out.status);
+        if whole_node {
+            assert!(
+                stderr.contains("its pipeline runs seq1f1b (bit-identical)"),
+                "{name}: three stages should run the plain seq1f1b:\n{stderr}"
+            );
+        }
+        assert_final_state(&run, STEPS, &reference);
+        let events = run_events(&run);
+        let recovered: Vec<_> = events
+            .iter()
+            .filter_map(|e| match e {
+                RunEvent::Recovered(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            !recovered.is_empty(),
+            "{name}: the loss should have been recovered: {events:?}"
+        );
+        for r in &recovered {
+            assert_eq!(
+                r.tier,
+                trainer::runtime::recovery::Tier::Checkpoint,
+                "{name}: {r:?}"
+            );
+        }
+        eprintln!("{name} lost: {recovered:?}");
     }
 }
