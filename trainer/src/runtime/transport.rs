@@ -752,6 +752,7 @@ mod tests {
                 step: 1,
                 payload: Payload::Activation,
                 unit,
+                virtual_stage: None,
                 shape,
                 on_device: false,
                 documents: None,

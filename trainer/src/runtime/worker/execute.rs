@@ -854,6 +854,37 @@ mod tests {
     }
 
     #[test]
+    fn the_evaluation_order_over_chunks_is_valid_and_forwards_every_unit_on_every_chunk() {
+        for (p, v, m, k) in [(2, 2, 1, 1), (2, 3, 2, 2), (4, 2, 3, 4), (3, 2, 5, 1)] {
+            let s = forward_only_virtual(p, v, m, k).unwrap();
+            assert!(s.forward_only && s.virtual_stages == v);
+            let s = ValidSchedule::new(s).unwrap_or_else(|e| panic!("p={p} v={v}: {e:?}"));
+            for r in 0..p {
+                let forwards: Vec<(usize, Unit)> = s
+                    .get()
+                    .compute_actions(r)
+                    .map(|a| (a.chunk(), a.unit()))
+                    .collect();
+                assert_eq!(forwards.len(), v * m * k, "p={p} v={v} m={m} k={k}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_actions_name_their_boundary_tensor_too() {
+        let u = Unit::new(1, 0);
+        assert_eq!(
+            boundary(Action::new(Op::SendActivation, u, 1)),
+            Some((Payload::Activation, u))
+        );
+        assert_eq!(
+            boundary(Action::new(Op::RecvGrad, u, 2)),
+            Some((Payload::Grad, u))
+        );
+        assert_eq!(boundary(Action::new(Op::Forward, u, 1)), None);
+    }
+
+    #[test]
     fn communication_actions_name_their_boundary_tensor() {
         let u = Unit::new(2, 1);
         assert_eq!(
