@@ -584,8 +584,8 @@ impl Config {
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
     /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
     /// and refusals, naming the key and what to use instead, of what virtual stages are not wired
-    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots and document
-    /// masks.
+    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots, document
+    /// masks and a stage memory budget.
     fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let v = p.virtual_stages;
@@ -661,6 +661,16 @@ impl Config {
                 what: format!(
                     "document masks are not tested with {v} virtual-stage chunks per worker yet; \
                      set data.document_mask = false or use a schedule without virtual stages"
+                ),
+            });
+        }
+        if self.train.memory_budget_bytes > 0 {
+            return Err(ConfigError::Invalid {
+                key: "train.memory_budget_bytes",
+                message: format!(
+                    "a stage's byte budget is not divided among a worker's {v} virtual-stage \
+                     chunks yet (each would be held to all of it); set 0 (no limit) or use a \
+                     schedule without virtual stages"
                 ),
             });
         }
@@ -1078,6 +1088,11 @@ mod tests {
                     "{text}"
                 );
             }
+            let err = refused("train.memory_budget_bytes=1000000000").to_string();
+            assert!(
+                err.contains("train.memory_budget_bytes") && err.contains("set 0"),
+                "{err}"
+            );
             // A layer per virtual stage.
             let err = refused("pipeline.virtual_stages=3").to_string();
             assert!(
