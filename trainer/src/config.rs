@@ -584,8 +584,8 @@ impl Config {
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
     /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
     /// and refusals, naming the key and what to use instead, of what virtual stages are not wired
-    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots, document
-    /// masks and a stage memory budget.
+    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots and a stage
+    /// memory budget.
     fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let v = p.virtual_stages;
@@ -652,15 +652,6 @@ impl Config {
                     "the state of a worker holding {v} virtual-stage chunks is not copied to \
                      its peers yet; set elastic.peer_snapshots = false (recoveries then restore \
                      from the last checkpoint) or use a schedule without virtual stages"
-                ),
-            });
-        }
-        if self.data.document_mask {
-            return Err(ConfigError::NotWired {
-                key: "data.document_mask",
-                what: format!(
-                    "document masks are not tested with {v} virtual-stage chunks per worker yet; \
-                     set data.document_mask = false or use a schedule without virtual stages"
                 ),
             });
         }
@@ -1058,11 +1049,6 @@ mod tests {
                     "elastic.peer_snapshots=true",
                     "elastic.peer_snapshots",
                     "elastic.peer_snapshots = false",
-                ),
-                (
-                    "data.document_mask=true",
-                    "data.document_mask",
-                    "data.document_mask = false",
                 ),
             ] {
                 let err = refused(extra);
