@@ -241,3 +241,96 @@ impl Chunks {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ops::adamw::AdamWConfig;
+
+    use super::*;
+    use crate::model::partition::partition_virtual_layers;
+    use crate::model::{ModelConfig, StageSpec, build_stage};
+
+    /// Worker 0 of 2 with 2 chunks of a 4-layer model: virtual stages 0 (embeddings, layer 0)
+    /// and 2 (layer 2).
+    fn worker0(seed: u64) -> Chunks {
+        let model = ModelConfig {
+            vocab_size: 32,
+            layers: 4,
+            d_model: 16,
+            heads: 2,
+            max_seq_len: 16,
+            ..ModelConfig::default()
+        };
+        let layouts = partition_virtual_layers(&model, 16, 2, 2).unwrap();
+        let chunks = layouts[0]
+            .iter()
+            .map(|layout| {
+                build_stage(
+                    &model,
+                    StageSpec {
+                        layout: layout.clone(),
+                        segment_lengths: vec![16],
+                        seed,
+                        adamw: AdamWConfig {
+                            beta1: 0.9,
+                            beta2: 0.95,
+                            eps: 1e-8,
+                        },
+                        memory_budget: None,
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        Chunks::new(chunks).unwrap()
+    }
+
+    #[test]
+    fn the_state_is_the_union_of_the_chunks_and_goes_back_to_its_owners_by_name() {
+        let a = worker0(1);
+        assert_eq!(a.len(), 2);
+        assert!(a.holds_first() && !a.holds_last());
+        assert_eq!(a.layout().stage, 0, "chunk 0 names the worker");
+        let names = a.param_names();
+        assert!(names.iter().any(|n| n.starts_with("wte")));
+        assert!(
+            names.iter().any(|n| n.starts_with("h.0."))
+                && names.iter().any(|n| n.starts_with("h.2."))
+        );
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("h.1.") || n.starts_with("h.3."))
+        );
+        // Another worker's chunks (another seed) take the state over, tensor by tensor.
+        let mut b = worker0(2);
+        b.load_state(a.state().unwrap(), 0).unwrap();
+        let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+        assert_eq!(sa.len(), sb.len());
+        for ((na, ta), (nb, tb)) in sa.iter().zip(&sb) {
+            assert_eq!(na, nb);
+            let (va, vb) = (
+                ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(
+                va.iter().zip(&vb).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{na}"
+            );
+        }
+        // A tensor that no chunk holds is refused, named.
+        let mut state = a.state().unwrap();
+        let stray = state
+            .iter()
+            .position(|(n, _)| n.starts_with("h.0."))
+            .unwrap();
+        state[stray].0 = state[stray].0.replace("h.0.", "h.1.");
+        let err = b.load_state(state, 0).unwrap_err().to_string();
+        assert!(err.contains("h.1."), "{err}");
+        // A reduced gradient vector must cover every chunk's parameters.
+        let total: usize = a.lens.iter().sum();
+        assert!(a.lens.iter().all(|&l| l > 0));
+        let err = b.set_gradient_vector(&vec![0.0; total - 1]).unwrap_err();
+        assert!(matches!(err, ModelError::GradientLength { .. }), "{err}");
+    }
+}
