@@ -793,14 +793,36 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         Err(PlanError::Data(e)) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
         Err(e) => return Err(e.into()),
     };
-    let ranges: Vec<String> = plan
-        .layouts
-        .iter()
-        .map(|l| format!("{:?}", l.layers))
-        .collect();
+    let v = cfg.pipeline.virtual_stages;
+    let (stages, ranges): (String, Vec<String>) = if v > 1 {
+        // Each stage's chunks: virtual stages c·p + r, c = 0..v.
+        let chunks = trainer::model::partition::partition_virtual_layers(
+            &cfg.model,
+            cfg.train.seq_len,
+            plan.stages,
+            v,
+        )?;
+        (
+            format!("{} stages x {v} virtual stages", plan.stages),
+            chunks
+                .iter()
+                .map(|c| {
+                    let c: Vec<String> = c.iter().map(|l| format!("{:?}", l.layers)).collect();
+                    c.join("+")
+                })
+                .collect(),
+        )
+    } else {
+        (
+            format!("{} stages", plan.stages),
+            plan.layouts
+                .iter()
+                .map(|l| format!("{:?}", l.layers))
+                .collect(),
+        )
+    };
     eprintln!(
-        "pipeline: {} stages (layers {}), schedule {}, {} micro-batches x {} segments {}",
-        plan.stages,
+        "pipeline: {stages} (layers {}), schedule {}, {} micro-batches x {} segments {}",
         ranges.join(" "),
         cfg.pipeline.schedule,
         cfg.pipeline.microbatches,

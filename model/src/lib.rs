@@ -21,5 +21,5 @@ pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 pub use documents::{DocumentError, document_mask};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;
-pub use partition::{StageLayout, partition_layers};
+pub use partition::{StageLayout, partition_layers, partition_virtual_layers};
 pub use unit::Unit;

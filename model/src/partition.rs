@@ -132,6 +132,30 @@ pub fn partition_layers(
         .collect())
 }
 
+/// The layer chunks of each worker with `virtual_stages` chunks per worker (interleaved
+/// schedules): [`partition_layers`] over the `stages · virtual_stages` virtual stages, then worker
+/// r's chunk c is virtual stage `c·stages + r` (`result[r][c]`). Each chunk's [`StageLayout`] says
+/// its virtual stage and their count, so only virtual stage 0 holds the embeddings and only the
+/// last holds the head. With one chunk per worker this is `partition_layers`, one layout each.
+pub fn partition_virtual_layers(
+    cfg: &ModelConfig,
+    seq_len: usize,
+    stages: usize,
+    virtual_stages: usize,
+) -> Result<Vec<Vec<StageLayout>>, PartitionError> {
+    if virtual_stages == 0 {
+        return Err(PartitionError::NoStages);
+    }
+    let all = partition_layers(cfg, seq_len, stages.saturating_mul(virtual_stages))?;
+    Ok((0..stages)
+        .map(|r| {
+            (0..virtual_stages)
+                .map(|c| all[c * stages + r].clone())
+                .collect()
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,5 +205,42 @@ mod tests {
             err.to_string()
                 .contains("every stage needs at least one layer")
         );
+    }
+
+    #[test]
+    fn virtual_chunks_are_the_partition_of_all_virtual_stages_dealt_round_robin() {
+        let cfg = ModelConfig {
+            layers: 8,
+            ..ModelConfig::default()
+        };
+        let flat = partition_layers(&cfg, 128, 8).unwrap();
+        let chunks = partition_virtual_layers(&cfg, 128, 4, 2).unwrap();
+        assert_eq!(chunks.len(), 4);
+        for (r, worker) in chunks.iter().enumerate() {
+            assert_eq!(worker.len(), 2);
+            for (c, layout) in worker.iter().enumerate() {
+                assert_eq!(layout, &flat[c * 4 + r]);
+                assert_eq!(layout.stage, c * 4 + r);
+                assert_eq!(layout.stages, 8);
+            }
+        }
+        // Embeddings only on worker 0's chunk 0, the head only on worker 3's chunk 1.
+        let holders = |pick: fn(&StageLayout) -> bool| -> Vec<(usize, usize)> {
+            (0..4)
+                .flat_map(|r| (0..2).map(move |c| (r, c)))
+                .filter(|&(r, c)| pick(&chunks[r][c]))
+                .collect()
+        };
+        assert_eq!(holders(StageLayout::is_first), [(0, 0)]);
+        assert_eq!(holders(StageLayout::is_last), [(3, 1)]);
+        // One chunk per worker is the plain partition.
+        let one = partition_virtual_layers(&cfg, 128, 4, 1).unwrap();
+        let plain = partition_layers(&cfg, 128, 4).unwrap();
+        assert_eq!(one.into_iter().flatten().collect::<Vec<_>>(), plain);
+        assert!(
+            partition_virtual_layers(&cfg, 128, 4, 3).is_err(),
+            "12 chunks, 8 layers"
+        );
+        assert!(partition_virtual_layers(&cfg, 128, 4, 0).is_err());
     }
 }

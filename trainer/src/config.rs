@@ -559,6 +559,9 @@ impl Config {
         if let Some(e) = crate::schedule::ScheduleError::not_runnable_kind(p.schedule) {
             return Err(ConfigError::ScheduleNotRunnable(e));
         }
+        if p.virtual_stages > 1 {
+            self.validate_virtual_stages()?;
+        }
         if p.transport == StageTransport::Nccl && m.device != DeviceKind::Cuda {
             return invalid(
                 "pipeline.transport",
@@ -593,6 +596,93 @@ impl Config {
             }
         }
         self.validate_documents()
+    }
+
+    /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
+    /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
+    /// and refusals, naming the key and what to use instead, of what virtual stages are not wired
+    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots and a stage
+    /// memory budget.
+    fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
+        let (m, p) = (&self.model, &self.pipeline);
+        let v = p.virtual_stages;
+        let not_runnable = |what: String| {
+            Err(ConfigError::ScheduleNotRunnable(
+                crate::schedule::ScheduleError::not_runnable_virtual(what),
+            ))
+        };
+        if m.device == DeviceKind::Cuda {
+            return not_runnable(format!(
+                "pipeline.virtual_stages = {v} with model.device = \"cuda\""
+            ));
+        }
+        if p.transport == StageTransport::Nccl {
+            return not_runnable(format!(
+                "pipeline.virtual_stages = {v} with pipeline.transport = \"nccl\""
+            ));
+        }
+        let chunks = p.stages.saturating_mul(v);
+        if chunks > m.layers {
+            return Err(ConfigError::Invalid {
+                key: "pipeline.virtual_stages",
+                message: format!(
+                    "{} stages × {v} chunks = {chunks} virtual stages, but model.layers = {} \
+                     (every virtual stage holds at least one layer); lower \
+                     pipeline.virtual_stages or pipeline.stages",
+                    p.stages, m.layers
+                ),
+            });
+        }
+        crate::schedule::generate_virtual(
+            p.schedule,
+            p.stages,
+            v,
+            p.microbatches / p.replicas,
+            p.splits,
+        )
+        .map_err(|e| ConfigError::Invalid {
+            key: "pipeline.schedule",
+            message: format!(
+                "{} with {} stages, {v} virtual stages, {} micro-batches per replica and {} \
+                 segments cannot be scheduled: {e}",
+                p.schedule,
+                p.stages,
+                p.microbatches / p.replicas,
+                p.splits
+            ),
+        })?;
+        let e = &self.elastic;
+        if e.mid_step {
+            return Err(ConfigError::NotWired {
+                key: "elastic.mid_step",
+                what: format!(
+                    "a worker holding {v} virtual-stage chunks cannot be replaced in the middle \
+                     of a step yet; set elastic.mid_step = false (a lost worker then restarts \
+                     the step from the last checkpoint) or use a schedule without virtual stages"
+                ),
+            });
+        }
+        if e.peer_snapshots {
+            return Err(ConfigError::NotWired {
+                key: "elastic.peer_snapshots",
+                what: format!(
+                    "the state of a worker holding {v} virtual-stage chunks is not copied to \
+                     its peers yet; set elastic.peer_snapshots = false (recoveries then restore \
+                     from the last checkpoint) or use a schedule without virtual stages"
+                ),
+            });
+        }
+        if self.train.memory_budget_bytes > 0 {
+            return Err(ConfigError::Invalid {
+                key: "train.memory_budget_bytes",
+                message: format!(
+                    "a stage's byte budget is not divided among a worker's {v} virtual-stage \
+                     chunks yet (each would be held to all of it); set 0 (no limit) or use a \
+                     schedule without virtual stages"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// `data.document_mask`, `data.reset_positions` and `pipeline.partition = "documents"`:
@@ -935,22 +1025,17 @@ mod tests {
 
     #[test]
     fn schedule_only_kinds_parse_and_are_refused_with_the_reason() {
-        for (kind, v) in [("seq1f1b-i", 2), ("1f1b-i", 2), ("seq1f1b-zb", 1)] {
-            let cfg = Config::default()
-                .with_overrides(&[
-                    format!("pipeline.schedule={kind}"),
-                    format!("pipeline.virtual_stages={v}"),
-                ])
-                .unwrap();
-            assert_eq!(cfg.pipeline.schedule.as_str(), kind);
-            let err = cfg.validate().unwrap_err();
-            assert!(matches!(err, ConfigError::ScheduleNotRunnable(_)), "{err}");
-            let text = err.to_string();
-            assert!(
-                text.contains(kind) && text.contains("cannot run") && text.contains("seq1f1b"),
-                "{text}"
-            );
-        }
+        let cfg = Config::default()
+            .with_overrides(&["pipeline.schedule=seq1f1b-zb".into()])
+            .unwrap();
+        assert_eq!(cfg.pipeline.schedule.as_str(), "seq1f1b-zb");
+        let err = cfg.validate().unwrap_err();
+        assert!(matches!(err, ConfigError::ScheduleNotRunnable(_)), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("seq1f1b-zb") && text.contains("cannot run") && text.contains("seq1f1b"),
+            "{text}"
+        );
         // Chunk counts that do not fit the kind are refused before that, naming the key.
         for (kind, v) in [("seq1f1b-i", 1), ("seq1f1b", 2), ("1f1b", 0)] {
             let err = Config::default()
@@ -965,6 +1050,85 @@ mod tests {
             assert!(
                 err.contains("pipeline.virtual_stages"),
                 "{kind} v={v}: {err}"
+            );
+        }
+    }
+
+    /// The interleaved kinds run on CPU stages over TCP with mid-step recovery and peer
+    /// snapshots off; everything else they would need is refused, naming the key and what to
+    /// use instead.
+    #[test]
+    fn interleaved_kinds_run_on_cpu_over_tcp_and_refuse_what_is_not_wired() {
+        let base = |extra: &[&str]| {
+            let mut sets: Vec<String> = [
+                "model.layers=8",
+                "pipeline.stages=4",
+                "pipeline.microbatches=8",
+                "pipeline.splits=2",
+                "pipeline.virtual_stages=2",
+                "elastic.mid_step=false",
+                "elastic.peer_snapshots=false",
+            ]
+            .map(String::from)
+            .to_vec();
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            Config::default().with_overrides(&sets).unwrap()
+        };
+        for kind in ["seq1f1b-i", "1f1b-i"] {
+            let set = format!("pipeline.schedule={kind}");
+            base(&[&set]).validate().unwrap();
+            let refused = |extra: &str| base(&[&set, extra]).validate().expect_err(extra);
+            for (extra, key, instead) in [
+                (
+                    "elastic.mid_step=true",
+                    "elastic.mid_step",
+                    "elastic.mid_step = false",
+                ),
+                (
+                    "elastic.peer_snapshots=true",
+                    "elastic.peer_snapshots",
+                    "elastic.peer_snapshots = false",
+                ),
+            ] {
+                let err = refused(extra);
+                assert!(
+                    matches!(err, ConfigError::NotWired { .. }),
+                    "{extra}: {err}"
+                );
+                let text = err.to_string();
+                assert!(text.contains(key) && text.contains(instead), "{text}");
+            }
+            for (extra, what) in [
+                ("model.device=cuda", "model.device = \"cuda\""),
+                ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),
+            ] {
+                let err = refused(extra);
+                assert!(
+                    matches!(err, ConfigError::ScheduleNotRunnable(_)),
+                    "{extra}: {err}"
+                );
+                let text = err.to_string();
+                assert!(
+                    text.contains(what) && text.contains("model.device = \"cpu\""),
+                    "{text}"
+                );
+            }
+            let err = refused("train.memory_budget_bytes=1000000000").to_string();
+            assert!(
+                err.contains("train.memory_budget_bytes") && err.contains("set 0"),
+                "{err}"
+            );
+            // A layer per virtual stage.
+            let err = refused("pipeline.virtual_stages=3").to_string();
+            assert!(
+                err.contains("pipeline.virtual_stages") && err.contains("12 virtual stages"),
+                "{err}"
+            );
+            // Shapes the interleaved order cannot take (m per replica not a multiple of p).
+            let err = refused("pipeline.microbatches=6").to_string();
+            assert!(
+                err.contains("pipeline.schedule") && err.contains("multiple"),
+                "{err}"
             );
         }
     }

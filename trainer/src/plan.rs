@@ -7,7 +7,7 @@
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, check_source, synthetic_documents, synthetic_language};
 use crate::model::{PartitionError, StageLayout, partition_layers};
-use crate::schedule::SegmentRule;
+use crate::schedule::{ScheduleKind, SegmentRule, generate_virtual};
 
 /// Why no plan can be made of a validated config.
 #[derive(Debug, thiserror::Error)]
@@ -149,12 +149,51 @@ impl RunPlan {
     /// The config the pipeline of this plan and its workers read: `cfg` (never changed itself)
     /// with this plan's stages and replicas. Worker processes take their layout from their config
     /// file, so this is where the plan enters it.
+    ///
+    /// An interleaved schedule that this plan's shape cannot run (the elastic core chose the
+    /// stages from the nodes left: fewer than p·v layers, or micro-batches per replica not a
+    /// multiple of the stages, or for `seq1f1b-i` segments not dividing them) runs as its plain
+    /// form (`seq1f1b-i` → `seq1f1b`, `1f1b-i` → `1f1b`, one chunk per stage): the same
+    /// arithmetic in the same order, so the same weights bit for bit.
     pub fn pipeline_config(&self, cfg: &Config) -> Config {
         let mut pipeline = cfg.clone();
         pipeline.pipeline.stages = self.stages;
         pipeline.pipeline.replicas = self.replicas;
+        if let Some(plain) = plain_form_if_not_interleavable(&pipeline) {
+            tracing::warn!(
+                stages = self.stages,
+                replicas = self.replicas,
+                schedule = %pipeline.pipeline.schedule,
+                virtual_stages = pipeline.pipeline.virtual_stages,
+                "this plan's shape cannot interleave; its pipeline runs {plain} (bit-identical)"
+            );
+            pipeline.pipeline.schedule = plain;
+            pipeline.pipeline.virtual_stages = 1;
+        }
         pipeline
     }
+}
+
+/// The plain form of `cfg`'s interleaved schedule when its (stages, replicas) cannot run it with
+/// its virtual stages; `None` when it can, or the schedule is not interleaved.
+fn plain_form_if_not_interleavable(cfg: &Config) -> Option<ScheduleKind> {
+    let p = &cfg.pipeline;
+    let plain = match p.schedule {
+        ScheduleKind::Seq1F1BInterleaved => ScheduleKind::Seq1F1B,
+        ScheduleKind::OneFOneBInterleaved => ScheduleKind::OneFOneB,
+        _ => return None,
+    };
+    let fits = p.replicas > 0
+        && p.stages.saturating_mul(p.virtual_stages) <= cfg.model.layers
+        && generate_virtual(
+            p.schedule,
+            p.stages,
+            p.virtual_stages,
+            p.microbatches / p.replicas,
+            p.splits,
+        )
+        .is_ok();
+    (!fits).then_some(plain)
 }
 
 #[cfg(test)]
@@ -184,6 +223,43 @@ mod tests {
         assert_eq!(plan.segments, cfg.segment_rule().unwrap());
         assert!(matches!(plan.data, DataSummary::Synthetic { .. }));
         assert!(plan.data.loss_lower_bound().unwrap() > 0.0);
+    }
+
+    #[test]
+    fn an_interleaved_run_on_a_shape_that_cannot_interleave_runs_its_plain_form() {
+        let cfg = Config::load(
+            None,
+            &[
+                "model.layers=8".into(),
+                "pipeline.schedule=seq1f1b-i".into(),
+                "pipeline.virtual_stages=2".into(),
+                "pipeline.stages=4".into(),
+                "pipeline.microbatches=4".into(),
+                "pipeline.splits=2".into(),
+                "elastic.mid_step=false".into(),
+                "elastic.peer_snapshots=false".into(),
+            ],
+        )
+        .unwrap();
+        let plan = RunPlan::decide(&cfg).unwrap();
+        let at = |stages, replicas| {
+            let c = plan
+                .with_layout(&cfg, stages, replicas)
+                .unwrap()
+                .pipeline_config(&cfg);
+            c.validate().unwrap();
+            (c.pipeline.schedule.as_str(), c.pipeline.virtual_stages)
+        };
+        assert_eq!(at(4, 1), ("seq1f1b-i", 2));
+        assert_eq!(at(2, 1), ("seq1f1b-i", 2));
+        assert_eq!(at(2, 2), ("seq1f1b-i", 2));
+        // 3 stages: 4 micro-batches are not rounds of 3, and 2 segments do not divide 3.
+        assert_eq!(at(3, 1), ("seq1f1b", 1));
+        // 1 stage has no one to interleave with; 4 replicas of 2 leave 1 micro-batch each.
+        assert_eq!(at(1, 1), ("seq1f1b", 1));
+        assert_eq!(at(2, 4), ("seq1f1b", 1));
+        // The config itself is never changed.
+        assert_eq!(cfg.pipeline.schedule.as_str(), "seq1f1b-i");
     }
 
     #[test]

@@ -58,7 +58,8 @@ pub struct Topology {
     /// replica count).
     #[serde(default = "one")]
     pub replicas: usize,
-    /// Layer range `[start, end)` of each stage.
+    /// Layer range `[start, end)` of each stage (with `pipeline.virtual_stages` v > 1, of each
+    /// of the p·v virtual stages: worker r's chunk c is entry c·p + r).
     pub layers: Vec<[usize; 2]>,
     /// Schedule kind.
     pub schedule: String,

@@ -48,6 +48,11 @@ pub struct TensorHeader {
     pub payload: Payload,
     /// Which (micro-batch, segment) it belongs to.
     pub unit: Unit,
+    /// With virtual stages: the virtual stage the tensor is for (one link carries the tensors of
+    /// all the chunks of its two workers). The receiver checks it is the one its schedule
+    /// expects. Absent without virtual stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_stage: Option<usize>,
     /// Tensor shape (f32, row-major).
     pub shape: Vec<usize>,
     /// The values follow on the device link, not in this frame.
@@ -390,6 +395,7 @@ impl TcpLink {
             step,
             payload,
             unit,
+            virtual_stage: None,
             shape,
             on_device,
             documents: None,
@@ -406,6 +412,20 @@ impl TcpLink {
         tensor: &Tensor,
         documents: Option<&[Vec<usize>]>,
     ) -> Result<(), TransportError> {
+        self.send_virtual(step, payload, unit, None, tensor, documents)
+    }
+
+    /// [`TcpLink::send_documented`] for virtual stage `virtual_stage` (`None` without virtual
+    /// stages), which the message names.
+    pub fn send_virtual(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        virtual_stage: Option<usize>,
+        tensor: &Tensor,
+        documents: Option<&[Vec<usize>]>,
+    ) -> Result<(), TransportError> {
         let bad = |e: candle_core::Error| TransportError::BadTensor {
             peer: self.peer.clone(),
             reason: e.to_string(),
@@ -416,6 +436,7 @@ impl TcpLink {
             .map_err(bad)?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut header = self.header(step, payload, unit, tensor.dims().to_vec(), false);
+        header.virtual_stage = virtual_stage;
         header.documents = documents.map(<[Vec<usize>]>::to_vec);
         write_frame(&mut self.writer, &Frame::new(&header, bytes)).map_err(|e| self.io_error(e))
     }
@@ -429,10 +450,23 @@ impl TcpLink {
         payload: Payload,
         unit: Unit,
     ) -> Result<(Tensor, Option<DocumentStarts>), TransportError> {
+        self.recv_virtual(step, payload, unit, None)
+    }
+
+    /// [`TcpLink::recv_documented`] for virtual stage `virtual_stage`: the message must name
+    /// exactly it (`None`: no virtual stage at all), or it is refused as out of protocol.
+    pub fn recv_virtual(
+        &mut self,
+        step: u64,
+        payload: Payload,
+        unit: Unit,
+        virtual_stage: Option<usize>,
+    ) -> Result<(Tensor, Option<DocumentStarts>), TransportError> {
         let frame = self.next_frame()?;
         let mut header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
         let documents = header.documents.take();
-        let expected = self.header(step, payload, unit, header.shape.clone(), false);
+        let mut expected = self.header(step, payload, unit, header.shape.clone(), false);
+        expected.virtual_stage = virtual_stage;
         if header != expected {
             return Err(TransportError::Unexpected {
                 peer: self.peer.clone(),
@@ -594,6 +628,37 @@ mod tests {
         assert!(err.to_string().contains("generation: 2"), "{err}");
     }
 
+    /// With virtual stages a message names the virtual stage it is for: a receive for another
+    /// one, or one that names none where one is expected (and the reverse), is refused; a run
+    /// without virtual stages sends headers without the field, as before.
+    #[test]
+    fn a_message_must_name_the_virtual_stage_the_receiver_expects() {
+        let unit = Unit::new(1, 0);
+        let t = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let (mut a, mut b) = pair(4, 4);
+        a.send_virtual(3, Payload::Activation, unit, Some(5), &t, None)
+            .unwrap();
+        let (got, docs) = b
+            .recv_virtual(3, Payload::Activation, unit, Some(5))
+            .unwrap();
+        assert_eq!(got.dims(), [2, 3]);
+        assert!(docs.is_none());
+        for (sent, expected) in [(Some(1), Some(5)), (None, Some(5)), (Some(5), None)] {
+            a.send_virtual(3, Payload::Grad, unit, sent, &t, None)
+                .unwrap();
+            let err = b
+                .recv_virtual(3, Payload::Grad, unit, expected)
+                .unwrap_err();
+            assert!(
+                matches!(err, TransportError::Unexpected { .. }),
+                "sent {sent:?}, expected {expected:?}: {err}"
+            );
+        }
+        let plain =
+            serde_json::to_string(&a.header(1, Payload::Grad, unit, vec![2], false)).unwrap();
+        assert!(!plain.contains("virtual_stage"), "{plain}");
+    }
+
     /// Document starts ride in an activation's header, within the link's bound; a plain receive
     /// refuses them, and a link opened without room for them refuses a header that carries many.
     #[test]
@@ -687,6 +752,7 @@ mod tests {
                 step: 1,
                 payload: Payload::Activation,
                 unit,
+                virtual_stage: None,
                 shape,
                 on_device: false,
                 documents: None,

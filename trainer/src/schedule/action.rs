@@ -86,20 +86,20 @@ impl ScheduleKind {
         )
     }
 
-    /// True when the stage runtime can execute this kind today. The interleaved and zero-bubble
-    /// kinds exist at the schedule level only (generated, validated, simulated, drawn): running
-    /// them needs workers that hold several layer chunks and kernels with separate input- and
-    /// weight-gradient halves.
+    /// True when the stage runtime can execute this kind today: all but the zero-bubble kind,
+    /// which exists at the schedule level only (generated, validated, simulated, drawn): running
+    /// it needs kernels with separate input- and weight-gradient halves. The interleaved kinds
+    /// run on CPU stages over TCP links (see `Config::validate` for what they refuse).
     pub fn runs_in_runtime(self) -> bool {
-        matches!(
-            self,
-            ScheduleKind::GPipe | ScheduleKind::OneFOneB | ScheduleKind::Seq1F1B
-        )
+        self != ScheduleKind::Seq1F1BZeroBubble
     }
 
-    /// The kinds the stage runtime runs (see [`ScheduleKind::runs_in_runtime`]).
+    /// The kinds the stage runtime runs with one layer chunk per worker: the ones mid-step
+    /// recovery covers (see [`ScheduleKind::runs_in_runtime`] for all it runs).
     pub fn runtime_kinds() -> impl Iterator<Item = ScheduleKind> {
-        Self::ALL.into_iter().filter(|k| k.runs_in_runtime())
+        Self::ALL
+            .into_iter()
+            .filter(|k| k.runs_in_runtime() && !k.is_interleaved())
     }
 }
 

@@ -169,11 +169,12 @@ pub enum ScheduleError {
     #[error("invalid unit costs: {0}")]
     InvalidCosts(String),
 
-    /// Something that exists at the schedule level (virtual-stage chunks, split backwards) but that
-    /// the stage runtime cannot execute yet.
+    /// Something that exists at the schedule level (split backwards; virtual stages on CUDA
+    /// devices or device links) but that the stage runtime cannot execute yet.
     #[error(
-        "the stage runtime cannot run {what} yet: {reason}; it runs gpipe, 1f1b and seq1f1b \
-         (`seqpipe schedule` and `seqpipe bench schedule --simulated` show the others)"
+        "the stage runtime cannot run {what} yet: {reason}; it runs gpipe, 1f1b and seq1f1b, \
+         and 1f1b-i and seq1f1b-i on CPU stages over TCP (`seqpipe schedule` and \
+         `seqpipe bench schedule --simulated` show the others)"
     )]
     NotRunnable {
         /// The kind or action refused.
@@ -197,16 +198,30 @@ impl ScheduleError {
         })
     }
 
-    /// Why the stage runtime refuses `action` (a chunk or split-backward action).
+    /// Why the stage runtime refuses `action` (a split-backward action).
     pub fn not_runnable_action(action: Action) -> ScheduleError {
         ScheduleError::NotRunnable {
             what: format!("action {action}"),
             reason: RUNTIME_LACKS,
         }
     }
+
+    /// Why the stage runtime refuses virtual stages (`what`: the setting that asks for them
+    /// where they are not wired, e.g. `model.device = "cuda"`).
+    pub fn not_runnable_virtual(what: String) -> ScheduleError {
+        ScheduleError::NotRunnable {
+            what,
+            reason: VIRTUAL_LACKS,
+        }
+    }
 }
 
-/// What the stage runtime lacks for the interleaved and zero-bubble kinds.
-const RUNTIME_LACKS: &str = "its workers hold one layer chunk each and run whole backwards \
-                             (virtual stages and input/weight backward halves exist at the \
-                             schedule level only)";
+/// What the stage runtime lacks for the zero-bubble kind.
+const RUNTIME_LACKS: &str = "its workers run whole backwards (input/weight backward halves \
+                             exist at the schedule level only)";
+
+/// What the stage runtime lacks for virtual stages beyond CPU stages over TCP.
+const VIRTUAL_LACKS: &str = "a worker's virtual-stage chunks are CPU stages linked over TCP; \
+                             CUDA stages and NCCL device links hold one chunk per worker \
+                             (use model.device = \"cpu\" and pipeline.transport = \"tcp\", or \
+                             a schedule without virtual stages: 1f1b or seq1f1b)";

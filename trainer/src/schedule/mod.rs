@@ -14,9 +14,9 @@
 //! a split backward's weight halves run in the order of its input halves, so the order in which
 //! parameter gradients accumulate never depends on the pipeline partition or the schedule.
 //!
-//! The stage runtime runs `gpipe`, `1f1b` and `seq1f1b`; the interleaved and zero-bubble kinds
-//! exist here (generated, validated, simulated, drawn) ahead of the runtime
-//! ([`ScheduleKind::runs_in_runtime`]).
+//! The stage runtime runs `gpipe`, `1f1b` and `seq1f1b`, and the interleaved `1f1b-i` and
+//! `seq1f1b-i` on CPU stages over TCP; the zero-bubble kind exists here (generated, validated,
+//! simulated, drawn) ahead of the runtime ([`ScheduleKind::runs_in_runtime`]).
 //!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
 //! document-aware partition (equal cost under document masks, per micro-batch) in

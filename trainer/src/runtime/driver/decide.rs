@@ -289,7 +289,9 @@ pub(super) fn reductions(
 /// The trainer state a checkpoint of `step` records (learning rate `lr`, loss `loss`): the data
 /// cursor, the learning-rate position, the topology and the resolved config.
 pub(super) fn trainer_state(cfg: &Config, step: u64, lr: f64, loss: f64) -> TrainerState {
-    let layers = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages)
+    // With virtual stages, the range of each virtual stage (worker r's chunk c is entry c·p + r).
+    let virtual_stages = cfg.pipeline.stages * cfg.pipeline.virtual_stages;
+    let layers = partition_layers(&cfg.model, cfg.train.seq_len, virtual_stages)
         .map(|ls| ls.iter().map(|l| [l.layers.start, l.layers.end]).collect())
         .unwrap_or_default();
     TrainerState {

@@ -32,6 +32,17 @@ pub(super) fn replacement_hosts(stage: usize, stages: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The stages before and after stage `s` of `p` in one replica's pipeline: a line without
+/// virtual stages (none before the first, none after the last), a ring with them (`ring`: the last
+/// stage's chunk c feeds the first stage's chunk c+1, so their workers are linked too).
+pub(super) fn neighbour_slots(s: usize, p: usize, ring: bool) -> (Option<usize>, Option<usize>) {
+    if ring {
+        (Some((s + p - 1) % p), Some((s + 1) % p))
+    } else {
+        (s.checked_sub(1), (s + 1 < p).then_some(s + 1))
+    }
+}
+
 /// What a mid-step replacement of `stage` and its neighbours are told, as link generation
 /// `generation`: the previous stage links to the replacement's data address (it connects, as
 /// `Next`), the next stage waits for the replacement (as `Prev`), and the replacement gets its
@@ -84,6 +95,19 @@ mod tests {
         assert!(gathered(ms(50), true));
         assert!(!gathered(ms(299), false));
         assert!(gathered(ms(300), false));
+    }
+
+    #[test]
+    fn stages_are_linked_in_a_line_or_with_virtual_stages_in_a_ring() {
+        assert_eq!(neighbour_slots(0, 4, false), (None, Some(1)));
+        assert_eq!(neighbour_slots(2, 4, false), (Some(1), Some(3)));
+        assert_eq!(neighbour_slots(3, 4, false), (Some(2), None));
+        assert_eq!(neighbour_slots(0, 1, false), (None, None));
+        assert_eq!(neighbour_slots(0, 4, true), (Some(3), Some(1)));
+        assert_eq!(neighbour_slots(3, 4, true), (Some(2), Some(0)));
+        // Two workers in a ring: each is the other's previous and next (two links).
+        assert_eq!(neighbour_slots(0, 2, true), (Some(1), Some(1)));
+        assert_eq!(neighbour_slots(1, 2, true), (Some(0), Some(0)));
     }
 
     #[test]

@@ -22,6 +22,7 @@ use super::coordinator::{Coordinator, Incoming};
 pub use super::error::{LaunchError, LossCause, Lost};
 use crate::config::Config;
 pub(in crate::runtime) use decide::GATHER_QUIET;
+use decide::neighbour_slots;
 
 /// The running pipeline of the coordinator's current plan: one worker per stage, started by the
 /// agents of the plan's nodes and connected to the coordinator's control port.
@@ -83,6 +84,7 @@ impl<'c> Pipeline<'c> {
         dump_grads: Option<&Path>,
     ) -> Result<Self, LaunchError> {
         let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
+        let cfg_virtual_stages = cfg.pipeline.virtual_stages;
         let workers = p * d;
         let generation = coordinator.plan().generation;
         // Workers may run on other hosts: give them the checkpoint location in full.
@@ -150,11 +152,14 @@ impl<'c> Pipeline<'c> {
             .into_iter()
             .map(|c| c.expect("every stage said hello"))
             .collect();
+        let ring = cfg_virtual_stages > 1;
         for slot in 0..workers {
-            // Slot r·p + s runs stage s of replica r; its neighbours are in its replica.
-            let s = slot % p;
-            let prev = (s > 0).then(|| data_addrs[slot - 1].clone());
-            let next = (s + 1 < p).then(|| data_addrs[slot + 1].clone());
+            // Slot r·p + s runs stage s of replica r; its neighbours are in its replica (with
+            // virtual stages, a ring: the last stage's chunks feed the first's next chunks).
+            let (s, first) = (slot % p, slot - slot % p);
+            let (prev, next) = neighbour_slots(s, p, ring);
+            let prev = prev.map(|n| data_addrs[first + n].clone());
+            let next = next.map(|n| data_addrs[first + n].clone());
             let replicas = if d > 1 {
                 (0..d).map(|r| reduce_addrs[r * p + s].clone()).collect()
             } else {

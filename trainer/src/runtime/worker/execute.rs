@@ -2,6 +2,12 @@
 //! send, in the validated schedule's order. With device links (`pipeline.transport = "nccl"`)
 //! the values of boundary tensors stay on the stage's device: the TCP links carry their headers
 //! and the stage receives, keeps and sends the values ([`crate::model::DeviceLinks`]).
+//!
+//! With virtual stages every action names its chunk: a compute action runs on that chunk's
+//! stage, and a boundary tensor travels between neighbouring virtual stages — over the same link
+//! to worker r±1 for every chunk, and from the last worker's chunk c to the first worker's chunk
+//! c+1 over the link that closes the ring. Each message names the virtual stage it is for, and
+//! the receiver checks it (see [`TcpLink::send_virtual`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -11,18 +17,22 @@ use candle_core::{Device, Tensor};
 use ops::sum_tree::SumTree;
 
 use super::boundary::{Boundary, DocStarts};
+use super::chunks::Chunks;
 use super::record::{StepRecord, UnitStart};
 use super::{Worker, WorkerError};
 use crate::config::{ConfigError, StageTransport};
 use crate::data::{RowPart, Split, document_starts, micro_batch_part};
 use crate::model::{
-    DeviceLinks, LinkedInput, LinkedOutput, Mode, ModelError, StageCompute, StageInput, StageOutput,
+    DeviceLinks, LinkedInput, LinkedOutput, Mode, ModelError, StageCompute, StageInput,
+    StageLayout, StageOutput,
 };
 use crate::runtime::control::ControlStream;
 use crate::runtime::kill_switch::Point;
 use crate::runtime::trace::unix_time_us;
-use crate::runtime::transport::{Payload, TcpLink, Transport, TransportError};
-use crate::schedule::{Action, Schedule, ScheduleError, Unit, generate_forward_only, validate};
+use crate::runtime::transport::{Payload, TcpLink, TransportError};
+use crate::schedule::{
+    Action, Op, Schedule, ScheduleError, ScheduleKind, Unit, generate_forward_only, validate,
+};
 
 /// A schedule that passed [`validate`] (complete, in order, deadlock-free): the only kind a worker
 /// runs. An invalid one is refused with [`WorkerError::InvalidSchedule`], a permanent failure.
@@ -46,11 +56,16 @@ struct MicroBatchTokens {
     tokens: HashMap<usize, Vec<u32>>,
 }
 
+/// A boundary tensor's place in the worker: (local chunk, unit).
+type Slot = (usize, Unit);
+
 /// The per-call state of [`Worker::execute`].
 struct ExecState {
     tokens: MicroBatchTokens,
-    inbox: HashMap<Unit, Boundary>,
-    outbox: HashMap<Unit, Boundary>,
+    /// Received tensors not yet used, by (chunk, unit).
+    inbox: HashMap<Slot, Boundary>,
+    /// Computed tensors not yet sent, by (chunk, unit).
+    outbox: HashMap<Slot, Boundary>,
     /// Last stage: each micro-batch's sum of token losses, over its segments in order.
     losses: Option<BTreeMap<usize, f64>>,
     loss_scale: f64,
@@ -97,11 +112,11 @@ impl Worker {
             )));
         }
         self.eval_first = first;
-        let schedule = ValidSchedule::new(generate_forward_only(
-            self.cfg.pipeline.stages,
-            batches,
-            self.cfg.pipeline.splits,
-        )?)?;
+        let (p, k) = (self.cfg.pipeline.stages, self.cfg.pipeline.splits);
+        let schedule = ValidSchedule::new(match self.stage.len() {
+            1 => generate_forward_only(p, batches, k)?,
+            v => forward_only_virtual(p, v, batches, k)?,
+        })?;
         self.execute(&schedule, Split::Val, 0, Mode::Eval, None)
     }
 
@@ -117,7 +132,7 @@ impl Worker {
         mut control: Option<&mut ControlStream>,
     ) -> Result<Option<f64>, WorkerError> {
         let schedule = schedule.get();
-        let last = self.stage.layout().is_last();
+        let last = self.stage.holds_last();
         if self.linked() {
             // What the last step (or evaluation) kept for its links is no longer needed.
             let deadline = Instant::now() + self.cfg.pipeline.timeout();
@@ -170,6 +185,7 @@ impl Worker {
                     if train
                         && self.cfg.elastic.mid_step
                         && self.cfg.pipeline.replicas == 1
+                        && self.stage.len() == 1
                         && control.is_some() =>
                 {
                     let control = control.as_deref_mut().expect("checked above");
@@ -194,30 +210,31 @@ impl Worker {
         mode: Mode,
     ) -> Result<(), WorkerError> {
         let train = mode == Mode::Train;
-        match action {
-            Action::RecvActivation(u) => {
-                let (b, docs) = self.receive_activation(step, u)?;
+        let (u, c) = (action.unit(), action.chunk());
+        match action.op() {
+            Op::RecvActivation => {
+                let (b, docs) = self.receive_activation(step, u, c)?;
                 if let Some(docs) = docs {
                     state.docs.insert(u.micro_batch, docs);
                 }
-                state.inbox.insert(u, b);
+                state.inbox.insert((c, u), b);
             }
-            Action::Forward(u) => self.forward(u, state, split, step, mode)?,
-            Action::SendActivation(u) => {
-                let t = take(&mut state.outbox, u)?;
+            Op::Forward => self.forward(u, c, state, split, step, mode)?,
+            Op::SendActivation => {
+                let t = take(&mut state.outbox, (c, u))?;
                 let docs = state.docs.get(&u.micro_batch).cloned();
                 self.send_boundary(train, step, action, t, docs)?;
             }
-            Action::RecvGrad(u) => {
-                let b = self.receive_boundary(step, Payload::Grad, u)?;
-                state.inbox.insert(u, b);
+            Op::RecvGrad => {
+                let b = self.receive_boundary(step, Payload::Grad, u, c)?;
+                state.inbox.insert((c, u), b);
             }
-            Action::Backward(u) => {
+            Op::Backward => {
                 let started = UnitStart::now();
-                let d_out = if self.stage.layout().is_last() {
+                let d_out = if self.chunk_layout(c)?.is_last() {
                     None
                 } else {
-                    Some(take(&mut state.inbox, u)?)
+                    Some(take(&mut state.inbox, (c, u))?)
                 };
                 let width = self.cfg.model.d_model;
                 let dx = match d_out {
@@ -226,12 +243,16 @@ impl Worker {
                             .backward_linked(u)?
                             .map(|rows| Boundary::Device { rows, width })
                     }
-                    Some(Boundary::Host(t)) => self.stage.backward(u, Some(t))?.map(Boundary::Host),
-                    None => self.stage.backward(u, None)?.map(Boundary::Host),
+                    Some(Boundary::Host(t)) => chunk_mut(&mut self.stage, c)?
+                        .backward(u, Some(t))?
+                        .map(Boundary::Host),
+                    None => chunk_mut(&mut self.stage, c)?
+                        .backward(u, None)?
+                        .map(Boundary::Host),
                     Some(Boundary::Device { .. }) => return Err(not_linked()),
                 };
                 if let Some(dx) = dx {
-                    state.outbox.insert(u, dx);
+                    state.outbox.insert((c, u), dx);
                 }
                 let redone = self.record.delivered.replays(action);
                 let len = state
@@ -241,15 +262,35 @@ impl Worker {
                     .unwrap_or(0);
                 self.record.computed(action, started, redone, len);
             }
-            Action::SendGrad(u) => {
-                let t = take(&mut state.outbox, u)?;
+            Op::SendGrad => {
+                let t = take(&mut state.outbox, (c, u))?;
                 self.send_boundary(train, step, action, t, None)?;
             }
-            Action::Extended { .. } => {
+            Op::BackwardInput | Op::BackwardWeight => {
                 return Err(ScheduleError::not_runnable_action(action).into());
             }
         }
         Ok(())
+    }
+
+    /// The layout of local chunk `c` (the schedule's chunks were validated against v, so a
+    /// chunk the worker lacks is a bug, reported, not a panic).
+    fn chunk_layout(&self, c: usize) -> Result<&StageLayout, WorkerError> {
+        self.stage
+            .chunk(c)
+            .map(|s| s.layout())
+            .ok_or_else(|| no_chunk(c, self.stage.len()))
+    }
+
+    /// The virtual stage of local chunk `c` (`c·p + r`).
+    fn virtual_stage(&self, c: usize) -> usize {
+        c * self.cfg.pipeline.stages + self.index()
+    }
+
+    /// What messages name as their virtual stage: `Some` with virtual stages, `None` without
+    /// (the wire format of runs without them is unchanged).
+    fn message_stage(&self, virtual_stage: usize) -> Option<usize> {
+        (self.stage.len() > 1).then_some(virtual_stage)
     }
 
     /// The forward of unit `u`: from the tokens (first stage) or the received activation; the
@@ -257,12 +298,13 @@ impl Worker {
     fn forward(
         &mut self,
         u: Unit,
+        c: usize,
         state: &mut ExecState,
         split: Split,
         step: u64,
         mode: Mode,
     ) -> Result<(), WorkerError> {
-        let layout = self.stage.layout();
+        let layout = self.chunk_layout(c)?;
         let (first, last) = (layout.is_first(), layout.is_last());
         let started = UnitStart::now();
         if first || last {
@@ -271,13 +313,13 @@ impl Worker {
         // The documents before the lengths: the document partition cuts the micro-batch from
         // them, and the tokens are sliced by its lengths.
         if self.cfg.data.document_mask {
-            self.set_documents(state, u)?;
+            self.set_documents(state, u, c)?;
         }
-        let lengths = self.set_segment_lengths(state, u)?;
+        let lengths = self.set_segment_lengths(state, u, c)?;
         let input = if first {
             Input::Tokens(self.segment_tokens(&state.tokens, &lengths, u, 0)?)
         } else {
-            Input::Boundary(take(&mut state.inbox, u)?)
+            Input::Boundary(take(&mut state.inbox, (c, u))?)
         };
         let targets = if last {
             Some(
@@ -314,17 +356,20 @@ impl Worker {
                 Input::Boundary(Boundary::Host(t)) => StageInput::Hidden(t),
                 Input::Boundary(Boundary::Device { .. }) => return Err(not_linked()),
             };
-            match self
-                .stage
-                .forward(u, input, targets.as_ref(), loss_scale, mode)?
-            {
+            match chunk_mut(&mut self.stage, c)?.forward(
+                u,
+                input,
+                targets.as_ref(),
+                loss_scale,
+                mode,
+            )? {
                 StageOutput::Hidden(h) => Output::Boundary(Boundary::Host(h)),
                 StageOutput::LossSum(l) => Output::LossSum(l),
             }
         };
         match output {
             Output::Boundary(b) => {
-                state.outbox.insert(u, b);
+                state.outbox.insert((c, u), b);
             }
             Output::LossSum(l) => {
                 *state
@@ -337,9 +382,10 @@ impl Worker {
         }
         if mode == Mode::Train {
             // Proven redone: a neighbour has this unit's output (or its backward's).
-            let redone = self.record.delivered.replays(Action::Forward(u));
+            let action = Action::new(Op::Forward, u, c);
+            let redone = self.record.delivered.replays(action);
             self.record
-                .computed(Action::Forward(u), started, redone, lengths[u.segment]);
+                .computed(action, started, redone, lengths[u.segment]);
         }
         Ok(())
     }
@@ -348,10 +394,15 @@ impl Worker {
     /// first stage from the input tokens of its rows (read for this unit just before), on the
     /// others from the activations received for it. Kept in `state.docs` for the activations
     /// this stage sends on.
-    fn set_documents(&mut self, state: &mut ExecState, u: Unit) -> Result<(), WorkerError> {
+    fn set_documents(
+        &mut self,
+        state: &mut ExecState,
+        u: Unit,
+        c: usize,
+    ) -> Result<(), WorkerError> {
         let docs = match state.docs.get(&u.micro_batch) {
             Some(docs) => docs.clone(),
-            None if self.stage.layout().is_first() => {
+            None if self.chunk_layout(c)?.is_first() => {
                 let eot = self.end_of_text.ok_or_else(|| {
                     WorkerError::Protocol(
                         "document masks on, but the first stage knows no end-of-text token".into(),
@@ -380,8 +431,7 @@ impl Worker {
                 )));
             }
         };
-        self.stage
-            .set_documents(u.micro_batch, docs.as_ref().clone())?;
+        chunk_mut(&mut self.stage, c)?.set_documents(u.micro_batch, docs.as_ref().clone())?;
         Ok(())
     }
 
@@ -392,6 +442,7 @@ impl Worker {
         &mut self,
         state: &mut ExecState,
         u: Unit,
+        c: usize,
     ) -> Result<Arc<Vec<usize>>, WorkerError> {
         let lengths = match state.lengths.get(&u.micro_batch) {
             Some(lengths) => lengths.clone(),
@@ -403,8 +454,7 @@ impl Worker {
             }
         };
         if self.segments.per_micro_batch() {
-            self.stage
-                .set_segment_lengths(u.micro_batch, lengths.to_vec())?;
+            chunk_mut(&mut self.stage, c)?.set_segment_lengths(u.micro_batch, lengths.to_vec())?;
         }
         Ok(lengths)
     }
@@ -416,14 +466,19 @@ impl Worker {
         &mut self,
         step: u64,
         u: Unit,
+        c: usize,
     ) -> Result<(Boundary, Option<DocStarts>), WorkerError> {
         if self.cfg.pipeline.transport != StageTransport::Tcp {
-            return Ok((self.receive_boundary(step, Payload::Activation, u)?, None));
+            return Ok((
+                self.receive_boundary(step, Payload::Activation, u, c)?,
+                None,
+            ));
         }
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
         let masks = self.cfg.data.document_mask;
+        let to = self.message_stage(self.virtual_stage(c));
         let tcp = link(&mut self.prev, "previous")?;
-        let (t, docs) = tcp.recv_documented(step, Payload::Activation, u)?;
+        let (t, docs) = tcp.recv_virtual(step, Payload::Activation, u, to)?;
         let docs = received_documents(docs, masks, batch, seq_len).map_err(|reason| {
             TransportError::BadTensor {
                 peer: tcp.peer().to_string(),
@@ -452,11 +507,15 @@ impl Worker {
                 return Ok(());
             }
         }
-        let r = self.index();
-        let (side, which, peer) = match payload {
-            Payload::Activation => (&mut self.next, "next", r + 1),
-            Payload::Grad => (&mut self.prev, "previous", r.wrapping_sub(1)),
+        let (prev, next) = self.neighbours();
+        // The virtual stage the tensor is for: the next one for an activation, the previous one
+        // for a gradient.
+        let here = self.virtual_stage(action.chunk());
+        let (side, which, peer, there) = match payload {
+            Payload::Activation => (&mut self.next, "next", next, here + 1),
+            Payload::Grad => (&mut self.prev, "previous", prev, here.wrapping_sub(1)),
         };
+        let there = (self.stage.len() > 1).then_some(there);
         let deadline = Instant::now() + self.cfg.pipeline.timeout();
         let to = Peer {
             link: link(side, which)?,
@@ -465,11 +524,22 @@ impl Worker {
         let docs = docs.as_deref().map(Vec::as_slice);
         send_on(
             to,
-            self.stage.as_mut(),
-            (step, payload, u),
+            &mut self.stage,
+            (step, payload, u, there),
             (&b, docs),
             deadline,
         )
+    }
+
+    /// The worker indices of the previous and the next worker (r − 1 and r + 1; with virtual
+    /// stages mod p, the ring the chunks' boundary tensors go round).
+    pub(super) fn neighbours(&self) -> (usize, usize) {
+        let (r, p) = (self.index(), self.cfg.pipeline.stages);
+        if self.stage.len() > 1 {
+            ((r + p - 1) % p, (r + 1) % p)
+        } else {
+            (r.wrapping_sub(1), r + 1)
+        }
     }
 
     /// Whether boundary tensors cross device links (`pipeline.transport = "nccl"`).
@@ -485,15 +555,25 @@ impl Worker {
         step: u64,
         payload: Payload,
         u: Unit,
+        c: usize,
     ) -> Result<Boundary, WorkerError> {
-        let r = self.index();
+        let (prev, next) = self.neighbours();
+        let to = self.message_stage(self.virtual_stage(c));
         let (side, which, peer) = match payload {
-            Payload::Activation => (&mut self.prev, "previous", r.wrapping_sub(1)),
-            Payload::Grad => (&mut self.next, "next", r + 1),
+            Payload::Activation => (&mut self.prev, "previous", prev),
+            Payload::Grad => (&mut self.next, "next", next),
         };
         let tcp = link(side, which)?;
         if self.cfg.pipeline.transport == StageTransport::Tcp {
-            return Ok(Boundary::Host(tcp.recv(step, payload, u)?));
+            return match tcp.recv_virtual(step, payload, u, to)? {
+                (t, None) => Ok(Boundary::Host(t)),
+                (_, Some(_)) => Err(TransportError::Unexpected {
+                    peer: tcp.peer().to_string(),
+                    expected: format!("the {payload:?} of unit {u} without document starts"),
+                    got: "document starts (data.document_mask differs between the stages?)".into(),
+                }
+                .into()),
+            };
         }
         let shape = tcp.recv_header(step, payload, u)?;
         let width = self.cfg.model.d_model;
@@ -517,6 +597,18 @@ impl Worker {
         Ok(Boundary::Device { rows, width })
     }
 
+    /// The part of each row this worker reads: the inputs where it holds the first (virtual)
+    /// stage, the targets where it holds the last, both where it holds both (with virtual stages
+    /// in different chunks: one cache entry serves every chunk).
+    fn row_part(&self) -> Result<RowPart, WorkerError> {
+        RowPart::for_stage(self.stage.holds_first(), self.stage.holds_last()).ok_or_else(|| {
+            WorkerError::Protocol(
+                "tokens needed, but this worker holds neither the first nor the last virtual stage"
+                    .into(),
+            )
+        })
+    }
+
     /// Reads this stage's part of local micro-batch `micro_batch`'s rows into `cache`, unless
     /// they are there.
     fn read_rows(
@@ -533,11 +625,9 @@ impl Worker {
             Split::Train => self.first_micro_batch,
             Split::Val => self.eval_first,
         };
-        let layout = self.stage.layout();
-        let part = RowPart::for_stage(layout.is_first(), layout.is_last())
-            .expect("only the first and last stages read tokens");
         // This stage reads only its part of each row: inputs on the first stage, targets on
         // the last (a sharded dataset then fetches only their byte ranges).
+        let part = self.row_part()?;
         if let std::collections::hash_map::Entry::Vacant(e) = cache.tokens.entry(micro_batch) {
             let src = self
                 .data
@@ -567,10 +657,7 @@ impl Worker {
         shift: usize,
     ) -> Result<Tensor, WorkerError> {
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
-        let layout = self.stage.layout();
-        let part = RowPart::for_stage(layout.is_first(), layout.is_last())
-            .expect("only the first and last stages read tokens");
-        let span = part.span(seq_len);
+        let span = self.row_part()?.span(seq_len);
         let rows = cache
             .tokens
             .get(&u.micro_batch)
@@ -625,14 +712,53 @@ fn received_documents(
     }
 }
 
-/// The boundary tensor a communication action moves: its payload and unit (`None` for compute,
-/// and for the chunk and split-backward actions, which this runtime refuses to run).
+/// The boundary tensor a communication action moves, on any chunk: its payload and unit (`None`
+/// for compute actions).
 pub(super) fn boundary(action: Action) -> Option<(Payload, Unit)> {
-    match action {
-        Action::RecvActivation(u) | Action::SendActivation(u) => Some((Payload::Activation, u)),
-        Action::RecvGrad(u) | Action::SendGrad(u) => Some((Payload::Grad, u)),
-        Action::Forward(_) | Action::Backward(_) | Action::Extended { .. } => None,
+    match action.op() {
+        Op::RecvActivation | Op::SendActivation => Some((Payload::Activation, action.unit())),
+        Op::RecvGrad | Op::SendGrad => Some((Payload::Grad, action.unit())),
+        Op::Forward | Op::Backward | Op::BackwardInput | Op::BackwardWeight => None,
     }
+}
+
+/// The evaluation schedule of a worker of `stages` holding `virtual_stages` chunks: every
+/// chunk forwards all units in order, chunk after chunk, receiving from the virtual stage before
+/// and sending to the one after (sends never wait, so no worker waits on a chunk its neighbour
+/// has not reached).
+fn forward_only_virtual(
+    stages: usize,
+    virtual_stages: usize,
+    microbatches: usize,
+    splits: usize,
+) -> Result<Schedule, ScheduleError> {
+    let flat = generate_forward_only(stages, microbatches, splits)?;
+    let units: Vec<Unit> = flat.compute_actions(0).map(|a| a.unit()).collect();
+    let last = stages * virtual_stages - 1;
+    let actions = (0..stages)
+        .map(|r| {
+            let mut list = Vec::new();
+            for c in 0..virtual_stages {
+                let here = c * stages + r;
+                for &u in &units {
+                    if here > 0 {
+                        list.push(Action::new(Op::RecvActivation, u, c));
+                    }
+                    list.push(Action::new(Op::Forward, u, c));
+                    if here < last {
+                        list.push(Action::new(Op::SendActivation, u, c));
+                    }
+                }
+            }
+            list
+        })
+        .collect();
+    Ok(Schedule {
+        kind: ScheduleKind::GPipe,
+        virtual_stages,
+        actions,
+        ..flat
+    })
 }
 
 /// The input of a unit's forward as the worker holds it.
@@ -658,13 +784,15 @@ pub(super) struct Peer<'a> {
 /// and its values (kept on the stage's device) over the device link.
 pub(super) fn send_on(
     to: Peer,
-    stage: &mut dyn StageCompute,
-    (step, payload, u): (u64, Payload, Unit),
+    stage: &mut Chunks,
+    (step, payload, u, virtual_stage): (u64, Payload, Unit, Option<usize>),
     (b, docs): (&Boundary, Option<&[Vec<usize>]>),
     deadline: Instant,
 ) -> Result<(), WorkerError> {
     match b {
-        Boundary::Host(t) => Ok(to.link.send_documented(step, payload, u, t, docs)?),
+        Boundary::Host(t) => Ok(to
+            .link
+            .send_virtual(step, payload, u, virtual_stage, t, docs)?),
         Boundary::Device { .. } if docs.is_some() => Err(WorkerError::Protocol(
             "document starts over device links (document masks are CPU-only)".into(),
         )),
@@ -681,10 +809,21 @@ pub(super) fn send_on(
 }
 
 /// The stage's device links (`pipeline.transport = "nccl"`).
-pub(super) fn device_links(
-    stage: &mut Box<dyn StageCompute>,
-) -> Result<&mut dyn DeviceLinks, WorkerError> {
+pub(super) fn device_links(stage: &mut Chunks) -> Result<&mut dyn DeviceLinks, WorkerError> {
     stage.device_links().ok_or_else(no_device_links)
+}
+
+/// Local chunk `c` of the worker's chunks to compute on.
+fn chunk_mut(stage: &mut Chunks, c: usize) -> Result<&mut dyn StageCompute, WorkerError> {
+    let v = stage.len();
+    stage.chunk_mut(c).ok_or_else(|| no_chunk(c, v))
+}
+
+/// An action on a chunk the worker does not hold (a bug: schedules are validated against v).
+fn no_chunk(c: usize, v: usize) -> WorkerError {
+    WorkerError::Protocol(format!(
+        "an action on chunk {c}, but this worker holds {v} chunk(s)"
+    ))
 }
 
 fn no_device_links() -> WorkerError {
@@ -726,9 +865,11 @@ pub(super) fn link<'a>(
     })
 }
 
-fn take(map: &mut HashMap<Unit, Boundary>, u: Unit) -> Result<Boundary, WorkerError> {
-    map.remove(&u).ok_or_else(|| {
-        WorkerError::Protocol(format!("no tensor for unit {u:?} (schedule out of order)"))
+fn take(map: &mut HashMap<Slot, Boundary>, (c, u): Slot) -> Result<Boundary, WorkerError> {
+    map.remove(&(c, u)).ok_or_else(|| {
+        WorkerError::Protocol(format!(
+            "no tensor for unit {u} on chunk {c} (schedule out of order)"
+        ))
     })
 }
 
@@ -774,6 +915,37 @@ mod tests {
         assert!(refused(Some(vec![vec![0, 8], vec![0]]), true).contains("past the sequence"));
         assert!(refused(Some(vec![vec![0, 3, 2], vec![0]]), true).contains("3 is followed by 2"));
         assert!(refused(Some(vec![vec![2], vec![0]]), true).contains("first start"));
+    }
+
+    #[test]
+    fn the_evaluation_order_over_chunks_is_valid_and_forwards_every_unit_on_every_chunk() {
+        for (p, v, m, k) in [(2, 2, 1, 1), (2, 3, 2, 2), (4, 2, 3, 4), (3, 2, 5, 1)] {
+            let s = forward_only_virtual(p, v, m, k).unwrap();
+            assert!(s.forward_only && s.virtual_stages == v);
+            let s = ValidSchedule::new(s).unwrap_or_else(|e| panic!("p={p} v={v}: {e:?}"));
+            for r in 0..p {
+                let forwards: Vec<(usize, Unit)> = s
+                    .get()
+                    .compute_actions(r)
+                    .map(|a| (a.chunk(), a.unit()))
+                    .collect();
+                assert_eq!(forwards.len(), v * m * k, "p={p} v={v} m={m} k={k}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_actions_name_their_boundary_tensor_too() {
+        let u = Unit::new(1, 0);
+        assert_eq!(
+            boundary(Action::new(Op::SendActivation, u, 1)),
+            Some((Payload::Activation, u))
+        );
+        assert_eq!(
+            boundary(Action::new(Op::RecvGrad, u, 2)),
+            Some((Payload::Grad, u))
+        );
+        assert_eq!(boundary(Action::new(Op::Forward, u, 1)), None);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! one on the data port, at start and again when a link is rebuilt. With device links
 //! (`pipeline.transport = "nccl"`) each TCP link is followed by a device link to the same
 //! neighbour: the earlier stage creates its ids and sends them as the TCP link's first frame, and
-//! both join it; the TCP link's breaking aborts the device link's waits.
+//! both join it; the TCP link's breaking aborts the device link's waits. With virtual stages the
+//! links close a ring: the last worker's next link goes to the first worker (its chunk c feeds
+//! the first worker's chunk c+1).
 
 use std::time::Duration;
 
@@ -43,11 +45,11 @@ impl Worker {
         generation: u64,
         timeout: Duration,
     ) -> Result<(), WorkerError> {
-        let r = self.index();
+        let (_, after) = self.neighbours();
         let addr = resolve(next)?;
         // A neighbour that cannot be reached or authenticated is the neighbour's failure: this
         // worker stops as a healthy one (a transport error), so its node is not counted lost.
-        let peer = format!("stage {} at {next}", r + 1);
+        let peer = format!("stage {after} at {next}");
         let link_err = |source| TransportError::Io {
             peer: peer.clone(),
             source,
@@ -59,7 +61,7 @@ impl Worker {
         self.next = Some(
             TcpLink::with_documents(
                 stream,
-                r + 1,
+                after,
                 generation,
                 timeout,
                 self.max_tensor_bytes(),
@@ -77,21 +79,21 @@ impl Worker {
         generation: u64,
         timeout: Duration,
     ) -> Result<(), WorkerError> {
-        let r = self.index();
+        let (before, _) = self.neighbours();
         let port = self
             .data_port
             .as_ref()
             .ok_or_else(|| WorkerError::Protocol("the data port is gone; cannot relink".into()))?;
         let stream = port.next(timeout).map_err(|source| TransportError::Io {
-            peer: format!("stage {} (waiting for it to connect)", r - 1),
+            peer: format!("stage {before} (waiting for it to connect)"),
             source,
         })?;
         register(self.kill_switch.as_ref(), &stream)
-            .map_err(io_error(format!("waiting for stage {} to connect", r - 1)))?;
+            .map_err(io_error(format!("waiting for stage {before} to connect")))?;
         self.prev = Some(
             TcpLink::with_documents(
                 stream,
-                r - 1,
+                before,
                 generation,
                 timeout,
                 self.max_tensor_bytes(),
@@ -109,10 +111,10 @@ impl Worker {
         if !self.linked() {
             return Ok(());
         }
-        let r = self.index();
+        let (before, after) = self.neighbours();
         let (tcp, peer) = match side {
-            Neighbour::Next => (link(&mut self.next, "next")?, r + 1),
-            Neighbour::Prev => (link(&mut self.prev, "previous")?, r.wrapping_sub(1)),
+            Neighbour::Next => (link(&mut self.next, "next")?, after),
+            Neighbour::Prev => (link(&mut self.prev, "previous")?, before),
         };
         let links = device_links(&mut self.stage)?;
         let ids = match side {

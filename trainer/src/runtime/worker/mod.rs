@@ -2,6 +2,7 @@
 //! launcher, wires it to its neighbours) and runs its serve loop: receive a control message,
 //! dispatch it to the module that does the work.
 //!
+//! * [`chunks`]: the layer chunks the worker holds (one, or v with virtual stages);
 //! * [`execute`]: running one step's (or evaluation's) actions over the transport;
 //! * [`record`]: what the worker did in the current step (progress, kept tensors, costs);
 //! * [`links`]: the data links to the neighbouring stages;
@@ -12,6 +13,7 @@
 //!   restores, gradient dumps.
 
 mod boundary;
+mod chunks;
 mod execute;
 mod links;
 mod record;
@@ -39,11 +41,11 @@ use super::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 use crate::checkpointing::hf;
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, document_separator, open_source};
-use crate::model::{
-    ModelError, StageCompute, StageSpec, UpdateSettings, build_stage, partition_layers,
-};
-use crate::schedule::{Delivered, ScheduleError, SegmentRule, generate};
+use crate::model::partition::partition_virtual_layers;
+use crate::model::{ModelError, StageSpec, UpdateSettings, build_stage};
+use crate::schedule::{Delivered, ScheduleError, SegmentRule, generate_virtual};
 use crate::usage::ProcessUsage;
+use chunks::Chunks;
 use execute::ValidSchedule;
 use record::StepRecord;
 use state_io::{Checkpoints, TakenSnapshot};
@@ -143,7 +145,9 @@ pub struct WorkerArgs {
 /// A running worker.
 struct Worker {
     cfg: Config,
-    stage: Box<dyn StageCompute>,
+    /// The layer chunks it holds: the whole stage, or v chunks with virtual stages.
+    stage: Chunks,
+    /// On the workers holding the first or the last virtual stage: the data they read tokens of.
     data: Option<Box<dyn TokenSource>>,
     /// With document masks, on the first stage: the token that ends each document of its data.
     end_of_text: Option<u32>,
@@ -407,11 +411,15 @@ fn restore_reply(stage: usize, step: u64, result: Result<(), WorkerError>) -> To
 
 impl Worker {
     fn new(cfg: Config, slot: usize, dump_grads: Option<PathBuf>) -> Result<Self, WorkerError> {
-        let (p, d) = (cfg.pipeline.stages, cfg.pipeline.replicas);
-        let layouts =
-            partition_layers(&cfg.model, cfg.train.seq_len, p).map_err(ModelError::from)?;
+        let (p, d, v) = (
+            cfg.pipeline.stages,
+            cfg.pipeline.replicas,
+            cfg.pipeline.virtual_stages,
+        );
+        let layouts = partition_virtual_layers(&cfg.model, cfg.train.seq_len, p, v)
+            .map_err(ModelError::from)?;
         let (replica, stage_index) = (slot / p, slot % p);
-        let layout = layouts
+        let layouts = layouts
             .into_iter()
             .nth(stage_index)
             .filter(|_| replica < d)
@@ -423,27 +431,45 @@ impl Worker {
         // Replica r computes the step's micro-batches [r·c, (r+1)·c).
         let local_micro_batches = cfg.pipeline.microbatches / d;
         let segments = cfg.segment_rule()?;
-        let (first, last) = (layout.is_first(), layout.is_last());
-        info!(stage = stage_index, layers = ?layout.layers, %segments, "building stage");
         let t = &cfg.train;
-        let stage = build_stage(
-            &cfg.model,
-            StageSpec {
-                layout,
-                segment_lengths: segments.table().to_vec(),
-                seed: t.seed,
-                adamw: AdamWConfig {
-                    beta1: t.beta1,
-                    beta2: t.beta2,
-                    eps: t.eps,
+        let mut chunks = Vec::with_capacity(layouts.len());
+        for layout in layouts {
+            info!(
+                stage = stage_index,
+                virtual_stage = layout.stage,
+                layers = ?layout.layers,
+                %segments,
+                "building stage"
+            );
+            let mut stage = build_stage(
+                &cfg.model,
+                StageSpec {
+                    layout,
+                    segment_lengths: segments.table().to_vec(),
+                    seed: t.seed,
+                    adamw: AdamWConfig {
+                        beta1: t.beta1,
+                        beta2: t.beta2,
+                        eps: t.eps,
+                    },
+                    memory_budget: t.memory_budget(),
                 },
-                memory_budget: t.memory_budget(),
-            },
-        )?;
-        let mut stage = stage;
-        if cfg.data.reset_positions {
-            stage.set_reset_positions(true)?;
+            )?;
+            if cfg.data.reset_positions {
+                stage.set_reset_positions(true)?;
+            }
+            chunks.push(stage);
         }
+        let stage = Chunks::new(chunks)?;
+        if v > 1 {
+            info!(
+                stage = stage_index,
+                chunks = stage.len(),
+                virtual_stages = ?stage.layouts().iter().map(|l| l.stage).collect::<Vec<_>>(),
+                "holding virtual-stage chunks"
+            );
+        }
+        let (first, last) = (stage.holds_first(), stage.holds_last());
         let data = if first || last {
             Some(open_source(&cfg.data, cfg.model.vocab_size)?)
         } else {
@@ -454,9 +480,10 @@ impl Worker {
             (Some(src), true) => document_separator(&cfg.data, src.as_ref())?,
             _ => None,
         };
-        let schedule = ValidSchedule::new(generate(
+        let schedule = ValidSchedule::new(generate_virtual(
             cfg.pipeline.schedule,
             p,
+            v,
             local_micro_batches,
             cfg.pipeline.splits,
         )?)?;
@@ -704,7 +731,7 @@ mod tests {
 
     #[test]
     fn an_invalid_schedule_is_a_permanent_failure() {
-        let mut s = generate(ScheduleKind::Seq1F1B, 2, 2, 2).unwrap();
+        let mut s = crate::schedule::generate(ScheduleKind::Seq1F1B, 2, 2, 2).unwrap();
         s.actions[1].pop();
         let e = ValidSchedule::new(s).unwrap_err();
         assert!(matches!(e, WorkerError::InvalidSchedule(_)), "{e:?}");

@@ -91,7 +91,7 @@ impl StepRecord {
         if let Some((epoch, epoch_us)) = self.trace_epoch {
             self.cost.unit_times.push(UnitTime {
                 unit: action.unit(),
-                backward: matches!(action, Action::Backward(_)),
+                backward: action.op() == crate::schedule::Op::Backward,
                 start_us: epoch_us
                     + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,

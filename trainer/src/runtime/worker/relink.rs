@@ -104,8 +104,9 @@ impl Worker {
             let (kept, docs) = self.record.retained(payload, u)?;
             send_on(
                 to,
-                self.stage.as_mut(),
-                (step, payload, u),
+                &mut self.stage,
+                // Mid-step recovery runs without virtual stages (one chunk per worker).
+                (step, payload, u, None),
                 (kept, docs.as_deref().map(Vec::as_slice)),
                 deadline,
             )?;

@@ -1,0 +1,336 @@
+//! The layer chunks a worker holds: one [`StageCompute`] per chunk. Without virtual stages a
+//! worker holds one chunk, the whole stage, and everything here passes straight through to it.
+//! With `pipeline.virtual_stages = v` worker r holds v chunks, chunk c being virtual stage
+//! `c·p + r` (`model::partition::partition_virtual_layers`); each chunk is an ordinary stage over
+//! its layers, first only on virtual stage 0 and last only on virtual stage p·v − 1.
+//!
+//! The schedule's compute actions name their chunk and go to it ([`Chunks::chunk_mut`]); what the
+//! runtime does with the whole worker's state — the gradients' sums of squares, the update, the
+//! data-parallel gradient vector, checkpoints and restores — is the union of the chunks', in
+//! chunk order. Parameter names are global, so a chunk's tensors keep their names wherever they
+//! live: the chunks' union in chunk order is the worker's layers in ascending order, the
+//! canonical order of a contiguous stage.
+
+use std::collections::HashSet;
+
+use candle_core::Tensor;
+
+use crate::checkpointing::shard::with_moments;
+use crate::model::{
+    DeviceLinks, ModelError, StageCompute, StageLayout, StateSnapshot, UpdateSettings,
+};
+
+/// A worker's chunks, in chunk order (local chunk c is virtual stage `c·p + worker`).
+pub(in crate::runtime) struct Chunks {
+    chunks: Vec<Box<dyn StageCompute>>,
+    /// Each chunk's gradient-vector length (its parameters' elements), to split a reduced
+    /// vector back among the chunks.
+    lens: Vec<usize>,
+}
+
+impl Chunks {
+    /// The worker's chunks, chunk 0 first; at least one.
+    pub(in crate::runtime) fn new(chunks: Vec<Box<dyn StageCompute>>) -> Result<Self, ModelError> {
+        let lens = chunks
+            .iter()
+            .map(|c| {
+                let names: HashSet<String> = c.param_names().into_iter().collect();
+                Ok(c.state()?
+                    .iter()
+                    .filter(|(n, _)| names.contains(n))
+                    .map(|(_, t)| t.elem_count())
+                    .sum())
+            })
+            .collect::<Result<Vec<usize>, ModelError>>()?;
+        assert!(!chunks.is_empty(), "a worker holds at least one chunk");
+        Ok(Self { chunks, lens })
+    }
+
+    /// How many chunks (v).
+    pub(in crate::runtime) fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Chunk `c`, if the worker holds it.
+    pub(in crate::runtime) fn chunk(&self, c: usize) -> Option<&dyn StageCompute> {
+        self.chunks.get(c).map(|b| b.as_ref())
+    }
+
+    /// Chunk `c` to compute on, if the worker holds it.
+    pub(in crate::runtime) fn chunk_mut(&mut self, c: usize) -> Option<&mut dyn StageCompute> {
+        match self.chunks.get_mut(c) {
+            Some(b) => Some(b.as_mut()),
+            None => None,
+        }
+    }
+
+    /// Whether one of the chunks is the first virtual stage (the embeddings: reads inputs).
+    pub(in crate::runtime) fn holds_first(&self) -> bool {
+        self.chunks.iter().any(|c| c.layout().is_first())
+    }
+
+    /// Whether one of the chunks is the last virtual stage (the head: reads targets, has losses).
+    pub(in crate::runtime) fn holds_last(&self) -> bool {
+        self.chunks.iter().any(|c| c.layout().is_last())
+    }
+
+    /// Each chunk's layers, in chunk order.
+    pub(in crate::runtime) fn layouts(&self) -> Vec<StageLayout> {
+        self.chunks.iter().map(|c| c.layout().clone()).collect()
+    }
+
+    /// Chunk 0's layout: its `stage` is the worker's index r (virtual stage 0·p + r).
+    pub(in crate::runtime) fn layout(&self) -> &StageLayout {
+        self.chunks[0].layout()
+    }
+
+    /// Every chunk's parameter names, chunk after chunk (ascending layers).
+    pub(in crate::runtime) fn param_names(&self) -> Vec<String> {
+        self.chunks.iter().flat_map(|c| c.param_names()).collect()
+    }
+
+    /// Starts a training step on every chunk.
+    pub(in crate::runtime) fn begin_step(&mut self, micro_batches: usize) {
+        for c in &mut self.chunks {
+            c.begin_step(micro_batches);
+        }
+    }
+
+    /// Sums each chunk's gradients over the step's units, in its fixed tree order.
+    pub(in crate::runtime) fn finish_gradients(&mut self) -> Result<(), ModelError> {
+        self.chunks
+            .iter_mut()
+            .try_for_each(|c| c.finish_gradients())
+    }
+
+    /// The chunks' gradient vectors, one after the other (what the data-parallel collective
+    /// reduces element by element).
+    pub(in crate::runtime) fn gradient_vector(&self) -> Result<Vec<f32>, ModelError> {
+        if let [one] = &self.chunks[..] {
+            return one.gradient_vector();
+        }
+        let mut all = Vec::with_capacity(self.lens.iter().sum());
+        for c in &self.chunks {
+            all.extend(c.gradient_vector()?);
+        }
+        Ok(all)
+    }
+
+    /// Gives each chunk its part of `v` (laid out as [`Chunks::gradient_vector`]).
+    pub(in crate::runtime) fn set_gradient_vector(&mut self, v: &[f32]) -> Result<(), ModelError> {
+        if let [one] = &mut self.chunks[..] {
+            return one.set_gradient_vector(v);
+        }
+        let total: usize = self.lens.iter().sum();
+        if v.len() != total {
+            return Err(ModelError::GradientLength {
+                expected: total,
+                got: v.len(),
+            });
+        }
+        let mut rest = v;
+        for (c, &len) in self.chunks.iter_mut().zip(&self.lens) {
+            let (mine, after) = rest.split_at(len);
+            c.set_gradient_vector(mine)?;
+            rest = after;
+        }
+        Ok(())
+    }
+
+    /// The step's summed gradients by name, chunk after chunk.
+    pub(in crate::runtime) fn gradients(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let mut all = Vec::new();
+        for c in &self.chunks {
+            all.extend(c.gradients()?);
+        }
+        Ok(all)
+    }
+
+    /// Per-parameter sums of squared gradients, chunk after chunk (the launcher adds them up in
+    /// the canonical order of all the model's parameters, wherever they live).
+    pub(in crate::runtime) fn grad_sums_of_squares(
+        &mut self,
+    ) -> Result<Vec<(String, f64)>, ModelError> {
+        let mut all = Vec::new();
+        for c in &mut self.chunks {
+            all.extend(c.grad_sums_of_squares()?);
+        }
+        Ok(all)
+    }
+
+    /// Clips and applies AdamW on every chunk (the clip coefficient is the global one).
+    pub(in crate::runtime) fn apply_update(&mut self, u: UpdateSettings) -> Result<(), ModelError> {
+        self.chunks.iter_mut().try_for_each(|c| c.apply_update(u))
+    }
+
+    /// The state of every chunk, chunk after chunk.
+    pub(in crate::runtime) fn state(&self) -> Result<Vec<(String, Tensor)>, ModelError> {
+        let mut all = Vec::new();
+        for c in &self.chunks {
+            all.extend(c.state()?);
+        }
+        Ok(all)
+    }
+
+    /// The state after the last update (see [`StageCompute::snapshot`]); with several chunks
+    /// (CPU stages only) taken on the host at once.
+    pub(in crate::runtime) fn snapshot(&mut self) -> Result<StateSnapshot, ModelError> {
+        if let [one] = &mut self.chunks[..] {
+            return one.snapshot();
+        }
+        Ok(StateSnapshot::ready(self.state()?))
+    }
+
+    /// Gives each chunk the tensors of its parameters (and their moments); a tensor that no
+    /// chunk holds is refused, naming it.
+    pub(in crate::runtime) fn load_state(
+        &mut self,
+        tensors: Vec<(String, Tensor)>,
+        optimizer_step: u64,
+    ) -> Result<(), ModelError> {
+        if let [one] = &mut self.chunks[..] {
+            return one.load_state(tensors, optimizer_step);
+        }
+        let owners: Vec<HashSet<String>> = self
+            .chunks
+            .iter()
+            .map(|c| with_moments(&c.param_names(), true).into_iter().collect())
+            .collect();
+        let mut parts: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); self.chunks.len()];
+        for (name, t) in tensors {
+            let c = owners
+                .iter()
+                .position(|o| o.contains(&name))
+                .ok_or_else(|| ModelError::MissingParam(name.clone()))?;
+            parts[c].push((name, t));
+        }
+        for (c, part) in self.chunks.iter_mut().zip(parts) {
+            c.load_state(part, optimizer_step)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the training state of all chunks.
+    pub(in crate::runtime) fn state_bytes(&self) -> usize {
+        self.chunks.iter().map(|c| c.state_bytes()).sum()
+    }
+
+    /// The most bytes of live activations since the last call: the sum of the chunks' peaks (an
+    /// upper bound of the worker's: the chunks' peaks need not coincide).
+    pub(in crate::runtime) fn take_peak_activation_bytes(&mut self) -> usize {
+        self.chunks
+            .iter_mut()
+            .map(|c| c.take_peak_activation_bytes())
+            .sum()
+    }
+
+    /// The most full-gradient buffers held at once since the last call, summed over the chunks.
+    pub(in crate::runtime) fn take_peak_gradient_buffers(&mut self) -> usize {
+        self.chunks
+            .iter_mut()
+            .map(|c| c.take_peak_gradient_buffers())
+            .sum()
+    }
+
+    /// The device links of a one-chunk worker (`pipeline.transport = "nccl"` runs without
+    /// virtual stages only).
+    pub(in crate::runtime) fn device_links(&mut self) -> Option<&mut dyn DeviceLinks> {
+        match &mut self.chunks[..] {
+            [one] => one.device_links(),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ops::adamw::AdamWConfig;
+
+    use super::*;
+    use crate::model::partition::partition_virtual_layers;
+    use crate::model::{ModelConfig, StageSpec, build_stage};
+
+    /// Worker 0 of 2 with 2 chunks of a 4-layer model: virtual stages 0 (embeddings, layer 0)
+    /// and 2 (layer 2).
+    fn worker0(seed: u64) -> Chunks {
+        let model = ModelConfig {
+            vocab_size: 32,
+            layers: 4,
+            d_model: 16,
+            heads: 2,
+            max_seq_len: 16,
+            ..ModelConfig::default()
+        };
+        let layouts = partition_virtual_layers(&model, 16, 2, 2).unwrap();
+        let chunks = layouts[0]
+            .iter()
+            .map(|layout| {
+                build_stage(
+                    &model,
+                    StageSpec {
+                        layout: layout.clone(),
+                        segment_lengths: vec![16],
+                        seed,
+                        adamw: AdamWConfig {
+                            beta1: 0.9,
+                            beta2: 0.95,
+                            eps: 1e-8,
+                        },
+                        memory_budget: None,
+                    },
+                )
+                .unwrap()
+            })
+            .collect();
+        Chunks::new(chunks).unwrap()
+    }
+
+    #[test]
+    fn the_state_is_the_union_of_the_chunks_and_goes_back_to_its_owners_by_name() {
+        let a = worker0(1);
+        assert_eq!(a.len(), 2);
+        assert!(a.holds_first() && !a.holds_last());
+        assert_eq!(a.layout().stage, 0, "chunk 0 names the worker");
+        let names = a.param_names();
+        assert!(names.iter().any(|n| n.starts_with("wte")));
+        assert!(
+            names.iter().any(|n| n.starts_with("h.0."))
+                && names.iter().any(|n| n.starts_with("h.2."))
+        );
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("h.1.") || n.starts_with("h.3."))
+        );
+        // Another worker's chunks (another seed) take the state over, tensor by tensor.
+        let mut b = worker0(2);
+        b.load_state(a.state().unwrap(), 0).unwrap();
+        let (sa, sb) = (a.state().unwrap(), b.state().unwrap());
+        assert_eq!(sa.len(), sb.len());
+        for ((na, ta), (nb, tb)) in sa.iter().zip(&sb) {
+            assert_eq!(na, nb);
+            let (va, vb) = (
+                ta.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                tb.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(
+                va.iter().zip(&vb).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{na}"
+            );
+        }
+        // A tensor that no chunk holds is refused, named.
+        let mut state = a.state().unwrap();
+        let stray = state
+            .iter()
+            .position(|(n, _)| n.starts_with("h.0."))
+            .unwrap();
+        state[stray].0 = state[stray].0.replace("h.0.", "h.1.");
+        let err = b.load_state(state, 0).unwrap_err().to_string();
+        assert!(err.contains("h.1."), "{err}");
+        // A reduced gradient vector must cover every chunk's parameters.
+        let total: usize = a.lens.iter().sum();
+        assert!(a.lens.iter().all(|&l| l > 0));
+        let err = b.set_gradient_vector(&vec![0.0; total - 1]).unwrap_err();
+        assert!(matches!(err, ModelError::GradientLength { .. }), "{err}");
+    }
+}
