@@ -14,6 +14,7 @@ pub mod grads;
 pub mod order;
 pub mod params;
 pub mod partition;
+pub mod stage;
 pub mod unit;
 
 pub use block::{BlockDevice, Residual, block_backward, block_forward};
@@ -22,4 +23,5 @@ pub use documents::{DocumentError, document_mask};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;
 pub use partition::{StageLayout, partition_layers};
+pub use stage::{ActivationPeak, InFlight, Mode, Segment, Segments};
 pub use unit::Unit;
