@@ -206,6 +206,12 @@ impl<M, D> InFlight<M, D> {
         self.batches.is_empty()
     }
 
+    /// Whether `micro_batch` is in flight (its forward began and it is not taken out by a unit
+    /// under way).
+    pub fn contains(&self, micro_batch: usize) -> bool {
+        self.batches.contains_key(&micro_batch)
+    }
+
     /// The device state of every micro-batch in flight (not those taken out by a unit under way).
     pub fn states(&self) -> impl Iterator<Item = &M> {
         self.batches.values().map(|mb| &mb.state)
