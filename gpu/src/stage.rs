@@ -1300,8 +1300,7 @@ impl GpuStage {
         let mode = if train { Mode::Train } else { Mode::Eval };
         let result = self.forward_in(
             &mut work.micro_batch.state,
-            unit,
-            seg,
+            (unit, seg),
             input,
             targets,
             loss_scale,
@@ -1318,12 +1317,10 @@ impl GpuStage {
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn forward_in(
         &mut self,
         mb: &mut MicroBatch,
-        unit: Unit,
-        Segment { start, len }: Segment,
+        (unit, Segment { start, len }): (Unit, Segment),
         input: UnitInput,
         targets: Option<&[u32]>,
         loss_scale: f64,

@@ -19,7 +19,9 @@ use super::config::{ModelConfig, Position};
 use super::error::ModelError;
 use super::grads::StepGradients;
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param, names};
+use super::params::{
+    Gradients, ParamSpec, Params, WeightDecay, component_params, init_param, names,
+};
 use super::partition::StageLayout;
 pub use ::model::Mode;
 use ::model::Unit;
@@ -636,6 +638,11 @@ impl Stage {
         decay_embeddings: bool,
     ) -> Result<(), ModelError> {
         self.finish_gradients()?;
+        // The model's decay rule, as every device applies it.
+        let decay = WeightDecay {
+            rate: weight_decay,
+            embeddings: decay_embeddings,
+        };
         optimizer.begin_step();
         let grads = self.grads.total().unwrap_or(&self.no_grads);
         let mut updates = Vec::with_capacity(self.params.specs().len());
@@ -643,11 +650,7 @@ impl Stage {
             let grad = grads
                 .get(&spec.name)
                 .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
-            let wd = if decays(spec.kind, decay_embeddings) {
-                weight_decay
-            } else {
-                0.0
-            };
+            let wd = decay.rate_of(spec.kind);
             let updated = optimizer.update(
                 &spec.name,
                 self.params.get(&spec.name)?,
