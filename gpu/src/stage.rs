@@ -6,7 +6,9 @@
 //! the two unchanged and the CPU stage is the oracle of its gradients. The block's order of
 //! operations is the `model` crate's ([`model::block_forward`], [`model::block_backward`], run by
 //! both devices); this stage supplies the kernels and the buffers they write (`block`).
-//! `seqpipe gpu bench` runs one stage holding the whole model.
+//! `seqpipe gpu bench` runs one stage holding the whole model. The unit order rules, the lifecycle
+//! of the micro-batches in flight, their document starts, the segment table and the activation
+//! peak are the model's ([`model::stage`]); this stage keeps its buffers in them.
 //!
 //! Each in-flight micro-batch keeps, per held block, the fused QKV rows of its finished segments
 //! (a `(B, T, 3C)` cache of whole sequences: a segment attends to the keys and values of every
@@ -41,11 +43,11 @@
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
 //! returns at once; the next update waits for that copy on the device before it overwrites them.
 
-use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use model::params::{ParamKind, ParamSpec, WeightDecay, component_params, names};
+use model::stage::{ActivationPeak, InFlight, Mode, Segment, Segments};
 use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
@@ -191,33 +193,23 @@ struct UnitActs {
     dhead: Buf<f32>, // (N, C) d(lnf) computed with the loss
     targets: Buf<u32>,
     losses: Buf<f32>,
-    /// The forward ran (in training mode) and the backward has not.
-    pending: bool,
 }
 
-/// The K/V caches and saved units of one micro-batch.
+/// The K/V caches and saved units of one micro-batch (the model's [`InFlight`] keeps which
+/// positions are cached and which units are pending).
 struct MicroBatch {
     qkv: Vec<Buf<f32>>, // per held block: (B, T, 3C)
     dk: Vec<Buf<f32>>,  // per held block: (B, T, C)
     dv: Vec<Buf<f32>>,
     units: Vec<UnitActs>, // per segment
-    /// Positions `0..kv_len` of every sequence are cached.
-    kv_len: usize,
 }
 
-/// A micro-batch's document starts: the mask as given, and one start per position of each row on
-/// the device (the attention kernels' [`DocStarts`]).
-struct Documents {
-    mask: ops::DocumentMask,
-    starts: Buf<u32>,
-}
-
-impl Documents {
-    fn kernel_arg(&self) -> DocStarts {
-        DocStarts {
-            ptr: self.starts.ptr(),
-            len: self.starts.len(),
-        }
+/// A micro-batch's document starts on the device, one per position of each row (uploaded by
+/// [`GpuStage::set_documents`]), as the attention kernels take them.
+fn doc_starts(docs: &model::stage::Documents<Buf<u32>>) -> DocStarts {
+    DocStarts {
+        ptr: docs.device.ptr(),
+        len: docs.device.len(),
     }
 }
 
@@ -324,7 +316,8 @@ impl Bf16Weights {
 pub struct GpuStage {
     gpu: Gpu,
     plan: StagePlan,
-    starts: Vec<usize>,
+    /// The plan's segments (every unit's positions).
+    segments: Segments,
     seq: usize,
     slots: Arc<[Slot]>,
     index: HashMap<String, usize>,
@@ -340,14 +333,13 @@ pub struct GpuStage {
     /// Rows per micro-batch, fixed by the first forward (every buffer is sized from it).
     batch: Option<usize>,
     scratch: Option<Scratch>,
-    in_flight: BTreeMap<usize, MicroBatch>,
-    /// Document starts of micro-batches of this step ([`GpuStage::set_documents`]).
-    documents: BTreeMap<usize, Documents>,
+    /// The micro-batches in flight and their document starts ([`GpuStage::set_documents`]).
+    in_flight: InFlight<MicroBatch, Buf<u32>>,
     spare_micro_batches: Vec<MicroBatch>,
     spare_grads: Vec<Buf<f32>>,
     /// The step's gradients, one flat buffer per micro-batch (the model's bookkeeping).
     grads: StepGradients<Buf<f32>>,
-    peak_activation_bytes: usize,
+    peak: ActivationPeak,
     /// Device links to the neighbouring stages and their boundary tensors.
     links: Links,
     /// BF16 copies of the weights, in BF16 mode with [`Bf16Path::CachedWeights`].
@@ -528,15 +520,6 @@ impl GpuStage {
                 ),
             );
         }
-        let starts = plan
-            .segments
-            .iter()
-            .scan(0, |acc, len| {
-                let start = *acc;
-                *acc += len;
-                Some(start)
-            })
-            .collect();
         let Flat {
             slots,
             index,
@@ -548,7 +531,7 @@ impl GpuStage {
             m: gpu.zeros(numel)?,
             v: gpu.zeros(numel)?,
             gpu,
-            starts,
+            segments: Segments::new(plan.segments.clone()),
             seq,
             slots: slots.into(),
             index,
@@ -558,12 +541,11 @@ impl GpuStage {
             adam_step: 0,
             batch: None,
             scratch: None,
-            in_flight: BTreeMap::new(),
-            documents: BTreeMap::new(),
+            in_flight: InFlight::default(),
             spare_micro_batches: Vec::new(),
             spare_grads: Vec::new(),
             grads: StepGradients::default(),
-            peak_activation_bytes: 0,
+            peak: ActivationPeak::default(),
             links: Links::default(),
             bf16: None,
             plan,
@@ -859,30 +841,6 @@ impl GpuStage {
     /// refused. Kept until the micro-batch's backward (or evaluation) is done.
     pub fn set_documents(&mut self, micro_batch: usize, mask: ops::DocumentMask) -> Result<()> {
         const OP: &str = "GpuStage::set_documents";
-        if let Some(held) = self.documents.get(&micro_batch) {
-            return if held.mask == mask {
-                Ok(())
-            } else {
-                Err(order(
-                    OP,
-                    format!(
-                        "micro-batch {micro_batch}: other document starts than its forward used"
-                    ),
-                ))
-            };
-        }
-        if self
-            .in_flight
-            .get(&micro_batch)
-            .is_some_and(|mb| mb.kv_len > 0)
-        {
-            return Err(order(
-                OP,
-                format!(
-                    "micro-batch {micro_batch}: document starts after its forward began unmasked"
-                ),
-            ));
-        }
         if let Some(b) = self.batch.filter(|&b| b != mask.batch()) {
             return shape(
                 OP,
@@ -899,28 +857,22 @@ impl GpuStage {
             );
         }
         self.gpu.bind()?;
-        let starts = self.gpu.upload(&position_doc_starts(&mask, self.seq))?;
-        self.documents
-            .insert(micro_batch, Documents { mask, starts });
-        Ok(())
+        let (gpu, seq) = (&self.gpu, self.seq);
+        self.in_flight.set_documents(micro_batch, mask, |mask| {
+            gpu.upload(&position_doc_starts(mask, seq))
+        })
     }
 
     /// Drops every in-flight unit and gradient (an aborted step).
     pub fn reset_step(&mut self) {
-        self.documents.clear();
-        let mbs = std::mem::take(&mut self.in_flight);
-        for mb in mbs.into_values() {
+        for mb in self.in_flight.clear() {
             self.recycle(mb);
         }
         self.clear_grads();
     }
 
     /// Keeps a micro-batch's buffers for the next one, forgetting what they held.
-    fn recycle(&mut self, mut mb: MicroBatch) {
-        mb.kv_len = 0;
-        for unit in &mut mb.units {
-            unit.pending = false;
-        }
+    fn recycle(&mut self, mb: MicroBatch) {
         self.spare_micro_batches.push(mb);
     }
 
@@ -1116,7 +1068,7 @@ impl GpuStage {
     /// The most bytes of live activations since the last call.
     pub fn take_peak_activation_bytes(&mut self) -> usize {
         let now = self.activation_bytes();
-        std::mem::replace(&mut self.peak_activation_bytes, now).max(now)
+        self.peak.take(now)
     }
 
     /// The most full-gradient buffers held at once since the last call.
@@ -1153,19 +1105,6 @@ impl GpuStage {
         self.in_flight.len() * self.micro_batch_bytes() + self.links.bytes()
     }
 
-    fn seg(&self, segment: usize, op: &'static str) -> Result<(usize, usize)> {
-        match self.plan.segments.get(segment) {
-            Some(&len) => Ok((self.starts[segment], len)),
-            None => Err(order(
-                op,
-                format!(
-                    "segment {segment} out of range (the step has {})",
-                    self.plan.segments.len()
-                ),
-            )),
-        }
-    }
-
     /// Sizes every buffer for micro-batches of `b` rows (once).
     fn fix_batch(&mut self, b: usize, op: &'static str) -> Result<()> {
         match self.batch {
@@ -1183,7 +1122,7 @@ impl GpuStage {
         }
         let m = &self.plan.model;
         let (c, f, h, v) = (m.d_model, m.ffn(), m.heads, m.vocab_size);
-        let longest = *self.plan.segments.iter().max().expect("checked in new");
+        let longest = self.segments.longest();
         let n = b * longest;
         let chunk = CHUNK_ROWS.min(n);
         let widest = f.max(3 * c).max(v);
@@ -1227,7 +1166,7 @@ impl GpuStage {
         let z = |len: usize| self.gpu.zeros::<f32>(len);
         let layers = self.plan.layout.layers.len();
         let mut units = Vec::new();
-        for &s in &self.plan.segments {
+        for &s in self.segments.lengths() {
             let n = b * s;
             let mut blocks = Vec::new();
             for _ in 0..layers {
@@ -1256,7 +1195,6 @@ impl GpuStage {
                 dhead: z(rows(n * c))?,
                 targets: self.gpu.zeros(rows(n))?,
                 losses: z(rows(n))?,
-                pending: false,
             });
         }
         let t = self.seq;
@@ -1265,7 +1203,6 @@ impl GpuStage {
             dk: Vec::new(),
             dv: Vec::new(),
             units,
-            kv_len: 0,
         };
         for _ in 0..layers {
             mb.qkv.push(z(b * t * 3 * c)?);
@@ -1289,7 +1226,9 @@ impl GpuStage {
     ) -> Result<UnitOutput> {
         const OP: &str = "GpuStage::forward";
         self.gpu.bind()?;
-        let (_, len) = self.seg(segment, OP)?;
+        let unit = Unit::new(micro_batch, segment);
+        let seg = self.segments.segment(unit)?;
+        let len = seg.len;
         let c = self.plan.model.d_model;
         let in_len = match &input {
             UnitInput::Tokens(ids) => ids.len(),
@@ -1338,16 +1277,30 @@ impl GpuStage {
                 None => return Err(order(OP, "the last stage needs the segment's targets")),
             }
         }
-        let (mut mb, was_in_flight) = match self.in_flight.remove(&micro_batch) {
-            Some(mb) => (mb, true),
-            None => match self.spare_micro_batches.pop() {
-                Some(mb) => (mb, false),
-                None => (self.new_micro_batch()?, false),
-            },
+        // The buffers of a micro-batch not in flight: a spare one, or new.
+        let mut fresh = match self.in_flight.contains(micro_batch) {
+            true => None,
+            false => Some(match self.spare_micro_batches.pop() {
+                Some(mb) => mb,
+                None => self.new_micro_batch()?,
+            }),
         };
+        let started = self.in_flight.start_forward(unit, seg, b, || {
+            fresh.take().ok_or_else(|| {
+                GpuError::from(model::ModelError::Order {
+                    unit,
+                    reason: "the micro-batch's buffers were taken twice".into(),
+                })
+            })
+        });
+        if let Some(unused) = fresh {
+            self.recycle(unused);
+        }
+        let mut work = started?;
+        let mode = if train { Mode::Train } else { Mode::Eval };
         let result = self.forward_in(
-            &mut mb,
-            (micro_batch, segment),
+            &mut work.micro_batch.state,
+            (unit, seg),
             input,
             targets,
             loss_scale,
@@ -1355,32 +1308,25 @@ impl GpuStage {
         );
         // A failed forward changes nothing it was given: the K/V count and the pending units move
         // only when it succeeds.
-        let done_eval = !train && segment + 1 == self.plan.segments.len();
-        if result.is_ok() && done_eval {
-            self.documents.remove(&micro_batch);
-        }
-        if (result.is_err() && !was_in_flight) || (result.is_ok() && done_eval) {
-            self.recycle(mb);
-        } else {
-            self.in_flight.insert(micro_batch, mb);
+        let outcome = result.is_ok().then_some(mode);
+        if let Some(done) = self.in_flight.finish_forward(work, outcome, &self.segments) {
+            self.recycle(done);
         }
         let now = self.activation_bytes();
-        self.peak_activation_bytes = self.peak_activation_bytes.max(now);
+        self.peak.record(now);
         result
     }
 
     fn forward_in(
         &mut self,
         mb: &mut MicroBatch,
-        (micro_batch, segment): (usize, usize),
+        (unit, Segment { start, len }): (Unit, Segment),
         input: UnitInput,
         targets: Option<&[u32]>,
         loss_scale: f64,
         train: bool,
     ) -> Result<UnitOutput> {
-        const OP: &str = "GpuStage::forward";
-        let (start, len) = self.seg(segment, OP)?;
-        model::order::check_forward(Unit::new(micro_batch, segment), mb.kv_len, start)?;
+        let (micro_batch, segment) = (unit.micro_batch, unit.segment);
         // The head's weight gradient is computed with the loss (the logits never exist whole), so
         // on the last stage it goes into the micro-batch's accumulator in the forward, in forward
         // order: a micro-batch holds its gradient buffer from its first forward there (counted in
@@ -1400,22 +1346,9 @@ impl GpuStage {
         let b = self.batch.expect("fixed");
         let c = self.plan.model.d_model;
         let n = b * len;
-        if let Some(d) = self
-            .documents
-            .get(&micro_batch)
-            .filter(|d| d.mask.batch() != b)
-        {
-            return shape(
-                OP,
-                format!(
-                    "micro-batch {micro_batch} has {b} rows but its document starts {}",
-                    d.mask.batch()
-                ),
-            );
-        }
         let unit = &mut mb.units[segment];
         self.load_input(unit, input, (micro_batch, segment), b)?;
-        let docs = self.documents.get(&micro_batch);
+        let docs = self.in_flight.documents(micro_batch);
         let rows = UnitShape { b, start, len };
         for (slot, layer) in self.plan.layout.layers.clone().enumerate() {
             let acts = &unit.blocks[slot];
@@ -1431,7 +1364,7 @@ impl GpuStage {
                 cache,
                 layer,
                 rows,
-                docs: docs.map(Documents::kernel_arg),
+                docs: docs.map(doc_starts),
                 grads: None,
             };
             model::block_forward(&mut device, acts.x.ptr(), docs.map(|d| &d.mask))?;
@@ -1454,9 +1387,6 @@ impl GpuStage {
         } else {
             UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
         };
-        unit.pending = train;
-        // Only now: a unit that failed anywhere leaves the K/V count where it was.
-        mb.kv_len = start + len;
         Ok(output)
     }
 
@@ -1470,7 +1400,7 @@ impl GpuStage {
         b: usize,
     ) -> Result<()> {
         const OP: &str = "GpuStage::forward";
-        let (start, len) = self.seg(segment, OP)?;
+        let Segment { start, len } = self.segments.segment(Unit::new(micro_batch, segment))?;
         let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let n = b * len;
         let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
@@ -1637,36 +1567,16 @@ impl GpuStage {
         (micro_batch, segment): (usize, usize),
         d_out: GradIn,
     ) -> Result<UnitGrad> {
-        const OP: &str = "GpuStage::backward";
         self.gpu.bind()?;
-        let (start, len) = self.seg(segment, OP)?;
-        let Some(mut mb) = self.in_flight.remove(&micro_batch) else {
-            return Err(order(
-                OP,
-                format!("unit ({micro_batch}, {segment}): backward before forward"),
-            ));
-        };
-        let result = if !mb.units[segment].pending {
-            Err(order(
-                OP,
-                format!("unit ({micro_batch}, {segment}): backward before forward, or twice"),
-            ))
-        } else {
-            let unit = Unit::new(micro_batch, segment);
-            model::order::check_backward(unit, mb.kv_len, start, len)
-                .map_err(GpuError::from)
-                .and_then(|()| self.backward_in(&mb, (micro_batch, segment), d_out))
-        };
-        if result.is_ok() {
-            mb.units[segment].pending = false;
-            mb.kv_len = start;
-        }
-        if result.is_ok() && segment == 0 {
-            self.documents.remove(&micro_batch);
-            self.recycle(mb);
-            self.complete(Unit::new(micro_batch, segment))?;
-        } else {
-            self.in_flight.insert(micro_batch, mb);
+        let unit = Unit::new(micro_batch, segment);
+        let seg = self.segments.segment(unit)?;
+        let work = self.in_flight.start_backward(unit, seg)?;
+        let result = self.backward_in(&work.micro_batch.state, (micro_batch, segment), d_out);
+        // A failed backward moves nothing; segment 0's ends the micro-batch and completes its
+        // gradient.
+        if let Some(done) = self.in_flight.finish_backward(work, result.is_ok()) {
+            self.recycle(done);
+            self.complete(unit)?;
         }
         result
     }
@@ -1726,7 +1636,7 @@ impl GpuStage {
         d_out: Dy,
     ) -> Result<Option<usize>> {
         const OP: &str = "GpuStage::backward";
-        let (start, len) = self.seg(segment, OP)?;
+        let Segment { start, len } = self.segments.segment(Unit::new(micro_batch, segment))?;
         let b = self.batch.expect("fixed by the forward");
         let c = self.plan.model.d_model;
         let n = b * len;
@@ -1767,7 +1677,7 @@ impl GpuStage {
             }
         }
         let rows = UnitShape { b, start, len };
-        let docs = self.documents.get(&micro_batch);
+        let docs = self.in_flight.documents(micro_batch);
         for (slot, layer) in self.plan.layout.layers.clone().enumerate().rev() {
             let mut device = GpuBlock {
                 stage: self,
@@ -1776,7 +1686,7 @@ impl GpuStage {
                 cache: &mb.qkv[slot],
                 layer,
                 rows,
-                docs: docs.map(Documents::kernel_arg),
+                docs: docs.map(doc_starts),
                 grads: Some(BlockGrads {
                     acc: acc_ptr,
                     scratch: &*scratch,

@@ -1,9 +1,10 @@
 //! The GPT model (GPT-2 style decoder) and its pipeline stage, independent of the device that runs
 //! the kernels: the `[model]` config, parameter names, shapes and seeded init, the transformer
 //! block's forward/backward order over a device trait ([`block`]), which layers each
-//! stage holds, the errors a stage can refuse with, the unit and the step's gradient bookkeeping
-//! (per-micro-batch accumulators summed in the canonical tree, with peak accounting), and AdamW's
-//! decay rules. The CPU stage (`trainer::model`, over `ops`) and the CUDA stage (`gpu`) both build
+//! stage holds, the errors a stage can refuse with, the unit, the stage's bookkeeping ([`stage`]:
+//! the segment table, the in-flight micro-batches' lifecycle and order rules, their document
+//! starts, the activation peak and budget), the step's gradient bookkeeping (per-micro-batch
+//! accumulators summed in the canonical tree, with peak accounting), and AdamW's decay rules. The CPU stage (`trainer::model`, over `ops`) and the CUDA stage (`gpu`) both build
 //! on it, so a parameter name, a layer of the block or a bookkeeping rule is written once.
 
 pub mod block;
@@ -14,6 +15,7 @@ pub mod grads;
 pub mod order;
 pub mod params;
 pub mod partition;
+pub mod stage;
 pub mod unit;
 
 pub use block::{BlockDevice, Residual, block_backward, block_forward};
@@ -22,4 +24,5 @@ pub use documents::{DocumentError, document_mask};
 pub use error::{ModelError, PartitionError, StateMismatch};
 pub use grads::StepGradients;
 pub use partition::{StageLayout, partition_layers, partition_virtual_layers};
+pub use stage::{ActivationPeak, InFlight, Mode, Segment, Segments};
 pub use unit::Unit;

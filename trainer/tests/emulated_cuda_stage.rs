@@ -600,6 +600,29 @@ fn both_devices_refuse_misordered_units_with_the_models_typed_error() {
             matches!(err, ModelError::Order { unit, .. } if unit == Unit::new(0, 1)),
             "{device:?}: {err}"
         );
+        // The same rules, with the same typed errors, on both devices (the model's bookkeeping).
+        let past = Unit::new(0, SEGMENTS.len());
+        let err = first
+            .forward(
+                past,
+                StageInput::Tokens(batch(0, 0, 0).0),
+                None,
+                1.0,
+                Mode::Train,
+            )
+            .err()
+            .expect("a segment past the step's");
+        assert!(
+            matches!(&err, ModelError::Input { unit, reason } if *unit == past && reason.contains("segment out of range")),
+            "{device:?}: {err}"
+        );
+        let err = first
+            .backward(Unit::new(1, 0), Some(d_out(0).unwrap()))
+            .unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Order { unit, reason } if *unit == Unit::new(1, 0) && reason == "backward before forward"),
+            "{device:?}: {err}"
+        );
         forward(first, 0).unwrap();
         forward(first, 1).unwrap();
         let err = first
@@ -609,11 +632,19 @@ fn both_devices_refuse_misordered_units_with_the_models_typed_error() {
             matches!(err, ModelError::Order { unit, .. } if unit == Unit::new(0, 0)),
             "{device:?}: segment 0's backward before segment 1's: {err}"
         );
-        for seg in [1, 0] {
-            first
-                .backward(Unit::new(0, seg), Some(d_out(seg).unwrap()))
-                .unwrap();
-        }
+        first
+            .backward(Unit::new(0, 1), Some(d_out(1).unwrap()))
+            .unwrap();
+        let err = first
+            .backward(Unit::new(0, 1), Some(d_out(1).unwrap()))
+            .unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Order { unit, reason } if *unit == Unit::new(0, 1) && reason.contains("or twice")),
+            "{device:?}: {err}"
+        );
+        first
+            .backward(Unit::new(0, 0), Some(d_out(0).unwrap()))
+            .unwrap();
         let err = first.finish_gradients().unwrap_err();
         assert!(
             matches!(

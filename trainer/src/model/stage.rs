@@ -1,5 +1,8 @@
 //! A pipeline stage: a contiguous range of blocks (plus the embeddings on the first stage and the
-//! final norm, head and loss on the last), run one (micro-batch, segment) unit at a time.
+//! final norm, head and loss on the last), run one (micro-batch, segment) unit at a time. The CPU
+//! device, over `ops`: the oracle of every other device. The order rules, the in-flight
+//! micro-batches, their documents, the segment table and the activation peak are the `model`
+//! crate's ([`::model::stage`]); this file holds what the CPU saves and computes.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -16,9 +19,13 @@ use super::config::{ModelConfig, Position};
 use super::error::ModelError;
 use super::grads::StepGradients;
 use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{Gradients, ParamSpec, Params, component_params, decays, init_param, names};
+use super::params::{
+    Gradients, ParamSpec, Params, WeightDecay, component_params, init_param, names,
+};
 use super::partition::StageLayout;
+pub use ::model::Mode;
 use ::model::Unit;
+use ::model::stage::{ActivationPeak, InFlight, Segment, Segments};
 
 /// Rows of the logits that exist at once in the fused LM head + softmax cross-entropy.
 const LOSS_CHUNK_ROWS: usize = 256;
@@ -37,15 +44,6 @@ pub enum StageOutput {
     Hidden(Tensor),
     /// Last stage: the sum of the segment's token losses (unscaled).
     LossSum(f64),
-}
-
-/// Whether a forward keeps what backward needs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// Keep contexts for backward.
-    Train,
-    /// Forward only (evaluation): contexts are dropped, the K/V prefix lives until the micro-batch's last segment.
-    Eval,
 }
 
 struct HeadCtx {
@@ -76,15 +74,12 @@ impl SavedTensors for UnitCtx {
     }
 }
 
-/// A micro-batch whose units are in flight on this stage.
-#[derive(Default)]
+/// What the CPU keeps for a micro-batch in flight on this stage (the model's [`InFlight`] keeps
+/// its counts and document starts).
 struct MicroBatchState {
     kv: Vec<KvPrefix>, // one per held block
+    /// Saved contexts of the units whose forward ran in training mode, by segment.
     units: BTreeMap<usize, UnitCtx>,
-    /// Its document starts ([`Stage::set_documents`]); none: plain causal attention.
-    docs: Option<DocumentMask>,
-    /// Its own segment lengths ([`Stage::set_segment_lengths`]); none: the stage's table.
-    segments: Option<Vec<usize>>,
 }
 
 impl SavedTensors for MicroBatchState {
@@ -98,18 +93,16 @@ impl SavedTensors for MicroBatchState {
 pub struct Stage {
     cfg: ModelConfig,
     layout: StageLayout,
-    /// The segment lengths of a micro-batch that was given none of its own.
-    segment_lengths: Vec<usize>,
+    segments: Segments,
     params: Params,
     grads: StepGradients<Gradients>,
     /// No gradients: what [`Stage::grads`] shows before the step is summed.
     no_grads: Gradients,
     rope: Option<RopeTable>,
-    in_flight: BTreeMap<usize, MicroBatchState>,
-    /// Most bytes of live activations held since [`Stage::take_peak_activation_bytes`].
-    peak_activation_bytes: usize,
-    /// Bytes the stage may hold in all (see [`Stage::set_memory_budget`]).
-    memory_budget: Option<usize>,
+    in_flight: InFlight<MicroBatchState>,
+    /// Most bytes of live activations held since [`Stage::take_peak_activation_bytes`], and the
+    /// bytes the stage may hold in all (see [`Stage::set_memory_budget`]).
+    peak: ActivationPeak,
     /// Positions restart at each document (`data.reset_positions`, see
     /// [`Stage::set_reset_positions`]).
     reset_positions: bool,
@@ -157,14 +150,13 @@ impl Stage {
         Ok(Self {
             cfg: cfg.clone(),
             layout,
-            segment_lengths,
+            segments: Segments::new(segment_lengths),
             params: Params::new(specs, values),
             grads: StepGradients::default(),
             no_grads: Gradients::default(),
             rope,
-            in_flight: BTreeMap::new(),
-            peak_activation_bytes: 0,
-            memory_budget: None,
+            in_flight: InFlight::default(),
+            peak: ActivationPeak::default(),
             reset_positions: false,
         })
     }
@@ -197,7 +189,7 @@ impl Stage {
         micro_batch: usize,
         rows: Vec<Vec<usize>>,
     ) -> Result<(), ModelError> {
-        let seq_len: usize = self.segment_lengths.iter().sum();
+        let seq_len = self.segments.seq_len();
         let batch = rows.len();
         let mask = ::model::document_mask(rows, batch, seq_len).map_err(|source| {
             ModelError::Documents {
@@ -205,26 +197,8 @@ impl Stage {
                 source,
             }
         })?;
-        let state = self.in_flight.entry(micro_batch).or_default();
-        match &state.docs {
-            Some(held) if *held == mask => Ok(()),
-            Some(_) => Err(ModelError::Order {
-                unit: Unit::new(micro_batch, 0),
-                reason: "other document starts than the micro-batch's forward used".into(),
-            }),
-            None if !state.units.is_empty()
-                || state.kv.first().is_some_and(|kv| !kv.is_empty()) =>
-            {
-                Err(ModelError::Order {
-                    unit: Unit::new(micro_batch, 0),
-                    reason: "document starts after the micro-batch's forward began unmasked".into(),
-                })
-            }
-            None => {
-                state.docs = Some(mask);
-                Ok(())
-            }
-        }
+        self.in_flight
+            .set_documents(micro_batch, mask, |_| Ok::<_, ModelError>(()))
     }
 
     /// Gives micro-batch `micro_batch` its own segment lengths instead of the stage's table (the
@@ -237,44 +211,8 @@ impl Stage {
         micro_batch: usize,
         lengths: Vec<usize>,
     ) -> Result<(), ModelError> {
-        let unit = Unit::new(micro_batch, 0);
-        let (k, seq_len) = (
-            self.segment_lengths.len(),
-            self.segment_lengths.iter().sum::<usize>(),
-        );
-        if lengths.len() != k || lengths.iter().sum::<usize>() != seq_len || lengths.contains(&0) {
-            return Err(ModelError::Input {
-                unit,
-                reason: format!(
-                    "segment lengths {lengths:?} do not cut the {seq_len}-token sequence into {k} \
-                     non-empty segments"
-                ),
-            });
-        }
-        let state = self.in_flight.entry(micro_batch).or_default();
-        match &state.segments {
-            Some(held) if *held == lengths => Ok(()),
-            Some(held) => Err(ModelError::Order {
-                unit,
-                reason: format!(
-                    "segment lengths {lengths:?}, but the micro-batch's forward used {held:?}"
-                ),
-            }),
-            None if !state.units.is_empty()
-                || state.kv.first().is_some_and(|kv| !kv.is_empty()) =>
-            {
-                Err(ModelError::Order {
-                    unit,
-                    reason: "segment lengths after the micro-batch's forward began with the \
-                             stage's table"
-                        .into(),
-                })
-            }
-            None => {
-                state.segments = Some(lengths);
-                Ok(())
-            }
-        }
+        self.in_flight
+            .set_segment_lengths(micro_batch, lengths, &self.segments)
     }
 
     /// Which layers this stage holds.
@@ -402,7 +340,7 @@ impl Stage {
     /// K/V prefixes and the dK/dV accumulated for them (each buffer counted once).
     pub fn activation_bytes(&self) -> usize {
         let mut bytes = TensorBytes::default();
-        self.in_flight.values().for_each(|mb| bytes.add(mb));
+        self.in_flight.states().for_each(|mb| bytes.add(mb));
         bytes.total()
     }
 
@@ -410,7 +348,7 @@ impl Stage {
     /// the last call; starts the next measurement from what is held now.
     pub fn take_peak_activation_bytes(&mut self) -> usize {
         let now = self.activation_bytes();
-        std::mem::replace(&mut self.peak_activation_bytes, now)
+        self.peak.take(now)
     }
 
     /// Bytes of the stage's training state: parameters, their gradients and AdamW's two moments
@@ -427,46 +365,13 @@ impl Stage {
     /// `bytes`: a forward that ends above it fails with [`ModelError::OverBudget`]. `None` lifts
     /// the limit.
     pub fn set_memory_budget(&mut self, bytes: Option<usize>) {
-        self.memory_budget = bytes;
+        self.peak.set_budget(bytes);
     }
 
-    /// Records the activations held now in the peak; after a forward, enforces the budget.
-    fn measure_activations(&mut self, after_forward_of: Option<Unit>) -> Result<(), ModelError> {
-        let activations = self.activation_bytes();
-        self.peak_activation_bytes = self.peak_activation_bytes.max(activations);
-        if let (Some(unit), Some(budget)) = (after_forward_of, self.memory_budget) {
-            let state = self.state_bytes();
-            if state + activations > budget {
-                return Err(ModelError::OverBudget {
-                    unit,
-                    state,
-                    activations,
-                    budget,
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Unit `unit`'s segment: from its micro-batch's own lengths if it has them, else the table.
+    /// The rows `unit` covers in a micro-batch of `batch` sequences.
     fn segment(&self, unit: Unit, batch: usize) -> Result<SegmentShape, ModelError> {
-        let lengths = self
-            .in_flight
-            .get(&unit.micro_batch)
-            .and_then(|mb| mb.segments.as_deref())
-            .unwrap_or(&self.segment_lengths);
-        let len = *lengths.get(unit.segment).ok_or_else(|| ModelError::Input {
-            unit,
-            reason: format!(
-                "segment out of range (the step has {} segments)",
-                lengths.len()
-            ),
-        })?;
-        Ok(SegmentShape {
-            batch,
-            start: lengths[..unit.segment].iter().sum(),
-            len,
-        })
+        let Segment { start, len } = self.in_flight.segment(unit, &self.segments)?;
+        Ok(SegmentShape { batch, start, len })
     }
 
     /// Forward of one unit. On the last stage `targets (B·s,)` are required; the loss gradient is
@@ -481,8 +386,8 @@ impl Stage {
     ) -> Result<StageOutput, ModelError> {
         let docs = self
             .in_flight
-            .get(&unit.micro_batch)
-            .and_then(|mb| mb.docs.clone());
+            .documents(unit.micro_batch)
+            .map(|d| d.mask.clone());
         if self.reset_positions && docs.is_none() {
             return Err(ModelError::Input {
                 unit,
@@ -491,7 +396,7 @@ impl Stage {
                     .into(),
             });
         }
-        let (mut x, seg, token_ids) = match input {
+        let (x, seg, token_ids) = match input {
             StageInput::Tokens(tokens) if self.layout.is_first() => {
                 let (batch, len) = tokens.dims2()?;
                 let seg = self.segment(unit, batch)?;
@@ -530,25 +435,50 @@ impl Stage {
                 });
             }
         };
-        if let Some(d) = docs.as_ref().filter(|d| d.batch() != seg.batch) {
-            return Err(ModelError::Input {
-                unit,
-                reason: format!(
-                    "the micro-batch has {} rows but its document starts {}",
-                    seg.batch,
-                    d.batch()
-                ),
-            });
-        }
-        let layers = self.layout.layers.clone();
-        let state = self.in_flight.entry(unit.micro_batch).or_default();
-        if state.kv.is_empty() {
-            state.kv.resize_with(layers.len(), KvPrefix::default);
-        }
-        let done = state.kv.first().map_or(0, |kv| kv.len());
-        ::model::order::check_forward(unit, done, seg.start)?;
+        let blocks = self.layout.layers.len();
+        let segment = Segment {
+            start: seg.start,
+            len: seg.len,
+        };
+        let mut work = self.in_flight.start_forward(unit, segment, seg.batch, || {
+            Ok::<_, ModelError>(MicroBatchState {
+                kv: (0..blocks).map(|_| KvPrefix::default()).collect(),
+                units: BTreeMap::new(),
+            })
+        })?;
+        let state = &mut work.micro_batch.state;
+        let result = self.forward_unit(
+            unit,
+            state,
+            (x, seg, token_ids),
+            docs.as_ref(),
+            (targets, loss_scale),
+            mode,
+        );
+        // A micro-batch that leaves (evaluation's last segment) is dropped.
+        let _left =
+            self.in_flight
+                .finish_forward(work, result.is_ok().then_some(mode), &self.segments);
+        let output = result?;
+        let activations = self.activation_bytes();
+        self.peak
+            .after_forward(unit, activations, self.state_bytes())?;
+        Ok(output)
+    }
+
+    /// [`Stage::forward`]'s computation, on the micro-batch's saved state: the blocks in order
+    /// from the embedded (or received) `x`, then the final norm, head and loss on the last stage.
+    fn forward_unit(
+        &self,
+        unit: Unit,
+        state: &mut MicroBatchState,
+        (mut x, seg, token_ids): (Tensor, SegmentShape, Option<Tensor>),
+        docs: Option<&DocumentMask>,
+        (targets, loss_scale): (Option<&Tensor>, f64),
+        mode: Mode,
+    ) -> Result<StageOutput, ModelError> {
         let mut blocks = Vec::new();
-        for (slot, layer) in layers.clone().enumerate() {
+        for (slot, layer) in self.layout.layers.clone().enumerate() {
             let block = Block::new(&self.cfg, layer, self.rope.as_ref());
             let (y, ctx) = block.forward(
                 &self.params,
@@ -556,7 +486,7 @@ impl Stage {
                 seg,
                 &mut state.kv[slot],
                 mode == Mode::Train,
-                docs.as_ref(),
+                docs,
             )?;
             x = y;
             blocks.extend(ctx);
@@ -585,25 +515,17 @@ impl Stage {
         } else {
             StageOutput::Hidden(x)
         };
-        match mode {
-            Mode::Train => {
-                state.units.insert(
-                    unit.segment,
-                    UnitCtx {
-                        seg,
-                        token_ids,
-                        blocks,
-                        head,
-                    },
-                );
-            }
-            Mode::Eval => {
-                if unit.segment + 1 == self.segment_lengths.len() {
-                    self.in_flight.remove(&unit.micro_batch);
-                }
-            }
+        if mode == Mode::Train {
+            state.units.insert(
+                unit.segment,
+                UnitCtx {
+                    seg,
+                    token_ids,
+                    blocks,
+                    head,
+                },
+            );
         }
-        self.measure_activations(Some(unit))?;
         Ok(output)
     }
 
@@ -614,29 +536,47 @@ impl Stage {
         unit: Unit,
         d_out: Option<Tensor>,
     ) -> Result<Option<Tensor>, ModelError> {
-        let state = self
+        let segment = self.in_flight.segment(unit, &self.segments)?;
+        let mut work = self.in_flight.start_backward(unit, segment)?;
+        let docs = self
             .in_flight
-            .get_mut(&unit.micro_batch)
-            .ok_or_else(|| ModelError::Order {
-                unit,
-                reason: "backward before forward".into(),
-            })?;
-        let last_cached = state.kv.first().map_or(0, |kv| kv.len());
-        let seg = state
-            .units
-            .get(&unit.segment)
-            .ok_or_else(|| ModelError::Order {
-                unit,
-                reason: "backward before forward, or twice".into(),
-            })?
-            .seg;
-        ::model::order::check_backward(unit, last_cached, seg.start, seg.len)?;
+            .documents(unit.micro_batch)
+            .map(|d| d.mask.clone());
+        let result = self.backward_unit(unit, &mut work.micro_batch.state, d_out, docs.as_ref());
+        let done = self
+            .in_flight
+            .finish_backward(work, result.is_ok())
+            .is_some();
+        let dx = result?;
+        if done {
+            // Segment 0's backward completes the micro-batch's gradient.
+            self.grads
+                .complete(unit, &mut |l: Gradients, r| Ok::<_, ModelError>(l.sum(r)?))?;
+        }
+        self.peak.record(self.activation_bytes());
+        Ok(dx)
+    }
+
+    /// [`Stage::backward`]'s computation, on the micro-batch's saved state: the head and loss (or
+    /// the received gradient), the blocks in reverse, the embeddings' gradients on the first stage.
+    fn backward_unit(
+        &mut self,
+        unit: Unit,
+        state: &mut MicroBatchState,
+        d_out: Option<Tensor>,
+        docs: Option<&DocumentMask>,
+    ) -> Result<Option<Tensor>, ModelError> {
         // This micro-batch's own gradient: its segments accumulate in backward order.
         let grads = self
             .grads
             .accumulator(unit, || Ok::<_, ModelError>(Gradients::default()))?;
-        let ctx = state.units.remove(&unit.segment).expect("checked above");
-        let docs = state.docs.clone();
+        let ctx = state
+            .units
+            .remove(&unit.segment)
+            .ok_or_else(|| ModelError::Order {
+                unit,
+                reason: "the unit's saved context is gone (its backward failed before)".into(),
+            })?;
         let UnitCtx {
             seg,
             token_ids,
@@ -661,7 +601,7 @@ impl Stage {
                 seg,
                 &mut state.kv[slot],
                 grads,
-                docs.as_ref(),
+                docs,
             )?;
         }
         if let Some(ids) = &token_ids {
@@ -673,19 +613,13 @@ impl Stage {
                 grads.add(
                     names::WPE,
                     embedding_backward(
-                        &position_ids(seg, docs.as_ref(), self.reset_positions)?,
+                        &position_ids(seg, docs, self.reset_positions)?,
                         &dx,
                         self.cfg.max_seq_len,
                     )?,
                 )?;
             }
         }
-        if unit.segment == 0 {
-            self.in_flight.remove(&unit.micro_batch);
-            self.grads
-                .complete(unit, &mut |l: Gradients, r| Ok::<_, ModelError>(l.sum(r)?))?;
-        }
-        self.measure_activations(None)?;
         Ok(token_ids.is_none().then_some(dx))
     }
 
@@ -718,6 +652,11 @@ impl Stage {
         decay_embeddings: bool,
     ) -> Result<(), ModelError> {
         self.finish_gradients()?;
+        // The model's decay rule, as every device applies it.
+        let decay = WeightDecay {
+            rate: weight_decay,
+            embeddings: decay_embeddings,
+        };
         optimizer.begin_step();
         let grads = self.grads.total().unwrap_or(&self.no_grads);
         let mut updates = Vec::with_capacity(self.params.specs().len());
@@ -725,11 +664,7 @@ impl Stage {
             let grad = grads
                 .get(&spec.name)
                 .ok_or_else(|| ModelError::NoGradient(spec.name.clone()))?;
-            let wd = if decays(spec.kind, decay_embeddings) {
-                weight_decay
-            } else {
-                0.0
-            };
+            let wd = decay.rate_of(spec.kind);
             let updated = optimizer.update(
                 &spec.name,
                 self.params.get(&spec.name)?,
