@@ -7,13 +7,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
 use common::{
     assert_final_state, children_of, ckpt_url, elastic_job, final_state, fresh_dir, metrics,
-    resumable_train, run_err, run_events, run_ok, wait_for_steps,
+    resumable_train, run_err, run_events, run_ok, tiny_model_args, wait_for_steps,
 };
 use trainer::runtime::events::RunEvent;
 
@@ -415,5 +415,92 @@ fn document_masks_train_bit_identically_over_chunks() {
         step_records(&unmasked)[0].0,
         step_records(&interleaved)[0].0,
         "masks should change the loss"
+    );
+}
+
+/// The document partition over chunks: every chunk of every worker cuts each micro-batch into
+/// the same lengths from its documents (the starts ride round the ring with the activations), so
+/// `1f1b-i` with `pipeline.partition = "documents"` is bit-identical to `1f1b` with it. Not
+/// vacuous: the trace shows units of the interleaved run cut into lengths other than the compute
+/// partition's one table, and micro-batches cut differently from each other.
+#[test]
+fn the_document_partition_trains_bit_identically_over_chunks() {
+    const STEPS: u64 = 2;
+    let dir = fresh_dir("interleaved-doc-partition");
+    let run = |name: &str, kind, v| {
+        let shape = Shape {
+            kind,
+            p: 2,
+            v,
+            d: 1,
+            m: 2,
+            k: 8,
+        };
+        let run_dir = dir.join(name);
+        let trace = dir.join(format!("{name}.json"));
+        let mut cmd = train(&run_dir, shape, STEPS);
+        for s in [
+            "data.synthetic_document_median=8",
+            "data.synthetic_document_sigma=1.0",
+            "data.document_mask=true",
+            "pipeline.partition=\"documents\"",
+        ] {
+            cmd.args(["--set", s]);
+        }
+        run_ok(cmd.arg("--trace").arg(&trace));
+        (run_dir, trace)
+    };
+    let (plain, _) = run("plain", "1f1b", 1);
+    let (interleaved, trace) = run("interleaved", "1f1b-i", 2);
+    assert_same_training(&plain, &interleaved, 2, STEPS as usize);
+    assert_same_tensors(&plain, &interleaved);
+    // Each (step, micro-batch)'s segment lengths, from every forward on every chunk: one cut
+    // per micro-batch whichever worker and chunk computed it.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let mut cuts: BTreeMap<(u64, usize), BTreeMap<usize, BTreeSet<u64>>> = BTreeMap::new();
+    for e in trace["traceEvents"].as_array().unwrap() {
+        if e["cat"].as_str() != Some("forward") {
+            continue;
+        }
+        let name = e["name"].as_str().unwrap();
+        let unit = name[1..].split('@').next().unwrap();
+        let (mb, seg) = unit.split_once('.').unwrap();
+        let at = (e["args"]["step"].as_u64().unwrap(), mb.parse().unwrap());
+        cuts.entry(at)
+            .or_default()
+            .entry(seg.parse().unwrap())
+            .or_default()
+            .insert(e["args"]["len"].as_u64().unwrap());
+    }
+    assert_eq!(cuts.len(), 2 * STEPS as usize, "{cuts:?}");
+    let cuts: Vec<Vec<u64>> = cuts
+        .values()
+        .map(|segs| {
+            assert_eq!(segs.len(), 8, "{segs:?}");
+            segs.values()
+                .map(|lens| {
+                    assert_eq!(
+                        lens.len(),
+                        1,
+                        "one length per unit on every chunk: {segs:?}"
+                    );
+                    *lens.first().unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    let mut sets: Vec<String> = tiny_model_args().chunks(2).map(|c| c[1].clone()).collect();
+    sets.extend(["model.layers=8", "pipeline.splits=8"].map(String::from));
+    let cfg = trainer::config::Config::load(None, &sets).unwrap();
+    let table: Vec<u64> = cfg
+        .segment_lengths()
+        .unwrap()
+        .iter()
+        .map(|&l| l as u64)
+        .collect();
+    assert!(
+        cuts.iter().any(|c| *c != cuts[0]) && cuts.iter().any(|c| *c != table),
+        "every micro-batch cut the same way, or as the compute partition's {table:?}: {cuts:?}"
     );
 }
