@@ -18,25 +18,10 @@ use super::grads::StepGradients;
 use super::params::{Gradients, ParamSpec, Params, WeightDecay, component_params, init_param};
 use super::partition::StageLayout;
 use super::unit::{CpuModel, CpuUnit, UnitCtx};
+pub use super::unit::{StageInput, StageOutput};
 pub use ::model::Mode;
 use ::model::Unit;
 use ::model::stage::{ActivationPeak, InFlight, Segment, Segments};
-
-/// What flows into a stage's forward.
-pub enum StageInput {
-    /// First stage: token ids `(B, s)` U32.
-    Tokens(Tensor),
-    /// Later stages: the previous stage's hidden states `(B·s, C)`.
-    Hidden(Tensor),
-}
-
-/// What a stage's forward produces.
-pub enum StageOutput {
-    /// Hidden states `(B·s, C)` for the next stage.
-    Hidden(Tensor),
-    /// Last stage: the sum of the segment's token losses (unscaled).
-    LossSum(f64),
-}
 
 /// What the CPU keeps for a micro-batch in flight on this stage (the model's [`InFlight`] keeps
 /// its counts and document starts).

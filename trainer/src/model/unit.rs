@@ -18,11 +18,26 @@ use super::error::ModelError;
 use super::norm::{NormLayer, NormLayerCtx};
 use super::params::{Gradients, Params, names};
 use super::partition::StageLayout;
-use super::stage::StageOutput;
 use ::model::{Mode, StageDevice, Unit};
 
 /// Rows of the logits that exist at once in the fused LM head + softmax cross-entropy.
 const LOSS_CHUNK_ROWS: usize = 256;
+
+/// What flows into a stage's forward.
+pub enum StageInput {
+    /// First stage: token ids `(B, s)` U32.
+    Tokens(Tensor),
+    /// Later stages: the previous stage's hidden states `(B·s, C)`.
+    Hidden(Tensor),
+}
+
+/// What a stage's forward produces.
+pub enum StageOutput {
+    /// Hidden states `(B·s, C)` for the next stage.
+    Hidden(Tensor),
+    /// Last stage: the sum of the segment's token losses (unscaled).
+    LossSum(f64),
+}
 
 /// What a unit's backward needs, filled by its forward (in training) and taken by its backward:
 /// one entry per piece of the stage's program.
