@@ -1352,19 +1352,15 @@ impl GpuStage {
         }
         let b = self.batch.expect("fixed");
         let n = b * len * self.plan.model.d_model;
-        let received = match input {
-            UnitInput::Received => Some(self.links.take_received(
-                Flow::Activation,
-                (micro_batch, segment),
-                OP,
-            )?),
-            _ => None,
-        };
-        let arrival = match (input, &received) {
-            (UnitInput::Tokens(ids), _) => Arrival::Tokens(ids),
-            (UnitInput::Hidden(x), _) => Arrival::Hidden(x),
-            (UnitInput::Received, held) => {
-                Arrival::Device(held.as_ref().map_or(0, |h| h.buf.ptr()))
+        // Hidden states received on the device link are read from the link's buffer, which goes
+        // back to the link once the unit is done with it.
+        let (arrival, received) = match input {
+            UnitInput::Tokens(ids) => (Arrival::Tokens(ids), None),
+            UnitInput::Hidden(x) => (Arrival::Hidden(x), None),
+            UnitInput::Received => {
+                let unit = (micro_batch, segment);
+                let held = self.links.take_received(Flow::Activation, unit, OP)?;
+                (Arrival::Device(held.buf.ptr()), Some(held))
             }
         };
         let docs = self.in_flight.documents(micro_batch);

@@ -110,7 +110,6 @@ pub(super) struct CpuUnit<'b> {
 impl<'b> CpuUnit<'b> {
     /// The forward of `unit` in `mode` from `input` (token ids `(N,)` on the first stage, hidden
     /// states `(N, C)` on the others), filling `ctx`.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         model: CpuModel<'b>,
         unit: Unit,
