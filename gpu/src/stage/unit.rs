@@ -139,15 +139,12 @@ impl StageDevice for GpuUnit<'_> {
             .blocks
             .get(slot + 1)
             .map_or(unit.out.ptr(), |next| next.x.ptr());
-        let grads = match &self.bwd {
-            Some(b) => Some(BlockGrads {
-                acc: b.acc,
-                scratch: &*b.scratch,
-                dk: &mb.dk[slot],
-                dv: &mb.dv[slot],
-            }),
-            None => None,
-        };
+        let grads = self.bwd.as_ref().map(|b| BlockGrads {
+            acc: b.acc,
+            scratch: &*b.scratch,
+            dk: &mb.dk[slot],
+            dv: &mb.dv[slot],
+        });
         Ok(GpuBlock {
             stage: self.stage,
             acts,
