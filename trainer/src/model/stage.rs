@@ -2,7 +2,9 @@
 //! final norm, head and loss on the last), run one (micro-batch, segment) unit at a time. The CPU
 //! device, over `ops`: the oracle of every other device. The order rules, the in-flight
 //! micro-batches, their documents, the segment table and the activation peak are the `model`
-//! crate's ([`::model::stage`]); this file holds what the CPU saves and computes.
+//! crate's ([`::model::stage`]), and so is a unit's program ([`::model::forward_unit`],
+//! [`::model::backward_unit`]), run through the CPU's unit device (`unit`); this file holds the
+//! stage's parameters, gradients, in-flight state and update, and checks what a unit is given.
 
 use std::collections::{BTreeMap, HashMap};
 
