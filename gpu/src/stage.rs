@@ -3,9 +3,12 @@
 //! norm, fused QKV, tanh-GELU MLP), with the embeddings on the first stage and the final norm, the
 //! untied LM head and the cross-entropy (in row chunks) on the last — the arithmetic of the CPU
 //! stage (`trainer/src/model/stage.rs`), under the same parameter names, so weights move between
-//! the two unchanged and the CPU stage is the oracle of its gradients. The block's order of
-//! operations is the `model` crate's ([`model::block_forward`], [`model::block_backward`], run by
-//! both devices); this stage supplies the kernels and the buffers they write (`block`).
+//! the two unchanged and the CPU stage is the oracle of its gradients. The stage's program for a
+//! unit (embeddings or received input → held blocks → final norm, head and loss or output, and
+//! back: [`model::forward_unit`], [`model::backward_unit`]) and the block's order of operations
+//! ([`model::block_forward`], [`model::block_backward`]) are the `model` crate's, run by both
+//! devices; this stage supplies the kernels and the buffers they write (`unit`, `block`), and
+//! keeps its own matters around them: device links, BF16 weight copies, buffer recycling.
 //! `seqpipe gpu bench` runs one stage holding the whole model. The unit order rules, the lifecycle
 //! of the micro-batches in flight, their document starts, the segment table and the activation
 //! peak are the model's ([`model::stage`]); this stage keeps its buffers in them.
@@ -60,10 +63,11 @@ use crate::types::Bf16Path;
 #[cfg(all(test, feature = "emulate"))]
 mod bf16_tests;
 mod block;
-use block::{BlockGrads, GpuBlock};
 mod links;
+mod unit;
 pub use links::Side;
 use links::{Flow, Links};
+use unit::{Arrival, Bwd, Forwarded, Fwd, GpuUnit};
 
 /// A host tensor `(name, dims, values)`.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
@@ -1317,6 +1321,8 @@ impl GpuStage {
         result
     }
 
+    /// [`GpuStage::forward`]'s computation ([`model::forward_unit`]) on the micro-batch's buffers;
+    /// the hidden states leave here (kept for the device link or downloaded).
     fn forward_in(
         &mut self,
         mb: &mut MicroBatch,
@@ -1326,6 +1332,7 @@ impl GpuStage {
         loss_scale: f64,
         train: bool,
     ) -> Result<UnitOutput> {
+        const OP: &str = "GpuStage::forward";
         let (micro_batch, segment) = (unit.micro_batch, unit.segment);
         // The head's weight gradient is computed with the loss (the logits never exist whole), so
         // on the last stage it goes into the micro-batch's accumulator in the forward, in forward
@@ -1344,114 +1351,57 @@ impl GpuStage {
             }
         }
         let b = self.batch.expect("fixed");
-        let c = self.plan.model.d_model;
-        let n = b * len;
-        let unit = &mut mb.units[segment];
-        self.load_input(unit, input, (micro_batch, segment), b)?;
-        let docs = self.in_flight.documents(micro_batch);
-        let rows = UnitShape { b, start, len };
-        for (slot, layer) in self.plan.layout.layers.clone().enumerate() {
-            let acts = &unit.blocks[slot];
-            let out = unit
-                .blocks
-                .get(slot + 1)
-                .map_or(unit.out.ptr(), |next| next.x.ptr());
-            let cache = &mb.qkv[slot];
-            let mut device = GpuBlock {
-                stage: self,
-                acts,
-                out,
-                cache,
-                layer,
-                rows,
-                docs: docs.map(doc_starts),
-                grads: None,
-            };
-            model::block_forward(&mut device, acts.x.ptr(), docs.map(|d| &d.mask))?;
-        }
-        let unit = &mut mb.units[segment];
-        let output = if self.plan.layout.is_last() {
-            let dw = head_acc.map_or(0, |acc| self.grad_at(acc, names::LM_HEAD));
-            let targets = targets.expect("checked by forward");
-            UnitOutput::LossSum(self.head_forward(unit, targets, dw, n, loss_scale)?)
-        } else if self.links.linked(Side::Next) {
-            let out = unit.out.ptr();
-            self.links.keep(
-                &self.gpu,
-                Flow::Activation,
-                (micro_batch, segment),
-                out,
-                n * c,
-            )?;
-            UnitOutput::Kept(n * c)
-        } else {
-            UnitOutput::Hidden(self.gpu.download_prefix(&unit.out, n * c)?)
-        };
-        Ok(output)
-    }
-
-    /// Puts unit `(micro_batch, segment)`'s input (`b` rows of its segment) where its first block
-    /// reads it: the embedded tokens, or the hidden states from the host or the device link.
-    fn load_input(
-        &mut self,
-        unit: &mut UnitActs,
-        input: UnitInput,
-        (micro_batch, segment): (usize, usize),
-        b: usize,
-    ) -> Result<()> {
-        const OP: &str = "GpuStage::forward";
-        let Segment { start, len } = self.segments.segment(Unit::new(micro_batch, segment))?;
-        let (c, vocab) = (self.plan.model.d_model, self.plan.model.vocab_size);
-        let n = b * len;
-        let x0 = unit.blocks.first().map_or(unit.out.ptr(), |a| a.x.ptr());
-        match input {
-            UnitInput::Tokens(ids) => {
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                    return shape(
-                        OP,
-                        format!("token id {bad} is not below the vocabulary size {vocab}"),
-                    );
-                }
-                self.gpu.write(&mut unit.ids, ids)?;
-                unit.host_ids = ids.to_vec();
-                self.gpu.embed_forward(
-                    x0,
-                    unit.ids.ptr(),
-                    self.at(&self.values, names::WTE),
-                    self.at(&self.values, names::WPE),
-                    n,
-                    c,
-                    len,
-                    start,
-                )?;
-            }
-            UnitInput::Hidden(x) => {
-                // Into the first block's input buffer (or the output buffer of a stage with no
-                // blocks, which only adds the head).
-                let dst = match unit.blocks.first_mut() {
-                    Some(a) => &mut a.x,
-                    None => &mut unit.out,
-                };
-                self.gpu.write(dst, x)?;
-            }
+        let n = b * len * self.plan.model.d_model;
+        // Hidden states received on the device link are read from the link's buffer, which goes
+        // back to the link once the unit is done with it.
+        let (arrival, received) = match input {
+            UnitInput::Tokens(ids) => (Arrival::Tokens(ids), None),
+            UnitInput::Hidden(x) => (Arrival::Hidden(x), None),
             UnitInput::Received => {
-                let received =
-                    self.links
-                        .take_received(Flow::Activation, (micro_batch, segment), OP)?;
-                let copied = self.gpu.copy_values(x0, received.buf.ptr(), n * c);
-                self.links.give_back(received);
-                copied?;
+                let unit = (micro_batch, segment);
+                let held = self.links.take_received(Flow::Activation, unit, OP)?;
+                (Arrival::Device(held.buf.ptr()), Some(held))
             }
+        };
+        let docs = self.in_flight.documents(micro_batch);
+        let mut device = GpuUnit {
+            stage: self,
+            mb: &mut *mb,
+            segment,
+            rows: UnitShape { b, start, len },
+            docs: docs.map(doc_starts),
+            fwd: Some(Fwd {
+                input: arrival,
+                targets,
+                loss_scale,
+                head_dw: head_acc.map_or(0, |acc| self.grad_at(acc, names::LM_HEAD)),
+            }),
+            bwd: None,
+        };
+        let result = model::forward_unit(&mut device, docs.map(|d| &d.mask));
+        if let Some(held) = received {
+            self.links.give_back(held);
         }
-        Ok(())
+        let out = &mb.units[segment].out;
+        match result? {
+            Forwarded::LossSum(loss) => Ok(UnitOutput::LossSum(loss)),
+            Forwarded::Hidden if self.links.linked(Side::Next) => {
+                let unit = (micro_batch, segment);
+                self.links
+                    .keep(&self.gpu, Flow::Activation, unit, out.ptr(), n)?;
+                Ok(UnitOutput::Kept(n))
+            }
+            Forwarded::Hidden => Ok(UnitOutput::Hidden(self.gpu.download_prefix(out, n)?)),
+        }
     }
 
-    /// The final norm, LM head and cross-entropy of a unit's `n` rows in row chunks: the summed
-    /// loss; with `dw` non-zero (training) d(ln_f) into `unit.dhead` and the head's weight
-    /// gradient added at `dw`.
+    /// The LM head and cross-entropy of a unit's `n` rows of `h` (the final norm's output) in
+    /// row chunks: the summed loss; with `dw` non-zero (training) d(ln_f) into `unit.dhead` and
+    /// the head's weight gradient added at `dw`.
     fn head_forward(
         &self,
         unit: &mut UnitActs,
+        h: u64,
         targets: &[u32],
         dw: u64,
         n: usize,
@@ -1460,13 +1410,12 @@ impl GpuStage {
         let (c, v) = (self.plan.model.d_model, self.plan.model.vocab_size);
         let train = dw != 0;
         self.gpu.write(&mut unit.targets, targets)?;
-        self.norm_forward(&unit.lnf, unit.out.ptr(), names::LN_F, n)?;
         let scratch = self.scratch.as_ref().expect("sized by fix_batch");
         let (w, logits) = (self.at(&self.values, names::LM_HEAD), scratch.logits.ptr());
         let chunk = CHUNK_ROWS.min(n);
         for r0 in (0..n).step_by(chunk) {
             let rows = chunk.min(n - r0);
-            let hh = unit.lnf.out.at(r0 * c);
+            let hh = h + (r0 * c * 4) as u64; // row r0 of (n, C) f32
             let (losses, targets) = (unit.losses.at(r0), unit.targets.at(r0));
             let grad_scale = loss_scale as f32;
             let gpu = &self.gpu;
@@ -1570,8 +1519,8 @@ impl GpuStage {
         self.gpu.bind()?;
         let unit = Unit::new(micro_batch, segment);
         let seg = self.segments.segment(unit)?;
-        let work = self.in_flight.start_backward(unit, seg)?;
-        let result = self.backward_in(&work.micro_batch.state, (micro_batch, segment), d_out);
+        let mut work = self.in_flight.start_backward(unit, seg)?;
+        let result = self.backward_in(&mut work.micro_batch.state, (micro_batch, segment), d_out);
         // A failed backward moves nothing; segment 0's ends the micro-batch and completes its
         // gradient.
         if let Some(done) = self.in_flight.finish_backward(work, result.is_ok()) {
@@ -1583,7 +1532,7 @@ impl GpuStage {
 
     fn backward_in(
         &mut self,
-        mb: &MicroBatch,
+        mb: &mut MicroBatch,
         (micro_batch, segment): (usize, usize),
         d_out: GradIn,
     ) -> Result<UnitGrad> {
@@ -1626,85 +1575,34 @@ impl GpuStage {
         result
     }
 
-    /// [`GpuStage::backward_in`] with the scratch taken out (and always put back by the caller).
+    /// [`GpuStage::backward_in`]'s computation ([`model::backward_unit`]) with the scratch taken
+    /// out (and always put back by the caller): the values of the input's gradient left in
+    /// `scratch.dx` (none on the first stage).
     fn backward_units(
         &self,
-        mb: &MicroBatch,
+        mb: &mut MicroBatch,
         (micro_batch, segment): (usize, usize),
         scratch: &mut Scratch,
-        acc_ptr: u64,
+        acc: u64,
         d_out: Dy,
     ) -> Result<Option<usize>> {
-        const OP: &str = "GpuStage::backward";
         let Segment { start, len } = self.segments.segment(Unit::new(micro_batch, segment))?;
         let b = self.batch.expect("fixed by the forward");
-        let c = self.plan.model.d_model;
-        let n = b * len;
-        let offset = |name: &str| self.grad_at(acc_ptr, name);
-        let gpu = &self.gpu;
-        let unit = &mb.units[segment];
-        let sc = &scratch.columns;
-        match (self.plan.layout.is_last(), d_out) {
-            (true, Dy::Loss) => self.norm_backward(
-                scratch.dx.ptr(),
-                unit.dhead.ptr(),
-                unit.out.ptr(),
-                &unit.lnf,
-                names::LN_F,
-                (n, acc_ptr, sc),
-            )?,
-            (false, Dy::Host(dy)) if dy.len() == n * c => gpu.write(&mut scratch.dx, dy)?,
-            (false, Dy::Device(dy, len)) if len == n * c => {
-                gpu.copy_values(scratch.dx.ptr(), dy, n * c)?
-            }
-            (false, Dy::Host(dy)) => {
-                return shape(
-                    OP,
-                    format!("{} gradient values for {n} positions × {c}", dy.len()),
-                );
-            }
-            (false, Dy::Device(_, len)) => {
-                return shape(
-                    OP,
-                    format!("{len} received gradient values for {n} positions × {c}"),
-                );
-            }
-            _ => {
-                return Err(order(
-                    OP,
-                    "the last stage starts backward from its loss, the others from the next stage's gradient",
-                ));
-            }
-        }
-        let rows = UnitShape { b, start, len };
         let docs = self.in_flight.documents(micro_batch);
-        for (slot, layer) in self.plan.layout.layers.clone().enumerate().rev() {
-            let mut device = GpuBlock {
-                stage: self,
-                acts: &unit.blocks[slot],
-                out: 0,
-                cache: &mb.qkv[slot],
-                layer,
-                rows,
-                docs: docs.map(doc_starts),
-                grads: Some(BlockGrads {
-                    acc: acc_ptr,
-                    scratch: &*scratch,
-                    dk: &mb.dk[slot],
-                    dv: &mb.dv[slot],
-                }),
-            };
-            // d(output) is in scratch.dx, and so is d(input) after.
-            model::block_backward(&mut device, scratch.dx.ptr(), docs.map(|d| &d.mask))?;
-        }
-        let dx = scratch.dx.ptr();
-        if self.plan.layout.is_first() {
-            gpu.embed_backward_tokens(offset(names::WTE), dx, &unit.host_ids, c)?;
-            gpu.embed_backward_positions(offset(names::WPE), dx, b, len, c, start)?;
-            Ok(None)
-        } else {
-            Ok(Some(n * c))
-        }
+        let mut device = GpuUnit {
+            stage: self,
+            mb,
+            segment,
+            rows: UnitShape { b, start, len },
+            docs: docs.map(doc_starts),
+            fwd: None,
+            bwd: Some(Bwd {
+                acc,
+                scratch,
+                d_out,
+            }),
+        };
+        model::backward_unit(&mut device, docs.map(|d| &d.mask))
     }
 }
 

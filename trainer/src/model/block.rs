@@ -133,58 +133,6 @@ impl<'a> Block<'a> {
         }
     }
 
-    /// Forward of one segment: `x (N, C)` → `(N, C)`, in the model's order
-    /// ([`::model::block_forward`]). Appends this segment's K/V to `kv`. Returns the saved context
-    /// when `keep_ctx` (training), none for evaluation. With `docs` a query attends only to its
-    /// own document ([`ops::document_prefix_attention_forward`]).
-    pub fn forward(
-        &self,
-        params: &Params,
-        x: &Tensor,
-        seg: SegmentShape,
-        kv: &mut KvPrefix,
-        keep_ctx: bool,
-        docs: Option<&DocumentMask>,
-    ) -> Result<(Tensor, Option<BlockCtx>), ModelError> {
-        let mut ctx = BlockCtx::default();
-        let mut device = CpuBlock {
-            block: self,
-            params,
-            seg,
-            kv,
-            ctx: &mut ctx,
-            grads: None,
-        };
-        let out = ::model::block_forward(&mut device, x.clone(), docs)?;
-        Ok((out, keep_ctx.then_some(ctx)))
-    }
-
-    /// Backward of segment `j` (the last segment in `kv` whose backward has not run): `dy (N, C)` →
-    /// `dx (N, C)`, in the model's order ([`::model::block_backward`]). Adds this segment's dK/dV
-    /// of earlier positions to `kv` for the earlier segments, and removes segment `j`'s K/V (no
-    /// later segment needs them any more). `docs` is the forward's.
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward(
-        &self,
-        params: &Params,
-        mut ctx: BlockCtx,
-        dy: &Tensor,
-        seg: SegmentShape,
-        kv: &mut KvPrefix,
-        grads: &mut Gradients,
-        docs: Option<&DocumentMask>,
-    ) -> Result<Tensor, ModelError> {
-        let mut device = CpuBlock {
-            block: self,
-            params,
-            seg,
-            kv,
-            ctx: &mut ctx,
-            grads: Some(grads),
-        };
-        ::model::block_backward(&mut device, dy.clone(), docs)
-    }
-
     /// `(N, C)` → `(B, H, s, D)`.
     fn split_heads(&self, x: &Tensor, seg: SegmentShape) -> candle_core::Result<Tensor> {
         x.reshape((seg.batch, seg.len, self.heads, self.head_dim))?
@@ -205,9 +153,12 @@ impl<'a> Block<'a> {
 }
 
 /// The CPU device of one block for one unit: the `ops` kernels over candle tensors, saving into
-/// the unit's [`BlockCtx`] and the micro-batch's [`KvPrefix`].
-struct CpuBlock<'b, 'a> {
-    block: &'b Block<'a>,
+/// the unit's [`BlockCtx`] and the micro-batch's [`KvPrefix`]. Its forward appends the segment's
+/// K/V to the prefix; its backward (of the last segment in the prefix whose backward has not run)
+/// adds the segment's dK/dV of earlier positions for the earlier segments and removes the
+/// segment's K/V (no later segment needs them any more).
+pub(super) struct CpuBlock<'b> {
+    block: Block<'b>,
     params: &'b Params,
     seg: SegmentShape,
     kv: &'b mut KvPrefix,
@@ -216,7 +167,27 @@ struct CpuBlock<'b, 'a> {
     grads: Option<&'b mut Gradients>,
 }
 
-impl CpuBlock<'_, '_> {
+impl<'b> CpuBlock<'b> {
+    /// `block` for the unit of `seg`, over the micro-batch's `kv` and the unit's `ctx`, adding
+    /// gradients to `grads` (the backward's).
+    pub fn new(
+        block: Block<'b>,
+        params: &'b Params,
+        seg: SegmentShape,
+        kv: &'b mut KvPrefix,
+        ctx: &'b mut BlockCtx,
+        grads: Option<&'b mut Gradients>,
+    ) -> Self {
+        CpuBlock {
+            block,
+            params,
+            seg,
+            kv,
+            ctx,
+            grads,
+        }
+    }
+
     /// `h.{i}.{layer}`.
     fn prefix(&self, layer: BlockLayer) -> String {
         block_layer(self.block.layer, layer)
@@ -262,7 +233,7 @@ fn saved<T>(slot: &mut Option<T>, layer: impl FnOnce() -> String) -> Result<T, M
         .ok_or_else(|| ModelError::NotSaved { layer: layer() })
 }
 
-impl BlockDevice for CpuBlock<'_, '_> {
+impl BlockDevice for CpuBlock<'_> {
     type X = Tensor;
     type Err = ModelError;
 
@@ -296,7 +267,7 @@ impl BlockDevice for CpuBlock<'_, '_> {
         qkv: &Tensor,
         docs: Option<&DocumentMask>,
     ) -> Result<Tensor, ModelError> {
-        let (block, seg) = (self.block, self.seg);
+        let (block, seg) = (&self.block, self.seg);
         let c = block.heads * block.head_dim;
         let mut q = block.split_heads(&qkv.narrow(1, 0, c)?, seg)?; // (B, H, s, D)
         let mut k = block.split_heads(&qkv.narrow(1, c, c)?, seg)?;
@@ -370,7 +341,7 @@ impl BlockDevice for CpuBlock<'_, '_> {
         dy: &Tensor,
         docs: Option<&DocumentMask>,
     ) -> Result<Tensor, ModelError> {
-        let (block, seg) = (self.block, self.seg);
+        let (block, seg) = (&self.block, self.seg);
         let ctx = saved(&mut self.ctx.attn, || {
             format!("h.{} attention", block.layer)
         })?;

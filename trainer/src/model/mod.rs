@@ -11,6 +11,7 @@ pub mod cuda_stage;
 pub mod norm;
 pub mod snapshot;
 pub mod stage;
+mod unit;
 
 pub use ::model::{
     ModelConfig, ModelError, Norm, PartitionError, Position, StageLayout, StateMismatch,

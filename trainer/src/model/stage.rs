@@ -2,77 +2,28 @@
 //! final norm, head and loss on the last), run one (micro-batch, segment) unit at a time. The CPU
 //! device, over `ops`: the oracle of every other device. The order rules, the in-flight
 //! micro-batches, their documents, the segment table and the activation peak are the `model`
-//! crate's ([`::model::stage`]); this file holds what the CPU saves and computes.
+//! crate's ([`::model::stage`]), and so is a unit's program ([`::model::forward_unit`],
+//! [`::model::backward_unit`]), run through the CPU's unit device (`unit`); this file holds the
+//! stage's parameters, gradients, in-flight state and update, and checks what a unit is given.
 
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{DType, Device, Tensor};
-use ops::DocumentMask;
 use ops::adamw::AdamW;
-use ops::embedding::{embedding_backward, embedding_forward};
-use ops::lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
 use ops::memory::{SavedTensors, TensorBytes};
 use ops::rope::RopeTable;
 
-use super::block::{Block, BlockCtx, KvPrefix, SegmentShape};
+use super::block::{KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::error::ModelError;
 use super::grads::StepGradients;
-use super::norm::{NormLayer, NormLayerCtx};
-use super::params::{
-    Gradients, ParamSpec, Params, WeightDecay, component_params, init_param, names,
-};
+use super::params::{Gradients, ParamSpec, Params, WeightDecay, component_params, init_param};
 use super::partition::StageLayout;
+use super::unit::{CpuModel, CpuUnit, UnitCtx};
+pub use super::unit::{StageInput, StageOutput};
 pub use ::model::Mode;
 use ::model::Unit;
 use ::model::stage::{ActivationPeak, InFlight, Segment, Segments};
-
-/// Rows of the logits that exist at once in the fused LM head + softmax cross-entropy.
-const LOSS_CHUNK_ROWS: usize = 256;
-
-/// What flows into a stage's forward.
-pub enum StageInput {
-    /// First stage: token ids `(B, s)` U32.
-    Tokens(Tensor),
-    /// Later stages: the previous stage's hidden states `(B·s, C)`.
-    Hidden(Tensor),
-}
-
-/// What a stage's forward produces.
-pub enum StageOutput {
-    /// Hidden states `(B·s, C)` for the next stage.
-    Hidden(Tensor),
-    /// Last stage: the sum of the segment's token losses (unscaled).
-    LossSum(f64),
-}
-
-struct HeadCtx {
-    norm: NormLayerCtx,
-    /// Gradients of the head, computed with the loss (already scaled).
-    lm_head: LmHeadGrads,
-}
-
-impl SavedTensors for HeadCtx {
-    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
-        self.norm.for_each_tensor(f);
-        self.lm_head.for_each_tensor(f);
-    }
-}
-
-struct UnitCtx {
-    seg: SegmentShape,
-    token_ids: Option<Tensor>, // (N,) on the first stage
-    blocks: Vec<BlockCtx>,
-    head: Option<HeadCtx>,
-}
-
-impl SavedTensors for UnitCtx {
-    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
-        self.token_ids.for_each_tensor(f);
-        self.blocks.for_each_tensor(f);
-        self.head.for_each_tensor(f);
-    }
-}
 
 /// What the CPU keeps for a micro-batch in flight on this stage (the model's [`InFlight`] keeps
 /// its counts and document starts).
@@ -396,7 +347,65 @@ impl Stage {
                     .into(),
             });
         }
-        let (x, seg, token_ids) = match input {
+        let (x, seg) = self.checked_input(unit, input)?;
+        let blocks = self.layout.layers.len();
+        let segment = Segment {
+            start: seg.start,
+            len: seg.len,
+        };
+        let mut work = self.in_flight.start_forward(unit, segment, seg.batch, || {
+            Ok::<_, ModelError>(MicroBatchState {
+                kv: (0..blocks).map(|_| KvPrefix::default()).collect(),
+                units: BTreeMap::new(),
+            })
+        })?;
+        let state = &mut work.micro_batch.state;
+        // Evaluation keeps no block's context: each is dropped when the next block starts.
+        let kept = if mode == Mode::Train { blocks } else { 0 };
+        let mut ctx = UnitCtx::new(seg, kept);
+        let mut device = CpuUnit::forward(
+            self.model(),
+            unit,
+            mode,
+            (&mut state.kv[..], &mut ctx),
+            x,
+            (targets, loss_scale),
+            docs.as_ref(),
+        );
+        let result = ::model::forward_unit(&mut device, docs.as_ref());
+        if result.is_ok() && mode == Mode::Train {
+            state.units.insert(unit.segment, ctx);
+        }
+        // A micro-batch that leaves (evaluation's last segment) is dropped.
+        let _left =
+            self.in_flight
+                .finish_forward(work, result.is_ok().then_some(mode), &self.segments);
+        let output = result?;
+        let activations = self.activation_bytes();
+        self.peak
+            .after_forward(unit, activations, self.state_bytes())?;
+        Ok(output)
+    }
+
+    /// The stage's fixed parts a unit reads.
+    fn model(&self) -> CpuModel<'_> {
+        CpuModel {
+            cfg: &self.cfg,
+            layout: &self.layout,
+            params: &self.params,
+            rope: self.rope.as_ref(),
+            reset_positions: self.reset_positions,
+        }
+    }
+
+    /// `input` checked against the unit's segment and this stage: the token ids `(N,)` (first
+    /// stage) or the hidden states `(N, C)`, and the rows they cover.
+    fn checked_input(
+        &self,
+        unit: Unit,
+        input: StageInput,
+    ) -> Result<(Tensor, SegmentShape), ModelError> {
+        match input {
             StageInput::Tokens(tokens) if self.layout.is_first() => {
                 let (batch, len) = tokens.dims2()?;
                 let seg = self.segment(unit, batch)?;
@@ -406,13 +415,7 @@ impl Stage {
                         reason: format!("got {len} tokens per row, segment has {}", seg.len),
                     });
                 }
-                let ids = tokens.flatten_all()?; // (N,)
-                let mut x = embedding_forward(&ids, self.params.get(names::WTE)?)?; // (N, C)
-                if self.cfg.position == Position::Learned {
-                    let pos = position_ids(seg, docs.as_ref(), self.reset_positions)?;
-                    x = x.add(&embedding_forward(&pos, self.params.get(names::WPE)?)?)?;
-                }
-                (x, seg, Some(ids))
+                Ok((tokens.flatten_all()?, seg)) // (N,)
             }
             StageInput::Hidden(x) if !self.layout.is_first() => {
                 let (n, c) = x.dims2()?;
@@ -426,107 +429,13 @@ impl Stage {
                         ),
                     });
                 }
-                (x, self.segment(unit, n / len)?, None)
+                Ok((x, self.segment(unit, n / len)?))
             }
-            _ => {
-                return Err(ModelError::Input {
-                    unit,
-                    reason: "tokens go to the first stage, hidden states to the others".into(),
-                });
-            }
-        };
-        let blocks = self.layout.layers.len();
-        let segment = Segment {
-            start: seg.start,
-            len: seg.len,
-        };
-        let mut work = self.in_flight.start_forward(unit, segment, seg.batch, || {
-            Ok::<_, ModelError>(MicroBatchState {
-                kv: (0..blocks).map(|_| KvPrefix::default()).collect(),
-                units: BTreeMap::new(),
-            })
-        })?;
-        let state = &mut work.micro_batch.state;
-        let result = self.forward_unit(
-            unit,
-            state,
-            (x, seg, token_ids),
-            docs.as_ref(),
-            (targets, loss_scale),
-            mode,
-        );
-        // A micro-batch that leaves (evaluation's last segment) is dropped.
-        let _left =
-            self.in_flight
-                .finish_forward(work, result.is_ok().then_some(mode), &self.segments);
-        let output = result?;
-        let activations = self.activation_bytes();
-        self.peak
-            .after_forward(unit, activations, self.state_bytes())?;
-        Ok(output)
-    }
-
-    /// [`Stage::forward`]'s computation, on the micro-batch's saved state: the blocks in order
-    /// from the embedded (or received) `x`, then the final norm, head and loss on the last stage.
-    fn forward_unit(
-        &self,
-        unit: Unit,
-        state: &mut MicroBatchState,
-        (mut x, seg, token_ids): (Tensor, SegmentShape, Option<Tensor>),
-        docs: Option<&DocumentMask>,
-        (targets, loss_scale): (Option<&Tensor>, f64),
-        mode: Mode,
-    ) -> Result<StageOutput, ModelError> {
-        let mut blocks = Vec::new();
-        for (slot, layer) in self.layout.layers.clone().enumerate() {
-            let block = Block::new(&self.cfg, layer, self.rope.as_ref());
-            let (y, ctx) = block.forward(
-                &self.params,
-                &x,
-                seg,
-                &mut state.kv[slot],
-                mode == Mode::Train,
-                docs,
-            )?;
-            x = y;
-            blocks.extend(ctx);
-        }
-        let mut head = None;
-        let output = if self.layout.is_last() {
-            let targets = targets.ok_or_else(|| ModelError::Input {
+            _ => Err(ModelError::Input {
                 unit,
-                reason: "the last stage needs the segment's targets".into(),
-            })?;
-            let (h, norm_ctx) = NormLayer::of(&self.cfg).forward(&self.params, names::LN_F, &x)?; // (N, C)
-            let w = self.params.get(names::LM_HEAD)?; // (V, C)
-            let loss_sum = match mode {
-                Mode::Train => {
-                    let (loss_sum, lm_head) =
-                        lm_head_loss_forward_backward(&h, w, targets, loss_scale, LOSS_CHUNK_ROWS)?;
-                    head = Some(HeadCtx {
-                        norm: norm_ctx,
-                        lm_head,
-                    });
-                    loss_sum
-                }
-                Mode::Eval => lm_head_loss(&h, w, targets, LOSS_CHUNK_ROWS)?,
-            };
-            StageOutput::LossSum(loss_sum)
-        } else {
-            StageOutput::Hidden(x)
-        };
-        if mode == Mode::Train {
-            state.units.insert(
-                unit.segment,
-                UnitCtx {
-                    seg,
-                    token_ids,
-                    blocks,
-                    head,
-                },
-            );
+                reason: "tokens go to the first stage, hidden states to the others".into(),
+            }),
         }
-        Ok(output)
     }
 
     /// Backward of one unit: `d_out (B·s, C)` from the next stage (none on the last stage, which starts
@@ -557,70 +466,35 @@ impl Stage {
         Ok(dx)
     }
 
-    /// [`Stage::backward`]'s computation, on the micro-batch's saved state: the head and loss (or
-    /// the received gradient), the blocks in reverse, the embeddings' gradients on the first stage.
+    /// [`Stage::backward`]'s computation ([`::model::backward_unit`]) on the micro-batch's saved
+    /// state, into the micro-batch's own gradient (its segments accumulate in backward order).
     fn backward_unit(
         &mut self,
         unit: Unit,
         state: &mut MicroBatchState,
         d_out: Option<Tensor>,
-        docs: Option<&DocumentMask>,
+        docs: Option<&ops::DocumentMask>,
     ) -> Result<Option<Tensor>, ModelError> {
-        // This micro-batch's own gradient: its segments accumulate in backward order.
         let grads = self
             .grads
             .accumulator(unit, || Ok::<_, ModelError>(Gradients::default()))?;
-        let ctx = state
+        let mut ctx = state
             .units
             .remove(&unit.segment)
             .ok_or_else(|| ModelError::Order {
                 unit,
                 reason: "the unit's saved context is gone (its backward failed before)".into(),
             })?;
-        let UnitCtx {
-            seg,
-            token_ids,
-            blocks,
-            head,
-        } = ctx;
-        let mut dx = match (head, d_out) {
-            (Some(head), None) => {
-                grads.add(names::LM_HEAD, head.lm_head.dw)?;
-                NormLayer::of(&self.cfg).backward(&self.params, names::LN_F, &head.norm, &head.lm_head.dh, grads)?
-            }
-            (None, Some(d)) => d,
-            _ => return Err(ModelError::Input { unit, reason: "the last stage starts backward from its loss, the others from the next stage's gradient".into() }),
+        let model = CpuModel {
+            cfg: &self.cfg,
+            layout: &self.layout,
+            params: &self.params,
+            rope: self.rope.as_ref(),
+            reset_positions: self.reset_positions,
         };
-        let layers: Vec<usize> = self.layout.layers.clone().collect();
-        for (slot, ctx) in blocks.into_iter().enumerate().rev() {
-            let block = Block::new(&self.cfg, layers[slot], self.rope.as_ref());
-            dx = block.backward(
-                &self.params,
-                ctx,
-                &dx,
-                seg,
-                &mut state.kv[slot],
-                grads,
-                docs,
-            )?;
-        }
-        if let Some(ids) = &token_ids {
-            grads.add(
-                names::WTE,
-                embedding_backward(ids, &dx, self.cfg.vocab_size)?,
-            )?;
-            if self.cfg.position == Position::Learned {
-                grads.add(
-                    names::WPE,
-                    embedding_backward(
-                        &position_ids(seg, docs, self.reset_positions)?,
-                        &dx,
-                        self.cfg.max_seq_len,
-                    )?,
-                )?;
-            }
-        }
-        Ok(token_ids.is_none().then_some(dx))
+        let kv = (&mut state.kv[..], &mut ctx);
+        let mut device = CpuUnit::backward(model, unit, kv, d_out, grads, docs);
+        ::model::backward_unit(&mut device, docs)
     }
 
     /// Per-parameter sums of squared gradients of the step, in canonical order (sums the
@@ -688,16 +562,6 @@ impl Stage {
         self.in_flight.clear();
         self.grads.clear();
     }
-}
-
-/// Position ids of a segment for every row: `(B·s,)` U32 (with `reset`, within each document).
-fn position_ids(
-    seg: SegmentShape,
-    docs: Option<&DocumentMask>,
-    reset: bool,
-) -> candle_core::Result<Tensor> {
-    let ids = ::model::documents::position_ids(docs, seg.batch, seg.start, seg.len, reset);
-    Tensor::from_vec(ids, seg.tokens(), &Device::Cpu)
 }
 
 #[cfg(test)]
