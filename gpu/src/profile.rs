@@ -328,17 +328,18 @@ impl Pass {
 /// A linear layer's name in the profile, its layer index dropped (`h.3.mlp.c_fc` → `mlp.c_fc`);
 /// static, so that labelling costs no allocation.
 pub(crate) fn product_layer(layer: &str) -> &'static str {
-    const NAMES: [&str; 5] = [
-        "attn.c_attn",
-        "attn.c_proj",
-        "mlp.c_fc",
-        "mlp.c_proj",
-        "lm_head",
+    use model::params::{BlockLayer, names};
+    const LINEAR: [BlockLayer; 4] = [
+        BlockLayer::CAttn,
+        BlockLayer::AttnProj,
+        BlockLayer::CFc,
+        BlockLayer::MlpProj,
     ];
-    NAMES
+    LINEAR
         .iter()
-        .find(|n| layer.ends_with(*n))
-        .copied()
+        .map(|l| l.name())
+        .chain([names::LM_HEAD.trim_end_matches(".weight")])
+        .find(|n| layer.ends_with(n))
         .unwrap_or("other")
 }
 
