@@ -1,6 +1,7 @@
-//! `seqpipe bench schedule`: GPipe, 1F1B and Seq1F1B measured on real pipeline runs.
+//! `seqpipe bench schedule`: the pipeline schedules (GPipe, 1F1B, Seq1F1B and the interleaved
+//! 1F1B-I and Seq1F1B-I, with whatever else the runtime runs) measured on real pipeline runs.
 //!
-//! Each configuration (schedule, k, partition, sequence length) trains a few steps of the same
+//! Each configuration (schedule, micro-batches, k, partition, sequence length) trains a few steps of the same
 //! model and batch through the real runtime (one worker process per stage, one compute thread
 //! each, real TCP) with a trace. From the steps after the first it reads each stage's peak bytes
 //! of live activations (measured by the stages from their saved contexts and K/V prefixes) and
@@ -22,7 +23,8 @@ use trainer::plan::RunPlan;
 use trainer::runtime::error::LaunchError;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
-    Action, FlopsModel, MeasuredCosts, Partition, ScheduleKind, generate, replay, segment_flops,
+    Action, FlopsModel, MeasuredCosts, Op, Partition, ScheduleKind, formula_bubble,
+    generate_virtual, replay, segment_flops,
 };
 
 /// Flags of `seqpipe bench schedule`.
@@ -31,20 +33,28 @@ pub struct ScheduleBenchArgs {
     /// Sequence lengths to run (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096,8192")]
     seq_lens: Vec<usize>,
-    /// Schedules to run (comma-separated): gpipe, 1f1b, seq1f1b.
+    /// Schedules to run (comma-separated): gpipe, 1f1b, seq1f1b, 1f1b-i, seq1f1b-i, seq1f1b-zb.
     #[arg(long, value_delimiter = ',', default_value = "gpipe,1f1b,seq1f1b")]
     schedules: Vec<ScheduleKind>,
-    /// Seq1F1B's segments per micro-batch (comma-separated; GPipe and 1F1B run whole sequences).
+    /// Micro-batches per step (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    microbatches: Vec<usize>,
+    /// Layer chunks per worker for the interleaved kinds (1f1b-i, seq1f1b-i); the model needs
+    /// at least stages × this many layers.
+    #[arg(long, default_value_t = 2)]
+    virtual_stages: usize,
+    /// Segments per micro-batch of the Seq1F1B kinds (comma-separated; the others run whole
+    /// sequences).
     #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
     splits: Vec<usize>,
-    /// Seq1F1B's segment partitions (comma-separated): uniform, compute.
+    /// Segment partitions of the Seq1F1B kinds (comma-separated): uniform, compute.
     #[arg(long, value_delimiter = ',', default_value = "uniform,compute")]
     partitions: Vec<Partition>,
     /// Steps per run; all but the first (the warm-up) are measured.
     #[arg(long, default_value_t = 3)]
     steps: u64,
     /// Override a config key of every run (repeatable), after the benchmark's own settings
-    /// (4 stages × 1 layer, d_model 128, 2 heads, vocab 512, 4 micro-batches of 1 sequence).
+    /// (4 stages × 1 layer, d_model 128, 2 heads, vocab 512, micro-batches of 1 sequence).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Also write every run's numbers as JSON to this file.
@@ -66,7 +76,7 @@ const BASE: [&str; 12] = [
     "train.micro_batch_size=1",
     "train.eval_every=0",
     "pipeline.stages=4",
-    "pipeline.microbatches=4",
+    "elastic.mid_step=false",
     "checkpoint.every=0",
     "elastic.peer_snapshots=false",
     "run.threads_per_worker=1",
@@ -78,6 +88,10 @@ const BASE: [&str; 12] = [
 pub struct ScheduleRun {
     /// Schedule kind.
     pub schedule: ScheduleKind,
+    /// Layer chunks per worker (1 but for the interleaved kinds).
+    pub virtual_stages: usize,
+    /// Micro-batches per step.
+    pub microbatches: usize,
     /// Segments per micro-batch.
     pub splits: usize,
     /// Segment partition.
@@ -86,7 +100,7 @@ pub struct ScheduleRun {
     pub seq_len: usize,
     /// Segment lengths used.
     pub segment_lengths: Vec<usize>,
-    /// Per stage: peak bytes of live activations in the measured step.
+    /// Per worker: peak bytes of live activations in the measured step (all its chunks at once).
     pub peak_activation_bytes: Vec<u64>,
     /// Replayed step time on dedicated devices (seconds).
     pub replayed_step_s: f64,
@@ -98,7 +112,7 @@ pub struct ScheduleRun {
     pub balanced_bubble: f64,
     /// Per stage: replayed compute time of the step (seconds).
     pub stage_busy_s: Vec<f64>,
-    /// `(p−1)/(units per stage + p−1)`, units = m·k (Seq1F1B) or m.
+    /// The kind's formula for equal-cost units ([`formula_bubble`]): `(p−1)/(slots + p−1)`.
     pub formula_bubble: f64,
     /// Wall-clock time of the measured step on this machine (seconds).
     pub wall_step_s: f64,
@@ -122,6 +136,15 @@ impl ScheduleRun {
             .collect()
     }
 
+    /// The largest worker's peak bytes of live activations.
+    pub fn max_peak_bytes(&self) -> u64 {
+        self.peak_activation_bytes
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Slowest over fastest segment time (1 with one segment).
     pub fn segment_imbalance(&self) -> f64 {
         let unit = self.segment_unit_s();
@@ -143,43 +166,56 @@ pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("seqpipe-bench-schedule-{}", std::process::id()));
     let mut runs = Vec::new();
     let mut header = true;
-    for &seq_len in &args.seq_lens {
-        for &schedule in &args.schedules {
-            let variants: Vec<(usize, Partition)> = match schedule {
-                ScheduleKind::Seq1F1B => args
-                    .splits
-                    .iter()
-                    .flat_map(|&k| args.partitions.iter().map(move |&p| (k, p)))
-                    .collect(),
-                _ => vec![(1, Partition::Uniform)],
+    let shapes = args.seq_lens.iter().flat_map(|&t| {
+        let kinds = args
+            .microbatches
+            .iter()
+            .flat_map(move |&m| args.schedules.iter().map(move |&kind| (t, m, kind)));
+        kinds.collect::<Vec<_>>()
+    });
+    for (seq_len, microbatches, schedule) in shapes {
+        let variants: Vec<(usize, Partition)> = if segmented(schedule) {
+            args.splits
+                .iter()
+                .flat_map(|&k| args.partitions.iter().map(move |&p| (k, p)))
+                .collect()
+        } else {
+            vec![(1, Partition::Uniform)]
+        };
+        for (splits, partition) in variants {
+            let shape = Shape {
+                seq_len,
+                microbatches,
+                schedule,
+                splits,
+                partition,
             };
-            for (splits, partition) in variants {
-                let cfg = run_config(args, &dir, seq_len, schedule, splits, partition)?;
-                if header {
-                    print_header(&cfg);
-                    header = false;
+            let cfg = run_config(args, &dir, &shape)?;
+            if header {
+                print_header(&cfg);
+                header = false;
+            }
+            match measure(&cfg, &dir) {
+                Ok(run) => {
+                    print_run(&run);
+                    runs.push(run);
                 }
-                match measure(&cfg, &dir) {
-                    Ok(run) => {
-                        print_run(&run);
-                        runs.push(run);
+                Err(e) => match e.downcast_ref::<LaunchError>() {
+                    Some(LaunchError::OverBudget { stage, .. }) => println!(
+                        "{:>10} {:>2} {:>2} {:>9} {:>6} | does not fit train.memory_budget_bytes = {} (stage {stage} went over it)",
+                        schedule.to_string(),
+                        microbatches,
+                        splits,
+                        partition.to_string(),
+                        seq_len,
+                        cfg.train.memory_budget_bytes
+                    ),
+                    _ => {
+                        return Err(e.context(format!(
+                            "running {schedule} m={microbatches} k={splits} {partition} at sequence length {seq_len}"
+                        )));
                     }
-                    Err(e) => match e.downcast_ref::<LaunchError>() {
-                        Some(LaunchError::OverBudget { stage, .. }) => println!(
-                            "{:>8} {:>2} {:>9} {:>6} | does not fit train.memory_budget_bytes = {} (stage {stage} went over it)",
-                            schedule.to_string(),
-                            splits,
-                            partition.to_string(),
-                            seq_len,
-                            cfg.train.memory_budget_bytes
-                        ),
-                        _ => {
-                            return Err(e.context(format!(
-                                "running {schedule} k={splits} {partition} at sequence length {seq_len}"
-                            )));
-                        }
-                    },
-                }
+                },
             }
         }
     }
@@ -192,20 +228,45 @@ pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_config(
-    args: &ScheduleBenchArgs,
-    dir: &Path,
+/// Whether `kind` cuts micro-batches into segments (the Seq1F1B family); the others run each
+/// micro-batch whole (k = 1).
+fn segmented(kind: ScheduleKind) -> bool {
+    matches!(
+        kind,
+        ScheduleKind::Seq1F1B | ScheduleKind::Seq1F1BInterleaved | ScheduleKind::Seq1F1BZeroBubble
+    )
+}
+
+/// One configuration of the sweep.
+struct Shape {
     seq_len: usize,
+    microbatches: usize,
     schedule: ScheduleKind,
     splits: usize,
     partition: Partition,
-) -> Result<Config> {
+}
+
+fn run_config(args: &ScheduleBenchArgs, dir: &Path, shape: &Shape) -> Result<Config> {
+    let Shape {
+        seq_len,
+        microbatches,
+        schedule,
+        splits,
+        partition,
+    } = *shape;
+    let virtual_stages = if schedule.is_interleaved() {
+        args.virtual_stages
+    } else {
+        1
+    };
     let mut overrides: Vec<String> = BASE.iter().map(|s| s.to_string()).collect();
     overrides.extend([
         format!("model.max_seq_len={seq_len}"),
         format!("train.seq_len={seq_len}"),
         format!("train.steps={}", args.steps),
         format!("pipeline.schedule={schedule}"),
+        format!("pipeline.microbatches={microbatches}"),
+        format!("pipeline.virtual_stages={virtual_stages}"),
         format!("pipeline.splits={splits}"),
         format!("pipeline.partition={partition}"),
         format!("run.dir={}", dir.join("run").display()),
@@ -217,14 +278,8 @@ fn run_config(
 fn print_header(cfg: &Config) {
     let m = &cfg.model;
     println!(
-        "model: {} layers over {} stages, d_model {}, {} heads, vocab {}; {} micro-batches of {} sequence(s); one compute thread per stage",
-        m.layers,
-        cfg.pipeline.stages,
-        m.d_model,
-        m.heads,
-        m.vocab_size,
-        cfg.pipeline.microbatches,
-        cfg.train.micro_batch_size
+        "model: {} layers over {} stages, d_model {}, {} heads, vocab {}; micro-batches of {} sequence(s); one compute thread per stage",
+        m.layers, cfg.pipeline.stages, m.d_model, m.heads, m.vocab_size, cfg.train.micro_batch_size
     );
     if let Some(budget) = cfg.train.memory_budget() {
         println!(
@@ -238,8 +293,9 @@ fn print_header(cfg: &Config) {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9} {:>8} {:>8} {:>8} | {:>8} | {:>9}",
+        "{:>10} {:>2} {:>2} {:>9} {:>6} | {:>34} | {:>9} {:>8} {:>8} {:>8} | {:>8} | {:>9}",
         "schedule",
+        "m",
         "k",
         "partition",
         "seq",
@@ -260,8 +316,9 @@ fn print_run(r: &ScheduleRun) {
         .map(|&b| format!("{:.1}", b as f64 / (1u64 << 20) as f64))
         .collect();
     println!(
-        "{:>8} {:>2} {:>9} {:>6} | {:>34} | {:>9.3} {:>7.1}% {:>7.1}% {:>7.1}% | {:>8.3} | {:>9.3}",
+        "{:>10} {:>2} {:>2} {:>9} {:>6} | {:>34} | {:>9.3} {:>7.1}% {:>7.1}% {:>7.1}% | {:>8.3} | {:>9.3}",
         r.schedule.to_string(),
+        r.microbatches,
         r.splits,
         r.partition.to_string(),
         r.seq_len,
@@ -275,28 +332,53 @@ fn print_run(r: &ScheduleRun) {
     );
 }
 
-/// The comparisons: Seq1F1B k=4 vs 1F1B on stage 0's peak; replayed vs formula bubble; the
-/// compute partition's segment balance.
+/// The comparisons: Seq1F1B k=4 vs 1F1B on stage 0's peak; each interleaved or zero-bubble kind
+/// against its plain counterpart (largest worker peak, replayed bubble); replayed vs formula
+/// bubble; the compute partition's segment balance.
 fn print_comparisons(runs: &[ScheduleRun]) {
-    let find = |kind: ScheduleKind, k: usize, part: Partition, seq: usize| {
+    let find = |kind: ScheduleKind, m: usize, k: usize, part: Partition, seq: usize| {
         runs.iter().find(|r| {
             r.schedule == kind
+                && r.microbatches == m
                 && r.splits == k
-                && (kind != ScheduleKind::Seq1F1B || r.partition == part)
+                && (!segmented(kind) || r.partition == part)
                 && r.seq_len == seq
         })
     };
-    let mut seqs: Vec<usize> = runs.iter().map(|r| r.seq_len).collect();
-    seqs.dedup();
-    for seq in seqs {
-        let one = find(ScheduleKind::OneFOneB, 1, Partition::Uniform, seq);
+    let mut shapes: Vec<(usize, usize)> =
+        runs.iter().map(|r| (r.seq_len, r.microbatches)).collect();
+    shapes.dedup();
+    for (seq, m) in shapes {
+        let one = find(ScheduleKind::OneFOneB, m, 1, Partition::Uniform, seq);
         for part in [Partition::Compute, Partition::Uniform] {
-            if let (Some(one), Some(s4)) = (one, find(ScheduleKind::Seq1F1B, 4, part, seq)) {
+            if let (Some(one), Some(s4)) = (one, find(ScheduleKind::Seq1F1B, m, 4, part, seq)) {
                 println!(
-                    "seq {seq}: stage-0 peak activations, seq1f1b k=4 {part} / 1f1b = {:.3}",
+                    "seq {seq} m={m}: stage-0 peak activations, seq1f1b k=4 {part} / 1f1b = {:.3}",
                     s4.peak_activation_bytes[0] as f64 / one.peak_activation_bytes[0] as f64
                 );
             }
+        }
+    }
+    for r in runs {
+        let plain = match r.schedule {
+            ScheduleKind::OneFOneBInterleaved => ScheduleKind::OneFOneB,
+            ScheduleKind::Seq1F1BInterleaved | ScheduleKind::Seq1F1BZeroBubble => {
+                ScheduleKind::Seq1F1B
+            }
+            _ => continue,
+        };
+        if let Some(base) = find(plain, r.microbatches, r.splits, r.partition, r.seq_len) {
+            println!(
+                "seq {} m={} k={} {}: {} / {plain}: largest worker peak {:.2}, replayed bubble {:.2}, replayed step {:.2}",
+                r.seq_len,
+                r.microbatches,
+                r.splits,
+                r.partition,
+                r.schedule,
+                r.max_peak_bytes() as f64 / base.max_peak_bytes() as f64,
+                r.replayed_bubble / base.replayed_bubble,
+                r.replayed_step_s / base.replayed_step_s
+            );
         }
     }
     if let Some((gamma, segments)) = fit_attention_cost(runs) {
@@ -306,8 +388,9 @@ fn print_comparisons(runs: &[ScheduleRun]) {
     }
     for r in runs {
         println!(
-            "{} k={} {} seq {}: replayed bubble {:.1}% ({:+.1} points vs the formula's {:.1}%); with balanced stages {:.1}% ({:+.1} points); slowest/fastest segment {:.3}",
+            "{} m={} k={} {} seq {}: replayed bubble {:.1}% ({:+.1} points vs the formula's {:.1}%); with balanced stages {:.1}% ({:+.1} points); slowest/fastest segment {:.3}",
             r.schedule,
+            r.microbatches,
             r.splits,
             r.partition,
             r.seq_len,
@@ -404,7 +487,8 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
             .map(|l| l * cfg.train.micro_batch_size)
             .collect(),
     };
-    let schedule = generate(cfg.pipeline.schedule, p, cfg.pipeline.microbatches, k)?;
+    let (v, m) = (cfg.pipeline.virtual_stages, cfg.pipeline.microbatches);
+    let schedule = generate_virtual(cfg.pipeline.schedule, p, v, m, k)?;
     let sim = replay(&schedule, &costs)?;
     let balanced = MeasuredCosts {
         durations: vec![averaged_over_stages(&costs.durations); p],
@@ -413,11 +497,12 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
     let balanced_bubble = replay(&schedule, &balanced)?.bubble_fraction;
     let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
     for (action, t) in costs.durations.iter().flatten() {
-        let sum = match action {
-            Action::Forward(_) => &mut segment_forward_s,
-            _ => &mut segment_backward_s,
+        let sum = if action.op() == Op::Forward {
+            &mut segment_forward_s
+        } else {
+            &mut segment_backward_s
         };
-        sum[action.unit().segment] += t / cfg.pipeline.microbatches as f64;
+        sum[action.unit().segment] += t / m as f64;
     }
     let flops = |attention_cost: f64| {
         let m = FlopsModel {
@@ -441,6 +526,8 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         .collect();
     Ok(ScheduleRun {
         schedule: cfg.pipeline.schedule,
+        virtual_stages: v,
+        microbatches: m,
         splits: k,
         partition: cfg.pipeline.partition,
         seq_len: cfg.train.seq_len,
@@ -450,7 +537,7 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         replayed_bubble: sim.bubble_fraction,
         balanced_bubble,
         stage_busy_s: sim.stages.iter().map(|st| st.busy).collect(),
-        formula_bubble: (p - 1) as f64 / (schedule.microbatches * k + p - 1) as f64,
+        formula_bubble: formula_bubble(cfg.pipeline.schedule, p, v, m, k),
         wall_step_s,
         segment_forward_s,
         segment_backward_s,

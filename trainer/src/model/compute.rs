@@ -131,6 +131,8 @@ pub trait StageCompute: Send {
     ) -> Result<(), ModelError>;
     /// Bytes of the training state (parameters, gradients, moments).
     fn state_bytes(&self) -> usize;
+    /// Bytes of live activations held now.
+    fn activation_bytes(&self) -> usize;
     /// The most bytes of live activations since the last call.
     fn take_peak_activation_bytes(&mut self) -> usize;
     /// The most full-gradient buffers held at once since the last call.
@@ -407,6 +409,10 @@ impl StageCompute for CpuStage {
 
     fn state_bytes(&self) -> usize {
         self.stage.state_bytes()
+    }
+
+    fn activation_bytes(&self) -> usize {
+        self.stage.activation_bytes()
     }
 
     fn take_peak_activation_bytes(&mut self) -> usize {

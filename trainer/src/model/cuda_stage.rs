@@ -395,6 +395,10 @@ impl StageCompute for CudaStage {
         self.stage.state_bytes()
     }
 
+    fn activation_bytes(&self) -> usize {
+        self.stage.activation_bytes()
+    }
+
     fn take_peak_activation_bytes(&mut self) -> usize {
         self.stage.take_peak_activation_bytes()
     }

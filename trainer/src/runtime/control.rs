@@ -204,10 +204,9 @@ fn is_zero(v: &u64) -> bool {
 /// When one forward or backward unit ran on a stage, for `seqpipe train --trace`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UnitTime {
-    /// The unit computed.
-    pub unit: crate::schedule::Unit,
-    /// A backward (else a forward).
-    pub backward: bool,
+    /// The compute action run: its op (`F`, `B`, or a split backward's `I`/`W`), unit and
+    /// chunk, so a trace names each worker's chunks apart.
+    pub action: crate::schedule::Action,
     /// Start, in microseconds since the Unix epoch (wall clock, so that stages line up).
     pub start_us: u64,
     /// Duration in microseconds.

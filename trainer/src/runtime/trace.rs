@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Value, json};
 
 use super::control::UnitTime;
+use crate::schedule::Op;
 
 /// The trace's only process id.
 const PID: u32 = 1;
@@ -73,17 +74,17 @@ impl TraceLog {
     pub fn units(&mut self, stage: usize, step: u64, times: &[UnitTime]) {
         self.stages.insert(stage);
         for t in times {
-            let (kind, cat) = if t.backward {
-                ('B', "backward")
+            let cat = if t.action.op() == Op::Forward {
+                "forward"
             } else {
-                ('F', "forward")
+                "backward"
             };
             let mut args = json!({"step": step, "cpu_us": t.cpu_us, "len": t.len});
             if t.redone {
                 args["redone"] = json!(true);
             }
             self.slices.push(json!({
-                "name": format!("{kind}{}", t.unit),
+                "name": t.action.to_string(),
                 "cat": cat,
                 "ph": "X",
                 "ts": t.start_us,
@@ -157,14 +158,13 @@ impl TraceLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::Unit;
+    use crate::schedule::{Action, Unit};
 
     #[test]
     fn units_become_named_slices_on_their_stage_track() {
         let mut trace = TraceLog::new(PathBuf::from("t.json"), "seqpipe runs/x".into());
-        let unit = |mb, seg, backward, start_us, redone| UnitTime {
-            unit: Unit::new(mb, seg),
-            backward,
+        let unit = |mb, seg, op, chunk, start_us, redone| UnitTime {
+            action: Action::new(op, Unit::new(mb, seg), chunk),
             start_us,
             dur_us: 5,
             cpu_us: 4,
@@ -174,20 +174,26 @@ mod tests {
         trace.units(
             1,
             3,
-            &[unit(0, 1, false, 100, false), unit(0, 1, true, 110, true)],
+            &[
+                unit(0, 1, Op::Forward, 0, 100, false),
+                unit(0, 1, Op::Backward, 0, 110, true),
+                unit(2, 0, Op::BackwardInput, 1, 120, false),
+            ],
         );
         trace.coordinator("step 3", 3, 90, 40, json!({"loss": 2.5}));
         let v = trace.to_json();
         let events = v["traceEvents"].as_array().unwrap();
         let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
-        assert_eq!(slices.len(), 3);
+        assert_eq!(slices.len(), 4);
         assert_eq!(slices[0]["name"], "F0.1");
         assert_eq!(slices[0]["tid"], 2);
         assert_eq!(slices[0]["args"], json!({"step": 3, "cpu_us": 4, "len": 9}));
         assert_eq!(slices[1]["name"], "B0.1");
         assert_eq!(slices[1]["args"]["redone"], true);
-        assert_eq!(slices[2]["tid"], 0);
-        assert_eq!(slices[2]["args"], json!({"step": 3, "loss": 2.5}));
+        assert_eq!(slices[2]["name"], "I2.0@1");
+        assert_eq!(slices[2]["cat"], "backward");
+        assert_eq!(slices[3]["tid"], 0);
+        assert_eq!(slices[3]["args"], json!({"step": 3, "loss": 2.5}));
         let names: Vec<&Value> = events
             .iter()
             .filter(|e| e["name"] == "thread_name")

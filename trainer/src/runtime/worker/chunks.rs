@@ -26,6 +26,9 @@ pub(in crate::runtime) struct Chunks {
     /// Each chunk's gradient-vector length (its parameters' elements), to split a reduced
     /// vector back among the chunks.
     lens: Vec<usize>,
+    /// With several chunks: the most bytes of live activations the worker held at once since the
+    /// last [`Chunks::take_peak_activation_bytes`] (see [`Chunks::computed`]).
+    peak: usize,
 }
 
 impl Chunks {
@@ -43,7 +46,11 @@ impl Chunks {
             })
             .collect::<Result<Vec<usize>, ModelError>>()?;
         assert!(!chunks.is_empty(), "a worker holds at least one chunk");
-        Ok(Self { chunks, lens })
+        Ok(Self {
+            chunks,
+            lens,
+            peak: 0,
+        })
     }
 
     /// How many chunks (v).
@@ -215,13 +222,35 @@ impl Chunks {
         self.chunks.iter().map(|c| c.state_bytes()).sum()
     }
 
-    /// The most bytes of live activations since the last call: the sum of the chunks' peaks (an
-    /// upper bound of the worker's: the chunks' peaks need not coincide).
+    /// Records that chunk `c` just ran a forward or backward: the worker's live activations at
+    /// the chunk's peak during it are that peak plus what the other chunks hold (they did not run
+    /// meanwhile). One chunk measures its own peak; this is for several.
+    pub(in crate::runtime) fn computed(&mut self, c: usize) {
+        if self.chunks.len() < 2 || c >= self.chunks.len() {
+            return;
+        }
+        let others: usize = (self.chunks.iter().enumerate())
+            .filter(|&(i, _)| i != c)
+            .map(|(_, chunk)| chunk.activation_bytes())
+            .sum();
+        let at_peak = self.chunks[c].take_peak_activation_bytes() + others;
+        self.peak = self.peak.max(at_peak);
+    }
+
+    /// The most bytes of live activations the worker held at once since the last call (measured
+    /// after every forward and backward, as a stage measures its own), starting the next
+    /// measurement from what is held now.
     pub(in crate::runtime) fn take_peak_activation_bytes(&mut self) -> usize {
-        self.chunks
-            .iter_mut()
-            .map(|c| c.take_peak_activation_bytes())
-            .sum()
+        if let [one] = &mut self.chunks[..] {
+            return one.take_peak_activation_bytes();
+        }
+        let now: usize = (self.chunks.iter_mut())
+            .map(|c| {
+                c.take_peak_activation_bytes();
+                c.activation_bytes()
+            })
+            .sum();
+        std::mem::replace(&mut self.peak, now).max(now)
     }
 
     /// The most full-gradient buffers held at once since the last call, summed over the chunks.
@@ -332,5 +361,65 @@ mod tests {
         assert!(a.lens.iter().all(|&l| l > 0));
         let err = b.set_gradient_vector(&vec![0.0; total - 1]).unwrap_err();
         assert!(matches!(err, ModelError::GradientLength { .. }), "{err}");
+    }
+
+    /// Runs unit (0, 0) forward on chunk `c` of worker 0 (16 positions, width 16), telling the
+    /// chunks; returns the chunk's live activation bytes after it.
+    fn forward(w: &mut Chunks, c: usize) -> usize {
+        use candle_core::{DType, Device};
+
+        use crate::model::{Mode, StageInput};
+        let dev = Device::Cpu;
+        let input = if c == 0 {
+            StageInput::Tokens(
+                Tensor::arange(0u32, 16, &dev)
+                    .unwrap()
+                    .reshape((1, 16))
+                    .unwrap(),
+            )
+        } else {
+            StageInput::Hidden(Tensor::ones((16, 16), DType::F32, &dev).unwrap())
+        };
+        let unit = model::Unit::new(0, 0);
+        (w.chunk_mut(c).unwrap())
+            .forward(unit, input, None, 1.0, Mode::Train)
+            .unwrap();
+        w.computed(c);
+        w.chunk(c).unwrap().activation_bytes()
+    }
+
+    /// Runs unit (0, 0)'s backward on chunk `c` of worker 0, telling the chunks.
+    fn backward(w: &mut Chunks, c: usize) {
+        let d_out = Tensor::ones((16, 16), candle_core::DType::F32, &candle_core::Device::Cpu);
+        (w.chunk_mut(c).unwrap())
+            .backward(model::Unit::new(0, 0), Some(d_out.unwrap()))
+            .unwrap();
+        w.computed(c);
+    }
+
+    #[test]
+    fn the_workers_peak_is_what_its_chunks_hold_at_once_not_the_sum_of_their_peaks() {
+        // One after the other: the worker never holds both chunks' activations.
+        let mut w = worker0(1);
+        w.begin_step(1);
+        let a0 = forward(&mut w, 0);
+        backward(&mut w, 0);
+        let a1 = forward(&mut w, 1);
+        backward(&mut w, 1);
+        assert!(a0 > 0 && a1 > 0, "{a0} {a1}");
+        assert_eq!(w.take_peak_activation_bytes(), a0.max(a1));
+        assert_eq!(
+            w.take_peak_activation_bytes(),
+            0,
+            "nothing is held after the backwards"
+        );
+        // Overlapping: both forwards before either backward.
+        let mut w = worker0(1);
+        w.begin_step(1);
+        let a0 = forward(&mut w, 0);
+        let a1 = forward(&mut w, 1);
+        backward(&mut w, 1);
+        backward(&mut w, 0);
+        assert_eq!(w.take_peak_activation_bytes(), a0 + a1);
     }
 }

@@ -261,6 +261,7 @@ impl Worker {
                     .and_then(|l| l.get(u.segment).copied())
                     .unwrap_or(0);
                 self.record.computed(action, started, redone, len);
+                self.stage.computed(c);
             }
             Op::SendGrad => {
                 let t = take(&mut state.outbox, (c, u))?;
@@ -387,6 +388,7 @@ impl Worker {
             self.record
                 .computed(action, started, redone, lengths[u.segment]);
         }
+        self.stage.computed(c);
         Ok(())
     }
 

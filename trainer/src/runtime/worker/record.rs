@@ -90,8 +90,7 @@ impl StepRecord {
         self.cost.compute_cpu_s += cpu.as_secs_f64();
         if let Some((epoch, epoch_us)) = self.trace_epoch {
             self.cost.unit_times.push(UnitTime {
-                unit: action.unit(),
-                backward: action.op() == crate::schedule::Op::Backward,
+                action,
                 start_us: epoch_us
                     + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,
