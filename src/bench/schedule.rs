@@ -54,7 +54,7 @@ pub struct ScheduleBenchArgs {
     #[arg(long, default_value_t = 3)]
     steps: u64,
     /// Override a config key of every run (repeatable), after the benchmark's own settings
-    /// (4 stages × 1 layer, d_model 128, 2 heads, vocab 512, micro-batches of 1 sequence).
+    /// (4 stages × 2 layers, d_model 128, 2 heads, vocab 512, micro-batches of 1 sequence).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Also write every run's numbers as JSON to this file.
@@ -68,8 +68,8 @@ pub struct ScheduleBenchArgs {
 }
 
 /// The model and batch of every run (before `--set`).
-const BASE: [&str; 12] = [
-    "model.layers=4",
+const BASE: [&str; 13] = [
+    "model.layers=8",
     "model.d_model=128",
     "model.heads=2",
     "model.vocab_size=512",
@@ -77,6 +77,8 @@ const BASE: [&str; 12] = [
     "train.eval_every=0",
     "pipeline.stages=4",
     "elastic.mid_step=false",
+    // A busy host may take minutes per step at long sequences; no stage is lost here.
+    "pipeline.timeout_s=3600",
     "checkpoint.every=0",
     "elastic.peer_snapshots=false",
     "run.threads_per_worker=1",
