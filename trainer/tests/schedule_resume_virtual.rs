@@ -96,7 +96,8 @@ fn resumed_interleaved_steps_validate_and_resend_exactly_what_the_lost_chunks_we
             (2, 2, 2, 1),
             (2, 2, 4, 2),
             (2, 3, 2, 2),
-            (3, 2, 3, 2),
+            (3, 2, 3, 3),
+            (3, 2, 6, 1),
             (4, 2, 4, 2),
             (4, 2, 8, 1),
         ] {
