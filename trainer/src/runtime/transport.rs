@@ -319,6 +319,15 @@ impl TcpLink {
         }
     }
 
+    /// The error of a receive that waited this link's timeout for nothing.
+    pub fn timed_out(&self) -> TransportError {
+        TransportError::Timeout {
+            peer: self.peer.clone(),
+            peer_stage: self.peer_stage,
+            timeout: self.timeout,
+        }
+    }
+
     /// Whether the connection has broken (the peer died or closed it).
     pub fn is_gone(&self) -> bool {
         self.gone.load(Ordering::SeqCst)
@@ -615,11 +624,7 @@ impl TcpLink {
         }
         match self.incoming.recv_timeout(self.timeout) {
             Ok(frame) => frame.map_err(|e| self.io_error(e)),
-            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout {
-                peer: self.peer.clone(),
-                peer_stage: self.peer_stage,
-                timeout: self.timeout,
-            }),
+            Err(RecvTimeoutError::Timeout) => Err(self.timed_out()),
             Err(RecvTimeoutError::Disconnected) => {
                 Err(self.io_error(io::ErrorKind::UnexpectedEof.into()))
             }

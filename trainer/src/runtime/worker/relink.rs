@@ -78,7 +78,8 @@ impl Worker {
         if self.neighbour(side)? == self.neighbour(other)? {
             return Ok(());
         }
-        let deadline = Instant::now() + self.cfg.pipeline.timeout();
+        let timeout = self.cfg.pipeline.timeout();
+        let mut deadline = Instant::now() + timeout;
         loop {
             let (awaited, watched) = match side {
                 Side::Prev => (self.prev.as_mut(), self.next.as_ref()),
@@ -92,10 +93,16 @@ impl Worker {
                 self.record.done_actions = pc;
                 let error = "its connection closed while this stage waited on its other link";
                 self.await_relink(control, step, other, error)?;
+                deadline = Instant::now() + timeout;
                 continue;
             }
-            if awaited.wait_ready(WATCH_INTERVAL) || Instant::now() >= deadline {
+            if awaited.wait_ready(WATCH_INTERVAL) {
                 return Ok(());
+            }
+            // As the receive itself would have: the peer is silent (within the launcher's
+            // longer timeout, so that this stage gives up first and names it).
+            if Instant::now() >= deadline {
+                return Err(awaited.timed_out().into());
             }
         }
     }
