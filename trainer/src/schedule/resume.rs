@@ -407,7 +407,6 @@ fn check_resumable(s: &Schedule) -> Result<(), ScheduleError> {
 }
 
 /// `s`'s parameters with no actions.
-
 fn without_actions(s: &Schedule) -> Schedule {
     Schedule {
         actions: Vec::new(),
