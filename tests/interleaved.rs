@@ -16,11 +16,12 @@ use common::{
     resumable_train, run_err, run_events, run_ok, tiny_model_args, wait_for_steps,
 };
 use trainer::runtime::events::RunEvent;
+use trainer::runtime::recovery::Tier;
 
 /// Settings every run here shares: 8 layers (so p·v = 4·2 virtual stages each get one), an
 /// evaluation every 2 steps (the forward-only pass over the chunks), and mid-step recovery and
-/// peer snapshots off, which virtual stages do not have yet (the same for the plain runs, so
-/// the runs differ in the pipeline only).
+/// peer snapshots off (no faults here; the same for the plain runs, so the runs differ in the
+/// pipeline only).
 const COMMON: [&str; 5] = [
     "model.layers=8",
     "train.eval_every=2",
@@ -263,12 +264,7 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
         k: 2,
     };
     for (sets, says) in [
-        (&["elastic.mid_step=true"][..], "elastic.mid_step = false"),
-        (
-            &["elastic.peer_snapshots=true"],
-            "elastic.peer_snapshots = false",
-        ),
-        (&["model.device=cuda"], "model.device = \"cpu\""),
+        (&["model.device=cuda"][..], "model.device = \"cpu\""),
         (
             &["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"],
             "cannot run pipeline.schedule = \"seq1f1b-zb\"",
@@ -290,16 +286,19 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
     }
 }
 
-/// A worker holding v chunks lost mid-run (SIGKILL of its process, or of its whole node): with
-/// mid-step recovery and peer snapshots off for virtual stages, the run restarts from its last
-/// checkpoint — on the same four nodes when only the worker died, on the three left when its
-/// node did (three stages cannot interleave four micro-batches: those steps run the plain
-/// `seq1f1b`, bit-identical) — and ends bit-identical to the uninterrupted run.
+/// A worker holding v chunks lost mid-run (SIGKILL of its process, or of its whole node). With
+/// mid-step recovery and peer snapshots off the run restarts from its last checkpoint — on the
+/// same four nodes when only the worker died, on the three left when its node did (three stages
+/// cannot interleave four micro-batches: those steps run the plain `seq1f1b`, bit-identical). With
+/// them on (the defaults) the killed worker's two chunks are replaced in the middle of the step
+/// (or, when the kill lands outside a step's forward and backward, the step is redone from the
+/// peer snapshots), never from the checkpoint. Every run ends bit-identical to the uninterrupted
+/// run.
 #[test]
-fn a_lost_worker_of_an_interleaved_run_restarts_from_the_checkpoint_bit_identically() {
+fn a_lost_worker_of_an_interleaved_run_recovers_bit_identically() {
     const STEPS: u64 = 16;
     let dir = fresh_dir("interleaved-loss");
-    let job = |run: &Path| {
+    let job = |run: &Path, recovery: &[&str]| {
         let mut cmd = elastic_job(run, STEPS);
         for s in [
             "model.layers=8",
@@ -308,19 +307,26 @@ fn a_lost_worker_of_an_interleaved_run_restarts_from_the_checkpoint_bit_identica
             "pipeline.virtual_stages=2",
             "pipeline.microbatches=4",
             "pipeline.splits=2",
-            "elastic.mid_step=false",
-            "elastic.peer_snapshots=false",
-        ] {
+        ]
+        .iter()
+        .chain(recovery)
+        {
             cmd.args(["--set", s]);
         }
         cmd
     };
+    let off = ["elastic.mid_step=false", "elastic.peer_snapshots=false"];
+    let on = ["elastic.mid_step=true", "elastic.peer_snapshots=true"];
     let reference_dir = dir.join("reference");
-    run_ok(&mut job(&reference_dir));
+    run_ok(&mut job(&reference_dir, &off));
     let (_, reference) = final_state(&ckpt_url(&reference_dir));
-    for (name, whole_node) in [("worker", false), ("node", true)] {
+    for (name, whole_node, recovery) in [
+        ("worker", false, &off),
+        ("node", true, &off),
+        ("worker-mid-step", false, &on),
+    ] {
         let run = dir.join(name);
-        let child = job(&run)
+        let child = job(&run, recovery)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -364,11 +370,17 @@ fn a_lost_worker_of_an_interleaved_run_restarts_from_the_checkpoint_bit_identica
             "{name}: the loss should have been recovered: {events:?}"
         );
         for r in &recovered {
-            assert_eq!(
-                r.tier,
-                trainer::runtime::recovery::Tier::Checkpoint,
-                "{name}: {r:?}"
-            );
+            if recovery == &on {
+                assert!(
+                    matches!(r.tier, Tier::MidStep | Tier::Peer),
+                    "{name}: {r:?}"
+                );
+                if r.tier == Tier::MidStep {
+                    assert_eq!(r.lost_steps, 0, "{name}: {r:?}");
+                }
+            } else {
+                assert_eq!(r.tier, Tier::Checkpoint, "{name}: {r:?}");
+            }
         }
         eprintln!("{name} lost: {recovered:?}");
     }

@@ -601,8 +601,9 @@ impl Config {
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
     /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
     /// and refusals, naming the key and what to use instead, of what virtual stages are not wired
-    /// into yet: CUDA stages, NCCL device links, mid-step recovery, peer snapshots and a stage
-    /// memory budget.
+    /// into yet: CUDA stages, NCCL device links and a stage memory budget. (Mid-step recovery and
+    /// peer snapshots work with chunks: a replacement rebuilds all of a lost worker's chunks, and
+    /// a snapshot is the union of its chunks' state under global names.)
     fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let v = p.virtual_stages;
@@ -651,27 +652,6 @@ impl Config {
                 p.splits
             ),
         })?;
-        let e = &self.elastic;
-        if e.mid_step {
-            return Err(ConfigError::NotWired {
-                key: "elastic.mid_step",
-                what: format!(
-                    "a worker holding {v} virtual-stage chunks cannot be replaced in the middle \
-                     of a step yet; set elastic.mid_step = false (a lost worker then restarts \
-                     the step from the last checkpoint) or use a schedule without virtual stages"
-                ),
-            });
-        }
-        if e.peer_snapshots {
-            return Err(ConfigError::NotWired {
-                key: "elastic.peer_snapshots",
-                what: format!(
-                    "the state of a worker holding {v} virtual-stage chunks is not copied to \
-                     its peers yet; set elastic.peer_snapshots = false (recoveries then restore \
-                     from the last checkpoint) or use a schedule without virtual stages"
-                ),
-            });
-        }
         if self.train.memory_budget_bytes > 0 {
             return Err(ConfigError::Invalid {
                 key: "train.memory_budget_bytes",
@@ -1054,9 +1034,9 @@ mod tests {
         }
     }
 
-    /// The interleaved kinds run on CPU stages over TCP with mid-step recovery and peer
-    /// snapshots off; everything else they would need is refused, naming the key and what to
-    /// use instead.
+    /// The interleaved kinds run on CPU stages over TCP, with mid-step recovery and peer
+    /// snapshots (the defaults) on or off; everything else they would need is refused, naming
+    /// the key and what to use instead.
     #[test]
     fn interleaved_kinds_run_on_cpu_over_tcp_and_refuse_what_is_not_wired() {
         let base = |extra: &[&str]| {
@@ -1066,8 +1046,6 @@ mod tests {
                 "pipeline.microbatches=8",
                 "pipeline.splits=2",
                 "pipeline.virtual_stages=2",
-                "elastic.mid_step=false",
-                "elastic.peer_snapshots=false",
             ]
             .map(String::from)
             .to_vec();
@@ -1076,28 +1054,17 @@ mod tests {
         };
         for kind in ["seq1f1b-i", "1f1b-i"] {
             let set = format!("pipeline.schedule={kind}");
-            base(&[&set]).validate().unwrap();
+            let defaults = base(&[&set]);
+            assert!(defaults.elastic.mid_step && defaults.elastic.peer_snapshots);
+            defaults.validate().unwrap();
+            base(&[
+                &set,
+                "elastic.mid_step=false",
+                "elastic.peer_snapshots=false",
+            ])
+            .validate()
+            .unwrap();
             let refused = |extra: &str| base(&[&set, extra]).validate().expect_err(extra);
-            for (extra, key, instead) in [
-                (
-                    "elastic.mid_step=true",
-                    "elastic.mid_step",
-                    "elastic.mid_step = false",
-                ),
-                (
-                    "elastic.peer_snapshots=true",
-                    "elastic.peer_snapshots",
-                    "elastic.peer_snapshots = false",
-                ),
-            ] {
-                let err = refused(extra);
-                assert!(
-                    matches!(err, ConfigError::NotWired { .. }),
-                    "{extra}: {err}"
-                );
-                let text = err.to_string();
-                assert!(text.contains(key) && text.contains(instead), "{text}");
-            }
             for (extra, what) in [
                 ("model.device=cuda", "model.device = \"cuda\""),
                 ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),

@@ -170,6 +170,10 @@ struct HaveHeader {
     step: u64,
     have: Payload,
     units: Vec<Unit>,
+    /// With virtual stages: the replaced stage's chunk of each unit's output, one per unit; absent
+    /// (all chunk 0) without them, so the wire format of runs without chunks is unchanged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    chunks: Vec<usize>,
 }
 
 #[derive(Debug, Error)]
@@ -219,6 +223,9 @@ pub struct TcpLink {
     timeout: Duration,
     writer: BufWriter<TcpStream>,
     incoming: Receiver<io::Result<Frame>>,
+    /// A frame (or the link's failure) taken off `incoming` by [`TcpLink::wait_ready`], read
+    /// before anything else.
+    pending: Option<io::Result<Frame>>,
     /// Set by the reader thread when the connection breaks.
     gone: Arc<AtomicBool>,
     /// The largest boundary tensor a header may announce.
@@ -290,9 +297,40 @@ impl TcpLink {
             timeout,
             writer: BufWriter::with_capacity(1 << 20, stream),
             incoming,
+            pending: None,
             gone,
             max_tensor_bytes,
         })
+    }
+
+    /// Waits at most `wait` for the next frame without consuming it: true once one (or the
+    /// link's failure) is there to read.
+    pub fn wait_ready(&mut self, wait: Duration) -> bool {
+        if self.pending.is_some() {
+            return true;
+        }
+        match self.incoming.recv_timeout(wait) {
+            Ok(frame) => {
+                self.pending = Some(frame);
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => false,
+            Err(RecvTimeoutError::Disconnected) => true,
+        }
+    }
+
+    /// The error of a receive that waited this link's timeout for nothing.
+    pub fn timed_out(&self) -> TransportError {
+        TransportError::Timeout {
+            peer: self.peer.clone(),
+            peer_stage: self.peer_stage,
+            timeout: self.timeout,
+        }
+    }
+
+    /// Whether the connection has broken (the peer died or closed it).
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::SeqCst)
     }
 
     /// A flag set once this link's connection breaks (the peer died or closed it): a device link
@@ -508,25 +546,38 @@ impl TcpLink {
         &self.peer
     }
 
-    /// Tells the peer (a replacement stage) which `payload` units of `step` this side already has.
+    /// Tells the peer (a replacement stage) which `payload` outputs of `step` this side already
+    /// has, as (the replacement's chunk, unit).
     pub fn send_have(
         &mut self,
         step: u64,
         have: Payload,
-        units: &[Unit],
+        outputs: &[(usize, Unit)],
     ) -> Result<(), TransportError> {
+        let chunked = outputs.iter().any(|&(c, _)| c > 0);
         let header = HaveHeader {
             generation: self.generation,
             step,
             have,
-            units: units.to_vec(),
+            units: outputs.iter().map(|&(_, u)| u).collect(),
+            chunks: if chunked {
+                outputs.iter().map(|&(c, _)| c).collect()
+            } else {
+                Vec::new()
+            },
         };
         write_frame(&mut self.writer, &Frame::new(&header, Vec::new()))
             .map_err(|e| self.io_error(e))
     }
 
-    /// Reads the peer's [`TcpLink::send_have`]: the step and the units it already has.
-    pub fn recv_have(&mut self, have: Payload) -> Result<(u64, Vec<Unit>), TransportError> {
+    /// Reads the peer's [`TcpLink::send_have`]: the step and the outputs it already has, as
+    /// (this side's chunk, unit). A chunk list that does not match the units one for one, or a
+    /// chunk not below `chunks` (this side's chunk count), is refused.
+    pub fn recv_have(
+        &mut self,
+        have: Payload,
+        chunks: usize,
+    ) -> Result<(u64, Vec<(usize, Unit)>), TransportError> {
         let frame = self.next_frame()?;
         let header: HaveHeader = frame.header().map_err(|e| self.io_error(e))?;
         if header.generation != self.generation || header.have != have {
@@ -536,17 +587,44 @@ impl TcpLink {
                 got: format!("{header:?}"),
             });
         }
-        Ok((header.step, header.units))
+        let outputs: Vec<(usize, Unit)> = if header.chunks.is_empty() {
+            header.units.iter().map(|&u| (0, u)).collect()
+        } else if header.chunks.len() == header.units.len() {
+            header
+                .chunks
+                .iter()
+                .copied()
+                .zip(header.units.iter().copied())
+                .collect()
+        } else {
+            return Err(TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: format!(
+                    "its list of the {have:?} outputs it has names {} chunks for {} units",
+                    header.chunks.len(),
+                    header.units.len()
+                ),
+            });
+        };
+        if let Some(&(c, u)) = outputs.iter().find(|&&(c, _)| c >= chunks) {
+            return Err(TransportError::BadTensor {
+                peer: self.peer.clone(),
+                reason: format!(
+                    "it claims the {have:?} of unit {u} from chunk {c}, but this stage holds \
+                     {chunks} chunk(s)"
+                ),
+            });
+        }
+        Ok((header.step, outputs))
     }
 
     fn next_frame(&mut self) -> Result<Frame, TransportError> {
+        if let Some(frame) = self.pending.take() {
+            return frame.map_err(|e| self.io_error(e));
+        }
         match self.incoming.recv_timeout(self.timeout) {
             Ok(frame) => frame.map_err(|e| self.io_error(e)),
-            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout {
-                peer: self.peer.clone(),
-                peer_stage: self.peer_stage,
-                timeout: self.timeout,
-            }),
+            Err(RecvTimeoutError::Timeout) => Err(self.timed_out()),
             Err(RecvTimeoutError::Disconnected) => {
                 Err(self.io_error(io::ErrorKind::UnexpectedEof.into()))
             }

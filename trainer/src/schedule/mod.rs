@@ -48,7 +48,8 @@ pub use error::ScheduleError;
 pub use generate::{Schedule, generate, generate_forward_only, generate_virtual};
 pub use render::{render_svg, render_text, report_json};
 pub use resume::{
-    Delivered, NeighbourRelink, ResumedStep, neighbour_relink, resume_after_loss, validate_resumed,
+    Delivered, LostOutput, NeighbourRelink, ResumedStep, neighbour_relink, neighbours_of,
+    resume_after_loss, validate_resumed,
 };
 pub use segment_rule::SegmentRule;
 pub use segments::{

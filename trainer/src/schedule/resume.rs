@@ -20,6 +20,13 @@
 //!   in flight to or from f are lost with its links; the re-sends and the replacement's sends
 //!   make up for them.
 //!
+//! **Virtual stages** (`virtual_stages` = v ≥ 2): stage f holds v chunks, chunk c being virtual
+//! stage c·p + f, and the stages form a ring (stage p−1's chunk c feeds stage 0's chunk c+1), so
+//! f's neighbours are f−1 and f+1 mod p — with p = 2 one survivor on both sides. Everything
+//! above holds per (chunk, unit): a neighbour tells which of f's outputs it has as (f's chunk,
+//! unit), re-sends every tensor it sent to any of f's chunks, and the replacement rebuilds all
+//! v chunks' in-flight state by running f's whole list (every chunk) from the step-start state.
+//!
 //! [`resume_after_loss`] turns a schedule, the lost stage and the survivors' progress into the
 //! rest of the step as a [`Schedule`] (the re-sends are ordinary send actions at the head of the
 //! neighbours' lists), after checking that the progress is one an execution can reach.
@@ -42,18 +49,58 @@ use std::collections::HashSet;
 use super::validate::{
     Channels, check_allowed, check_counts, check_delivered, check_local_order, dry_run,
 };
-use super::{Action, Schedule, ScheduleError, Unit, validate};
+use super::{Action, Op, Schedule, ScheduleError, Unit, validate};
+
+/// One of the lost stage's outputs: (its local chunk, unit). Without virtual stages the chunk
+/// is always 0.
+pub type LostOutput = (usize, Unit);
 
 /// What a neighbour of the lost stage does when it relinks to the replacement
 /// ([`neighbour_relink`]): one survivor's part of the protocol, which [`resume_after_loss`] puts
 /// together for the whole pipeline.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NeighbourRelink {
-    /// The units of the lost stage's outputs this neighbour has received (activations at f+1,
-    /// input gradients at f−1), in the order received: it tells the replacement.
-    pub have: Vec<Unit>,
-    /// Its sends to the lost stage so far, in their original order: it sends them again.
+    /// The lost stage's output activations this neighbour has received (it is the stage after
+    /// the lost one), in the order received: it tells the replacement over its previous link.
+    pub activations: Vec<LostOutput>,
+    /// The lost stage's input gradients this neighbour has received (it is the stage before the
+    /// lost one), in the order received: it tells the replacement over its next link.
+    pub grads: Vec<LostOutput>,
+    /// Its sends to the lost stage so far (to any of its chunks), in their original order: it
+    /// sends them again.
     pub resend: Vec<Action>,
+}
+
+/// The stage before `r` in `s`: r − 1, or with virtual stages r − 1 mod p (the ring).
+pub fn stage_before(s: &Schedule, r: usize) -> Option<usize> {
+    let p = s.actions.len();
+    if s.virtual_stages > 1 {
+        Some((r + p - 1) % p)
+    } else {
+        r.checked_sub(1)
+    }
+}
+
+/// The stage after `r` in `s`: r + 1, or with virtual stages r + 1 mod p (the ring).
+pub fn stage_after(s: &Schedule, r: usize) -> Option<usize> {
+    let p = s.actions.len();
+    if s.virtual_stages > 1 {
+        Some((r + 1) % p)
+    } else {
+        (r + 1 < p).then_some(r + 1)
+    }
+}
+
+/// The survivors next to `lost` in `s` (each once: with virtual stages and two stages the one
+/// survivor is on both sides; never `lost` itself).
+pub fn neighbours_of(s: &Schedule, lost: usize) -> Vec<usize> {
+    let mut n: Vec<usize> = [stage_before(s, lost), stage_after(s, lost)]
+        .into_iter()
+        .flatten()
+        .filter(|&r| r != lost)
+        .collect();
+    n.dedup();
+    n
 }
 
 /// Survivor `r`'s part of the protocol when it relinks to the replacement of its neighbour `lost`,
@@ -68,15 +115,20 @@ pub fn neighbour_relink(
     lost: usize,
     done: usize,
 ) -> Result<NeighbourRelink, ScheduleError> {
-    if r >= s.actions.len() || lost >= s.actions.len() || r.abs_diff(lost) != 1 {
+    let p = s.actions.len();
+    if r >= p || lost >= p || !neighbours_of(s, lost).contains(&r) {
         return Err(ScheduleError::InvalidParameters(format!(
-            "stages {r} and {lost} are not neighbours in a {}-stage schedule",
-            s.actions.len()
+            "stages {r} and {lost} are not neighbours in a {p}-stage schedule{}",
+            if s.virtual_stages > 1 {
+                " (a ring, with virtual stages)"
+            } else {
+                ""
+            }
         )));
     }
     let list = &s.actions[r];
     if done > list.len() {
-        let mut progress = vec![0; s.actions.len()];
+        let mut progress = vec![0; p];
         progress[r] = done;
         return Err(ScheduleError::UnreachableProgress {
             done: progress,
@@ -86,55 +138,77 @@ pub fn neighbour_relink(
             ),
         });
     }
+    // r sends activations to, and receives gradients from, `lost` when `lost` comes after it;
+    // the reverse when `lost` comes before it (with p = 2 in a ring, both).
+    let (lost_after, lost_before) = (
+        stage_after(s, r) == Some(lost),
+        stage_before(s, r) == Some(lost),
+    );
     let done = &list[..done];
-    let have = done
+    // The lost stage's chunk that a message to or from r's chunk c came from: the virtual stage
+    // before (an activation) or after (a gradient) r's, c·p + r.
+    let from = |a: Action, delta: isize| -> LostOutput {
+        let here = (a.chunk() * p + r) as isize;
+        (((here + delta) as usize) / p, a.unit())
+    };
+    let activations = done
         .iter()
-        .filter_map(|&a| match a {
-            Action::RecvActivation(u) if r == lost + 1 => Some(u),
-            Action::RecvGrad(u) if r + 1 == lost => Some(u),
-            _ => None,
-        })
+        .filter(|a| lost_before && a.op() == Op::RecvActivation)
+        .map(|&a| from(a, -1))
+        .collect();
+    let grads = done
+        .iter()
+        .filter(|a| lost_after && a.op() == Op::RecvGrad)
+        .map(|&a| from(a, 1))
         .collect();
     let resend = done
         .iter()
         .copied()
-        .filter(|a| match a {
-            Action::SendActivation(_) => r + 1 == lost,
-            Action::SendGrad(_) => r == lost + 1,
+        .filter(|a| match a.op() {
+            Op::SendActivation => lost_after,
+            Op::SendGrad => lost_before,
             _ => false,
         })
         .collect();
-    Ok(NeighbourRelink { have, resend })
+    Ok(NeighbourRelink {
+        activations,
+        grads,
+        resend,
+    })
 }
 
 /// What the lost stage's neighbours told its replacement they have of its outputs
-/// ([`NeighbourRelink::have`]): decides the replacement's part of the protocol.
+/// ([`NeighbourRelink::activations`], [`NeighbourRelink::grads`]): decides the replacement's part
+/// of the protocol.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Delivered {
-    /// Units whose output activation f+1 has.
-    pub activations: HashSet<Unit>,
-    /// Units whose input gradient f−1 has.
-    pub grads: HashSet<Unit>,
+    /// (chunk, unit)s whose output activation the stage after has.
+    pub activations: HashSet<LostOutput>,
+    /// (chunk, unit)s whose input gradient the stage before has.
+    pub grads: HashSet<LostOutput>,
 }
 
 impl Delivered {
     /// `a` is a send of the lost stage whose message the neighbour already has: the replacement
     /// computes its unit but does not send it.
     pub fn skips(&self, a: Action) -> bool {
-        match a {
-            Action::SendActivation(u) => self.activations.contains(&u),
-            Action::SendGrad(u) => self.grads.contains(&u),
+        let out = (a.chunk(), a.unit());
+        match a.op() {
+            Op::SendActivation => self.activations.contains(&out),
+            Op::SendGrad => self.grads.contains(&out),
             _ => false,
         }
     }
 
     /// `a` is a compute action of the lost stage that a neighbour proves was done before the loss,
-    /// so the replacement redoes it: `Forward(u)` when f+1 has u's activation or f−1 has u's input
-    /// gradient (sent only after the forward of u), `Backward(u)` when f−1 has u's input gradient.
+    /// so the replacement redoes it: the forward of (c, u) when the stage after has its
+    /// activation or the stage before its input gradient (sent only after the forward), the
+    /// backward of (c, u) when the stage before has its input gradient.
     pub fn replays(&self, a: Action) -> bool {
-        match a {
-            Action::Forward(u) => self.activations.contains(&u) || self.grads.contains(&u),
-            Action::Backward(u) => self.grads.contains(&u),
+        let out = (a.chunk(), a.unit());
+        match a.op() {
+            Op::Forward => self.activations.contains(&out) || self.grads.contains(&out),
+            Op::Backward => self.grads.contains(&out),
             _ => false,
         }
     }
@@ -214,7 +288,7 @@ pub fn resume_after_loss(
             );
             continue;
         }
-        let again = if r.abs_diff(lost) == 1 {
+        let again = if neighbours_of(s, lost).contains(&r) {
             neighbour_relink(s, r, lost, done[r])?.resend
         } else {
             Vec::new()
@@ -285,13 +359,13 @@ pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), Sched
     }
     check_lengths(s, &resumed.done)?;
     let mut channels = reach(s, lost, &resumed.done)?;
-    // The links to the lost stage are rebuilt: what was in flight on them is gone.
-    for c in [lost.checked_sub(1), (lost + 1 < p).then_some(lost)]
-        .into_iter()
-        .flatten()
-    {
-        channels.act[c].clear();
-        channels.grad[c].clear();
+    // The links to the lost stage are rebuilt: what was in flight on them is gone (pair c links
+    // stage c and the stage after it).
+    for c in 0..channels.act.len() {
+        if c == lost || channels.after(c) == lost {
+            channels.act[c].clear();
+            channels.grad[c].clear();
+        }
     }
     let done = |r: usize| {
         if r == lost {
@@ -313,32 +387,26 @@ pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), Sched
     check_delivered(&left)
 }
 
-/// `s`'s parameters with no actions.
-/// The recovery protocol is modelled for one chunk per stage and whole backwards: refuses
-/// schedules with virtual stages or split backwards (`1f1b-i`, `seq1f1b-i`, `seq1f1b-zb`).
+/// The recovery protocol is modelled for whole backwards (any number of chunks per stage):
+/// refuses schedules that split backwards into input and weight halves (`seq1f1b-zb`).
 fn check_resumable(s: &Schedule) -> Result<(), ScheduleError> {
     let split = s
         .actions
         .iter()
         .flatten()
-        .any(|a| matches!(a, Action::Extended { .. }));
-    if s.virtual_stages != 1 || split {
+        .any(|a| matches!(a.op(), Op::BackwardInput | Op::BackwardWeight));
+    if split {
         return Err(ScheduleError::InvalidParameters(format!(
-            "mid-step resume is modelled for schedules with one chunk per stage and whole \
-             backwards; this {} schedule has {} chunk(s) per stage{}: recover it from a peer \
-             snapshot or a checkpoint (restart the step)",
+            "mid-step resume is modelled for schedules with whole backwards; this {} schedule \
+             splits them into input and weight halves: recover it from a peer snapshot or a \
+             checkpoint (restart the step)",
             s.kind,
-            s.virtual_stages,
-            if split {
-                " and chunk or split-backward actions"
-            } else {
-                ""
-            }
         )));
     }
     Ok(())
 }
 
+/// `s`'s parameters with no actions.
 fn without_actions(s: &Schedule) -> Schedule {
     Schedule {
         actions: Vec::new(),
@@ -383,21 +451,14 @@ fn check_lengths(s: &Schedule, done: &[usize]) -> Result<(), ScheduleError> {
 /// The units of the lost stage's outputs that its neighbours have received, given each
 /// survivor's progress (each neighbour's [`NeighbourRelink::have`]).
 fn neighbours_have(s: &Schedule, lost: usize, done: &[usize]) -> Delivered {
-    let have = |r: Option<usize>| -> HashSet<Unit> {
-        r.filter(|&r| r < s.stages)
-            .map(|r| {
-                neighbour_relink(s, r, lost, done[r])
-                    .expect("a neighbour of the lost stage, progress within its list")
-                    .have
-                    .into_iter()
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    Delivered {
-        activations: have(Some(lost + 1)),
-        grads: have(lost.checked_sub(1)),
+    let mut delivered = Delivered::default();
+    for r in neighbours_of(s, lost) {
+        let relink = neighbour_relink(s, r, lost, done[r])
+            .expect("a neighbour of the lost stage, progress within its list");
+        delivered.activations.extend(relink.activations);
+        delivered.grads.extend(relink.grads);
     }
+    delivered
 }
 
 /// Runs every stage r of `s` through its first `done[r]` actions (the lost stage through the
@@ -413,7 +474,7 @@ fn reach(s: &Schedule, lost: usize, done: &[usize]) -> Result<Channels, Schedule
             .collect(),
         ..without_actions(s)
     };
-    dry_run(&prefixes, Channels::new(s.stages)).map_err(|e| match e {
+    dry_run(&prefixes, Channels::for_schedule(s)).map_err(|e| match e {
         ScheduleError::Deadlock { blocked, .. } => ScheduleError::UnreachableProgress {
             done: done.to_vec(),
             reason: format!(
@@ -469,9 +530,9 @@ mod tests {
             resumed.rest.actions[0][..resumed.resent[0]],
             before.resend[..]
         );
-        assert!(before.have.is_empty());
+        assert!(before.grads.is_empty() && before.activations.is_empty());
         let after = neighbour_relink(&s, 2, lost, 0).unwrap();
-        assert!(after.have.is_empty() && after.resend.is_empty());
+        assert!(after.activations.is_empty() && after.resend.is_empty());
         assert_eq!(resumed.resent[2], 0);
         // Nothing of stage 1's reached a neighbour: its replacement runs its whole list.
         assert_eq!(resumed.rest.actions[lost], s.actions[lost]);

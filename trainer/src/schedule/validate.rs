@@ -380,7 +380,7 @@ impl Channels {
     }
 
     /// The stage after `r` (`act[r]` goes to it, `grad[r]` comes from it).
-    fn after(&self, r: usize) -> usize {
+    pub(super) fn after(&self, r: usize) -> usize {
         if self.ring && r + 1 == self.act.len() {
             0
         } else {

@@ -20,7 +20,7 @@ use super::Driver;
 use super::decide::{self, LostShard};
 use super::replies::{self, Round, StepReplies};
 use crate::checkpointing::shard::with_moments;
-use crate::model::partition_layers;
+use crate::model::partition::partition_virtual_layers;
 
 impl Driver<'_, '_> {
     /// Waits for every stage's `StepDone` of `step`, replacing a stage lost in the middle of the
@@ -356,8 +356,19 @@ impl Driver<'_, '_> {
     fn step_start_state(&mut self, step: u64, stage: usize) -> Option<Option<ToWorker>> {
         let cfg = self.cfg;
         let before = step.checked_sub(1)?;
-        let layouts = partition_layers(&cfg.model, cfg.train.seq_len, cfg.pipeline.stages).ok()?;
-        let params = layouts.get(stage)?.param_names(&cfg.model);
+        // With virtual stages the worker holds v chunks: its state is theirs together.
+        let layouts = partition_virtual_layers(
+            &cfg.model,
+            cfg.train.seq_len,
+            cfg.pipeline.stages,
+            cfg.pipeline.virtual_stages,
+        )
+        .ok()?;
+        let params: Vec<String> = layouts
+            .get(stage)?
+            .iter()
+            .flat_map(|chunk| chunk.param_names(&cfg.model))
+            .collect();
         let names = with_moments(&params, before > 0);
         let peer_sources = self.pipeline.coordinator().peer_sources(before, &names);
         let loaded = Loaded {

@@ -46,17 +46,21 @@ pub(super) fn neighbour_slots(s: usize, p: usize, ring: bool) -> (Option<usize>,
 /// What a mid-step replacement of `stage` and its neighbours are told, as link generation
 /// `generation`: the previous stage links to the replacement's data address (it connects, as
 /// `Next`), the next stage waits for the replacement (as `Prev`), and the replacement gets its
-/// topology (`data_addrs`: every stage's data address, the replacement's included). Returns the
-/// neighbours' `Relink`s, then the replacement's `Topology`.
+/// topology (`data_addrs`: every stage's data address, the replacement's included). With virtual
+/// stages (`ring`) the stages form a ring (see [`neighbour_slots`]); with two stages the one
+/// survivor gets both orders, `Next` first. Returns the neighbours' `Relink`s, then the
+/// replacement's `Topology`.
 pub(super) fn relinks(
     stage: usize,
     generation: u64,
     data_addrs: &[String],
+    ring: bool,
 ) -> (Vec<(usize, ToWorker)>, ToWorker) {
+    let (prev, next) = neighbour_slots(stage, data_addrs.len(), ring);
     let mut neighbours = Vec::new();
-    if stage > 0 {
+    if let Some(before) = prev.filter(|&b| b != stage) {
         neighbours.push((
-            stage - 1,
+            before,
             ToWorker::Relink {
                 generation,
                 side: Side::Next,
@@ -64,9 +68,9 @@ pub(super) fn relinks(
             },
         ));
     }
-    if stage + 1 < data_addrs.len() {
+    if let Some(after) = next.filter(|&a| a != stage) {
         neighbours.push((
-            stage + 1,
+            after,
             ToWorker::Relink {
                 generation,
                 side: Side::Prev,
@@ -76,8 +80,8 @@ pub(super) fn relinks(
     }
     let topology = ToWorker::Topology {
         generation,
-        prev: (stage > 0).then(|| data_addrs[stage - 1].clone()),
-        next: data_addrs.get(stage + 1).cloned(),
+        prev: prev.map(|b| data_addrs[b].clone()),
+        next: next.map(|a| data_addrs[a].clone()),
         replacement: true,
         replicas: Vec::new(),
     };
@@ -124,7 +128,7 @@ mod tests {
 
     #[test]
     fn a_middle_replacement_relinks_both_neighbours() {
-        let (neighbours, topology) = relinks(1, 5, &addrs(3));
+        let (neighbours, topology) = relinks(1, 5, &addrs(3), false);
         assert_eq!(neighbours.len(), 2);
         assert!(matches!(
             &neighbours[0],
@@ -159,7 +163,7 @@ mod tests {
 
     #[test]
     fn an_end_replacement_relinks_its_one_neighbour() {
-        let (first, topology) = relinks(0, 2, &addrs(3));
+        let (first, topology) = relinks(0, 2, &addrs(3), false);
         assert!(matches!(
             first.as_slice(),
             [(
@@ -178,7 +182,7 @@ mod tests {
                 ..
             }
         ));
-        let (last, topology) = relinks(2, 2, &addrs(3));
+        let (last, topology) = relinks(2, 2, &addrs(3), false);
         assert!(matches!(
             last.as_slice(),
             [(
@@ -196,6 +200,53 @@ mod tests {
                 next: None,
                 ..
             }
+        ));
+    }
+
+    /// With virtual stages the first and the last worker are neighbours: their replacements
+    /// relink both sides, and with two workers the survivor gets both orders (`Next` first, so
+    /// it connects before it accepts).
+    #[test]
+    fn a_replacement_in_a_ring_relinks_round_the_ends() {
+        let (neighbours, topology) = relinks(0, 3, &addrs(4), true);
+        assert!(matches!(
+            neighbours.as_slice(),
+            [
+                (3, ToWorker::Relink { side: Side::Next, addr: Some(a), .. }),
+                (1, ToWorker::Relink { side: Side::Prev, addr: None, .. }),
+            ] if a == "10.0.0.0:7000"
+        ));
+        assert!(matches!(
+            topology,
+            ToWorker::Topology { prev: Some(p), next: Some(n), replacement: true, .. }
+                if p == "10.0.0.3:7000" && n == "10.0.0.1:7000"
+        ));
+        let (neighbours, topology) = relinks(1, 3, &addrs(2), true);
+        assert!(matches!(
+            neighbours.as_slice(),
+            [
+                (
+                    0,
+                    ToWorker::Relink {
+                        side: Side::Next,
+                        addr: Some(_),
+                        ..
+                    }
+                ),
+                (
+                    0,
+                    ToWorker::Relink {
+                        side: Side::Prev,
+                        addr: None,
+                        ..
+                    }
+                ),
+            ]
+        ));
+        assert!(matches!(
+            topology,
+            ToWorker::Topology { prev: Some(p), next: Some(n), .. }
+                if p == "10.0.0.0:7000" && n == "10.0.0.0:7000"
         ));
     }
 }

@@ -62,6 +62,8 @@ pub struct Pipeline<'c> {
     /// Slots retired in the middle of a step (a lost replica's workers, whose share of the step
     /// was re-routed): their messages, exits and disconnections are ignored from then on.
     retired: BTreeSet<usize>,
+    /// With virtual stages: the stages are linked in a ring (see [`decide::neighbour_slots`]).
+    ring: bool,
 }
 
 /// A stage replaced in the middle of a step.
@@ -112,6 +114,7 @@ impl<'c> Pipeline<'c> {
             replicas: d,
             reduce_addrs: Vec::new(),
             retired: BTreeSet::new(),
+            ring: cfg_virtual_stages > 1,
         };
         // Hello from everyone, then the topology, then ready from everyone.
         let mut conns: Vec<Option<u64>> = vec![None; workers];

@@ -64,7 +64,8 @@ impl Pipeline<'_> {
         };
         self.conns[stage] = conn;
         let link_generation = self.next_link_generation();
-        let (neighbours, topology) = decide::relinks(stage, link_generation, &self.data_addrs);
+        let (neighbours, topology) =
+            decide::relinks(stage, link_generation, &self.data_addrs, self.ring);
         for (neighbour, relink) in neighbours {
             self.send(neighbour, &relink)?;
         }

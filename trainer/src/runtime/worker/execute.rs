@@ -171,6 +171,10 @@ impl Worker {
                     count: actions.len(),
                     action,
                 })?;
+                // Virtual stages: a survivor relinks a broken link while it waits on the other.
+                if let Some(control) = control.as_deref_mut() {
+                    self.await_receive(control, step, action, pc)?;
+                }
             }
             match self.run_action(action, &mut state, split, step, mode) {
                 Ok(()) => {
@@ -185,7 +189,6 @@ impl Worker {
                     if train
                         && self.cfg.elastic.mid_step
                         && self.cfg.pipeline.replicas == 1
-                        && self.stage.len() == 1
                         && control.is_some() =>
                 {
                     let control = control.as_deref_mut().expect("checked above");
@@ -284,7 +287,7 @@ impl Worker {
     }
 
     /// The virtual stage of local chunk `c` (`c·p + r`).
-    fn virtual_stage(&self, c: usize) -> usize {
+    pub(super) fn virtual_stage(&self, c: usize) -> usize {
         c * self.cfg.pipeline.stages + self.index()
     }
 
@@ -504,7 +507,8 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         let (payload, u) = boundary(action).expect("a send action");
         if train {
-            self.record.retain(payload, u, &b, docs.as_ref());
+            self.record
+                .retain((payload, action.chunk(), u), &b, docs.as_ref());
             if self.record.delivered.skips(action) {
                 return Ok(());
             }

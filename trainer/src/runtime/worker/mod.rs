@@ -595,7 +595,7 @@ impl Worker {
                     side,
                     addr,
                 } => {
-                    self.relink(generation, side, addr)?;
+                    self.relink(control, (generation, side, addr))?;
                     None
                 }
                 ToWorker::Apply {

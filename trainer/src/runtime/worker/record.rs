@@ -20,8 +20,8 @@ pub(super) struct StepRecord {
     /// broken link counts: its tensor is kept and goes out again on the rebuilt link).
     pub(super) done_actions: usize,
     /// The boundary tensors sent in the step (on the host, or kept on the stage's device), with
-    /// the document starts an activation carried.
-    retained: HashMap<(Payload, Unit), (Boundary, Option<DocStarts>)>,
+    /// the document starts an activation carried, by (payload, sending chunk, unit).
+    retained: HashMap<(Payload, usize, Unit), (Boundary, Option<DocStarts>)>,
     /// Forward and backward units computed in the step.
     pub(super) done_units: usize,
     pub(super) cost: StepCost,
@@ -48,28 +48,27 @@ impl StepRecord {
         }
     }
 
-    /// Keeps a boundary tensor sent in the step (and the document starts it carried).
+    /// Keeps a boundary tensor that chunk `c` sent in the step (and the document starts it
+    /// carried).
     pub(super) fn retain(
         &mut self,
-        payload: Payload,
-        u: Unit,
+        (payload, c, u): (Payload, usize, Unit),
         b: &Boundary,
         docs: Option<&DocStarts>,
     ) {
         self.cost.retained_bytes += b.bytes() as u64;
         self.retained
-            .insert((payload, u), (b.clone(), docs.cloned()));
+            .insert((payload, c, u), (b.clone(), docs.cloned()));
     }
 
     /// A boundary tensor kept by [`StepRecord::retain`], and its document starts.
     pub(super) fn retained(
         &self,
-        payload: Payload,
-        u: Unit,
+        (payload, c, u): (Payload, usize, Unit),
     ) -> Result<&(Boundary, Option<DocStarts>), WorkerError> {
-        self.retained.get(&(payload, u)).ok_or_else(|| {
+        self.retained.get(&(payload, c, u)).ok_or_else(|| {
             WorkerError::Protocol(format!(
-                "no {payload:?} of unit {u} was kept in step {} to send again",
+                "no {payload:?} of unit {u} on chunk {c} was kept in step {} to send again",
                 self.step
             ))
         })

@@ -3,6 +3,11 @@
 //! stage has of its outputs and send again what this stage sent it. A replacement reads what its
 //! neighbours have and skips those sends.
 //!
+//! With virtual stages the workers form a ring (worker p−1's chunk c feeds worker 0's chunk
+//! c+1), so worker 0 and worker p−1 are neighbours too; with two workers the one survivor is on
+//! both sides of the lost worker and both of its links are rebuilt together. Outputs are named by
+//! (the lost worker's chunk, unit), and the tensors kept for re-sending by (chunk, unit).
+//!
 //! What to tell, re-send and skip is the schedule's recovery model
 //! ([`crate::schedule::resume_after_loss`]), one stage's part at a time:
 //! [`neighbour_relink`] for a survivor, [`crate::schedule::Delivered`] for the replacement.
@@ -15,7 +20,14 @@ use super::execute::{Peer, boundary, link, send_on};
 use super::{Worker, WorkerError, control_error};
 use crate::runtime::control::{ControlStream, Side, ToLauncher, ToWorker};
 use crate::runtime::transport::Payload;
-use crate::schedule::{Action, Delivered, neighbour_relink};
+use crate::schedule::{Action, Delivered, Op, neighbour_relink};
+
+/// How often a survivor waiting on one link looks at its other one (see
+/// [`Worker::await_receive`]).
+const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// A `Relink` order: (link generation, side, address to connect to for `Next`).
+type RelinkOrder = (u64, Side, Option<String>);
 
 impl Worker {
     /// The link used by `action` (at position `pc` of this stage's list) broke: has it rebuilt to
@@ -35,8 +47,68 @@ impl Worker {
         Ok(done)
     }
 
+    /// With virtual stages, before the receive `action` at position `pc` of a training step:
+    /// waits for its message while watching the worker's other link. In a ring a survivor next
+    /// to a lost worker can wait on a healthy link for a message that depends, round the ring, on
+    /// the lost worker's replacement — which cannot start until this survivor has relinked. So a
+    /// survivor whose other link breaks while it waits relinks that one at once, with the actions
+    /// before `pc` done (as one that finished its part of the step does), and waits on. Without
+    /// virtual stages (a line), or without mid-step recovery, it returns at once.
+    pub(super) fn await_receive(
+        &mut self,
+        control: &mut ControlStream,
+        step: u64,
+        action: Action,
+        pc: usize,
+    ) -> Result<(), WorkerError> {
+        let receives = matches!(action.op(), Op::RecvActivation | Op::RecvGrad);
+        if !receives
+            || self.stage.len() < 2
+            || !self.cfg.elastic.mid_step
+            || self.cfg.pipeline.replicas > 1
+        {
+            return Ok(());
+        }
+        let side = broken_side(action);
+        let other = match side {
+            Side::Prev => Side::Next,
+            Side::Next => Side::Prev,
+        };
+        // With two workers both links go to the same worker: a loss breaks the awaited one too.
+        if self.neighbour(side)? == self.neighbour(other)? {
+            return Ok(());
+        }
+        let timeout = self.cfg.pipeline.timeout();
+        let mut deadline = Instant::now() + timeout;
+        loop {
+            let (awaited, watched) = match side {
+                Side::Prev => (self.prev.as_mut(), self.next.as_ref()),
+                Side::Next => (self.next.as_mut(), self.prev.as_ref()),
+            };
+            let broke = watched.is_some_and(|l| l.is_gone());
+            let Some(awaited) = awaited else {
+                return Ok(());
+            };
+            if broke {
+                self.record.done_actions = pc;
+                let error = "its connection closed while this stage waited on its other link";
+                self.await_relink(control, step, other, error)?;
+                deadline = Instant::now() + timeout;
+                continue;
+            }
+            if awaited.wait_ready(WATCH_INTERVAL) {
+                return Ok(());
+            }
+            // As the receive itself would have: the peer is silent (within the launcher's
+            // longer timeout, so that this stage gives up first and names it).
+            if Instant::now() >= deadline {
+                return Err(awaited.timed_out().into());
+            }
+        }
+    }
+
     /// A link broke mid-step: report it with this stage's progress, and wait for the coordinator
-    /// to rebuild it.
+    /// to rebuild it (and, when the lost neighbour is on both sides, the other link too).
     fn await_relink(
         &mut self,
         control: &mut ControlStream,
@@ -45,7 +117,7 @@ impl Worker {
         error: &str,
     ) -> Result<(), WorkerError> {
         let r = self.index();
-        let peer = neighbour(r, side)?;
+        let peer = self.neighbour(side)?;
         warn!(step, peer, %error, "link to a neighbour broke mid-step; waiting for its replacement");
         let control_err = control_error("coordinator");
         control
@@ -62,59 +134,102 @@ impl Worker {
                 generation,
                 side: s,
                 addr,
-            } if s == side => self.relink(generation, side, addr),
+            } if self.sides_to(peer).contains(&s) => self.relink(control, (generation, s, addr)),
             other => Err(WorkerError::Protocol(format!(
                 "expected the relink of the {side:?} link, got {other:?}"
             ))),
         }
     }
 
-    /// Rebuilds the link on `side` to a replacement stage: tells it which of its outputs this side
-    /// already received, then sends again every tensor this side sent on the link in the step
-    /// (both as [`neighbour_relink`] computes from this stage's progress).
+    /// Rebuilds the links to a replacement of a neighbour, starting from the coordinator's order
+    /// `first` (when the lost neighbour is on both sides — two workers in a ring — the order for
+    /// the other link comes next on `control`): tells it which of its outputs this stage already
+    /// received, then sends again every tensor this stage sent it in the step (both as
+    /// [`neighbour_relink`] computes from this stage's progress), in their original order.
     pub(super) fn relink(
         &mut self,
-        generation: u64,
-        side: Side,
-        addr: Option<String>,
+        control: &mut ControlStream,
+        first: RelinkOrder,
     ) -> Result<(), WorkerError> {
-        let timeout = self.cfg.pipeline.timeout();
-        let step = self.record.step;
-        let r = self.index();
-        let lost = neighbour(r, side)?;
-        match side {
-            Side::Prev => self.accept_prev(generation, timeout)?,
-            Side::Next => {
-                let addr = addr.ok_or_else(|| {
-                    WorkerError::Protocol("a relink of the next link needs an address".into())
-                })?;
-                self.connect_next(&addr, generation, timeout)?;
+        let lost = self.neighbour(first.1)?;
+        let sides = self.sides_to(lost);
+        let mut orders = vec![first];
+        while orders.len() < sides.len() {
+            match control
+                .recv::<ToWorker>()
+                .map_err(control_error("coordinator"))?
+            {
+                ToWorker::Relink {
+                    generation,
+                    side,
+                    addr,
+                } if !orders.iter().any(|o| o.1 == side) => orders.push((generation, side, addr)),
+                other => {
+                    return Err(WorkerError::Protocol(format!(
+                        "expected the relink of the other link to stage {lost}, got {other:?}"
+                    )));
+                }
             }
         }
+        // Connect before accepting: the replacement connects to its next stage first.
+        orders.sort_by_key(|o| o.1 == Side::Prev);
+        let timeout = self.cfg.pipeline.timeout();
+        for (generation, side, addr) in orders.iter().cloned() {
+            match side {
+                Side::Prev => self.accept_prev(generation, timeout)?,
+                Side::Next => {
+                    let addr = addr.ok_or_else(|| {
+                        WorkerError::Protocol("a relink of the next link needs an address".into())
+                    })?;
+                    self.connect_next(&addr, generation, timeout)?;
+                }
+            }
+        }
+        let step = self.record.step;
+        let r = self.index();
         let plan = neighbour_relink(self.schedule.get(), r, lost, self.record.done_actions)?;
-        let (link, received) = match side {
-            Side::Prev => (link(&mut self.prev, "previous")?, Payload::Activation),
-            Side::Next => (link(&mut self.next, "next")?, Payload::Grad),
-        };
-        link.send_have(step, received, &plan.have)?;
+        for &(_, side, _) in &orders {
+            match side {
+                Side::Prev => link(&mut self.prev, "previous")?.send_have(
+                    step,
+                    Payload::Activation,
+                    &plan.activations,
+                )?,
+                Side::Next => {
+                    link(&mut self.next, "next")?.send_have(step, Payload::Grad, &plan.grads)?
+                }
+            }
+        }
         let deadline = Instant::now() + timeout;
         for &action in &plan.resend {
             let (payload, u) = boundary(action).expect("re-sends are sends");
-            let to = Peer { link, stage: lost };
-            let (kept, docs) = self.record.retained(payload, u)?;
+            let c = action.chunk();
+            // The virtual stage the tensor is for: the next one for an activation, the previous
+            // one for a gradient (named on the wire only with virtual stages).
+            let here = self.virtual_stage(c);
+            let (side, which, there) = match payload {
+                Payload::Activation => (&mut self.next, "next", here + 1),
+                Payload::Grad => (&mut self.prev, "previous", here.wrapping_sub(1)),
+            };
+            let there = (self.stage.len() > 1).then_some(there);
+            let to = Peer {
+                link: link(side, which)?,
+                stage: lost,
+            };
+            let (kept, docs) = self.record.retained((payload, c, u))?;
             send_on(
                 to,
                 &mut self.stage,
-                // Mid-step recovery runs without virtual stages (one chunk per worker).
-                (step, payload, u, None),
+                (step, payload, u, there),
                 (kept, docs.as_deref().map(Vec::as_slice)),
                 deadline,
             )?;
         }
         info!(
             step,
-            ?side,
-            have = plan.have.len(),
+            lost,
+            links = orders.len(),
+            have = plan.activations.len() + plan.grads.len(),
             resent = plan.resend.len(),
             "relinked to a replacement stage"
         );
@@ -122,29 +237,48 @@ impl Worker {
     }
 
     /// A replacement of a lost stage, just linked: reads from each neighbour which of the lost
-    /// stage's outputs it already has.
+    /// stage's outputs it already has, as (this worker's chunk, unit).
     pub(super) fn receive_delivered(&mut self) -> Result<Delivered, WorkerError> {
         let mut delivered = Delivered::default();
+        let chunks = self.stage.len();
         if let Some(next) = &mut self.next {
-            let (_, units) = next.recv_have(Payload::Activation)?;
-            delivered.activations.extend(units);
+            let (_, outputs) = next.recv_have(Payload::Activation, chunks)?;
+            delivered.activations.extend(outputs);
         }
         if let Some(prev) = &mut self.prev {
-            let (_, units) = prev.recv_have(Payload::Grad)?;
-            delivered.grads.extend(units);
+            let (_, outputs) = prev.recv_have(Payload::Grad, chunks)?;
+            delivered.grads.extend(outputs);
         }
         info!(
             outputs_the_neighbours_have = delivered.activations.len() + delivered.grads.len(),
-            "replacing a lost stage mid-step"
+            chunks, "replacing a lost stage mid-step"
         );
         Ok(delivered)
+    }
+
+    /// The worker on `side` of this one (a ring with virtual stages).
+    fn neighbour(&self, side: Side) -> Result<usize, WorkerError> {
+        neighbour(
+            self.index(),
+            self.cfg.pipeline.stages,
+            self.stage.len() > 1,
+            side,
+        )
+    }
+
+    /// The sides of this worker linked to worker `peer`: one, or both for two workers in a ring.
+    fn sides_to(&self, peer: usize) -> Vec<Side> {
+        [Side::Prev, Side::Next]
+            .into_iter()
+            .filter(|&s| self.neighbour(s).ok() == Some(peer))
+            .collect()
     }
 }
 
 /// The link a communication action uses.
 fn broken_side(action: Action) -> Side {
-    match action {
-        Action::RecvActivation(_) | Action::SendGrad(_) => Side::Prev,
+    match action.op() {
+        Op::RecvActivation | Op::SendGrad => Side::Prev,
         _ => Side::Next,
     }
 }
@@ -152,26 +286,31 @@ fn broken_side(action: Action) -> Side {
 /// The actions done when the link broke on `action` at position `pc`: a send counts as done (its
 /// tensor was kept), a receive does not.
 fn done_after_break(action: Action, pc: usize) -> usize {
-    match action {
-        Action::SendActivation(_) | Action::SendGrad(_) => pc + 1,
+    match action.op() {
+        Op::SendActivation | Op::SendGrad => pc + 1,
         _ => pc,
     }
 }
 
-/// The stage on `side` of stage `r`.
-fn neighbour(r: usize, side: Side) -> Result<usize, WorkerError> {
-    match side {
-        Side::Prev => r
+/// The worker on `side` of worker `r` of `p`: in a line, or a ring with virtual stages (`ring`).
+fn neighbour(r: usize, p: usize, ring: bool, side: Side) -> Result<usize, WorkerError> {
+    match (side, ring) {
+        (Side::Prev, true) => Ok((r + p - 1) % p),
+        (Side::Next, true) => Ok((r + 1) % p),
+        (Side::Prev, false) => r
             .checked_sub(1)
             .ok_or_else(|| WorkerError::Protocol("stage 0 has no previous link".into())),
-        Side::Next => Ok(r + 1),
+        (Side::Next, false) if r + 1 < p => Ok(r + 1),
+        (Side::Next, false) => Err(WorkerError::Protocol(format!(
+            "the last stage ({r}) has no next link"
+        ))),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::{ScheduleKind, Unit, generate};
+    use crate::schedule::{ScheduleKind, Unit, generate, generate_virtual};
 
     #[test]
     fn a_broken_link_is_the_side_the_action_talks_to() {
@@ -180,12 +319,21 @@ mod tests {
         assert_eq!(broken_side(Action::SendGrad(u)), Side::Prev);
         assert_eq!(broken_side(Action::SendActivation(u)), Side::Next);
         assert_eq!(broken_side(Action::RecvGrad(u)), Side::Next);
-        assert_eq!(neighbour(2, Side::Prev).unwrap(), 1);
-        assert_eq!(neighbour(2, Side::Next).unwrap(), 3);
+        assert_eq!(neighbour(2, 4, false, Side::Prev).unwrap(), 1);
+        assert_eq!(neighbour(2, 4, false, Side::Next).unwrap(), 3);
         assert!(matches!(
-            neighbour(0, Side::Prev),
+            neighbour(0, 4, false, Side::Prev),
             Err(WorkerError::Protocol(_))
         ));
+        assert!(matches!(
+            neighbour(3, 4, false, Side::Next),
+            Err(WorkerError::Protocol(_))
+        ));
+        // With virtual stages a ring: worker 0 and worker p − 1 are neighbours.
+        assert_eq!(neighbour(0, 4, true, Side::Prev).unwrap(), 3);
+        assert_eq!(neighbour(3, 4, true, Side::Next).unwrap(), 0);
+        assert_eq!(neighbour(1, 2, true, Side::Prev).unwrap(), 0);
+        assert_eq!(neighbour(1, 2, true, Side::Next).unwrap(), 0);
     }
 
     #[test]
@@ -209,7 +357,7 @@ mod tests {
                 if boundary(action).is_none() || broken_side(action) != side {
                     continue;
                 }
-                let lost = neighbour(r, side).unwrap();
+                let lost = neighbour(r, 3, false, side).unwrap();
                 let done = done_after_break(action, pc);
                 let plan = neighbour_relink(&s, r, lost, done).unwrap();
                 let on_link = |a: &&Action| match side {
@@ -233,8 +381,8 @@ mod tests {
     fn a_replacement_skips_what_the_neighbours_have_and_counts_its_redo() {
         let (u, v) = (Unit::new(0, 1), Unit::new(1, 0));
         let delivered = Delivered {
-            activations: [u].into(),
-            grads: [v].into(),
+            activations: [(0, u)].into(),
+            grads: [(0, v)].into(),
         };
         assert!(delivered.skips(Action::SendActivation(u)));
         assert!(!delivered.skips(Action::SendActivation(v)));
@@ -245,5 +393,60 @@ mod tests {
         assert!(delivered.replays(Action::Backward(v)));
         assert!(!delivered.replays(Action::Backward(u)));
         assert!(!delivered.skips(Action::Forward(u)));
+    }
+
+    /// With chunks, what a neighbour has is per (chunk, unit): the same unit's output of another
+    /// chunk is still sent and is not counted as redone.
+    #[test]
+    fn with_chunks_a_replacement_skips_and_replays_per_chunk() {
+        let u = Unit::new(1, 1);
+        let delivered = Delivered {
+            activations: [(1, u)].into(),
+            grads: [(0, u)].into(),
+        };
+        assert!(delivered.skips(Action::new(Op::SendActivation, u, 1)));
+        assert!(!delivered.skips(Action::new(Op::SendActivation, u, 0)));
+        assert!(delivered.skips(Action::new(Op::SendGrad, u, 0)));
+        assert!(!delivered.skips(Action::new(Op::SendGrad, u, 1)));
+        assert!(delivered.replays(Action::new(Op::Forward, u, 1)));
+        assert!(delivered.replays(Action::new(Op::Backward, u, 0)));
+        assert!(!delivered.replays(Action::new(Op::Backward, u, 1)));
+    }
+
+    /// Two workers in a ring: the survivor is on both sides of the lost worker, so it tells both
+    /// what it received (activations from the lost worker's chunks on its previous link, input
+    /// gradients on its next) and re-sends everything it sent on either link, in its own order;
+    /// a received tensor is named by the lost worker's chunk that sent it.
+    #[test]
+    fn two_workers_in_a_ring_relink_both_links_and_name_the_lost_chunks() {
+        let s = generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 2, 2).unwrap();
+        let (r, lost) = (1, 0);
+        let list = &s.actions[r];
+        let done = list.len();
+        let plan = neighbour_relink(&s, r, lost, done).unwrap();
+        // Worker 1's chunk c receives activations from virtual stage 2c (worker 0's chunk c) and
+        // gradients from virtual stage 2c + 2 (worker 0's chunk c + 1).
+        let received = |op: Op, delta: usize| -> Vec<(usize, Unit)> {
+            list.iter()
+                .filter(|a| a.op() == op)
+                .map(|a| (a.chunk() + delta, a.unit()))
+                .collect()
+        };
+        assert_eq!(plan.activations, received(Op::RecvActivation, 0));
+        assert_eq!(plan.grads, received(Op::RecvGrad, 1));
+        assert!(!plan.activations.is_empty() && !plan.grads.is_empty());
+        let sent: Vec<Action> = list
+            .iter()
+            .copied()
+            .filter(|a| matches!(a.op(), Op::SendActivation | Op::SendGrad))
+            .collect();
+        assert_eq!(plan.resend, sent);
+        // Worker 0 is before worker 1 (its chunk 0 feeds worker 1's chunk 0) and after it (worker
+        // 1's chunk 0 feeds worker 0's chunk 1).
+        let mut sides = [Side::Prev, Side::Next]
+            .into_iter()
+            .filter(|&side| neighbour(r, 2, true, side).unwrap() == lost);
+        assert_eq!(sides.next(), Some(Side::Prev));
+        assert_eq!(sides.next(), Some(Side::Next));
     }
 }
