@@ -711,16 +711,14 @@ impl Config {
                     .into(),
             });
         }
-        if self.pipeline.partition == Partition::Documents {
-            if !d.document_mask {
-                return Err(ConfigError::Invalid {
-                    key: "pipeline.partition",
-                    message: "\"documents\" balances each micro-batch's segments on its \
-                              documents, which exist only with document masks: set \
-                              data.document_mask = true, or use \"compute\""
-                        .into(),
-                });
-            }
+        if self.pipeline.partition == Partition::Documents && !d.document_mask {
+            return Err(ConfigError::Invalid {
+                key: "pipeline.partition",
+                message: "\"documents\" balances each micro-batch's segments on its documents, \
+                          which exist only with document masks: set data.document_mask = true, \
+                          or use \"compute\""
+                    .into(),
+            });
         }
         if d.reset_positions && self.model.position == crate::model::Position::Rope {
             return Err(ConfigError::Invalid {
