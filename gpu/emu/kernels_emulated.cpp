@@ -191,12 +191,12 @@ void misc() {
       std::vector<unsigned> ids(n); for (auto& i : ids) i = rng() % 10;
       launch(G(n), 128, [&] { embed_forward(out.data(), ids.data(), wte.data(), wpe.data(), n, c, t, pos0, docs.data(), seq); });
       std::vector<double> r((size_t)n * c); for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) r[(size_t)i * c + j] = wte[(size_t)ids[i] * c + j] + wpe[(size_t)pid[i] * c + j];
-      cmp("embed forward, positions restarting at documents", out.data(), r);
+      cmp("embed forward, restarting positions", out.data(), r);
       V dwpe((size_t)seq * c, 0.5f), sum((size_t)seq * c, 0.0f);
       launch(G(ids_max + 1), 128, [&] { embed_backward_positions_reset(dwpe.data(), dy.data(), docs.data(), b, t, c, pos0, seq); });
       for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) sum[(size_t)pid[i] * c + j] += dy[(size_t)i * c + j];
       std::vector<double> rp(dwpe.size()); for (size_t k = 0; k < rp.size(); ++k) rp[k] = (double)(0.5f + sum[k]);
-      cmp("embed dwpe, positions restarting at documents (bit-exact)", dwpe.data(), rp, 0.0); }
+      cmp("embed dwpe, restarting positions (bit-exact)", dwpe.data(), rp, 0.0); }
     // rope
     { int b = 2, s = 9, h = 3, d = 32, off = 4, stride = 3 * h * d, half = d / 2, maxl = 20; V x = rnd((size_t)b * s * stride), x0 = x, co((size_t)maxl * half), si((size_t)maxl * half);
       for (int p = 0; p < maxl; ++p) for (int i = 0; i < half; ++i) { double th = p * std::pow(10000.0, -2.0 * i / d); co[p * half + i] = std::cos(th); si[p * half + i] = std::sin(th); }
