@@ -168,7 +168,7 @@ void misc() {
     // embeddings
     { int vocab = 50, c = 70, b = 3, t = 11, pos0 = 5, n = b * t; V wte = rnd((size_t)vocab * c), wpe = rnd((size_t)(pos0 + t) * c), out((size_t)n * c, NAN), dy = rnd((size_t)n * c);
       std::vector<unsigned> ids(n); for (auto& i : ids) i = rng() % 10;
-      launch(G(n), 128, [&] { embed_forward(out.data(), ids.data(), wte.data(), wpe.data(), n, c, t, pos0); });
+      launch(G(n), 128, [&] { embed_forward(out.data(), ids.data(), wte.data(), wpe.data(), n, c, t, pos0, nullptr, 0); });
       std::vector<double> r((size_t)n * c); for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) r[(size_t)i * c + j] = wte[(size_t)ids[i] * c + j] + wpe[(size_t)(pos0 + i % t) * c + j];
       cmp("embed forward", out.data(), r);
       std::vector<unsigned> order(n); for (int i = 0; i < n; ++i) order[i] = i; std::stable_sort(order.begin(), order.end(), [&](unsigned a, unsigned b2) { return ids[a] < ids[b2]; });
@@ -179,6 +179,24 @@ void misc() {
       std::vector<double> rw(dwte.size(), 0.5), rp(dwpe.size(), 0.5);
       for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) { rw[(size_t)ids[i] * c + j] += dy[(size_t)i * c + j]; rp[(size_t)(pos0 + i % t) * c + j] += dy[(size_t)i * c + j]; }
       cmp("embed dwte", dwte.data(), rw); cmp("embed dwpe", dwpe.data(), rp); }
+    // embeddings with positions restarting at each document: a segment (positions 5..16 of 20) whose
+    // rows' documents start before it, on its first and last positions, and inside it; the position
+    // gradient summed in token order from 0 (the CPU's order): bit-identical to that float sum.
+    { int vocab = 50, c = 70, seq = 20, pos0 = 5, t = 11, b = 3, n = b * t;
+      std::vector<std::vector<unsigned>> rows = {{0, 3, 9, 10}, {0}, {0, 5, 15}};
+      std::vector<unsigned> docs; for (auto& r : rows) for (int p = 0; p < seq; ++p) { unsigned s0 = 0; for (unsigned s1 : r) if ((int)s1 <= p) s0 = s1; docs.push_back(s0); }
+      std::vector<int> pid(n); int ids_max = 0;
+      for (int i = 0; i < n; ++i) { int p = pos0 + i % t; pid[i] = p - (int)docs[(size_t)(i / t) * seq + p]; ids_max = std::max(ids_max, pid[i]); }
+      V wte = rnd((size_t)vocab * c), wpe = rnd((size_t)seq * c), out((size_t)n * c, NAN), dy = rnd((size_t)n * c);
+      std::vector<unsigned> ids(n); for (auto& i : ids) i = rng() % 10;
+      launch(G(n), 128, [&] { embed_forward(out.data(), ids.data(), wte.data(), wpe.data(), n, c, t, pos0, docs.data(), seq); });
+      std::vector<double> r((size_t)n * c); for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) r[(size_t)i * c + j] = wte[(size_t)ids[i] * c + j] + wpe[(size_t)pid[i] * c + j];
+      cmp("embed forward, restarting positions", out.data(), r);
+      V dwpe((size_t)seq * c, 0.5f), sum((size_t)seq * c, 0.0f);
+      launch(G(ids_max + 1), 128, [&] { embed_backward_positions_reset(dwpe.data(), dy.data(), docs.data(), b, t, c, pos0, seq); });
+      for (int i = 0; i < n; ++i) for (int j = 0; j < c; ++j) sum[(size_t)pid[i] * c + j] += dy[(size_t)i * c + j];
+      std::vector<double> rp(dwpe.size()); for (size_t k = 0; k < rp.size(); ++k) rp[k] = (double)(0.5f + sum[k]);
+      cmp("embed dwpe, restarting positions (bit-exact)", dwpe.data(), rp, 0.0); }
     // rope
     { int b = 2, s = 9, h = 3, d = 32, off = 4, stride = 3 * h * d, half = d / 2, maxl = 20; V x = rnd((size_t)b * s * stride), x0 = x, co((size_t)maxl * half), si((size_t)maxl * half);
       for (int p = 0; p < maxl; ++p) for (int i = 0; i < half; ++i) { double th = p * std::pow(10000.0, -2.0 * i / d); co[p * half + i] = std::cos(th); si[p * half + i] = std::sin(th); }

@@ -21,7 +21,8 @@ static void call(void (*k)(A...), void** p) {
         X(attn_tc_backward_dq_d##D) X(attn_tc_backward_dkdv_d##D) X(attn_tc2_forward_d##D)              \
             X(attn_tc2_backward_dq_d##D) X(attn_tc2_backward_dkdv_d##D)
 #define KERNELS(X)                                                                                   \
-    X(embed_forward) X(embed_backward_tokens) X(embed_backward_positions) X(column_sum_partial)       \
+    X(embed_forward) X(embed_backward_tokens) X(embed_backward_positions)                           \
+    X(embed_backward_positions_reset) X(column_sum_partial)                                          \
     X(column_sum_finish) X(add_bias) X(add) X(add_assign) X(copy_rows) X(bias_gelu_forward)          \
     X(gelu_backward) X(norm_forward) X(norm_backward_input) X(norm_backward_params_partial) X(rope)  \
     X(attn_backward_delta) X(attn_tc2_backward_delta) X(softmax_cross_entropy) X(adamw) X(sum_squares_partial)                   \

@@ -24,6 +24,7 @@ pub const KERNELS: &[&str] = &[
     "embed_forward",
     "embed_backward_tokens",
     "embed_backward_positions",
+    "embed_backward_positions_reset",
     "column_sum_partial",
     "column_sum_finish",
     "add_bias",

@@ -50,12 +50,19 @@ __device__ float block_max(float v, float* scratch) {
 // Embeddings.
 
 // out[i, :] = wte[ids[i], :] + (wpe ? wpe[pos0 + i % t, :] : 0)          out (N, C)
+// out (n, C) = wte[ids[i]] + wpe[position id of i]; token i is position pos0 + i % t of row i / t.
+// The position id is that position, or with `docs` (not null: positions restart at each document,
+// `data.reset_positions`) its offset in its document, position - docs[row * seq + position] (the
+// per-position document starts of the attention kernels).
 extern "C" __global__ void embed_forward(float* out, const unsigned int* ids, const float* wte,
-                                         const float* wpe, int n, int c, int t, int pos0) {
+                                         const float* wpe, int n, int c, int t, int pos0,
+                                         const unsigned int* docs, int seq) {
     int i = blockIdx.x;
     if (i >= n) return;
+    int pos = pos0 + i % t;
+    if (docs) pos -= (int)docs[(size_t)(i / t) * seq + pos];
     const float* row = wte + (size_t)ids[i] * c;
-    const float* prow = wpe ? wpe + (size_t)(pos0 + i % t) * c : nullptr;
+    const float* prow = wpe ? wpe + (size_t)pos * c : nullptr;
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
         out[(size_t)i * c + j] = row[j] + (prow ? prow[j] : 0.0f);
     }
@@ -85,6 +92,41 @@ extern "C" __global__ void embed_backward_positions(float* dwpe, const float* dy
         float acc = 0.0f;
         for (int r = 0; r < b; ++r) acc += dy[((size_t)r * t + p) * c + j];
         dwpe[(size_t)(pos0 + p) * c + j] += acc;
+    }
+}
+
+// Position-table gradient with positions restarting at each document (`data.reset_positions`):
+// position p of row r has id p - docs[r * seq + p]. dwpe[q, :] += the sum of dy over the unit's
+// tokens of id q (positions pos0..pos0+t of b rows), added in token order (row by row, positions
+// ascending) from 0: the order of the CPU's ops::embedding_backward, so the two agree bit for bit
+// on the same dy. One block per id q (grid: the unit's largest id + 1), threads over channels; no
+// atomics and no sort. A document's positions are contiguous with ids 0, 1, 2, ..., so in a row
+// the token of id q of document d is start_d + q, if d reaches it: the block walks each row's
+// documents that meet the segment, finding the next one's first position by a binary search over
+// the non-decreasing per-position starts.
+extern "C" __global__ void embed_backward_positions_reset(float* dwpe, const float* dy,
+                                                          const unsigned int* docs, int b, int t,
+                                                          int c, int pos0, int seq) {
+    int q = blockIdx.x, end = pos0 + t;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int r = 0; r < b; ++r) {
+            const unsigned int* row = docs + (size_t)r * seq;
+            for (int p = pos0; p < end;) {
+                int s = (int)row[p];  // the start of p's document (before pos0 for the first)
+                // The first position of the next document in the segment (or its end).
+                int lo = p + 1, hi = end;
+                while (lo < hi) {
+                    int mid = lo + (hi - lo) / 2;
+                    if ((int)row[mid] == s) lo = mid + 1;
+                    else hi = mid;
+                }
+                int at = s + q;  // the document's position of id q
+                if (at >= p && at < lo) acc += dy[((size_t)r * t + (at - pos0)) * c + j];
+                p = lo;
+            }
+        }
+        dwpe[(size_t)q * c + j] += acc;
     }
 }
 

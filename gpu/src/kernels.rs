@@ -124,6 +124,27 @@ fn doc_arg(docs: Option<DocStarts>, sh: &AttnShape, op: &'static str) -> Result<
     }
 }
 
+/// The address of `docs` for a kernel reading `rows` rows of `seq` positions, positions below `end`
+/// of each: an error unless the buffer covers them and `end <= seq`.
+fn checked_docs(
+    docs: DocStarts,
+    rows: usize,
+    seq: usize,
+    end: usize,
+    op: &'static str,
+) -> Result<u64> {
+    if end > seq || docs.len < rows * seq {
+        return shape(
+            op,
+            format!(
+                "{} document starts for {rows} rows of {seq} positions, read up to position {end}",
+                docs.len
+            ),
+        );
+    }
+    Ok(docs.ptr)
+}
+
 /// Query (or key) rows per attention block: `BR` and `TC_ROWS` of kernels.cu.
 const ATTN_ROWS: usize = 64;
 
@@ -293,7 +314,10 @@ impl Gpu {
         self.operands.path == Bf16Path::CachedWeights && self.precision() == Precision::Bf16
     }
 
-    /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table).
+    /// `out (n, c) = wte[ids] + wpe[pos0 + i % t]` (`wpe` 0: no position table); with `docs`
+    /// (positions restart at each document, `data.reset_positions`) the position row is that of
+    /// `pos0 + i % t` minus its document's start in row `i / t` ([`DocStarts`], rows of `seq`
+    /// positions).
     #[allow(clippy::too_many_arguments)]
     pub fn embed_forward(
         &self,
@@ -303,10 +327,17 @@ impl Gpu {
         wpe: u64,
         n: usize,
         c: usize,
-        t: usize,
-        pos0: usize,
+        (t, pos0): (usize, usize),
+        docs: Option<(DocStarts, usize)>,
     ) -> Result<()> {
         const OP: &str = "embed_forward";
+        let (docs_ptr, seq) = match docs {
+            None => (0, 0),
+            Some((d, seq)) => (
+                checked_docs(d, n.div_ceil(t.max(1)), seq, pos0 + t, OP)?,
+                seq,
+            ),
+        };
         self.launch(
             OP,
             (int(n, OP, "tokens")? as u32, 1, 1),
@@ -320,6 +351,8 @@ impl Gpu {
                 Arg::I(int(c, OP, "c")?),
                 Arg::I(int(t, OP, "t")?),
                 Arg::I(int(pos0, OP, "pos0")?),
+                Arg::P(docs_ptr),
+                Arg::I(int(seq, OP, "seq")?),
             ],
         )
     }
@@ -387,6 +420,52 @@ impl Gpu {
                 Arg::I(int(t, OP, "t")?),
                 Arg::I(int(c, OP, "c")?),
                 Arg::I(int(pos0, OP, "pos0")?),
+            ],
+        )
+    }
+
+    /// `dwpe[q] += sum of dy[i]` over the tokens `i` of position id `q` when positions restart at
+    /// each document (`data.reset_positions`): `dy` holds `b` rows of positions `pos0..pos0 + t`,
+    /// the id of position `p` of row `r` is `p` minus its document's start ([`DocStarts`], rows of
+    /// `seq` positions), and `ids` (`q < ids`) bounds the ids that occur. Each id's sum runs in
+    /// token order, as the CPU's `ops::embedding_backward` adds; no atomics.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_backward_positions_reset(
+        &self,
+        dwpe: u64,
+        dy: u64,
+        (b, t, c, pos0): (usize, usize, usize, usize),
+        docs: DocStarts,
+        seq: usize,
+        ids: usize,
+    ) -> Result<()> {
+        const OP: &str = "embed_backward_positions_reset";
+        let docs = checked_docs(docs, b, seq, pos0 + t, OP)?;
+        if ids == 0 || t == 0 || b == 0 {
+            return Ok(());
+        }
+        if ids > pos0 + t {
+            return shape(
+                OP,
+                format!(
+                    "{ids} position ids for a segment ending at position {}",
+                    pos0 + t
+                ),
+            );
+        }
+        self.launch(
+            OP,
+            (int(ids, OP, "ids")? as u32, 1, 1),
+            128,
+            &[
+                Arg::P(dwpe),
+                Arg::P(dy),
+                Arg::P(docs),
+                Arg::I(int(b, OP, "b")?),
+                Arg::I(int(t, OP, "t")?),
+                Arg::I(int(c, OP, "c")?),
+                Arg::I(int(pos0, OP, "pos0")?),
+                Arg::I(int(seq, OP, "seq")?),
             ],
         )
     }

@@ -716,7 +716,7 @@ fn embedding(c: &mut Checker) -> Result<()> {
     );
     let yd = c.poisoned(n * ch)?;
     let (dwd, dpd) = (gpu.zeros::<f32>(v * ch)?, gpu.zeros::<f32>(t * ch)?);
-    gpu.embed_forward(yd.ptr(), idd.ptr(), wd.ptr(), pd.ptr(), n, ch, t, 0)?;
+    gpu.embed_forward(yd.ptr(), idd.ptr(), wd.ptr(), pd.ptr(), n, ch, (t, 0), None)?;
     gpu.embed_backward_tokens(dwd.ptr(), dyd.ptr(), &ids, ch)?;
     gpu.embed_backward_positions(dpd.ptr(), dyd.ptr(), b, t, ch, 0)?;
     let (a, b_) = (gpu.download(&yd)?, host(&y)?);
@@ -725,6 +725,67 @@ fn embedding(c: &mut Checker) -> Result<()> {
     c.compare("embedding backward dwte", Precision::Fp32, &a, &b_);
     let (a, b_) = (c.gpu.download(&dpd)?, host(&dpos)?);
     c.compare("embedding backward dwpe", Precision::Fp32, &a, &b_);
+    reset_positions(c)
+}
+
+/// The position embedding when positions restart at each document (`data.reset_positions`): a
+/// segment (positions 12..40 of 40, three rows) whose documents start before it, inside it, on
+/// its first position and on its last, against `ops::embedding_forward`/`_backward` of the CPU's
+/// position ids (`model::documents::position_ids`).
+fn reset_positions(c: &mut Checker) -> Result<()> {
+    let (ch, seq, pos0, t) = (64, 40, 12, 28);
+    let rows = vec![vec![0, 5, 20, 21], vec![0], vec![0, 12, 39]];
+    let b = rows.len();
+    let mask = ops::DocumentMask::new(rows).map_err(|e| GpuError::Oracle(e.to_string()))?;
+    let n = b * t;
+    let pos_ids = model::documents::position_ids(Some(&mask), b, pos0, t, true);
+    let ids = pos_ids.iter().map(|&q| q as usize).max().unwrap_or(0) + 1;
+    let (pv, pos) = c.tensor(&[seq, ch], 1.0)?;
+    let (dyv, dy) = c.tensor(&[n, ch], 1.0)?;
+    let pid = oracle(Tensor::from_vec(pos_ids, n, &Device::Cpu))?;
+    let y = ops(ops::embedding_forward(&pid, &pos))?;
+    let dpos = ops(ops::embedding_backward(&pid, &dy, seq))?;
+    let gpu = &*c.gpu;
+    let starts = gpu.upload(&position_doc_starts(&mask, seq))?;
+    let docs = DocStarts {
+        ptr: starts.ptr(),
+        len: starts.len(),
+    };
+    // Token table of zeros: the output is the position rows alone.
+    let (pd, dyd, wd, idd) = (
+        gpu.upload(&pv)?,
+        gpu.upload(&dyv)?,
+        gpu.zeros::<f32>(ch)?,
+        gpu.zeros::<u32>(n)?,
+    );
+    let yd = c.poisoned(n * ch)?;
+    let dpd = gpu.zeros::<f32>(seq * ch)?;
+    let shape = (b, t, ch, pos0);
+    gpu.embed_forward(
+        yd.ptr(),
+        idd.ptr(),
+        wd.ptr(),
+        pd.ptr(),
+        n,
+        ch,
+        (t, pos0),
+        Some((docs, seq)),
+    )?;
+    gpu.embed_backward_positions_reset(dpd.ptr(), dyd.ptr(), shape, docs, seq, ids)?;
+    let (a, b_) = (gpu.download(&yd)?, host(&y)?);
+    c.compare(
+        "embedding forward, positions restarting at documents",
+        Precision::Fp32,
+        &a,
+        &b_,
+    );
+    let (a, b_) = (c.gpu.download(&dpd)?, host(&dpos)?);
+    c.compare(
+        "embedding backward dwpe, positions restarting at documents",
+        Precision::Fp32,
+        &a,
+        &b_,
+    );
     Ok(())
 }
 

@@ -120,7 +120,9 @@ pub fn kernel_category(name: &str) -> Option<(&'static str, Group)> {
     }
     Some(match name {
         "embed_forward" => ("embedding fwd", Embedding),
-        "embed_backward_tokens" | "embed_backward_positions" => ("embedding bwd", Embedding),
+        "embed_backward_tokens" | "embed_backward_positions" | "embed_backward_positions_reset" => {
+            ("embedding bwd", Embedding)
+        }
         "column_sum_partial" | "column_sum_finish" => ("bias grad (column sums)", BiasGrad),
         "add_bias" => ("bias add", Elementwise),
         "add" => ("add", Elementwise),

@@ -40,7 +40,11 @@
 //! document starts before its first forward; they are uploaded once as one start per position
 //! ([`crate::DocStarts`]) and every block's attention kernels of every segment read them, so a
 //! query attends only to its own document's keys through the K/V cache, and the dK/dV left for
-//! other documents' keys are zero.
+//! other documents' keys are zero. With [`GpuStage::set_reset_positions`] the embedding reads
+//! them too: positions restart at each document. With [`StagePlan::longest_segment`] a
+//! micro-batch may be cut into segments of its own ([`GpuStage::set_segment_lengths`], the
+//! document partition): every unit's buffers then hold that longest segment, and each unit
+//! covers the positions its micro-batch's lengths give it.
 //!
 //! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
@@ -79,8 +83,14 @@ pub struct StagePlan {
     pub model: ModelConfig,
     /// The blocks this stage holds, and whether it holds the embeddings (first) and the head (last).
     pub layout: StageLayout,
-    /// Lengths of the segments every sequence is cut into, in order.
+    /// Lengths of the segments every sequence is cut into, in order (of a micro-batch given no
+    /// lengths of its own).
     pub segments: Vec<usize>,
+    /// `Some(l)`: micro-batches may be cut into lengths of their own
+    /// ([`GpuStage::set_segment_lengths`]: the document partition), no segment longer than `l`,
+    /// and every unit's buffers hold `l` positions. `None`: every micro-batch is cut into
+    /// `segments`, and each unit's buffers hold its segment's.
+    pub longest_segment: Option<usize>,
 }
 
 impl StagePlan {
@@ -95,6 +105,7 @@ impl StagePlan {
             model,
             layout,
             segments,
+            longest_segment: None,
         }
     }
 }
@@ -320,8 +331,12 @@ impl Bf16Weights {
 pub struct GpuStage {
     gpu: Gpu,
     plan: StagePlan,
-    /// The plan's segments (every unit's positions).
+    /// The plan's segments (the positions of a micro-batch's units unless it has its own lengths:
+    /// [`GpuStage::set_segment_lengths`]).
     segments: Segments,
+    /// Positions each segment's unit buffers hold: the plan's lengths, or its longest segment for
+    /// every unit when micro-batches may have their own.
+    unit_rows: Vec<usize>,
     seq: usize,
     slots: Arc<[Slot]>,
     index: HashMap<String, usize>,
@@ -348,6 +363,8 @@ pub struct GpuStage {
     links: Links,
     /// BF16 copies of the weights, in BF16 mode with [`Bf16Path::CachedWeights`].
     bf16: Option<Bf16Weights>,
+    /// Positions restart at each document ([`GpuStage::set_reset_positions`]).
+    reset_positions: bool,
 }
 
 // SAFETY: a `Gpu` holds a raw cuBLAS handle, which makes it `!Send`. The stage owns its `Gpu`
@@ -524,6 +541,21 @@ impl GpuStage {
                 ),
             );
         }
+        let widest = plan.segments.iter().copied().max().unwrap_or(0);
+        let unit_rows = match plan.longest_segment {
+            None => plan.segments.clone(),
+            Some(l) if (widest..=seq).contains(&l) => vec![l; plan.segments.len()],
+            Some(l) => {
+                return shape(
+                    OP,
+                    format!(
+                        "a longest segment of {l} positions for segments {:?} (it must be at \
+                         least their longest, {widest}, and at most the sequence, {seq})",
+                        plan.segments
+                    ),
+                );
+            }
+        };
         let Flat {
             slots,
             index,
@@ -536,6 +568,7 @@ impl GpuStage {
             v: gpu.zeros(numel)?,
             gpu,
             segments: Segments::new(plan.segments.clone()),
+            unit_rows,
             seq,
             slots: slots.into(),
             index,
@@ -552,6 +585,7 @@ impl GpuStage {
             peak: ActivationPeak::default(),
             links: Links::default(),
             bf16: None,
+            reset_positions: false,
             plan,
         };
         let mut stage = stage;
@@ -867,6 +901,70 @@ impl GpuStage {
         })
     }
 
+    /// Cuts micro-batch `micro_batch` into segments of `lengths` instead of the plan's (the
+    /// document partition). Must come before the micro-batch's first forward; the same lengths
+    /// again are accepted, other lengths for a micro-batch under way are refused, as are lengths
+    /// that do not cut the sequence into the plan's number of non-empty segments (the model's
+    /// rules, [`InFlight::set_segment_lengths`]) and any segment longer than its unit's buffers
+    /// hold ([`StagePlan::longest_segment`]).
+    pub fn set_segment_lengths(&mut self, micro_batch: usize, lengths: Vec<usize>) -> Result<()> {
+        const OP: &str = "GpuStage::set_segment_lengths";
+        if let Some((j, (&len, &room))) = lengths
+            .iter()
+            .zip(&self.unit_rows)
+            .enumerate()
+            .find(|(_, (len, room))| len > room)
+        {
+            return shape(
+                OP,
+                format!(
+                    "micro-batch {micro_batch}: segment {j} of {lengths:?} has {len} positions, its \
+                     unit's buffers hold {room} (the stage plan's longest segment: {})",
+                    match self.plan.longest_segment {
+                        Some(l) => format!("{l}"),
+                        None => "none, every micro-batch is cut as the plan's table".into(),
+                    }
+                ),
+            );
+        }
+        Ok(self
+            .in_flight
+            .set_segment_lengths(micro_batch, lengths, &self.segments)?)
+    }
+
+    /// Positions restart at 0 at each document start (`data.reset_positions`): the position
+    /// embedding of position `pos` is that of `pos − doc_start(pos)`, forward and gradient (the
+    /// CPU stage's rule). Every micro-batch then needs its document starts
+    /// ([`GpuStage::set_documents`]) before its first forward; a forward without them is refused.
+    /// Not while a micro-batch is in flight.
+    pub fn set_reset_positions(&mut self, reset: bool) -> Result<()> {
+        if reset != self.reset_positions && !self.in_flight.is_empty() {
+            return Err(order(
+                "GpuStage::set_reset_positions",
+                "positions cannot start or stop restarting while micro-batches are in flight",
+            ));
+        }
+        self.reset_positions = reset;
+        Ok(())
+    }
+
+    /// With positions restarting at each document, on the first stage: one past the largest
+    /// position id of the positions `start..start + len` of the rows of `docs` (`None`
+    /// otherwise, or without starts: the unit refuses to embed then).
+    fn position_ids(
+        &self,
+        docs: Option<&model::stage::Documents<Buf<u32>>>,
+        (b, start, len): (usize, usize, usize),
+    ) -> Option<usize> {
+        if !self.reset_positions || !self.plan.layout.is_first() {
+            return None;
+        }
+        Some(docs.map_or(1, |d| {
+            let ids = model::documents::position_ids(Some(&d.mask), b, start, len, true);
+            ids.into_iter().max().map_or(0, |q| q as usize + 1)
+        }))
+    }
+
     /// Drops every in-flight unit and gradient (an aborted step).
     pub fn reset_step(&mut self) {
         for mb in self.in_flight.clear() {
@@ -1090,10 +1188,11 @@ impl GpuStage {
             self.plan.model.heads,
         );
         let layers = self.plan.layout.layers.len();
-        let n = b * self.seq;
+        // Rows of the whole sequences (the caches) and of the units' buffers.
+        let (cached, n) = (b * self.seq, b * self.unit_rows.iter().sum::<usize>());
         // Per held block: the QKV cache and dK/dV (5C a position), the saved activations (x, ln1,
         // y, x1, ln2: C each; qkv 3C; u, g: F each; four norm statistics) and the log-sum-exps.
-        let blocks = layers * (n * (5 * c + 8 * c + 2 * f + 4) + b * h * self.seq);
+        let blocks = layers * (cached * 5 * c + n * (8 * c + 2 * f + 4 + h));
         let first = if self.plan.layout.is_first() { n } else { 0 };
         let last = if self.plan.layout.is_last() {
             n * (2 * c + 4)
@@ -1126,7 +1225,7 @@ impl GpuStage {
         }
         let m = &self.plan.model;
         let (c, f, h, v) = (m.d_model, m.ffn(), m.heads, m.vocab_size);
-        let longest = self.segments.longest();
+        let longest = self.unit_rows.iter().copied().max().unwrap_or(0);
         let n = b * longest;
         let chunk = CHUNK_ROWS.min(n);
         let widest = f.max(3 * c).max(v);
@@ -1170,7 +1269,7 @@ impl GpuStage {
         let z = |len: usize| self.gpu.zeros::<f32>(len);
         let layers = self.plan.layout.layers.len();
         let mut units = Vec::new();
-        for &s in self.segments.lengths() {
+        for &s in &self.unit_rows {
             let n = b * s;
             let mut blocks = Vec::new();
             for _ in 0..layers {
@@ -1231,7 +1330,15 @@ impl GpuStage {
         const OP: &str = "GpuStage::forward";
         self.gpu.bind()?;
         let unit = Unit::new(micro_batch, segment);
-        let seg = self.segments.segment(unit)?;
+        if self.reset_positions && self.in_flight.documents(micro_batch).is_none() {
+            return Err(GpuError::from(model::ModelError::Input {
+                unit,
+                reason: "positions restart at each document (data.reset_positions) but the \
+                         micro-batch has no document starts (GpuStage::set_documents)"
+                    .into(),
+            }));
+        }
+        let seg = self.in_flight.segment(unit, &self.segments)?;
         let len = seg.len;
         let c = self.plan.model.d_model;
         let in_len = match &input {
@@ -1370,6 +1477,7 @@ impl GpuStage {
             segment,
             rows: UnitShape { b, start, len },
             docs: docs.map(doc_starts),
+            position_ids: self.position_ids(docs, (b, start, len)),
             fwd: Some(Fwd {
                 input: arrival,
                 targets,
@@ -1518,7 +1626,7 @@ impl GpuStage {
     ) -> Result<UnitGrad> {
         self.gpu.bind()?;
         let unit = Unit::new(micro_batch, segment);
-        let seg = self.segments.segment(unit)?;
+        let seg = self.in_flight.segment(unit, &self.segments)?;
         let mut work = self.in_flight.start_backward(unit, seg)?;
         let result = self.backward_in(&mut work.micro_batch.state, (micro_batch, segment), d_out);
         // A failed backward moves nothing; segment 0's ends the micro-batch and completes its
@@ -1586,7 +1694,8 @@ impl GpuStage {
         acc: u64,
         d_out: Dy,
     ) -> Result<Option<usize>> {
-        let Segment { start, len } = self.segments.segment(Unit::new(micro_batch, segment))?;
+        let unit = Unit::new(micro_batch, segment);
+        let Segment { start, len } = self.in_flight.segment(unit, &self.segments)?;
         let b = self.batch.expect("fixed by the forward");
         let docs = self.in_flight.documents(micro_batch);
         let mut device = GpuUnit {
@@ -1595,6 +1704,7 @@ impl GpuStage {
             segment,
             rows: UnitShape { b, start, len },
             docs: docs.map(doc_starts),
+            position_ids: self.position_ids(docs, (b, start, len)),
             fwd: None,
             bwd: Some(Bwd {
                 acc,

@@ -30,6 +30,7 @@ fn plan(norm: Norm) -> StagePlan {
         model,
         layout,
         segments: vec![4, 4],
+        longest_segment: None,
     }
 }
 

@@ -36,6 +36,7 @@ fn stage() -> GpuStage {
         model,
         layout,
         segments: vec![4, 4],
+        longest_segment: None,
     };
     let dims: Vec<(&str, Vec<usize>)> = vec![
         ("ln_1.weight", vec![c]),

@@ -15,6 +15,10 @@
 //! Shape: one sequence, one head, head dim `--head-dim` (16), f32. The partitions use the
 //! attention terms of the FLOPs model only (hidden, FFN and vocabulary 0), since only the
 //! attention kernels are timed here; a stage would use its full model.
+//!
+//! The whole-step part ([`step`], `--part step`) runs a real masked Seq1F1B step of a tiny GPT on
+//! CPU stages and replays its unit times on `p` devices: the bubble against the formula, and the
+//! step time with masks against without.
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -34,6 +38,19 @@ use trainer::schedule::doc_segments::{
     MaskedCost, cost_ratio, document_segment_lengths, solve_document_partition,
 };
 use trainer::schedule::{FlopsModel, Partition, segment_lengths};
+
+mod step;
+
+/// Which parts `seqpipe bench docmask` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// The attention kernels per segment, and the whole sequence masked against unmasked.
+    Attention,
+    /// A whole masked Seq1F1B step on CPU stages, replayed on `--stages` devices.
+    Step,
+    /// Both.
+    Both,
+}
 
 /// Flags of `seqpipe bench docmask`.
 #[derive(Args, Debug)]
@@ -62,6 +79,18 @@ pub struct DocmaskBenchArgs {
     /// Also write the numbers as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<std::path::PathBuf>,
+    /// Which parts to run.
+    #[arg(long, value_enum, default_value_t = Part::Both)]
+    part: Part,
+    /// Whole step: pipeline stages p (one layer each).
+    #[arg(long, default_value_t = 4)]
+    stages: usize,
+    /// Whole step: micro-batches m (one packed row each).
+    #[arg(long, default_value_t = 4)]
+    step_microbatches: usize,
+    /// Whole step: rounds (the attention part uses `--rounds`).
+    #[arg(long, default_value_t = 2)]
+    step_rounds: usize,
 }
 
 /// One (T, k, partition) row.
@@ -97,6 +126,8 @@ struct Report {
     rounds: usize,
     partitions: Vec<PartitionRow>,
     masks: Vec<MaskRow>,
+    step: Option<step::StepShape>,
+    steps: Vec<step::StepRow>,
 }
 
 /// Runs the benchmark on one compute thread and prints its tables.
@@ -119,7 +150,6 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
         vocab: 0,
         attention_cost: 1.0,
     };
-    let scale = 1.0 / (args.head_dim as f64).sqrt();
     let mut report = Report {
         median: args.median,
         sigma: args.sigma,
@@ -127,7 +157,41 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
         rounds: args.rounds,
         partitions: Vec::new(),
         masks: Vec::new(),
+        step: None,
+        steps: Vec::new(),
     };
+    if args.part != Part::Step {
+        attention(args, &docs, &model, &mut report)?;
+    }
+    if args.part != Part::Attention {
+        let shape = step::StepShape {
+            stages: args.stages,
+            microbatches: args.step_microbatches,
+            rounds: args.step_rounds,
+            head_dim: args.head_dim,
+        };
+        if args.part == Part::Both {
+            println!();
+        }
+        report.steps = step::run(&shape, &docs, args.seed, &args.seq_lens, &args.splits)?;
+        report.step = Some(shape);
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The attention part: per (T, k) the segments' time ratio under each partition, and per T the
+/// whole sequence's attention with the mask against without.
+fn attention(
+    args: &DocmaskBenchArgs,
+    docs: &SyntheticDocuments,
+    model: &FlopsModel,
+    report: &mut Report,
+) -> Result<()> {
+    let scale = 1.0 / (args.head_dim as f64).sqrt();
     println!(
         "document-masked attention, 1 sequence x 1 head x head dim {}, f32, 1 thread; documents \
          log-normal (median {}, sigma {}); forward + backward per segment over its trimmed K/V \
@@ -148,7 +212,7 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
         let tokens = docs.sample(Split::Train, key, t)?;
         let starts = document_starts(&tokens, docs.end_of_text());
         let mask = DocumentMask::new(vec![starts.clone()])?;
-        let cost = MaskedCost::new(&starts, t, &model)?;
+        let cost = MaskedCost::new(&starts, t, model)?;
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ t as u64);
         let mut rand = |n: usize| -> Result<Tensor> {
             let data: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
@@ -192,8 +256,8 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
             per_token_in_pairs: per_token / per_pair,
         });
         for &splits in &args.splits {
-            let blind = segment_lengths(Partition::Compute, t, splits, &model)?;
-            let aware = document_segment_lengths(&starts, t, splits, &model)?;
+            let blind = segment_lengths(Partition::Compute, t, splits, model)?;
+            let aware = document_segment_lengths(&starts, t, splits, model)?;
             let fit = solve_document_partition(&fitted, splits);
             for (name, lengths) in [("blind", blind), ("aware", aware), ("fitted", fit)] {
                 let mut time_ratios = Vec::with_capacity(args.rounds);
@@ -253,10 +317,6 @@ fn run_on_this_thread(args: &DocmaskBenchArgs) -> Result<()> {
             m.modelled_fraction,
             m.per_token_in_pairs
         );
-    }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

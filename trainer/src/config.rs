@@ -667,10 +667,10 @@ impl Config {
 
     /// `data.document_mask`, `data.reset_positions` and `pipeline.partition = "documents"`:
     /// consistent, and refused where the stage cannot apply them: positions restarting per
-    /// document on CUDA devices (their position kernels take contiguous positions) and with RoPE
-    /// (the rotary table takes contiguous positions only); the document partition without masks
-    /// (no documents to balance on) and on CUDA devices (per-segment buffers sized once). Masks themselves work on both devices. See docs/data.md, "Packed
-    /// documents".
+    /// document with RoPE (the rotary table takes contiguous positions only); the document
+    /// partition without masks (no documents to balance on); masks over NCCL device links (the
+    /// starts ride in the TCP activation header). All three work on CPU and CUDA stages. See
+    /// docs/data.md, "Packed documents".
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let d = &self.data;
         if d.reset_positions && !d.document_mask {
@@ -691,35 +691,12 @@ impl Config {
                     .into(),
             });
         }
-        if self.pipeline.partition == Partition::Documents {
-            if !d.document_mask {
-                return Err(ConfigError::Invalid {
-                    key: "pipeline.partition",
-                    message: "\"documents\" balances each micro-batch's segments on its \
-                              documents, which exist only with document masks: set \
-                              data.document_mask = true, or use \"compute\""
-                        .into(),
-                });
-            }
-            if self.model.device == DeviceKind::Cuda {
-                return Err(ConfigError::Invalid {
-                    key: "pipeline.partition",
-                    message: "\"documents\" gives each micro-batch its own segment lengths, but \
-                              a CUDA stage sizes its per-segment buffers once for one table of \
-                              lengths; use \"compute\" with model.device = \"cuda\", or \
-                              model.device = \"cpu\" (see docs/data.md, \"Packed documents\")"
-                        .into(),
-                });
-            }
-        }
-        if d.reset_positions && self.model.device == DeviceKind::Cuda {
-            return Err(ConfigError::NotWired {
-                key: "data.reset_positions",
-                what: "CPU stages restart learned positions at each document, but the CUDA \
-                       position kernels (gpu/: embed_forward, embed_backward_positions) take \
-                       contiguous positions; set model.device = \"cpu\" or \
-                       data.reset_positions = false (document masks alone work on CUDA; see \
-                       docs/data.md, \"Packed documents\")"
+        if self.pipeline.partition == Partition::Documents && !d.document_mask {
+            return Err(ConfigError::Invalid {
+                key: "pipeline.partition",
+                message: "\"documents\" balances each micro-batch's segments on its documents, \
+                          which exist only with document masks: set data.document_mask = true, \
+                          or use \"compute\""
                     .into(),
             });
         }
@@ -1227,15 +1204,14 @@ mod tests {
             .validate()
             .unwrap_err();
         partition_error(&err, "data.document_mask = true");
-        // CUDA stages size their per-segment buffers for one table.
-        let err = with(&[
+        // CUDA stages size their units for the longest segment any micro-batch can get.
+        with(&[
             "pipeline.partition=\"documents\"",
             "data.document_mask=true",
             "model.device=\"cuda\"",
         ])
         .validate()
-        .unwrap_err();
-        partition_error(&err, "CUDA stage");
+        .unwrap();
         // With masks on CPU stages: accepted, each micro-batch cut from its documents; one table
         // for all is refused, naming the key.
         let cfg = with(&[
@@ -1296,33 +1272,18 @@ mod tests {
             assert!(cfg.data.document_mask);
             cfg.validate().unwrap();
         }
-        // On CUDA stages the mask is accepted (the attention kernels take document starts), but
-        // restarting positions is refused with a typed error naming what is missing.
-        with(&["data.document_mask=true", "model.device=\"cuda\""])
-            .validate()
-            .unwrap();
-        let err = with(&[
-            "data.document_mask=true",
-            "data.reset_positions=true",
-            "model.device=\"cuda\"",
-        ])
-        .validate()
-        .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                ConfigError::NotWired {
-                    key: "data.reset_positions",
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        let text = err.to_string();
-        assert!(
-            text.contains("CUDA position kernels") && text.contains("model.device = \"cpu\""),
-            "{text}"
-        );
+        // On CUDA stages too: the attention kernels take document starts, the embedding kernels
+        // restart positions at them.
+        for sets in [
+            &["data.document_mask=true", "model.device=\"cuda\""][..],
+            &[
+                "data.document_mask=true",
+                "data.reset_positions=true",
+                "model.device=\"cuda\"",
+            ][..],
+        ] {
+            with(sets).validate().unwrap();
+        }
         // NCCL device links carry no document starts: refused, naming the way out.
         let err = with(&[
             "data.document_mask=true",

@@ -68,6 +68,10 @@ pub(super) struct GpuUnit<'s> {
     pub rows: UnitShape,
     /// The micro-batch's document starts on the device, when its attention is masked.
     pub docs: Option<DocStarts>,
+    /// With positions restarting at each document (`data.reset_positions`; first stage): one
+    /// past the unit's largest position id. The position rows are then gathered and their
+    /// gradient summed by the ids `docs` give.
+    pub position_ids: Option<usize>,
     pub fwd: Option<Fwd<'s>>,
     pub bwd: Option<Bwd<'s>>,
 }
@@ -97,6 +101,17 @@ impl<'s> GpuUnit<'s> {
             Some(a) => &mut a.x,
             None => &mut unit.out,
         }
+    }
+
+    /// The document starts positions restart at: an error without them.
+    fn restarts(&self) -> Result<DocStarts> {
+        self.docs.ok_or_else(|| {
+            order(
+                "GpuStage",
+                "positions restart at each document (data.reset_positions) but the micro-batch \
+                 has no document starts (GpuStage::set_documents)",
+            )
+        })
     }
 
     fn fwd(&self) -> Result<&Fwd<'s>> {
@@ -173,6 +188,7 @@ impl StageDevice for GpuUnit<'_> {
         }
         let (n, c, UnitShape { len, start, .. }) = (self.n(), self.c(), self.rows);
         let x0 = self.input_buffer().ptr();
+        let restart = self.position_ids.map(|_| self.restarts()).transpose()?;
         let unit = &mut self.mb.units[self.segment];
         stage.gpu.write(&mut unit.ids, ids)?;
         unit.host_ids = ids.to_vec();
@@ -183,8 +199,8 @@ impl StageDevice for GpuUnit<'_> {
             stage.at(&stage.values, names::WPE),
             n,
             c,
-            len,
-            start,
+            (len, start),
+            restart.map(|docs| (docs, stage.seq)),
         )?;
         Ok(x0)
     }
@@ -305,7 +321,14 @@ impl StageDevice for GpuUnit<'_> {
         let ids = &self.unit().host_ids;
         let gpu = &stage.gpu;
         gpu.embed_backward_tokens(stage.grad_at(acc, names::WTE), *dx, ids, c)?;
-        gpu.embed_backward_positions(stage.grad_at(acc, names::WPE), *dx, b, len, c, start)?;
+        let dwpe = stage.grad_at(acc, names::WPE);
+        match self.position_ids {
+            None => gpu.embed_backward_positions(dwpe, *dx, b, len, c, start)?,
+            Some(ids) => {
+                let (docs, seq) = (self.restarts()?, stage.seq);
+                gpu.embed_backward_positions_reset(dwpe, *dx, (b, len, c, start), docs, seq, ids)?
+            }
+        }
         Ok(None)
     }
 

@@ -255,6 +255,10 @@ pub struct StageSpec {
     /// The segment lengths of a micro-batch given none of its own
     /// ([`StageCompute::set_segment_lengths`]).
     pub segment_lengths: Vec<usize>,
+    /// `Some(l)` when micro-batches may get lengths of their own (the document partition), none
+    /// over `l` ([`crate::schedule::SegmentRule::longest`]): a device that preallocates sizes its
+    /// units for it. `None`: every micro-batch is cut into `segment_lengths`.
+    pub longest_segment: Option<usize>,
     /// Seed of the initial weights (a function of `(seed, name)` only).
     pub seed: u64,
     /// AdamW's betas and epsilon.
@@ -435,6 +439,7 @@ mod tests {
         StageSpec {
             layout: partition_layers(model, seq, stages).unwrap()[s].clone(),
             segment_lengths: vec![seq / 2, seq / 2],
+            longest_segment: None,
             seed: 3,
             adamw: AdamWConfig {
                 beta1: 0.9,

@@ -4,8 +4,10 @@
 //! same values for a seed), and opens the worker's GPU.
 //!
 //! What the CUDA kernels do not cover is refused when the stage is built, with what to do: RoPE
-//! positions and f64 stages; and positions restarting at each document (`data.reset_positions`)
-//! when asked. Document masks are the device stage's ([`GpuStage::set_documents`]).
+//! positions and f64 stages. Document masks, positions restarting at each document and
+//! micro-batches cut into lengths of their own (the document partition) are the device stage's
+//! ([`GpuStage::set_documents`], [`GpuStage::set_reset_positions`],
+//! [`GpuStage::set_segment_lengths`]).
 //!
 //! It also offers [`DeviceLinks`]: NCCL links to the neighbouring stages' GPUs
 //! (`pipeline.transport = "nccl"`), with the boundary tensors kept on the device.
@@ -118,6 +120,7 @@ impl CudaStage {
             model: model.clone(),
             layout: spec.layout.clone(),
             segments: spec.segment_lengths.clone(),
+            longest_segment: spec.longest_segment,
         };
         let stage = GpuStage::new(gpu, plan, params).map_err(device_err)?;
         Ok(Self {
@@ -240,6 +243,20 @@ impl StageCompute for CudaStage {
         self.stage
             .set_documents(micro_batch, mask)
             .map_err(device_err)
+    }
+
+    fn set_segment_lengths(
+        &mut self,
+        micro_batch: usize,
+        lengths: Vec<usize>,
+    ) -> Result<(), ModelError> {
+        self.stage
+            .set_segment_lengths(micro_batch, lengths)
+            .map_err(device_err)
+    }
+
+    fn set_reset_positions(&mut self, reset: bool) -> Result<(), ModelError> {
+        self.stage.set_reset_positions(reset).map_err(device_err)
     }
 
     fn forward(

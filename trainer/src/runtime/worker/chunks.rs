@@ -299,6 +299,7 @@ mod tests {
                     StageSpec {
                         layout: layout.clone(),
                         segment_lengths: vec![16],
+                        longest_segment: None,
                         seed,
                         adamw: AdamWConfig {
                             beta1: 0.9,

@@ -446,6 +446,7 @@ impl Worker {
                 StageSpec {
                     layout,
                     segment_lengths: segments.table().to_vec(),
+                    longest_segment: segments.per_micro_batch().then(|| segments.longest()),
                     seed: t.seed,
                     adamw: AdamWConfig {
                         beta1: t.beta1,
