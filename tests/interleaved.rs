@@ -268,7 +268,14 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
             &["elastic.peer_snapshots=true"],
             "elastic.peer_snapshots = false",
         ),
-        (&["model.device=cuda"], "model.device = \"cpu\""),
+        (
+            &[
+                "model.device=cuda",
+                "pipeline.transport=nccl",
+                "elastic.mid_step=true",
+            ],
+            "pipeline.transport = \"tcp\"",
+        ),
         (
             &["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"],
             "cannot run pipeline.schedule = \"seq1f1b-zb\"",
