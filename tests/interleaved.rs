@@ -264,7 +264,14 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
         k: 2,
     };
     for (sets, says) in [
-        (&["model.device=cuda"][..], "model.device = \"cpu\""),
+        (
+            &[
+                "model.device=cuda",
+                "pipeline.transport=nccl",
+                "elastic.mid_step=true",
+            ],
+            "pipeline.transport = \"tcp\"",
+        ),
         (
             &["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"],
             "cannot run pipeline.schedule = \"seq1f1b-zb\"",

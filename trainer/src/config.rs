@@ -601,26 +601,23 @@ impl Config {
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
     /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
     /// and refusals, naming the key and what to use instead, of what virtual stages are not wired
-    /// into yet: CUDA stages, NCCL device links and a stage memory budget. (Mid-step recovery and
-    /// peer snapshots work with chunks: a replacement rebuilds all of a lost worker's chunks, and
-    /// a snapshot is the union of its chunks' state under global names.)
+    /// into yet: a stage memory budget, and mid-step recovery over NCCL device links. (CUDA
+    /// stages and NCCL links hold chunks; mid-step recovery over TCP and peer snapshots work with
+    /// chunks: a replacement rebuilds all of a lost worker's chunks, and a snapshot is the union
+    /// of its chunks' state under global names.)
     fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let v = p.virtual_stages;
-        let not_runnable = |what: String| {
-            Err(ConfigError::ScheduleNotRunnable(
-                crate::schedule::ScheduleError::not_runnable_virtual(what),
-            ))
-        };
-        if m.device == DeviceKind::Cuda {
-            return not_runnable(format!(
-                "pipeline.virtual_stages = {v} with model.device = \"cuda\""
-            ));
-        }
-        if p.transport == StageTransport::Nccl {
-            return not_runnable(format!(
-                "pipeline.virtual_stages = {v} with pipeline.transport = \"nccl\""
-            ));
+        if p.transport == StageTransport::Nccl && self.elastic.mid_step {
+            return Err(ConfigError::NotWired {
+                key: "elastic.mid_step",
+                what: format!(
+                    "a worker holding {v} virtual-stage chunks over NCCL device links (one per \
+                     chunk and side) cannot be replaced in the middle of a step yet; set \
+                     elastic.mid_step = false (a lost worker then restarts the step from the \
+                     last checkpoint) or pipeline.transport = \"tcp\""
+                ),
+            });
         }
         let chunks = p.stages.saturating_mul(v);
         if chunks > m.layers {
@@ -678,16 +675,6 @@ impl Config {
                 key: "data.reset_positions",
                 message: "restarts positions at each document start, so it needs \
                           data.document_mask = true"
-                    .into(),
-            });
-        }
-        if d.document_mask && self.pipeline.transport == StageTransport::Nccl {
-            return Err(ConfigError::NotWired {
-                key: "data.document_mask",
-                what: "the stages past the first get a micro-batch's document starts from the \
-                       header of its activation message over TCP, but NCCL device links carry \
-                       the tensor alone; set pipeline.transport = \"tcp\" or \
-                       data.document_mask = false (see docs/data.md, \"Packed documents\")"
                     .into(),
             });
         }
@@ -1011,11 +998,12 @@ mod tests {
         }
     }
 
-    /// The interleaved kinds run on CPU stages over TCP, with mid-step recovery and peer
-    /// snapshots (the defaults) on or off; everything else they would need is refused, naming
-    /// the key and what to use instead.
+    /// The interleaved kinds run on CPU and CUDA stages, over TCP and NCCL device links, with
+    /// mid-step recovery and peer snapshots (the defaults) on or off, but for mid-step recovery
+    /// over NCCL links; everything else they would need is refused, naming the key and what to
+    /// use instead.
     #[test]
-    fn interleaved_kinds_run_on_cpu_over_tcp_and_refuse_what_is_not_wired() {
+    fn interleaved_kinds_run_with_chunks_and_refuse_what_is_not_wired() {
         let base = |extra: &[&str]| {
             let mut sets: Vec<String> = [
                 "model.layers=8",
@@ -1042,21 +1030,34 @@ mod tests {
             .validate()
             .unwrap();
             let refused = |extra: &str| base(&[&set, extra]).validate().expect_err(extra);
-            for (extra, what) in [
-                ("model.device=cuda", "model.device = \"cuda\""),
-                ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),
-            ] {
-                let err = refused(extra);
-                assert!(
-                    matches!(err, ConfigError::ScheduleNotRunnable(_)),
-                    "{extra}: {err}"
-                );
-                let text = err.to_string();
-                assert!(
-                    text.contains(what) && text.contains("model.device = \"cpu\""),
-                    "{text}"
-                );
-            }
+            // CUDA stages, over TCP or over NCCL device links, hold chunks too; over device
+            // links a mid-step replacement is refused, naming the way out.
+            base(&[&set, "model.device=cuda"]).validate().unwrap();
+            base(&[&set, "model.device=cuda", "pipeline.transport=nccl"])
+                .validate()
+                .unwrap();
+            let err = base(&[
+                &set,
+                "model.device=cuda",
+                "pipeline.transport=nccl",
+                "elastic.mid_step=true",
+            ])
+            .validate()
+            .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::NotWired {
+                        key: "elastic.mid_step",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(
+                err.to_string().contains("pipeline.transport = \"tcp\""),
+                "{err}"
+            );
             let err = refused("train.memory_budget_bytes=1000000000").to_string();
             assert!(
                 err.contains("train.memory_budget_bytes") && err.contains("set 0"),
@@ -1284,28 +1285,14 @@ mod tests {
         ] {
             with(sets).validate().unwrap();
         }
-        // NCCL device links carry no document starts: refused, naming the way out.
-        let err = with(&[
+        // Over NCCL device links the document starts ride in the activations' TCP headers.
+        with(&[
             "data.document_mask=true",
             "model.device=\"cuda\"",
             "pipeline.transport=\"nccl\"",
         ])
         .validate()
-        .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                ConfigError::NotWired {
-                    key: "data.document_mask",
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(
-            err.to_string().contains("pipeline.transport = \"tcp\""),
-            "{err}"
-        );
+        .unwrap();
         // Restarting positions needs the learned position table.
         let err = with(&[
             "data.document_mask=true",

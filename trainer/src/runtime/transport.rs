@@ -6,7 +6,8 @@
 //!
 //! With device links between the stages (`pipeline.transport = "nccl"`) the values go from device
 //! to device and the TCP link carries the rest: the links' ids when they are built, each tensor's
-//! header ([`TcpLink::send_header`]), and — through [`TcpLink::peer_gone`] — the news that the peer
+//! header ([`TcpLink::send_header`], with the virtual stage it is for and an activation's
+//! document starts, as on a tensor sent over TCP), and — through [`TcpLink::peer_gone`] — the news that the peer
 //! is gone, which ends any wait on the device link.
 
 use std::io::{self, BufReader, BufWriter};
@@ -372,30 +373,42 @@ impl TcpLink {
         Ok([id(0), id(1)])
     }
 
-    /// Sends the header of a tensor whose values follow on the device link.
+    /// Sends the header of a tensor whose values follow on the device link: for virtual stage
+    /// `virtual_stage` (`None` without virtual stages), and on an activation with document masks
+    /// the document starts of its micro-batch's rows (the device link carries the values alone).
     pub fn send_header(
         &mut self,
         step: u64,
         payload: Payload,
         unit: Unit,
+        virtual_stage: Option<usize>,
         shape: &[usize],
+        documents: Option<&[Vec<usize>]>,
     ) -> Result<(), TransportError> {
-        let header = self.header(step, payload, unit, shape.to_vec(), true);
+        let mut header = self.header(step, payload, unit, shape.to_vec(), true);
+        header.virtual_stage = virtual_stage;
+        header.documents = documents.map(<[Vec<usize>]>::to_vec);
         write_frame(&mut self.writer, &Frame::new(&header, Vec::new()))
             .map_err(|e| self.io_error(e))
     }
 
     /// Receives the header of the next tensor, which must be the `payload` of `unit` in `step`
-    /// with its values on the device link: its shape, at most the run's largest boundary tensor.
+    /// for `virtual_stage` (exactly: `None` without virtual stages) with its values on the device
+    /// link: its shape, at most the run's largest boundary tensor, and the document starts it
+    /// carries, if any (unchecked: the caller checks them against the micro-batch, as
+    /// [`TcpLink::recv_virtual`]'s).
     pub fn recv_header(
         &mut self,
         step: u64,
         payload: Payload,
         unit: Unit,
-    ) -> Result<Vec<usize>, TransportError> {
+        virtual_stage: Option<usize>,
+    ) -> Result<(Vec<usize>, Option<DocumentStarts>), TransportError> {
         let frame = self.next_frame()?;
-        let header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
-        let expected = self.header(step, payload, unit, header.shape.clone(), true);
+        let mut header: TensorHeader = frame.header().map_err(|e| self.io_error(e))?;
+        let documents = header.documents.take();
+        let mut expected = self.header(step, payload, unit, header.shape.clone(), true);
+        expected.virtual_stage = virtual_stage;
         if header != expected || !frame.payload.is_empty() {
             return Err(TransportError::Unexpected {
                 peer: self.peer.clone(),
@@ -408,7 +421,7 @@ impl TcpLink {
             .iter()
             .try_fold(4u64, |acc, &d| acc.checked_mul(d as u64));
         match bytes {
-            Some(b) if b <= self.max_tensor_bytes => Ok(header.shape),
+            Some(b) if b <= self.max_tensor_bytes => Ok((header.shape, documents)),
             _ => Err(TransportError::BadTensor {
                 peer: self.peer.clone(),
                 reason: format!(
@@ -771,8 +784,8 @@ mod tests {
     }
 
     /// With device links the TCP link carries the links' ids and each tensor's header; a header
-    /// must name the expected unit, carry no values, and announce at most the run's largest
-    /// boundary tensor. The reader thread's end sets the peer-gone flag.
+    /// must name the expected unit and virtual stage, carry no values, and announce at most the
+    /// run's largest boundary tensor; an activation's may carry document starts. The reader thread's end sets the peer-gone flag.
     #[test]
     fn device_link_ids_and_headers_cross_and_are_checked() {
         let unit = Unit::new(1, 0);
@@ -780,28 +793,57 @@ mod tests {
         let ids = [[7u8; 128], [9u8; 128]];
         a.send_link_ids(&ids).unwrap();
         assert_eq!(b.recv_link_ids().unwrap(), ids);
-        a.send_header(2, Payload::Activation, unit, &[6, 8])
+        a.send_header(2, Payload::Activation, unit, None, &[6, 8], None)
             .unwrap();
         assert_eq!(
-            b.recv_header(2, Payload::Activation, unit).unwrap(),
-            vec![6, 8]
+            b.recv_header(2, Payload::Activation, unit, None).unwrap(),
+            (vec![6, 8], None)
         );
         // Values where a header was expected, or the reverse, are protocol errors.
         let t = Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
         a.send(2, Payload::Activation, unit, &t).unwrap();
-        let err = b.recv_header(2, Payload::Activation, unit).unwrap_err();
+        let err = b
+            .recv_header(2, Payload::Activation, unit, None)
+            .unwrap_err();
         assert!(matches!(err, TransportError::Unexpected { .. }), "{err}");
-        a.send_header(2, Payload::Grad, unit, &[2, 2]).unwrap();
+        a.send_header(2, Payload::Grad, unit, None, &[2, 2], None)
+            .unwrap();
         let err = b.recv(2, Payload::Grad, unit).unwrap_err();
         assert!(matches!(err, TransportError::Unexpected { .. }), "{err}");
         // 1 MiB is the pair's limit: a header announcing more is refused.
-        a.send_header(2, Payload::Grad, unit, &[1 << 20, 2])
+        a.send_header(2, Payload::Grad, unit, None, &[1 << 20, 2], None)
             .unwrap();
-        let err = b.recv_header(2, Payload::Grad, unit).unwrap_err();
+        let err = b.recv_header(2, Payload::Grad, unit, None).unwrap_err();
         assert!(err.to_string().contains("largest boundary tensor"), "{err}");
-        a.send_header(2, Payload::Grad, unit, &[usize::MAX, 3])
+        a.send_header(2, Payload::Grad, unit, None, &[usize::MAX, 3], None)
             .unwrap();
-        assert!(b.recv_header(2, Payload::Grad, unit).is_err());
+        assert!(b.recv_header(2, Payload::Grad, unit, None).is_err());
+        // With virtual stages a header names the virtual stage it is for, exactly.
+        a.send_header(2, Payload::Grad, unit, Some(3), &[2, 8], None)
+            .unwrap();
+        assert_eq!(
+            b.recv_header(2, Payload::Grad, unit, Some(3)).unwrap().0,
+            vec![2, 8]
+        );
+        for (sent, expected) in [(Some(1), Some(3)), (None, Some(3)), (Some(3), None)] {
+            a.send_header(2, Payload::Grad, unit, sent, &[2, 8], None)
+                .unwrap();
+            let err = b.recv_header(2, Payload::Grad, unit, expected).unwrap_err();
+            assert!(
+                matches!(err, TransportError::Unexpected { .. }),
+                "sent {sent:?}, expected {expected:?}: {err}"
+            );
+        }
+        // With document masks an activation's header carries its micro-batch's document starts
+        // (handed back unchecked: the worker checks them against the micro-batch).
+        let docs = vec![vec![0, 5], vec![0]];
+        a.send_header(2, Payload::Activation, unit, Some(4), &[2, 8], Some(&docs))
+            .unwrap();
+        assert_eq!(
+            b.recv_header(2, Payload::Activation, unit, Some(4))
+                .unwrap(),
+            (vec![2, 8], Some(docs))
+        );
         let gone = b.peer_gone();
         assert!(!gone.load(Ordering::SeqCst));
         drop(a);

@@ -205,23 +205,8 @@ impl ScheduleError {
             reason: RUNTIME_LACKS,
         }
     }
-
-    /// Why the stage runtime refuses virtual stages (`what`: the setting that asks for them
-    /// where they are not wired, e.g. `model.device = "cuda"`).
-    pub fn not_runnable_virtual(what: String) -> ScheduleError {
-        ScheduleError::NotRunnable {
-            what,
-            reason: VIRTUAL_LACKS,
-        }
-    }
 }
 
 /// What the stage runtime lacks for the zero-bubble kind.
 const RUNTIME_LACKS: &str = "its workers run whole backwards (input/weight backward halves \
                              exist at the schedule level only)";
-
-/// What the stage runtime lacks for virtual stages beyond CPU stages over TCP.
-const VIRTUAL_LACKS: &str = "a worker's virtual-stage chunks are CPU stages linked over TCP; \
-                             CUDA stages and NCCL device links hold one chunk per worker \
-                             (use model.device = \"cpu\" and pipeline.transport = \"tcp\", or \
-                             a schedule without virtual stages: 1f1b or seq1f1b)";

@@ -15,8 +15,13 @@ pub(super) type DocStarts = Arc<Vec<Vec<usize>>>;
 pub(super) enum Boundary {
     /// On the host (the TCP link carries its values).
     Host(Tensor),
-    /// On the stage's device (received on, or kept for, a device link): `rows × width` values.
-    Device { rows: usize, width: usize },
+    /// On the device of local chunk `chunk` (received on, or kept for, one of that chunk's
+    /// device links): `rows × width` values.
+    Device {
+        rows: usize,
+        width: usize,
+        chunk: usize,
+    },
 }
 
 impl Boundary {
@@ -24,7 +29,7 @@ impl Boundary {
     pub(super) fn bytes(&self) -> usize {
         match self {
             Boundary::Host(t) => t.elem_count() * t.dtype().size_in_bytes(),
-            Boundary::Device { rows, width } => rows * width * 4,
+            Boundary::Device { rows, width, .. } => rows * width * 4,
         }
     }
 }

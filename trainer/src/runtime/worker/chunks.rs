@@ -261,13 +261,11 @@ impl Chunks {
             .sum()
     }
 
-    /// The device links of a one-chunk worker (`pipeline.transport = "nccl"` runs without
-    /// virtual stages only).
-    pub(in crate::runtime) fn device_links(&mut self) -> Option<&mut dyn DeviceLinks> {
-        match &mut self.chunks[..] {
-            [one] => one.device_links(),
-            _ => None,
-        }
+    /// The device links of chunk `c` (`pipeline.transport = "nccl"`): each chunk has its own, to
+    /// the chunks of the neighbouring virtual stages (see `links.rs`). `None` for a chunk the
+    /// worker does not hold or a stage without device links (CPU).
+    pub(in crate::runtime) fn device_links(&mut self, c: usize) -> Option<&mut dyn DeviceLinks> {
+        self.chunks.get_mut(c)?.device_links()
     }
 }
 

@@ -7,7 +7,11 @@
 //! stage, and a boundary tensor travels between neighbouring virtual stages — over the same link
 //! to worker r±1 for every chunk, and from the last worker's chunk c to the first worker's chunk
 //! c+1 over the link that closes the ring. Each message names the virtual stage it is for, and
-//! the receiver checks it (see [`TcpLink::send_virtual`]).
+//! the receiver checks it (see [`TcpLink::send_virtual`]). Over device links each chunk has links
+//! of its own to the chunks beside it: a tensor a chunk keeps ([`Boundary::Device`] names the
+//! chunk) is sent on that chunk's link, and a header's tensor received onto that of the chunk the
+//! action names. Document starts travel in the activation's message over TCP, and in its header
+//! beside a device link; the receiver checks them either way.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -29,7 +33,7 @@ use crate::model::{
 use crate::runtime::control::ControlStream;
 use crate::runtime::kill_switch::Point;
 use crate::runtime::trace::unix_time_us;
-use crate::runtime::transport::{Payload, TcpLink, TransportError};
+use crate::runtime::transport::{DocumentStarts, Payload, TcpLink, TransportError};
 use crate::schedule::{
     Action, Op, Schedule, ScheduleError, ScheduleKind, Unit, generate_forward_only, validate,
 };
@@ -136,9 +140,11 @@ impl Worker {
         if self.linked() {
             // What the last step (or evaluation) kept for its links is no longer needed.
             let deadline = Instant::now() + self.cfg.pipeline.timeout();
-            device_links(&mut self.stage)?
-                .release_boundaries(deadline)
-                .map_err(|e| link_failure("a neighbouring stage".into(), e))?;
+            for c in 0..self.stage.len() {
+                device_links(&mut self.stage, c)?
+                    .release_boundaries(deadline)
+                    .map_err(|e| link_failure("a neighbouring stage".into(), e))?;
+            }
         }
         let mut state = ExecState {
             tokens: MicroBatchTokens {
@@ -229,7 +235,7 @@ impl Worker {
                 self.send_boundary(train, step, action, t, docs)?;
             }
             Op::RecvGrad => {
-                let b = self.receive_boundary(step, Payload::Grad, u, c)?;
+                let b = self.receive_grad(step, u, c)?;
                 state.inbox.insert((c, u), b);
             }
             Op::Backward => {
@@ -241,10 +247,19 @@ impl Worker {
                 };
                 let width = self.cfg.model.d_model;
                 let dx = match d_out {
+                    // Over device links the gradient waits on this chunk's device (the last
+                    // stage starts from its loss).
+                    Some(Boundary::Device { chunk, .. }) if chunk != c => {
+                        return Err(elsewhere(chunk, c));
+                    }
                     Some(Boundary::Device { .. }) | None if self.linked() => {
-                        device_links(&mut self.stage)?
+                        device_links(&mut self.stage, c)?
                             .backward_linked(u)?
-                            .map(|rows| Boundary::Device { rows, width })
+                            .map(|rows| Boundary::Device {
+                                rows,
+                                width,
+                                chunk: c,
+                            })
                     }
                     Some(Boundary::Host(t)) => chunk_mut(&mut self.stage, c)?
                         .backward(u, Some(t))?
@@ -340,18 +355,27 @@ impl Worker {
         let output = if self.linked() {
             let input = match input {
                 Input::Tokens(t) => LinkedInput::Tokens(t),
-                Input::Boundary(Boundary::Device { .. }) => LinkedInput::Received,
+                Input::Boundary(Boundary::Device { chunk, .. }) if chunk == c => {
+                    LinkedInput::Received
+                }
+                Input::Boundary(Boundary::Device { chunk, .. }) => {
+                    return Err(elsewhere(chunk, c));
+                }
                 Input::Boundary(Boundary::Host(_)) => return Err(not_linked()),
             };
             let width = self.cfg.model.d_model;
-            match device_links(&mut self.stage)?.forward_linked(
+            match device_links(&mut self.stage, c)?.forward_linked(
                 u,
                 input,
                 targets.as_ref(),
                 loss_scale,
                 mode,
             )? {
-                LinkedOutput::Kept { rows } => Output::Boundary(Boundary::Device { rows, width }),
+                LinkedOutput::Kept { rows } => Output::Boundary(Boundary::Device {
+                    rows,
+                    width,
+                    chunk: c,
+                }),
                 LinkedOutput::LossSum(l) => Output::LossSum(l),
             }
         } else {
@@ -465,32 +489,39 @@ impl Worker {
     }
 
     /// Receives unit `u`'s activation from the previous stage, and the document starts it
-    /// carries: refused unless they are there exactly when document masks are on, and fit the
-    /// micro-batch (sorted, from 0, below `seq_len`; a peer's message is untrusted input).
+    /// carries (in its TCP message, or with device links in its header): refused unless they are
+    /// there exactly when document masks are on, and fit the micro-batch (sorted, from 0, below
+    /// `seq_len`; a peer's message is untrusted input).
     fn receive_activation(
         &mut self,
         step: u64,
         u: Unit,
         c: usize,
     ) -> Result<(Boundary, Option<DocStarts>), WorkerError> {
-        if self.cfg.pipeline.transport != StageTransport::Tcp {
-            return Ok((
-                self.receive_boundary(step, Payload::Activation, u, c)?,
-                None,
-            ));
-        }
         let (batch, seq_len) = (self.cfg.train.micro_batch_size, self.cfg.train.seq_len);
         let masks = self.cfg.data.document_mask;
-        let to = self.message_stage(self.virtual_stage(c));
-        let tcp = link(&mut self.prev, "previous")?;
-        let (t, docs) = tcp.recv_virtual(step, Payload::Activation, u, to)?;
+        let (b, docs) = self.receive_boundary(step, Payload::Activation, u, c)?;
         let docs = received_documents(docs, masks, batch, seq_len).map_err(|reason| {
             TransportError::BadTensor {
-                peer: tcp.peer().to_string(),
+                peer: format!("stage {}", self.neighbours().0),
                 reason: format!("unit {u}: {reason}"),
             }
         })?;
-        Ok((Boundary::Host(t), docs))
+        Ok((b, docs))
+    }
+
+    /// Receives unit `u`'s output gradient from the next stage (which carries no document
+    /// starts).
+    fn receive_grad(&mut self, step: u64, u: Unit, c: usize) -> Result<Boundary, WorkerError> {
+        match self.receive_boundary(step, Payload::Grad, u, c)? {
+            (b, None) => Ok(b),
+            (_, Some(_)) => Err(TransportError::Unexpected {
+                peer: format!("stage {}", self.neighbours().1),
+                expected: format!("the gradient of unit {u} without document starts"),
+                got: "document starts".into(),
+            }
+            .into()),
+        }
     }
 
     /// Sends a boundary tensor (the send `action`) to its neighbour, an activation with its
@@ -554,15 +585,16 @@ impl Worker {
     }
 
     /// Receives the next boundary tensor from its neighbour, which must be the `payload` of unit
-    /// `u`: over the TCP link, or (with device links) its header over TCP and its values onto
-    /// the stage's device.
+    /// `u` for local chunk `c`: over the TCP link, or (with device links) its header over TCP and
+    /// its values onto chunk `c`'s device; with the document starts the message carries, if any
+    /// (unchecked: see [`Worker::receive_activation`]).
     fn receive_boundary(
         &mut self,
         step: u64,
         payload: Payload,
         u: Unit,
         c: usize,
-    ) -> Result<Boundary, WorkerError> {
+    ) -> Result<(Boundary, Option<DocumentStarts>), WorkerError> {
         let (prev, next) = self.neighbours();
         let to = self.message_stage(self.virtual_stage(c));
         let (side, which, peer) = match payload {
@@ -571,17 +603,10 @@ impl Worker {
         };
         let tcp = link(side, which)?;
         if self.cfg.pipeline.transport == StageTransport::Tcp {
-            return match tcp.recv_virtual(step, payload, u, to)? {
-                (t, None) => Ok(Boundary::Host(t)),
-                (_, Some(_)) => Err(TransportError::Unexpected {
-                    peer: tcp.peer().to_string(),
-                    expected: format!("the {payload:?} of unit {u} without document starts"),
-                    got: "document starts (data.document_mask differs between the stages?)".into(),
-                }
-                .into()),
-            };
+            let (t, docs) = tcp.recv_virtual(step, payload, u, to)?;
+            return Ok((Boundary::Host(t), docs));
         }
-        let shape = tcp.recv_header(step, payload, u)?;
+        let (shape, docs) = tcp.recv_header(step, payload, u, to)?;
         let width = self.cfg.model.d_model;
         let rows = match shape[..] {
             [rows, w] if w == width && rows > 0 => rows,
@@ -594,13 +619,20 @@ impl Worker {
             }
         };
         let deadline = Instant::now() + self.cfg.pipeline.timeout();
-        let links = device_links(&mut self.stage)?;
+        let links = device_links(&mut self.stage, c)?;
         match payload {
             Payload::Activation => links.receive_activation(u, rows, deadline),
             Payload::Grad => links.receive_grad(u, rows, deadline),
         }
         .map_err(|e| link_failure(format!("stage {peer}"), e))?;
-        Ok(Boundary::Device { rows, width })
+        Ok((
+            Boundary::Device {
+                rows,
+                width,
+                chunk: c,
+            },
+            docs,
+        ))
     }
 
     /// The part of each row this worker reads: the inputs where it holds the first (virtual)
@@ -785,9 +817,10 @@ pub(super) struct Peer<'a> {
     pub(super) stage: usize,
 }
 
-/// Sends boundary tensor `b`, the `payload` of unit `u` in `step`, to a neighbour: its values over
-/// the TCP link (with its micro-batch's document starts `docs`, if any), or its header over TCP
-/// and its values (kept on the stage's device) over the device link.
+/// Sends boundary tensor `b`, the `payload` of unit `u` in `step`, to a neighbour (for its
+/// virtual stage `virtual_stage`, `None` without virtual stages), with its micro-batch's document
+/// starts `docs` (an activation with document masks): its values over the TCP link, or its header
+/// over TCP and its values (kept on its chunk's device) over that chunk's device link.
 pub(super) fn send_on(
     to: Peer,
     stage: &mut Chunks,
@@ -799,12 +832,10 @@ pub(super) fn send_on(
         Boundary::Host(t) => Ok(to
             .link
             .send_virtual(step, payload, u, virtual_stage, t, docs)?),
-        Boundary::Device { .. } if docs.is_some() => Err(WorkerError::Protocol(
-            "document starts over device links (document masks are CPU-only)".into(),
-        )),
-        Boundary::Device { rows, width } => {
-            to.link.send_header(step, payload, u, &[*rows, *width])?;
-            let links = stage.device_links().ok_or_else(no_device_links)?;
+        Boundary::Device { rows, width, chunk } => {
+            to.link
+                .send_header(step, payload, u, virtual_stage, &[*rows, *width], docs)?;
+            let links = device_links(stage, *chunk)?;
             match payload {
                 Payload::Activation => links.send_activation(u, deadline),
                 Payload::Grad => links.send_grad(u, deadline),
@@ -814,9 +845,16 @@ pub(super) fn send_on(
     }
 }
 
-/// The stage's device links (`pipeline.transport = "nccl"`).
-pub(super) fn device_links(stage: &mut Chunks) -> Result<&mut dyn DeviceLinks, WorkerError> {
-    stage.device_links().ok_or_else(no_device_links)
+/// The device links of local chunk `c` (`pipeline.transport = "nccl"`).
+pub(super) fn device_links(
+    stage: &mut Chunks,
+    c: usize,
+) -> Result<&mut dyn DeviceLinks, WorkerError> {
+    let v = stage.len();
+    if c >= v {
+        return Err(no_chunk(c, v));
+    }
+    stage.device_links(c).ok_or_else(no_device_links)
 }
 
 /// Local chunk `c` of the worker's chunks to compute on.
@@ -837,6 +875,15 @@ fn no_device_links() -> WorkerError {
         key: "pipeline.transport",
         message: "\"nccl\" needs stages with device links (model.device = \"cuda\")".into(),
     })
+}
+
+/// A boundary tensor held on chunk `held`'s device where chunk `c` needs it (a bug: each chunk
+/// receives and keeps its own).
+fn elsewhere(held: usize, c: usize) -> WorkerError {
+    WorkerError::Protocol(format!(
+        "a boundary tensor on chunk {held}'s device where chunk {c} needs it (schedule out of \
+         order)"
+    ))
 }
 
 /// A tensor of one transport where the run uses the other (a bug: both sides follow the config).

@@ -4,13 +4,14 @@
 //! neighbour: the earlier stage creates its ids and sends them as the TCP link's first frame, and
 //! both join it; the TCP link's breaking aborts the device link's waits. With virtual stages the
 //! links close a ring: the last worker's next link goes to the first worker (its chunk c feeds
-//! the first worker's chunk c+1).
+//! the first worker's chunk c+1), and each chunk joins device links of its own to the chunks of
+//! the virtual stages beside it, all over the one TCP link to each neighbouring worker.
 
 use std::time::Duration;
 
 use super::execute::{device_links, link, link_failure};
 use super::{Worker, WorkerError, io_error, register, resolve};
-use crate::model::Neighbour;
+use crate::model::{Neighbour, StageLayout};
 use crate::runtime::auth::{self, Purpose};
 use crate::runtime::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 
@@ -27,10 +28,17 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         let timeout = self.cfg.pipeline.timeout();
         self.data_port = Some(data_port);
+        // Joining a device link waits for the peer to join it too. Every worker joins its next
+        // link first, so in a ring (virtual stages) the first worker joins its previous one (from
+        // the last worker) first, or each would wait for the next round the ring.
+        let prev_first = self.linked() && self.index() == 0 && prev.is_some();
+        if prev_first {
+            self.accept_prev(generation, timeout)?;
+        }
         if let Some(next) = next {
             self.connect_next(&next, generation, timeout)?;
         }
-        if prev.is_some() {
+        if prev.is_some() && !prev_first {
             self.accept_prev(generation, timeout)?;
         }
         if replacement {
@@ -104,30 +112,40 @@ impl Worker {
         self.join_device_link(Neighbour::Prev, timeout)
     }
 
-    /// With device links: joins the one to `side`, whose TCP link was just made (the earlier
+    /// With device links: joins the ones to `side`, whose TCP link was just made (the earlier
     /// stage creates the ids and sends them over it). A link joined earlier to that side (to a
-    /// neighbour since lost) is aborted.
+    /// neighbour since lost) is aborted. Each chunk has its own device links: chunk c's link to
+    /// the next virtual stage goes to the next worker's chunk c, or from the last worker to the
+    /// first worker's chunk c+1 ([`device_link_chunks`]); both ends join them in chunk order.
     fn join_device_link(&mut self, side: Neighbour, timeout: Duration) -> Result<(), WorkerError> {
         if !self.linked() {
             return Ok(());
         }
         let (before, after) = self.neighbours();
-        let (tcp, peer) = match side {
-            Neighbour::Next => (link(&mut self.next, "next")?, after),
-            Neighbour::Prev => (link(&mut self.prev, "previous")?, before),
+        let peer = match side {
+            Neighbour::Next => after,
+            Neighbour::Prev => before,
         };
-        let links = device_links(&mut self.stage)?;
-        let ids = match side {
-            Neighbour::Next => {
-                let ids = links.new_link_ids()?;
-                tcp.send_link_ids(&ids)?;
-                ids
-            }
-            Neighbour::Prev => tcp.recv_link_ids()?,
-        };
-        links
-            .join_link(side, ids, timeout, tcp.peer_gone())
-            .map_err(|e| link_failure(format!("stage {peer}"), e))
+        let layouts = self.stage.layouts();
+        for c in device_link_chunks(&layouts, side) {
+            let tcp = match side {
+                Neighbour::Next => link(&mut self.next, "next")?,
+                Neighbour::Prev => link(&mut self.prev, "previous")?,
+            };
+            let links = device_links(&mut self.stage, c)?;
+            let ids = match side {
+                Neighbour::Next => {
+                    let ids = links.new_link_ids()?;
+                    tcp.send_link_ids(&ids)?;
+                    ids
+                }
+                Neighbour::Prev => tcp.recv_link_ids()?,
+            };
+            links
+                .join_link(side, ids, timeout, tcp.peer_gone())
+                .map_err(|e| link_failure(format!("stage {peer}"), e))?;
+        }
+        Ok(())
     }
 
     /// The most document starts an activation's header may carry: one per position of the
@@ -149,5 +167,59 @@ impl Worker {
             .iter()
             .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64))
             .unwrap_or(u64::MAX)
+    }
+}
+
+/// The local chunks (of a worker whose chunks have `layouts`, in chunk order) that have a device
+/// link to `side`: every chunk but the first virtual stage's has one to the previous virtual
+/// stage, every chunk but the last's one to the next. The neighbouring worker's chunks on the
+/// other end, in chunk order, are the same number and pair up one by one: worker r's chunk c
+/// with worker r+1's chunk c, and the last worker's chunk c with the first worker's chunk c+1.
+fn device_link_chunks(layouts: &[StageLayout], side: Neighbour) -> Vec<usize> {
+    layouts
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| match side {
+            Neighbour::Prev => !l.is_first(),
+            Neighbour::Next => !l.is_last(),
+        })
+        .map(|(c, _)| c)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+    use crate::model::partition::partition_virtual_layers;
+
+    /// Each worker's chunks with a link to a side pair up, in chunk order, with the chunks of the
+    /// neighbouring worker that have a link back: the virtual stages s and s+1, for every s.
+    #[test]
+    fn the_chunks_device_links_pair_the_neighbouring_virtual_stages() {
+        for (p, v) in [(2, 1), (3, 1), (2, 2), (3, 2), (2, 3), (4, 2)] {
+            let model = ModelConfig {
+                layers: p * v,
+                ..ModelConfig::default()
+            };
+            let workers = partition_virtual_layers(&model, 16, p, v).unwrap();
+            let mut pairs = Vec::new();
+            for r in 0..p {
+                let next = if v > 1 { (r + 1) % p } else { r + 1 };
+                if next >= p {
+                    continue;
+                }
+                let mine = device_link_chunks(&workers[r], Neighbour::Next);
+                let theirs = device_link_chunks(&workers[next], Neighbour::Prev);
+                assert_eq!(mine.len(), theirs.len(), "p={p} v={v} r={r}");
+                for (a, b) in mine.into_iter().zip(theirs) {
+                    let (s, t) = (workers[r][a].stage, workers[next][b].stage);
+                    assert_eq!(s + 1, t, "p={p} v={v} r={r}: chunk {a} to chunk {b}");
+                    pairs.push(s);
+                }
+            }
+            pairs.sort_unstable();
+            assert_eq!(pairs, (0..p * v - 1).collect::<Vec<_>>(), "p={p} v={v}");
+        }
     }
 }
