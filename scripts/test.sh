@@ -337,3 +337,7 @@ cargo test --release -p seqpipe --features emulate-gpu --test emulated_gpu_check
 # The pipeline over NCCL device links (pipeline.transport = "nccl") on that emulation and its
 # emulated NCCL link: a stage SIGKILLed mid-step is replaced and the run stays bit-identical to TCP.
 cargo test --release -p seqpipe --features emulate-gpu --test emulated_nccl_pipeline
+# Virtual stages on CUDA stages (each chunk a CUDA stage), over TCP and over emulated NCCL device
+# links (one per chunk and side), and document masks over device links: bit-identical to seq1f1b
+# and to TCP.
+cargo test --release -p seqpipe --features emulate-gpu --test emulated_chunks
