@@ -110,9 +110,7 @@ pub fn linear_backward_weight(ctx: &LinearCtx, dy: &Tensor, has_bias: bool) -> R
     let (n, _) = dims2(&ctx.x, OP, "ctx.x")?;
     let (dy_n, _) = dims2(dy, OP, "dy")?;
     if dy_n != n {
-        return shape_err(format!(
-            "{OP}: ctx.x has {n} rows but dy has {dy_n}"
-        ));
+        return shape_err(format!("{OP}: ctx.x has {n} rows but dy has {dy_n}"));
     }
     let dtype = ctx.x.dtype();
     let dy = contiguous(dy, dtype, OP, "dy")?;
