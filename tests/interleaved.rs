@@ -269,10 +269,6 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
             "elastic.peer_snapshots = false",
         ),
         (&["model.device=cuda"], "model.device = \"cpu\""),
-        (
-            &["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"],
-            "cannot run pipeline.schedule = \"seq1f1b-zb\"",
-        ),
         (&["model.layers=3"], "model.layers = 3"),
     ] {
         let set = sets.join(" ");

@@ -91,7 +91,8 @@ impl StepRecord {
         if let Some((epoch, epoch_us)) = self.trace_epoch {
             self.cost.unit_times.push(UnitTime {
                 unit: action.unit(),
-                backward: action.op() == crate::schedule::Op::Backward,
+                // `B`, or a zero-bubble `I` or `W` (a half of one).
+                backward: action.op() != crate::schedule::Op::Forward,
                 start_us: epoch_us
                     + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,
