@@ -134,6 +134,37 @@ fn assert_same_tensors(a: &Path, b: &Path) {
     );
 }
 
+/// The `--trace` of a zero-bubble run names each stage's slices `F`, `I` and `W`, never a whole
+/// `B`: per step, every stage ran every unit's forward and the two halves of its backward.
+fn assert_trace_has_split_backwards(trace: &Path, shape: Shape, steps: u64, name: &str) {
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trace).expect("trace written"))
+            .expect("the trace is JSON");
+    let mut counts: BTreeMap<(u64, char), usize> = BTreeMap::new();
+    for e in trace["traceEvents"].as_array().expect("traceEvents") {
+        if !matches!(e["cat"].as_str(), Some("forward" | "backward")) {
+            continue;
+        }
+        let op = e["name"]
+            .as_str()
+            .and_then(|n| n.chars().next())
+            .expect("a name");
+        let step = e["args"]["step"].as_u64().expect("a step");
+        *counts.entry((step, op)).or_default() += 1;
+    }
+    let per_step = shape.p * shape.m * shape.k;
+    for step in 1..=steps {
+        for op in ['F', 'I', 'W'] {
+            assert_eq!(
+                counts.get(&(step, op)).copied().unwrap_or(0),
+                per_step,
+                "{name}: step {step}'s {op} slices: {counts:?}"
+            );
+        }
+        assert!(!counts.contains_key(&(step, 'B')), "{name}: {counts:?}");
+    }
+}
+
 #[test]
 fn seq1f1b_zb_trains_bit_identically_to_seq1f1b_at_no_more_activation_memory() {
     let dir = fresh_dir("zero-bubble");
@@ -156,7 +187,9 @@ fn seq1f1b_zb_trains_bit_identically_to_seq1f1b_at_no_more_activation_memory() {
         );
         let (a, b) = (dir.join(format!("{name}-seq1f1b")), dir.join(&name));
         run_ok(&mut train(&a, plain, STEPS));
-        run_ok(&mut train(&b, zb, STEPS));
+        let trace = dir.join(format!("{name}-trace.json"));
+        run_ok(train(&b, zb, STEPS).arg("--trace").arg(&trace));
+        assert_trace_has_split_backwards(&trace, zb, STEPS, &name);
         let (x, y) = (step_records(&a), step_records(&b));
         assert_eq!(
             (x.len(), y.len()),

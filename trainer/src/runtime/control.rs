@@ -222,6 +222,20 @@ pub struct UnitTime {
     /// partition, so the trace records each micro-batch's lengths.
     #[serde(default)]
     pub len: usize,
+    /// A backward split in two (zero-bubble schedules): which half ran (`None`: a whole backward
+    /// or a forward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub half: Option<BackwardHalf>,
+}
+
+/// Which half of a split backward a [`UnitTime`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackwardHalf {
+    /// The input gradient (`I`).
+    Input,
+    /// The weight gradients (`W`).
+    Weight,
 }
 
 /// A replica group rebuilt from the surviving replicas of a stage.

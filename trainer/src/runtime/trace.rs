@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use super::control::UnitTime;
+use super::control::{BackwardHalf, UnitTime};
 
 /// The trace's only process id.
 const PID: u32 = 1;
@@ -73,10 +73,11 @@ impl TraceLog {
     pub fn units(&mut self, stage: usize, step: u64, times: &[UnitTime]) {
         self.stages.insert(stage);
         for t in times {
-            let (kind, cat) = if t.backward {
-                ('B', "backward")
-            } else {
-                ('F', "forward")
+            let (kind, cat) = match (t.backward, t.half) {
+                (false, _) => ('F', "forward"),
+                (true, None) => ('B', "backward"),
+                (true, Some(BackwardHalf::Input)) => ('I', "backward"),
+                (true, Some(BackwardHalf::Weight)) => ('W', "backward"),
             };
             let mut args = json!({"step": step, "cpu_us": t.cpu_us, "len": t.len});
             if t.redone {
@@ -170,6 +171,7 @@ mod tests {
             cpu_us: 4,
             redone,
             len: 8 + seg,
+            half: None,
         };
         trace.units(
             1,

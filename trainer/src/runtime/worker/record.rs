@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::WorkerError;
 use super::boundary::{Boundary, DocStarts};
-use crate::runtime::control::{StepCost, UnitTime};
+use crate::runtime::control::{BackwardHalf, StepCost, UnitTime};
 use crate::runtime::transport::Payload;
-use crate::schedule::{Action, Delivered, Unit};
+use crate::schedule::{Action, Delivered, Op, Unit};
 
 /// What a worker did in the current training step. A replacement also knows which of its outputs
 /// the neighbours already have.
@@ -92,7 +92,12 @@ impl StepRecord {
             self.cost.unit_times.push(UnitTime {
                 unit: action.unit(),
                 // `B`, or a zero-bubble `I` or `W` (a half of one).
-                backward: action.op() != crate::schedule::Op::Forward,
+                backward: action.op() != Op::Forward,
+                half: match action.op() {
+                    Op::BackwardInput => Some(BackwardHalf::Input),
+                    Op::BackwardWeight => Some(BackwardHalf::Weight),
+                    _ => None,
+                },
                 start_us: epoch_us
                     + started.wall.saturating_duration_since(epoch).as_micros() as u64,
                 dur_us: elapsed.as_micros() as u64,
