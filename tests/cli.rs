@@ -85,10 +85,10 @@ fn schedule_text_and_svg() {
     );
 }
 
-/// The interleaved and zero-bubble kinds print, simulate and draw; `train` refuses them with the
-/// reason instead of running something else.
+/// The interleaved and zero-bubble kinds print, simulate and draw; `train` refuses what they
+/// cannot run with the reason instead of running something else.
 #[test]
-fn schedule_only_kinds_print_and_train_refuses_them() {
+fn schedule_family_kinds_print_and_train_refuses_what_they_cannot_run() {
     let dir = fresh_dir("family-svg");
     let svg = dir.join("zb.svg");
     let out = run_ok(seqpipe().args([
@@ -139,9 +139,10 @@ fn schedule_only_kinds_print_and_train_refuses_them() {
         "1f1b-i",
     ]));
     assert!(err.contains("multiple of the stages"), "{err}");
+    // seq1f1b-zb trains, but not with mid-step recovery (on by default): refused, naming the key.
     let err = run_err(seqpipe().args(["train", "--set", "pipeline.schedule=seq1f1b-zb"]));
     assert!(
-        err.contains("seq1f1b-zb") && err.contains("cannot run"),
+        err.contains("seq1f1b-zb") && err.contains("elastic.mid_step = false"),
         "{err}"
     );
 }

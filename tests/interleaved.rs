@@ -269,12 +269,8 @@ fn what_virtual_stages_do_not_have_yet_is_refused_before_anything_starts() {
                 "model.device=cuda",
                 "pipeline.transport=nccl",
                 "elastic.mid_step=true",
-            ],
+            ][..],
             "pipeline.transport = \"tcp\"",
-        ),
-        (
-            &["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"],
-            "cannot run pipeline.schedule = \"seq1f1b-zb\"",
         ),
         (&["model.layers=3"], "model.layers = 3"),
     ] {

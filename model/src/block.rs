@@ -14,6 +14,15 @@
 //! that preallocates its activations (the GPU) writes each result into the buffer of its
 //! [`BlockLayer`] site: the handles [`BlockDevice::X`] are then plain addresses, with no
 //! allocation, copy or sync per operation.
+//!
+//! A backward may also run split in two halves (zero-bubble schedules): [`block_backward_input`]
+//! computes every input gradient (the critical path to the previous stage) and keeps what the
+//! weight gradients read; [`block_backward_weight`], later, adds the parameter gradients. A
+//! device that splits implements the `*_backward_input` / `*_backward_weight` pairs, and its
+//! whole backwards are then, by default, each layer's input half followed at once by its weight
+//! half: one implementation, so the split and the whole backward add the same gradients, computed
+//! by the same operations. A device without the halves implements the whole backwards and refuses
+//! the split ([`ModelError::NoSplitBackward`]).
 
 use ops::DocumentMask;
 
@@ -69,16 +78,68 @@ pub trait BlockDevice {
     ) -> Result<Self::X, Self::Err>;
 
     /// Backward of [`BlockDevice::linear_forward`] with the same `with_bias`: `dy (N, out)` →
-    /// `dx (N, in)`; the weight (and bias) gradients are added.
+    /// `dx (N, in)`; the weight (and bias) gradients are added. By default the input half then
+    /// the weight half.
     fn linear_backward(
         &mut self,
         layer: BlockLayer,
         dy: &Self::X,
         with_bias: bool,
-    ) -> Result<Self::X, Self::Err>;
+    ) -> Result<Self::X, Self::Err> {
+        let dx = self.linear_backward_input(layer, dy, with_bias)?;
+        self.linear_backward_weight(layer, with_bias)?;
+        Ok(dx)
+    }
+    /// The input half of [`BlockDevice::linear_backward`]: `dy (N, out)` → `dx (N, in)`; keeps
+    /// what the weight half reads (the layer's input and `dy`).
+    fn linear_backward_input(
+        &mut self,
+        layer: BlockLayer,
+        dy: &Self::X,
+        with_bias: bool,
+    ) -> Result<Self::X, Self::Err> {
+        let _ = (layer, dy, with_bias);
+        Err(ModelError::NoSplitBackward {
+            kernel: "a linear layer",
+        }
+        .into())
+    }
+    /// The weight half of [`BlockDevice::linear_backward`]: the weight (and bias) gradients are
+    /// added, from what the input half kept.
+    fn linear_backward_weight(
+        &mut self,
+        layer: BlockLayer,
+        with_bias: bool,
+    ) -> Result<(), Self::Err> {
+        let _ = (layer, with_bias);
+        Err(ModelError::NoSplitBackward {
+            kernel: "a linear layer",
+        }
+        .into())
+    }
     /// Backward of [`BlockDevice::bias_gelu_forward`]: `dg (N, F)` → `df (N, F)`; the bias
-    /// gradient is added.
-    fn bias_gelu_backward(&mut self, dg: &Self::X) -> Result<Self::X, Self::Err>;
+    /// gradient is added. By default the input half then the weight half.
+    fn bias_gelu_backward(&mut self, dg: &Self::X) -> Result<Self::X, Self::Err> {
+        let df = self.bias_gelu_backward_input(dg)?;
+        self.bias_gelu_backward_weight()?;
+        Ok(df)
+    }
+    /// The input half of [`BlockDevice::bias_gelu_backward`]: `dg (N, F)` → `df (N, F)`; keeps
+    /// what the bias gradient needs.
+    fn bias_gelu_backward_input(&mut self, dg: &Self::X) -> Result<Self::X, Self::Err> {
+        let _ = dg;
+        Err(ModelError::NoSplitBackward {
+            kernel: "the MLP's bias and GELU",
+        }
+        .into())
+    }
+    /// The weight half of [`BlockDevice::bias_gelu_backward`]: the bias gradient is added.
+    fn bias_gelu_backward_weight(&mut self) -> Result<(), Self::Err> {
+        Err(ModelError::NoSplitBackward {
+            kernel: "the MLP's bias and GELU",
+        }
+        .into())
+    }
     /// Backward of [`BlockDevice::attention_forward`]: `dy (N, C)` → `dqkv (N, 3C)`. The dK/dV of
     /// the earlier segments' positions are added to what later segments left for them (their
     /// backward comes later); this segment's own dK/dV include what later segments left for it,
@@ -90,8 +151,28 @@ pub trait BlockDevice {
         docs: Option<&DocumentMask>,
     ) -> Result<Self::X, Self::Err>;
     /// Backward of [`BlockDevice::norm_forward`]: `dy (N, C)` → `dx (N, C)`; the weight (and bias)
-    /// gradients are added.
-    fn norm_backward(&mut self, layer: BlockLayer, dy: &Self::X) -> Result<Self::X, Self::Err>;
+    /// gradients are added. By default the input half then the weight half.
+    fn norm_backward(&mut self, layer: BlockLayer, dy: &Self::X) -> Result<Self::X, Self::Err> {
+        let dx = self.norm_backward_input(layer, dy)?;
+        self.norm_backward_weight(layer)?;
+        Ok(dx)
+    }
+    /// The input half of [`BlockDevice::norm_backward`]: `dy (N, C)` → `dx (N, C)`; keeps what
+    /// the weight half needs.
+    fn norm_backward_input(
+        &mut self,
+        layer: BlockLayer,
+        dy: &Self::X,
+    ) -> Result<Self::X, Self::Err> {
+        let _ = (layer, dy);
+        Err(ModelError::NoSplitBackward { kernel: "a norm" }.into())
+    }
+    /// The weight half of [`BlockDevice::norm_backward`]: the weight (and bias) gradients are
+    /// added.
+    fn norm_backward_weight(&mut self, layer: BlockLayer) -> Result<(), Self::Err> {
+        let _ = layer;
+        Err(ModelError::NoSplitBackward { kernel: "a norm" }.into())
+    }
     /// Backward of [`BlockDevice::residual_forward`]: `dy + d_branch` (the sum may reuse `dy`'s
     /// storage), the gradient of the residual's input `x`.
     fn residual_backward(
@@ -141,6 +222,41 @@ pub fn block_backward<D: BlockDevice>(
     let dh1 = d.linear_backward(BlockLayer::CAttn, &dqkv, true)?; // (N, C)
     let d_attn = d.norm_backward(BlockLayer::Ln1, &dh1)?;
     d.residual_backward(Residual::Attn, dx1, d_attn)
+}
+
+/// The input half of [`block_backward`]: every input gradient, in [`block_backward`]'s order
+/// (the residuals, the norms', the linear layers' and the attention's with its dK/dV carry),
+/// `dy (N, C)` → `dx (N, C)`; each layer keeps what its weight half reads.
+pub fn block_backward_input<D: BlockDevice>(
+    d: &mut D,
+    dy: D::X,
+    docs: Option<&DocumentMask>,
+) -> Result<D::X, D::Err> {
+    // MLP branch: out = x1 + mlp(ln_2(x1)).
+    let dg = d.linear_backward_input(BlockLayer::MlpProj, &dy, true)?; // (N, F)
+    let df = d.bias_gelu_backward_input(&dg)?;
+    let dh2 = d.linear_backward_input(BlockLayer::CFc, &df, false)?; // (N, C)
+    let d_mlp = d.norm_backward_input(BlockLayer::Ln2, &dh2)?;
+    let dx1 = d.residual_backward(Residual::Mlp, dy, d_mlp)?;
+    // Attention branch: x1 = x + c_proj(attn(ln_1(x))).
+    let d_y = d.linear_backward_input(BlockLayer::AttnProj, &dx1, true)?; // (N, C)
+    let dqkv = d.attention_backward(&d_y, docs)?; // (N, 3C)
+    let dh1 = d.linear_backward_input(BlockLayer::CAttn, &dqkv, true)?; // (N, C)
+    let d_attn = d.norm_backward_input(BlockLayer::Ln1, &dh1)?;
+    d.residual_backward(Residual::Attn, dx1, d_attn)
+}
+
+/// The weight half of [`block_backward`], after [`block_backward_input`]: every parameter
+/// gradient of the block is added, layer by layer in [`block_backward`]'s order (each parameter
+/// gets exactly the one addition the whole backward gives it).
+pub fn block_backward_weight<D: BlockDevice>(d: &mut D) -> Result<(), D::Err> {
+    d.linear_backward_weight(BlockLayer::MlpProj, true)?;
+    d.bias_gelu_backward_weight()?;
+    d.linear_backward_weight(BlockLayer::CFc, false)?;
+    d.norm_backward_weight(BlockLayer::Ln2)?;
+    d.linear_backward_weight(BlockLayer::AttnProj, true)?;
+    d.linear_backward_weight(BlockLayer::CAttn, true)?;
+    d.norm_backward_weight(BlockLayer::Ln1)
 }
 
 #[cfg(test)]
@@ -260,5 +376,154 @@ mod tests {
             .collect();
         assert_eq!(masked.len(), 2, "{masked:#?}");
         assert!(masked[0].starts_with("masked_attn(") && masked[1].starts_with("masked_dattn<"));
+    }
+
+    /// A device with split halves only (its whole backwards are the trait's defaults): handles
+    /// are expressions, the weight halves read what the input halves kept, and every gradient
+    /// addition is recorded as (parameter, expression).
+    #[derive(Default)]
+    struct Split {
+        kept: std::collections::BTreeMap<String, String>,
+        adds: Vec<(String, String)>,
+    }
+
+    impl Split {
+        fn keep(&mut self, key: String, value: String) {
+            assert!(self.kept.insert(key, value).is_none(), "kept twice");
+        }
+
+        fn take(&mut self, key: &str) -> Result<String, ModelError> {
+            self.kept.remove(key).ok_or_else(|| ModelError::NotSaved {
+                layer: key.to_string(),
+            })
+        }
+    }
+
+    impl BlockDevice for Split {
+        type X = String;
+        type Err = ModelError;
+        fn norm_forward(&mut self, l: BlockLayer, x: &String) -> Result<String, ModelError> {
+            Ok(format!("{}({x})", l.name()))
+        }
+        fn linear_forward(
+            &mut self,
+            l: BlockLayer,
+            x: &String,
+            _: bool,
+        ) -> Result<String, ModelError> {
+            self.keep(format!("x.{}", l.name()), x.clone());
+            Ok(format!("{}({x})", l.name()))
+        }
+        fn attention_forward(
+            &mut self,
+            qkv: &String,
+            _: Option<&DocumentMask>,
+        ) -> Result<String, ModelError> {
+            Ok(format!("attn({qkv})"))
+        }
+        fn bias_gelu_forward(&mut self, f: &String) -> Result<String, ModelError> {
+            Ok(format!("gelu({f})"))
+        }
+        fn residual_forward(
+            &mut self,
+            _: Residual,
+            x: &String,
+            br: String,
+        ) -> Result<String, ModelError> {
+            Ok(format!("[{x}] + {br}"))
+        }
+        fn linear_backward_input(
+            &mut self,
+            l: BlockLayer,
+            dy: &String,
+            _: bool,
+        ) -> Result<String, ModelError> {
+            self.keep(format!("dy.{}", l.name()), dy.clone());
+            Ok(format!("d{}<{dy}>", l.name()))
+        }
+        fn linear_backward_weight(&mut self, l: BlockLayer, b: bool) -> Result<(), ModelError> {
+            let x = self.take(&format!("x.{}", l.name()))?;
+            let dy = self.take(&format!("dy.{}", l.name()))?;
+            self.adds
+                .push((format!("{}.weight", l.name()), format!("{dy}^T·{x}")));
+            if b {
+                self.adds
+                    .push((format!("{}.bias", l.name()), format!("sum({dy})")));
+            }
+            Ok(())
+        }
+        fn bias_gelu_backward_input(&mut self, dg: &String) -> Result<String, ModelError> {
+            self.keep("gelu.bias".into(), format!("sum(dgelu<{dg}>)"));
+            Ok(format!("dgelu<{dg}>"))
+        }
+        fn bias_gelu_backward_weight(&mut self) -> Result<(), ModelError> {
+            let g = self.take("gelu.bias")?;
+            self.adds.push(("mlp.c_fc.bias".into(), g));
+            Ok(())
+        }
+        fn attention_backward(
+            &mut self,
+            dy: &String,
+            _: Option<&DocumentMask>,
+        ) -> Result<String, ModelError> {
+            Ok(format!("dattn<{dy}>"))
+        }
+        fn norm_backward_input(
+            &mut self,
+            l: BlockLayer,
+            dy: &String,
+        ) -> Result<String, ModelError> {
+            self.keep(format!("norm.{}", l.name()), format!("dnorm_w<{dy}>"));
+            Ok(format!("d{}<{dy}>", l.name()))
+        }
+        fn norm_backward_weight(&mut self, l: BlockLayer) -> Result<(), ModelError> {
+            let g = self.take(&format!("norm.{}", l.name()))?;
+            self.adds.push((format!("{}.weight", l.name()), g));
+            Ok(())
+        }
+        fn residual_backward(
+            &mut self,
+            _: Residual,
+            dy: String,
+            d: String,
+        ) -> Result<String, ModelError> {
+            Ok(format!("({dy} | {d})"))
+        }
+    }
+
+    #[test]
+    fn the_split_backward_computes_the_whole_backwards_input_gradient_and_additions() {
+        let mut whole = Split::default();
+        block_forward(&mut whole, "x".into(), None).unwrap();
+        let dx = block_backward(&mut whole, "dy".into(), None).unwrap();
+        assert!(whole.kept.is_empty(), "{:?}", whole.kept);
+
+        let mut split = Split::default();
+        block_forward(&mut split, "x".into(), None).unwrap();
+        let dx_split = block_backward_input(&mut split, "dy".into(), None).unwrap();
+        assert_eq!(dx_split, dx);
+        assert!(split.adds.is_empty(), "the input half adds no gradient");
+        // What the weight half needs is kept: every linear's input and output gradient.
+        assert_eq!(split.kept.len(), 4 + 4 + 2 + 1, "{:?}", split.kept);
+        block_backward_weight(&mut split).unwrap();
+        assert_eq!(
+            split.adds, whole.adds,
+            "the same additions, in the same order"
+        );
+        assert_eq!(split.adds.len(), 4 * 2 - 1 + 1 + 2, "{:?}", split.adds);
+        assert!(split.kept.is_empty());
+        // The weight half again finds nothing kept.
+        let e = block_backward_weight(&mut split).unwrap_err();
+        assert!(matches!(e, ModelError::NotSaved { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_device_without_halves_refuses_the_split_and_keeps_its_whole_backward() {
+        let mut t = Trace::default();
+        block_forward(&mut t, "x".into(), None).unwrap();
+        let e = block_backward_input(&mut t, "dy".into(), None).unwrap_err();
+        assert!(matches!(e, ModelError::NoSplitBackward { .. }), "{e}");
+        assert!(e.to_string().contains("seq1f1b-zb"), "{e}");
+        assert!(block_backward(&mut t, "dy".into(), None).is_ok());
     }
 }

@@ -58,6 +58,16 @@ pub enum ModelError {
     /// Units were run in an order the model cannot honour.
     #[error("unit {unit:?}: {reason}")]
     Order { unit: Unit, reason: String },
+    /// A split backward's halves asked in an order the unit's lifecycle forbids (see
+    /// [`SplitOrder`]).
+    #[error("unit {unit:?}: {problem}")]
+    SplitOrder { unit: Unit, problem: SplitOrder },
+    /// A backward split into its input and weight halves asked of a device that runs whole
+    /// backwards only.
+    #[error(
+        "this device runs {kernel}'s backward whole, not as an input half and a weight half; pipeline.schedule = \"seq1f1b-zb\" needs model.device = \"cpu\" (or use pipeline.schedule = \"seq1f1b\")"
+    )]
+    NoSplitBackward { kernel: &'static str },
     /// A backward found nothing saved by its forward (which ran in evaluation mode, or not at all).
     #[error(
         "the backward of {layer} found no activation saved by its forward: run the unit's forward in training mode first"
@@ -127,6 +137,29 @@ fn mib(bytes: usize) -> String {
         "{bytes} bytes ({:.1} MiB)",
         bytes as f64 / (1u64 << 20) as f64
     )
+}
+
+/// How a unit's split backward went out of order: its input half (`I`) runs once, after its
+/// forward; its weight half (`W`) once, after its `I`; a whole backward (`B`) never meets a
+/// micro-batch whose units are split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum SplitOrder {
+    /// `W` before the unit's `I` (its forward may have run).
+    #[error(
+        "weight half of the backward (W) before its input half (I): the weight gradients need the output gradient the input half keeps"
+    )]
+    WeightBeforeInput,
+    /// `W` a second time.
+    #[error("weight half of the backward (W) twice: its gradients were already added")]
+    WeightTwice,
+    /// `I` a second time (its `W` may be pending or done).
+    #[error("input half of the backward (I) twice: the unit's input gradient was already computed")]
+    InputTwice,
+    /// A whole backward (`B`) of a unit of a micro-batch that has units waiting for their `W`.
+    #[error(
+        "whole backward (B) in a micro-batch whose split backwards still wait for their weight halves (W): a schedule runs one kind of backward"
+    )]
+    WholeAmongSplit,
 }
 
 /// Why a model cannot be split as asked.

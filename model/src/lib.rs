@@ -22,12 +22,17 @@ pub mod program;
 pub mod stage;
 pub mod unit;
 
-pub use block::{BlockDevice, Residual, block_backward, block_forward};
+pub use block::{
+    BlockDevice, Residual, block_backward, block_backward_input, block_backward_weight,
+    block_forward,
+};
 pub use config::{DeviceKind, ModelConfig, Norm, Position, PrecisionKind};
 pub use documents::{DocumentError, document_mask};
-pub use error::{ModelError, PartitionError, StateMismatch};
+pub use error::{ModelError, PartitionError, SplitOrder, StateMismatch};
 pub use grads::StepGradients;
 pub use partition::{StageLayout, partition_layers, partition_virtual_layers};
-pub use program::{StageDevice, backward_unit, forward_unit};
+pub use program::{
+    StageDevice, backward_unit, backward_unit_input, backward_unit_weight, forward_unit,
+};
 pub use stage::{ActivationPeak, InFlight, Mode, Segment, Segments};
 pub use unit::Unit;

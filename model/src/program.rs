@@ -20,10 +20,17 @@
 //! logits never exist whole) and its [`StageDevice::head_backward`] only hands that gradient on;
 //! device links, BF16 weight copies and buffer recycling are the GPU's business. The view of a
 //! held block ([`StageDevice::block`]) is the device's [`BlockDevice`] for this unit.
+//!
+//! Zero-bubble schedules run a unit's backward in two halves: [`backward_unit_input`] (`I`: the
+//! input gradient, sent on at once) and later [`backward_unit_weight`] (`W`: the parameter
+//! gradients), each the pieces' halves in [`backward_unit`]'s order ([`crate::block`] explains
+//! the halves and why they add the same gradients as the whole backward).
 
 use ops::DocumentMask;
 
-use crate::block::{BlockDevice, block_backward, block_forward};
+use crate::block::{
+    BlockDevice, block_backward, block_backward_input, block_backward_weight, block_forward,
+};
 use crate::error::ModelError;
 use crate::partition::StageLayout;
 
@@ -67,16 +74,77 @@ pub trait StageDevice {
     fn send_hidden(&mut self, x: Self::X) -> Result<Self::Output, Self::Err>;
 
     /// Last stage: backward of [`StageDevice::head_loss_forward`] from the loss → d(final norm
-    /// output) `(N, C)`; the head's weight gradient is added (unless the forward did).
-    fn head_backward(&mut self) -> Result<Self::X, Self::Err>;
+    /// output) `(N, C)`; the head's weight gradient is added (unless the forward did). By default
+    /// the input half then the weight half.
+    fn head_backward(&mut self) -> Result<Self::X, Self::Err> {
+        let dh = self.head_backward_input()?;
+        self.head_backward_weight()?;
+        Ok(dh)
+    }
+    /// The input half of [`StageDevice::head_backward`]: d(final norm output) `(N, C)`.
+    fn head_backward_input(&mut self) -> Result<Self::X, Self::Err> {
+        Err(ModelError::NoSplitBackward {
+            kernel: "the LM head",
+        }
+        .into())
+    }
+    /// The weight half of [`StageDevice::head_backward`]: the head's weight gradient is added.
+    fn head_backward_weight(&mut self) -> Result<(), Self::Err> {
+        Err(ModelError::NoSplitBackward {
+            kernel: "the LM head",
+        }
+        .into())
+    }
     /// Last stage: backward of [`StageDevice::final_norm_forward`]: `dy (N, C)` → `dx (N, C)`;
-    /// the weight (and bias) gradients are added.
-    fn final_norm_backward(&mut self, dy: &Self::X) -> Result<Self::X, Self::Err>;
+    /// the weight (and bias) gradients are added. By default the input half then the weight
+    /// half.
+    fn final_norm_backward(&mut self, dy: &Self::X) -> Result<Self::X, Self::Err> {
+        let dx = self.final_norm_backward_input(dy)?;
+        self.final_norm_backward_weight()?;
+        Ok(dx)
+    }
+    /// The input half of [`StageDevice::final_norm_backward`]: `dy (N, C)` → `dx (N, C)`.
+    fn final_norm_backward_input(&mut self, dy: &Self::X) -> Result<Self::X, Self::Err> {
+        let _ = dy;
+        Err(ModelError::NoSplitBackward {
+            kernel: "the final norm",
+        }
+        .into())
+    }
+    /// The weight half of [`StageDevice::final_norm_backward`]: its weight (and bias) gradients
+    /// are added.
+    fn final_norm_backward_weight(&mut self) -> Result<(), Self::Err> {
+        Err(ModelError::NoSplitBackward {
+            kernel: "the final norm",
+        }
+        .into())
+    }
     /// Other stages: the gradient of the unit's output `(N, C)` that arrived from the next stage.
     fn receive_grad(&mut self) -> Result<Self::X, Self::Err>;
     /// First stage: backward of [`StageDevice::embed_forward`]: the token (and position)
-    /// embeddings' gradients from `dx (N, C)` are added.
-    fn embed_backward(&mut self, dx: &Self::X) -> Result<Self::InputGrad, Self::Err>;
+    /// embeddings' gradients from `dx (N, C)` are added. By default the input half then the
+    /// weight half.
+    fn embed_backward(&mut self, dx: &Self::X) -> Result<Self::InputGrad, Self::Err> {
+        let none = self.embed_backward_input(dx)?;
+        self.embed_backward_weight()?;
+        Ok(none)
+    }
+    /// The input half of [`StageDevice::embed_backward`]: the embeddings have no input to pass a
+    /// gradient to; keeps `dx` for the weight half.
+    fn embed_backward_input(&mut self, dx: &Self::X) -> Result<Self::InputGrad, Self::Err> {
+        let _ = dx;
+        Err(ModelError::NoSplitBackward {
+            kernel: "the embeddings",
+        }
+        .into())
+    }
+    /// The weight half of [`StageDevice::embed_backward`]: the embeddings' gradients are added.
+    fn embed_backward_weight(&mut self) -> Result<(), Self::Err> {
+        Err(ModelError::NoSplitBackward {
+            kernel: "the embeddings",
+        }
+        .into())
+    }
     /// Other stages: the gradient of the unit's input `dx (N, C)` leaves for the previous stage.
     fn send_grad(&mut self, dx: Self::X) -> Result<Self::InputGrad, Self::Err>;
 }
@@ -130,6 +198,52 @@ pub fn backward_unit<D: StageDevice>(
     } else {
         d.send_grad(dx)
     }
+}
+
+/// The input half of [`backward_unit`] (a zero-bubble `I`): the gradient of the output, every
+/// held block's [`block_backward_input`] in reverse, then the input's gradient leaving (or, on
+/// the first stage, the embeddings' input half). Each piece keeps what its weight half reads.
+pub fn backward_unit_input<D: StageDevice>(
+    d: &mut D,
+    docs: Option<&DocumentMask>,
+) -> Result<D::InputGrad, D::Err> {
+    let layout = d.layout();
+    let (first, last, blocks) = (layout.is_first(), layout.is_last(), layout.layers.len());
+    let mut dx = if last {
+        let dh = d.head_backward_input()?; // (N, C)
+        d.final_norm_backward_input(&dh)?
+    } else {
+        d.receive_grad()?
+    }; // (N, C)
+    for slot in (0..blocks).rev() {
+        dx = block_backward_input(&mut d.block(slot)?, dx, docs)?;
+    }
+    if first {
+        d.embed_backward_input(&dx)
+    } else {
+        d.send_grad(dx)
+    }
+}
+
+/// The weight half of [`backward_unit`] (a zero-bubble `W`), after [`backward_unit_input`]: the
+/// head's and final norm's (last stage), every held block's [`block_backward_weight`] in
+/// reverse, then the embeddings' (first stage) parameter gradients are added — the pieces in
+/// [`backward_unit`]'s order, each parameter getting the one addition the whole backward gives
+/// it.
+pub fn backward_unit_weight<D: StageDevice>(d: &mut D) -> Result<(), D::Err> {
+    let layout = d.layout();
+    let (first, last, blocks) = (layout.is_first(), layout.is_last(), layout.layers.len());
+    if last {
+        d.head_backward_weight()?;
+        d.final_norm_backward_weight()?;
+    }
+    for slot in (0..blocks).rev() {
+        block_backward_weight(&mut d.block(slot)?)?;
+    }
+    if first {
+        d.embed_backward_weight()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

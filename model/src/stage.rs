@@ -16,12 +16,20 @@
 //! and the matching `finish_*`, so a device may call its own `&mut self` methods while it computes,
 //! and a failed unit puts the micro-batch back as it was: the counts move only in `finish_*` with
 //! the outcome.
+//!
+//! A zero-bubble schedule splits a unit's backward in two: its input half `I`
+//! ([`InFlight::start_backward_input`]) moves the K/V count like a whole backward and leaves the
+//! unit waiting for its weight half `W` ([`InFlight::start_backward_weight`]), which needs what
+//! the unit saved (its layers' inputs and output gradients). So a unit is alive from its forward
+//! until its `W`, and a micro-batch until the last `W` after segment 0's `I`: its activations are
+//! counted, and its gradient completes, only then. The lifecycle refuses `W` before `I`, `W` or
+//! `I` twice, and a whole backward among split ones ([`SplitOrder`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use ops::DocumentMask;
 
-use crate::error::ModelError;
+use crate::error::{ModelError, SplitOrder};
 use crate::order::{check_backward, check_forward};
 use crate::unit::Unit;
 
@@ -124,8 +132,12 @@ pub struct MicroBatch<M> {
     pub state: M,
     /// Positions `0..cached` of every sequence are in the K/V prefix.
     cached: usize,
-    /// Segments whose forward ran in training mode and whose backward has not.
+    /// Segments whose forward ran in training mode and whose backward (or input half) has not.
     pending: BTreeSet<usize>,
+    /// Segments whose input half of the backward ran (split backwards).
+    split: BTreeSet<usize>,
+    /// Segments whose input half ran and whose weight half has not.
+    awaiting_weight: BTreeSet<usize>,
 }
 
 impl<M> MicroBatch<M> {
@@ -134,6 +146,8 @@ impl<M> MicroBatch<M> {
             state,
             cached: 0,
             pending: BTreeSet::new(),
+            split: BTreeSet::new(),
+            awaiting_weight: BTreeSet::new(),
         }
     }
 
@@ -144,7 +158,12 @@ impl<M> MicroBatch<M> {
 
     /// Whether any forward of the micro-batch ran (and left K/V or a unit).
     fn began(&self) -> bool {
-        self.cached > 0 || !self.pending.is_empty()
+        self.cached > 0 || !self.pending.is_empty() || !self.awaiting_weight.is_empty()
+    }
+
+    /// Segments whose input half ran and whose weight half has not (split backwards).
+    pub fn awaiting_weight(&self) -> &BTreeSet<usize> {
+        &self.awaiting_weight
     }
 }
 
@@ -418,6 +437,12 @@ impl<M, D> InFlight<M, D> {
                 reason: "backward before forward".into(),
             });
         };
+        if !mb.split.is_empty() {
+            return Err(ModelError::SplitOrder {
+                unit,
+                problem: SplitOrder::WholeAmongSplit,
+            });
+        }
         if !mb.pending.contains(&unit.segment) {
             return Err(ModelError::Order {
                 unit,
@@ -434,6 +459,125 @@ impl<M, D> InFlight<M, D> {
             segment,
             micro_batch,
         })
+    }
+
+    /// Takes out `unit`'s micro-batch for the input half of its backward (`I`) over `segment`.
+    /// Refuses what [`InFlight::start_backward`] refuses, and an `I` twice
+    /// ([`SplitOrder::InputTwice`]). Give it back with [`InFlight::finish_backward_input`].
+    pub fn start_backward_input(
+        &mut self,
+        unit: Unit,
+        segment: Segment,
+    ) -> Result<Backward<M>, ModelError> {
+        let Some(mb) = self.batches.get(&unit.micro_batch) else {
+            return Err(ModelError::Order {
+                unit,
+                reason: "backward before forward".into(),
+            });
+        };
+        if mb.split.contains(&unit.segment) {
+            return Err(ModelError::SplitOrder {
+                unit,
+                problem: SplitOrder::InputTwice,
+            });
+        }
+        if !mb.pending.contains(&unit.segment) {
+            return Err(ModelError::Order {
+                unit,
+                reason: "backward before forward, or twice".into(),
+            });
+        }
+        check_backward(unit, mb.cached, segment.start, segment.len)?;
+        let micro_batch = self
+            .batches
+            .remove(&unit.micro_batch)
+            .expect("looked up above");
+        Ok(Backward {
+            unit,
+            segment,
+            micro_batch,
+        })
+    }
+
+    /// Gives back an input half's micro-batch. With `done` (it succeeded) the unit's positions
+    /// leave the K/V count, as after a whole backward, and the unit waits for its weight half;
+    /// the micro-batch stays (its units' saved inputs and output gradients are the weight
+    /// halves'). A failed input half moves nothing.
+    pub fn finish_backward_input(&mut self, backward: Backward<M>, done: bool) {
+        let Backward {
+            unit,
+            segment,
+            mut micro_batch,
+        } = backward;
+        if done {
+            micro_batch.pending.remove(&unit.segment);
+            micro_batch.split.insert(unit.segment);
+            micro_batch.awaiting_weight.insert(unit.segment);
+            micro_batch.cached = segment.start;
+        }
+        self.batches.insert(unit.micro_batch, micro_batch);
+    }
+
+    /// Takes out `unit`'s micro-batch for the weight half of its backward (`W`). Refuses a `W`
+    /// before the unit's `I` ([`SplitOrder::WeightBeforeInput`]) and a `W` twice
+    /// ([`SplitOrder::WeightTwice`]). Give it back with [`InFlight::finish_backward_weight`].
+    pub fn start_backward_weight(
+        &mut self,
+        unit: Unit,
+        segment: Segment,
+    ) -> Result<Backward<M>, ModelError> {
+        let Some(mb) = self.batches.get(&unit.micro_batch) else {
+            return Err(ModelError::Order {
+                unit,
+                reason: "weight half of the backward (W) of a micro-batch not in flight: its \
+                         forward never ran, or the weight halves of all its units already ran"
+                    .into(),
+            });
+        };
+        let problem = if !mb.split.contains(&unit.segment) {
+            Some(SplitOrder::WeightBeforeInput)
+        } else if !mb.awaiting_weight.contains(&unit.segment) {
+            Some(SplitOrder::WeightTwice)
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(ModelError::SplitOrder { unit, problem });
+        }
+        let micro_batch = self
+            .batches
+            .remove(&unit.micro_batch)
+            .expect("looked up above");
+        Ok(Backward {
+            unit,
+            segment,
+            micro_batch,
+        })
+    }
+
+    /// Gives back a weight half's micro-batch. With `done` the unit is no longer alive; the
+    /// micro-batch ends (its documents too) when segment 0's input half ran and no unit waits
+    /// for its weight half any more, and its state is returned (for the device to recycle; the
+    /// micro-batch's gradient is then complete). A failed weight half moves nothing.
+    pub fn finish_backward_weight(&mut self, backward: Backward<M>, done: bool) -> Option<M> {
+        let Backward {
+            unit,
+            mut micro_batch,
+            ..
+        } = backward;
+        if done {
+            micro_batch.awaiting_weight.remove(&unit.segment);
+            if micro_batch.awaiting_weight.is_empty()
+                && micro_batch.pending.is_empty()
+                && micro_batch.cached == 0
+            {
+                self.documents.remove(&unit.micro_batch);
+                self.lengths.remove(&unit.micro_batch);
+                return Some(micro_batch.state);
+            }
+        }
+        self.batches.insert(unit.micro_batch, micro_batch);
+        None
     }
 
     /// Gives back a backward's micro-batch. With `done` (the backward succeeded) the unit is no
@@ -622,6 +766,84 @@ mod tests {
         assert!(f.is_empty());
         let e = bwd(&mut f, u0).unwrap_err();
         assert_eq!(reason(e), "backward before forward");
+    }
+
+    fn input(f: &mut Flight, unit: Unit) -> Result<(), ModelError> {
+        let w = f.start_backward_input(unit, segs().segment(unit)?)?;
+        f.finish_backward_input(w, true);
+        Ok(())
+    }
+
+    fn weight(f: &mut Flight, unit: Unit) -> Result<Option<&'static str>, ModelError> {
+        let w = f.start_backward_weight(unit, segs().segment(unit)?)?;
+        Ok(f.finish_backward_weight(w, true))
+    }
+
+    fn split(e: ModelError) -> SplitOrder {
+        match e {
+            ModelError::SplitOrder { problem, .. } => problem,
+            other => panic!("not a split-backward order error: {other}"),
+        }
+    }
+
+    #[test]
+    fn a_split_backward_keeps_its_unit_alive_until_the_weight_half_and_refuses_other_orders() {
+        let mut f = Flight::default();
+        let (u0, u1) = (Unit::new(2, 0), Unit::new(2, 1));
+        fwd(&mut f, u0, Mode::Train).unwrap();
+        fwd(&mut f, u1, Mode::Train).unwrap();
+        let e = weight(&mut f, u1).unwrap_err();
+        assert!(
+            e.to_string().contains("(W) before its input half (I)"),
+            "{e}"
+        );
+        assert_eq!(split(e), SplitOrder::WeightBeforeInput);
+        // The K/V rule holds for the input halves as for whole backwards.
+        assert!(
+            reason(input(&mut f, u0).unwrap_err())
+                .contains("after the backward of every later segment")
+        );
+        // A failed input half moves nothing.
+        let w = f
+            .start_backward_input(u1, segs().segment(u1).unwrap())
+            .unwrap();
+        f.finish_backward_input(w, false);
+        assert_eq!(
+            split(weight(&mut f, u1).unwrap_err()),
+            SplitOrder::WeightBeforeInput
+        );
+        input(&mut f, u1).unwrap();
+        assert_eq!(
+            split(input(&mut f, u1).unwrap_err()),
+            SplitOrder::InputTwice
+        );
+        assert_eq!(
+            split(bwd(&mut f, u0).unwrap_err()),
+            SplitOrder::WholeAmongSplit
+        );
+        // Segment 0's input half may run before segment 1's weight half: its K/V count moved.
+        input(&mut f, u0).unwrap();
+        assert_eq!(f.len(), 1, "the micro-batch lives until its weight halves");
+        assert_eq!(weight(&mut f, u1).unwrap(), None);
+        assert_eq!(
+            split(weight(&mut f, u1).unwrap_err()),
+            SplitOrder::WeightTwice
+        );
+        assert_eq!(
+            split(input(&mut f, u1).unwrap_err()),
+            SplitOrder::InputTwice
+        );
+        // A failed weight half moves nothing; the last one ends the micro-batch.
+        let w = f
+            .start_backward_weight(u0, segs().segment(u0).unwrap())
+            .unwrap();
+        assert_eq!(f.finish_backward_weight(w, false), None);
+        assert_eq!(weight(&mut f, u0).unwrap(), Some("fresh"));
+        assert!(f.is_empty());
+        assert!(matches!(
+            weight(&mut f, u0).unwrap_err(),
+            ModelError::Order { .. }
+        ));
     }
 
     #[test]

@@ -44,7 +44,10 @@ pub use documents::{DocumentMask, doc_start};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use error::{OpsError, Result};
 pub use gelu::{GeluCtx, gelu_backward, gelu_forward};
-pub use linear::{LinearCtx, LinearGrads, linear_backward, linear_forward};
+pub use linear::{
+    LinearCtx, LinearGrads, linear_backward, linear_backward_input, linear_backward_weight,
+    linear_forward,
+};
 pub use lm_head::{LmHeadGrads, lm_head_loss, lm_head_loss_forward_backward};
 pub use memory::{SavedTensors, TensorBytes};
 pub use norm::{

@@ -73,7 +73,8 @@ fn forward<T: Float>(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     tensor(y, &[n, d_out])
 }
 
-/// Backward of [`linear_forward`].
+/// Backward of [`linear_forward`]: [`linear_backward_input`] then [`linear_backward_weight`]
+/// (the same gemms either way, so a backward split into its two halves gives the same bits).
 ///
 /// `dy` is the gradient of the output `(N, out)`; returns `dx` `(N, in)` and the parameter
 /// gradients (`db` only when `has_bias`).
@@ -83,7 +84,15 @@ pub fn linear_backward(
     dy: &Tensor,
     has_bias: bool,
 ) -> Result<(Tensor, LinearGrads)> {
-    const OP: &str = "linear_backward";
+    let dx = linear_backward_input(ctx, w, dy)?;
+    let grads = linear_backward_weight(ctx, dy, has_bias)?;
+    Ok((dx, grads))
+}
+
+/// The input half of [`linear_backward`]: `dx = dy · w` `(N, in)` from `dy` `(N, out)`; the
+/// weight half ([`linear_backward_weight`]) needs `ctx` and `dy` afterwards.
+pub fn linear_backward_input(ctx: &LinearCtx, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    const OP: &str = "linear_backward_input";
     let (n, d_in) = dims2(&ctx.x, OP, "ctx.x")?;
     let (d_out, _) = dims2(w, OP, "w")?;
     expect_shape(w, &[d_out, d_in], OP, "w")?;
@@ -91,21 +100,30 @@ pub fn linear_backward(
     let dtype = ctx.x.dtype();
     let w = contiguous(w, dtype, OP, "w")?;
     let dy = contiguous(dy, dtype, OP, "dy")?;
-    dispatch_float!(dtype, OP, backward(&ctx.x, &w, &dy, has_bias))
+    dispatch_float!(dtype, OP, backward_input(&w, &dy))
 }
 
-/// `dx = dy · w`, `dw = dy^T · x` (two gemms), `db` = column sums of `dy`.
-fn backward<T: Float>(
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    has_bias: bool,
-) -> Result<(Tensor, LinearGrads)> {
-    const OP: &str = "linear_backward";
-    let (n, d_in) = x.dims2()?;
-    let d_out = w.dim(0)?;
-    let (xv, wv, dyv) = (View::new(x, OP)?, View::new(w, OP)?, View::new(dy, OP)?);
-    let (xs, ws, dys) = (xv.slice::<T>()?, wv.slice::<T>()?, dyv.slice::<T>()?);
+/// The weight half of [`linear_backward`]: `dw = dy^T · x` `(out, in)` and, when `has_bias`,
+/// `db` = the column sums of `dy` `(out,)`.
+pub fn linear_backward_weight(ctx: &LinearCtx, dy: &Tensor, has_bias: bool) -> Result<LinearGrads> {
+    const OP: &str = "linear_backward_weight";
+    let (n, _) = dims2(&ctx.x, OP, "ctx.x")?;
+    let (dy_n, _) = dims2(dy, OP, "dy")?;
+    if dy_n != n {
+        return shape_err(format!("{OP}: ctx.x has {n} rows but dy has {dy_n}"));
+    }
+    let dtype = ctx.x.dtype();
+    let dy = contiguous(dy, dtype, OP, "dy")?;
+    dispatch_float!(dtype, OP, backward_weight(&ctx.x, &dy, has_bias))
+}
+
+/// `dx = dy · w` (one gemm).
+fn backward_input<T: Float>(w: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    const OP: &str = "linear_backward_input";
+    let (d_out, d_in) = w.dims2()?;
+    let n = dy.dim(0)?;
+    let (wv, dyv) = (View::new(w, OP)?, View::new(dy, OP)?);
+    let (ws, dys) = (wv.slice::<T>()?, dyv.slice::<T>()?);
     let mut dx = vec![T::zero(); n * d_in]; // (N, in)
     matmul(
         &mut dx,
@@ -115,6 +133,16 @@ fn backward<T: Float>(
         Mat::rows(ws, d_out, d_in, d_in),
         Threads::Pool,
     );
+    tensor(dx, &[n, d_in])
+}
+
+/// `dw = dy^T · x` (one gemm), `db` = column sums of `dy`.
+fn backward_weight<T: Float>(x: &Tensor, dy: &Tensor, has_bias: bool) -> Result<LinearGrads> {
+    const OP: &str = "linear_backward_weight";
+    let (n, d_in) = x.dims2()?;
+    let d_out = dy.dim(1)?;
+    let (xv, dyv) = (View::new(x, OP)?, View::new(dy, OP)?);
+    let (xs, dys) = (xv.slice::<T>()?, dyv.slice::<T>()?);
     let mut dw = vec![T::zero(); d_out * d_in]; // (out, in)
     matmul(
         &mut dw,
@@ -132,11 +160,8 @@ fn backward<T: Float>(
             tensor(sums, &[d_out]) // (out,)
         })
         .transpose()?;
-    Ok((
-        tensor(dx, &[n, d_in])?,
-        LinearGrads {
-            dw: tensor(dw, &[d_out, d_in])?,
-            db,
-        },
-    ))
+    Ok(LinearGrads {
+        dw: tensor(dw, &[d_out, d_in])?,
+        db,
+    })
 }

@@ -556,8 +556,8 @@ impl Config {
                 ),
             );
         }
-        if let Some(e) = crate::schedule::ScheduleError::not_runnable_kind(p.schedule) {
-            return Err(ConfigError::ScheduleNotRunnable(e));
+        if p.schedule.splits_backward() {
+            self.validate_split_backward()?;
         }
         if p.virtual_stages > 1 {
             self.validate_virtual_stages()?;
@@ -596,6 +596,44 @@ impl Config {
             }
         }
         self.validate_documents()
+    }
+
+    /// With split backwards (`seq1f1b-zb`): refusals, naming the key and what to use instead, of
+    /// what the input/weight halves are not wired into: CUDA stages and NCCL device links (whole
+    /// backwards only) and mid-step recovery (its replay and replica re-routing redo whole
+    /// backwards; a lost worker restarts the step from a peer snapshot or checkpoint instead).
+    fn validate_split_backward(&self) -> Result<(), ConfigError> {
+        let (m, p) = (&self.model, &self.pipeline);
+        let not_runnable = |what: String| {
+            Err(ConfigError::ScheduleNotRunnable(
+                crate::schedule::ScheduleError::not_runnable_split(what),
+            ))
+        };
+        if p.transport == StageTransport::Nccl {
+            return not_runnable(format!(
+                "pipeline.schedule = \"{}\" with pipeline.transport = \"nccl\"",
+                p.schedule
+            ));
+        }
+        if m.device == DeviceKind::Cuda {
+            return not_runnable(format!(
+                "pipeline.schedule = \"{}\" with model.device = \"cuda\"",
+                p.schedule
+            ));
+        }
+        if self.elastic.mid_step {
+            return Err(ConfigError::NotWired {
+                key: "elastic.mid_step",
+                what: format!(
+                    "a worker of a {} step cannot be replaced in the middle of the step yet (its \
+                     replay redoes whole backwards); set elastic.mid_step = false (a lost worker \
+                     then restarts the step from the last peer snapshot or checkpoint) or use \
+                     pipeline.schedule = \"seq1f1b\"",
+                    p.schedule
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
@@ -967,19 +1005,53 @@ mod tests {
         assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
     }
 
+    /// seq1f1b-zb runs on CPU stages over TCP with mid-step recovery off; CUDA stages, NCCL
+    /// links and mid-step recovery are refused, naming the key and what to use instead.
     #[test]
-    fn schedule_only_kinds_parse_and_are_refused_with_the_reason() {
-        let cfg = Config::default()
-            .with_overrides(&["pipeline.schedule=seq1f1b-zb".into()])
-            .unwrap();
-        assert_eq!(cfg.pipeline.schedule.as_str(), "seq1f1b-zb");
-        let err = cfg.validate().unwrap_err();
-        assert!(matches!(err, ConfigError::ScheduleNotRunnable(_)), "{err}");
+    fn the_zero_bubble_kind_runs_on_cpu_over_tcp_and_refuses_what_is_not_wired() {
+        let zb = |extra: &[&str]| {
+            let mut sets = vec!["pipeline.schedule=seq1f1b-zb".to_string()];
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            Config::default().with_overrides(&sets).unwrap()
+        };
+        assert_eq!(zb(&[]).pipeline.schedule.as_str(), "seq1f1b-zb");
+        zb(&["elastic.mid_step=false"]).validate().unwrap();
+        zb(&[
+            "elastic.mid_step=false",
+            "pipeline.replicas=2",
+            "pipeline.microbatches=4",
+        ])
+        .validate()
+        .unwrap();
+        let err = zb(&[]).validate().unwrap_err();
+        assert!(matches!(err, ConfigError::NotWired { .. }), "{err}");
         let text = err.to_string();
         assert!(
-            text.contains("seq1f1b-zb") && text.contains("cannot run") && text.contains("seq1f1b"),
+            text.contains("elastic.mid_step")
+                && text.contains("elastic.mid_step = false")
+                && text.contains("seq1f1b-zb"),
             "{text}"
         );
+        for (extra, what) in [
+            ("model.device=cuda", "model.device = \"cuda\""),
+            ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),
+        ] {
+            let err = zb(&["elastic.mid_step=false", extra])
+                .validate()
+                .unwrap_err();
+            assert!(
+                matches!(err, ConfigError::ScheduleNotRunnable(_)),
+                "{extra}: {err}"
+            );
+            let text = err.to_string();
+            assert!(
+                text.contains(what)
+                    && text.contains("seq1f1b-zb")
+                    && text.contains("model.device = \"cpu\"")
+                    && text.contains("pipeline.schedule = \"seq1f1b\""),
+                "{text}"
+            );
+        }
         // Chunk counts that do not fit the kind are refused before that, naming the key.
         for (kind, v) in [("seq1f1b-i", 1), ("seq1f1b", 2), ("1f1b", 0)] {
             let err = Config::default()

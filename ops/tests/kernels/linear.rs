@@ -132,3 +132,47 @@ fn rejects_bad_shapes() {
     let x3 = rand_t(&mut r, &[2, 5, 4]);
     assert!(linear_forward(&x3, &rand_t(&mut r, &[3, 4]), None).is_err());
 }
+
+/// The two halves of the backward give the whole backward's gradients bit for bit (f32, the
+/// dtype training runs), whether or not `dy` arrives contiguous; a weight half given an output
+/// gradient of other rows than the saved input is refused.
+#[test]
+fn the_input_and_weight_halves_are_the_whole_backward() {
+    let mut r = rng(3);
+    let f32s = |t: Tensor| t.to_dtype(candle_core::DType::F32).unwrap();
+    let (x, w, b) = (
+        f32s(rand_t(&mut r, &[7, 5])),
+        f32s(rand_t(&mut r, &[6, 5])),
+        f32s(rand_t(&mut r, &[6])),
+    );
+    let (_, ctx) = linear_forward(&x, &w, Some(&b)).unwrap();
+    // A transposed view: not contiguous.
+    let dy = f32s(rand_t(&mut r, &[6, 7])).t().unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let (dx, g) = linear_backward(&ctx, &w, &dy, true).unwrap();
+    let dx_half = ops::linear_backward_input(&ctx, &w, &dy).unwrap();
+    let g_half = ops::linear_backward_weight(&ctx, &dy, true).unwrap();
+    assert_eq!(bits(&dx), bits(&dx_half));
+    assert_eq!(bits(&g.dw), bits(&g_half.dw));
+    assert_eq!(
+        bits(g.db.as_ref().unwrap()),
+        bits(g_half.db.as_ref().unwrap())
+    );
+    assert!(
+        ops::linear_backward_weight(&ctx, &dy, false)
+            .unwrap()
+            .db
+            .is_none()
+    );
+    let short = dy.narrow(0, 0, 6).unwrap();
+    let e = ops::linear_backward_weight(&ctx, &short, true).unwrap_err();
+    assert!(e.to_string().contains("7 rows but dy has 6"), "{e}");
+}

@@ -1,6 +1,8 @@
 //! One transformer block (pre-norm attention + MLP) as an explicit forward/backward pair over one
 //! sequence segment, with the K/V prefix of the earlier segments of the same micro-batch: the CPU
 //! device ([`BlockDevice`] over `ops`, the oracle) of the block the `model` crate writes once.
+//! Its backward kernels are the split halves ([`::model::block_backward_input`] and
+//! [`::model::block_backward_weight`]); a whole backward is each layer's halves back to back.
 
 use candle_core::Tensor;
 use ops::DocumentMask;
@@ -9,13 +11,13 @@ use ops::attention::{
     document_prefix_attention_backward, document_prefix_attention_forward,
 };
 use ops::gelu::{GeluCtx, gelu_backward, gelu_forward};
-use ops::linear::{LinearCtx, linear_backward, linear_forward};
+use ops::linear::{LinearCtx, linear_backward_input, linear_backward_weight, linear_forward};
 use ops::memory::SavedTensors;
 use ops::rope::RopeTable;
 
 use super::config::ModelConfig;
 use super::error::ModelError;
-use super::norm::{NormLayer, NormLayerCtx};
+use super::norm::{NormLayer, NormLayerCtx, NormParamGrads};
 use super::params::{BlockLayer, Gradients, Params, bias, block_layer, weight};
 use ::model::{BlockDevice, Residual};
 
@@ -81,7 +83,10 @@ impl SavedTensors for KvPrefix {
 }
 
 /// Activations a block's backward needs for one segment, filled by its forward and taken by its
-/// backward (one per kernel of [`::model::block_forward`]).
+/// backward (one per kernel of [`::model::block_forward`]). The input half of the backward takes
+/// the norms', attention's and GELU's contexts and leaves what the weight half reads: each
+/// linear layer's input (its context) and output gradient, the norms' and the MLP bias's
+/// gradients.
 #[derive(Default)]
 pub struct BlockCtx {
     ln_1: Option<NormLayerCtx>,
@@ -92,6 +97,23 @@ pub struct BlockCtx {
     c_fc: Option<LinearCtx>,
     gelu: Option<GeluCtx>,
     mlp_proj: Option<LinearCtx>,
+    /// Between the two halves of the backward.
+    weight: WeightHalf,
+}
+
+/// What a block's input half leaves for its weight half.
+#[derive(Default)]
+struct WeightHalf {
+    /// Output gradients of the linear layers: `(N, 3C)`, `(N, C)`, `(N, F)`, `(N, C)`.
+    c_attn_dy: Option<Tensor>,
+    attn_proj_dy: Option<Tensor>,
+    c_fc_dy: Option<Tensor>,
+    mlp_proj_dy: Option<Tensor>,
+    /// The norms' parameter gradients, `(C,)` each.
+    ln_1: Option<NormParamGrads>,
+    ln_2: Option<NormParamGrads>,
+    /// The MLP bias's gradient `(F,)` (`Some(None)`: the input half ran, and there is none).
+    fc_bias: Option<Option<Tensor>>,
 }
 
 impl SavedTensors for BlockCtx {
@@ -104,6 +126,16 @@ impl SavedTensors for BlockCtx {
         self.c_fc.for_each_tensor(f);
         self.gelu.for_each_tensor(f);
         self.mlp_proj.for_each_tensor(f);
+        let w = &self.weight;
+        w.c_attn_dy.for_each_tensor(f);
+        w.attn_proj_dy.for_each_tensor(f);
+        w.c_fc_dy.for_each_tensor(f);
+        w.mlp_proj_dy.for_each_tensor(f);
+        w.ln_1.for_each_tensor(f);
+        w.ln_2.for_each_tensor(f);
+        if let Some(b) = &w.fc_bias {
+            b.for_each_tensor(f);
+        }
     }
 }
 
@@ -202,6 +234,30 @@ impl<'b> CpuBlock<'b> {
             BlockLayer::MlpProj => Ok(&mut self.ctx.mlp_proj),
             BlockLayer::Ln1 | BlockLayer::Ln2 => Err(ModelError::NotSaved {
                 layer: format!("{} (a norm, not a linear layer)", self.prefix(layer)),
+            }),
+        }
+    }
+
+    /// Where linear `layer`'s output gradient waits for the weight half.
+    fn linear_dy(&mut self, layer: BlockLayer) -> Result<&mut Option<Tensor>, ModelError> {
+        match layer {
+            BlockLayer::CAttn => Ok(&mut self.ctx.weight.c_attn_dy),
+            BlockLayer::AttnProj => Ok(&mut self.ctx.weight.attn_proj_dy),
+            BlockLayer::CFc => Ok(&mut self.ctx.weight.c_fc_dy),
+            BlockLayer::MlpProj => Ok(&mut self.ctx.weight.mlp_proj_dy),
+            BlockLayer::Ln1 | BlockLayer::Ln2 => Err(ModelError::NotSaved {
+                layer: format!("{} (a norm, not a linear layer)", self.prefix(layer)),
+            }),
+        }
+    }
+
+    /// Where norm `layer`'s parameter gradients wait for the weight half.
+    fn norm_grads(&mut self, layer: BlockLayer) -> Result<&mut Option<NormParamGrads>, ModelError> {
+        match layer {
+            BlockLayer::Ln1 => Ok(&mut self.ctx.weight.ln_1),
+            BlockLayer::Ln2 => Ok(&mut self.ctx.weight.ln_2),
+            _ => Err(ModelError::NotSaved {
+                layer: format!("{} (a linear layer, not a norm)", self.prefix(layer)),
             }),
         }
     }
@@ -308,32 +364,62 @@ impl BlockDevice for CpuBlock<'_> {
         Ok(x.add(&branch)?)
     }
 
-    fn linear_backward(
+    fn linear_backward_input(
         &mut self,
         layer: BlockLayer,
         dy: &Tensor,
-        with_bias: bool,
+        _with_bias: bool,
     ) -> Result<Tensor, ModelError> {
         let prefix = self.prefix(layer);
-        let ctx = saved(self.linear_ctx(layer)?, || prefix.clone())?;
-        let w_name = weight(&prefix);
-        let (dx, g) = linear_backward(&ctx, self.params.get(&w_name)?, dy, with_bias)?;
-        let grads = self.grads(&prefix)?;
-        grads.add(&w_name, g.dw)?;
-        if let Some(db) = g.db {
-            grads.add(&bias(&prefix), db)?;
-        }
+        let params = self.params;
+        let w = params.get(&weight(&prefix))?;
+        let ctx = self
+            .linear_ctx(layer)?
+            .as_ref()
+            .ok_or_else(|| ModelError::NotSaved {
+                layer: prefix.clone(),
+            })?;
+        let dx = linear_backward_input(ctx, w, dy)?;
+        *self.linear_dy(layer)? = Some(dy.clone());
         Ok(dx)
     }
 
-    fn bias_gelu_backward(&mut self, dg: &Tensor) -> Result<Tensor, ModelError> {
+    fn linear_backward_weight(
+        &mut self,
+        layer: BlockLayer,
+        with_bias: bool,
+    ) -> Result<(), ModelError> {
+        let prefix = self.prefix(layer);
+        let ctx = saved(self.linear_ctx(layer)?, || prefix.clone())?;
+        let dy = saved(self.linear_dy(layer)?, || {
+            format!("{prefix} (its output gradient: the input half of the backward has not run)")
+        })?;
+        let g = linear_backward_weight(&ctx, &dy, with_bias)?;
+        let grads = self.grads(&prefix)?;
+        grads.add(&weight(&prefix), g.dw)?;
+        if let Some(db) = g.db {
+            grads.add(&bias(&prefix), db)?;
+        }
+        Ok(())
+    }
+
+    fn bias_gelu_backward_input(&mut self, dg: &Tensor) -> Result<Tensor, ModelError> {
         let prefix = self.prefix(BlockLayer::CFc);
         let ctx = saved(&mut self.ctx.gelu, || format!("{prefix} (GELU)"))?;
         let (df, d_fc_bias) = gelu_backward(&ctx, dg)?;
+        self.ctx.weight.fc_bias = Some(d_fc_bias);
+        Ok(df)
+    }
+
+    fn bias_gelu_backward_weight(&mut self) -> Result<(), ModelError> {
+        let prefix = self.prefix(BlockLayer::CFc);
+        let d_fc_bias = saved(&mut self.ctx.weight.fc_bias, || {
+            format!("{prefix} (its bias gradient: the input half of the backward has not run)")
+        })?;
         if let Some(db) = d_fc_bias {
             self.grads(&prefix)?.add(&bias(&prefix), db)?;
         }
-        Ok(df)
+        Ok(())
     }
 
     fn attention_backward(
@@ -397,11 +483,27 @@ impl BlockDevice for CpuBlock<'_> {
         )?) // (N, 3C)
     }
 
-    fn norm_backward(&mut self, layer: BlockLayer, dy: &Tensor) -> Result<Tensor, ModelError> {
+    fn norm_backward_input(
+        &mut self,
+        layer: BlockLayer,
+        dy: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         let prefix = self.prefix(layer);
         let ctx = saved(self.norm_ctx(layer)?, || prefix.clone())?;
-        let (norm, params) = (self.block.norm, self.params);
-        norm.backward(params, &prefix, &ctx, dy, self.grads(&prefix)?)
+        let (dx, g) = self
+            .block
+            .norm
+            .backward_input(self.params, &prefix, &ctx, dy)?;
+        *self.norm_grads(layer)? = Some(g);
+        Ok(dx)
+    }
+
+    fn norm_backward_weight(&mut self, layer: BlockLayer) -> Result<(), ModelError> {
+        let prefix = self.prefix(layer);
+        let g = saved(self.norm_grads(layer)?, || {
+            format!("{prefix} (its gradients: the input half of the backward has not run)")
+        })?;
+        NormLayer::add_grads(&prefix, g, self.grads(&prefix)?)
     }
 
     fn residual_backward(

@@ -99,6 +99,24 @@ pub trait StageCompute: Send {
     /// Backward of one unit (see [`Stage::backward`]).
     fn backward(&mut self, unit: Unit, d_out: Option<Tensor>)
     -> Result<Option<Tensor>, ModelError>;
+    /// The input half of one unit's backward, a zero-bubble `I` (see [`Stage::backward_input`]):
+    /// the input gradient, no parameter gradient yet. A device that runs whole backwards only
+    /// refuses it ([`ModelError::NoSplitBackward`]).
+    fn backward_input(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let _ = (unit, d_out);
+        Err(ModelError::NoSplitBackward { kernel: "a unit" })
+    }
+    /// The weight half of one unit's backward, a zero-bubble `W` after its `I` (see
+    /// [`Stage::backward_weight`]): the unit's parameter gradients. A device that runs whole
+    /// backwards only refuses it.
+    fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError> {
+        let _ = unit;
+        Err(ModelError::NoSplitBackward { kernel: "a unit" })
+    }
     /// Sums the step's gradients over its micro-batches, in the fixed tree order.
     fn finish_gradients(&mut self) -> Result<(), ModelError>;
     /// The step's summed gradients as one vector (what the data-parallel collective reduces).
@@ -344,6 +362,18 @@ impl StageCompute for CpuStage {
         d_out: Option<Tensor>,
     ) -> Result<Option<Tensor>, ModelError> {
         self.stage.backward(unit, d_out)
+    }
+
+    fn backward_input(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        self.stage.backward_input(unit, d_out)
+    }
+
+    fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError> {
+        self.stage.backward_weight(unit)
     }
 
     fn finish_gradients(&mut self) -> Result<(), ModelError> {

@@ -497,6 +497,103 @@ impl Stage {
         ::model::backward_unit(&mut device, docs)
     }
 
+    /// The input half of one unit's backward (a zero-bubble `I`): as [`Stage::backward`], the
+    /// gradient for the previous stage from `d_out` (none on the last stage), but no parameter
+    /// gradient is added: the unit keeps what [`Stage::backward_weight`] needs (its layers' inputs
+    /// and output gradients), so its activations stay counted until then.
+    pub fn backward_input(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let segment = self.in_flight.segment(unit, &self.segments)?;
+        let mut work = self.in_flight.start_backward_input(unit, segment)?;
+        let docs = self
+            .in_flight
+            .documents(unit.micro_batch)
+            .map(|d| d.mask.clone());
+        let model = CpuModel {
+            cfg: &self.cfg,
+            layout: &self.layout,
+            params: &self.params,
+            rope: self.rope.as_ref(),
+            reset_positions: self.reset_positions,
+        };
+        let state = &mut work.micro_batch.state;
+        let result = match state.units.get_mut(&unit.segment) {
+            Some(ctx) => {
+                let kv = (&mut state.kv[..], ctx);
+                let mut device = CpuUnit::backward_input(model, unit, kv, d_out, docs.as_ref());
+                ::model::backward_unit_input(&mut device, docs.as_ref())
+            }
+            None => Err(ModelError::Order {
+                unit,
+                reason: "the unit's saved context is gone (its backward failed before)".into(),
+            }),
+        };
+        self.in_flight.finish_backward_input(work, result.is_ok());
+        let dx = result?;
+        self.peak.record(self.activation_bytes());
+        Ok(dx)
+    }
+
+    /// The weight half of one unit's backward (a zero-bubble `W`), after its
+    /// [`Stage::backward_input`]: adds the unit's parameter gradients to its micro-batch's (the
+    /// same additions [`Stage::backward`] makes) and frees what the unit kept. The micro-batch's
+    /// gradient is complete after the last weight half that follows segment 0's input half.
+    pub fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError> {
+        let segment = self.in_flight.segment(unit, &self.segments)?;
+        let mut work = self.in_flight.start_backward_weight(unit, segment)?;
+        // The position embedding's gradient reads the positions (per document with
+        // `reset_positions`).
+        let docs = self
+            .in_flight
+            .documents(unit.micro_batch)
+            .map(|d| d.mask.clone());
+        let result = self.backward_weight_unit(unit, &mut work.micro_batch.state, docs.as_ref());
+        let done = self
+            .in_flight
+            .finish_backward_weight(work, result.is_ok())
+            .is_some();
+        result?;
+        if done {
+            self.grads
+                .complete(unit, &mut |l: Gradients, r| Ok::<_, ModelError>(l.sum(r)?))?;
+        }
+        self.peak.record(self.activation_bytes());
+        Ok(())
+    }
+
+    /// [`Stage::backward_weight`]'s computation ([`::model::backward_unit_weight`]) on the
+    /// micro-batch's saved state, into the micro-batch's own gradient.
+    fn backward_weight_unit(
+        &mut self,
+        unit: Unit,
+        state: &mut MicroBatchState,
+        docs: Option<&ops::DocumentMask>,
+    ) -> Result<(), ModelError> {
+        let grads = self
+            .grads
+            .accumulator(unit, || Ok::<_, ModelError>(Gradients::default()))?;
+        let mut ctx = state
+            .units
+            .remove(&unit.segment)
+            .ok_or_else(|| ModelError::Order {
+                unit,
+                reason: "the unit's saved context is gone (its backward failed before)".into(),
+            })?;
+        let model = CpuModel {
+            cfg: &self.cfg,
+            layout: &self.layout,
+            params: &self.params,
+            rope: self.rope.as_ref(),
+            reset_positions: self.reset_positions,
+        };
+        let kv = (&mut state.kv[..], &mut ctx);
+        let mut device = CpuUnit::backward_weight(model, unit, kv, grads, docs);
+        ::model::backward_unit_weight(&mut device)
+    }
+
     /// Per-parameter sums of squared gradients of the step, in canonical order (sums the
     /// gradients first if [`Stage::finish_gradients`] has not run).
     pub fn grad_sums_of_squares(&mut self) -> Result<Vec<(String, f64)>, ModelError> {
@@ -792,5 +889,219 @@ mod tests {
         let mut opt = AdamW::new(ops::AdamWConfig::default());
         s.apply_update(&mut opt, 1e-3, 1.0, 0.0, false).unwrap();
         assert!(matches!(s.finish_gradients(), Err(ModelError::NoStep)));
+    }
+
+    /// A deterministic `(rows, cols)` tensor of values in [-1, 1) from `seed`.
+    fn noise(rows: usize, cols: usize, seed: u64) -> Tensor {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    /// How a backward is run: whole, or split with each weight half `lag` input halves late.
+    #[derive(Clone, Copy, Debug)]
+    enum Backward {
+        Whole,
+        Split { lag: usize },
+    }
+
+    /// One training step of stage `layout` of `cfg` over `m` micro-batches cut into `segments`
+    /// (with `docs`, document masks), every forward first, then the backwards in Seq1F1B's order
+    /// (micro-batches ascending, segments descending) run as `how`. Returns the input gradient of
+    /// every unit (in that order, as bits) and the step's summed gradient (bits).
+    fn run_step(
+        cfg: &ModelConfig,
+        layout: StageLayout,
+        segments: &[usize],
+        m: usize,
+        docs: Option<&[Vec<usize>]>,
+        how: Backward,
+    ) -> (Vec<Vec<u32>>, Vec<u32>) {
+        let t: usize = segments.iter().sum();
+        let mut s = Stage::new(cfg, layout.clone(), segments.to_vec(), 11).unwrap();
+        s.begin_step(m);
+        let c = cfg.d_model;
+        for i in 0..m {
+            if let Some(docs) = docs {
+                s.set_documents(i, docs.to_vec()).unwrap();
+            }
+            let all = Tensor::from_vec(tokens(100 + i), (ROWS, t + 1), &Device::Cpu).unwrap();
+            let mut start = 0;
+            for (j, &len) in segments.iter().enumerate() {
+                let input = if layout.is_first() {
+                    StageInput::Tokens(all.narrow(1, start, len).unwrap())
+                } else {
+                    StageInput::Hidden(noise(ROWS * len, c, (i * 10 + j) as u64))
+                };
+                let targets = all
+                    .narrow(1, start + 1, len)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap();
+                let scale = 1.0 / (m * ROWS * t) as f64;
+                s.forward(Unit::new(i, j), input, Some(&targets), scale, Mode::Train)
+                    .unwrap();
+                start += len;
+            }
+        }
+        let order: Vec<Unit> = (0..m)
+            .flat_map(|i| (0..segments.len()).rev().map(move |j| Unit::new(i, j)))
+            .collect();
+        let d_out = |u: Unit| {
+            (!layout.is_last()).then(|| {
+                noise(
+                    ROWS * segments[u.segment],
+                    c,
+                    1000 + (u.micro_batch * 10 + u.segment) as u64,
+                )
+            })
+        };
+        let mut dx = Vec::new();
+        let bits = |t: Option<Tensor>| -> Vec<u32> {
+            t.map(|t| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .unwrap_or_default()
+        };
+        match how {
+            Backward::Whole => {
+                for &u in &order {
+                    dx.push(bits(s.backward(u, d_out(u)).unwrap()));
+                }
+            }
+            Backward::Split { lag } => {
+                let mut waiting = std::collections::VecDeque::new();
+                for &u in &order {
+                    dx.push(bits(s.backward_input(u, d_out(u)).unwrap()));
+                    waiting.push_back(u);
+                    if waiting.len() > lag {
+                        s.backward_weight(waiting.pop_front().unwrap()).unwrap();
+                    }
+                }
+                if !waiting.is_empty() {
+                    // The step's gradient is not complete before every weight half.
+                    let e = s.finish_gradients().unwrap_err();
+                    assert!(matches!(e, ModelError::IncompleteGradients { .. }), "{e}");
+                }
+                while let Some(u) = waiting.pop_front() {
+                    s.backward_weight(u).unwrap();
+                }
+            }
+        }
+        assert_eq!(s.in_flight_micro_batches(), 0);
+        s.finish_gradients().unwrap();
+        (
+            dx,
+            bits(Some(
+                Tensor::new(s.gradient_vector().unwrap(), &Device::Cpu).unwrap(),
+            )),
+        )
+    }
+
+    /// The split backward, its weight halves deferred past later units' input halves (as
+    /// seq1f1b-zb runs them), gives the whole backward's input gradients and parameter gradients
+    /// bit for bit: on every kind of stage (first, middle, last, whole model), norm, position
+    /// embedding, segment cut and with document masks.
+    #[test]
+    fn split_backwards_give_the_whole_backwards_gradients_bit_for_bit() {
+        let cases: [(Norm, Position, &[usize], bool); 4] = [
+            (Norm::LayerNorm, Position::Learned, &[5, 3], false),
+            (Norm::RmsNorm, Position::Rope, &[2, 3, 3], false),
+            (Norm::LayerNorm, Position::Learned, &[3, 3, 2], true),
+            (Norm::RmsNorm, Position::Learned, &[8], false),
+        ];
+        let docs = [vec![0, 3, 6], vec![0, 5]];
+        for (norm, position, segments, masked) in cases {
+            let cfg = ModelConfig {
+                layers: 3,
+                norm,
+                position,
+                ..cfg()
+            };
+            for (stage, stages, layers) in [(0, 1, 0..3), (0, 3, 0..1), (1, 3, 1..2), (2, 3, 2..3)]
+            {
+                let layout = StageLayout {
+                    stage,
+                    stages,
+                    layers,
+                };
+                let docs = masked.then_some(&docs[..]);
+                let whole = run_step(&cfg, layout.clone(), segments, 3, docs, Backward::Whole);
+                assert!(
+                    whole.1.iter().any(|&b| b != 0),
+                    "no gradient: the test is blind"
+                );
+                for lag in [0, 1, 4] {
+                    let split = run_step(
+                        &cfg,
+                        layout.clone(),
+                        segments,
+                        3,
+                        docs,
+                        Backward::Split { lag },
+                    );
+                    let what = format!(
+                        "{norm:?} {position:?} {segments:?} masked {masked} stage {stage}/{stages} lag {lag}"
+                    );
+                    assert!(split.0 == whole.0, "input gradients differ: {what}");
+                    assert!(split.1 == whole.1, "parameter gradients differ: {what}");
+                }
+            }
+        }
+    }
+
+    /// A unit that ran its input half holds what its weight half reads (counted in the stage's
+    /// activations) until the weight half frees it; W before I, W twice and I twice are refused
+    /// with the order error naming the problem.
+    #[test]
+    fn a_unit_holds_its_activations_until_its_weight_half_and_the_halves_keep_their_order() {
+        let mut s = stage();
+        s.begin_step(1);
+        forward(&mut s, 0, 0);
+        let (u0, u1) = (Unit::new(0, 0), Unit::new(0, 1));
+        let split = |e: ModelError| match e {
+            ModelError::SplitOrder { problem, .. } => problem,
+            other => panic!("not a split order error: {other}"),
+        };
+        assert_eq!(
+            split(s.backward_weight(u1).unwrap_err()),
+            ::model::SplitOrder::WeightBeforeInput
+        );
+        let held = s.activation_bytes();
+        s.backward_input(u1, None).unwrap();
+        s.backward_input(u0, None).unwrap();
+        let after_inputs = s.activation_bytes();
+        assert!(after_inputs > 0, "the weight halves' inputs are held");
+        assert!(
+            after_inputs < held,
+            "the K/V and the input halves' own contexts are freed"
+        );
+        assert_eq!(
+            split(s.backward_input(u1, None).unwrap_err()),
+            ::model::SplitOrder::InputTwice
+        );
+        s.backward_weight(u1).unwrap();
+        assert_eq!(
+            split(s.backward_weight(u1).unwrap_err()),
+            ::model::SplitOrder::WeightTwice
+        );
+        assert!(s.activation_bytes() < after_inputs);
+        s.backward_weight(u0).unwrap();
+        assert_eq!(s.activation_bytes(), 0);
+        assert_eq!(s.in_flight_micro_batches(), 0);
+        s.finish_gradients().unwrap();
     }
 }

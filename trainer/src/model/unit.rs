@@ -3,7 +3,11 @@
 //! loss or the output, and back) is the `model` crate's ([`::model::forward_unit`],
 //! [`::model::backward_unit`]) and only what the CPU computes and saves is written here. Handles
 //! are tensors; the forward fills the unit's [`UnitCtx`] (kept in training, the oracle's named
-//! saved activations), the backward takes from it and adds to the micro-batch's gradients.
+//! saved activations), the backward takes from it and adds to the micro-batch's gradients. The
+//! backward's kernels are the split halves: the input half ([`CpuUnit::backward_input`], an `I`)
+//! takes what only it reads and leaves in the context what the weight half
+//! ([`CpuUnit::backward_weight`], a `W`) adds; a whole backward ([`CpuUnit::backward`]) is the
+//! halves of each piece back to back.
 
 use candle_core::{Device, Tensor};
 use ops::DocumentMask;
@@ -15,7 +19,7 @@ use ops::rope::RopeTable;
 use super::block::{Block, BlockCtx, CpuBlock, KvPrefix, SegmentShape};
 use super::config::{ModelConfig, Position};
 use super::error::ModelError;
-use super::norm::{NormLayer, NormLayerCtx};
+use super::norm::{NormLayer, NormLayerCtx, NormParamGrads};
 use super::params::{Gradients, Params, names};
 use super::partition::StageLayout;
 use ::model::{Mode, StageDevice, Unit};
@@ -51,6 +55,20 @@ pub(super) struct UnitCtx {
     ln_f: Option<NormLayerCtx>,
     /// Last stage: the head's gradients, computed with the loss (already scaled).
     lm_head: Option<LmHeadGrads>,
+    /// Between the backward's input half and its weight half (see [`WeightHalf`]).
+    weight: WeightHalf,
+}
+
+/// What a unit's input half leaves for its weight half, besides the blocks' (in their
+/// contexts): the head's weight gradient and the final norm's gradients (last stage), and the
+/// gradient of the embeddings' output (first stage).
+#[derive(Default)]
+struct WeightHalf {
+    /// `(V, C)`.
+    lm_head_dw: Option<Tensor>,
+    ln_f: Option<NormParamGrads>,
+    /// `(N, C)`.
+    embed_dx: Option<Tensor>,
 }
 
 impl UnitCtx {
@@ -62,6 +80,7 @@ impl UnitCtx {
             blocks: (0..blocks).map(|_| BlockCtx::default()).collect(),
             ln_f: None,
             lm_head: None,
+            weight: WeightHalf::default(),
         }
     }
 }
@@ -72,6 +91,10 @@ impl SavedTensors for UnitCtx {
         self.blocks.for_each_tensor(f);
         self.ln_f.for_each_tensor(f);
         self.lm_head.for_each_tensor(f);
+        let w = &self.weight;
+        w.lm_head_dw.for_each_tensor(f);
+        w.ln_f.for_each_tensor(f);
+        w.embed_dx.for_each_tensor(f);
     }
 }
 
@@ -152,6 +175,54 @@ impl<'b> CpuUnit<'b> {
             ctx,
             scratch: BlockCtx::default(),
             input: d_out,
+            targets: None,
+            loss_scale: 0.0,
+            docs,
+            grads: Some(grads),
+        }
+    }
+
+    /// The input half of the backward of `unit` (an `I`) from its forward's `ctx` and `d_out`
+    /// (none on the last stage): adds no gradient, leaves in `ctx` what the weight half adds.
+    pub fn backward_input(
+        model: CpuModel<'b>,
+        unit: Unit,
+        (kv, ctx): (&'b mut [KvPrefix], &'b mut UnitCtx),
+        d_out: Option<Tensor>,
+        docs: Option<&'b DocumentMask>,
+    ) -> Self {
+        CpuUnit {
+            model,
+            unit,
+            mode: Mode::Train,
+            kv,
+            ctx,
+            scratch: BlockCtx::default(),
+            input: d_out,
+            targets: None,
+            loss_scale: 0.0,
+            docs,
+            grads: None,
+        }
+    }
+
+    /// The weight half of the backward of `unit` (a `W`), after its input half: adds what the
+    /// input half left in `ctx` to `grads`.
+    pub fn backward_weight(
+        model: CpuModel<'b>,
+        unit: Unit,
+        (kv, ctx): (&'b mut [KvPrefix], &'b mut UnitCtx),
+        grads: &'b mut Gradients,
+        docs: Option<&'b DocumentMask>,
+    ) -> Self {
+        CpuUnit {
+            model,
+            unit,
+            mode: Mode::Train,
+            kv,
+            ctx,
+            scratch: BlockCtx::default(),
+            input: None,
             targets: None,
             loss_scale: 0.0,
             docs,
@@ -282,22 +353,53 @@ impl StageDevice for CpuUnit<'_> {
         Ok(StageOutput::Hidden(x))
     }
 
-    fn head_backward(&mut self) -> Result<Tensor, ModelError> {
+    fn head_backward_input(&mut self) -> Result<Tensor, ModelError> {
         let saved = self.ctx.lm_head.take();
         let (None, Some(LmHeadGrads { dh, dw })) = (&self.input, saved) else {
             return Err(self.input_error(Self::FROM_LOSS_OR_NEXT));
         };
-        self.grads(names::LM_HEAD)?.add(names::LM_HEAD, dw)?;
+        self.ctx.weight.lm_head_dw = Some(dw);
         Ok(dh)
     }
 
-    fn final_norm_backward(&mut self, dy: &Tensor) -> Result<Tensor, ModelError> {
+    fn head_backward_weight(&mut self) -> Result<(), ModelError> {
+        let dw = self
+            .ctx
+            .weight
+            .lm_head_dw
+            .take()
+            .ok_or_else(|| ModelError::NotSaved {
+                layer: format!(
+                    "{} (its gradient: the input half of the backward has not run)",
+                    names::LM_HEAD
+                ),
+            })?;
+        self.grads(names::LM_HEAD)?.add(names::LM_HEAD, dw)
+    }
+
+    fn final_norm_backward_input(&mut self, dy: &Tensor) -> Result<Tensor, ModelError> {
         let ctx = self.ctx.ln_f.take().ok_or_else(|| ModelError::NotSaved {
             layer: names::LN_F.into(),
         })?;
         let m = self.model;
-        let grads = self.grads(names::LN_F)?;
-        NormLayer::of(m.cfg).backward(m.params, names::LN_F, &ctx, dy, grads)
+        let (dx, g) = NormLayer::of(m.cfg).backward_input(m.params, names::LN_F, &ctx, dy)?;
+        self.ctx.weight.ln_f = Some(g);
+        Ok(dx)
+    }
+
+    fn final_norm_backward_weight(&mut self) -> Result<(), ModelError> {
+        let g = self
+            .ctx
+            .weight
+            .ln_f
+            .take()
+            .ok_or_else(|| ModelError::NotSaved {
+                layer: format!(
+                    "{} (its gradients: the input half of the backward has not run)",
+                    names::LN_F
+                ),
+            })?;
+        NormLayer::add_grads(names::LN_F, g, self.grads(names::LN_F)?)
     }
 
     fn receive_grad(&mut self) -> Result<Tensor, ModelError> {
@@ -306,7 +408,12 @@ impl StageDevice for CpuUnit<'_> {
             .ok_or_else(|| self.input_error(Self::FROM_LOSS_OR_NEXT))
     }
 
-    fn embed_backward(&mut self, dx: &Tensor) -> Result<Option<Tensor>, ModelError> {
+    fn embed_backward_input(&mut self, dx: &Tensor) -> Result<Option<Tensor>, ModelError> {
+        self.ctx.weight.embed_dx = Some(dx.clone());
+        Ok(None)
+    }
+
+    fn embed_backward_weight(&mut self) -> Result<(), ModelError> {
         let ids = self
             .ctx
             .token_ids
@@ -314,14 +421,25 @@ impl StageDevice for CpuUnit<'_> {
             .ok_or_else(|| ModelError::NotSaved {
                 layer: format!("{} (the unit's token ids)", names::WTE),
             })?;
+        let dx = self
+            .ctx
+            .weight
+            .embed_dx
+            .take()
+            .ok_or_else(|| ModelError::NotSaved {
+                layer: format!(
+                    "{} (the gradient of its output: the input half of the backward has not run)",
+                    names::WTE
+                ),
+            })?;
         let m = self.model;
-        let d_wte = embedding_backward(&ids, dx, m.cfg.vocab_size)?;
+        let d_wte = embedding_backward(&ids, &dx, m.cfg.vocab_size)?;
         self.grads(names::WTE)?.add(names::WTE, d_wte)?;
         if m.cfg.position == Position::Learned {
-            let d_wpe = embedding_backward(&self.position_ids()?, dx, m.cfg.max_seq_len)?;
+            let d_wpe = embedding_backward(&self.position_ids()?, &dx, m.cfg.max_seq_len)?;
             self.grads(names::WPE)?.add(names::WPE, d_wpe)?;
         }
-        Ok(None)
+        Ok(())
     }
 
     fn send_grad(&mut self, dx: Tensor) -> Result<Option<Tensor>, ModelError> {

@@ -170,6 +170,7 @@ mod tests {
             cpu_us: 4,
             redone,
             len: 8 + seg,
+            half: None,
         };
         trace.units(
             1,

@@ -86,20 +86,19 @@ impl ScheduleKind {
         )
     }
 
-    /// True when the stage runtime can execute this kind today: all but the zero-bubble kind,
-    /// which exists at the schedule level only (generated, validated, simulated, drawn): running
-    /// it needs kernels with separate input- and weight-gradient halves. The interleaved kinds
-    /// run on CPU stages over TCP links (see `Config::validate` for what they refuse).
-    pub fn runs_in_runtime(self) -> bool {
-        self != ScheduleKind::Seq1F1BZeroBubble
+    /// True for the zero-bubble kind, whose backwards run split into an input half (`I`) and a
+    /// weight half (`W`): the stage runtime runs it on CPU stages over TCP, with mid-step
+    /// recovery off (see `Config::validate` for what it refuses).
+    pub fn splits_backward(self) -> bool {
+        self == ScheduleKind::Seq1F1BZeroBubble
     }
 
-    /// The kinds the stage runtime runs with one layer chunk per worker: the ones mid-step
-    /// recovery covers (see [`ScheduleKind::runs_in_runtime`] for all it runs).
+    /// The kinds the stage runtime runs with one layer chunk per worker and whole backwards: the
+    /// ones mid-step recovery covers.
     pub fn runtime_kinds() -> impl Iterator<Item = ScheduleKind> {
         Self::ALL
             .into_iter()
-            .filter(|k| k.runs_in_runtime() && !k.is_interleaved())
+            .filter(|k| !k.splits_backward() && !k.is_interleaved())
     }
 }
 

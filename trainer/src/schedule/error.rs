@@ -1,6 +1,6 @@
 //! The one error type of the schedule module.
 
-use super::action::{Action, ScheduleKind, Unit};
+use super::action::{Action, Unit};
 
 /// `" on chunk c"` for chunks ≥ 1, nothing for chunk 0 (the only one without virtual stages).
 fn on_chunk(chunk: usize) -> String {
@@ -173,8 +173,8 @@ pub enum ScheduleError {
     /// devices or device links) but that the stage runtime cannot execute yet.
     #[error(
         "the stage runtime cannot run {what} yet: {reason}; it runs gpipe, 1f1b and seq1f1b, \
-         and 1f1b-i and seq1f1b-i on CPU stages over TCP (`seqpipe schedule` and \
-         `seqpipe bench schedule --simulated` show the others)"
+         and 1f1b-i, seq1f1b-i and seq1f1b-zb on CPU stages over TCP (`seqpipe schedule` and \
+         `seqpipe bench schedule --simulated` show every kind)"
     )]
     NotRunnable {
         /// The kind or action refused.
@@ -189,24 +189,28 @@ pub enum ScheduleError {
 }
 
 impl ScheduleError {
-    /// Why the stage runtime refuses `kind` ([`ScheduleError::NotRunnable`]), or `None` when it
-    /// runs it.
-    pub fn not_runnable_kind(kind: ScheduleKind) -> Option<ScheduleError> {
-        (!kind.runs_in_runtime()).then(|| ScheduleError::NotRunnable {
-            what: format!("pipeline.schedule = \"{kind}\""),
-            reason: RUNTIME_LACKS,
-        })
-    }
-
-    /// Why the stage runtime refuses `action` (a split-backward action).
+    /// Why the stage runtime refuses `action` (a split-backward action where the stage's device
+    /// or links run whole backwards only).
     pub fn not_runnable_action(action: Action) -> ScheduleError {
         ScheduleError::NotRunnable {
             what: format!("action {action}"),
-            reason: RUNTIME_LACKS,
+            reason: SPLIT_LACKS,
+        }
+    }
+
+    /// Why the stage runtime refuses split backwards (`what`: the setting that asks for them
+    /// where they are not wired, e.g. `model.device = "cuda"`).
+    pub fn not_runnable_split(what: String) -> ScheduleError {
+        ScheduleError::NotRunnable {
+            what,
+            reason: SPLIT_LACKS,
         }
     }
 }
 
-/// What the stage runtime lacks for the zero-bubble kind.
-const RUNTIME_LACKS: &str = "its workers run whole backwards (input/weight backward halves \
-                             exist at the schedule level only)";
+/// What the stage runtime lacks for the zero-bubble kind beyond CPU stages over TCP.
+const SPLIT_LACKS: &str = "a backward split into its input and weight halves runs on CPU stages \
+                           linked over TCP; CUDA stages and NCCL device links run whole \
+                           backwards (use model.device = \"cpu\" and pipeline.transport = \"tcp\", \
+                           or pipeline.schedule = \"seq1f1b\")";
+

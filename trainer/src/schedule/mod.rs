@@ -15,8 +15,8 @@
 //! parameter gradients accumulate never depends on the pipeline partition or the schedule.
 //!
 //! The stage runtime runs `gpipe`, `1f1b` and `seq1f1b`, and the interleaved `1f1b-i` and
-//! `seq1f1b-i` on CPU stages over TCP; the zero-bubble kind exists here (generated, validated,
-//! simulated, drawn) ahead of the runtime ([`ScheduleKind::runs_in_runtime`]).
+//! `seq1f1b-i` and the zero-bubble `seq1f1b-zb` ([`ScheduleKind::splits_backward`]) on CPU
+//! stages over TCP.
 //!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
 //! document-aware partition (equal cost under document masks, per micro-batch) in

@@ -238,8 +238,11 @@ impl Worker {
                 let b = self.receive_grad(step, u, c)?;
                 state.inbox.insert((c, u), b);
             }
-            Op::Backward => {
+            // A whole backward, or (zero-bubble) its input half: the gradient for the previous
+            // stage either way, sent on by the SendGrad that follows.
+            Op::Backward | Op::BackwardInput => {
                 let started = UnitStart::now();
+                let half = action.op() == Op::BackwardInput;
                 let d_out = if self.chunk_layout(c)?.is_last() {
                     None
                 } else {
@@ -247,6 +250,10 @@ impl Worker {
                 };
                 let width = self.cfg.model.d_model;
                 let dx = match d_out {
+                    // Config validation refuses the zero-bubble kind over device links.
+                    Some(Boundary::Device { .. }) | None if self.linked() && half => {
+                        return Err(ScheduleError::not_runnable_action(action).into());
+                    }
                     // Over device links the gradient waits on this chunk's device (the last
                     // stage starts from its loss).
                     Some(Boundary::Device { chunk, .. }) if chunk != c => {
@@ -261,8 +268,14 @@ impl Worker {
                                 chunk: c,
                             })
                     }
+                    Some(Boundary::Host(t)) if half => chunk_mut(&mut self.stage, c)?
+                        .backward_input(u, Some(t))?
+                        .map(Boundary::Host),
                     Some(Boundary::Host(t)) => chunk_mut(&mut self.stage, c)?
                         .backward(u, Some(t))?
+                        .map(Boundary::Host),
+                    None if half => chunk_mut(&mut self.stage, c)?
+                        .backward_input(u, None)?
                         .map(Boundary::Host),
                     None => chunk_mut(&mut self.stage, c)?
                         .backward(u, None)?
@@ -273,20 +286,24 @@ impl Worker {
                     state.outbox.insert((c, u), dx);
                 }
                 let redone = self.record.delivered.replays(action);
-                let len = state
-                    .lengths
-                    .get(&u.micro_batch)
-                    .and_then(|l| l.get(u.segment).copied())
-                    .unwrap_or(0);
+                let len = unit_len(state, u);
                 self.record.computed(action, started, redone, len);
+                self.stage.computed(c);
+            }
+            // Zero-bubble: the weight half of a backward whose input half ran; nothing moves.
+            Op::BackwardWeight => {
+                if self.linked() {
+                    return Err(ScheduleError::not_runnable_action(action).into());
+                }
+                let started = UnitStart::now();
+                chunk_mut(&mut self.stage, c)?.backward_weight(u)?;
+                let len = unit_len(state, u);
+                self.record.computed(action, started, false, len);
                 self.stage.computed(c);
             }
             Op::SendGrad => {
                 let t = take(&mut state.outbox, (c, u))?;
                 self.send_boundary(train, step, action, t, None)?;
-            }
-            Op::BackwardInput | Op::BackwardWeight => {
-                return Err(ScheduleError::not_runnable_action(action).into());
             }
         }
         Ok(())
@@ -748,6 +765,15 @@ fn received_documents(
         (None, true) => Err("no document starts, but data.document_mask is on".into()),
         (Some(_), false) => Err("document starts, but data.document_mask is off".into()),
     }
+}
+
+/// Unit `u`'s segment length (tokens per row) as its micro-batch was cut (0 if unknown).
+fn unit_len(state: &ExecState, u: Unit) -> usize {
+    state
+        .lengths
+        .get(&u.micro_batch)
+        .and_then(|l| l.get(u.segment).copied())
+        .unwrap_or(0)
 }
 
 /// The boundary tensor a communication action moves, on any chunk: its payload and unit (`None`
