@@ -213,4 +213,3 @@ const SPLIT_LACKS: &str = "a backward split into its input and weight halves run
                            linked over TCP; CUDA stages and NCCL device links run whole \
                            backwards (use model.device = \"cpu\" and pipeline.transport = \"tcp\", \
                            or pipeline.schedule = \"seq1f1b\")";
-

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::WorkerError;
 use super::boundary::{Boundary, DocStarts};
-use crate::runtime::control::{BackwardHalf, StepCost, UnitTime};
+use crate::runtime::control::{StepCost, UnitTime};
 use crate::runtime::transport::Payload;
-use crate::schedule::{Action, Delivered, Op, Unit};
+use crate::schedule::{Action, Delivered, Unit};
 
 /// What a worker did in the current training step. A replacement also knows which of its outputs
 /// the neighbours already have.
