@@ -170,7 +170,6 @@ mod tests {
             cpu_us: 4,
             redone,
             len: 8 + seg,
-            half: None,
         };
         trace.units(
             1,
@@ -179,13 +178,14 @@ mod tests {
                 unit(0, 1, Op::Forward, 0, 100, false),
                 unit(0, 1, Op::Backward, 0, 110, true),
                 unit(2, 0, Op::BackwardInput, 1, 120, false),
+                unit(2, 0, Op::BackwardWeight, 0, 130, false),
             ],
         );
         trace.coordinator("step 3", 3, 90, 40, json!({"loss": 2.5}));
         let v = trace.to_json();
         let events = v["traceEvents"].as_array().unwrap();
         let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
-        assert_eq!(slices.len(), 4);
+        assert_eq!(slices.len(), 5);
         assert_eq!(slices[0]["name"], "F0.1");
         assert_eq!(slices[0]["tid"], 2);
         assert_eq!(slices[0]["args"], json!({"step": 3, "cpu_us": 4, "len": 9}));
@@ -193,8 +193,10 @@ mod tests {
         assert_eq!(slices[1]["args"]["redone"], true);
         assert_eq!(slices[2]["name"], "I2.0@1");
         assert_eq!(slices[2]["cat"], "backward");
-        assert_eq!(slices[3]["tid"], 0);
-        assert_eq!(slices[3]["args"], json!({"step": 3, "loss": 2.5}));
+        assert_eq!(slices[3]["name"], "W2.0");
+        assert_eq!(slices[3]["cat"], "backward");
+        assert_eq!(slices[4]["tid"], 0);
+        assert_eq!(slices[4]["args"], json!({"step": 3, "loss": 2.5}));
         let names: Vec<&Value> = events
             .iter()
             .filter(|e| e["name"] == "thread_name")
