@@ -373,7 +373,7 @@ fn a_worker_sigkilled_with_the_document_partition_ends_bit_identical() {
 }
 
 #[test]
-fn the_document_partition_is_refused_without_masks_and_on_cuda_stages() {
+fn the_document_partition_is_refused_without_masks() {
     let dir = fresh_dir("docmask-partition-refused");
     let refused = |extra: &[&str]| {
         let mut cmd = seqpipe();
@@ -395,11 +395,6 @@ fn the_document_partition_is_refused_without_masks_and_on_cuda_stages() {
     let err = refused(&[]);
     assert!(
         err.contains("pipeline.partition") && err.contains("data.document_mask = true"),
-        "{err}"
-    );
-    let err = refused(&[DOCUMENTS[0], DOCUMENTS[2], "model.device=\"cuda\""]);
-    assert!(
-        err.contains("pipeline.partition") && err.contains("CUDA stage"),
         "{err}"
     );
     assert!(

@@ -189,9 +189,9 @@ fn bench_schedule_measures_every_configuration() {
         assert!(r["replayed_step_s"].as_f64().unwrap() > 0.0, "{r}");
     }
     for line in [
-        "seq 128: stage-0 peak activations, seq1f1b k=4 compute / 1f1b = ",
+        "seq 128 m=4: stage-0 peak activations, seq1f1b k=4 compute / 1f1b = ",
         "attention cost γ fitted over 12 segments",
-        "seq1f1b k=4 uniform seq 128: replayed bubble",
+        "seq1f1b m=4 k=4 uniform seq 128: replayed bubble",
     ] {
         assert!(stdout.contains(line), "missing {line:?} in:\n{stdout}");
     }
@@ -214,7 +214,7 @@ fn bench_schedule_measures_every_configuration() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains("1f1b  1   uniform    128 | does not fit train.memory_budget_bytes"),
+        stdout.contains("1f1b  4  1   uniform    128 | does not fit train.memory_budget_bytes"),
         "{stdout}"
     );
     assert_eq!(

@@ -1105,9 +1105,14 @@ mod tests {
             // CUDA stages, over TCP or over NCCL device links, hold chunks too; over device
             // links a mid-step replacement is refused, naming the way out.
             base(&[&set, "model.device=cuda"]).validate().unwrap();
-            base(&[&set, "model.device=cuda", "pipeline.transport=nccl"])
-                .validate()
-                .unwrap();
+            base(&[
+                &set,
+                "model.device=cuda",
+                "pipeline.transport=nccl",
+                "elastic.mid_step=false",
+            ])
+            .validate()
+            .unwrap();
             let err = base(&[
                 &set,
                 "model.device=cuda",
