@@ -341,3 +341,42 @@ pub fn effective_uid() -> String {
         .expect("a Uid line in /proc/self/status")
         .to_string()
 }
+
+/// The BLAKE3 hash of every named tensor (parameters and optimizer moments) of the newest committed
+/// checkpoint of `run_dir`, and its step: checkpoints compared by tensor, whatever the shards.
+pub fn tensor_hashes(run_dir: &Path) -> (u64, BTreeMap<String, String>) {
+    let (step, state) = final_state(&ckpt_url(run_dir));
+    let hashes = state
+        .into_iter()
+        .map(|(name, bytes)| {
+            let hex = blake3::hash(&bytes).to_hex().to_string();
+            (name, hex)
+        })
+        .collect();
+    (step, hashes)
+}
+
+/// Asserts that two runs ended at the same step with the same tensors, bit for bit, moments
+/// included.
+pub fn assert_same_tensors(a: &Path, b: &Path) {
+    let (step_a, ta) = tensor_hashes(a);
+    let (step_b, tb) = tensor_hashes(b);
+    assert_eq!(step_a, step_b, "final checkpoint steps differ");
+    assert!(
+        ta.keys().any(|n| n.starts_with("optim.m.")) && ta.contains_key("wte.weight"),
+        "the state should hold every parameter and the moments: {:?}",
+        ta.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ta.keys().collect::<Vec<_>>(),
+        tb.keys().collect::<Vec<_>>(),
+        "different tensor sets"
+    );
+    let differing: Vec<&String> = ta.keys().filter(|n| ta[*n] != tb[*n]).collect();
+    assert!(
+        differing.is_empty(),
+        "{} and {} differ in {differing:?}",
+        a.display(),
+        b.display()
+    );
+}
