@@ -431,33 +431,8 @@ impl<M, D> InFlight<M, D> {
         unit: Unit,
         segment: Segment,
     ) -> Result<Backward<M>, ModelError> {
-        let Some(mb) = self.batches.get(&unit.micro_batch) else {
-            return Err(ModelError::Order {
-                unit,
-                reason: "backward before forward".into(),
-            });
-        };
-        if !mb.split.is_empty() {
-            return Err(ModelError::SplitOrder {
-                unit,
-                problem: SplitOrder::WholeAmongSplit,
-            });
-        }
-        if !mb.pending.contains(&unit.segment) {
-            return Err(ModelError::Order {
-                unit,
-                reason: "backward before forward, or twice".into(),
-            });
-        }
-        check_backward(unit, mb.cached, segment.start, segment.len)?;
-        let micro_batch = self
-            .batches
-            .remove(&unit.micro_batch)
-            .expect("looked up above");
-        Ok(Backward {
-            unit,
-            segment,
-            micro_batch,
+        self.take_for_backward(unit, segment, |mb| {
+            (!mb.split.is_empty()).then_some(SplitOrder::WholeAmongSplit)
         })
     }
 
@@ -469,17 +444,30 @@ impl<M, D> InFlight<M, D> {
         unit: Unit,
         segment: Segment,
     ) -> Result<Backward<M>, ModelError> {
+        self.take_for_backward(unit, segment, |mb| {
+            mb.split
+                .contains(&unit.segment)
+                .then_some(SplitOrder::InputTwice)
+        })
+    }
+
+    /// Takes out `unit`'s micro-batch for a backward (whole or input half) over `segment`, after
+    /// the checks both share — its forward ran, it is still pending, every later segment's
+    /// backward ran — with `split` first: the split-order problem of this kind of backward.
+    fn take_for_backward(
+        &mut self,
+        unit: Unit,
+        segment: Segment,
+        split: impl FnOnce(&MicroBatch<M>) -> Option<SplitOrder>,
+    ) -> Result<Backward<M>, ModelError> {
         let Some(mb) = self.batches.get(&unit.micro_batch) else {
             return Err(ModelError::Order {
                 unit,
                 reason: "backward before forward".into(),
             });
         };
-        if mb.split.contains(&unit.segment) {
-            return Err(ModelError::SplitOrder {
-                unit,
-                problem: SplitOrder::InputTwice,
-            });
+        if let Some(problem) = split(mb) {
+            return Err(ModelError::SplitOrder { unit, problem });
         }
         if !mb.pending.contains(&unit.segment) {
             return Err(ModelError::Order {
