@@ -182,9 +182,16 @@ const PASS1_STEPS: &[&str] = &[
     "train-cuda4-docs",
     "compare-grads-docs",
     "compare-losses-docs",
+    "train-cpu4-part",
+    "train-cuda4-part",
+    "compare-grads-part",
+    "compare-losses-part",
     "train-cuda2",
     "compare-losses-cuda2",
     "compare-state-cuda2",
+    "train-cuda-chunks",
+    "compare-losses-chunks",
+    "compare-state-chunks",
     "train-cuda-split",
     "resume-cuda-split",
     "compare-losses-resume",
@@ -193,6 +200,9 @@ const PASS1_STEPS: &[&str] = &[
     "train-chaos",
     "compare-losses-chaos",
     "compare-state-chaos",
+    "train-chaos-chunks",
+    "compare-losses-chaos-chunks",
+    "compare-state-chaos-chunks",
     "train-bf16",
     "bench-seqpipe-gpt2-r1",
     "torch-eager-gpt2-r1",
@@ -308,8 +318,9 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
     assert_eq!(called(determinism, ""), 2, "{calls}");
     let bench = "seqpipe gpu bench --preset gpt2 --precision bf16 --steps 10";
     assert_eq!(called(bench, ""), 1, "{calls}");
-    // cpu4, cuda4, their masked pair (cpu4-docs, cuda4-docs), cuda2, cuda-split, calm, chaos, bf16.
-    assert_eq!(called("seqpipe train -q ", ""), 9, "{calls}");
+    // cpu4, cuda4, their masked pairs (cpu4-docs, cuda4-docs; cpu4-part, cuda4-part), cuda2,
+    // cuda-chunks, cuda-split, calm, chaos, chaos-chunks, bf16.
+    assert_eq!(called("seqpipe train -q ", ""), 13, "{calls}");
     assert_eq!(called("seqpipe resume -q ", ""), 1, "{calls}");
 
     // Only the report, the benchmark lines and the capped log archive come back in $OUT; the run
@@ -346,7 +357,10 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
     let identical = pipeline
         .matches("tensors (weights and AdamW moments) bit-identical")
         .count();
-    assert_eq!(identical, 3, "2 vs 4 stages, resume, chaos:\n{pipeline}");
+    assert_eq!(
+        identical, 5,
+        "2 vs 4 stages, chunks, resume, chaos, chaos with chunks:\n{pipeline}"
+    );
     assert!(
         pipeline.contains("killed worker pid ")
             && pipeline.contains("recovered at step ")
