@@ -194,18 +194,7 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
     }
     let joiners = state.membership.pending_joiners();
     let Some(plan) = &state.current else {
-        let admitted = admit_joiners(Vec::new(), &joiners, cfg, state);
-        if admitted.len() < cfg.min_nodes {
-            return wait_or_fail(now, state, cfg, admitted.len(), "");
-        }
-        let (new, text) = new_plan(&admitted, state, state.generation_floor + 1);
-        let reason = format!("first plan at step {}: {text}", state.step);
-        let reason = with(
-            reason,
-            spare_note(&unplaced(&admitted, &new), &new, cfg, state),
-        );
-        let joined = placed(&admitted, &new);
-        return (Decision::Grow { plan: new, joined }, reason);
+        return first_plan(now, state, cfg, &joiners);
     };
 
     let lost = lost_nodes(now, state, plan, cfg);
@@ -213,108 +202,25 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
         return recover(now, state, cfg, plan, &lost, &joiners);
     }
 
-    let member_info = |id: &NodeId| state.membership.get(id).map(|m| &m.info);
     let leaving: Vec<NodeId> = plan
         .nodes
         .iter()
         .filter(|id| state.membership.status(id) == Some(&NodeStatus::Leaving))
         .cloned()
         .collect();
-    let staying: Vec<&NodeInfo> = plan
-        .nodes
-        .iter()
-        .filter(|id| !leaving.contains(id))
-        .filter_map(member_info)
-        .collect();
-    let admitted = admit_joiners(staying, &joiners, cfg, state);
-    let generation = plan.generation + 1;
-    // The plan this boundary would adopt (none when every node leaves and none joins); mid-step
-    // it says who will join and who stays spare.
-    let next = (!admitted.is_empty()).then(|| new_plan(&admitted, state, generation));
-    let (joined, spares, plan_spares) = match &next {
-        None => Default::default(),
-        Some((new, _)) => {
-            let joined: Vec<NodeId> = placed(&admitted, new)
-                .into_iter()
-                .filter(|id| !plan.contains(id))
-                .collect();
-            let spare_joiners = unplaced(&joiners, new);
-            // With several replicas, staying nodes the new layout has no worker for go spare too.
-            let all_spares = unique([unplaced(&admitted, new), spare_joiners.clone()].concat());
-            let spares = spare_note(&spare_joiners, new, cfg, state);
-            (joined, spares, spare_note(&all_spares, new, cfg, state))
-        }
-    };
-    // Past the `min_nodes` check below, `admitted` has at least one node, so there is a plan.
-    let adopt = || {
-        next.clone()
-            .expect("at least min_nodes >= 1 nodes have a plan")
-    };
-
+    let next = Boundary::of(state, cfg, plan, &leaving, &joiners);
     if !leaving.is_empty() {
-        if admitted.len() < cfg.min_nodes {
-            // Waiting out the grace would lose the nodes mid-step, and the steps since the last
-            // checkpoint with them: the run stops at a boundary with a checkpoint instead.
-            let them = if leaving.len() == 1 { "it" } else { "them" };
-            let reason = format!(
-                "{} leaving, and without {them} only {} would remain, {} needed \
-                 (elastic.min_nodes)",
-                is(&leaving),
-                count(admitted.len(), "node"),
-                cfg.min_nodes,
-            );
-            if !state.at_step_boundary {
-                let reason =
-                    format!("{reason}; the run stops at the next step boundary with a checkpoint");
-                return (Decision::Continue, with(reason, spares));
-            }
-            let reason = format!(
-                "{reason}; the run stops with a checkpoint before step {}, to be resumed when \
-                 nodes are back",
-                state.step
-            );
-            return (Decision::Stop { leaving }, reason);
-        }
-        if !state.at_step_boundary {
-            let reason = format!(
-                "{} leaving; it leaves the plan at the next step boundary",
-                is(&leaving)
-            );
-            let reason = with(with(reason, waits_note(&joined)), spares);
-            return (Decision::Continue, reason);
-        }
-        let (new, text) = adopt();
-        let mut reason = format!("{} left at step {}", named(&leaving), state.step);
-        if !joined.is_empty() {
-            reason = format!("{reason}; {} joined", named(&joined));
-        }
-        let reason = with(format!("{reason}; plan: {text}"), plan_spares);
-        let left = leaving;
-        return (
-            Decision::Shrink {
-                plan: new,
-                left,
-                joined,
-            },
-            reason,
-        );
+        return shrink_or_stop(state, cfg, leaving, next);
     }
-
-    if !joined.is_empty() {
+    if !next.joined.is_empty() {
         if !state.at_step_boundary {
-            let reason = with(waits_note(&joined), spares);
+            let reason = with(waits_note(&next.joined), next.spares);
             return (Decision::Continue, reason);
         }
-        let (new, text) = adopt();
-        let reason = format!(
-            "{} joined at step {}; plan: {text}",
-            named(&joined),
-            state.step
-        );
-        return (
-            Decision::Grow { plan: new, joined },
-            with(reason, plan_spares),
-        );
+        let reason = format!("{} joined at step {}", named(&next.joined), state.step);
+        let (plan, reason) = next.adopt(reason);
+        let joined = next.joined;
+        return (Decision::Grow { plan, joined }, reason);
     }
 
     let reason = format!(
@@ -322,7 +228,143 @@ pub fn decide(now: Instant, state: &ClusterState, cfg: &ElasticConfig) -> (Decis
         plan.generation,
         count(plan.nodes.len(), "node")
     );
-    (Decision::Continue, with(reason, spares))
+    (Decision::Continue, with(reason, next.spares))
+}
+
+/// What the next step boundary would do with the current plan's staying nodes and the joiners
+/// (rule 3): the nodes admitted, the plan of them (none when every node leaves and none joins;
+/// mid-step it says who will join and who stays spare), who joins, and the notes of who stays
+/// spare (mid-step: joiners only; in the plan: with several replicas, staying nodes the new
+/// layout has no worker for too).
+struct Boundary {
+    admitted: usize,
+    next: Option<(Plan, String)>,
+    joined: Vec<NodeId>,
+    spares: String,
+    plan_spares: String,
+}
+
+impl Boundary {
+    fn of(
+        state: &ClusterState,
+        cfg: &ElasticConfig,
+        plan: &Plan,
+        leaving: &[NodeId],
+        joiners: &[&NodeInfo],
+    ) -> Self {
+        let staying: Vec<&NodeInfo> = plan
+            .nodes
+            .iter()
+            .filter(|id| !leaving.contains(id))
+            .filter_map(|id| state.membership.get(id).map(|m| &m.info))
+            .collect();
+        let admitted = admit_joiners(staying, joiners, cfg, state);
+        let next = (!admitted.is_empty()).then(|| new_plan(&admitted, state, plan.generation + 1));
+        let (joined, spares, plan_spares) = match &next {
+            None => Default::default(),
+            Some((new, _)) => {
+                let joined: Vec<NodeId> = placed(&admitted, new)
+                    .into_iter()
+                    .filter(|id| !plan.contains(id))
+                    .collect();
+                let spare_joiners = unplaced(joiners, new);
+                let all_spares = unique([unplaced(&admitted, new), spare_joiners.clone()].concat());
+                let spares = spare_note(&spare_joiners, new, cfg, state);
+                (joined, spares, spare_note(&all_spares, new, cfg, state))
+            }
+        };
+        Self {
+            admitted: admitted.len(),
+            next,
+            joined,
+            spares,
+            plan_spares,
+        }
+    }
+
+    /// The plan to adopt, and `reason` with its text and the spares' note. Past the
+    /// `min_nodes` check, at least one node is admitted, so there is a plan.
+    fn adopt(&self, reason: String) -> (Plan, String) {
+        let (new, text) = self
+            .next
+            .clone()
+            .expect("at least min_nodes >= 1 nodes have a plan");
+        let reason = with(format!("{reason}; plan: {text}"), self.plan_spares.clone());
+        (new, reason)
+    }
+}
+
+/// The first plan of a run: the joiners admitted, once there are `min_nodes` of them.
+fn first_plan(
+    now: Instant,
+    state: &ClusterState,
+    cfg: &ElasticConfig,
+    joiners: &[&NodeInfo],
+) -> (Decision, String) {
+    let admitted = admit_joiners(Vec::new(), joiners, cfg, state);
+    if admitted.len() < cfg.min_nodes {
+        return wait_or_fail(now, state, cfg, admitted.len(), "");
+    }
+    let (new, text) = new_plan(&admitted, state, state.generation_floor + 1);
+    let reason = format!("first plan at step {}: {text}", state.step);
+    let reason = with(
+        reason,
+        spare_note(&unplaced(&admitted, &new), &new, cfg, state),
+    );
+    let joined = placed(&admitted, &new);
+    (Decision::Grow { plan: new, joined }, reason)
+}
+
+/// Rule 3 with `leaving` nodes: stop when fewer than `min_nodes` would stay, else shrink at the
+/// step boundary (mid-step, the leaving nodes stay until then).
+fn shrink_or_stop(
+    state: &ClusterState,
+    cfg: &ElasticConfig,
+    leaving: Vec<NodeId>,
+    next: Boundary,
+) -> (Decision, String) {
+    if next.admitted < cfg.min_nodes {
+        // Waiting out the grace would lose the nodes mid-step, and the steps since the last
+        // checkpoint with them: the run stops at a boundary with a checkpoint instead.
+        let them = if leaving.len() == 1 { "it" } else { "them" };
+        let reason = format!(
+            "{} leaving, and without {them} only {} would remain, {} needed \
+             (elastic.min_nodes)",
+            is(&leaving),
+            count(next.admitted, "node"),
+            cfg.min_nodes,
+        );
+        if !state.at_step_boundary {
+            let reason =
+                format!("{reason}; the run stops at the next step boundary with a checkpoint");
+            return (Decision::Continue, with(reason, next.spares));
+        }
+        let reason = format!(
+            "{reason}; the run stops with a checkpoint before step {}, to be resumed when \
+             nodes are back",
+            state.step
+        );
+        return (Decision::Stop { leaving }, reason);
+    }
+    if !state.at_step_boundary {
+        let reason = format!(
+            "{} leaving; it leaves the plan at the next step boundary",
+            is(&leaving)
+        );
+        let reason = with(with(reason, waits_note(&next.joined)), next.spares);
+        return (Decision::Continue, reason);
+    }
+    let mut reason = format!("{} left at step {}", named(&leaving), state.step);
+    if !next.joined.is_empty() {
+        reason = format!("{reason}; {} joined", named(&next.joined));
+    }
+    let (plan, reason) = next.adopt(reason);
+    let decision = Decision::Shrink {
+        plan,
+        left: leaving,
+        joined: next.joined,
+    };
+    (decision, reason)
 }
 
 /// Rule 1: the current plan lost nodes.
