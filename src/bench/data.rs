@@ -211,21 +211,7 @@ pub fn run(args: &DataBenchArgs) -> Result<()> {
 }
 
 fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<()> {
-    let proxy = if args.delay_ms > 0 {
-        ensure!(
-            url.starts_with("s3://"),
-            "--delay-ms needs an s3:// --url (the delay is a proxy in front of AWS_ENDPOINT); \
-             give --delay-ms 0 for other stores"
-        );
-        let endpoint = std::env::var("AWS_ENDPOINT")
-            .context("--delay-ms needs AWS_ENDPOINT (http://host:port of the S3 server)")?;
-        Some(start_proxy(
-            &endpoint,
-            Duration::from_millis(args.delay_ms),
-        )?)
-    } else {
-        None
-    };
+    let proxy = delay_proxy(args, url)?;
     let store_options = StoreOptions {
         s3_endpoint: proxy.clone(),
         read_only: true,
@@ -246,7 +232,6 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
         )?)
     };
     let local_cfg = cfg(&local.display().to_string(), dir, 0);
-    let width = TokenDtype::U16.width() as u64;
     println!(
         "dataset: {} train tokens, {}-byte shards of {}-byte chunks{} at {url}; store latency +{} \
          ms a request{}; steps of {} micro-batches × {} rows × {} tokens, {} ms compute a \
@@ -269,77 +254,114 @@ fn measure(args: &DataBenchArgs, dir: &Path, local: &Path, url: &str) -> Result<
     );
     let mut rounds = Vec::new();
     for round in 0..args.rounds {
-        let cache = |tag: &str| dir.join(format!("cache-{round}-{tag}"));
-        let mut r = Round::default();
-        // Time to the first unit's tokens, from opening the source.
-        let started = Instant::now();
-        let src = open_source(&local_cfg, VOCAB)?;
-        first_unit(args, &*src)?;
-        r.first_local_s = started.elapsed().as_secs_f64();
-        let started = Instant::now();
-        let src = sharded(&cache("first"), args.prefetch_steps)?;
-        first_unit(args, &src)?;
-        r.first_store_s = started.elapsed().as_secs_f64();
-        drop(src);
-
-        r.step_local_s = steady(&steps(
-            args,
-            &*open_source(&local_cfg, VOCAB)?,
-            RowPart::Inputs,
-        )?);
-        let cold = sharded(&cache("steps"), args.prefetch_steps)?;
-        r.step_cold_s = steady(&steps(args, &cold, RowPart::Inputs)?);
-        drop(cold);
-        let warm = sharded(&cache("steps"), args.prefetch_steps)?;
-        r.step_warm_s = steady(&steps(args, &warm, RowPart::Inputs)?);
-        r.warm_fetched_bytes = warm.stats().fetched_bytes.load(Ordering::Relaxed);
-        drop(warm);
-        let no_prefetch = sharded(&cache("no-prefetch"), 0)?;
-        r.step_cold_no_prefetch_s = steady(&steps(args, &no_prefetch, RowPart::Inputs)?);
-        drop(no_prefetch);
-        // Bytes only (no compute, no prefetch: it reads past the last step): the first stage's
-        // inputs, the last stage's targets, and whole rows.
-        let quick = DataBenchArgs {
-            compute_ms: 0,
-            url: String::new(),
-            ..*args
-        };
-        for (slot, part) in [
-            (0, RowPart::Inputs),
-            (1, RowPart::Targets),
-            (2, RowPart::Both),
-        ] {
-            let src = sharded(&cache(&format!("{part:?}")), 0)?;
-            steps(&quick, &src, part)?;
-            r.bytes[slot] = Bytes::of(args, &src, part, width);
-            r.per_token[slot] = r.bytes[slot].fetched as f64 / r.bytes[slot].used as f64;
-        }
-        println!(
-            "round {round}: first unit local {:.4} s, store (empty cache) {:.4} s ({:.1}x); step \
-             local {:.4} s, store cold {:.4} s ({:.3}x), cold without prefetch {:.4} s ({:.3}x), \
-             warm {:.4} s ({:.3}x, {} bytes fetched); fetched bytes per token byte: inputs \
-             {:.2}, targets {:.2}, whole rows {:.2}",
-            r.first_local_s,
-            r.first_store_s,
-            r.first_store_s / r.first_local_s,
-            r.step_local_s,
-            r.step_cold_s,
-            r.step_cold_s / r.step_local_s,
-            r.step_cold_no_prefetch_s,
-            r.step_cold_no_prefetch_s / r.step_local_s,
-            r.step_warm_s,
-            r.step_warm_s / r.step_local_s,
-            r.warm_fetched_bytes,
-            r.per_token[0],
-            r.per_token[1],
-            r.per_token[2],
-        );
-        let rows = args.steps * args.micro_batches * args.micro_batch_size as u64;
-        for (slot, what) in ["inputs", "targets", "whole rows"].iter().enumerate() {
-            println!("  bytes per row, {what}: {}", r.bytes[slot].describe(rows));
-        }
-        rounds.push(r);
+        rounds.push(measure_round(args, round, dir, &local_cfg, &sharded)?);
     }
+    report(args, &rounds)
+}
+
+/// The delaying proxy in front of the S3 server, when `--delay-ms` asks for one (its address).
+fn delay_proxy(args: &DataBenchArgs, url: &str) -> Result<Option<String>> {
+    Ok(if args.delay_ms > 0 {
+        ensure!(
+            url.starts_with("s3://"),
+            "--delay-ms needs an s3:// --url (the delay is a proxy in front of AWS_ENDPOINT); \
+             give --delay-ms 0 for other stores"
+        );
+        let endpoint = std::env::var("AWS_ENDPOINT")
+            .context("--delay-ms needs AWS_ENDPOINT (http://host:port of the S3 server)")?;
+        Some(start_proxy(
+            &endpoint,
+            Duration::from_millis(args.delay_ms),
+        )?)
+    } else {
+        None
+    })
+}
+
+/// One round of the bench: first units and steps from the local copy and the store, then the
+/// bytes each stage's part of a row fetches.
+fn measure_round(
+    args: &DataBenchArgs,
+    round: usize,
+    dir: &Path,
+    local_cfg: &DataConfig,
+    sharded: &dyn Fn(&Path, u64) -> Result<ShardedSource>,
+) -> Result<Round> {
+    let width = TokenDtype::U16.width() as u64;
+    let cache = |tag: &str| dir.join(format!("cache-{round}-{tag}"));
+    let mut r = Round::default();
+    // Time to the first unit's tokens, from opening the source.
+    let started = Instant::now();
+    let src = open_source(local_cfg, VOCAB)?;
+    first_unit(args, &*src)?;
+    r.first_local_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let src = sharded(&cache("first"), args.prefetch_steps)?;
+    first_unit(args, &src)?;
+    r.first_store_s = started.elapsed().as_secs_f64();
+    drop(src);
+
+    r.step_local_s = steady(&steps(
+        args,
+        &*open_source(local_cfg, VOCAB)?,
+        RowPart::Inputs,
+    )?);
+    let cold = sharded(&cache("steps"), args.prefetch_steps)?;
+    r.step_cold_s = steady(&steps(args, &cold, RowPart::Inputs)?);
+    drop(cold);
+    let warm = sharded(&cache("steps"), args.prefetch_steps)?;
+    r.step_warm_s = steady(&steps(args, &warm, RowPart::Inputs)?);
+    r.warm_fetched_bytes = warm.stats().fetched_bytes.load(Ordering::Relaxed);
+    drop(warm);
+    let no_prefetch = sharded(&cache("no-prefetch"), 0)?;
+    r.step_cold_no_prefetch_s = steady(&steps(args, &no_prefetch, RowPart::Inputs)?);
+    drop(no_prefetch);
+    // Bytes only (no compute, no prefetch: it reads past the last step): the first stage's
+    // inputs, the last stage's targets, and whole rows.
+    let quick = DataBenchArgs {
+        compute_ms: 0,
+        url: String::new(),
+        ..*args
+    };
+    for (slot, part) in [
+        (0, RowPart::Inputs),
+        (1, RowPart::Targets),
+        (2, RowPart::Both),
+    ] {
+        let src = sharded(&cache(&format!("{part:?}")), 0)?;
+        steps(&quick, &src, part)?;
+        r.bytes[slot] = Bytes::of(args, &src, part, width);
+        r.per_token[slot] = r.bytes[slot].fetched as f64 / r.bytes[slot].used as f64;
+    }
+    println!(
+        "round {round}: first unit local {:.4} s, store (empty cache) {:.4} s ({:.1}x); step \
+         local {:.4} s, store cold {:.4} s ({:.3}x), cold without prefetch {:.4} s ({:.3}x), \
+         warm {:.4} s ({:.3}x, {} bytes fetched); fetched bytes per token byte: inputs \
+         {:.2}, targets {:.2}, whole rows {:.2}",
+        r.first_local_s,
+        r.first_store_s,
+        r.first_store_s / r.first_local_s,
+        r.step_local_s,
+        r.step_cold_s,
+        r.step_cold_s / r.step_local_s,
+        r.step_cold_no_prefetch_s,
+        r.step_cold_no_prefetch_s / r.step_local_s,
+        r.step_warm_s,
+        r.step_warm_s / r.step_local_s,
+        r.warm_fetched_bytes,
+        r.per_token[0],
+        r.per_token[1],
+        r.per_token[2],
+    );
+    let rows = args.steps * args.micro_batches * args.micro_batch_size as u64;
+    for (slot, what) in ["inputs", "targets", "whole rows"].iter().enumerate() {
+        println!("  bytes per row, {what}: {}", r.bytes[slot].describe(rows));
+    }
+    Ok(r)
+}
+
+/// The min / median over the rounds of every figure, and the bytes per row of the first.
+fn report(args: &DataBenchArgs, rounds: &[Round]) -> Result<()> {
     let stat = |f: &dyn Fn(&Round) -> f64| -> String {
         let v: Vec<f64> = rounds.iter().map(f).collect();
         format!(
