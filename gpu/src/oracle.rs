@@ -577,75 +577,22 @@ fn attention(
         kv_stride: h * d,
         kv_rows: rows,
     };
-    // Forward and backward into fresh outputs (poisoned, or PRIOR where dK/dV accumulate):
-    // y, lse, dQ, dK, dV as they come back.
-    let run = |c: &Checker| -> Result<[Vec<f32>; 5]> {
-        let gpu = &*c.gpu;
-        let (yd, lse, delta) = (
-            c.poisoned(b * s * h * d)?,
-            c.poisoned(b * h * s)?,
-            gpu.zeros::<f32>(b * h * s)?,
-        );
-        let dqd = c.poisoned(b * s * h * d)?;
-        let (dkd, dvd) = if cached {
-            let prior = vec![PRIOR; b * rows * h * d];
-            (gpu.upload(&prior)?, gpu.upload(&prior)?)
-        } else {
-            (c.poisoned(b * l * h * d)?, c.poisoned(b * l * h * d)?)
-        };
-        gpu.attention_forward(
-            yd.ptr(),
-            lse.ptr(),
-            qd.ptr(),
-            kd.ptr(),
-            vd.ptr(),
-            docs,
-            sh,
-            scale as f32,
-        )?;
-        gpu.attention_backward(
-            dqd.ptr(),
-            dkd.ptr(),
-            dvd.ptr(),
-            qd.ptr(),
-            kd.ptr(),
-            vd.ptr(),
-            yd.ptr(),
-            dyd.ptr(),
-            lse.ptr(),
-            delta.ptr(),
-            docs,
-            sh,
-            scale as f32,
-            cached,
-        )?;
-        Ok([
-            gpu.download(&yd)?,
-            gpu.download(&lse)?,
-            gpu.download(&dqd)?,
-            gpu.download(&dkd)?,
-            gpu.download(&dvd)?,
-        ])
+    let inputs = AttnInputs {
+        q: &qd,
+        k: &kd,
+        v: &vd,
+        dy: &dyd,
+        docs,
+        sh,
+        scale: scale as f32,
+        cached,
     };
-    let got = run(c)?;
-    let kernels = if tensor_cores {
-        format!(", tensor cores {}", version.name())
-    } else {
-        String::new()
-    };
-    let documents = if masked {
-        let counts: Vec<usize> = (0..b).map(|r| mask.starts(r).len()).collect();
-        format!(", document masks of {counts:?} documents")
-    } else {
-        String::new()
-    };
-    let tag = if cached {
-        format!(
-            "(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added{kernels}{documents})"
-        )
-    } else {
-        format!("(D {d}, segment {s}, prefix {p}{kernels}{documents})")
-    };
+    let got = inputs.run(c)?;
+    let tag = attention_tag(
+        &sh,
+        tensor_cores.then_some(version),
+        masked.then_some(&mask),
+    );
     let [gy, glse, gdq, gdk, gdv] = &got;
     for (name, got, want) in [("forward y", gy, &y), ("backward dQ", gdq, &dq)] {
         let b_ = to_rows(&host(want)?, b, h, s, d);
@@ -665,29 +612,122 @@ fn attention(
     let b_ = host(&ctx.lse)?;
     c.compare(format!("attention forward lse {tag}"), precision, glse, &b_);
     if tensor_cores && version == AttentionKernels::V2 {
-        let again = run(c)?;
-        let differ: usize = got
-            .iter()
-            .zip(&again)
-            .map(|(a, b)| {
-                a.iter()
-                    .zip(b)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count()
-            })
-            .sum();
-        let total: usize = got.iter().map(Vec::len).sum();
-        c.out.push(Comparison {
-            what: format!(
-                "attention run twice, outputs bit-identical {tag}: {differ} of {total} differ"
-            ),
-            precision: precision.name(),
-            rel_l2: differ as f64,
-            rel_max: differ as f64,
-            bound: 0.0,
-        });
+        let again = inputs.run(c)?;
+        let what = format!("attention run twice, outputs bit-identical {tag}");
+        push_bit_identical(c, &what, precision, &got, &again);
     }
     Ok(())
+}
+
+/// The device inputs of one attention check (see [`attention`]).
+struct AttnInputs<'a> {
+    q: &'a crate::Buf<f32>,
+    k: &'a crate::Buf<f32>,
+    v: &'a crate::Buf<f32>,
+    dy: &'a crate::Buf<f32>,
+    docs: Option<DocStarts>,
+    sh: AttnShape,
+    scale: f32,
+    /// dK/dV add to accumulators holding [`PRIOR`] in a cache of `sh.kv_rows` rows.
+    cached: bool,
+}
+
+impl AttnInputs<'_> {
+    /// Forward and backward into fresh outputs (poisoned, or PRIOR where dK/dV accumulate):
+    /// y, lse, dQ, dK, dV as they come back.
+    fn run(&self, c: &Checker) -> Result<[Vec<f32>; 5]> {
+        let gpu = &*c.gpu;
+        let AttnShape { b, h, d, s, p, .. } = self.sh;
+        let (l, rows) = (p + s, self.sh.kv_rows);
+        let (yd, lse, delta) = (
+            c.poisoned(b * s * h * d)?,
+            c.poisoned(b * h * s)?,
+            gpu.zeros::<f32>(b * h * s)?,
+        );
+        let dqd = c.poisoned(b * s * h * d)?;
+        let (dkd, dvd) = if self.cached {
+            let prior = vec![PRIOR; b * rows * h * d];
+            (gpu.upload(&prior)?, gpu.upload(&prior)?)
+        } else {
+            (c.poisoned(b * l * h * d)?, c.poisoned(b * l * h * d)?)
+        };
+        let (q, k, v) = (self.q.ptr(), self.k.ptr(), self.v.ptr());
+        gpu.attention_forward(yd.ptr(), lse.ptr(), q, k, v, self.docs, self.sh, self.scale)?;
+        gpu.attention_backward(
+            dqd.ptr(),
+            dkd.ptr(),
+            dvd.ptr(),
+            q,
+            k,
+            v,
+            yd.ptr(),
+            self.dy.ptr(),
+            lse.ptr(),
+            delta.ptr(),
+            self.docs,
+            self.sh,
+            self.scale,
+            self.cached,
+        )?;
+        Ok([
+            gpu.download(&yd)?,
+            gpu.download(&lse)?,
+            gpu.download(&dqd)?,
+            gpu.download(&dkd)?,
+            gpu.download(&dvd)?,
+        ])
+    }
+}
+
+/// The name of an attention check's rows: its shape, the tensor-core kernels' version (when on
+/// tensor cores) and the documents of each sequence (when masked).
+fn attention_tag(
+    sh: &AttnShape,
+    version: Option<AttentionKernels>,
+    mask: Option<&ops::DocumentMask>,
+) -> String {
+    let AttnShape { b, d, s, p, .. } = *sh;
+    let kernels = version.map_or(String::new(), |v| format!(", tensor cores {}", v.name()));
+    let documents = mask.map_or(String::new(), |mask| {
+        let counts: Vec<usize> = (0..b).map(|r| mask.starts(r).len()).collect();
+        format!(", document masks of {counts:?} documents")
+    });
+    let rows = sh.kv_rows;
+    if rows > p + s {
+        format!(
+            "(D {d}, segment {s}, prefix {p}, cache of {rows} rows, dK/dV added{kernels}{documents})"
+        )
+    } else {
+        format!("(D {d}, segment {s}, prefix {p}{kernels}{documents})")
+    }
+}
+
+/// A row saying how many of `got`'s values differ bit-wise from `again`'s (bound 0).
+fn push_bit_identical(
+    c: &mut Checker,
+    what: &str,
+    precision: Precision,
+    got: &[Vec<f32>],
+    again: &[Vec<f32>],
+) {
+    let differ: usize = got
+        .iter()
+        .zip(again)
+        .map(|(a, b)| {
+            a.iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        })
+        .sum();
+    let total: usize = got.iter().map(Vec::len).sum();
+    c.out.push(Comparison {
+        what: format!("{what}: {differ} of {total} differ"),
+        precision: precision.name(),
+        rel_l2: differ as f64,
+        rel_max: differ as f64,
+        bound: 0.0,
+    });
 }
 
 fn embedding(c: &mut Checker) -> Result<()> {
