@@ -4,31 +4,33 @@
 //! (p, m, k) — same losses, validation losses and tensors — because the weight halves add the
 //! same gradients, computed by the same operations, in the order of the input halves, which is
 //! Seq1F1B's backward order. Its activations live until each unit's `W`, and its per-stage peak
-//! stays at or below Seq1F1B's. Checkpoints move between the two kinds bit-identically; a lost
-//! worker (mid-step recovery is not wired for split backwards) restarts the step from a peer
-//! snapshot or checkpoint, bit-identically; and what is not wired is refused before anything
-//! starts.
+//! stays at or below Seq1F1B's. Checkpoints move between the two kinds bit-identically. A worker
+//! SIGKILLed in the middle of a step (first, middle or last stage, once or again and again) is
+//! replaced mid-step: its replacement redoes its whole list from the step-start state, weight
+//! halves in their order, sending only what its neighbours lack; with two replicas a lost
+//! replica's micro-batches are re-routed to the other. Every such run ends bit-identical to the
+//! undisturbed `seq1f1b` run. With mid-step recovery off a lost worker restarts the step from a
+//! peer snapshot or checkpoint, bit-identically; and what is not wired (CUDA stages) is refused
+//! before anything starts.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::{
     assert_final_state, assert_same_tensors, children_of, ckpt_url, elastic_job, final_state,
-    fresh_dir, metrics, resumable_train, run_err, run_events, run_ok, wait_for_steps,
+    fresh_dir, metrics, resumable_train, run_err, run_events, run_ok, steps_done, wait_for_steps,
 };
-use trainer::runtime::events::RunEvent;
+use rand::{Rng, SeedableRng};
+use trainer::runtime::events::{Recovered, RunEvent, parse_records};
+use trainer::runtime::recovery::Tier;
 
-/// Settings every run here shares: an evaluation every 2 steps and mid-step recovery off (not
-/// wired for split backwards; the same for the `seq1f1b` runs, so the runs differ in the
-/// schedule only).
-const COMMON: [&str; 3] = [
-    "train.eval_every=2",
-    "train.eval_batches=2",
-    "elastic.mid_step=false",
-];
+/// Settings every run here shares: an evaluation every 2 steps (the recovery defaults, mid-step
+/// recovery on, are the same for the `seq1f1b` runs, so the runs differ in the schedule only).
+const COMMON: [&str; 2] = ["train.eval_every=2", "train.eval_batches=2"];
 
 /// A pipeline shape: schedule, stages p, micro-batches m, segments k.
 #[derive(Clone, Copy, Debug)]
@@ -253,8 +255,8 @@ fn what_split_backwards_do_not_have_is_refused_before_anything_starts() {
         k: 2,
     };
     for (set, says) in [
-        ("elastic.mid_step=true", "elastic.mid_step = false"),
         ("model.device=cuda", "model.device = \"cpu\""),
+        ("pipeline.transport=nccl", "pipeline.transport = \"tcp\""),
     ] {
         let run = dir.join(set.replace(['.', '='], "-"));
         let err = run_err(train(&run, shape, 2).args(["--set", set]));
@@ -269,9 +271,9 @@ fn what_split_backwards_do_not_have_is_refused_before_anything_starts() {
     }
 }
 
-/// A worker lost mid-run (SIGKILL of its process): mid-step recovery is off for split
-/// backwards, so the interrupted step restarts from the last peer snapshot or checkpoint and
-/// the run ends bit-identical to the uninterrupted one.
+/// A worker lost mid-run (SIGKILL of its process) with mid-step recovery off: the interrupted
+/// step restarts from the last peer snapshot or checkpoint and the run ends bit-identical to the
+/// uninterrupted one.
 #[test]
 fn a_lost_worker_of_a_zero_bubble_run_restarts_the_step_bit_identically() {
     const STEPS: u64 = 16;
@@ -324,8 +326,274 @@ fn a_lost_worker_of_a_zero_bubble_run_restarts_the_step_bit_identically() {
         assert_ne!(
             r.tier,
             trainer::runtime::recovery::Tier::MidStep,
-            "mid-step recovery is off for split backwards: {r:?}"
+            "mid-step recovery is off: {r:?}"
         );
     }
     eprintln!("worker lost: {recovered:?}");
+}
+
+/// Steps of the recovery runs below: room for several kills after the first steps.
+const RECOVERY_STEPS: u64 = 20;
+
+/// The elastic tests' job (4 stages, m = 4, k = 2; checkpoints every 2 steps) for
+/// [`RECOVERY_STEPS`] steps with schedule `kind`, the recovery defaults (mid-step recovery and
+/// peer snapshots on, every step's copy waited for) and `extra` settings.
+fn recovery_job(run: &Path, kind: &str, extra: &[&str]) -> Command {
+    let mut cmd = elastic_job(run, RECOVERY_STEPS);
+    let kind = format!("pipeline.schedule={kind}");
+    for s in [
+        kind.as_str(),
+        "pipeline.stages=4",
+        "pipeline.microbatches=4",
+        "pipeline.splits=2",
+        "elastic.peer_snapshot_max_skips=0",
+    ]
+    .iter()
+    .chain(extra)
+    {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+/// The final state of the undisturbed `seq1f1b` run of [`recovery_job`], which every disturbed
+/// `seq1f1b-zb` run must end on, bit for bit (whatever its replicas and stages).
+fn seq1f1b_reference(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let reference = dir.join("seq1f1b-reference");
+    run_ok(&mut recovery_job(&reference, "seq1f1b", &[]));
+    final_state(&ckpt_url(&reference)).1
+}
+
+/// The `recovered` events the running job at `run` has written so far (a line being written is
+/// not read yet).
+fn recoveries_so_far(run: &Path) -> Vec<Recovered> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    parse_records(&text)
+        .into_iter()
+        .filter_map(|r| match r {
+            trainer::runtime::events::Record::Event(RunEvent::Recovered(r)) => Some(r),
+            _ => None,
+        })
+        .collect()
+}
+
+/// SIGKILLs the worker processes of node `node` of the job whose launcher is `launcher` and
+/// waits until the run at `run` records its recovery (a job that re-routes a replica records two:
+/// the re-route, then the rebuilt pipeline); returns the first new `recovered` event.
+fn kill_worker_and_wait(launcher: &mut Child, run: &Path, node: usize) -> Recovered {
+    let before = recoveries_so_far(run).len();
+    // The launcher's children are the nodes' agents (in node order), theirs the workers.
+    let agents = children_of(launcher.id());
+    let victims = children_of(agents[node]);
+    assert!(!victims.is_empty(), "node {node} runs no worker to kill");
+    for pid in &victims {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+    let started = Instant::now();
+    loop {
+        if let Some(r) = recoveries_so_far(run).into_iter().nth(before) {
+            return r;
+        }
+        if let Some(status) = launcher.try_wait().unwrap() {
+            panic!(
+                "the job ended ({status}) without recovering node {node}'s worker ({})",
+                run.display()
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "node {node}'s worker was not recovered within 5 minutes ({})",
+            run.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills node `node`'s worker of the running job again and again, each time a step after the
+/// last recovery and a few milliseconds more (a different moment of the step each try), until a
+/// recovery is `wanted` (a kill may land outside a step's forward and backward, in the update or
+/// a copy: then the step is redone from the peer snapshots); returns every recovery the kills
+/// caused, the wanted one last.
+fn kill_until(
+    launcher: &mut Child,
+    run: &Path,
+    node: usize,
+    wanted: impl Fn(&Recovered) -> bool,
+) -> Vec<Recovered> {
+    let mut seen: Vec<Recovered> = Vec::new();
+    while !seen.last().is_some_and(&wanted) {
+        let done = steps_done(run);
+        assert!(
+            done + 4 < RECOVERY_STEPS as usize,
+            "no kill of node {node}'s worker recovered as wanted before the last steps: {seen:?}"
+        );
+        // A step after the last recovery, so that its peer snapshots are the ones held.
+        wait_for_steps(run, done + 1);
+        std::thread::sleep(Duration::from_millis((5 + 11 * seen.len() as u64) % 40));
+        seen.push(kill_worker_and_wait(launcher, run, node));
+    }
+    seen
+}
+
+/// The step record of `step` (the last one written for it).
+fn step_units(run: &Path, step: u64) -> usize {
+    common::records(run)
+        .iter()
+        .rev()
+        .filter_map(|r| r.as_step())
+        .find(|s| s.step == step)
+        .unwrap_or_else(|| panic!("no record of step {step}"))
+        .units
+}
+
+/// Waits for the job to finish; it must succeed, its final state equal `reference`, and every
+/// recovery it recorded lose no completed step when mid-step (`MidStep`, `Reroute`). Returns the
+/// recoveries.
+fn finish(
+    launcher: Child,
+    run: &Path,
+    reference: &BTreeMap<String, Vec<u8>>,
+    name: &str,
+) -> Vec<Recovered> {
+    let out = launcher.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {:?}\n{stderr}", out.status);
+    assert_final_state(run, RECOVERY_STEPS, reference);
+    let recovered = recoveries_so_far(run);
+    for r in &recovered {
+        if matches!(r.tier, Tier::MidStep | Tier::Reroute) {
+            assert_eq!(r.lost_steps, 0, "{name}: {r:?}");
+        }
+    }
+    recovered
+}
+
+/// Spawns `cmd` with its output piped (read by [`finish`]).
+fn spawn(cmd: &mut Command) -> Child {
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Compute actions per stage per step of the recovery job: m·k units, each F, I and W.
+const ZB_UNITS_PER_STAGE: usize = 4 * 2 * 3;
+
+/// The first, a middle and the last stage's worker SIGKILLed in the middle of a step (each in
+/// its own run; again until a kill lands where some of its units were done): replaced mid-step
+/// on its own node with no step lost, no survivor recomputing anything (the stages computed one
+/// step's units in all, the replacement's replay included), and the run ends bit-identical to
+/// the undisturbed `seq1f1b` run.
+#[test]
+fn a_worker_killed_mid_step_is_replaced_bit_identically() {
+    let dir = fresh_dir("zero-bubble-mid-step");
+    let reference = seq1f1b_reference(&dir);
+    for stage in [0, 2, 3] {
+        let name = format!("stage-{stage}");
+        let run = dir.join(&name);
+        let mut launcher = spawn(&mut recovery_job(&run, "seq1f1b-zb", &[]));
+        wait_for_steps(&run, 3);
+        // Killed in the middle of the step: some of its units were done, and a neighbour has
+        // their outputs.
+        let kills = kill_until(&mut launcher, &run, stage, |r| {
+            r.tier == Tier::MidStep && r.redone_units.is_some_and(|u| u > 0)
+        });
+        let recovered = finish(launcher, &run, &reference, &name);
+        let r = kills.last().unwrap();
+        assert_eq!(
+            (r.stage, r.stages_before, r.stages_after),
+            (Some(stage), 4, 4),
+            "{name}: {r:?}"
+        );
+        assert_eq!(
+            step_units(&run, r.step),
+            4 * ZB_UNITS_PER_STAGE,
+            "{name}: {r:?}"
+        );
+        let redone = r
+            .redone_units
+            .expect("a mid-step recovery counts its redone units");
+        assert!(redone <= ZB_UNITS_PER_STAGE, "{name}: {r:?}");
+        for r in &recovered {
+            assert!(
+                matches!(r.tier, Tier::MidStep | Tier::Peer),
+                "{name}: {r:?}"
+            );
+        }
+        eprintln!(
+            "{name}: {} kill(s), the last redid {redone} units",
+            kills.len()
+        );
+    }
+}
+
+/// Chaos: one run, a seeded random stage's worker SIGKILLed again and again at random moments
+/// (each after the last recovery and a step more). Every loss is repaired mid-step or, when the
+/// kill lands outside a step's forward and backward, from the peer snapshots; at least two are
+/// mid-step; the run ends bit-identical to the undisturbed `seq1f1b` run.
+#[test]
+fn chaos_with_mid_step_recoveries_is_bit_identical() {
+    const KILLS: usize = 5;
+    let dir = fresh_dir("zero-bubble-chaos");
+    let reference = seq1f1b_reference(&dir);
+    let run = dir.join("chaos");
+    let mut launcher = spawn(&mut recovery_job(&run, "seq1f1b-zb", &[]));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20261128);
+    wait_for_steps(&run, 2);
+    let mut kills = Vec::new();
+    while kills.len() < KILLS && steps_done(&run) + 4 < RECOVERY_STEPS as usize {
+        wait_for_steps(&run, steps_done(&run) + 1);
+        std::thread::sleep(Duration::from_millis(rng.random_range(0..50)));
+        let stage = rng.random_range(0..4);
+        let r = kill_worker_and_wait(&mut launcher, &run, stage);
+        kills.push((stage, r));
+    }
+    let recovered = finish(launcher, &run, &reference, "chaos");
+    let mid_step = recovered.iter().filter(|r| r.tier == Tier::MidStep).count();
+    for r in &recovered {
+        assert!(matches!(r.tier, Tier::MidStep | Tier::Peer), "{r:?}");
+    }
+    assert!(
+        kills.len() >= 3,
+        "only {} kills landed: {kills:?}",
+        kills.len()
+    );
+    assert!(
+        mid_step >= 2,
+        "only {mid_step} of {} losses were repaired mid-step: {recovered:?}",
+        kills.len()
+    );
+    eprintln!(
+        "chaos: {} kills (stages {:?}), {mid_step} repaired mid-step",
+        kills.len(),
+        kills.iter().map(|(s, _)| s).collect::<Vec<_>>()
+    );
+}
+
+/// Two replicas of two stages: a worker of replica 1 SIGKILLed in the middle of its share of a
+/// step (again if a kill lands in the reduction or the update): replica 0 computes the lost
+/// micro-batches through its own zero-bubble pipeline, the step completes (tier `reroute`, no
+/// step lost), and the run ends bit-identical to the undisturbed one-replica, 4-stage
+/// `seq1f1b` run.
+#[test]
+fn a_lost_replica_is_rerouted_bit_identically() {
+    let dir = fresh_dir("zero-bubble-reroute");
+    let reference = seq1f1b_reference(&dir);
+    let run = dir.join("reroute");
+    let replicas = ["pipeline.replicas=2", "pipeline.stages=2"];
+    let mut launcher = spawn(&mut recovery_job(&run, "seq1f1b-zb", &replicas));
+    wait_for_steps(&run, 3);
+    let kills = kill_until(&mut launcher, &run, 2, |r| r.tier == Tier::Reroute);
+    let recovered = finish(launcher, &run, &reference, "reroute");
+    let r = kills.last().unwrap();
+    assert_eq!(r.lost_steps, 0, "{r:?}");
+    assert!(
+        recovered
+            .iter()
+            .any(|x| x.step == r.step + 1 && x.lost_steps == 0),
+        "the pipeline rebuilt after the re-routed step loses nothing: {recovered:?}"
+    );
+    eprintln!("reroute: {} kill(s), {recovered:?}", kills.len());
 }

@@ -218,6 +218,16 @@ impl Rule {
     }
 }
 
+/// A rule's act: kills the worker that reached the point (its agent reports `signal: 9`), once
+/// the agents hold both copies of the state after `step − 1`.
+pub fn kill_it(step: u64) -> impl FnOnce(&Arc<Cluster>, &WorkerId) -> Verdict + Send + 'static {
+    move |c, id| {
+        c.wait_held(step - 1, 2);
+        c.kill_worker(&id.node, id.stage);
+        Verdict::Kill
+    }
+}
+
 /// Whether `point` is `pos` of `step`.
 pub fn reached(point: &Point<'_>, step: u64, pos: Pos) -> bool {
     match (point, pos) {

@@ -600,8 +600,8 @@ impl Config {
 
     /// With split backwards (`seq1f1b-zb`): refusals, naming the key and what to use instead, of
     /// what the input/weight halves are not wired into: CUDA stages and NCCL device links (whole
-    /// backwards only) and mid-step recovery (its replay and replica re-routing redo whole
-    /// backwards; a lost worker restarts the step from a peer snapshot or checkpoint instead).
+    /// backwards only). Mid-step recovery and replica re-routing run them (a replacement redoes
+    /// the lost worker's whole list, weight halves in their order).
     fn validate_split_backward(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let not_runnable = |what: String| {
@@ -620,18 +620,6 @@ impl Config {
                 "pipeline.schedule = \"{}\" with model.device = \"cuda\"",
                 p.schedule
             ));
-        }
-        if self.elastic.mid_step {
-            return Err(ConfigError::NotWired {
-                key: "elastic.mid_step",
-                what: format!(
-                    "a worker of a {} step cannot be replaced in the middle of the step yet (its \
-                     replay redoes whole backwards); set elastic.mid_step = false (a lost worker \
-                     then restarts the step from the last peer snapshot or checkpoint) or use \
-                     pipeline.schedule = \"seq1f1b\"",
-                    p.schedule
-                ),
-            });
         }
         Ok(())
     }
@@ -1005,8 +993,9 @@ mod tests {
         assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
     }
 
-    /// seq1f1b-zb runs on CPU stages over TCP with mid-step recovery off; CUDA stages, NCCL
-    /// links and mid-step recovery are refused, naming the key and what to use instead.
+    /// seq1f1b-zb runs on CPU stages over TCP, with mid-step recovery (the default) on or off
+    /// and with replicas; CUDA stages and NCCL links are refused, naming the key and what to use
+    /// instead.
     #[test]
     fn the_zero_bubble_kind_runs_on_cpu_over_tcp_and_refuses_what_is_not_wired() {
         let zb = |extra: &[&str]| {
@@ -1015,30 +1004,18 @@ mod tests {
             Config::default().with_overrides(&sets).unwrap()
         };
         assert_eq!(zb(&[]).pipeline.schedule.as_str(), "seq1f1b-zb");
-        zb(&["elastic.mid_step=false"]).validate().unwrap();
-        zb(&[
-            "elastic.mid_step=false",
-            "pipeline.replicas=2",
-            "pipeline.microbatches=4",
-        ])
-        .validate()
-        .unwrap();
-        let err = zb(&[]).validate().unwrap_err();
-        assert!(matches!(err, ConfigError::NotWired { .. }), "{err}");
-        let text = err.to_string();
-        assert!(
-            text.contains("elastic.mid_step")
-                && text.contains("elastic.mid_step = false")
-                && text.contains("seq1f1b-zb"),
-            "{text}"
-        );
+        assert!(zb(&[]).elastic.mid_step, "mid-step recovery is the default");
+        for mid_step in ["elastic.mid_step=true", "elastic.mid_step=false"] {
+            zb(&[mid_step]).validate().unwrap();
+            zb(&[mid_step, "pipeline.replicas=2", "pipeline.microbatches=4"])
+                .validate()
+                .unwrap();
+        }
         for (extra, what) in [
             ("model.device=cuda", "model.device = \"cuda\""),
             ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),
         ] {
-            let err = zb(&["elastic.mid_step=false", extra])
-                .validate()
-                .unwrap_err();
+            let err = zb(&[extra]).validate().unwrap_err();
             assert!(
                 matches!(err, ConfigError::ScheduleNotRunnable(_)),
                 "{extra}: {err}"

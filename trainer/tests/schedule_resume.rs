@@ -1,17 +1,21 @@
 //! Mid-step recovery as data: property tests of `resume_after_loss` and `validate_resumed` over
-//! progress states that executions of the generated schedules actually reach.
+//! progress states that executions of the generated schedules actually reach — whole backwards
+//! (`gpipe`, `1f1b`, `seq1f1b`) and backwards split into input and weight halves (`seq1f1b-zb`).
 //!
 //! Each case runs a schedule in a seeded random interleaving of its stages (FIFO channels, sends
 //! never block, a receive waits for its message), stops somewhere, loses one stage and resumes.
 //! The resumed step is checked by `validate_resumed` and, independently, by running it to the end
-//! in another random interleaving from the state the loss left.
+//! in another random interleaving from the state the loss left: every stage computes every
+//! unit's forward and backward (halves) exactly once, and the stage whose state was lost
+//! accumulates its parameter gradients (`B`, or `W` with split backwards) in the original order,
+//! which is what makes the recovered step bit-identical.
 
 use std::collections::{HashSet, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use trainer::schedule::{
-    Action, ResumedStep, Schedule, ScheduleError, ScheduleKind, Unit, generate, render_text,
+    Action, Op, ResumedStep, Schedule, ScheduleError, ScheduleKind, Unit, generate, render_text,
     resume_after_loss, validate_resumed,
 };
 
@@ -82,8 +86,13 @@ impl Run {
             Action::SendActivation(u) => self.act[r].push_back(u),
             Action::SendGrad(u) => self.grad[r - 1].push_back(u),
             Action::Forward(_) | Action::Backward(_) => self.computed[r].push(a),
+            Action::Extended {
+                op: Op::BackwardInput | Op::BackwardWeight,
+                chunk: 0,
+                ..
+            } => self.computed[r].push(a),
             Action::Extended { .. } => {
-                unreachable!("mid-step resume covers the runtime's kinds, which have no {a}")
+                unreachable!("these kinds hold one chunk per stage, so no {a}")
             }
         }
         self.pc[r] += 1;
@@ -250,15 +259,33 @@ fn resumed_steps_validate_complete_and_recompute_nothing_on_survivors() {
             end.act.iter().chain(&end.grad).all(VecDeque::is_empty),
             "{label}: messages left unreceived"
         );
+        // The replacement starts from the step-start state (zero gradients) and accumulates
+        // every unit's parameter gradients itself, in the original list's order.
+        let accumulates = |a: &&Action| matches!(a.op(), Op::Backward | Op::BackwardWeight);
+        let order =
+            |v: &[Action]| -> Vec<Action> { v.iter().filter(accumulates).copied().collect() };
+        assert_eq!(
+            order(&end.computed[lost]),
+            order(&s.actions[lost]),
+            "{label}: the replacement's gradient accumulation order"
+        );
         let units: Vec<Unit> = (0..s.microbatches)
             .flat_map(|i| (0..s.splits).map(move |j| Unit::new(i, j)))
             .collect();
+        let backward: &[Op] = if s.kind.splits_backward() {
+            &[Op::BackwardInput, Op::BackwardWeight]
+        } else {
+            &[Op::Backward]
+        };
         for r in 0..s.stages {
             let mut computed = end.computed[r].clone();
-            computed.sort_by_key(|a| (a.unit(), matches!(a, Action::Backward(_))));
+            computed.sort_by_key(|a| (a.unit(), a.op()));
             let want: Vec<Action> = units
                 .iter()
-                .flat_map(|&u| [Action::Forward(u), Action::Backward(u)])
+                .flat_map(|&u| {
+                    std::iter::once(Action::Forward(u))
+                        .chain(backward.iter().map(move |&op| Action::new(op, u, 0)))
+                })
                 .collect();
             assert_eq!(computed, want, "{label}: stage {r}'s compute");
             let sorted = |v: &[Unit]| {
@@ -288,7 +315,7 @@ fn resumed_steps_validate_complete_and_recompute_nothing_on_survivors() {
 
 #[test]
 fn replayed_units_are_those_whose_outputs_a_neighbour_received() {
-    let mut replayed_total = 0;
+    let (mut replayed_total, mut weights_replayed) = (0, 0);
     let cases = for_each_case(|case| {
         let (s, lost, res, run) = (&case.s, case.lost, &case.resumed, &case.at_loss);
         let label = &case.label;
@@ -303,15 +330,29 @@ fn replayed_units_are_those_whose_outputs_a_neighbour_received() {
             .checked_sub(1)
             .map(|q| run.received_grad[q].iter().copied().collect())
             .unwrap_or_default();
-        let want: Vec<Action> = s
-            .compute_actions(lost)
-            .filter(|a| match *a {
-                Action::Forward(u) => at_next.contains(&u) || at_prev.contains(&u),
-                Action::Backward(u) => at_prev.contains(&u),
-                _ => unreachable!(),
+        // The sends of the lost stage whose message a neighbour has; every action before the
+        // last of them was done (the stage runs its list in order), which is what proves a
+        // weight half (it sends nothing).
+        let delivered = |a: &Action| match a.op() {
+            Op::SendActivation => at_next.contains(&a.unit()),
+            Op::SendGrad => at_prev.contains(&a.unit()),
+            _ => false,
+        };
+        let list = &s.actions[lost];
+        let proven = list.iter().rposition(delivered).map_or(0, |i| i + 1);
+        let want: Vec<Action> = list
+            .iter()
+            .enumerate()
+            .filter(|&(i, a)| match a.op() {
+                Op::Forward => at_next.contains(&a.unit()) || at_prev.contains(&a.unit()),
+                Op::Backward | Op::BackwardInput => at_prev.contains(&a.unit()),
+                Op::BackwardWeight => i < proven,
+                _ => false,
             })
+            .map(|(_, &a)| a)
             .collect();
         assert_eq!(res.replayed, want, "{label}");
+        weights_replayed += want.iter().filter(|a| a.op() == Op::BackwardWeight).count();
         // Replayed work was really done by the lost stage, and the progress its neighbours prove
         // never exceeds what it really did.
         let really_done: HashSet<Action> = run.computed[lost].iter().copied().collect();
@@ -321,15 +362,7 @@ fn replayed_units_are_those_whose_outputs_a_neighbour_received() {
         );
         assert!(res.done[lost] <= run.pc[lost], "{label}");
         // The replacement skips exactly the sends whose message a neighbour has.
-        let skipped: Vec<Action> = s.actions[lost]
-            .iter()
-            .copied()
-            .filter(|a| match *a {
-                Action::SendActivation(u) => at_next.contains(&u),
-                Action::SendGrad(u) => at_prev.contains(&u),
-                _ => false,
-            })
-            .collect();
+        let skipped: Vec<Action> = list.iter().copied().filter(delivered).collect();
         let kept: Vec<Action> = s.actions[lost]
             .iter()
             .copied()
@@ -339,8 +372,8 @@ fn replayed_units_are_those_whose_outputs_a_neighbour_received() {
         replayed_total += res.replayed.len();
     });
     assert!(
-        cases > 5000 && replayed_total > 0,
-        "{cases} {replayed_total}"
+        cases > 5000 && replayed_total > 0 && weights_replayed > 0,
+        "{cases} {replayed_total} {weights_replayed}"
     );
 }
 

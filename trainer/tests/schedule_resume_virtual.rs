@@ -196,12 +196,3 @@ fn resumed_interleaved_steps_validate_and_resend_exactly_what_the_lost_chunks_we
     );
     eprintln!("{cases} cases");
 }
-
-/// Split backwards (the zero-bubble kind) are not modelled: refused with a reason that says
-/// what recovers such a step instead.
-#[test]
-fn split_backwards_are_refused_by_the_resume_model() {
-    let s = trainer::schedule::generate(ScheduleKind::Seq1F1BZeroBubble, 2, 2, 2).unwrap();
-    let e = resume_after_loss(&s, 1, &[0, 0]).unwrap_err().to_string();
-    assert!(e.contains("split") && e.contains("peer snapshot"), "{e}");
-}

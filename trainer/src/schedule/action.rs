@@ -87,18 +87,17 @@ impl ScheduleKind {
     }
 
     /// True for the zero-bubble kind, whose backwards run split into an input half (`I`) and a
-    /// weight half (`W`): the stage runtime runs it on CPU stages over TCP, with mid-step
-    /// recovery off (see `Config::validate` for what it refuses).
+    /// weight half (`W`): the stage runtime runs it on CPU stages over TCP, mid-step recovery
+    /// included (see `Config::validate` for what it refuses).
     pub fn splits_backward(self) -> bool {
         self == ScheduleKind::Seq1F1BZeroBubble
     }
 
-    /// The kinds the stage runtime runs with one layer chunk per worker and whole backwards: the
-    /// ones mid-step recovery covers.
+    /// The kinds the stage runtime runs with one layer chunk per worker, with whole or split
+    /// backwards: those whose mid-step recovery `trainer/tests/schedule_resume.rs` covers (the
+    /// interleaved ones have their own tests).
     pub fn runtime_kinds() -> impl Iterator<Item = ScheduleKind> {
-        Self::ALL
-            .into_iter()
-            .filter(|k| !k.splits_backward() && !k.is_interleaved())
+        Self::ALL.into_iter().filter(|k| !k.is_interleaved())
     }
 }
 

@@ -27,6 +27,17 @@
 //! unit), re-sends every tensor it sent to any of f's chunks, and the replacement rebuilds all
 //! v chunks' in-flight state by running f's whole list (every chunk) from the step-start state.
 //!
+//! **Split backwards** (`seq1f1b-zb`: each backward an input half `I`, whose gradient f sends
+//! upstream at once, and a weight half `W`, deferred): nothing above changes, because the
+//! replacement runs f's whole list in its order. What f lost with its process is its saved
+//! activations, its pending weight halves and its parameter-gradient accumulators; running the
+//! whole list from the step-start state redoes every `W` f had done, in the list's order — the
+//! original accumulation order — so f's gradients come out bit-identical. A unit whose `I` f had
+//! done and whose input gradient f−1 already has is computed again (its `W` needs the `I`'s saved
+//! context) but its `SendGrad` is skipped: f−1 counts it once. A `W` sends nothing, so no
+//! neighbour proves it by a unit's message; its place does: f runs its list in order, so every
+//! action before the last send a neighbour received was done ([`Delivered::replayed`]).
+//!
 //! [`resume_after_loss`] turns a schedule, the lost stage and the survivors' progress into the
 //! rest of the step as a [`Schedule`] (the re-sends are ordinary send actions at the head of the
 //! neighbours' lists), after checking that the progress is one an execution can reach.
@@ -200,17 +211,36 @@ impl Delivered {
         }
     }
 
-    /// `a` is a compute action of the lost stage that a neighbour proves was done before the loss,
-    /// so the replacement redoes it: the forward of (c, u) when the stage after has its
-    /// activation or the stage before its input gradient (sent only after the forward), the
-    /// backward of (c, u) when the stage before has its input gradient.
+    /// `a` is a compute action of the lost stage that a neighbour proves, by one of (c, u)'s
+    /// messages, was done before the loss, so the replacement redoes it: the forward of (c, u)
+    /// when the stage after has its activation or the stage before its input gradient (sent only
+    /// after the forward), the backward of (c, u) — whole, or its input half — when the stage
+    /// before has its input gradient. A weight half has no message of its own: see
+    /// [`Delivered::replayed`].
     pub fn replays(&self, a: Action) -> bool {
         let out = (a.chunk(), a.unit());
         match a.op() {
             Op::Forward => self.activations.contains(&out) || self.grads.contains(&out),
-            Op::Backward => self.grads.contains(&out),
+            Op::Backward | Op::BackwardInput => self.grads.contains(&out),
             _ => false,
         }
+    }
+
+    /// The compute actions of `list`, the lost stage's, that its replacement redoes and that the
+    /// neighbours prove were done, in the list's order: those [`Delivered::replays`] proves by a
+    /// unit's message, and every weight half (`W`) placed before the last send whose message a
+    /// neighbour has (the lost stage ran its list in order). Without split backwards exactly the
+    /// actions [`Delivered::replays`] proves.
+    pub fn replayed(&self, list: &[Action]) -> Vec<Action> {
+        let proven = list
+            .iter()
+            .rposition(|&a| self.skips(a))
+            .map_or(0, |i| i + 1);
+        list.iter()
+            .enumerate()
+            .filter(|&(i, &a)| self.replays(a) || (a.op() == Op::BackwardWeight && i < proven))
+            .map(|(_, &a)| a)
+            .collect()
     }
 }
 
@@ -232,9 +262,11 @@ pub struct ResumedStep {
     /// step's schedule: check it with [`validate_resumed`], not [`validate`].
     pub rest: Schedule,
     /// The compute actions of f, in f's order, that its replacement redoes and that a neighbour
-    /// proves had been done: `Forward(u)` when f+1 has u's activation or f−1 has u's input
-    /// gradient (f sends that only after its forward of u), `Backward(u)` when f−1 has u's input
-    /// gradient. This is the runtime's count of redone units; f may have done more before it died.
+    /// proves had been done ([`Delivered::replayed`]): `Forward(u)` when f+1 has u's activation
+    /// or f−1 has u's input gradient (f sends that only after its forward of u), `Backward(u)` or
+    /// `BackwardInput(u)` when f−1 has u's input gradient, `BackwardWeight(u)` when it comes
+    /// before a send a neighbour received. This is the runtime's count of redone units; f may
+    /// have done more before it died.
     pub replayed: Vec<Action>,
 }
 
@@ -255,7 +287,6 @@ pub fn resume_after_loss(
     done: &[usize],
 ) -> Result<ResumedStep, ScheduleError> {
     validate(s)?;
-    check_resumable(s)?;
     let p = s.stages;
     check_shape(p, lost, done)?;
     let claimed: Vec<usize> = (0..p)
@@ -301,10 +332,7 @@ pub fn resume_after_loss(
                 .collect(),
         );
     }
-    let replayed = s
-        .compute_actions(lost)
-        .filter(|&a| delivered.replays(a))
-        .collect();
+    let replayed = delivered.replayed(lost_list);
     Ok(ResumedStep {
         lost,
         done,
@@ -337,7 +365,6 @@ pub fn resume_after_loss(
 /// (positions are in `resumed.rest`'s lists).
 pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), ScheduleError> {
     validate(s)?;
-    check_resumable(s)?;
     let (p, lost, rest) = (s.stages, resumed.lost, &resumed.rest);
     check_shape(p, lost, &resumed.done)?;
     if without_actions(rest) != without_actions(s) || rest.actions.len() != p {
@@ -385,25 +412,6 @@ pub fn validate_resumed(s: &Schedule, resumed: &ResumedStep) -> Result<(), Sched
     }
     let left = dry_run(rest, channels)?;
     check_delivered(&left)
-}
-
-/// The recovery protocol is modelled for whole backwards (any number of chunks per stage):
-/// refuses schedules that split backwards into input and weight halves (`seq1f1b-zb`).
-fn check_resumable(s: &Schedule) -> Result<(), ScheduleError> {
-    let split = s
-        .actions
-        .iter()
-        .flatten()
-        .any(|a| matches!(a.op(), Op::BackwardInput | Op::BackwardWeight));
-    if split {
-        return Err(ScheduleError::InvalidParameters(format!(
-            "mid-step resume is modelled for schedules with whole backwards; this {} schedule \
-             splits them into input and weight halves: recover it from a peer snapshot or a \
-             checkpoint (restart the step)",
-            s.kind,
-        )));
-    }
-    Ok(())
 }
 
 /// `s`'s parameters with no actions.
@@ -537,5 +545,41 @@ mod tests {
         // Nothing of stage 1's reached a neighbour: its replacement runs its whole list.
         assert_eq!(resumed.rest.actions[lost], s.actions[lost]);
         validate_resumed(&s, &resumed).unwrap();
+    }
+
+    /// Split backwards: the last stage lost after stage 0 received every input gradient from it.
+    /// Its replacement redoes every F, I and W — the W's in the list's order — and sends no input
+    /// gradient again; the W's before its last `SendGrad` count as replayed (the stage ran its
+    /// list in order), the ones after it do not.
+    #[test]
+    fn a_zero_bubble_replacement_redoes_its_weight_halves_in_order_and_sends_no_gradient_twice() {
+        let s = generate(ScheduleKind::Seq1F1BZeroBubble, 2, 2, 2).unwrap();
+        let (list0, list1) = (&s.actions[0], &s.actions[1]);
+        let done0 = list0.iter().rposition(|a| a.op() == Op::RecvGrad).unwrap() + 1;
+        let resumed = resume_after_loss(&s, 1, &[done0, 0]).unwrap();
+        validate_resumed(&s, &resumed).unwrap();
+        let not_sends: Vec<Action> = list1
+            .iter()
+            .copied()
+            .filter(|a| a.op() != Op::SendGrad)
+            .collect();
+        assert_eq!(resumed.rest.actions[1], not_sends);
+        let last_sb = list1.iter().rposition(|a| a.op() == Op::SendGrad).unwrap();
+        assert_eq!(resumed.done[1], last_sb + 1);
+        let (before, after): (Vec<usize>, Vec<usize>) = (0..list1.len())
+            .filter(|&i| list1[i].op() == Op::BackwardWeight)
+            .partition(|&i| i < last_sb);
+        assert!(!before.is_empty() && !after.is_empty(), "{list1:?}");
+        let want: Vec<Action> = list1
+            .iter()
+            .enumerate()
+            .filter(|&(i, a)| {
+                matches!(a.op(), Op::Forward | Op::BackwardInput) || before.contains(&i)
+            })
+            .map(|(_, &a)| a)
+            .collect();
+        assert_eq!(resumed.replayed, want);
+        // Stage 0 sends its activations again, and has nothing of the replacement's to wait for.
+        assert_eq!(resumed.resent, [4, 0]);
     }
 }

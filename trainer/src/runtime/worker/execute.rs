@@ -89,13 +89,14 @@ impl Worker {
         trace: bool,
         control: &mut ControlStream,
     ) -> Result<Option<f64>, WorkerError> {
+        let schedule = self.schedule.clone();
         self.record = StepRecord::new(
             step,
+            &schedule.get().actions[self.index()],
             std::mem::take(&mut self.replay_skip),
             trace.then(|| (Instant::now(), unix_time_us())),
         );
         self.stage.take_peak_activation_bytes();
-        let schedule = self.schedule.clone();
         self.stage.begin_step(schedule.get().microbatches);
         let loss_sum = self.execute(&schedule, Split::Train, step, Mode::Train, Some(control))?;
         self.record.cost.peak_activation_bytes = self.stage.take_peak_activation_bytes() as u64;
@@ -285,7 +286,7 @@ impl Worker {
                 if let Some(dx) = dx {
                     state.outbox.insert((c, u), dx);
                 }
-                let redone = self.record.delivered.replays(action);
+                let redone = self.record.redoes(action);
                 let len = unit_len(state, u);
                 self.record.computed(action, started, redone, len);
                 self.stage.computed(c);
@@ -297,8 +298,9 @@ impl Worker {
                 }
                 let started = UnitStart::now();
                 chunk_mut(&mut self.stage, c)?.backward_weight(u)?;
+                let redone = self.record.redoes(action);
                 let len = unit_len(state, u);
-                self.record.computed(action, started, false, len);
+                self.record.computed(action, started, redone, len);
                 self.stage.computed(c);
             }
             Op::SendGrad => {
@@ -428,7 +430,7 @@ impl Worker {
         if mode == Mode::Train {
             // Proven redone: a neighbour has this unit's output (or its backward's).
             let action = Action::new(Op::Forward, u, c);
-            let redone = self.record.delivered.replays(action);
+            let redone = self.record.redoes(action);
             self.record
                 .computed(action, started, redone, lengths[u.segment]);
         }

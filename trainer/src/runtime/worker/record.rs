@@ -2,7 +2,7 @@
 //! boundary tensors it sent (kept until the step's update, so a replacement of a neighbour can
 //! have them again) and what the step cost.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::WorkerError;
@@ -27,25 +27,35 @@ pub(super) struct StepRecord {
     pub(super) cost: StepCost,
     /// A replacement's first step: what the neighbours already have of its outputs.
     pub(super) delivered: Delivered,
+    /// A replacement's first step: the compute actions of its list that the lost worker had done,
+    /// as the neighbours prove ([`Delivered::replayed`]): counted as redone.
+    replayed: HashSet<Action>,
     /// When tracing: the step's start on the monotonic clock and on the wall clock (Unix µs), so
     /// units are placed on the wall clock without ever overlapping.
     pub(super) trace_epoch: Option<(Instant, u64)>,
 }
 
 impl StepRecord {
-    /// The record of a new step; `delivered` is what a replacement's neighbours already have, and
-    /// `trace_epoch` is set when the step's units are traced.
+    /// The record of a new step of the action list `list`; `delivered` is what a replacement's
+    /// neighbours already have, and `trace_epoch` is set when the step's units are traced.
     pub(super) fn new(
         step: u64,
+        list: &[Action],
         delivered: Delivered,
         trace_epoch: Option<(Instant, u64)>,
     ) -> Self {
         Self {
             step,
+            replayed: delivered.replayed(list).into_iter().collect(),
             delivered,
             trace_epoch,
             ..Self::default()
         }
+    }
+
+    /// Whether the compute action `a` redoes work the lost worker this one replaces had done.
+    pub(super) fn redoes(&self, a: Action) -> bool {
+        self.replayed.contains(&a)
     }
 
     /// Keeps a boundary tensor that chunk `c` sent in the step (and the document starts it
