@@ -671,3 +671,51 @@ fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap
     }
     Ok(durations)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Measured times of every compute action of `s`: F takes f, I takes i, W takes w (and a
+    /// stage `slow` takes twice as long).
+    fn costs(s: &Schedule, (f, i, w): (f64, f64, f64), slow: usize) -> MeasuredCosts {
+        let durations = (0..s.stages)
+            .map(|r| {
+                let scale = if r == slow { 2.0 } else { 1.0 };
+                s.compute_actions(r)
+                    .map(|a| {
+                        let t = match a.op() {
+                            Op::Forward => f,
+                            Op::BackwardInput => i,
+                            _ => w,
+                        };
+                        (a, scale * t)
+                    })
+                    .collect()
+            })
+            .collect();
+        MeasuredCosts {
+            durations,
+            tokens: vec![1; s.splits],
+        }
+    }
+
+    #[test]
+    fn the_least_bubble_is_the_zero_bubble_orders_at_equal_unit_times_and_below_it_otherwise() {
+        let s = generate_virtual(ScheduleKind::Seq1F1BZeroBubble, 4, 1, 8, 2).unwrap();
+        let even = costs(&s, (1.0, 1.6, 0.2), usize::MAX);
+        let least = memory_bound_bubble(&s, &even).unwrap();
+        let reached = replay(&s, &even).unwrap().bubble_fraction;
+        assert!((least - reached).abs() < 1e-9, "{least} vs {reached}");
+        assert!((weight_share(&even.durations) - 0.2 / 1.8).abs() < 1e-12);
+        // A slow stage: the bound is its busy time, the replay no shorter.
+        let uneven = costs(&s, (1.0, 1.0, 1.0), 2);
+        let least = memory_bound_bubble(&s, &uneven).unwrap();
+        assert!(least > 0.0 && least <= replay(&s, &uneven).unwrap().bubble_fraction + 1e-12);
+        // A measured time missing is named.
+        let mut missing = even;
+        missing.durations[1].retain(|a, _| a.op() != Op::BackwardWeight);
+        let e = memory_bound_bubble(&s, &missing).unwrap_err().to_string();
+        assert!(e.contains("stage 1: no measured time for W"), "{e}");
+    }
+}
