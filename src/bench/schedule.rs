@@ -9,6 +9,13 @@
 //! the schedule's dependency graph ([`replay`]): the step time and bubble that `p` dedicated
 //! devices would see. The machine's wall-clock step time is printed beside it; with fewer cores
 //! than stages the stages share cores, so wall clock is not what a pipeline of devices would do.
+//!
+//! Split-backward runs (`seq1f1b-zb`) also report the least bubble any split-backward order
+//! could replay with their unit times at Seq1F1B's per-stage memory
+//! ([`split_backward_bound`]) and the weight halves' share of the backward; every run also
+//! reports its order's bubble with every F, I and W taking one time unit (ZB-H1's setting).
+//! `--d-model` sets the width (heads of 64): the narrow default spends most of a backward in
+//! attention, all of which is input half, so there is little weight half to move.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -23,8 +30,8 @@ use trainer::plan::RunPlan;
 use trainer::runtime::error::LaunchError;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
-    Action, FlopsModel, MeasuredCosts, Op, Partition, ScheduleKind, formula_bubble,
-    generate_virtual, replay, segment_flops,
+    Action, FlopsModel, MeasuredCosts, Op, Partition, Schedule, ScheduleKind, UnitCosts,
+    formula_bubble, generate_virtual, replay, segment_flops, simulate, split_backward_bound,
 };
 
 /// Flags of `seqpipe bench schedule`.
@@ -53,8 +60,13 @@ pub struct ScheduleBenchArgs {
     /// Steps per run; all but the first (the warm-up) are measured.
     #[arg(long, default_value_t = 3)]
     steps: u64,
+    /// Model width of every run, a multiple of 64 (heads of 64: d_model / 64 of them); the
+    /// default is the benchmark's narrow 128 with 2 heads.
+    #[arg(long)]
+    d_model: Option<usize>,
     /// Override a config key of every run (repeatable), after the benchmark's own settings
-    /// (4 stages × 2 layers, d_model 128, 2 heads, vocab 512, micro-batches of 1 sequence).
+    /// (4 stages × 2 layers, d_model 128, 2 heads, vocab 512, micro-batches of 1 sequence) and
+    /// `--d-model`.
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
     /// Also write every run's numbers as JSON to this file.
@@ -116,6 +128,13 @@ pub struct ScheduleRun {
     pub stage_busy_s: Vec<f64>,
     /// The kind's formula for equal-cost units ([`formula_bubble`]): `(p−1)/(slots + p−1)`.
     pub formula_bubble: f64,
+    /// The order's bubble with every F, I and W taking one time unit (a whole backward two).
+    pub synthetic_bubble: f64,
+    /// Split backwards only: the least bubble any split-backward order could replay with the
+    /// measured unit times at Seq1F1B's per-stage memory ([`split_backward_bound`]).
+    pub memory_bound_bubble: Option<f64>,
+    /// Split backwards only: the weight halves' share of the measured backward time.
+    pub weight_share: Option<f64>,
     /// Wall-clock time of the measured step on this machine (seconds).
     pub wall_step_s: f64,
     /// Per segment j: mean forward time of a unit of segment j, summed over the stages.
@@ -164,6 +183,11 @@ pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
     }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
+    }
+    if let Some(d) = args.d_model
+        && (d == 0 || !d.is_multiple_of(64))
+    {
+        bail!("--d-model {d}: give a positive multiple of 64 (the heads are 64 wide)");
     }
     let dir = std::env::temp_dir().join(format!("seqpipe-bench-schedule-{}", std::process::id()));
     let mut runs = Vec::new();
@@ -262,6 +286,12 @@ fn run_config(args: &ScheduleBenchArgs, dir: &Path, shape: &Shape) -> Result<Con
         1
     };
     let mut overrides: Vec<String> = BASE.iter().map(|s| s.to_string()).collect();
+    if let Some(d) = args.d_model {
+        overrides.extend([
+            format!("model.d_model={d}"),
+            format!("model.heads={}", d / 64),
+        ]);
+    }
     overrides.extend([
         format!("model.max_seq_len={seq_len}"),
         format!("train.seq_len={seq_len}"),
@@ -371,7 +401,7 @@ fn print_comparisons(runs: &[ScheduleRun]) {
         };
         if let Some(base) = find(plain, r.microbatches, r.splits, r.partition, r.seq_len) {
             println!(
-                "seq {} m={} k={} {}: {} / {plain}: largest worker peak {:.2}, replayed bubble {:.2}, replayed step {:.2}",
+                "seq {} m={} k={} {}: {} / {plain}: largest worker peak {:.2}, replayed bubble {:.2}, replayed step {:.2}; F = I = W: bubble {:.2}",
                 r.seq_len,
                 r.microbatches,
                 r.splits,
@@ -379,8 +409,17 @@ fn print_comparisons(runs: &[ScheduleRun]) {
                 r.schedule,
                 r.max_peak_bytes() as f64 / base.max_peak_bytes() as f64,
                 r.replayed_bubble / base.replayed_bubble,
-                r.replayed_step_s / base.replayed_step_s
+                r.replayed_step_s / base.replayed_step_s,
+                r.synthetic_bubble / base.synthetic_bubble
             );
+            if let (Some(least), Some(share)) = (r.memory_bound_bubble, r.weight_share) {
+                println!(
+                    "    the least any split-backward order could replay at {plain}'s per-stage memory: bubble {:.2} of {plain}'s ({:.1}%); weight halves {:.0}% of the backward",
+                    least / base.replayed_bubble,
+                    100.0 * least,
+                    100.0 * share
+                );
+            }
         }
     }
     if let Some((gamma, segments)) = fit_attention_cost(runs) {
@@ -497,6 +536,12 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         tokens: costs.tokens.clone(),
     };
     let balanced_bubble = replay(&schedule, &balanced)?.bubble_fraction;
+    let synthetic_bubble = simulate(&schedule, &UnitCosts::uniform(k, 1))?.bubble_fraction;
+    let split = cfg.pipeline.schedule.splits_backward();
+    let memory_bound_bubble = split
+        .then(|| memory_bound_bubble(&schedule, &costs))
+        .transpose()?;
+    let weight_share = split.then(|| weight_share(&costs.durations));
     let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
     for (action, t) in costs.durations.iter().flatten() {
         let sum = if action.op() == Op::Forward {
@@ -540,12 +585,51 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         balanced_bubble,
         stage_busy_s: sim.stages.iter().map(|st| st.busy).collect(),
         formula_bubble: formula_bubble(cfg.pipeline.schedule, p, v, m, k),
+        synthetic_bubble,
+        memory_bound_bubble,
+        weight_share,
         wall_step_s,
         segment_forward_s,
         segment_backward_s,
         segment_dense_flops,
         segment_attention_flops,
     })
+}
+
+/// The least bubble a split-backward order of `s`'s shape could replay with `costs` at Seq1F1B's
+/// per-stage memory: the total busy time against [`split_backward_bound`]'s step on every stage.
+fn memory_bound_bubble(s: &Schedule, costs: &MeasuredCosts) -> Result<f64> {
+    let time = |r: usize, a: Action| {
+        costs.durations[r]
+            .get(&a)
+            .copied()
+            .with_context(|| format!("stage {r}: no measured time for {a}"))
+    };
+    // Every action's time first, so that the bound's closure needs no error path.
+    for r in 0..s.stages {
+        for a in s.compute_actions(r) {
+            time(r, a)?;
+        }
+    }
+    let bound = split_backward_bound(s.stages, s.microbatches, s.splits, |r, a| {
+        costs.durations[r][&a]
+    })?;
+    let busy: f64 = costs.durations.iter().flat_map(|d| d.values()).sum();
+    Ok(1.0 - busy / (s.stages as f64 * bound))
+}
+
+/// The weight halves' share of the measured backward time (`W` over `I` + `W`, all stages).
+fn weight_share(durations: &[HashMap<Action, f64>]) -> f64 {
+    let sum = |op: Op| -> f64 {
+        durations
+            .iter()
+            .flatten()
+            .filter(|(a, _)| a.op() == op)
+            .map(|(_, t)| t)
+            .sum()
+    };
+    let (i, w) = (sum(Op::BackwardInput), sum(Op::BackwardWeight));
+    w / (i + w)
 }
 
 /// Each action's mean time over the stages.
@@ -586,4 +670,52 @@ fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap
             .or_insert(seconds);
     }
     Ok(durations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Measured times of every compute action of `s`: F takes f, I takes i, W takes w (and a
+    /// stage `slow` takes twice as long).
+    fn costs(s: &Schedule, (f, i, w): (f64, f64, f64), slow: usize) -> MeasuredCosts {
+        let durations = (0..s.stages)
+            .map(|r| {
+                let scale = if r == slow { 2.0 } else { 1.0 };
+                s.compute_actions(r)
+                    .map(|a| {
+                        let t = match a.op() {
+                            Op::Forward => f,
+                            Op::BackwardInput => i,
+                            _ => w,
+                        };
+                        (a, scale * t)
+                    })
+                    .collect()
+            })
+            .collect();
+        MeasuredCosts {
+            durations,
+            tokens: vec![1; s.splits],
+        }
+    }
+
+    #[test]
+    fn the_least_bubble_is_the_zero_bubble_orders_at_equal_unit_times_and_below_it_otherwise() {
+        let s = generate_virtual(ScheduleKind::Seq1F1BZeroBubble, 4, 1, 8, 2).unwrap();
+        let even = costs(&s, (1.0, 1.6, 0.2), usize::MAX);
+        let least = memory_bound_bubble(&s, &even).unwrap();
+        let reached = replay(&s, &even).unwrap().bubble_fraction;
+        assert!((least - reached).abs() < 1e-9, "{least} vs {reached}");
+        assert!((weight_share(&even.durations) - 0.2 / 1.8).abs() < 1e-12);
+        // A slow stage: the bound is its busy time, the replay no shorter.
+        let uneven = costs(&s, (1.0, 1.0, 1.0), 2);
+        let least = memory_bound_bubble(&s, &uneven).unwrap();
+        assert!(least > 0.0 && least <= replay(&s, &uneven).unwrap().bubble_fraction + 1e-12);
+        // A measured time missing is named.
+        let mut missing = even;
+        missing.durations[1].retain(|a, _| a.op() != Op::BackwardWeight);
+        let e = memory_bound_bubble(&s, &missing).unwrap_err().to_string();
+        assert!(e.contains("stage 1: no measured time for W"), "{e}");
+    }
 }

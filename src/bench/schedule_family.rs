@@ -176,7 +176,8 @@ pub struct Ratios {
     pub seq1f1b_i_memory: f64,
     /// Largest per-stage peak activation bytes, 1f1b-i / 1f1b.
     pub one_f_one_b_i_memory: f64,
-    /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the issue's goal: ≤ 0.5).
+    /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the issue hoped for ≤ 0.5; at Seq1F1B's
+    /// per-stage memory no order idles less than (p−1)·(F+I), 2/3 of Seq1F1B's idle here).
     pub zero_bubble_bubble: f64,
     /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1 by construction).
     pub zero_bubble_memory: f64,

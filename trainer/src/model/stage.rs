@@ -1104,4 +1104,43 @@ mod tests {
         assert_eq!(s.in_flight_micro_batches(), 0);
         s.finish_gradients().unwrap();
     }
+
+    /// What a block's unit holds, counted in f32 values (C = d_model, F = the MLP width, H
+    /// heads, N tokens). After its forward, per token: LayerNorm 1's input, mean and rstd
+    /// (C + 2), the QKV projection's input (C), attention's queries and log-sum-exp (C + H), the
+    /// segment's keys and values (2C), attention's output, which the output projection keeps as
+    /// its input (C, one buffer), LayerNorm 2's (C + 2), the MLP's input (C), GELU's input (F)
+    /// and the MLP projection's input (F): 9C + 2F + H + 4. Waiting for its weight half, per
+    /// token: the four linear layers' inputs (3C + F) and output gradients (3C + C + F + C),
+    /// 8C + 2F, and per unit the norms' and the MLP bias's gradients (4C + F): 16C against
+    /// 17C + H + 4 with F = 4C, about 0.94 of the forward's. Counting memory in bytes instead of
+    /// live units would let a forward in only where some 17 units wait for their weight halves.
+    #[test]
+    fn a_unit_waiting_for_its_weight_half_keeps_its_linear_layers_inputs_and_output_gradients() {
+        let cfg = ModelConfig { layers: 3, ..cfg() };
+        let layout = StageLayout {
+            stage: 1,
+            stages: 3,
+            layers: 1..2,
+        };
+        let len = 8;
+        let mut s = Stage::new(&cfg, layout, vec![len], 3).unwrap();
+        s.begin_step(1);
+        let u = Unit::new(0, 0);
+        let (c, f, h, n) = (
+            cfg.d_model,
+            cfg.ffn_mult * cfg.d_model,
+            cfg.heads,
+            ROWS * len,
+        );
+        let input = StageInput::Hidden(noise(n, c, 1));
+        s.forward(u, input, None, 1.0, Mode::Train).unwrap();
+        let live = s.activation_bytes();
+        assert_eq!(live, 4 * n * (9 * c + 2 * f + h + 4));
+        s.backward_input(u, Some(noise(n, c, 2))).unwrap();
+        let waiting = s.activation_bytes();
+        assert_eq!(waiting, 4 * (n * (8 * c + 2 * f) + 4 * c + f));
+        s.backward_weight(u).unwrap();
+        assert_eq!(s.activation_bytes(), 0);
+    }
 }

@@ -383,6 +383,15 @@ fn check_virtual(
 /// (bubble 28–35 % against Seq1F1B's 12–29 % on measured unit times, `seqpipe bench schedule`
 /// at T = 2048). This one is never slower than Seq1F1B on the costs checked in the tests.
 ///
+/// It is optimal at Seq1F1B's per-stage memory when unit times are equal (each F, each I and
+/// each W the same, in any ratio): its step is then exactly [`super::split_backward_bound`],
+/// `m·k·(F+I+W) + (p−1)·(F+I)`, the least any split-backward order can take there (tested over
+/// p ≤ 6, m ≤ 6, k ≤ 5; an exhaustive search of small shapes finds no shorter order). What it
+/// saves over Seq1F1B is the `W`s of the idle time, `(p−1)·W`: the last stage may hold one
+/// micro-batch, so before its last forward every earlier `W` has run, and the step ends with
+/// that forward's `I` going down every stage. ZB-H1's `(p−1)·max(F, I)` needs more memory on
+/// the later stages (each live unit more per stage is one `W` less of idle time).
+///
 /// So the peak number of live units on every stage is at most Seq1F1B's (ZB-H1's rule, per
 /// unit), the `I`s run in Seq1F1B's backward order (micro-batch ascending, segment descending:
 /// the dK/dV carry flows from later to earlier segments), and the `W`s run in the order of the
@@ -730,7 +739,7 @@ mod tests {
 mod family_tests {
     use std::collections::HashMap;
 
-    use super::super::{UnitCosts, render_text, simulate, validate};
+    use super::super::{UnitCosts, render_text, simulate, split_backward_bound, validate};
     use super::tests::compute_line;
     use super::*;
 
@@ -899,19 +908,25 @@ mod family_tests {
         assert!(e.contains("seq1f1b-i") && e.contains("at least 2"), "{e}");
     }
 
-    /// Live units per stage along its own order: `F` allocates, `B` or `W` frees. (The count
-    /// along the order is the count in every execution: a stage runs its actions one at a time.)
-    fn peak_live_units(s: &Schedule, r: usize) -> usize {
-        let (mut live, mut peak) = (0i64, 0i64);
+    /// Peak of the live units' summed `size` per stage along its own order: `F` allocates, `B`
+    /// or `W` frees. (The sum along the order is the sum in every execution: a stage runs its
+    /// actions one at a time.)
+    fn peak_live(s: &Schedule, r: usize, size: impl Fn(Unit) -> usize) -> usize {
+        let (mut live, mut peak) = (0usize, 0usize);
         for a in s.compute_actions(r) {
             match a.op() {
-                Op::Forward => live += 1,
-                Op::Backward | Op::BackwardWeight => live -= 1,
+                Op::Forward => live += size(a.unit()),
+                Op::Backward | Op::BackwardWeight => live -= size(a.unit()),
                 _ => {}
             }
             peak = peak.max(live);
         }
-        peak as usize
+        peak
+    }
+
+    /// Live units per stage along its own order.
+    fn peak_live_units(s: &Schedule, r: usize) -> usize {
+        peak_live(s, r, |_| 1)
     }
 
     #[test]
@@ -942,6 +957,13 @@ mod family_tests {
                             peak_live_units(&s, r),
                             render_text(&z)
                         );
+                        // Nor more tokens when segments differ in length (the compute
+                        // partition's first segments are the longest).
+                        let tokens = |u: Unit| 10 * (k - u.segment) + 3;
+                        assert!(
+                            peak_live(&z, r, tokens) <= peak_live(&s, r, tokens),
+                            "p={p} m={m} k={k} r={r}: tokens"
+                        );
                     }
                 }
             }
@@ -970,8 +992,8 @@ mod family_tests {
     #[test]
     fn zero_bubble_has_a_smaller_bubble_than_seq1f1b() {
         // With F = I = W = 1 (a whole backward 2) Seq1F1B idles 3·(p−1) per stage; the
-        // zero-bubble order 2·(p−1): see `zero_bubble_order` for why not ZB-H1's (p−1) at
-        // Seq1F1B's per-stage live units.
+        // zero-bubble order 2·(p−1), the least at Seq1F1B's per-stage live units (see
+        // `split_backward_bound`; ZB-H1's (p−1) holds more on the later stages).
         for p in [2, 4, 6] {
             for (m, k) in [(4, 2), (8, 4), (8, 1)] {
                 let costs = UnitCosts::uniform(k, 1);
@@ -1037,20 +1059,22 @@ mod family_tests {
         assert!(w0.contains(&"RF0.0@1".to_string()) && !w0.contains(&"RF0.0".to_string()));
     }
 
+    /// The time of `op` when every F takes f, I takes i and W takes w (a whole B: i + w).
+    fn op_time(op: Op, (f, i, w): (f64, f64, f64)) -> f64 {
+        match op {
+            Op::Forward => f,
+            Op::BackwardInput => i,
+            Op::BackwardWeight => w,
+            _ => i + w,
+        }
+    }
+
     /// Replays `s` with every stage taking (F, I, W) per op (a whole B: I + W).
-    fn replay_with(s: &Schedule, (f, i, w): (f64, f64, f64)) -> f64 {
+    fn replay_with(s: &Schedule, costs: (f64, f64, f64)) -> f64 {
         let durations = (0..s.stages)
             .map(|r| {
                 s.compute_actions(r)
-                    .map(|a| {
-                        let t = match a.op() {
-                            Op::Forward => f,
-                            Op::BackwardInput => i,
-                            Op::BackwardWeight => w,
-                            _ => i + w,
-                        };
-                        (a, t)
-                    })
+                    .map(|a| (a, op_time(a.op(), costs)))
                     .collect::<HashMap<_, _>>()
             })
             .collect();
@@ -1087,6 +1111,40 @@ mod family_tests {
                     t_zb <= t_seq + 1e-9,
                     "costs {costs:?} p={p} m={m} k={k}: zb {t_zb} > seq1f1b {t_seq}"
                 );
+            }
+        }
+    }
+
+    /// With equal unit times, whatever the ratio of F, I and W, the zero-bubble order takes
+    /// exactly the least step any split-backward order can take at Seq1F1B's per-stage memory
+    /// ([`split_backward_bound`]): no order does better there. Seq1F1B takes (p−1)·W more.
+    #[test]
+    fn zero_bubble_reaches_the_memory_bound_at_equal_unit_times() {
+        for costs in [
+            (1.0, 1.0, 1.0),
+            (1.0, 1.6, 0.2),
+            (1.0, 1.2, 0.6),
+            (1.0, 0.8, 0.8),
+            (1.0, 2.0, 1.0),
+            (2.0, 1.0, 1.0),
+        ] {
+            for p in 1..=6 {
+                for m in 1..=6 {
+                    for k in 1..=5 {
+                        let zb = generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap();
+                        let seq = generate(ScheduleKind::Seq1F1B, p, m, k).unwrap();
+                        let bound =
+                            split_backward_bound(p, m, k, |_, a| op_time(a.op(), costs)).unwrap();
+                        let (t_zb, t_seq) = (replay_with(&zb, costs), replay_with(&seq, costs));
+                        let what = format!("costs {costs:?} p={p} m={m} k={k}");
+                        assert!(
+                            (t_zb - bound).abs() < 1e-9 * bound,
+                            "{what}: {t_zb} vs {bound}"
+                        );
+                        let w_idle = (p - 1) as f64 * costs.2;
+                        assert!((t_seq - bound - w_idle).abs() < 1e-9 * bound, "{what}");
+                    }
+                }
             }
         }
     }

@@ -18,6 +18,9 @@
 //! `seq1f1b-i` and the zero-bubble `seq1f1b-zb` ([`ScheduleKind::splits_backward`]) on CPU
 //! stages over TCP.
 //!
+//! How short a split-backward step can be at Seq1F1B's memory, whatever the order, is
+//! [`split_backward_bound`] (`seq1f1b-zb` reaches it when unit times are equal).
+//!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
 //! document-aware partition (equal cost under document masks, per micro-batch) in
 //! [`doc_segments`]; which of them a step uses, per micro-batch, is its [`SegmentRule`].
@@ -32,6 +35,7 @@
 //! The module is pure: no tensors, no IO.
 
 mod action;
+mod bound;
 pub mod doc_segments;
 mod error;
 mod generate;
@@ -44,6 +48,7 @@ mod simulate;
 mod validate;
 
 pub use action::{Action, Op, ScheduleKind, Unit};
+pub use bound::split_backward_bound;
 pub use error::ScheduleError;
 pub use generate::{Schedule, generate, generate_forward_only, generate_virtual};
 pub use render::{render_svg, render_text, report_json};
