@@ -433,6 +433,7 @@ impl Worker {
                 .computed(action, started, redone, lengths[u.segment]);
         }
         self.stage.computed(c);
+        self.stage.check_budget(u)?;
         Ok(())
     }
 
