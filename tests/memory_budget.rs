@@ -1,7 +1,8 @@
 //! Activation memory measured by the stages (`peak_activation_bytes` in `metrics.jsonl`) and
 //! `train.memory_budget_bytes`, end to end: Seq1F1B with k = 4 keeps at most half of 1F1B's
 //! activations on the first stage, and a budget between the two stops a 1F1B run with a clear
-//! error (no recovery attempt) while the Seq1F1B run trains.
+//! error (no recovery attempt) while the Seq1F1B run trains. With virtual stages the same holds
+//! per worker, over its chunks together: `seq1f1b-i` against `1f1b-i`.
 
 mod common;
 
@@ -13,8 +14,23 @@ use serde_json::Value;
 const STAGES: usize = 4;
 const STEPS: u64 = 2;
 
-/// A 4-stage run of a small model on 256-token sequences with `schedule` and `splits`.
-fn train_args(run_dir: &Path, schedule: &str, splits: usize, budget: u64) -> Vec<String> {
+/// Two workers of two chunks each (`pipeline.virtual_stages = 2`) of the same 4-layer model: one
+/// layer per virtual stage.
+const WORKERS: usize = 2;
+
+/// `(pipeline.stages, pipeline.virtual_stages)` of the plain runs and of the interleaved ones.
+const PLAIN: (usize, usize) = (STAGES, 1);
+const INTERLEAVED: (usize, usize) = (WORKERS, 2);
+
+/// A run of a small 4-layer model on 256-token sequences over `(stages, virtual stages)` with
+/// `schedule` and `splits`, 4 micro-batches, and a memory budget (0: none).
+fn train_args(
+    run_dir: &Path,
+    (stages, virtual_stages): (usize, usize),
+    schedule: &str,
+    splits: usize,
+    budget: u64,
+) -> Vec<String> {
     [
         "model.vocab_size=64".to_string(),
         "model.layers=4".into(),
@@ -26,7 +42,8 @@ fn train_args(run_dir: &Path, schedule: &str, splits: usize, budget: u64) -> Vec
         "train.eval_every=0".into(),
         format!("train.steps={STEPS}"),
         format!("train.memory_budget_bytes={budget}"),
-        format!("pipeline.stages={STAGES}"),
+        format!("pipeline.stages={stages}"),
+        format!("pipeline.virtual_stages={virtual_stages}"),
         "pipeline.microbatches=4".into(),
         format!("pipeline.schedule={schedule}"),
         format!("pipeline.splits={splits}"),
@@ -38,8 +55,9 @@ fn train_args(run_dir: &Path, schedule: &str, splits: usize, budget: u64) -> Vec
     .collect()
 }
 
-/// Per stage `(peak activation bytes, state bytes)` of every step record.
-fn memory(run_dir: &Path) -> Vec<Vec<(u64, u64)>> {
+/// Per stage (per worker, with virtual stages) `(peak activation bytes, state bytes)` of every
+/// step record of a run of `stages` workers.
+fn memory(run_dir: &Path, stages: usize) -> Vec<Vec<(u64, u64)>> {
     let stage_values = |m: &Value, key: &str| -> Vec<u64> {
         m[key]
             .as_array()
@@ -54,8 +72,8 @@ fn memory(run_dir: &Path) -> Vec<Vec<(u64, u64)>> {
         .map(|m| {
             let peaks = stage_values(m, "peak_activation_bytes");
             let state = stage_values(m, "state_bytes");
-            assert_eq!(peaks.len(), STAGES, "{m}");
-            assert_eq!(state.len(), STAGES, "{m}");
+            assert_eq!(peaks.len(), stages, "{m}");
+            assert_eq!(state.len(), stages, "{m}");
             peaks.into_iter().zip(state).collect()
         })
         .collect()
@@ -68,14 +86,14 @@ fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
     run_ok(
         seqpipe()
             .args(["train", "-q"])
-            .args(train_args(&one_dir, "1f1b", 1, 0)),
+            .args(train_args(&one_dir, PLAIN, "1f1b", 1, 0)),
     );
     run_ok(
         seqpipe()
             .args(["train", "-q"])
-            .args(train_args(&seq_dir, "seq1f1b", 4, 0)),
+            .args(train_args(&seq_dir, PLAIN, "seq1f1b", 4, 0)),
     );
-    let (one, seq) = (memory(&one_dir), memory(&seq_dir));
+    let (one, seq) = (memory(&one_dir, STAGES), memory(&seq_dir, STAGES));
     assert_eq!((one.len(), seq.len()), (STEPS as usize, STEPS as usize));
     // Every step holds the same shapes: the measurement repeats exactly.
     assert_eq!(one[0], one[1]);
@@ -107,6 +125,7 @@ fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
     let budget = (one_total + seq_total) / 2;
     let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
         &dir.join("1f1b-budget"),
+        PLAIN,
         "1f1b",
         1,
         budget,
@@ -124,12 +143,86 @@ fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
         "an over-budget stage must stop the run, not trigger recovery:\n{stderr}"
     );
     let budget_dir = dir.join("seq1f1b-budget");
+    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
+        &budget_dir,
+        PLAIN,
+        "seq1f1b",
+        4,
+        budget,
+    )));
+    assert_eq!(memory(&budget_dir, STAGES)[0], *seq);
+}
+
+/// Virtual stages: a worker's chunks share one budget. Two workers of two chunks; `seq1f1b-i`
+/// (k = 2) keeps less on the first worker than `1f1b-i`, and a budget between the two workers'
+/// totals — the state of both chunks plus the activations they hold at once — stops the
+/// `1f1b-i` run with the error naming the worker's chunks, while `seq1f1b-i` trains with the same
+/// memory as without a budget. (That one chunk alone would fit where the worker does not is
+/// `chunks.rs`'s unit test.)
+#[test]
+fn with_virtual_stages_a_workers_chunks_share_one_budget() {
+    let dir = fresh_dir("memory-budget-chunks");
+    let (one_dir, seq_dir) = (dir.join("1f1b-i"), dir.join("seq1f1b-i"));
     run_ok(
         seqpipe()
             .args(["train", "-q"])
-            .args(train_args(&budget_dir, "seq1f1b", 4, budget)),
+            .args(train_args(&one_dir, INTERLEAVED, "1f1b-i", 1, 0)),
     );
-    assert_eq!(memory(&budget_dir)[0], *seq);
+    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
+        &seq_dir,
+        INTERLEAVED,
+        "seq1f1b-i",
+        2,
+        0,
+    )));
+    let (one, seq) = (memory(&one_dir, WORKERS), memory(&seq_dir, WORKERS));
+    assert_eq!((one.len(), seq.len()), (STEPS as usize, STEPS as usize));
+    assert_eq!(one[0], one[1]);
+    assert_eq!(seq[0], seq[1]);
+    let (one, seq) = (&one[0], &seq[0]);
+    assert_eq!(
+        one.iter().map(|s| s.1).collect::<Vec<_>>(),
+        seq.iter().map(|s| s.1).collect::<Vec<_>>()
+    );
+    let (state, one_total, seq_total) = (one[0].1, one[0].0 + one[0].1, seq[0].0 + seq[0].1);
+    assert!(
+        seq_total < one_total,
+        "worker 0: seq1f1b-i {seq:?} vs 1f1b-i {one:?} (activations, state)"
+    );
+    let budget = (one_total + seq_total) / 2;
+    eprintln!(
+        "worker 0, state {state} bytes: 1f1b-i {one_total} bytes, seq1f1b-i {seq_total} bytes in \
+         all; budget {budget}"
+    );
+    let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
+        &dir.join("1f1b-i-budget"),
+        INTERLEAVED,
+        "1f1b-i",
+        1,
+        budget,
+    )));
+    for want in [
+        "stage 0: memory budget exceeded",
+        "the worker's 2 virtual-stage chunks hold together",
+        &format!("parameters, gradients and AdamW moments {state} bytes"),
+        &format!("train.memory_budget_bytes = {budget} bytes"),
+        "pipeline.schedule = \"seq1f1b-i\"",
+    ] {
+        assert!(stderr.contains(want), "missing {want:?} in:\n{stderr}");
+    }
+    assert!(
+        !stderr.contains("recover") && !stderr.contains("lost stage"),
+        "an over-budget worker must stop the run, not trigger recovery:\n{stderr}"
+    );
+    let budget_dir = dir.join("seq1f1b-i-budget");
+    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
+        &budget_dir,
+        INTERLEAVED,
+        "seq1f1b-i",
+        2,
+        budget,
+    )));
+    assert_eq!(memory(&budget_dir, WORKERS)[0], *seq);
 }
 
 #[test]

@@ -110,13 +110,17 @@ pub enum ModelError {
     /// Copying the stage's state off its device (for a checkpoint or peer snapshot) failed.
     #[error("copying the stage's state to the host failed: {0}")]
     StateCopy(String),
-    /// The stage holds more than its memory budget (`train.memory_budget_bytes`).
+    /// The stage holds more than its memory budget (`train.memory_budget_bytes`); with virtual
+    /// stages the budget is the worker's, and `chunks` (v) of them hold the bytes together.
     #[error(
-        "memory budget exceeded: after the forward of micro-batch {} segment {} the stage holds {} (parameters, gradients and AdamW moments {} + live activations {}), over train.memory_budget_bytes = {}; use pipeline.schedule = \"seq1f1b\" with more pipeline.splits, a smaller train.micro_batch_size or more pipeline.stages, or raise the budget",
-        unit.micro_batch, unit.segment, mib(*state + *activations), mib(*state), mib(*activations), mib(*budget)
+        "memory budget exceeded: after the forward of micro-batch {} segment {} {} {} (parameters, gradients and AdamW moments {} + live activations {}), over train.memory_budget_bytes = {}; use pipeline.schedule = {} with more pipeline.splits, a smaller train.micro_batch_size or more pipeline.stages, or raise the budget",
+        unit.micro_batch, unit.segment, holder(*chunks), mib(*state + *activations), mib(*state), mib(*activations), mib(*budget),
+        if *chunks > 1 { "\"seq1f1b-i\"" } else { "\"seq1f1b\"" }
     )]
     OverBudget {
         unit: Unit,
+        /// The chunks whose bytes are counted: 1, or the worker's v chunks together.
+        chunks: usize,
         state: usize,
         activations: usize,
         budget: usize,
@@ -129,6 +133,15 @@ impl From<ops::SumTreeError<candle_core::Error>> for ModelError {
             ops::SumTreeError::Add(e) => ModelError::Candle(e),
             other => ModelError::GradientTree(other.to_string()),
         }
+    }
+}
+
+/// Who holds the bytes of an [`ModelError::OverBudget`]: the stage, or a worker's chunks.
+fn holder(chunks: usize) -> String {
+    if chunks > 1 {
+        format!("the worker's {chunks} virtual-stage chunks hold together")
+    } else {
+        "the stage holds".to_string()
     }
 }
 

@@ -633,6 +633,7 @@ impl ActivationPeak {
         match self.budget {
             Some(budget) if state + activations > budget => Err(ModelError::OverBudget {
                 unit,
+                chunks: 1,
                 state,
                 activations,
                 budget,

@@ -315,7 +315,7 @@ fn print_header(cfg: &Config) {
     );
     if let Some(budget) = cfg.train.memory_budget() {
         println!(
-            "memory budget: {budget} bytes ({:.1} MiB) per stage for parameters, gradients, AdamW moments and live activations",
+            "memory budget: {budget} bytes ({:.1} MiB) per stage (with virtual stages per worker, its chunks together) for parameters, gradients, AdamW moments and live activations",
             budget as f64 / (1u64 << 20) as f64
         );
     }

@@ -161,6 +161,7 @@ impl CudaStage {
             if state + activations > budget {
                 return Err(ModelError::OverBudget {
                     unit,
+                    chunks: 1,
                     state,
                     activations,
                     budget,

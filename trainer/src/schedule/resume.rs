@@ -17,8 +17,12 @@
 //!   skips each `SendActivation(u)` whose unit f+1 already has and each `SendGrad(u)` whose unit
 //!   f−1 already has. It still computes those units: that is the replay of f's lost work.
 //! * The other stages are untouched, and so are the messages in flight between them. Messages
-//!   in flight to or from f are lost with its links; the re-sends and the replacement's sends
-//!   make up for them.
+//!   in flight to f are lost with its links; the re-sends and the replacement's sends make up
+//!   for them. What f had sent a neighbour before it died, the neighbour takes off the old link
+//!   before it relinks, ahead of the receive actions that use it, and counts as received
+//!   ([`neighbour_relink`]'s `ahead`): so the replacement redoes exactly the units whose outputs
+//!   f had sent, however far each neighbour had got in its own list. ([`resume_after_loss`]
+//!   models neighbours that hold nothing ahead: those whose progress covers what f sent.)
 //!
 //! **Virtual stages** (`virtual_stages` = v ≥ 2): stage f holds v chunks, chunk c being virtual
 //! stage c·p + f, and the stages form a ring (stage p−1's chunk c feeds stage 0's chunk c+1), so
@@ -116,15 +120,20 @@ pub fn neighbours_of(s: &Schedule, lost: usize) -> Vec<usize> {
 
 /// Survivor `r`'s part of the protocol when it relinks to the replacement of its neighbour `lost`,
 /// having completed the first `done` actions of its list in `s` (a send to `lost` it was stopped
-/// on counts as done: its tensor was kept).
+/// on counts as done: its tensor was kept) and holding the messages of the receive actions
+/// `ahead`, further down its list: what `lost` had sent it before it died, taken off the old
+/// links before the relink (the runtime's `relink.rs`). Those from `lost` count as received too,
+/// after the done prefix's, in list order; those from another stage are ignored.
 ///
 /// Errors: [`ScheduleError::InvalidParameters`] when `r` and `lost` are not neighbouring stages of
-/// `s`; [`ScheduleError::UnreachableProgress`] when `done` is longer than `r`'s list.
+/// `s`, or an action of `ahead` is not a receive of `r`'s list after `done`;
+/// [`ScheduleError::UnreachableProgress`] when `done` is longer than `r`'s list.
 pub fn neighbour_relink(
     s: &Schedule,
     r: usize,
     lost: usize,
     done: usize,
+    ahead: &[Action],
 ) -> Result<NeighbourRelink, ScheduleError> {
     let p = s.actions.len();
     if r >= p || lost >= p || !neighbours_of(s, lost).contains(&r) {
@@ -155,22 +164,35 @@ pub fn neighbour_relink(
         stage_after(s, r) == Some(lost),
         stage_before(s, r) == Some(lost),
     );
-    let done = &list[..done];
+    let (done, rest) = list.split_at(done);
+    if let Some(a) = ahead
+        .iter()
+        .find(|a| !matches!(a.op(), Op::RecvActivation | Op::RecvGrad) || !rest.contains(a))
+    {
+        return Err(ScheduleError::InvalidParameters(format!(
+            "stage {r} claims to hold the message of {a} ahead of its turn, but that is not a \
+             receive of its list after its {} done actions",
+            done.len()
+        )));
+    }
+    let received = || {
+        done.iter()
+            .chain(rest.iter().filter(|a| ahead.contains(a)))
+            .copied()
+    };
     // The lost stage's chunk that a message to or from r's chunk c came from: the virtual stage
     // before (an activation) or after (a gradient) r's, c·p + r.
     let from = |a: Action, delta: isize| -> LostOutput {
         let here = (a.chunk() * p + r) as isize;
         (((here + delta) as usize) / p, a.unit())
     };
-    let activations = done
-        .iter()
+    let activations = received()
         .filter(|a| lost_before && a.op() == Op::RecvActivation)
-        .map(|&a| from(a, -1))
+        .map(|a| from(a, -1))
         .collect();
-    let grads = done
-        .iter()
+    let grads = received()
         .filter(|a| lost_after && a.op() == Op::RecvGrad)
-        .map(|&a| from(a, 1))
+        .map(|a| from(a, 1))
         .collect();
     let resend = done
         .iter()
@@ -320,7 +342,7 @@ pub fn resume_after_loss(
             continue;
         }
         let again = if neighbours_of(s, lost).contains(&r) {
-            neighbour_relink(s, r, lost, done[r])?.resend
+            neighbour_relink(s, r, lost, done[r], &[])?.resend
         } else {
             Vec::new()
         };
@@ -461,7 +483,7 @@ fn check_lengths(s: &Schedule, done: &[usize]) -> Result<(), ScheduleError> {
 fn neighbours_have(s: &Schedule, lost: usize, done: &[usize]) -> Delivered {
     let mut delivered = Delivered::default();
     for r in neighbours_of(s, lost) {
-        let relink = neighbour_relink(s, r, lost, done[r])
+        let relink = neighbour_relink(s, r, lost, done[r], &[])
             .expect("a neighbour of the lost stage, progress within its list");
         delivered.activations.extend(relink.activations);
         delivered.grads.extend(relink.grads);
@@ -505,19 +527,67 @@ mod tests {
     fn only_a_neighbour_of_the_lost_stage_relinks_within_its_list() {
         let s = generate(ScheduleKind::Seq1F1B, 4, 2, 2).unwrap();
         for (r, lost) in [(0, 2), (1, 1), (3, 4), (4, 3)] {
-            let e = neighbour_relink(&s, r, lost, 0).unwrap_err();
+            let e = neighbour_relink(&s, r, lost, 0, &[]).unwrap_err();
             assert!(
                 matches!(e, ScheduleError::InvalidParameters(_)),
                 "{r} {lost}: {e}"
             );
         }
         let len = s.actions[1].len();
-        assert!(neighbour_relink(&s, 1, 2, len).is_ok());
-        let e = neighbour_relink(&s, 1, 2, len + 1).unwrap_err();
+        assert!(neighbour_relink(&s, 1, 2, len, &[]).is_ok());
+        let e = neighbour_relink(&s, 1, 2, len + 1, &[]).unwrap_err();
         assert!(
             matches!(e, ScheduleError::UnreachableProgress { .. }),
             "{e}"
         );
+    }
+
+    /// Two workers in a ring, the survivor stopped early in its list: the messages it holds ahead
+    /// of their receives count as received from the lost worker, after its done prefix's and in
+    /// list order, so it tells the replacement everything the lost worker had sent it; they
+    /// change nothing it re-sends. A claim that is not a receive after the done prefix is refused.
+    #[test]
+    fn a_survivor_counts_the_messages_it_holds_ahead_of_their_receives() {
+        let s =
+            super::super::generate_virtual(ScheduleKind::Seq1F1BInterleaved, 2, 2, 4, 2).unwrap();
+        let (r, lost) = (1, 0);
+        let list = &s.actions[r];
+        let receives: Vec<usize> = (0..list.len())
+            .filter(|&i| matches!(list[i].op(), Op::RecvActivation | Op::RecvGrad))
+            .collect();
+        // Stopped at its fourth receive; holds the next activation and the next gradient.
+        let done = receives[3];
+        let later = |op: Op| *list[done..].iter().find(|a| a.op() == op).unwrap();
+        let ahead = [later(Op::RecvGrad), later(Op::RecvActivation)];
+        let plain = neighbour_relink(&s, r, lost, done, &[]).unwrap();
+        let held = neighbour_relink(&s, r, lost, done, &ahead).unwrap();
+        assert_eq!(held.resend, plain.resend);
+        let named = |a: Action, delta: usize| (a.chunk() + delta, a.unit());
+        let mut activations = plain.activations.clone();
+        activations.push(named(ahead[1], 0));
+        let mut grads = plain.grads.clone();
+        grads.push(named(ahead[0], 1));
+        assert_eq!((held.activations, held.grads), (activations, grads));
+        // With all its later receives held, it has everything: as if it had run to the end.
+        let all: Vec<Action> = list[done..]
+            .iter()
+            .copied()
+            .filter(|a| matches!(a.op(), Op::RecvActivation | Op::RecvGrad))
+            .collect();
+        let full = neighbour_relink(&s, r, lost, done, &all).unwrap();
+        let end = neighbour_relink(&s, r, lost, list.len(), &[]).unwrap();
+        assert_eq!((full.activations, full.grads), (end.activations, end.grads));
+        // Not a receive, or one already done: refused, named.
+        for bad in [
+            list[done..].iter().find(|a| a.op() == Op::Forward).unwrap(),
+            &list[receives[0]],
+        ] {
+            let e = neighbour_relink(&s, r, lost, done, &[*bad]).unwrap_err();
+            assert!(
+                matches!(&e, ScheduleError::InvalidParameters(m) if m.contains(&bad.to_string())),
+                "{e}"
+            );
+        }
     }
 
     /// The survivors' part of [`resume_after_loss`] is [`neighbour_relink`]: what the rest of the
@@ -533,13 +603,13 @@ mod tests {
             .unwrap()
             + 1;
         let resumed = resume_after_loss(&s, lost, &[done0, 0, 0]).unwrap();
-        let before = neighbour_relink(&s, 0, lost, done0).unwrap();
+        let before = neighbour_relink(&s, 0, lost, done0, &[]).unwrap();
         assert_eq!(
             resumed.rest.actions[0][..resumed.resent[0]],
             before.resend[..]
         );
         assert!(before.grads.is_empty() && before.activations.is_empty());
-        let after = neighbour_relink(&s, 2, lost, 0).unwrap();
+        let after = neighbour_relink(&s, 2, lost, 0, &[]).unwrap();
         assert!(after.activations.is_empty() && after.resend.is_empty());
         assert_eq!(resumed.resent[2], 0);
         // Nothing of stage 1's reached a neighbour: its replacement runs its whole list.

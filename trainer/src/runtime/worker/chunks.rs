@@ -29,6 +29,9 @@ pub(in crate::runtime) struct Chunks {
     /// With several chunks: the most bytes of live activations the worker held at once since the
     /// last [`Chunks::take_peak_activation_bytes`] (see [`Chunks::computed`]).
     peak: usize,
+    /// With several chunks: `train.memory_budget_bytes`, the bytes the worker may hold in all
+    /// (see [`Chunks::check_budget`]). One chunk, the whole stage, checks its own.
+    budget: Option<usize>,
 }
 
 impl Chunks {
@@ -50,7 +53,39 @@ impl Chunks {
             chunks,
             lens,
             peak: 0,
+            budget: None,
         })
+    }
+
+    /// With several chunks, limits what the worker holds — all its chunks' training state plus
+    /// their live activations together — to `bytes` (`None`: no limit); each chunk is then built
+    /// without a budget of its own, which would hold it alone to all of the worker's. One chunk
+    /// (no virtual stages) is the whole stage and checks its own budget.
+    pub(in crate::runtime) fn set_memory_budget(&mut self, bytes: Option<usize>) {
+        self.budget = bytes.filter(|_| self.chunks.len() > 1);
+    }
+
+    /// After the forward of `unit` on any chunk: refuses, with
+    /// [`ModelError::OverBudget`] naming the worker's chunks, a worker over its memory budget
+    /// (its chunks' state plus the activations they hold now: the joint figure whose peak
+    /// [`Chunks::computed`] tracks). The check a single stage makes after each of its forwards,
+    /// for the worker as a whole.
+    pub(in crate::runtime) fn check_budget(&self, unit: model::Unit) -> Result<(), ModelError> {
+        let Some(budget) = self.budget else {
+            return Ok(());
+        };
+        let activations: usize = self.chunks.iter().map(|c| c.activation_bytes()).sum();
+        let state = self.state_bytes();
+        if state + activations > budget {
+            return Err(ModelError::OverBudget {
+                unit,
+                chunks: self.chunks.len(),
+                state,
+                activations,
+                budget,
+            });
+        }
+        Ok(())
     }
 
     /// How many chunks (v).
@@ -420,5 +455,64 @@ mod tests {
         backward(&mut w, 1);
         backward(&mut w, 0);
         assert_eq!(w.take_peak_activation_bytes(), a0 + a1);
+    }
+
+    /// The worker's both forwards, then both backwards, under `budget`: the first forward whose
+    /// check refuses it, if any, with the error.
+    fn overlapped(budget: Option<usize>) -> (Chunks, Option<(usize, ModelError)>) {
+        let mut w = worker0(1);
+        w.set_memory_budget(budget);
+        w.begin_step(1);
+        for c in 0..2 {
+            forward(&mut w, c);
+            if let Err(e) = w.check_budget(model::Unit::new(0, 0)) {
+                return (w, Some((c, e)));
+            }
+        }
+        (w, None)
+    }
+
+    #[test]
+    fn a_memory_budget_holds_the_chunks_state_and_live_activations_together() {
+        let (w, refused) = overlapped(None);
+        assert!(refused.is_none());
+        let per_chunk: Vec<(usize, usize)> = (0..2)
+            .map(|c| {
+                let chunk = w.chunk(c).unwrap();
+                (chunk.state_bytes(), chunk.activation_bytes())
+            })
+            .collect();
+        let (state, activations) = (w.state_bytes(), per_chunk[0].1 + per_chunk[1].1);
+        assert_eq!(state, per_chunk[0].0 + per_chunk[1].0);
+        // Exactly the worker's total fits.
+        let total = state + activations;
+        assert!(overlapped(Some(total)).1.is_none());
+        // One byte less: refused after the second forward, although each chunk alone — its own
+        // state and activations — is far below the budget.
+        assert!(
+            per_chunk.iter().all(|(s, a)| s + a < total - 1),
+            "{per_chunk:?}"
+        );
+        let (_, refused) = overlapped(Some(total - 1));
+        let (c, e) = refused.expect("over the budget");
+        assert_eq!(c, 1, "the first forward alone fits: {e}");
+        assert!(
+            matches!(
+                e,
+                ModelError::OverBudget { chunks: 2, state: s, activations: a, budget: b, .. }
+                    if s == state && a == activations && b == total - 1
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("the worker's 2 virtual-stage chunks hold together")
+                && text.contains("pipeline.schedule = \"seq1f1b-i\""),
+            "{text}"
+        );
+        // A single chunk (no virtual stages) checks its own budget in the stage.
+        let mut one = Chunks::new(vec![worker0(1).chunks.remove(0)]).unwrap();
+        one.set_memory_budget(Some(1));
+        assert_eq!(one.budget, None);
     }
 }

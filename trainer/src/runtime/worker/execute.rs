@@ -222,8 +222,13 @@ impl Worker {
         let train = mode == Mode::Train;
         let (u, c) = (action.unit(), action.chunk());
         match action.op() {
+            // A message taken off a link to a lost neighbour before the relink is not received
+            // again (the neighbour's replacement does not send it).
             Op::RecvActivation => {
-                let (b, docs) = self.receive_activation(step, u, c)?;
+                let (b, docs) = match train.then(|| self.record.take_ahead(action)).flatten() {
+                    Some(held) => held,
+                    None => self.receive_activation(step, u, c)?,
+                };
                 if let Some(docs) = docs {
                     state.docs.insert(u.micro_batch, docs);
                 }
@@ -236,7 +241,10 @@ impl Worker {
                 self.send_boundary(train, step, action, t, docs)?;
             }
             Op::RecvGrad => {
-                let b = self.receive_grad(step, u, c)?;
+                let b = match train.then(|| self.record.take_ahead(action)).flatten() {
+                    Some((held, _)) => held,
+                    None => self.receive_grad(step, u, c)?,
+                };
                 state.inbox.insert((c, u), b);
             }
             // A whole backward, or (zero-bubble) its input half: the gradient for the previous
@@ -435,6 +443,7 @@ impl Worker {
                 .computed(action, started, redone, lengths[u.segment]);
         }
         self.stage.computed(c);
+        self.stage.check_budget(u)?;
         Ok(())
     }
 
@@ -511,7 +520,7 @@ impl Worker {
     /// carries (in its TCP message, or with device links in its header): refused unless they are
     /// there exactly when document masks are on, and fit the micro-batch (sorted, from 0, below
     /// `seq_len`; a peer's message is untrusted input).
-    fn receive_activation(
+    pub(super) fn receive_activation(
         &mut self,
         step: u64,
         u: Unit,
@@ -531,7 +540,12 @@ impl Worker {
 
     /// Receives unit `u`'s output gradient from the next stage (which carries no document
     /// starts).
-    fn receive_grad(&mut self, step: u64, u: Unit, c: usize) -> Result<Boundary, WorkerError> {
+    pub(super) fn receive_grad(
+        &mut self,
+        step: u64,
+        u: Unit,
+        c: usize,
+    ) -> Result<Boundary, WorkerError> {
         match self.receive_boundary(step, Payload::Grad, u, c)? {
             (b, None) => Ok(b),
             (_, Some(_)) => Err(TransportError::Unexpected {

@@ -453,7 +453,8 @@ impl Worker {
                         beta2: t.beta2,
                         eps: t.eps,
                     },
-                    memory_budget: t.memory_budget(),
+                    // With virtual stages the budget is the worker's, checked over its chunks.
+                    memory_budget: t.memory_budget().filter(|_| v == 1),
                 },
             )?;
             if cfg.data.reset_positions {
@@ -461,7 +462,8 @@ impl Worker {
             }
             chunks.push(stage);
         }
-        let stage = Chunks::new(chunks)?;
+        let mut stage = Chunks::new(chunks)?;
+        stage.set_memory_budget(t.memory_budget());
         if v > 1 {
             info!(
                 stage = stage_index,

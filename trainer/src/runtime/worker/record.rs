@@ -30,6 +30,10 @@ pub(super) struct StepRecord {
     /// A replacement's first step: the compute actions of its list that the lost worker had done,
     /// as the neighbours prove ([`Delivered::replayed`]): counted as redone.
     replayed: HashSet<Action>,
+    /// Messages a lost neighbour had sent this worker on a link that was then rebuilt, taken off
+    /// the old link before the relink, ahead of the receive actions that use them (by action),
+    /// with the document starts an activation carried (see `relink.rs`).
+    ahead: HashMap<Action, (Boundary, Option<DocStarts>)>,
     /// When tracing: the step's start on the monotonic clock and on the wall clock (Unix µs), so
     /// units are placed on the wall clock without ever overlapping.
     pub(super) trace_epoch: Option<(Instant, u64)>,
@@ -82,6 +86,27 @@ impl StepRecord {
                 self.step
             ))
         })
+    }
+
+    /// Keeps the message of the receive `action`, taken off a link before its turn.
+    pub(super) fn hold_ahead(&mut self, action: Action, message: (Boundary, Option<DocStarts>)) {
+        self.ahead.insert(action, message);
+    }
+
+    /// The message of the receive `action` if it was taken in ahead of its turn (it is handed
+    /// over once).
+    pub(super) fn take_ahead(&mut self, action: Action) -> Option<(Boundary, Option<DocStarts>)> {
+        self.ahead.remove(&action)
+    }
+
+    /// Whether the message of the receive `action` is held, taken in ahead of its turn.
+    pub(super) fn holds_ahead(&self, action: Action) -> bool {
+        self.ahead.contains_key(&action)
+    }
+
+    /// The receive actions whose messages are held, taken in ahead of their turn.
+    pub(super) fn held_ahead(&self) -> Vec<Action> {
+        self.ahead.keys().copied().collect()
     }
 
     /// Counts a forward or backward unit of `len` tokens per row that started at `started` and

@@ -8,6 +8,13 @@
 //! both sides of the lost worker and both of its links are rebuilt together. Outputs are named by
 //! (the lost worker's chunk, unit), and the tensors kept for re-sending by (chunk, unit).
 //!
+//! Before it relinks, a survivor takes off the old links what the lost neighbour had sent it
+//! (for receives further down its list: with two workers in a ring the survivor may have stopped
+//! on one link while the lost worker's messages wait on the other) and holds them for those
+//! receives ([`Worker::take_in_sent`]); it tells the replacement it has them. So the replacement
+//! redoes exactly the units whose outputs the lost worker had sent, however far the survivor had
+//! got in its own list when it saw the break.
+//!
 //! What to tell, re-send and skip is the schedule's recovery model
 //! ([`crate::schedule::resume_after_loss`]), one stage's part at a time:
 //! [`neighbour_relink`] for a survivor, [`crate::schedule::Delivered`] for the replacement.
@@ -19,12 +26,18 @@ use std::time::Instant;
 use super::execute::{Peer, boundary, link, send_on};
 use super::{Worker, WorkerError, control_error};
 use crate::runtime::control::{ControlStream, Side, ToLauncher, ToWorker};
-use crate::runtime::transport::Payload;
+use crate::runtime::transport::{Payload, TransportError};
 use crate::schedule::{Action, Delivered, Op, neighbour_relink};
 
 /// How often a survivor waiting on one link looks at its other one (see
 /// [`Worker::await_receive`]).
 const WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// How long a survivor waits for the next message or the end of an old link to a lost worker
+/// before it relinks (see [`Worker::take_in_sent`]). The lost worker is dead when the relink is
+/// ordered, so its links end at once after what it sent; this only bounds a link whose far end
+/// is still open (a node cut off the network), from which nothing more is taken.
+const TAKE_IN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A `Relink` order: (link generation, side, address to connect to for `Next`).
 type RelinkOrder = (u64, Side, Option<String>);
@@ -63,6 +76,7 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         let receives = matches!(action.op(), Op::RecvActivation | Op::RecvGrad);
         if !receives
+            || self.record.holds_ahead(action)
             || self.stage.len() < 2
             || !self.cfg.elastic.mid_step
             || self.cfg.pipeline.replicas > 1
@@ -171,6 +185,8 @@ impl Worker {
                 }
             }
         }
+        let step = self.record.step;
+        self.take_in_sent(step, &sides);
         // Connect before accepting: the replacement connects to its next stage first.
         orders.sort_by_key(|o| o.1 == Side::Prev);
         let timeout = self.cfg.pipeline.timeout();
@@ -185,9 +201,14 @@ impl Worker {
                 }
             }
         }
-        let step = self.record.step;
         let r = self.index();
-        let plan = neighbour_relink(self.schedule.get(), r, lost, self.record.done_actions)?;
+        let plan = neighbour_relink(
+            self.schedule.get(),
+            r,
+            lost,
+            self.record.done_actions,
+            &self.record.held_ahead(),
+        )?;
         for &(_, side, _) in &orders {
             match side {
                 Side::Prev => link(&mut self.prev, "previous")?.send_have(
@@ -234,6 +255,76 @@ impl Worker {
             "relinked to a replacement stage"
         );
         Ok(())
+    }
+
+    /// Before the links on `sides` (to a lost worker) are rebuilt: takes off each, in order, the
+    /// messages the lost worker had sent this stage for receives further down its list, and holds
+    /// them for those receives ([`StepRecord::hold_ahead`]); [`neighbour_relink`] counts them as
+    /// received. Each is read and checked as its receive would read it. Reading a link stops at
+    /// its end, at a message that is not the next one expected (the lost worker's messages are
+    /// input like any other: that one and the rest are dropped, and the replacement sends them
+    /// again), or when nothing comes for [`TAKE_IN_WAIT`]. Over device links the values would
+    /// come from the lost worker's device link, so nothing is taken in.
+    ///
+    /// [`StepRecord::hold_ahead`]: super::record::StepRecord::hold_ahead
+    fn take_in_sent(&mut self, step: u64, sides: &[Side]) {
+        if self.linked() {
+            return;
+        }
+        for &side in sides {
+            let op = match side {
+                Side::Prev => Op::RecvActivation,
+                Side::Next => Op::RecvGrad,
+            };
+            let expected: Vec<Action> = self.schedule.get().actions[self.index()]
+                [self.record.done_actions..]
+                .iter()
+                .copied()
+                .filter(|&a| a.op() == op && !self.record.holds_ahead(a))
+                .collect();
+            let mut taken = 0;
+            for action in expected {
+                let old = match side {
+                    Side::Prev => self.prev.as_mut(),
+                    Side::Next => self.next.as_mut(),
+                };
+                if !old.is_some_and(|l| l.wait_ready(TAKE_IN_WAIT)) {
+                    break;
+                }
+                let (u, c) = (action.unit(), action.chunk());
+                let message = match op {
+                    Op::RecvActivation => self.receive_activation(step, u, c),
+                    _ => self.receive_grad(step, u, c).map(|b| (b, None)),
+                };
+                match message {
+                    Ok(m) => {
+                        self.record.hold_ahead(action, m);
+                        taken += 1;
+                    }
+                    // The end of the old link: everything the lost worker sent is in.
+                    Err(WorkerError::Transport(TransportError::Io { .. })) => break,
+                    Err(e) => {
+                        let error = e.to_string();
+                        warn!(
+                            step,
+                            %action,
+                            %error,
+                            "dropping the rest of what a lost neighbour sent (its replacement \
+                             sends it again)"
+                        );
+                        break;
+                    }
+                }
+            }
+            if taken > 0 {
+                info!(
+                    step,
+                    ?side,
+                    taken,
+                    "took in what the lost neighbour had sent before relinking"
+                );
+            }
+        }
     }
 
     /// A replacement of a lost stage, just linked: reads from each neighbour which of the lost
@@ -359,7 +450,7 @@ mod tests {
                 }
                 let lost = neighbour(r, 3, false, side).unwrap();
                 let done = done_after_break(action, pc);
-                let plan = neighbour_relink(&s, r, lost, done).unwrap();
+                let plan = neighbour_relink(&s, r, lost, done, &[]).unwrap();
                 let on_link = |a: &&Action| match side {
                     Side::Prev => matches!(a, Action::SendGrad(_)),
                     Side::Next => matches!(a, Action::SendActivation(_)),
@@ -423,7 +514,7 @@ mod tests {
         let (r, lost) = (1, 0);
         let list = &s.actions[r];
         let done = list.len();
-        let plan = neighbour_relink(&s, r, lost, done).unwrap();
+        let plan = neighbour_relink(&s, r, lost, done, &[]).unwrap();
         // Worker 1's chunk c receives activations from virtual stage 2c (worker 0's chunk c) and
         // gradients from virtual stage 2c + 2 (worker 0's chunk c + 1).
         let received = |op: Op, delta: usize| -> Vec<(usize, Unit)> {
