@@ -252,10 +252,9 @@ fn what_split_backwards_do_not_have_is_refused_before_anything_starts() {
         m: 4,
         k: 2,
     };
-    for (set, says) in [
-        ("elastic.mid_step=true", "elastic.mid_step = false"),
-        ("model.device=cuda", "model.device = \"cpu\""),
-    ] {
+    // CUDA stages and NCCL device links run split backwards (tests/emulated_zero_bubble.rs):
+    // mid-step recovery is what is left.
+    for (set, says) in [("elastic.mid_step=true", "elastic.mid_step = false")] {
         let run = dir.join(set.replace(['.', '='], "-"));
         let err = run_err(train(&run, shape, 2).args(["--set", set]));
         assert!(
