@@ -483,12 +483,15 @@ pipeline() {
   say "-- 2 stages vs 4 stages on the GPU (bit-identical):"
   compare losses-cuda2 losses "$T/cuda4" "$T/cuda2"
   compare state-cuda2 state "$T/cuda4/checkpoints" "$T/cuda2/checkpoints"
-  # Virtual stages (issue 33): 2 workers holding 2 layer chunks each, every chunk a CUDA stage.
-  local chunks=(--set pipeline.stages=2 --set pipeline.virtual_stages=2 --set pipeline.schedule=seq1f1b-i)
+  # Virtual stages (issue 33): 2 workers holding 2 layer chunks each, every chunk a CUDA stage
+  # (seq1f1b-i needs k to divide p: 2 segments, against seq1f1b with 2 segments).
+  local k2=(--set pipeline.splits=2 --set pipeline.stages=2)
+  local chunks=("${k2[@]}" --set pipeline.virtual_stages=2 --set pipeline.schedule=seq1f1b-i)
+  train_job cuda2-k2 150 "${cuda[@]}" "${k2[@]}" --set train.steps=12
   train_job cuda-chunks 150 "${cuda[@]}" "${chunks[@]}" --set train.steps=12
-  say "-- seq1f1b-i, 2 workers x 2 chunks vs seq1f1b on 4 stages (bit-identical):"
-  compare losses-chunks losses "$T/cuda4" "$T/cuda-chunks"
-  compare state-chunks state "$T/cuda4/checkpoints" "$T/cuda-chunks/checkpoints"
+  say "-- seq1f1b-i, 2 workers x 2 chunks vs seq1f1b on 2 stages, k = 2 (bit-identical):"
+  compare losses-chunks losses "$T/cuda2-k2" "$T/cuda-chunks"
+  compare state-chunks state "$T/cuda2-k2/checkpoints" "$T/cuda-chunks/checkpoints"
   # The zero-bubble Seq1F1B (issue 33): every backward split into its input and weight halves,
   # the weight halves deferred; mid-step recovery is not wired for split backwards (the losses
   # and checkpoints do not depend on it).
@@ -506,10 +509,10 @@ pipeline() {
   chaos_job chaos 8 200 "${cuda[@]}" --set train.steps=24
   compare losses-chaos losses "$T/calm" "$T/chaos"
   compare state-chaos state "$T/calm/checkpoints" "$T/chaos/checkpoints"
-  say "-- chaos with chunks: SIGKILL of worker 1 (chunks 1 and 3) after step 8 of 24, seq1f1b-i (bit-identical):"
-  chaos_job chaos-chunks 8 200 "${cuda[@]}" "${chunks[@]}" --set train.steps=24
-  compare losses-chaos-chunks losses "$T/calm" "$T/chaos-chunks"
-  compare state-chaos-chunks state "$T/calm/checkpoints" "$T/chaos-chunks/checkpoints"
+  say "-- chaos with chunks: SIGKILL of worker 1 (chunks 1 and 3) after step 4 of 12, seq1f1b-i (bit-identical):"
+  chaos_job chaos-chunks 4 200 "${cuda[@]}" "${chunks[@]}" --set train.steps=12
+  compare losses-chaos-chunks losses "$T/cuda2-k2" "$T/chaos-chunks"
+  compare state-chaos-chunks state "$T/cuda2-k2/checkpoints" "$T/chaos-chunks/checkpoints"
   say "-- bf16 matrix products, default job, 60 steps (loss must fall):"
   train_job bf16 200 --set model.device="$DEVICE" --set model.precision=bf16 --set train.eval_every=0
 }

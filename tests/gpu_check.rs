@@ -189,6 +189,7 @@ const PASS1_STEPS: &[&str] = &[
     "train-cuda2",
     "compare-losses-cuda2",
     "compare-state-cuda2",
+    "train-cuda2-k2",
     "train-cuda-chunks",
     "compare-losses-chunks",
     "compare-state-chunks",
@@ -322,8 +323,8 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
     let bench = "seqpipe gpu bench --preset gpt2 --precision bf16 --steps 10";
     assert_eq!(called(bench, ""), 1, "{calls}");
     // cpu4, cuda4, their masked pairs (cpu4-docs, cuda4-docs; cpu4-part, cuda4-part), cuda2,
-    // cuda-chunks, cuda-zb, cuda-split, calm, chaos, chaos-chunks, bf16.
-    assert_eq!(called("seqpipe train -q ", ""), 14, "{calls}");
+    // cuda2-k2, cuda-chunks, cuda-zb, cuda-split, calm, chaos, chaos-chunks, bf16.
+    assert_eq!(called("seqpipe train -q ", ""), 15, "{calls}");
     assert_eq!(called("seqpipe resume -q ", ""), 1, "{calls}");
 
     // Only the report, the benchmark lines and the capped log archive come back in $OUT; the run
