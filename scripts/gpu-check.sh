@@ -20,8 +20,10 @@
 #     determinism two runs of the same GPT-2 bf16 job give bit-identical weights
 #     pipeline    the pipeline runtime with CUDA stages on a small model (several stages on the one
 #                 GPU, host-staged links): first-step gradients against CPU stages (unmasked, and
-#                 with document masks on synthetic packed documents), 2 vs 4 stages
-#                 bit-identical, stop + resume onto 3 stages, one worker SIGKILLed mid-run, bf16
+#                 with document masks on synthetic packed documents), 2 vs 4 stages,
+#                 seq1f1b-i with 2 chunks per worker and seq1f1b-zb (split backwards) against
+#                 seq1f1b bit-identical, stop + resume onto 3 stages, one worker SIGKILLed
+#                 mid-run, bf16
 #     bench-gpt2-eager  one round of GPT-2 124M bf16 steps: seqpipe against PyTorch eager
 #   PASS=2 (estimated 7 min): gemm (the step's products in FP32, TF32 and three ways of BF16),
 #     profile-gpt2 (where a GPT-2 bf16 step's time goes: every kernel, product, copy and sync
@@ -490,6 +492,12 @@ pipeline() {
   say "-- seq1f1b-i, 2 workers x 2 chunks vs seq1f1b on 2 stages, k = 2 (bit-identical):"
   compare losses-chunks losses "$T/cuda2-k2" "$T/cuda-chunks"
   compare state-chunks state "$T/cuda2-k2/checkpoints" "$T/cuda-chunks/checkpoints"
+  # The zero-bubble Seq1F1B (issue 33): every backward split into its input and weight halves,
+  # the weight halves deferred; bit-identical to seq1f1b.
+  train_job cuda-zb 150 "${cuda[@]}" --set pipeline.schedule=seq1f1b-zb --set train.steps=12
+  say "-- seq1f1b-zb vs seq1f1b on 4 stages (bit-identical):"
+  compare losses-zb losses "$T/cuda4" "$T/cuda-zb"
+  compare state-zb state "$T/cuda4/checkpoints" "$T/cuda-zb/checkpoints"
   train_job cuda-split 150 "${cuda[@]}" --set train.steps=6
   say "-- 6 steps, stop, resume for 6 more, onto 3 stages (bit-identical to the straight run):"
   step resume-cuda-split 150 "$BIN" resume -q "$T/cuda-split" --set train.steps=12 --set pipeline.stages=3
@@ -504,6 +512,10 @@ pipeline() {
   chaos_job chaos-chunks 4 200 "${cuda[@]}" "${chunks[@]}" --set train.steps=12
   compare losses-chaos-chunks losses "$T/cuda2-k2" "$T/chaos-chunks"
   compare state-chaos-chunks state "$T/cuda2-k2/checkpoints" "$T/chaos-chunks/checkpoints"
+  say "-- chaos with split backwards: SIGKILL of stage 1's worker after step 8 of 24, seq1f1b-zb (bit-identical to seq1f1b):"
+  chaos_job chaos-zb 8 200 "${cuda[@]}" --set pipeline.schedule=seq1f1b-zb --set train.steps=24
+  compare losses-chaos-zb losses "$T/calm" "$T/chaos-zb"
+  compare state-chaos-zb state "$T/calm/checkpoints" "$T/chaos-zb/checkpoints"
   say "-- bf16 matrix products, default job, 60 steps (loss must fall):"
   train_job bf16 200 --set model.device="$DEVICE" --set model.precision=bf16 --set train.eval_every=0
 }

@@ -341,3 +341,6 @@ cargo test --release -p seqpipe --features emulate-gpu --test emulated_nccl_pipe
 # links (one per chunk and side), and document masks over device links: bit-identical to seq1f1b
 # and to TCP.
 cargo test --release -p seqpipe --features emulate-gpu --test emulated_chunks
+# The zero-bubble Seq1F1B on CUDA stages (split backwards: input and weight halves), over TCP and
+# over emulated NCCL device links: bit-identical to seq1f1b and to TCP.
+cargo test --release -p seqpipe --features emulate-gpu --test emulated_zero_bubble

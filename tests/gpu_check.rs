@@ -193,6 +193,9 @@ const PASS1_STEPS: &[&str] = &[
     "train-cuda-chunks",
     "compare-losses-chunks",
     "compare-state-chunks",
+    "train-cuda-zb",
+    "compare-losses-zb",
+    "compare-state-zb",
     "train-cuda-split",
     "resume-cuda-split",
     "compare-losses-resume",
@@ -204,6 +207,9 @@ const PASS1_STEPS: &[&str] = &[
     "train-chaos-chunks",
     "compare-losses-chaos-chunks",
     "compare-state-chaos-chunks",
+    "train-chaos-zb",
+    "compare-losses-chaos-zb",
+    "compare-state-chaos-zb",
     "train-bf16",
     "bench-seqpipe-gpt2-r1",
     "torch-eager-gpt2-r1",
@@ -320,8 +326,8 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
     let bench = "seqpipe gpu bench --preset gpt2 --precision bf16 --steps 10";
     assert_eq!(called(bench, ""), 1, "{calls}");
     // cpu4, cuda4, their masked pairs (cpu4-docs, cuda4-docs; cpu4-part, cuda4-part), cuda2,
-    // cuda2-k2, cuda-chunks, cuda-split, calm, chaos, chaos-chunks, bf16.
-    assert_eq!(called("seqpipe train -q ", ""), 14, "{calls}");
+    // cuda2-k2, cuda-chunks, cuda-zb, cuda-split, calm, chaos, chaos-chunks, chaos-zb, bf16.
+    assert_eq!(called("seqpipe train -q ", ""), 16, "{calls}");
     assert_eq!(called("seqpipe resume -q ", ""), 1, "{calls}");
 
     // Only the report, the benchmark lines and the capped log archive come back in $OUT; the run
@@ -359,8 +365,9 @@ fn the_first_pass_reports_a_failed_a_hung_and_a_garbled_command_and_runs_every_l
         .matches("tensors (weights and AdamW moments) bit-identical")
         .count();
     assert_eq!(
-        identical, 5,
-        "2 vs 4 stages, chunks, resume, chaos, chaos with chunks:\n{pipeline}"
+        identical, 7,
+        "2 vs 4 stages, chunks, zero-bubble, resume, chaos, chaos with chunks, chaos with split \
+         backwards:\n{pipeline}"
     );
     assert!(
         pipeline.contains("killed worker pid ")

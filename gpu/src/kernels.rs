@@ -676,6 +676,7 @@ impl Gpu {
     }
 
     /// Backward of [`Gpu::norm_forward`]: `dx` written; `dw` (and `db` unless RMS) accumulated.
+    /// [`Gpu::norm_backward_input`], then [`Gpu::norm_backward_params`].
     #[allow(clippy::too_many_arguments)]
     pub fn norm_backward(
         &self,
@@ -691,6 +692,25 @@ impl Gpu {
         c: usize,
         rms: bool,
         scratch: &Buf<f32>,
+    ) -> Result<()> {
+        self.norm_backward_input(dx, dy, x, mean, rstd, w, n, c, rms)?;
+        self.norm_backward_params((dw, db), dy, x, (mean, rstd), (n, c), rms, (scratch, true))
+    }
+
+    /// The input half of [`Gpu::norm_backward`]: `dx` written from `dy`, the input `x`, its saved
+    /// statistics and the weight `w`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward_input(
+        &self,
+        dx: u64,
+        dy: u64,
+        x: u64,
+        mean: u64,
+        rstd: u64,
+        w: u64,
+        n: usize,
+        c: usize,
+        rms: bool,
     ) -> Result<()> {
         const OP: &str = "norm_backward";
         let (ni, ci) = (int(n, OP, "rows")?, int(c, OP, "c")?);
@@ -708,7 +728,26 @@ impl Gpu {
                 Arg::I(ci),
                 Arg::I(rms as i32),
             ],
-        )?;
+        )
+    }
+
+    /// The parameter half of [`Gpu::norm_backward`]: the weight's (and, unless `rms`, the bias's)
+    /// gradients `(dw, db)` over the `n` rows of `dy` and `x` (with its statistics `(mean,
+    /// rstd)`), added to what is there with `accumulate`, else written; `scratch` holds twice
+    /// [`Gpu::column_scratch_len`] floats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward_params(
+        &self,
+        (dw, db): (u64, u64),
+        dy: u64,
+        x: u64,
+        (mean, rstd): (u64, u64),
+        (n, c): (usize, usize),
+        rms: bool,
+        (scratch, accumulate): (&Buf<f32>, bool),
+    ) -> Result<()> {
+        const OP: &str = "norm_backward";
+        let (ni, ci) = (int(n, OP, "rows")?, int(c, OP, "c")?);
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         if scratch.len() < 2 * chunks * c {
             return shape(
@@ -749,7 +788,7 @@ impl Gpu {
                     Arg::P(part),
                     Arg::I(chunks as i32),
                     Arg::I(ci),
-                    Arg::I(1),
+                    Arg::I(accumulate as i32),
                 ],
             )
         };
@@ -1103,7 +1142,8 @@ impl Gpu {
     }
 
     /// Backward of a linear layer: `dx = dy W` (when `dx` is non-zero; written), `dW += dy^T x`,
-    /// `db += column sums of dy` (when `db` is non-zero).
+    /// `db += column sums of dy` (when `db` is non-zero): [`Gpu::linear_backward_input`], then
+    /// [`Gpu::linear_backward_weight`].
     #[allow(clippy::too_many_arguments)]
     pub fn linear_backward(
         &self,
@@ -1118,10 +1158,42 @@ impl Gpu {
         d_out: usize,
         scratch: &Buf<f32>,
     ) -> Result<()> {
+        self.linear_backward_input(dx, dy, w, n, d_in, d_out)?;
+        self.linear_backward_weight(dw, db, dy, x, n, d_in, d_out, scratch)
+    }
+
+    /// The input half of [`Gpu::linear_backward`]: `dx (n, in) = dy (n, out) W` (when `dx` is
+    /// non-zero; written).
+    pub fn linear_backward_input(
+        &self,
+        dx: u64,
+        dy: u64,
+        w: u64,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<()> {
         if dx != 0 {
             self.label_pass(Pass::Dx);
             self.gemm(dx, dy, w, (n, d_in, d_out), false, false, 0.0)?;
         }
+        Ok(())
+    }
+
+    /// The weight half of [`Gpu::linear_backward`]: `dW += dy^T x`, `db += column sums of dy`
+    /// (when `db` is non-zero).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward_weight(
+        &self,
+        dw: u64,
+        db: u64,
+        dy: u64,
+        x: u64,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+        scratch: &Buf<f32>,
+    ) -> Result<()> {
         self.label_pass(Pass::Dw);
         self.gemm(dw, dy, x, (d_out, d_in, n), true, false, 1.0)?;
         if db != 0 {

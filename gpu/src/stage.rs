@@ -46,6 +46,15 @@
 //! document partition): every unit's buffers then hold that longest segment, and each unit
 //! covers the positions its micro-batch's lengths give it.
 //!
+//! Zero-bubble schedules split a unit's backward in two: [`GpuStage::backward_input`] (`I`: the
+//! input gradient for the previous stage, sent on at once, and the dK/dV carry) and, later,
+//! [`GpuStage::backward_weight`] (`W`: the parameter gradients). The input half keeps the output
+//! gradients the weight half reads in the unit's own activation buffers that it has spent by then
+//! (`block` lists which), and each norm's parameter gradients in two rows of its own; the weight
+//! half runs the kernels of a whole backward's weight products and column sums, in its order, so
+//! the gradients are bit-identical to a whole backward's. A whole backward is the same pieces,
+//! each weight half at once after its input half.
+//!
 //! State leaves without stopping the step: [`GpuStage::begin_state_download`] queues a copy of the
 //! parameters and moments to pinned host memory behind the compute ([`crate::offload`]) and
 //! returns at once; the next update waits for that copy on the device before it overwrites them.
@@ -61,17 +70,19 @@ use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
 use crate::offload::{Download, Fence, StagingPool};
-use crate::profile::{GRAD_ACCUMULATION, Pass, WEIGHT_REFRESH};
+use crate::profile::{GRAD_ACCUMULATION, LAYERNORM_BWD, Pass, WEIGHT_REFRESH};
 use crate::types::Bf16Path;
 
 #[cfg(all(test, feature = "emulate"))]
 mod bf16_tests;
 mod block;
 mod links;
+#[cfg(all(test, feature = "emulate"))]
+mod split_tests;
 mod unit;
 pub use links::Side;
 use links::{Flow, Links};
-use unit::{Arrival, Bwd, Forwarded, Fwd, GpuUnit};
+use unit::{Arrival, Bwd, Forwarded, Fwd, GpuUnit, Part};
 
 /// A host tensor `(name, dims, values)`.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
@@ -176,14 +187,21 @@ struct Slot {
     len: usize,
 }
 
-/// A norm layer's output `(N, C)` and per-row statistics for one unit.
+/// A norm layer's output `(N, C)` and per-row statistics for one unit, and its parameters'
+/// gradients between the two halves of a split backward.
 struct NormActs {
     out: Buf<f32>,
     mean: Buf<f32>,
     rstd: Buf<f32>,
+    /// `(2C)`: the weight's gradient, then the bias's, computed by the input half of a split
+    /// backward (it overwrites the norm's input) and added to the accumulator by the weight half.
+    grads: Buf<f32>,
 }
 
-/// Saved activations of one block for one unit (rows N = B·s).
+/// Saved activations of one block for one unit (rows N = B·s). Between the two halves of a split
+/// backward, four of them hold output gradients the weight half reads instead (their activations
+/// are spent by then): `x` d(attention residual), `x1` the block's output gradient, `qkv` d(QKV),
+/// `u` d(c_fc output) ([`block`]).
 struct BlockActs {
     x: Buf<f32>, // (N, C) block input
     ln1: NormActs,
@@ -199,7 +217,9 @@ struct BlockActs {
 /// Saved activations of one unit.
 struct UnitActs {
     blocks: Vec<BlockActs>,
-    out: Buf<f32>, // (N, C) the last block's output
+    /// `(N, C)` the last block's output; on the first stage, between the two halves of a split
+    /// backward, the embeddings' output gradient.
+    out: Buf<f32>,
     // First stage.
     ids: Buf<u32>,
     host_ids: Vec<u32>,
@@ -734,18 +754,48 @@ impl GpuStage {
         Ok(())
     }
 
-    /// Backward of [`GpuStage::linear_forward`]: `dx = dy W`, the weight (and with `bias` the
-    /// bias) gradient added to the gradient buffer at `acc`; `sc` is column-sum scratch.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(
+    /// The input half of [`GpuStage::linear_forward`]'s backward: `dx = dy W` (`dx` 0: none). On
+    /// the BF16 fast path `dy` is rounded into the first operand buffer, where the weight half
+    /// finds it when it follows at once ([`GpuStage::linear_backward_weight`]).
+    fn linear_backward_input(
         &self,
         dx: u64,
+        dy: u64,
+        name: &str,
+        (n, d_in, d_out): (usize, usize, usize),
+    ) -> Result<()> {
+        let weight = format!("{name}.weight");
+        self.gpu.label_products(name, Pass::Dx);
+        let Some(w16) = &self.bf16 else {
+            let w = self.at(&self.values, &weight);
+            return self.gpu.linear_backward_input(dx, dy, w, n, d_in, d_out);
+        };
+        let (dy16, _) = w16.operands()?;
+        self.gpu.to_bf16(dy16, dy, n * d_out)?;
+        if dx != 0 {
+            let w = w16.weight(&weight)?;
+            let lds = (d_out, d_in);
+            self.gpu
+                .gemm_bf16(dx, dy16, w, (n, d_in, d_out), (false, false), lds, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// The weight half of [`GpuStage::linear_forward`]'s backward: `dW += dy^T x` (and with
+    /// `bias` the bias's gradient) added to the gradient buffer at `acc`; `sc` is column-sum
+    /// scratch. `rounded`: the input half ran just before with this `dy`, so on the BF16 fast path
+    /// its rounding is still in the first operand buffer; otherwise it is rounded again (the
+    /// same bits).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_weight(
+        &self,
         dy: u64,
         x: u64,
         name: &str,
         (n, d_in, d_out): (usize, usize, usize),
         bias: bool,
         (acc, sc): (u64, &Buf<f32>),
+        rounded: bool,
     ) -> Result<()> {
         let weight = format!("{name}.weight");
         let db = if bias {
@@ -754,25 +804,19 @@ impl GpuStage {
             0
         };
         let dw = self.grad_at(acc, &weight);
-        self.gpu.label_products(name, Pass::Dx);
+        self.gpu.label_products(name, Pass::Dw);
         let Some(w16) = &self.bf16 else {
-            let w = self.at(&self.values, &weight);
             return self
                 .gpu
-                .linear_backward(dx, dw, db, dy, x, w, n, d_in, d_out, sc);
+                .linear_backward_weight(dw, db, dy, x, n, d_in, d_out, sc);
         };
-        // dy rounded once for both products.
         let gpu = &self.gpu;
         let (dy16, x16) = w16.operands()?;
-        gpu.to_bf16(dy16, dy, n * d_out)?;
-        if dx != 0 {
-            let w = w16.weight(&weight)?;
-            let lds = (d_out, d_in);
-            gpu.gemm_bf16(dx, dy16, w, (n, d_in, d_out), (false, false), lds, 0.0)?;
+        if !rounded {
+            gpu.to_bf16(dy16, dy, n * d_out)?;
         }
         gpu.to_bf16(x16, x, n * d_in)?;
         let lds = (d_out, d_in);
-        gpu.label_pass(Pass::Dw);
         gpu.gemm_bf16(dw, dy16, x16, (d_out, d_in, n), (true, false), lds, 1.0)?;
         if db != 0 {
             gpu.column_sum(db, dy, n, d_out, true, sc)?;
@@ -802,13 +846,14 @@ impl GpuStage {
         1.0 / ((m.d_model / m.heads) as f32).sqrt()
     }
 
-    /// Buffers of a norm layer over `rows` rows.
-    fn norm_acts(&self, rows: usize) -> Result<NormActs> {
+    /// Buffers of a norm layer over `rows` rows (`grads`: room for its parameters' gradients).
+    fn norm_acts(&self, rows: usize, grads: bool) -> Result<NormActs> {
         let c = self.plan.model.d_model;
         Ok(NormActs {
             out: self.gpu.zeros(rows * c)?,
             mean: self.gpu.zeros(rows)?,
             rstd: self.gpu.zeros(rows)?,
+            grads: self.gpu.zeros(if grads { 2 * c } else { 1 })?,
         })
     }
 
@@ -829,33 +874,51 @@ impl GpuStage {
         )
     }
 
-    /// Backward of [`GpuStage::norm_forward`]: `dx` = d(input) from `dy`, the weight (and bias)
-    /// gradients added to the gradient buffer at `acc`; `sc` is column-sum scratch.
-    fn norm_backward(
+    /// The input half of [`GpuStage::norm_forward`]'s backward: `dx` = d(input) from `dy` over
+    /// `n` rows; then its parameters' gradients from the same rows ([`NormGrads`] says where they
+    /// go), since they reduce over the norm's input, which a split backward's input half
+    /// overwrites later; `sc` is column-sum scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward_input(
         &self,
         dx: u64,
         dy: u64,
         x: u64,
         acts: &NormActs,
         name: &str,
-        (n, acc, sc): (usize, u64, &Buf<f32>),
+        (n, sc): (usize, &Buf<f32>),
+        to: NormGrads,
     ) -> Result<()> {
         let m = &self.plan.model;
+        let (c, rms) = (m.d_model, m.norm == Norm::RmsNorm);
         let weight = format!("{name}.weight");
-        self.gpu.norm_backward(
-            dx,
-            self.grad_at(acc, &weight),
-            self.grad_at(acc, &format!("{name}.bias")),
-            dy,
-            x,
-            acts.mean.ptr(),
-            acts.rstd.ptr(),
-            self.at(&self.values, &weight),
-            n,
-            m.d_model,
-            m.norm == Norm::RmsNorm,
-            sc,
-        )
+        let stats = (acts.mean.ptr(), acts.rstd.ptr());
+        let w = self.at(&self.values, &weight);
+        let gpu = &self.gpu;
+        gpu.norm_backward_input(dx, dy, x, stats.0, stats.1, w, n, c, rms)?;
+        let (grads, accumulate) = match to {
+            NormGrads::Accumulate(acc) => {
+                let bias = self.grad_at(acc, &format!("{name}.bias"));
+                ((self.grad_at(acc, &weight), bias), true)
+            }
+            NormGrads::Keep => ((acts.grads.ptr(), acts.grads.at(c)), false),
+        };
+        gpu.norm_backward_params(grads, dy, x, stats, (n, c), rms, (sc, accumulate))
+    }
+
+    /// The weight half of a split backward's norm `name`: the parameter gradients its input half
+    /// kept in `acts` ([`NormGrads::Keep`]) are added to the gradient buffer at `acc` — the
+    /// addition [`NormGrads::Accumulate`] makes in a whole backward, so the sums are the same.
+    fn norm_backward_weight(&self, acts: &NormActs, name: &str, acc: u64) -> Result<()> {
+        let c = self.plan.model.d_model;
+        let _scope = self.gpu.profile_scope(LAYERNORM_BWD);
+        for (i, part) in ["weight", "bias"].into_iter().enumerate() {
+            let dst = self.grad_at(acc, &format!("{name}.{part}"));
+            if dst != 0 {
+                self.gpu.add_assign(dst, acts.grads.at(i * c), c)?;
+            }
+        }
+        Ok(())
     }
 
     /// Starts a step of `micro_batches` micro-batches: forgets the last step's gradients.
@@ -1191,11 +1254,12 @@ impl GpuStage {
         // Rows of the whole sequences (the caches) and of the units' buffers.
         let (cached, n) = (b * self.seq, b * self.unit_rows.iter().sum::<usize>());
         // Per held block: the QKV cache and dK/dV (5C a position), the saved activations (x, ln1,
-        // y, x1, ln2: C each; qkv 3C; u, g: F each; four norm statistics) and the log-sum-exps.
-        let blocks = layers * (cached * 5 * c + n * (8 * c + 2 * f + 4 + h));
+        // y, x1, ln2: C each; qkv 3C; u, g: F each; four norm statistics), the log-sum-exps, and
+        // the two norms' parameter gradients between a split backward's halves (2C each).
+        let blocks = layers * (cached * 5 * c + n * (8 * c + 2 * f + 4 + h) + 4 * c);
         let first = if self.plan.layout.is_first() { n } else { 0 };
         let last = if self.plan.layout.is_last() {
-            n * (2 * c + 4)
+            n * (2 * c + 4) + 2 * c
         } else {
             0
         };
@@ -1231,14 +1295,15 @@ impl GpuStage {
         let widest = f.max(3 * c).max(v);
         let head = self.head_rows();
         if self.bf16.is_some() {
-            // dy (or the logits' gradient) and x of one product; the head's only on the last stage.
-            let rows = n * f.max(c);
+            // dy (or the logits' gradient: the head's only on the last stage; c_attn's three
+            // planes at once) and x of one product.
+            let (dy, x) = (n * f.max(3 * c), n * f.max(c));
             let logits = if self.plan.layout.is_last() {
                 chunk * head
             } else {
                 0
             };
-            let operands = [self.gpu.zeros(rows.max(logits))?, self.gpu.zeros(rows)?];
+            let operands = [self.gpu.zeros(dy.max(logits))?, self.gpu.zeros(x)?];
             if let Some(w16) = self.bf16.as_mut() {
                 w16.operands = Some(operands);
             }
@@ -1275,12 +1340,12 @@ impl GpuStage {
             for _ in 0..layers {
                 blocks.push(BlockActs {
                     x: z(n * c)?,
-                    ln1: self.norm_acts(n)?,
+                    ln1: self.norm_acts(n, true)?,
                     qkv: z(n * 3 * c)?,
                     y: z(n * c)?,
                     lse: z(b * h * s)?,
                     x1: z(n * c)?,
-                    ln2: self.norm_acts(n)?,
+                    ln2: self.norm_acts(n, true)?,
                     u: z(n * f)?,
                     g: z(n * f)?,
                 });
@@ -1294,7 +1359,7 @@ impl GpuStage {
                     .gpu
                     .zeros(if self.plan.layout.is_first() { n } else { 1 })?,
                 host_ids: Vec::new(),
-                lnf: self.norm_acts(rows(n))?,
+                lnf: self.norm_acts(rows(n), last)?,
                 dhead: z(rows(n * c))?,
                 targets: self.gpu.zeros(rows(n))?,
                 losses: z(rows(n))?,
@@ -1485,6 +1550,7 @@ impl GpuStage {
                 head_dw: head_acc.map_or(0, |acc| self.grad_at(acc, names::LM_HEAD)),
             }),
             bwd: None,
+            embed_dx: None,
         };
         let result = model::forward_unit(&mut device, docs.map(|d| &d.mask));
         if let Some(held) = received {
@@ -1606,34 +1672,88 @@ impl GpuStage {
     /// (none on the first stage), kept on the device when a device link to the previous stage
     /// was joined.
     pub fn backward(&mut self, unit: (usize, usize), d_out: Option<&[f32]>) -> Result<UnitGrad> {
-        let from = match d_out {
-            Some(d) => GradIn::Host(d),
-            None => GradIn::Loss,
-        };
-        self.backward_from(unit, from)
+        self.backward_from(unit, grad_in(d_out), Half::Whole)
     }
 
     /// [`GpuStage::backward`] of a unit whose output gradient was received on the next stage's
     /// device link ([`GpuStage::receive_grad`]).
     pub fn backward_received(&mut self, unit: (usize, usize)) -> Result<UnitGrad> {
-        self.backward_from(unit, GradIn::Received)
+        self.backward_from(unit, GradIn::Received, Half::Whole)
     }
 
+    /// The input half of unit `(micro_batch, segment)`'s backward (a zero-bubble `I`): the
+    /// gradient for the previous stage as [`GpuStage::backward`] returns it, and the dK/dV left
+    /// for earlier segments, but no parameter gradient: the unit keeps what its weight half
+    /// ([`GpuStage::backward_weight`]) reads, in its own buffers, until then.
+    pub fn backward_input(
+        &mut self,
+        unit: (usize, usize),
+        d_out: Option<&[f32]>,
+    ) -> Result<UnitGrad> {
+        self.backward_from(unit, grad_in(d_out), Half::Input)
+    }
+
+    /// [`GpuStage::backward_input`] of a unit whose output gradient was received on the next
+    /// stage's device link ([`GpuStage::receive_grad`]).
+    pub fn backward_input_received(&mut self, unit: (usize, usize)) -> Result<UnitGrad> {
+        self.backward_from(unit, GradIn::Received, Half::Input)
+    }
+
+    /// The weight half of unit `(micro_batch, segment)`'s backward (a zero-bubble `W`), after its
+    /// input half: adds the unit's parameter gradients to its micro-batch's, with the kernels and
+    /// in the order of a whole backward, and frees the unit. Nothing crosses a link. The
+    /// micro-batch's gradient is complete after the last weight half that follows segment 0's
+    /// input half.
+    pub fn backward_weight(&mut self, (micro_batch, segment): (usize, usize)) -> Result<()> {
+        const OP: &str = "GpuStage::backward_weight";
+        self.gpu.bind()?;
+        let unit = Unit::new(micro_batch, segment);
+        let seg = self.in_flight.segment(unit, &self.segments)?;
+        let mut work = self.in_flight.start_backward_weight(unit, seg)?;
+        let result = self.accumulator(unit).and_then(|acc| {
+            let mut scratch = self
+                .scratch
+                .take()
+                .ok_or_else(|| order(OP, "backward before any forward"))?;
+            let mb = &mut work.micro_batch.state;
+            let result = self.backward_units(mb, unit, &mut scratch, Part::Weight { acc });
+            self.scratch = Some(scratch);
+            result
+        });
+        // A failed weight half moves nothing; the last one of a micro-batch ends it and completes
+        // its gradient.
+        if let Some(done) = self.in_flight.finish_backward_weight(work, result.is_ok()) {
+            self.recycle(done);
+            self.complete(unit)?;
+        }
+        result.map(|_| ())
+    }
+
+    /// A whole backward or an input half, from `d_out`.
     fn backward_from(
         &mut self,
         (micro_batch, segment): (usize, usize),
         d_out: GradIn,
+        half: Half,
     ) -> Result<UnitGrad> {
         self.gpu.bind()?;
         let unit = Unit::new(micro_batch, segment);
         let seg = self.in_flight.segment(unit, &self.segments)?;
-        let mut work = self.in_flight.start_backward(unit, seg)?;
-        let result = self.backward_in(&mut work.micro_batch.state, (micro_batch, segment), d_out);
-        // A failed backward moves nothing; segment 0's ends the micro-batch and completes its
-        // gradient.
-        if let Some(done) = self.in_flight.finish_backward(work, result.is_ok()) {
-            self.recycle(done);
-            self.complete(unit)?;
+        let mut work = match half {
+            Half::Whole => self.in_flight.start_backward(unit, seg)?,
+            Half::Input => self.in_flight.start_backward_input(unit, seg)?,
+        };
+        let result = self.backward_in(&mut work.micro_batch.state, unit, d_out, half);
+        // A failed backward moves nothing; segment 0's whole backward ends the micro-batch and
+        // completes its gradient (after a split one, the last weight half does).
+        match half {
+            Half::Whole => {
+                if let Some(done) = self.in_flight.finish_backward(work, result.is_ok()) {
+                    self.recycle(done);
+                    self.complete(unit)?;
+                }
+            }
+            Half::Input => self.in_flight.finish_backward_input(work, result.is_ok()),
         }
         result
     }
@@ -1641,17 +1761,19 @@ impl GpuStage {
     fn backward_in(
         &mut self,
         mb: &mut MicroBatch,
-        (micro_batch, segment): (usize, usize),
+        unit: Unit,
         d_out: GradIn,
+        half: Half,
     ) -> Result<UnitGrad> {
         const OP: &str = "GpuStage::backward";
-        let acc_ptr = self.accumulator(Unit::new(micro_batch, segment))?;
+        let key = (unit.micro_batch, unit.segment);
+        // An input half adds no parameter gradient: it takes no accumulator.
+        let acc = match half {
+            Half::Whole => Some(self.accumulator(unit)?),
+            Half::Input => None,
+        };
         let received = match d_out {
-            GradIn::Received => Some(self.links.take_received(
-                Flow::Grad,
-                (micro_batch, segment),
-                OP,
-            )?),
+            GradIn::Received => Some(self.links.take_received(Flow::Grad, key, OP)?),
             _ => None,
         };
         let Some(mut scratch) = self.scratch.take() else {
@@ -1665,7 +1787,11 @@ impl GpuStage {
             (None, GradIn::Host(d)) => Dy::Host(d),
             (None, _) => Dy::Loss,
         };
-        let result = self.backward_units(mb, (micro_batch, segment), &mut scratch, acc_ptr, dy);
+        let part = match acc {
+            Some(acc) => Part::Whole { d_out: dy, acc },
+            None => Part::Input { d_out: dy },
+        };
+        let result = self.backward_units(mb, unit, &mut scratch, part);
         if let Some(held) = received {
             self.links.give_back(held);
         }
@@ -1673,8 +1799,7 @@ impl GpuStage {
         let result = result.and_then(|values| match values {
             None => Ok(UnitGrad::None),
             Some(n) if self.links.linked(Side::Prev) => {
-                let unit = (micro_batch, segment);
-                self.links.keep(&self.gpu, Flow::Grad, unit, dx, n)?;
+                self.links.keep(&self.gpu, Flow::Grad, key, dx, n)?;
                 Ok(UnitGrad::Kept(n))
             }
             Some(n) => Ok(UnitGrad::Hidden(self.gpu.download_prefix(&scratch.dx, n)?)),
@@ -1683,37 +1808,63 @@ impl GpuStage {
         result
     }
 
-    /// [`GpuStage::backward_in`]'s computation ([`model::backward_unit`]) with the scratch taken
-    /// out (and always put back by the caller): the values of the input's gradient left in
-    /// `scratch.dx` (none on the first stage).
+    /// The computation of a whole backward, an input half or a weight half
+    /// ([`model::backward_unit`], [`model::backward_unit_input`], [`model::backward_unit_weight`])
+    /// with the scratch taken out (and always put back by the caller): the values of the input's
+    /// gradient left in `scratch.dx` (none on the first stage, and in a weight half).
     fn backward_units(
         &self,
         mb: &mut MicroBatch,
-        (micro_batch, segment): (usize, usize),
+        unit: Unit,
         scratch: &mut Scratch,
-        acc: u64,
-        d_out: Dy,
+        part: Part,
     ) -> Result<Option<usize>> {
-        let unit = Unit::new(micro_batch, segment);
         let Segment { start, len } = self.in_flight.segment(unit, &self.segments)?;
         let b = self.batch.expect("fixed by the forward");
-        let docs = self.in_flight.documents(micro_batch);
+        let docs = self.in_flight.documents(unit.micro_batch);
+        let masks = docs.map(|d| &d.mask);
         let mut device = GpuUnit {
             stage: self,
             mb,
-            segment,
+            segment: unit.segment,
             rows: UnitShape { b, start, len },
             docs: docs.map(doc_starts),
             position_ids: self.position_ids(docs, (b, start, len)),
             fwd: None,
-            bwd: Some(Bwd {
-                acc,
-                scratch,
-                d_out,
-            }),
+            bwd: Some(Bwd { scratch, part }),
+            embed_dx: None,
         };
-        model::backward_unit(&mut device, docs.map(|d| &d.mask))
+        match part {
+            Part::Whole { .. } => model::backward_unit(&mut device, masks),
+            Part::Input { .. } => model::backward_unit_input(&mut device, masks),
+            Part::Weight { .. } => model::backward_unit_weight(&mut device).map(|()| None),
+        }
     }
+}
+
+/// Where a unit's backward starts, given its output gradient from the host (none: the loss).
+fn grad_in(d_out: Option<&[f32]>) -> GradIn<'_> {
+    match d_out {
+        Some(d) => GradIn::Host(d),
+        None => GradIn::Loss,
+    }
+}
+
+/// A backward that starts from an output gradient: whole, or the input half of a split one (a
+/// zero-bubble `I`; its `W` is [`GpuStage::backward_weight`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Half {
+    Whole,
+    Input,
+}
+
+/// Where a norm's input half puts its parameters' gradients.
+#[derive(Clone, Copy)]
+enum NormGrads {
+    /// Added to the gradient buffer at this address (a whole backward).
+    Accumulate(u64),
+    /// Written into the norm's [`NormActs::grads`], for the weight half (a split backward).
+    Keep,
 }
 
 /// The output gradient a unit's backward starts from, where it lies.

@@ -65,7 +65,7 @@ pub enum ModelError {
     /// A backward split into its input and weight halves asked of a device that runs whole
     /// backwards only.
     #[error(
-        "this device runs {kernel}'s backward whole, not as an input half and a weight half; pipeline.schedule = \"seq1f1b-zb\" needs model.device = \"cpu\" (or use pipeline.schedule = \"seq1f1b\")"
+        "this device runs {kernel}'s backward whole, not as an input half and a weight half, which pipeline.schedule = \"seq1f1b-zb\" needs (use pipeline.schedule = \"seq1f1b\")"
     )]
     NoSplitBackward { kernel: &'static str },
     /// A backward found nothing saved by its forward (which ran in evaluation mode, or not at all).

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod disturbed;
+pub mod emulated;
 pub mod gradients;
 
 use std::collections::BTreeMap;

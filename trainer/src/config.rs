@@ -46,10 +46,6 @@ pub enum ConfigError {
     /// A value is out of range or inconsistent with another.
     #[error("invalid value for `{key}`: {message}")]
     Invalid { key: &'static str, message: String },
-    /// `pipeline.schedule` names a kind that exists at the schedule level only (interleaved or
-    /// zero-bubble): the stage runtime cannot run it yet.
-    #[error(transparent)]
-    ScheduleNotRunnable(crate::schedule::ScheduleError),
 }
 
 /// `[run]`: where the run writes and how its processes are set up.
@@ -599,28 +595,24 @@ impl Config {
         self.validate_documents()
     }
 
-    /// With split backwards (`seq1f1b-zb`): refusals, naming the key and what to use instead, of
-    /// what the input/weight halves are not wired into: CUDA stages and NCCL device links (whole
-    /// backwards only). Mid-step recovery and replica re-routing run them (a replacement redoes
-    /// the lost worker's whole list, weight halves in their order).
+    /// With split backwards (`seq1f1b-zb`, on CPU and CUDA stages, over TCP and NCCL device
+    /// links; mid-step recovery and replica re-routing run them over TCP: a replacement redoes the
+    /// lost worker's whole list, weight halves in their order): the refusal, naming the key and
+    /// what to use instead, of mid-step recovery over NCCL device links (not tested with split
+    /// backwards).
     fn validate_split_backward(&self) -> Result<(), ConfigError> {
-        let (m, p) = (&self.model, &self.pipeline);
-        let not_runnable = |what: String| {
-            Err(ConfigError::ScheduleNotRunnable(
-                crate::schedule::ScheduleError::not_runnable_split(what),
-            ))
-        };
-        if p.transport == StageTransport::Nccl {
-            return not_runnable(format!(
-                "pipeline.schedule = \"{}\" with pipeline.transport = \"nccl\"",
-                p.schedule
-            ));
-        }
-        if m.device == DeviceKind::Cuda {
-            return not_runnable(format!(
-                "pipeline.schedule = \"{}\" with model.device = \"cuda\"",
-                p.schedule
-            ));
+        let p = &self.pipeline;
+        if p.transport == StageTransport::Nccl && self.elastic.mid_step {
+            return Err(ConfigError::NotWired {
+                key: "elastic.mid_step",
+                what: format!(
+                    "a worker of a {} step over NCCL device links cannot be replaced in the \
+                     middle of the step yet; set elastic.mid_step = false (a lost worker then \
+                     restarts the step from the last peer snapshot or checkpoint) or \
+                     pipeline.transport = \"tcp\"",
+                    p.schedule
+                ),
+            });
         }
         Ok(())
     }
@@ -984,9 +976,9 @@ mod tests {
         assert!(err.contains("zigzag") || err.contains("schedule"), "{err}");
     }
 
-    /// seq1f1b-zb runs on CPU stages over TCP, with mid-step recovery (the default) on or off
-    /// and with replicas; CUDA stages and NCCL links are refused, naming the key and what to use
-    /// instead.
+    /// seq1f1b-zb runs on CPU and CUDA stages over TCP, with mid-step recovery (the default) on
+    /// or off and with replicas, and over NCCL device links with mid-step recovery off; mid-step
+    /// recovery over NCCL links is refused, naming the key and what to use instead.
     #[test]
     fn the_zero_bubble_kind_runs_on_cpu_over_tcp_and_refuses_what_is_not_wired() {
         let zb = |extra: &[&str]| {
@@ -996,28 +988,41 @@ mod tests {
         };
         assert_eq!(zb(&[]).pipeline.schedule.as_str(), "seq1f1b-zb");
         assert!(zb(&[]).elastic.mid_step, "mid-step recovery is the default");
-        for mid_step in ["elastic.mid_step=true", "elastic.mid_step=false"] {
-            zb(&[mid_step]).validate().unwrap();
-            zb(&[mid_step, "pipeline.replicas=2", "pipeline.microbatches=4"])
+        for device in ["model.device=cpu", "model.device=cuda"] {
+            for mid_step in ["elastic.mid_step=true", "elastic.mid_step=false"] {
+                zb(&[device, mid_step]).validate().unwrap();
+                zb(&[
+                    device,
+                    mid_step,
+                    "pipeline.replicas=2",
+                    "pipeline.microbatches=4",
+                ])
                 .validate()
                 .unwrap();
+            }
         }
-        for (extra, what) in [
-            ("model.device=cuda", "model.device = \"cuda\""),
-            ("pipeline.transport=nccl", "pipeline.transport = \"nccl\""),
+        for nccl in [
+            &["pipeline.transport=nccl"][..],
+            &["model.device=cuda", "pipeline.transport=nccl"],
         ] {
-            let err = zb(&[extra]).validate().unwrap_err();
+            zb(&[&["elastic.mid_step=false"], nccl].concat())
+                .validate()
+                .unwrap();
+            let err = zb(nccl).validate().unwrap_err();
             assert!(
-                matches!(err, ConfigError::ScheduleNotRunnable(_)),
-                "{extra}: {err}"
+                err.to_string().contains("elastic.mid_step = false")
+                    && err.to_string().contains("seq1f1b-zb"),
+                "{nccl:?}: {err}"
             );
-            let text = err.to_string();
             assert!(
-                text.contains(what)
-                    && text.contains("seq1f1b-zb")
-                    && text.contains("model.device = \"cpu\"")
-                    && text.contains("pipeline.schedule = \"seq1f1b\""),
-                "{text}"
+                matches!(
+                    err,
+                    ConfigError::NotWired {
+                        key: "elastic.mid_step",
+                        ..
+                    }
+                ),
+                "{nccl:?}: {err}"
             );
         }
         // Chunk counts that do not fit the kind are refused before that, naming the key.

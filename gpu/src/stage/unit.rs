@@ -7,16 +7,24 @@
 //! buffer (or the unit's output buffer on a stage with no blocks), each block writes the next
 //! one's input, the last the unit's output; the backward works in the stage's scratch. The head
 //! computes its weight gradient and d(ln_f) with the loss in the forward (the logits never exist
-//! whole), so [`GpuUnit::head_backward`] only hands d(ln_f) on. What crosses the device links is
-//! the stage's shell's business: a unit's hidden states or input gradient stay where the program
-//! left them ([`Forwarded::Hidden`], the `(N, C)` values in `scratch.dx`), and the shell keeps or
-//! downloads them.
+//! whole), so its input half only hands d(ln_f) on and its weight half adds nothing. What crosses
+//! the device links is the stage's shell's business: a unit's hidden states or input gradient stay
+//! where the program left them ([`Forwarded::Hidden`], the `(N, C)` values in `scratch.dx`), and
+//! the shell keeps or downloads them.
+//!
+//! A backward runs whole ([`model::backward_unit`]: each piece's input half, then at once its
+//! weight half, which reads the output gradient where the input half left it) or split
+//! ([`Part`]): the input half then keeps what the weight halves read in the unit's own buffers —
+//! the final norm's parameter gradients in its [`NormActs`](super::NormActs), the embeddings'
+//! output gradient in the unit's output buffer (spent after the forward, or after the final norm's
+//! input half), each block's in its spent activations ([`GpuBlock`]) — and the weight half, later,
+//! reads them there.
 
 use model::params::names;
 use model::{ModelError, StageDevice, StageLayout};
 
 use super::block::{BlockGrads, GpuBlock};
-use super::{Dy, GpuStage, MicroBatch, Scratch, UnitActs, UnitShape, order};
+use super::{Dy, GpuStage, MicroBatch, NormGrads, Scratch, UnitActs, UnitShape, order};
 use crate::device::Buf;
 use crate::error::{GpuError, Result, shape};
 use crate::kernels::DocStarts;
@@ -51,12 +59,51 @@ pub(super) struct Fwd<'s> {
     pub head_dw: u64,
 }
 
+/// Which backward a unit runs, and what it starts from and adds to.
+#[derive(Clone, Copy)]
+pub(super) enum Part<'s> {
+    /// A whole backward from `d_out`, adding to the micro-batch's flat gradient buffer `acc`.
+    Whole { d_out: Dy<'s>, acc: u64 },
+    /// The input half of a split backward from `d_out`: no parameter gradient is added; what the
+    /// weight half reads is kept in the unit's buffers.
+    Input { d_out: Dy<'s> },
+    /// The weight half of a split backward, adding to `acc` from what the input half kept.
+    Weight { acc: u64 },
+}
+
+impl<'s> Part<'s> {
+    /// Whether the backward is split (its weight half runs apart from its input half).
+    pub(super) fn split(&self) -> bool {
+        !matches!(self, Part::Whole { .. })
+    }
+
+    /// The micro-batch's flat gradient buffer; refused in an input half, which adds no parameter
+    /// gradient.
+    pub(super) fn acc(&self) -> Result<u64> {
+        match *self {
+            Part::Whole { acc, .. } | Part::Weight { acc } => Ok(acc),
+            Part::Input { .. } => Err(order(
+                GpuUnit::OP_BWD,
+                "a parameter gradient in the input half of a split backward",
+            )),
+        }
+    }
+
+    fn d_out(&self) -> Result<Dy<'s>> {
+        match *self {
+            Part::Whole { d_out, .. } | Part::Input { d_out } => Ok(d_out),
+            Part::Weight { .. } => Err(order(
+                GpuUnit::OP_BWD,
+                "the weight half of a split backward receives no gradient",
+            )),
+        }
+    }
+}
+
 /// The backward's buffers.
 pub(super) struct Bwd<'s> {
-    /// The micro-batch's flat gradient buffer.
-    pub acc: u64,
     pub scratch: &'s mut Scratch,
-    pub d_out: Dy<'s>,
+    pub part: Part<'s>,
 }
 
 /// One unit of `stage`: its micro-batch's caches and saved activations, and either direction's
@@ -74,6 +121,9 @@ pub(super) struct GpuUnit<'s> {
     pub position_ids: Option<usize>,
     pub fwd: Option<Fwd<'s>>,
     pub bwd: Option<Bwd<'s>>,
+    /// A whole backward's embeddings' output gradient, from their input half to their weight
+    /// half.
+    pub embed_dx: Option<u64>,
 }
 
 impl<'s> GpuUnit<'s> {
@@ -155,7 +205,7 @@ impl StageDevice for GpuUnit<'_> {
             .get(slot + 1)
             .map_or(unit.out.ptr(), |next| next.x.ptr());
         let grads = self.bwd.as_ref().map(|b| BlockGrads {
-            acc: b.acc,
+            part: b.part,
             scratch: &*b.scratch,
             dk: &mb.dk[slot],
             dv: &mb.dv[slot],
@@ -169,6 +219,7 @@ impl StageDevice for GpuUnit<'_> {
             rows: self.rows,
             docs: self.docs,
             grads,
+            pending: None,
         })
     }
 
@@ -259,8 +310,8 @@ impl StageDevice for GpuUnit<'_> {
         Ok(Forwarded::Hidden)
     }
 
-    fn head_backward(&mut self) -> Result<u64> {
-        match self.bwd()?.d_out {
+    fn head_backward_input(&mut self) -> Result<u64> {
+        match self.bwd()?.part.d_out()? {
             // d(ln_f) was computed with the loss, in the forward.
             Dy::Loss => Ok(self.unit().dhead.ptr()),
             _ => Err(order(
@@ -270,7 +321,13 @@ impl StageDevice for GpuUnit<'_> {
         }
     }
 
-    fn final_norm_backward(&mut self, dy: &u64) -> Result<u64> {
+    fn head_backward_weight(&mut self) -> Result<()> {
+        // The head's weight gradient was added with the loss, in the forward.
+        self.bwd()?;
+        Ok(())
+    }
+
+    fn final_norm_backward_input(&mut self, dy: &u64) -> Result<u64> {
         let n = self.n();
         let (stage, unit) = (self.stage, &self.mb.units[self.segment]);
         let b = self
@@ -279,16 +336,29 @@ impl StageDevice for GpuUnit<'_> {
             .ok_or_else(|| order(Self::OP_BWD, "a backward piece run in a forward"))?;
         let dx = b.scratch.dx.ptr();
         let (x, lnf) = (unit.out.ptr(), &unit.lnf);
+        let to = match b.part.split() {
+            true => NormGrads::Keep,
+            false => NormGrads::Accumulate(b.part.acc()?),
+        };
         let sc = &b.scratch.columns;
-        stage.norm_backward(dx, *dy, x, lnf, names::LN_F, (n, b.acc, sc))?;
+        stage.norm_backward_input(dx, *dy, x, lnf, names::LN_F, (n, sc), to)?;
         Ok(dx)
+    }
+
+    fn final_norm_backward_weight(&mut self) -> Result<()> {
+        let (stage, part) = (self.stage, self.bwd()?.part);
+        // A whole backward's input half added the parameter gradients already.
+        if part.split() {
+            stage.norm_backward_weight(&self.unit().lnf, names::LN_F, part.acc()?)?;
+        }
+        Ok(())
     }
 
     fn receive_grad(&mut self) -> Result<u64> {
         let (stage, n, c) = (self.stage, self.n(), self.c());
         let gpu = &stage.gpu;
         let b = self.bwd()?;
-        match b.d_out {
+        match b.part.d_out()? {
             Dy::Host(dy) if dy.len() == n * c => gpu.write(&mut b.scratch.dx, dy)?,
             Dy::Device(dy, len) if len == n * c => {
                 gpu.copy_values(b.scratch.dx.ptr(), dy, n * c)?
@@ -315,21 +385,44 @@ impl StageDevice for GpuUnit<'_> {
         Ok(b.scratch.dx.ptr())
     }
 
-    fn embed_backward(&mut self, dx: &u64) -> Result<Option<usize>> {
-        let (stage, c, UnitShape { b, start, len }) = (self.stage, self.c(), self.rows);
-        let acc = self.bwd()?.acc;
-        let ids = &self.unit().host_ids;
-        let gpu = &stage.gpu;
-        gpu.embed_backward_tokens(stage.grad_at(acc, names::WTE), *dx, ids, c)?;
-        let dwpe = stage.grad_at(acc, names::WPE);
-        match self.position_ids {
-            None => gpu.embed_backward_positions(dwpe, *dx, b, len, c, start)?,
-            Some(ids) => {
-                let (docs, seq) = (self.restarts()?, stage.seq);
-                gpu.embed_backward_positions_reset(dwpe, *dx, (b, len, c, start), docs, seq, ids)?
-            }
+    fn embed_backward_input(&mut self, dx: &u64) -> Result<Option<usize>> {
+        let (stage, n, c) = (self.stage, self.n(), self.c());
+        if self.bwd()?.part.split() {
+            // The output buffer is spent (sent on, or read by the final norm's input half).
+            let out = self.mb.units[self.segment].out.ptr();
+            stage.gpu.copy_values(out, *dx, n * c)?;
+        } else {
+            self.embed_dx = Some(*dx);
         }
         Ok(None)
+    }
+
+    fn embed_backward_weight(&mut self) -> Result<()> {
+        let (stage, c, UnitShape { b, start, len }) = (self.stage, self.c(), self.rows);
+        let part = self.bwd()?.part;
+        let acc = part.acc()?;
+        let unit = self.unit();
+        let dx = match (part.split(), self.embed_dx) {
+            (true, _) => unit.out.ptr(),
+            (false, Some(dx)) => dx,
+            (false, None) => {
+                return Err(order(
+                    Self::OP_BWD,
+                    "the embeddings' weight half before their input half",
+                ));
+            }
+        };
+        let gpu = &stage.gpu;
+        gpu.embed_backward_tokens(stage.grad_at(acc, names::WTE), dx, &unit.host_ids, c)?;
+        let dwpe = stage.grad_at(acc, names::WPE);
+        match self.position_ids {
+            None => gpu.embed_backward_positions(dwpe, dx, b, len, c, start)?,
+            Some(ids) => {
+                let (docs, seq) = (self.restarts()?, stage.seq);
+                gpu.embed_backward_positions_reset(dwpe, dx, (b, len, c, start), docs, seq, ids)?
+            }
+        }
+        Ok(())
     }
 
     fn send_grad(&mut self, dx: u64) -> Result<Option<usize>> {

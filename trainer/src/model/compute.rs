@@ -100,23 +100,16 @@ pub trait StageCompute: Send {
     fn backward(&mut self, unit: Unit, d_out: Option<Tensor>)
     -> Result<Option<Tensor>, ModelError>;
     /// The input half of one unit's backward, a zero-bubble `I` (see [`Stage::backward_input`]):
-    /// the input gradient, no parameter gradient yet. A device that runs whole backwards only
-    /// refuses it ([`ModelError::NoSplitBackward`]).
+    /// the input gradient, no parameter gradient yet.
     fn backward_input(
         &mut self,
         unit: Unit,
         d_out: Option<Tensor>,
-    ) -> Result<Option<Tensor>, ModelError> {
-        let _ = (unit, d_out);
-        Err(ModelError::NoSplitBackward { kernel: "a unit" })
-    }
+    ) -> Result<Option<Tensor>, ModelError>;
     /// The weight half of one unit's backward, a zero-bubble `W` after its `I` (see
-    /// [`Stage::backward_weight`]): the unit's parameter gradients. A device that runs whole
-    /// backwards only refuses it.
-    fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError> {
-        let _ = unit;
-        Err(ModelError::NoSplitBackward { kernel: "a unit" })
-    }
+    /// [`Stage::backward_weight`]): the unit's parameter gradients, bit-identical to what a whole
+    /// backward adds.
+    fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError>;
     /// Sums the step's gradients over its micro-batches, in the fixed tree order.
     fn finish_gradients(&mut self) -> Result<(), ModelError>;
     /// The step's summed gradients as one vector (what the data-parallel collective reduces).
@@ -255,6 +248,10 @@ pub trait DeviceLinks {
     /// the input gradient, unless this is the first stage, is kept for the previous stage's link:
     /// its rows.
     fn backward_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError>;
+    /// The input half of one unit's backward (see [`StageCompute::backward_input`]) from the
+    /// gradient received for it, its input gradient kept as [`DeviceLinks::backward_linked`]
+    /// keeps it. The weight half crosses no link: it is [`StageCompute::backward_weight`].
+    fn backward_input_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError>;
 }
 
 /// The environment variable naming a worker's CUDA device ordinal (set by its agent: the worker's

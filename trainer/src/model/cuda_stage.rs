@@ -10,7 +10,9 @@
 //! [`GpuStage::set_segment_lengths`]).
 //!
 //! It also offers [`DeviceLinks`]: NCCL links to the neighbouring stages' GPUs
-//! (`pipeline.transport = "nccl"`), with the boundary tensors kept on the device.
+//! (`pipeline.transport = "nccl"`), with the boundary tensors kept on the device. A unit's
+//! backward runs whole, or split into its input and weight halves (`seq1f1b-zb`) with gradients
+//! bit-identical to the whole one's, from the host or over the links alike.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -171,6 +173,60 @@ impl CudaStage {
         Ok(out)
     }
 
+    /// A whole backward or an input half (`run`) of `unit` from a host output gradient, the
+    /// input gradient back on the host.
+    fn host_backward(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+        run: impl FnOnce(&mut GpuStage, (usize, usize), Option<&[f32]>) -> gpu::Result<UnitGrad>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        let d = d_out.as_ref().map(host_f32).transpose()?;
+        let dx = run(
+            &mut self.stage,
+            (unit.micro_batch, unit.segment),
+            d.as_deref(),
+        )
+        .map_err(device_err)?;
+        match dx {
+            UnitGrad::None => Ok(None),
+            UnitGrad::Hidden(x) => {
+                let rows = x.len() / self.d_model;
+                Ok(Some(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?))
+            }
+            UnitGrad::Kept(_) => Err(ModelError::Device(
+                "a backward from the host kept its gradient for a device link; drive a linked stage through DeviceLinks".into(),
+            )),
+        }
+    }
+
+    /// A whole backward (`input_half` false) or an input half of `unit` from the gradient received
+    /// on the next stage's device link (the last stage: from its loss); the rows of the input
+    /// gradient kept for the previous stage's link.
+    fn linked_backward(
+        &mut self,
+        unit: Unit,
+        input_half: bool,
+    ) -> Result<Option<usize>, ModelError> {
+        let at = (unit.micro_batch, unit.segment);
+        let s = &mut self.stage;
+        let dx = match (self.layout.is_last(), input_half) {
+            (true, false) => s.backward(at, None),
+            (true, true) => s.backward_input(at, None),
+            (false, false) => s.backward_received(at),
+            (false, true) => s.backward_input_received(at),
+        }
+        .map_err(link_err)?;
+        match dx {
+            UnitGrad::None => Ok(None),
+            UnitGrad::Kept(n) => Ok(Some(n / self.d_model)),
+            UnitGrad::Hidden(_) => Err(ModelError::Device(
+                "a linked backward's gradient went to the host: join the link to the previous stage first"
+                    .into(),
+            )),
+        }
+    }
+
     fn named(
         list: Vec<(String, Vec<usize>, Vec<f32>)>,
     ) -> Result<Vec<(String, Tensor)>, ModelError> {
@@ -300,21 +356,21 @@ impl StageCompute for CudaStage {
         unit: Unit,
         d_out: Option<Tensor>,
     ) -> Result<Option<Tensor>, ModelError> {
-        let d = d_out.as_ref().map(host_f32).transpose()?;
-        let dx = self
-            .stage
-            .backward((unit.micro_batch, unit.segment), d.as_deref())
-            .map_err(device_err)?;
-        match dx {
-            UnitGrad::None => Ok(None),
-            UnitGrad::Hidden(x) => {
-                let rows = x.len() / self.d_model;
-                Ok(Some(Tensor::from_vec(x, (rows, self.d_model), &Device::Cpu)?))
-            }
-            UnitGrad::Kept(_) => Err(ModelError::Device(
-                "a backward from the host kept its gradient for a device link; drive a linked stage through DeviceLinks".into(),
-            )),
-        }
+        self.host_backward(unit, d_out, GpuStage::backward)
+    }
+
+    fn backward_input(
+        &mut self,
+        unit: Unit,
+        d_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, ModelError> {
+        self.host_backward(unit, d_out, GpuStage::backward_input)
+    }
+
+    fn backward_weight(&mut self, unit: Unit) -> Result<(), ModelError> {
+        self.stage
+            .backward_weight((unit.micro_batch, unit.segment))
+            .map_err(device_err)
     }
 
     fn finish_gradients(&mut self) -> Result<(), ModelError> {
@@ -520,20 +576,10 @@ impl DeviceLinks for CudaStage {
     }
 
     fn backward_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError> {
-        let at = (unit.micro_batch, unit.segment);
-        let dx = if self.layout.is_last() {
-            self.stage.backward(at, None)
-        } else {
-            self.stage.backward_received(at)
-        }
-        .map_err(link_err)?;
-        match dx {
-            UnitGrad::None => Ok(None),
-            UnitGrad::Kept(n) => Ok(Some(n / self.d_model)),
-            UnitGrad::Hidden(_) => Err(ModelError::Device(
-                "a linked backward's gradient went to the host: join the link to the previous stage first"
-                    .into(),
-            )),
-        }
+        self.linked_backward(unit, false)
+    }
+
+    fn backward_input_linked(&mut self, unit: Unit) -> Result<Option<usize>, ModelError> {
+        self.linked_backward(unit, true)
     }
 }

@@ -169,47 +169,7 @@ pub enum ScheduleError {
     #[error("invalid unit costs: {0}")]
     InvalidCosts(String),
 
-    /// Something that exists at the schedule level (split backwards; virtual stages on CUDA
-    /// devices or device links) but that the stage runtime cannot execute yet.
-    #[error(
-        "the stage runtime cannot run {what} yet: {reason}; it runs gpipe, 1f1b and seq1f1b, \
-         and 1f1b-i, seq1f1b-i and seq1f1b-zb on CPU stages over TCP (`seqpipe schedule` and \
-         `seqpipe bench schedule --simulated` show every kind)"
-    )]
-    NotRunnable {
-        /// The kind or action refused.
-        what: String,
-        /// What the runtime lacks.
-        reason: &'static str,
-    },
-
     /// A sequence partition that cannot be made.
     #[error("invalid partition: {0}")]
     InvalidPartition(String),
 }
-
-impl ScheduleError {
-    /// Why the stage runtime refuses `action` (a split-backward action where the stage's device
-    /// or links run whole backwards only).
-    pub fn not_runnable_action(action: Action) -> ScheduleError {
-        ScheduleError::NotRunnable {
-            what: format!("action {action}"),
-            reason: SPLIT_LACKS,
-        }
-    }
-
-    /// Why the stage runtime refuses split backwards (`what`: the setting that asks for them
-    /// where they are not wired, e.g. `model.device = "cuda"`).
-    pub fn not_runnable_split(what: String) -> ScheduleError {
-        ScheduleError::NotRunnable {
-            what,
-            reason: SPLIT_LACKS,
-        }
-    }
-}
-
-/// What the stage runtime lacks for the zero-bubble kind beyond CPU stages over TCP.
-const SPLIT_LACKS: &str = "a backward split into its input and weight halves runs on CPU stages \
-                           linked over TCP; CUDA stages and NCCL device links run whole \
-                           backwards (use model.device = \"cpu\" and pipeline.transport = \"tcp\", \
-                           or pipeline.schedule = \"seq1f1b\")";

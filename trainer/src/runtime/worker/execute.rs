@@ -259,23 +259,22 @@ impl Worker {
                 };
                 let width = self.cfg.model.d_model;
                 let dx = match d_out {
-                    // Config validation refuses the zero-bubble kind over device links.
-                    Some(Boundary::Device { .. }) | None if self.linked() && half => {
-                        return Err(ScheduleError::not_runnable_action(action).into());
-                    }
                     // Over device links the gradient waits on this chunk's device (the last
                     // stage starts from its loss).
                     Some(Boundary::Device { chunk, .. }) if chunk != c => {
                         return Err(elsewhere(chunk, c));
                     }
                     Some(Boundary::Device { .. }) | None if self.linked() => {
-                        device_links(&mut self.stage, c)?
-                            .backward_linked(u)?
-                            .map(|rows| Boundary::Device {
-                                rows,
-                                width,
-                                chunk: c,
-                            })
+                        let links = device_links(&mut self.stage, c)?;
+                        let rows = match half {
+                            true => links.backward_input_linked(u)?,
+                            false => links.backward_linked(u)?,
+                        };
+                        rows.map(|rows| Boundary::Device {
+                            rows,
+                            width,
+                            chunk: c,
+                        })
                     }
                     Some(Boundary::Host(t)) if half => chunk_mut(&mut self.stage, c)?
                         .backward_input(u, Some(t))?
@@ -299,11 +298,9 @@ impl Worker {
                 self.record.computed(action, started, redone, len);
                 self.stage.computed(c);
             }
-            // Zero-bubble: the weight half of a backward whose input half ran; nothing moves.
+            // Zero-bubble: the weight half of a backward whose input half ran; nothing moves (over
+            // device links neither).
             Op::BackwardWeight => {
-                if self.linked() {
-                    return Err(ScheduleError::not_runnable_action(action).into());
-                }
                 let started = UnitStart::now();
                 chunk_mut(&mut self.stage, c)?.backward_weight(u)?;
                 let redone = self.record.redoes(action);
