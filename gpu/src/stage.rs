@@ -77,12 +77,14 @@ use crate::types::Bf16Path;
 mod bf16_tests;
 mod block;
 mod links;
+mod part;
 #[cfg(all(test, feature = "emulate"))]
 mod split_tests;
 mod unit;
 pub use links::Side;
 use links::{Flow, Links};
-use unit::{Arrival, Bwd, Forwarded, Fwd, GpuUnit, Part};
+use part::Part;
+use unit::{Arrival, Bwd, Forwarded, Fwd, GpuUnit};
 
 /// A host tensor `(name, dims, values)`.
 pub type NamedTensor = (String, Vec<usize>, Vec<f32>);

@@ -37,7 +37,7 @@ use model::params::{BlockLayer, bias, block_layer, weight};
 use model::{BlockDevice, ModelError, Residual};
 use ops::DocumentMask;
 
-use super::unit::Part;
+use super::part::Part;
 use super::{BlockActs, GpuStage, NormActs, NormGrads, Scratch, UnitShape, order};
 use crate::device::Buf;
 use crate::error::{GpuError, Result};

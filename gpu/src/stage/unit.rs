@@ -24,6 +24,7 @@ use model::params::names;
 use model::{ModelError, StageDevice, StageLayout};
 
 use super::block::{BlockGrads, GpuBlock};
+use super::part::Part;
 use super::{Dy, GpuStage, MicroBatch, NormGrads, Scratch, UnitActs, UnitShape, order};
 use crate::device::Buf;
 use crate::error::{GpuError, Result, shape};
@@ -57,47 +58,6 @@ pub(super) struct Fwd<'s> {
     /// Last stage in training: the head's weight gradient in the micro-batch's accumulator (0:
     /// evaluation, no gradient).
     pub head_dw: u64,
-}
-
-/// Which backward a unit runs, and what it starts from and adds to.
-#[derive(Clone, Copy)]
-pub(super) enum Part<'s> {
-    /// A whole backward from `d_out`, adding to the micro-batch's flat gradient buffer `acc`.
-    Whole { d_out: Dy<'s>, acc: u64 },
-    /// The input half of a split backward from `d_out`: no parameter gradient is added; what the
-    /// weight half reads is kept in the unit's buffers.
-    Input { d_out: Dy<'s> },
-    /// The weight half of a split backward, adding to `acc` from what the input half kept.
-    Weight { acc: u64 },
-}
-
-impl<'s> Part<'s> {
-    /// Whether the backward is split (its weight half runs apart from its input half).
-    pub(super) fn split(&self) -> bool {
-        !matches!(self, Part::Whole { .. })
-    }
-
-    /// The micro-batch's flat gradient buffer; refused in an input half, which adds no parameter
-    /// gradient.
-    pub(super) fn acc(&self) -> Result<u64> {
-        match *self {
-            Part::Whole { acc, .. } | Part::Weight { acc } => Ok(acc),
-            Part::Input { .. } => Err(order(
-                GpuUnit::OP_BWD,
-                "a parameter gradient in the input half of a split backward",
-            )),
-        }
-    }
-
-    fn d_out(&self) -> Result<Dy<'s>> {
-        match *self {
-            Part::Whole { d_out, .. } | Part::Input { d_out } => Ok(d_out),
-            Part::Weight { .. } => Err(order(
-                GpuUnit::OP_BWD,
-                "the weight half of a split backward receives no gradient",
-            )),
-        }
-    }
 }
 
 /// The backward's buffers.
