@@ -167,14 +167,7 @@ fn a_replica_lost_mid_step_with_the_document_partition_is_rerouted_bit_identical
         &sets,
         vec![Rule::at(2, 3, Pos::Action(40), kill_it(3))],
     );
-    let r = out.recoveries();
-    assert!(!r.is_empty(), "{:#?}", out.events);
-    assert_eq!(
-        (r[0].tier, r[0].step, r[0].lost_steps),
-        (Tier::Reroute, 3, 0),
-        "{:#?}",
-        out.events
-    );
+    out.assert_first_recovery(Tier::Reroute, 3, 0);
     assert_eq!(out.result, Ok(STEPS), "{:#?}", out.events);
     let (step, state) = final_state(&out.dir);
     assert_eq!(step, STEPS);

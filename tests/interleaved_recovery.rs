@@ -313,13 +313,6 @@ fn a_lost_replica_of_an_interleaved_run_is_rerouted_bit_identically() {
         &sets,
         vec![Rule::at(2, 3, Pos::Action(20), kill_it(3))],
     );
-    let r = out.recoveries();
-    assert!(!r.is_empty(), "{:#?}", out.events);
-    assert_eq!(
-        (r[0].tier, r[0].step, r[0].lost_steps),
-        (Tier::Reroute, 3, 0),
-        "{:#?}",
-        out.events
-    );
+    out.assert_first_recovery(Tier::Reroute, 3, 0);
     out.assert_bit_identical();
 }

@@ -79,31 +79,80 @@ fn memory(run_dir: &Path, stages: usize) -> Vec<Vec<(u64, u64)>> {
         .collect()
 }
 
+/// A schedule and its segments k, e.g. `("1f1b", 1)`.
+type Kind<'a> = (&'a str, usize);
+
+/// Runs `one` and `seq` over `shape` without a budget, in `dir`, and returns their first steps'
+/// per-worker `(peak activation bytes, state bytes)`, having checked that every step measures the
+/// same (the same shapes each step) and that both hold the same state.
+fn unbudgeted(
+    dir: &Path,
+    shape: (usize, usize),
+    one: Kind,
+    seq: Kind,
+) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+    let run = |(schedule, k): Kind| {
+        let run_dir = dir.join(schedule);
+        run_ok(
+            seqpipe()
+                .args(["train", "-q"])
+                .args(train_args(&run_dir, shape, schedule, k, 0)),
+        );
+        let m = memory(&run_dir, shape.0);
+        assert_eq!(m.len(), STEPS as usize, "{schedule}");
+        assert_eq!(m[0], m[1], "{schedule}: every step measures the same");
+        m[0].clone()
+    };
+    let (one, seq) = (run(one), run(seq));
+    assert_eq!(
+        one.iter().map(|s| s.1).collect::<Vec<_>>(),
+        seq.iter().map(|s| s.1).collect::<Vec<_>>(),
+        "the same model and partition: the same state on every worker"
+    );
+    (one, seq)
+}
+
+/// With `budget`, `one` stops with an error holding each of `wants` and no recovery attempt,
+/// and `seq` trains with the same memory `seq_first` (its first step's) as without a budget.
+fn budget_stops_one_not_seq(
+    dir: &Path,
+    shape: (usize, usize),
+    (one, seq): (Kind, Kind),
+    budget: u64,
+    wants: &[&str],
+    seq_first: &[(u64, u64)],
+) {
+    let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
+        &dir.join(format!("{}-budget", one.0)),
+        shape,
+        one.0,
+        one.1,
+        budget,
+    )));
+    for want in wants {
+        assert!(stderr.contains(want), "missing {want:?} in:\n{stderr}");
+    }
+    assert!(
+        !stderr.contains("recover") && !stderr.contains("lost stage"),
+        "an over-budget worker must stop the run, not trigger recovery:\n{stderr}"
+    );
+    let budget_dir = dir.join(format!("{}-budget", seq.0));
+    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
+        &budget_dir,
+        shape,
+        seq.0,
+        seq.1,
+        budget,
+    )));
+    assert_eq!(memory(&budget_dir, shape.0)[0], seq_first);
+}
+
 #[test]
 fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
     let dir = fresh_dir("memory-budget");
-    let (one_dir, seq_dir) = (dir.join("1f1b"), dir.join("seq1f1b"));
-    run_ok(
-        seqpipe()
-            .args(["train", "-q"])
-            .args(train_args(&one_dir, PLAIN, "1f1b", 1, 0)),
-    );
-    run_ok(
-        seqpipe()
-            .args(["train", "-q"])
-            .args(train_args(&seq_dir, PLAIN, "seq1f1b", 4, 0)),
-    );
-    let (one, seq) = (memory(&one_dir, STAGES), memory(&seq_dir, STAGES));
-    assert_eq!((one.len(), seq.len()), (STEPS as usize, STEPS as usize));
-    // Every step holds the same shapes: the measurement repeats exactly.
-    assert_eq!(one[0], one[1]);
-    assert_eq!(seq[0], seq[1]);
-    let (one, seq) = (&one[0], &seq[0]);
-    // The same model and partition: the same state on every stage.
-    assert_eq!(
-        one.iter().map(|s| s.1).collect::<Vec<_>>(),
-        seq.iter().map(|s| s.1).collect::<Vec<_>>()
-    );
+    let kinds = (("1f1b", 1), ("seq1f1b", 4));
+    let (one, seq) = unbudgeted(&dir, PLAIN, kinds.0, kinds.1);
+    let (one, seq) = (&one, &seq);
     // 1F1B: stage r keeps p − r micro-batches in flight, so the first stage holds about p times
     // what the last one holds (which also keeps its head's gradients per unit).
     assert!(
@@ -123,34 +172,19 @@ fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
     // A budget halfway between the two first stages' totals.
     let (state, one_total, seq_total) = (one[0].1, one[0].0 + one[0].1, seq[0].0 + seq[0].1);
     let budget = (one_total + seq_total) / 2;
-    let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
-        &dir.join("1f1b-budget"),
+    budget_stops_one_not_seq(
+        &dir,
         PLAIN,
-        "1f1b",
-        1,
+        kinds,
         budget,
-    )));
-    for want in [
-        "stage 0: memory budget exceeded",
-        &format!("parameters, gradients and AdamW moments {state} bytes"),
-        &format!("train.memory_budget_bytes = {budget} bytes"),
-        "pipeline.schedule = \"seq1f1b\"",
-    ] {
-        assert!(stderr.contains(want), "missing {want:?} in:\n{stderr}");
-    }
-    assert!(
-        !stderr.contains("recover") && !stderr.contains("lost stage"),
-        "an over-budget stage must stop the run, not trigger recovery:\n{stderr}"
+        &[
+            "stage 0: memory budget exceeded",
+            &format!("parameters, gradients and AdamW moments {state} bytes"),
+            &format!("train.memory_budget_bytes = {budget} bytes"),
+            "pipeline.schedule = \"seq1f1b\"",
+        ],
+        seq,
     );
-    let budget_dir = dir.join("seq1f1b-budget");
-    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
-        &budget_dir,
-        PLAIN,
-        "seq1f1b",
-        4,
-        budget,
-    )));
-    assert_eq!(memory(&budget_dir, STAGES)[0], *seq);
 }
 
 /// Virtual stages: a worker's chunks share one budget. Two workers of two chunks; `seq1f1b-i`
@@ -162,28 +196,9 @@ fn seq1f1b_fits_a_memory_budget_that_1f1b_exceeds() {
 #[test]
 fn with_virtual_stages_a_workers_chunks_share_one_budget() {
     let dir = fresh_dir("memory-budget-chunks");
-    let (one_dir, seq_dir) = (dir.join("1f1b-i"), dir.join("seq1f1b-i"));
-    run_ok(
-        seqpipe()
-            .args(["train", "-q"])
-            .args(train_args(&one_dir, INTERLEAVED, "1f1b-i", 1, 0)),
-    );
-    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
-        &seq_dir,
-        INTERLEAVED,
-        "seq1f1b-i",
-        2,
-        0,
-    )));
-    let (one, seq) = (memory(&one_dir, WORKERS), memory(&seq_dir, WORKERS));
-    assert_eq!((one.len(), seq.len()), (STEPS as usize, STEPS as usize));
-    assert_eq!(one[0], one[1]);
-    assert_eq!(seq[0], seq[1]);
-    let (one, seq) = (&one[0], &seq[0]);
-    assert_eq!(
-        one.iter().map(|s| s.1).collect::<Vec<_>>(),
-        seq.iter().map(|s| s.1).collect::<Vec<_>>()
-    );
+    let kinds = (("1f1b-i", 1), ("seq1f1b-i", 2));
+    let (one, seq) = unbudgeted(&dir, INTERLEAVED, kinds.0, kinds.1);
+    let (one, seq) = (&one, &seq);
     let (state, one_total, seq_total) = (one[0].1, one[0].0 + one[0].1, seq[0].0 + seq[0].1);
     assert!(
         seq_total < one_total,
@@ -194,35 +209,20 @@ fn with_virtual_stages_a_workers_chunks_share_one_budget() {
         "worker 0, state {state} bytes: 1f1b-i {one_total} bytes, seq1f1b-i {seq_total} bytes in \
          all; budget {budget}"
     );
-    let stderr = run_err(seqpipe().args(["train", "-q"]).args(train_args(
-        &dir.join("1f1b-i-budget"),
+    budget_stops_one_not_seq(
+        &dir,
         INTERLEAVED,
-        "1f1b-i",
-        1,
+        kinds,
         budget,
-    )));
-    for want in [
-        "stage 0: memory budget exceeded",
-        "the worker's 2 virtual-stage chunks hold together",
-        &format!("parameters, gradients and AdamW moments {state} bytes"),
-        &format!("train.memory_budget_bytes = {budget} bytes"),
-        "pipeline.schedule = \"seq1f1b-i\"",
-    ] {
-        assert!(stderr.contains(want), "missing {want:?} in:\n{stderr}");
-    }
-    assert!(
-        !stderr.contains("recover") && !stderr.contains("lost stage"),
-        "an over-budget worker must stop the run, not trigger recovery:\n{stderr}"
+        &[
+            "stage 0: memory budget exceeded",
+            "the worker's 2 virtual-stage chunks hold together",
+            &format!("parameters, gradients and AdamW moments {state} bytes"),
+            &format!("train.memory_budget_bytes = {budget} bytes"),
+            "pipeline.schedule = \"seq1f1b-i\"",
+        ],
+        seq,
     );
-    let budget_dir = dir.join("seq1f1b-i-budget");
-    run_ok(seqpipe().args(["train", "-q"]).args(train_args(
-        &budget_dir,
-        INTERLEAVED,
-        "seq1f1b-i",
-        2,
-        budget,
-    )));
-    assert_eq!(memory(&budget_dir, WORKERS)[0], *seq);
 }
 
 #[test]

@@ -894,6 +894,18 @@ impl Outcome {
         })
     }
 
+    /// Asserts that the run recovered, first with `tier` at `step`, losing `lost_steps` steps.
+    pub fn assert_first_recovery(&self, tier: Tier, step: u64, lost_steps: u64) {
+        let r = self.recoveries();
+        assert!(!r.is_empty(), "no recovery: {:#?}", self.events);
+        assert_eq!(
+            (r[0].tier, r[0].step, r[0].lost_steps),
+            (tier, step, lost_steps),
+            "{:#?}",
+            self.events
+        );
+    }
+
     /// The `node_lost` events, in order.
     pub fn lost(&self) -> Vec<&NodeLost> {
         self.events_of(|e| match e {
