@@ -139,8 +139,17 @@ fn schedule_family_kinds_print_and_train_refuses_what_they_cannot_run() {
         "1f1b-i",
     ]));
     assert!(err.contains("multiple of the stages"), "{err}");
-    // seq1f1b-zb trains, but not with mid-step recovery (on by default): refused, naming the key.
-    let err = run_err(seqpipe().args(["train", "--set", "pipeline.schedule=seq1f1b-zb"]));
+    // seq1f1b-zb trains, but not with mid-step recovery (on by default) over NCCL device links:
+    // refused, naming the key, before anything starts.
+    let err = run_err(seqpipe().args([
+        "train",
+        "--set",
+        "pipeline.schedule=seq1f1b-zb",
+        "--set",
+        "model.device=cuda",
+        "--set",
+        "pipeline.transport=nccl",
+    ]));
     assert!(
         err.contains("seq1f1b-zb") && err.contains("elastic.mid_step = false"),
         "{err}"

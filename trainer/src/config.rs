@@ -1001,10 +1001,8 @@ mod tests {
                 .unwrap();
             }
         }
-        for nccl in [
-            &["pipeline.transport=nccl"][..],
-            &["model.device=cuda", "pipeline.transport=nccl"],
-        ] {
+        {
+            let nccl = &["model.device=cuda", "pipeline.transport=nccl"][..];
             zb(&[&["elastic.mid_step=false"], nccl].concat())
                 .validate()
                 .unwrap();
