@@ -1,7 +1,7 @@
 //! How short a step with split backwards can be at Seq1F1B's memory per worker: a lower bound
 //! on the step time of every order that splits each backward into its input half `I` and weight
 //! half `W` (the `seq1f1b-zb` family) while no stage holds more live units than Seq1F1B's order
-//! holds //! there — whatever the order, the unit times or the placement of the `W`s.
+//! holds there — whatever the order, the unit times or the placement of the `W`s.
 //!
 //! The argument, with `d(r, a)` the time of compute action `a` on stage r (a unit is live from
 //! its `F` to its `W`; the `I`s run in Seq1F1B's backward order, micro-batch ascending and
