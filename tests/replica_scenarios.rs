@@ -76,3 +76,27 @@ fn a_replica_lost_at_the_last_stages_reduction_is_rerouted() {
 fn a_replica_lost_at_the_first_stages_reduction_is_rerouted() {
     rerouted("dp-at-reduce-first", 2, Pos::Reduce(0));
 }
+
+/// Replica 0 — the one that writes the checkpoints — loses its first stage in the middle of the
+/// run's last step: replica 1 computes its share, the last step's checkpoint is written and
+/// committed by the survivors, and then the lost node is re-planned at the boundary. The rebuilt
+/// pipeline restores the last step and finds its checkpoint already committed: the run ends
+/// normally (it used to fail with "the final checkpoint of step 6 was not committed: it was
+/// abandoned", the new checkpoint writer never having seen that commit).
+#[test]
+fn the_writing_replica_lost_in_the_last_step_ends_the_run_normally() {
+    let rule = Rule::at(0, harness::STEPS, Pos::Action(12), move |c, id| {
+        c.wait_held(harness::STEPS - 1, 2);
+        c.kill_worker(&id.node, id.stage);
+        Verdict::Kill
+    });
+    let out = run("dp-last-step-writer", 4, &TWO_BY_TWO, vec![rule]);
+    assert_eq!(out.result, Ok(harness::STEPS), "{:#?}", out.events);
+    out.assert_first_recovery(Tier::Reroute, harness::STEPS, 0);
+    assert!(
+        out.checkpoints().iter().any(|e| e.step == harness::STEPS),
+        "{:#?}",
+        out.events
+    );
+    out.assert_bit_identical();
+}

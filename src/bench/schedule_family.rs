@@ -176,10 +176,11 @@ pub struct Ratios {
     pub seq1f1b_i_memory: f64,
     /// Largest per-stage peak activation bytes, 1f1b-i / 1f1b.
     pub one_f_one_b_i_memory: f64,
-    /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the issue hoped for ≤ 0.5; at Seq1F1B's
-    /// per-stage memory no order idles less than (p−1)·(F+I), 2/3 of Seq1F1B's idle here).
+    /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the issue's goal ≤ 0.5: ZB-H1's
+    /// (p−1)·F idle at F = I = W, a third of Seq1F1B's).
     pub zero_bubble_bubble: f64,
-    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1 by construction).
+    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1 in the model: every
+    /// stage holds at most the first stage's Seq1F1B peak of units, all of equal size here).
     pub zero_bubble_memory: f64,
 }
 
@@ -293,7 +294,8 @@ mod tests {
         for q in ratios(&rows) {
             // The zero-bubble order never holds more than Seq1F1B and idles less.
             assert!(q.zero_bubble_memory <= 1.0, "{q:?}");
-            assert!(q.zero_bubble_bubble < 1.0, "{q:?}");
+            // The issue's goal: at most half of Seq1F1B's bubble (ZB-H1's, 0.35–0.41 here).
+            assert!(q.zero_bubble_bubble <= 0.5, "{q:?}");
             // Interleaving holds more activations than its plain form (the paper's 1F1B-I above
             // 1F1B), never less.
             assert!(q.one_f_one_b_i_memory >= 1.0, "{q:?}");

@@ -1,7 +1,7 @@
-//! How short a step with split backwards can be at Seq1F1B's memory: a lower bound on the step
-//! time of every order that splits each backward into its input half `I` and weight half `W`
-//! (the `seq1f1b-zb` family) while no stage holds more live units than Seq1F1B's order holds
-//! there — whatever the order, the unit times or the placement of the `W`s.
+//! How short a step with split backwards can be at Seq1F1B's memory per worker: a lower bound
+//! on the step time of every order that splits each backward into its input half `I` and weight
+//! half `W` (the `seq1f1b-zb` family) while no stage holds more live units than Seq1F1B's order
+//! holds there — whatever the order, the unit times or the placement of the `W`s.
 //!
 //! The argument, with `d(r, a)` the time of compute action `a` on stage r (a unit is live from
 //! its `F` to its `W`; the `I`s run in Seq1F1B's backward order, micro-batch ascending and
@@ -22,11 +22,12 @@
 //! stage's Seq1F1B peak is one micro-batch of forward-live units, which step 1 already holds.
 //!
 //! With equal unit times (F, I, W on every unit and stage) the bound is `m·k·(F+I+W) +
-//! (p−1)·(F+I)` against Seq1F1B's `m·k·(F+I+W) + (p−1)·(F+I+W)`: at Seq1F1B's memory a split
-//! backward can take only the `W`s, `(p−1)·W`, out of the idle time; ZB-H1's `(p−1)·max(F, I)`
-//! needs every stage to hold the first stage's peak. `seq1f1b-zb`'s order reaches this bound
-//! for equal unit times on every shape (tested), and an exhaustive search over every order of
-//! small shapes finds none shorter (tested): it is the optimum there.
+//! (p−1)·(F+I)` against Seq1F1B's `m·k·(F+I+W) + (p−1)·(F+I+W)`: at Seq1F1B's memory per
+//! worker a split backward can take only the `W`s, `(p−1)·W`, out of the idle time (2/3 of
+//! Seq1F1B's idle at F = I = W), and an exhaustive search over every order of small shapes finds
+//! none shorter (tested). `seq1f1b-zb` does not keep this per-worker rule: under ZB-H1's rule
+//! (every stage up to the job's peak, the first stage's) it takes ZB-H1's `(p−1)·F` idle at
+//! F = I = W, below this bound, which stays the documented limit of the per-worker rule.
 
 use super::generate::check_parameters;
 use super::{Action, Op, ScheduleError, Unit};

@@ -363,47 +363,54 @@ fn check_virtual(
 /// The compute order of `seq1f1b-zb` on each stage: Seq1F1B's units with every backward split
 /// into `I` (input gradient) and `W` (weight gradient), the `W`s deferred into the bubbles.
 ///
+/// Memory rule (ZB-H1's, Qi et al., "Zero Bubble Pipeline Parallelism"): equal memory is the
+/// job's peak, not each stage's. Every stage may hold up to Seq1F1B's first stage's peak of live
+/// units, `min(p + k − 1, m·k)` (a unit is alive from its `F` until its `W`, which needs the
+/// saved inputs and output gradients), the most any Seq1F1B stage holds; so the job's peak is
+/// Seq1F1B's, while the later stages hold more than under Seq1F1B (up to that peak) because
+/// their `W`s wait for the idle time. The first stage holds exactly Seq1F1B's.
+///
 /// Built by list scheduling over unit time (every `F`, `I` and `W` takes one tick: the
 /// zero-bubble papers' T_F = T_B = T_W, i.e. a whole backward is twice a forward, as in
-/// [`super::UnitCosts::uniform`]; communication free). At each tick a free stage runs, in
-/// order of preference:
+/// [`super::UnitCosts::uniform`]; communication free). Stage r keeps Seq1F1B's rhythm of
+/// forwards and input halves (at most its Seq1F1B peak of units forwarded and not yet through
+/// their `I`), and at each tick a free stage runs, in order of preference:
 ///
-/// 1. its oldest pending `W`, when the next `F`'s activation has arrived but the stage holds
-///    Seq1F1B's peak of live units (a unit is alive from its `F` until its `W`, which needs the
-///    saved inputs and output gradients): freeing one keeps the forwards flowing;
-/// 2. its next `F`, when the activation has arrived and fewer units than that peak are alive;
+/// 1. its oldest pending `W`, when the next `F`'s activation has arrived or arrives at the end
+///    of this tick but the stage holds the job's peak of live units: freeing one now lets that
+///    `F` run on time (waiting for the arrival to free it costs the whole pipeline a tick);
+/// 2. its next `F`, when the activation has arrived and both caps allow it;
 /// 3. its next `I`, when the gradient has arrived (on the last stage: when the micro-batch's
 ///    last segment is forwarded);
 /// 4. its oldest pending `W`.
 ///
-/// Forwards before input halves, as 1F1B's steady state alternates them: the first rule of
-/// this greedy put each `I` first, which ran a micro-batch's `I`s back to back and held the
-/// next forwards until `W`s freed their units; with input halves that cost several weight
-/// halves (attention's backward is all input half) that order replayed slower than Seq1F1B
-/// (bubble 28–35 % against Seq1F1B's 12–29 % on measured unit times, `seqpipe bench schedule`
-/// at T = 2048). This one is never slower than Seq1F1B on the costs checked in the tests.
+/// Forwards before input halves, as 1F1B's steady state alternates them (an earlier greedy put
+/// each `I` first and replayed slower than Seq1F1B on measured unit times, where the input half
+/// costs several weight halves).
 ///
-/// It is optimal at Seq1F1B's per-stage memory when unit times are equal (each F, each I and
-/// each W the same, in any ratio): its step is then exactly [`super::split_backward_bound`],
-/// `m·k·(F+I+W) + (p−1)·(F+I)`, the least any split-backward order can take there (tested over
-/// p ≤ 6, m ≤ 6, k ≤ 5; an exhaustive search of small shapes finds no shorter order). What it
-/// saves over Seq1F1B is the `W`s of the idle time, `(p−1)·W`: the last stage may hold one
-/// micro-batch, so before its last forward every earlier `W` has run, and the step ends with
-/// that forward's `I` going down every stage. ZB-H1's `(p−1)·max(F, I)` needs more memory on
-/// the later stages (each live unit more per stage is one `W` less of idle time).
+/// At equal unit times (each F, each I and each W the same, here F = I = W) and m·k ≥ p + k − 1
+/// its step is ZB-H1's, `m·k·(F+I+W) + (p−1)·F`, the least any order can take at the job's
+/// peak: the first stage's first `I` cannot start before the first unit's last segment has gone
+/// up and its gradient come down, and until then it may forward only `p + k − 1` units (tested
+/// over p ≤ 6, m ≤ 6, k ≤ 5; bubble `(p−1)/(3·m·k + p−1)`, a third of Seq1F1B's). That is below
+/// [`super::split_backward_bound`], the least step at Seq1F1B's per-stage memory.
 ///
-/// So the peak number of live units on every stage is at most Seq1F1B's (ZB-H1's rule, per
-/// unit), the `I`s run in Seq1F1B's backward order (micro-batch ascending, segment descending:
-/// the dK/dV carry flows from later to earlier segments), and the `W`s run in the order of the
-/// `I`s (a FIFO), which is the order of Seq1F1B's `B`s: every parameter's gradient accumulates
-/// over the step's units in exactly Seq1F1B's order.
+/// The `I`s run in Seq1F1B's backward order (micro-batch ascending, segment descending: the
+/// dK/dV carry flows from later to earlier segments), and the `W`s run in the order of the `I`s
+/// (a FIFO), which is the order of Seq1F1B's `B`s: every parameter's gradient accumulates over
+/// the step's units in exactly Seq1F1B's order. The live units are always a prefix of the
+/// forward order less a prefix of the backward order, at most the first stage's peak of them,
+/// so they are a subset of a set the first stage holds under Seq1F1B: no stage's activation
+/// bytes exceed Seq1F1B's first stage's, whatever the segment lengths.
 fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
     let n = m * k;
     let idx = |u: Unit| u.micro_batch * k + u.segment;
     let fwd = forward_units(m, k);
     let bwd = backward_units(m, k);
-    // Seq1F1B's peak of live units on stage r: warm-up + 1 (counted from its own order).
-    let cap: Vec<usize> = (0..p)
+    // The job's peak: Seq1F1B's first stage's live units, the most of any of its stages.
+    let job_peak = (seq1f1b_warmup(p, m, k, 0) + 1).min(n);
+    // Seq1F1B's rhythm on stage r: at most its peak of units forwarded and not yet through I.
+    let ahead: Vec<usize> = (0..p)
         .map(|r| (seq1f1b_warmup(p, m, k, r) + 1).min(n))
         .collect();
     // End ticks of each stage's F and I of each unit.
@@ -423,21 +430,22 @@ fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, S
             return Ok(order);
         }
         for r in 0..p {
-            // What each stage does at tick t depends only on ends ≤ t, so the stages of one
-            // tick do not see each other's choices.
+            // What each stage does at tick t depends only on ends ≤ t (and on F's running at
+            // t, for rule 1), so the stages of one tick do not see each other's choices.
             let input_ready = bwd.get(next_i[r]).copied().filter(|&u| {
                 let local = done_by(f_end[r][idx(u)], t)
                     && done_by(f_end[r][idx(Unit::new(u.micro_batch, k - 1))], t);
                 local && (r + 1 == p || done_by(i_end[r + 1][idx(u)], t))
             });
-            let forward_ready = fwd
-                .get(next_f[r])
-                .copied()
-                .filter(|&u| alive[r] < cap[r] && (r == 0 || done_by(f_end[r - 1][idx(u)], t)));
-            // The next F's activation has arrived but the stage holds its peak of live units.
-            let forward_waits_on_w = fwd.get(next_f[r]).is_some_and(|&u| {
-                alive[r] >= cap[r] && (r == 0 || done_by(f_end[r - 1][idx(u)], t))
-            });
+            // The next F within the rhythm, if its activation is here by tick `by`.
+            let next_forward = |by: usize| {
+                fwd.get(next_f[r]).copied().filter(|&u| {
+                    next_f[r] - next_i[r] < ahead[r]
+                        && (r == 0 || done_by(f_end[r - 1][idx(u)], by))
+                })
+            };
+            let forward_waits_on_w = alive[r] >= job_peak && next_forward(t + 1).is_some();
+            let forward_ready = next_forward(t).filter(|_| alive[r] < job_peak);
             if let Some(u) = pending_w[r].front().copied().filter(|_| forward_waits_on_w) {
                 pending_w[r].pop_front();
                 alive[r] -= 1;
@@ -929,8 +937,16 @@ mod family_tests {
         peak_live(s, r, |_| 1)
     }
 
+    /// The job's peak under Seq1F1B: the most any of its stages holds (the first stage's).
+    fn job_peak(s: &Schedule, size: impl Fn(Unit) -> usize) -> usize {
+        (0..s.stages).map(|r| peak_live(s, r, &size)).max().unwrap()
+    }
+
+    /// ZB-H1's memory rule: every worker may hold up to the job's Seq1F1B peak (its first
+    /// stage's), in live units and in tokens, so the later workers hold more than under Seq1F1B
+    /// but the job fits where Seq1F1B's fits; the first stage holds no more than under Seq1F1B.
     #[test]
-    fn zero_bubble_validates_at_seq1f1b_memory_with_seq1f1b_gradient_order() {
+    fn zero_bubble_validates_at_the_jobs_seq1f1b_peak_with_seq1f1b_gradient_order() {
         for p in 1..=6 {
             for m in 1..=6 {
                 for k in 1..=5 {
@@ -939,6 +955,13 @@ mod family_tests {
                         panic!("p={p} m={m} k={k}: {e}\n{}", render_text(&z));
                     }
                     let s = generate(ScheduleKind::Seq1F1B, p, m, k).unwrap();
+                    // Segments of unequal length (the compute partition's first segments are
+                    // the longest).
+                    let tokens = |u: Unit| 10 * (k - u.segment) + 3;
+                    let (units_peak, tokens_peak) = (job_peak(&s, |_| 1), job_peak(&s, tokens));
+                    assert_eq!(units_peak, peak_live_units(&s, 0), "p={p} m={m} k={k}");
+                    assert_eq!(units_peak, (p + k - 1).min(m * k), "p={p} m={m} k={k}");
+                    assert!(peak_live_units(&z, 0) <= peak_live_units(&s, 0));
                     for r in 0..p {
                         // Every backward is split, I before W (the validator checks the order).
                         assert!(z.compute_actions(r).all(|a| a.op() != Op::Backward));
@@ -951,18 +974,15 @@ mod family_tests {
                         );
                         assert_eq!(z.backward_order(r), s.backward_order(r));
                         assert!(
-                            peak_live_units(&z, r) <= peak_live_units(&s, r),
-                            "p={p} m={m} k={k} r={r}: zb {} > seq1f1b {}\n{}",
+                            peak_live_units(&z, r) <= units_peak,
+                            "p={p} m={m} k={k} r={r}: zb {} > the job's seq1f1b peak {units_peak}\n{}",
                             peak_live_units(&z, r),
-                            peak_live_units(&s, r),
                             render_text(&z)
                         );
-                        // Nor more tokens when segments differ in length (the compute
-                        // partition's first segments are the longest).
-                        let tokens = |u: Unit| 10 * (k - u.segment) + 3;
                         assert!(
-                            peak_live(&z, r, tokens) <= peak_live(&s, r, tokens),
-                            "p={p} m={m} k={k} r={r}: tokens"
+                            peak_live(&z, r, tokens) <= tokens_peak,
+                            "p={p} m={m} k={k} r={r}: tokens {} > {tokens_peak}",
+                            peak_live(&z, r, tokens)
                         );
                     }
                 }
@@ -972,14 +992,16 @@ mod family_tests {
 
     #[test]
     fn zero_bubble_golden_order_p4_m3_k2() {
-        // F's up to Seq1F1B's live units on the stage (5, 4, 3, 2), the oldest W first when an
-        // F's activation waits on that cap, else the next I, else the oldest W (see
-        // `zero_bubble_order`). The last stage (cap 2): F0.0 F0.1, I0.1, then W0.1 to let F1.0
-        // in, as Seq1F1B alternates B0.1 F1.0; the W's of the last micro-batch trail its I's.
+        // Every stage may hold Seq1F1B's first-stage peak, 5 live units (ZB-H1's rule; this
+        // order changed when the rule went from each stage's own Seq1F1B peak, 5 4 3 2, to the
+        // job's). Each stage keeps Seq1F1B's rhythm of F's and I's (at most 5 4 3 2 units
+        // forwarded and not through their I) and defers W's: the last stage holds up to 5 live
+        // units where Seq1F1B holds 2, its W's filling the idle time the first stage's
+        // forwards leave. The first stage is Seq1F1B's order with each B split into I W.
         let z = generate(ScheduleKind::Seq1F1BZeroBubble, 4, 3, 2).unwrap();
         assert_eq!(
             compute_line(&z, 3),
-            "F0.0 F0.1 I0.1 W0.1 F1.0 I0.0 W0.0 F1.1 I1.1 W1.1 F2.0 I1.0 W1.0 F2.1 I2.1 I2.0 \
+            "F0.0 F0.1 I0.1 F1.0 I0.0 F1.1 I1.1 F2.0 I1.0 W0.1 F2.1 I2.1 I2.0 W0.0 W1.1 W1.0 \
              W2.1 W2.0"
         );
         assert_eq!(
@@ -989,34 +1011,66 @@ mod family_tests {
         );
     }
 
+    /// The unit-time step of `seq1f1b-zb` at the job's peak: ZB-H1's `3·m·k + (p−1)` when the
+    /// first stage may forward p + k − 1 units before its first I, else (m·k < p + k − 1, every
+    /// unit fits) `2·m·k + 2·p + k − 2`. Either way the first stage's first I cannot start
+    /// before tick 2p + k − 2 (the first micro-batch's last segment up all p stages, its
+    /// gradient down to stage 1), it may forward at most the job's peak before that, and then
+    /// it has the rest of its 3·m·k ticks of work: no order at that memory is shorter.
+    fn job_peak_unit_step(p: usize, m: usize, k: usize) -> usize {
+        3 * m * k + 2 * p + k - 2 - (p + k - 1).min(m * k)
+    }
+
     #[test]
-    fn zero_bubble_has_a_smaller_bubble_than_seq1f1b() {
-        // With F = I = W = 1 (a whole backward 2) Seq1F1B idles 3·(p−1) per stage; the
-        // zero-bubble order 2·(p−1), the least at Seq1F1B's per-stage live units (see
-        // `split_backward_bound`; ZB-H1's (p−1) holds more on the later stages).
-        for p in [2, 4, 6] {
-            for (m, k) in [(4, 2), (8, 4), (8, 1)] {
-                let costs = UnitCosts::uniform(k, 1);
-                let z = simulate(
-                    &generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap(),
-                    &costs,
-                )
-                .unwrap();
-                let s =
-                    simulate(&generate(ScheduleKind::Seq1F1B, p, m, k).unwrap(), &costs).unwrap();
-                let busy = 3.0 * (m * k) as f64;
-                assert_eq!(
-                    s.step_time,
-                    busy + 3.0 * (p - 1) as f64,
-                    "p={p} m={m} k={k}"
-                );
-                assert_eq!(
-                    z.step_time,
-                    busy + 2.0 * (p - 1) as f64,
-                    "p={p} m={m} k={k}"
-                );
-                assert!(z.bubble_fraction < s.bubble_fraction);
+    fn zero_bubble_takes_zb_h1s_step_at_equal_unit_times() {
+        for p in 1..=8 {
+            for m in 1..=8 {
+                for k in 1..=5 {
+                    let costs = UnitCosts::uniform(k, 1);
+                    let z = simulate(
+                        &generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap(),
+                        &costs,
+                    )
+                    .unwrap();
+                    let s = simulate(&generate(ScheduleKind::Seq1F1B, p, m, k).unwrap(), &costs)
+                        .unwrap();
+                    let what = format!("p={p} m={m} k={k}");
+                    assert_eq!(z.step_time, job_peak_unit_step(p, m, k) as f64, "{what}");
+                    let busy = 3.0 * (m * k) as f64;
+                    assert_eq!(s.step_time, busy + 3.0 * (p - 1) as f64, "{what}");
+                    if m * k >= p + k - 1 {
+                        // ZB-H1's idle, a third of Seq1F1B's; the issue's goal, ≤ 0.5 of its
+                        // bubble fraction, holds (it does whenever m·k ≥ p − 1).
+                        assert_eq!(z.step_time, busy + (p - 1) as f64, "{what}");
+                        let zb = ScheduleKind::Seq1F1BZeroBubble;
+                        let formula = formula_bubble(zb, p, 1, m, k);
+                        assert!((z.bubble_fraction - formula).abs() < 1e-9, "{what}");
+                        assert!(
+                            z.bubble_fraction <= 0.5 * s.bubble_fraction + 1e-12,
+                            "{what}: zb {} vs seq1f1b {}",
+                            z.bubble_fraction,
+                            s.bubble_fraction
+                        );
+                    }
+                }
             }
+        }
+        // The issue's shapes: a third of Seq1F1B's idle, (n + p − 1)/(3n + p − 1) of its bubble
+        // fraction (0.35–0.41).
+        for (m, k) in [(4, 2), (4, 4), (8, 2), (8, 4)] {
+            let costs = UnitCosts::uniform(k, 1);
+            let bubble = |kind| {
+                simulate(&generate(kind, 4, m, k).unwrap(), &costs)
+                    .unwrap()
+                    .bubble_fraction
+            };
+            let ratio = bubble(ScheduleKind::Seq1F1BZeroBubble) / bubble(ScheduleKind::Seq1F1B);
+            let n = (m * k) as f64;
+            assert!(
+                (ratio - (n + 3.0) / (3.0 * n + 3.0)).abs() < 1e-9,
+                "m={m} k={k}"
+            );
+            assert!((0.35..=0.42).contains(&ratio), "m={m} k={k}: {ratio}");
         }
     }
 
@@ -1115,11 +1169,12 @@ mod family_tests {
         }
     }
 
-    /// With equal unit times, whatever the ratio of F, I and W, the zero-bubble order takes
-    /// exactly the least step any split-backward order can take at Seq1F1B's per-stage memory
-    /// ([`split_backward_bound`]): no order does better there. Seq1F1B takes (p−1)·W more.
+    /// With equal unit times, whatever the ratio of F, I and W, the zero-bubble order is never
+    /// slower than the least step at Seq1F1B's per-stage memory ([`split_backward_bound`], which
+    /// its first greedy reached): it holds more on the later stages, and once the first stage
+    /// can hold its p + k − 1 units it takes ZB-H1's `m·k·(F+I+W) + (p−1)·max(F+I−W, F, I)`.
     #[test]
-    fn zero_bubble_reaches_the_memory_bound_at_equal_unit_times() {
+    fn zero_bubble_is_at_or_below_the_per_stage_memory_bound_at_equal_unit_times() {
         for costs in [
             (1.0, 1.0, 1.0),
             (1.0, 1.6, 0.2),
@@ -1128,21 +1183,22 @@ mod family_tests {
             (1.0, 2.0, 1.0),
             (2.0, 1.0, 1.0),
         ] {
+            let (f, i, w) = costs;
             for p in 1..=6 {
                 for m in 1..=6 {
                     for k in 1..=5 {
                         let zb = generate(ScheduleKind::Seq1F1BZeroBubble, p, m, k).unwrap();
-                        let seq = generate(ScheduleKind::Seq1F1B, p, m, k).unwrap();
                         let bound =
                             split_backward_bound(p, m, k, |_, a| op_time(a.op(), costs)).unwrap();
-                        let (t_zb, t_seq) = (replay_with(&zb, costs), replay_with(&seq, costs));
+                        let t_zb = replay_with(&zb, costs);
                         let what = format!("costs {costs:?} p={p} m={m} k={k}");
-                        assert!(
-                            (t_zb - bound).abs() < 1e-9 * bound,
-                            "{what}: {t_zb} vs {bound}"
-                        );
-                        let w_idle = (p - 1) as f64 * costs.2;
-                        assert!((t_seq - bound - w_idle).abs() < 1e-9 * bound, "{what}");
+                        assert!(t_zb <= bound * (1.0 + 1e-9), "{what}: {t_zb} vs {bound}");
+                        if m * k >= p + k - 1 {
+                            let busy = (m * k) as f64 * (f + i + w);
+                            let idle = (p - 1) as f64 * (f + i - w).max(f).max(i);
+                            let h1 = busy + idle;
+                            assert!((t_zb - h1).abs() < 1e-9 * h1, "{what}: {t_zb} vs {h1}");
+                        }
                     }
                 }
             }

@@ -18,8 +18,9 @@
 //! `seq1f1b-i` and the zero-bubble `seq1f1b-zb` ([`ScheduleKind::splits_backward`]) on CPU
 //! stages over TCP.
 //!
-//! How short a split-backward step can be at Seq1F1B's memory, whatever the order, is
-//! [`split_backward_bound`] (`seq1f1b-zb` reaches it when unit times are equal).
+//! How short a split-backward step can be at Seq1F1B's memory per worker, whatever the order,
+//! is [`split_backward_bound`]; `seq1f1b-zb` holds up to the job's peak (the first stage's) on
+//! every stage, ZB-H1's rule, and goes below it to ZB-H1's step.
 //!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
 //! document-aware partition (equal cost under document masks, per micro-batch) in

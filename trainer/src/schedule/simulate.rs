@@ -268,10 +268,10 @@ fn place(
 /// The bubble fraction each kind's formula predicts for equal-cost units, p stages, v chunks,
 /// m micro-batches and k segments: `(p−1)/(n + p−1)` with n the number of pipeline "slots" a
 /// stage fills — m for `1f1b`, m·k for `seq1f1b` and `gpipe` (whose units stream), v·m for
-/// `1f1b-i`, v·m·k for `seq1f1b-i` — and for `seq1f1b-zb` its `(p−1)·(T_F + T_I)` idle against
-/// `m·k·(T_F + T_I + T_W)` busy with T_F = T_I = T_W: `2(p−1)/(3·m·k + 2(p−1))`, the least at
-/// Seq1F1B's per-stage memory ([`super::split_backward_bound`]; ZB-H1's `(p−1)/(3·m·k + p−1)`
-/// holds the first stage's peak on every stage).
+/// `1f1b-i`, v·m·k for `seq1f1b-i` — and for `seq1f1b-zb` ZB-H1's `(p−1)·T_F` idle against
+/// `m·k·(T_F + T_I + T_W)` busy with T_F = T_I = T_W: `(p−1)/(3·m·k + p−1)`, a third of
+/// Seq1F1B's idle (every stage may hold the first stage's Seq1F1B peak; when m·k < p + k − 1
+/// the first stage cannot hold that many and the order idles more).
 pub fn formula_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize, k: usize) -> f64 {
     let (p, v, m, k) = (p as f64, v as f64, m as f64, k as f64);
     let slots = match kind {
@@ -279,7 +279,7 @@ pub fn formula_bubble(kind: ScheduleKind, p: usize, v: usize, m: usize, k: usize
         ScheduleKind::GPipe | ScheduleKind::Seq1F1B => m * k,
         ScheduleKind::OneFOneBInterleaved => v * m,
         ScheduleKind::Seq1F1BInterleaved => v * m * k,
-        ScheduleKind::Seq1F1BZeroBubble => 1.5 * m * k,
+        ScheduleKind::Seq1F1BZeroBubble => 3.0 * m * k,
     };
     (p - 1.0) / (slots + p - 1.0)
 }

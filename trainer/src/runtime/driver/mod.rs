@@ -284,16 +284,19 @@ impl Driver<'_, '_> {
                 ))
             })?;
         self.record_recovery(step, step, resumed_from.is_some(), &ProgressBar::hidden())?;
+        // Committed before the loss was handled (e.g. a replica lost in the last step, re-routed,
+        // its node re-planned at the boundary after the checkpoint): nothing is left to write.
+        // This writer is new and has not seen that commit, so it is not asked to confirm it.
         if !self.checkpoints.committed_steps()?.contains(&step) {
             self.begin_checkpoint(&record)?;
+            let timeout = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
+            self.checkpoints.commit_final(
+                self.pipeline,
+                self.metrics.as_mut().expect("metrics"),
+                step,
+                FinalDeadline::Attempts(timeout),
+            )?;
         }
-        let timeout = self.cfg.pipeline.timeout().max(self.cfg.checkpoint.grace());
-        self.checkpoints.commit_final(
-            self.pipeline,
-            self.metrics.as_mut().expect("metrics"),
-            step,
-            FinalDeadline::Attempts(timeout),
-        )?;
         Ok(RunSummary {
             final_loss: record.loss,
             val_loss: record.val_loss,
