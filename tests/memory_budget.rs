@@ -82,15 +82,13 @@ fn memory(run_dir: &Path, stages: usize) -> Vec<Vec<(u64, u64)>> {
 /// A schedule and its segments k, e.g. `("1f1b", 1)`.
 type Kind<'a> = (&'a str, usize);
 
+/// Per worker, `(peak activation bytes, state bytes)` of one step.
+type Memory = Vec<(u64, u64)>;
+
 /// Runs `one` and `seq` over `shape` without a budget, in `dir`, and returns their first steps'
 /// per-worker `(peak activation bytes, state bytes)`, having checked that every step measures the
 /// same (the same shapes each step) and that both hold the same state.
-fn unbudgeted(
-    dir: &Path,
-    shape: (usize, usize),
-    one: Kind,
-    seq: Kind,
-) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+fn unbudgeted(dir: &Path, shape: (usize, usize), one: Kind, seq: Kind) -> (Memory, Memory) {
     let run = |(schedule, k): Kind| {
         let run_dir = dir.join(schedule);
         run_ok(
