@@ -13,7 +13,7 @@ use trainer::runtime::recovery::Tier;
 
 use common::{
     assert_final_state, children_of, ckpt_url, elastic_job, final_state, free_port, fresh_dir,
-    records, run_events, run_ok, seqpipe, wait_for_steps,
+    metrics, records, run_events, run_ok, seqpipe, wait_for_steps,
 };
 use rand::{Rng, SeedableRng};
 use trainer::runtime::events::{Record, Recovered, RunEvent};
@@ -97,7 +97,19 @@ fn signal_mid_run(
     run_events(&run)
 }
 
-/// One trial: start the job, wait a random delay after its first step, SIGKILL `kills` random
+/// The seconds an uninterrupted run in `run_dir` took from the end of its first step to its
+/// last (the sum of steps 2.. in its `metrics.jsonl`): the window a trial's kill must land in.
+fn training_window_s(run_dir: &Path) -> f64 {
+    metrics(run_dir)
+        .iter()
+        .filter(|m| m.get("loss").is_some() && m["step"].as_u64().is_some_and(|s| s > 1))
+        .map(|m| m["step_time_s"].as_f64().expect("step_time_s"))
+        .sum()
+}
+
+/// One trial: start the job, wait a random delay after its first step — within the first 80 %
+/// of `window_s`, the uninterrupted run's time after its first step (measured, not assumed: on
+/// a quiet machine a fixed delay lands after the end of a fast run) — and SIGKILL `kills` random
 /// nodes' workers or whole nodes. Returns the run's metrics lines.
 fn trial(
     dir: &Path,
@@ -106,12 +118,14 @@ fn trial(
     victim: Victim,
     extra: &[&str],
     reference: &BTreeMap<String, Vec<u8>>,
+    window_s: f64,
 ) -> Vec<Record> {
     std::fs::create_dir_all(dir).unwrap();
     let log = std::fs::File::create(dir.join("launcher.log")).unwrap();
     let mut child = job(dir, extra).stderr(log).spawn().unwrap();
     wait_for_steps(dir, 1);
-    std::thread::sleep(Duration::from_millis(rng.random_range(0..900)));
+    let window_ms = ((window_s * 800.0) as u64).max(1);
+    std::thread::sleep(Duration::from_millis(rng.random_range(0..window_ms)));
     let victims = kill_random(child.id(), rng, kills, victim);
     let status = child.wait().unwrap();
     let log = std::fs::read_to_string(dir.join("launcher.log")).unwrap_or_default();
@@ -211,6 +225,7 @@ fn chaos_of(name: &str, extra: &[&str], default_trials: usize, workers: usize) -
     let reference_dir = dir.join("reference");
     run_ok(&mut job(&reference_dir, &[]));
     let (_, reference) = final_state(&ckpt_url(&reference_dir));
+    let window_s = training_window_s(&reference_dir);
     let trials: usize = std::env::var("SEQPIPE_CHAOS_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -232,7 +247,9 @@ fn chaos_of(name: &str, extra: &[&str], default_trials: usize, workers: usize) -
             .into_iter()
             .chain(extra.iter().copied())
             .collect();
-        let events = trial(&trial_dir, &mut rng, kills, victim, &sets, &reference);
+        let events = trial(
+            &trial_dir, &mut rng, kills, victim, &sets, &reference, window_s,
+        );
         let warnings = warnings_in(&trial_dir);
         // SEQPIPE_KEEP_TRIALS=1 keeps every trial's directory (logs, metrics) for a post-mortem.
         if std::env::var_os("SEQPIPE_KEEP_TRIALS").is_none() {
