@@ -101,23 +101,43 @@ fn step_records(run_dir: &Path) -> Vec<StepRecord> {
         .collect()
 }
 
-/// The `--trace` of a zero-bubble run names each stage's slices `F`, `I` and `W`, never a whole
-/// `B`: per step, every stage ran every unit's forward and the two halves of its backward.
-fn assert_trace_has_split_backwards(trace: &Path, shape: Shape, steps: u64, name: &str) {
+/// One compute slice of a `--trace`: its stage thread, step, start (µs) and the first letter of
+/// its name (`F`, `B`, `I` or `W`).
+struct Slice {
+    tid: u64,
+    step: u64,
+    ts: u64,
+    op: char,
+}
+
+/// The forward and backward slices of the `--trace` file `trace`.
+fn compute_slices(trace: &Path) -> Vec<Slice> {
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(trace).expect("trace written"))
             .expect("the trace is JSON");
+    trace["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| matches!(e["cat"].as_str(), Some("forward" | "backward")))
+        .map(|e| Slice {
+            tid: e["tid"].as_u64().expect("a tid"),
+            step: e["args"]["step"].as_u64().expect("a step"),
+            ts: e["ts"].as_u64().expect("a ts"),
+            op: e["name"]
+                .as_str()
+                .and_then(|n| n.chars().next())
+                .expect("a name"),
+        })
+        .collect()
+}
+
+/// The `--trace` of a zero-bubble run names each stage's slices `F`, `I` and `W`, never a whole
+/// `B`: per step, every stage ran every unit's forward and the two halves of its backward.
+fn assert_trace_has_split_backwards(trace: &Path, shape: Shape, steps: u64, name: &str) {
     let mut counts: BTreeMap<(u64, char), usize> = BTreeMap::new();
-    for e in trace["traceEvents"].as_array().expect("traceEvents") {
-        if !matches!(e["cat"].as_str(), Some("forward" | "backward")) {
-            continue;
-        }
-        let op = e["name"]
-            .as_str()
-            .and_then(|n| n.chars().next())
-            .expect("a name");
-        let step = e["args"]["step"].as_u64().expect("a step");
-        *counts.entry((step, op)).or_default() += 1;
+    for slice in compute_slices(trace) {
+        *counts.entry((slice.step, slice.op)).or_default() += 1;
     }
     let per_step = shape.p * shape.m * shape.k;
     for step in 1..=steps {
@@ -136,27 +156,13 @@ fn assert_trace_has_split_backwards(trace: &Path, shape: Shape, steps: u64, name
 /// and checks ZB-H1's memory rule as the workers ran it: no stage held more live units than the
 /// job's Seq1F1B peak, `min(p + k − 1, m·k)` (its first stage's), and some stage held that many.
 fn assert_trace_live_units_within_the_jobs_peak(trace: &Path, shape: Shape, name: &str) {
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(trace).expect("trace written"))
-            .expect("the trace is JSON");
     // (stage thread, step) -> (start, op) of every compute slice.
     let mut slices: BTreeMap<(u64, u64), Vec<(u64, char)>> = BTreeMap::new();
-    for e in trace["traceEvents"].as_array().expect("traceEvents") {
-        if !matches!(e["cat"].as_str(), Some("forward" | "backward")) {
-            continue;
-        }
-        let op = e["name"]
-            .as_str()
-            .and_then(|n| n.chars().next())
-            .expect("a name");
-        let key = (
-            e["tid"].as_u64().expect("a tid"),
-            e["args"]["step"].as_u64().expect("a step"),
-        );
+    for slice in compute_slices(trace) {
         slices
-            .entry(key)
+            .entry((slice.tid, slice.step))
             .or_default()
-            .push((e["ts"].as_u64().expect("a ts"), op));
+            .push((slice.ts, slice.op));
     }
     let job = (shape.p + shape.k - 1).min(shape.m * shape.k);
     let mut most = 0;
