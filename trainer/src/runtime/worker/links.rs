@@ -13,6 +13,7 @@ use super::execute::{device_links, link, link_failure};
 use super::{Worker, WorkerError, io_error, register, resolve};
 use crate::model::{Neighbour, StageLayout};
 use crate::runtime::auth::{self, Purpose};
+use crate::runtime::control::Side;
 use crate::runtime::transport::{DataPort, TcpLink, TransportError, connect_retrying};
 
 impl Worker {
@@ -28,18 +29,12 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         let timeout = self.cfg.pipeline.timeout();
         self.data_port = Some(data_port);
-        // Joining a device link waits for the peer to join it too. Every worker joins its next
-        // link first, so in a ring (virtual stages) the first worker joins its previous one (from
-        // the last worker) first, or each would wait for the next round the ring.
-        let prev_first = self.linked() && self.index() == 0 && prev.is_some();
-        if prev_first {
-            self.accept_prev(generation, timeout)?;
-        }
-        if let Some(next) = next {
-            self.connect_next(&next, generation, timeout)?;
-        }
-        if prev.is_some() && !prev_first {
-            self.accept_prev(generation, timeout)?;
+        for side in join_order(self.linked(), self.index()) {
+            match (side, &next) {
+                (Side::Prev, _) if prev.is_some() => self.accept_prev(generation, timeout)?,
+                (Side::Next, Some(next)) => self.connect_next(next, generation, timeout)?,
+                _ => {}
+            }
         }
         if replacement {
             self.replay_skip = self.receive_delivered()?;
@@ -170,6 +165,21 @@ impl Worker {
     }
 }
 
+/// The order in which worker `r` joins its sides' links, at the start of a run and at a relink
+/// alike (a replacement's start is a relink's other end). Joining a device link waits for the
+/// peer to join it too. Every worker but the first joins its next side first; in a ring (virtual
+/// stages) the first worker joins its previous side (the last worker's next) first, or each
+/// would wait for the next one round the ring — with two workers, worker 0 and worker 1 (or
+/// either's replacement) would each wait for the other. Over TCP alone nothing waits, and the
+/// next side goes first.
+pub(super) fn join_order(linked: bool, r: usize) -> [Side; 2] {
+    if linked && r == 0 {
+        [Side::Prev, Side::Next]
+    } else {
+        [Side::Next, Side::Prev]
+    }
+}
+
 /// The local chunks (of a worker whose chunks have `layouts`, in chunk order) that have a device
 /// link to `side`: every chunk but the first virtual stage's has one to the previous virtual
 /// stage, every chunk but the last's one to the next. The neighbouring worker's chunks on the
@@ -192,6 +202,77 @@ mod tests {
     use super::*;
     use crate::model::ModelConfig;
     use crate::model::partition::partition_virtual_layers;
+
+    /// Workers joining device links in `order` (worker → sides, in the order it joins them): a
+    /// link completes when both of its ends have it next, as a device link's join waits for the
+    /// peer's. Worker r's next link and worker r + 1's previous one (mod p) are one link; with
+    /// chunks it carries a device link per chunk pair, joined in chunk order by both ends (see
+    /// the test below), so it completes as one. Returns the joins left waiting.
+    fn joins_left(p: usize, mut order: Vec<(usize, Vec<Side>)>) -> Vec<(usize, Vec<Side>)> {
+        let link = |r: usize, side: Side| match side {
+            Side::Next => r,
+            Side::Prev => (r + p - 1) % p,
+        };
+        loop {
+            let heads: Vec<(usize, usize)> = order
+                .iter()
+                .filter_map(|(r, sides)| sides.first().map(|&s| (*r, link(*r, s))))
+                .collect();
+            let done: Vec<usize> = heads
+                .iter()
+                .filter(|(r, l)| heads.iter().any(|(q, m)| q != r && m == l))
+                .map(|&(r, _)| r)
+                .collect();
+            if done.is_empty() {
+                order.retain(|(_, sides)| !sides.is_empty());
+                return order;
+            }
+            for (r, sides) in &mut order {
+                if done.contains(r) {
+                    sides.remove(0);
+                }
+            }
+        }
+    }
+
+    /// The workers' joins at the start of a ring of `p` over device links, or (`lost`) at a
+    /// relink: the lost worker's replacement joins both sides, each neighbour the side to it (the
+    /// one neighbour of two workers both), in [`join_order`].
+    fn ring_joins(p: usize, lost: Option<usize>) -> Vec<(usize, Vec<Side>)> {
+        (0..p)
+            .map(|r| {
+                let sides = join_order(true, r)
+                    .into_iter()
+                    .filter(|&s| match (lost, s) {
+                        (None, _) => true,
+                        (Some(l), _) if l == r => true,
+                        (Some(l), Side::Next) => (r + 1) % p == l,
+                        (Some(l), Side::Prev) => (l + 1) % p == r,
+                    });
+                (r, sides.collect())
+            })
+            .collect()
+    }
+
+    /// Over device links every worker's joins complete, at the start of a ring and at the relink
+    /// of any lost worker's replacement, two workers (the survivor relinks both sides to one
+    /// replacement) included; a ring whose workers all joined the next side first would not
+    /// even start.
+    #[test]
+    fn device_link_joins_complete_at_the_start_and_at_every_relink() {
+        for p in 2..=5 {
+            assert_eq!(joins_left(p, ring_joins(p, None)), vec![], "start, p={p}");
+            for lost in 0..p {
+                let left = joins_left(p, ring_joins(p, Some(lost)));
+                assert_eq!(left, vec![], "p={p}, worker {lost} replaced");
+            }
+            let next_first = (0..p).map(|r| (r, vec![Side::Next, Side::Prev])).collect();
+            assert_eq!(joins_left(p, next_first).len(), p, "p={p}");
+        }
+        // Over TCP the order is the line's: the next side first (a connect does not wait).
+        assert_eq!(join_order(false, 0), [Side::Next, Side::Prev]);
+        assert_eq!(join_order(true, 1), [Side::Next, Side::Prev]);
+    }
 
     /// Each worker's chunks with a link to a side pair up, in chunk order, with the chunks of the
     /// neighbouring worker that have a link back: the virtual stages s and s+1, for every s.

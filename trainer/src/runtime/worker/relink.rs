@@ -24,6 +24,7 @@ use tracing::{info, warn};
 use std::time::Instant;
 
 use super::execute::{Peer, boundary, link, send_on};
+use super::links::join_order;
 use super::{Worker, WorkerError, control_error};
 use crate::runtime::control::{ControlStream, Side, ToLauncher, ToWorker};
 use crate::runtime::transport::{Payload, TransportError};
@@ -187,8 +188,10 @@ impl Worker {
         }
         let step = self.record.step;
         self.take_in_sent(step, &sides);
-        // Connect before accepting: the replacement connects to its next stage first.
-        orders.sort_by_key(|o| o.1 == Side::Prev);
+        // In the order the start of a run joins them, as the replacement's `connect` does: with
+        // two workers and device links, worker 0 accepts first, and the other connects first.
+        let order = join_order(self.linked(), self.index());
+        orders.sort_by_key(|o| order.iter().position(|&s| s == o.1));
         let timeout = self.cfg.pipeline.timeout();
         for (generation, side, addr) in orders.iter().cloned() {
             match side {
