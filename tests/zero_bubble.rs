@@ -308,7 +308,7 @@ fn checkpoints_move_between_seq1f1b_zb_and_seq1f1b_bit_identically() {
 }
 
 #[test]
-fn what_split_backwards_do_not_have_is_refused_before_anything_starts() {
+fn a_zero_bubble_run_with_chunks_is_refused_before_anything_starts() {
     let dir = fresh_dir("zero-bubble-refused");
     let shape = Shape {
         kind: "seq1f1b-zb",
@@ -316,18 +316,17 @@ fn what_split_backwards_do_not_have_is_refused_before_anything_starts() {
         m: 4,
         k: 2,
     };
-    // CUDA stages and NCCL device links run split backwards (tests/emulated_zero_bubble.rs);
-    // mid-step recovery over NCCL links is what is left.
-    let (set, says) = ("pipeline.transport=nccl", "elastic.mid_step = false");
-    let run = dir.join(set.replace(['.', '='], "-"));
-    let err = run_err(train(&run, shape, 2).args(["--set", set, "--set", "elastic.mid_step=true"]));
+    // Split backwards run on CPU and CUDA stages, over TCP and NCCL device links, with mid-step
+    // recovery; chunks are the interleaved kinds'.
+    let run = dir.join("virtual-stages-2");
+    let err = run_err(train(&run, shape, 2).args(["--set", "pipeline.virtual_stages=2"]));
     assert!(
-        err.contains(says) && err.contains("seq1f1b-zb"),
-        "{set}: {err}"
+        err.contains("pipeline.virtual_stages") && err.contains("seq1f1b-zb"),
+        "{err}"
     );
     assert!(
         !run.join("metrics.jsonl").exists(),
-        "{set}: nothing should have run"
+        "nothing should have run"
     );
 }
 

@@ -553,9 +553,6 @@ impl Config {
                 ),
             );
         }
-        if p.schedule.splits_backward() {
-            self.validate_split_backward()?;
-        }
         if p.virtual_stages > 1 {
             self.validate_virtual_stages()?;
         }
@@ -595,49 +592,15 @@ impl Config {
         self.validate_documents()
     }
 
-    /// With split backwards (`seq1f1b-zb`, on CPU and CUDA stages, over TCP and NCCL device
-    /// links; mid-step recovery and replica re-routing run them over TCP: a replacement redoes the
-    /// lost worker's whole list, weight halves in their order): the refusal, naming the key and
-    /// what to use instead, of mid-step recovery over NCCL device links (not tested with split
-    /// backwards).
-    fn validate_split_backward(&self) -> Result<(), ConfigError> {
-        let p = &self.pipeline;
-        if p.transport == StageTransport::Nccl && self.elastic.mid_step {
-            return Err(ConfigError::NotWired {
-                key: "elastic.mid_step",
-                what: format!(
-                    "a worker of a {} step over NCCL device links cannot be replaced in the \
-                     middle of the step yet; set elastic.mid_step = false (a lost worker then \
-                     restarts the step from the last peer snapshot or checkpoint) or \
-                     pipeline.transport = \"tcp\"",
-                    p.schedule
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
-    /// every virtual stage, a schedule that can be generated for each replica's micro-batches,
-    /// and the refusal, naming the key and what to use instead, of what virtual stages are not
-    /// wired into yet: mid-step recovery over NCCL device links. (CUDA stages and NCCL links hold
-    /// chunks; mid-step recovery over TCP and peer snapshots work with chunks: a replacement
-    /// rebuilds all of a lost worker's chunks, and a snapshot is the union of its chunks' state
-    /// under global names; `train.memory_budget_bytes` is the worker's, its chunks' together.)
+    /// every virtual stage and a schedule that can be generated for each replica's micro-batches.
+    /// (CUDA stages and NCCL links hold chunks; mid-step recovery, over TCP and over NCCL device
+    /// links, and peer snapshots work with chunks: a replacement rebuilds all of a lost worker's
+    /// chunks, and a snapshot is the union of its chunks' state under global names;
+    /// `train.memory_budget_bytes` is the worker's, its chunks' together.)
     fn validate_virtual_stages(&self) -> Result<(), ConfigError> {
         let (m, p) = (&self.model, &self.pipeline);
         let v = p.virtual_stages;
-        if p.transport == StageTransport::Nccl && self.elastic.mid_step {
-            return Err(ConfigError::NotWired {
-                key: "elastic.mid_step",
-                what: format!(
-                    "a worker holding {v} virtual-stage chunks over NCCL device links (one per \
-                     chunk and side) cannot be replaced in the middle of a step yet; set \
-                     elastic.mid_step = false (a lost worker then restarts the step from the \
-                     last checkpoint) or pipeline.transport = \"tcp\""
-                ),
-            });
-        }
         let chunks = p.stages.saturating_mul(v);
         if chunks > m.layers {
             return Err(ConfigError::Invalid {
@@ -977,10 +940,10 @@ mod tests {
     }
 
     /// seq1f1b-zb runs on CPU and CUDA stages over TCP, with mid-step recovery (the default) on
-    /// or off and with replicas, and over NCCL device links with mid-step recovery off; mid-step
-    /// recovery over NCCL links is refused, naming the key and what to use instead.
+    /// or off and with replicas, and over NCCL device links with mid-step recovery on or off;
+    /// chunk counts it cannot take are refused, naming the key.
     #[test]
-    fn the_zero_bubble_kind_runs_on_cpu_over_tcp_and_refuses_what_is_not_wired() {
+    fn the_zero_bubble_kind_runs_on_every_device_and_link_with_mid_step_recovery() {
         let zb = |extra: &[&str]| {
             let mut sets = vec!["pipeline.schedule=seq1f1b-zb".to_string()];
             sets.extend(extra.iter().map(|s| s.to_string()));
@@ -1001,28 +964,12 @@ mod tests {
                 .unwrap();
             }
         }
-        {
-            let nccl = &["model.device=cuda", "pipeline.transport=nccl"][..];
-            zb(&[&["elastic.mid_step=false"], nccl].concat())
-                .validate()
-                .unwrap();
-            let err = zb(nccl).validate().unwrap_err();
-            assert!(
-                err.to_string().contains("elastic.mid_step = false")
-                    && err.to_string().contains("seq1f1b-zb"),
-                "{nccl:?}: {err}"
-            );
-            assert!(
-                matches!(
-                    err,
-                    ConfigError::NotWired {
-                        key: "elastic.mid_step",
-                        ..
-                    }
-                ),
-                "{nccl:?}: {err}"
-            );
-        }
+        // Over NCCL device links too, mid-step recovery on (the default) or off.
+        let nccl = &["model.device=cuda", "pipeline.transport=nccl"][..];
+        zb(nccl).validate().unwrap();
+        zb(&[&["elastic.mid_step=false"], nccl].concat())
+            .validate()
+            .unwrap();
         // Chunk counts that do not fit the kind are refused before that, naming the key.
         for (kind, v) in [("seq1f1b-i", 1), ("seq1f1b", 2), ("1f1b", 0)] {
             let err = Config::default()
@@ -1042,11 +989,10 @@ mod tests {
     }
 
     /// The interleaved kinds run on CPU and CUDA stages, over TCP and NCCL device links, with
-    /// mid-step recovery and peer snapshots (the defaults) on or off, but for mid-step recovery
-    /// over NCCL links; everything else they would need is refused, naming the key and what to
-    /// use instead.
+    /// mid-step recovery and peer snapshots (the defaults) on or off; shapes they cannot take
+    /// are refused, naming the key and what to use instead.
     #[test]
-    fn interleaved_kinds_run_with_chunks_and_refuse_what_is_not_wired() {
+    fn interleaved_kinds_run_with_chunks_and_refuse_shapes_they_cannot_take() {
         let base = |extra: &[&str]| {
             let mut sets: Vec<String> = [
                 "model.layers=8",
@@ -1073,39 +1019,19 @@ mod tests {
             .validate()
             .unwrap();
             let refused = |extra: &str| base(&[&set, extra]).validate().expect_err(extra);
-            // CUDA stages, over TCP or over NCCL device links, hold chunks too; over device
-            // links a mid-step replacement is refused, naming the way out.
+            // CUDA stages, over TCP or over NCCL device links, hold chunks too, with mid-step
+            // recovery on or off.
             base(&[&set, "model.device=cuda"]).validate().unwrap();
-            base(&[
-                &set,
-                "model.device=cuda",
-                "pipeline.transport=nccl",
-                "elastic.mid_step=false",
-            ])
-            .validate()
-            .unwrap();
-            let err = base(&[
-                &set,
-                "model.device=cuda",
-                "pipeline.transport=nccl",
-                "elastic.mid_step=true",
-            ])
-            .validate()
-            .unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    ConfigError::NotWired {
-                        key: "elastic.mid_step",
-                        ..
-                    }
-                ),
-                "{err}"
-            );
-            assert!(
-                err.to_string().contains("pipeline.transport = \"tcp\""),
-                "{err}"
-            );
+            for mid_step in ["elastic.mid_step=true", "elastic.mid_step=false"] {
+                base(&[
+                    &set,
+                    "model.device=cuda",
+                    "pipeline.transport=nccl",
+                    mid_step,
+                ])
+                .validate()
+                .unwrap();
+            }
             // A memory budget is the worker's, over its chunks (tests/memory_budget.rs).
             base(&[&set, "train.memory_budget_bytes=1000000000"])
                 .validate()
