@@ -5,8 +5,14 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use super::{ckpt_url, final_state, fresh_dir, metrics, run_ok, seqpipe};
+use trainer::runtime::events::RunEvent;
+use trainer::runtime::recovery::Tier;
+
+use super::steps_done;
+use super::{children_of, ckpt_url, final_state, fresh_dir, metrics, run_events, run_ok, seqpipe};
 
 /// Steps of every run: an evaluation and a checkpoint at the last.
 pub const STEPS: u64 = 2;
@@ -47,6 +53,13 @@ pub fn sets<'a>(parts: &[&[&'a str]]) -> Vec<&'a str> {
 /// of 2 segments, an evaluation at the last step (the forward-only pass over the stages and their
 /// links), a checkpoint at the end, mid-step recovery and peer snapshots off; `sets` on top.
 pub fn train(name: &str, sets: &[&str]) -> PathBuf {
+    let (dir, mut cmd) = job(name, sets);
+    run_ok(&mut cmd);
+    dir
+}
+
+/// The job of [`train`], not started, and its fresh run directory.
+fn job(name: &str, sets: &[&str]) -> (PathBuf, Command) {
     let dir = fresh_dir(name);
     let mut cmd = seqpipe();
     cmd.args(["train", "-q"]);
@@ -75,8 +88,96 @@ pub fn train(name: &str, sets: &[&str]) -> PathBuf {
     {
         cmd.args(["--set", s]);
     }
-    run_ok(&mut cmd);
+    (dir, cmd)
+}
+
+/// Mid-step recovery and the peer snapshots it loads a replacement's step-start state from.
+pub const MID_STEP: [&str; 2] = ["elastic.mid_step=true", "elastic.peer_snapshots=true"];
+
+/// Trains the job of [`train`] with `sets` (which turn [`MID_STEP`] on), SIGKILLing the worker
+/// of `stage` in the middle of the last step, and asserts that it was replaced mid-step: no step
+/// lost, and the units it had done redone. Returns the run directory.
+///
+/// The kill lands a third of the first step's time into the last step. The steps of the
+/// emulated GPU take seconds (longer on a busy machine, which keeps the third inside the
+/// step), and the first includes no start-up; by then the step-start snapshot the replacement
+/// loads has long been copied.
+pub fn train_killed_mid_step(name: &str, sets: &[&str], stage: usize) -> PathBuf {
+    let (dir, mut cmd) = job(name, sets);
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("seqpipe starts");
+    let started = Instant::now();
+    while steps_done(&dir) < STEPS as usize - 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "{name}: the job did not finish its first step"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{name}: the job ended early"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(step_time(&dir, 1) / 3);
+    let victim = worker_of(child.id(), stage).expect("the victim stage's worker");
+    let killed = Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{name}: the job failed after its stage {stage} was killed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recovered: Vec<_> = run_events(&dir)
+        .into_iter()
+        .filter_map(|e| match e {
+            RunEvent::Recovered(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    eprintln!("{name}: {recovered:?}");
+    assert!(
+        matches!(
+            &recovered[..],
+            [r] if r.tier == Tier::MidStep
+                && r.stage == Some(stage)
+                && r.lost_steps == 0
+                && r.step == STEPS
+                && r.redone_units.is_some_and(|n| n > 0)
+        ),
+        "{name}: expected stage {stage} replaced mid-step in step {STEPS} after some of its \
+         units, got {recovered:?}"
+    );
     dir
+}
+
+/// The wall-clock time of step `step` of the run at `run_dir` (its `step_time_s`).
+fn step_time(run_dir: &Path, step: u64) -> Duration {
+    let record = metrics(run_dir)
+        .into_iter()
+        .find(|m| m.get("loss").is_some() && m["step"].as_u64() == Some(step))
+        .unwrap_or_else(|| panic!("{}: no step {step}", run_dir.display()));
+    Duration::from_secs_f64(record["step_time_s"].as_f64().expect("step_time_s"))
+}
+
+/// The pid of the worker process of `stage` under launcher `launcher` (launcher → agents →
+/// workers; a worker's command line names its stage).
+pub fn worker_of(launcher: u32, stage: usize) -> Option<u32> {
+    children_of(launcher)
+        .into_iter()
+        .flat_map(children_of)
+        .find(|&pid| {
+            let args = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = args.split(|&b| b == 0).collect();
+            args.windows(2)
+                .any(|w| w[0] == b"--stage" && w[1] == stage.to_string().as_bytes())
+        })
 }
 
 /// Per step: (loss, validation loss if evaluated, compute actions of all workers).
@@ -109,9 +210,26 @@ pub fn assert_bit_identical(a: &Path, b: &Path, actions: (u64, u64)) {
     let (ra, rb) = (step_records(a), step_records(b));
     for (step, (x, y)) in ra.iter().zip(&rb).enumerate() {
         assert_eq!(
-            (x.0.to_bits(), x.1.map(f64::to_bits), x.2 * actions.1),
-            (y.0.to_bits(), y.1.map(f64::to_bits), y.2 * actions.0),
-            "step {}: (loss, val_loss, actions scaled) differ: {x:?} in {}, {y:?} in {}",
+            x.2 * actions.1,
+            y.2 * actions.0,
+            "step {}: actions scaled differ: {x:?} in {}, {y:?} in {}",
+            step + 1,
+            a.display(),
+            b.display()
+        );
+    }
+    assert_same_training(a, b);
+}
+
+/// The two runs' losses, validation losses and final checkpoints (every parameter and both AdamW
+/// moments) are bit-identical (a run that redid units after a loss computed more actions).
+pub fn assert_same_training(a: &Path, b: &Path) {
+    let (ra, rb) = (step_records(a), step_records(b));
+    for (step, (x, y)) in ra.iter().zip(&rb).enumerate() {
+        assert_eq!(
+            (x.0.to_bits(), x.1.map(f64::to_bits)),
+            (y.0.to_bits(), y.1.map(f64::to_bits)),
+            "step {}: (loss, val_loss) differ: {x:?} in {}, {y:?} in {}",
             step + 1,
             a.display(),
             b.display()
