@@ -12,7 +12,8 @@
 //! * `seq1f1b` on three stages, the middle one killed;
 //! * `seq1f1b-i` on two workers of two chunks each, worker 1 killed: the survivor relinks both of
 //!   its sides (a device link per chunk on each) to the one replacement, and the two must join
-//!   them in an order that does not leave each waiting for the other;
+//!   them in an order that does not leave each waiting for the other; and on three workers,
+//!   worker 0 killed (its replacement joins its previous side first, as worker 0 does at start);
 //! * `seq1f1b-zb` on three stages, the middle one killed: the replacement redoes its `F`, `I` and
 //!   `W` units, and its neighbours re-send from their devices what an `I` or `F` had sent it.
 //!
@@ -55,15 +56,31 @@ fn a_stage_sigkilled_mid_step_over_device_links_is_replaced_bit_identically() {
     killed_over_device_links_matches_tcp("nccl", &sets(&[&PLAIN, &THREE_STAGES]), 1);
 }
 
+/// `seq1f1b-i` with two chunks per worker, one sequence per micro-batch.
+const INTERLEAVED: [&str; 3] = [
+    "pipeline.schedule=seq1f1b-i",
+    "pipeline.virtual_stages=2",
+    "train.micro_batch_size=1",
+];
+
 /// Two workers in a ring: the survivor (worker 0) is on both sides of the lost worker 1.
 #[test]
 fn a_worker_of_chunks_sigkilled_mid_step_over_device_links_is_replaced_bit_identically() {
-    let interleaved = [
-        "pipeline.schedule=seq1f1b-i",
-        "pipeline.virtual_stages=2",
-        "train.micro_batch_size=1",
+    killed_over_device_links_matches_tcp("nccl-chunks", &INTERLEAVED, 1);
+}
+
+/// Three workers in a ring: worker 0's replacement joins its previous side (from the last
+/// worker, whose chunk 0 feeds its chunk 1) first, then its next.
+#[test]
+fn worker_0_of_three_with_chunks_sigkilled_mid_step_over_device_links_is_replaced_bit_identically()
+{
+    let three = [
+        "pipeline.stages=3",
+        "model.layers=6",
+        "pipeline.microbatches=3",
+        "pipeline.splits=1",
     ];
-    killed_over_device_links_matches_tcp("nccl-chunks", &interleaved, 1);
+    killed_over_device_links_matches_tcp("nccl-chunks-3", &sets(&[&INTERLEAVED, &three]), 0);
 }
 
 #[test]
