@@ -1406,54 +1406,10 @@ impl GpuStage {
             }));
         }
         let seg = self.in_flight.segment(unit, &self.segments)?;
-        let len = seg.len;
-        let c = self.plan.model.d_model;
-        let in_len = match &input {
-            UnitInput::Tokens(ids) => ids.len(),
-            UnitInput::Hidden(x) => x.len(),
-            UnitInput::Received => {
-                self.links
-                    .received_len(Flow::Activation, (micro_batch, segment), OP)?
-            }
-        };
-        let rows = match (&input, self.plan.layout.is_first()) {
-            (UnitInput::Tokens(ids), true) => ids.len(),
-            (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
-            _ => {
-                return Err(order(
-                    OP,
-                    "tokens go to the first stage, hidden states to the others",
-                ));
-            }
-        };
-        let width = if self.plan.layout.is_first() { 1 } else { c };
-        if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
-            return shape(
-                OP,
-                format!("{in_len} input values do not fit a segment of {len} positions"),
-            );
-        }
-        let b = rows / len;
+        let b = self.input_batch(unit, &input, seg.len)?;
         self.fix_batch(b, OP)?;
-        let n = b * len;
         if self.plan.layout.is_last() {
-            let vocab = self.plan.model.vocab_size;
-            match targets {
-                Some(t) if t.len() == n => {
-                    // The cross-entropy kernel reads the logit at the target unchecked: an id past
-                    // the vocabulary reads another row (or past the buffer), a silently wrong loss.
-                    if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
-                        return shape(
-                            OP,
-                            format!("target id {bad} is not below the vocabulary size {vocab}"),
-                        );
-                    }
-                }
-                Some(t) => {
-                    return shape(OP, format!("{} targets for {n} positions", t.len()));
-                }
-                None => return Err(order(OP, "the last stage needs the segment's targets")),
-            }
+            self.check_targets(targets, b * seg.len)?;
         }
         // The buffers of a micro-batch not in flight: a spare one, or new.
         let mut fresh = match self.in_flight.contains(micro_batch) {
@@ -1493,6 +1449,60 @@ impl GpuStage {
         let now = self.activation_bytes();
         self.peak.record(now);
         result
+    }
+
+    /// The batch size of `input` for a segment of `len` positions: token ids on the first stage,
+    /// `d_model`-wide hidden states (given or received over the device link) on the others.
+    fn input_batch(&self, unit: Unit, input: &UnitInput, len: usize) -> Result<usize> {
+        const OP: &str = "GpuStage::forward";
+        let c = self.plan.model.d_model;
+        let in_len = match input {
+            UnitInput::Tokens(ids) => ids.len(),
+            UnitInput::Hidden(x) => x.len(),
+            UnitInput::Received => {
+                self.links
+                    .received_len(Flow::Activation, (unit.micro_batch, unit.segment), OP)?
+            }
+        };
+        let rows = match (input, self.plan.layout.is_first()) {
+            (UnitInput::Tokens(ids), true) => ids.len(),
+            (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
+            _ => {
+                return Err(order(
+                    OP,
+                    "tokens go to the first stage, hidden states to the others",
+                ));
+            }
+        };
+        let width = if self.plan.layout.is_first() { 1 } else { c };
+        if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
+            return shape(
+                OP,
+                format!("{in_len} input values do not fit a segment of {len} positions"),
+            );
+        }
+        Ok(rows / len)
+    }
+
+    /// The last stage's targets: given, one per position (`n`), each below the vocabulary size.
+    fn check_targets(&self, targets: Option<&[u32]>, n: usize) -> Result<()> {
+        const OP: &str = "GpuStage::forward";
+        let vocab = self.plan.model.vocab_size;
+        match targets {
+            Some(t) if t.len() == n => {
+                // The cross-entropy kernel reads the logit at the target unchecked: an id past
+                // the vocabulary reads another row (or past the buffer), a silently wrong loss.
+                if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+                    return shape(
+                        OP,
+                        format!("target id {bad} is not below the vocabulary size {vocab}"),
+                    );
+                }
+                Ok(())
+            }
+            Some(t) => shape(OP, format!("{} targets for {n} positions", t.len())),
+            None => Err(order(OP, "the last stage needs the segment's targets")),
+        }
     }
 
     /// [`GpuStage::forward`]'s computation ([`model::forward_unit`]) on the micro-batch's buffers;
