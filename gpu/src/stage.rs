@@ -68,7 +68,7 @@ use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
+use crate::kernels::{AttnShape, DocStarts, NormSaved, position_doc_starts};
 use crate::offload::{Download, Fence, StagingPool};
 use crate::profile::{GRAD_ACCUMULATION, LAYERNORM_BWD, Pass, WEIGHT_REFRESH};
 use crate::types::Bf16Path;
@@ -770,7 +770,7 @@ impl GpuStage {
         self.gpu.label_products(name, Pass::Dx);
         let Some(w16) = &self.bf16 else {
             let w = self.at(&self.values, &weight);
-            return self.gpu.linear_backward_input(dx, dy, w, n, d_in, d_out);
+            return self.gpu.linear_backward_input(dx, dy, w, (n, d_in, d_out));
         };
         let (dy16, _) = w16.operands()?;
         self.gpu.to_bf16(dy16, dy, n * d_out)?;
@@ -810,7 +810,7 @@ impl GpuStage {
         let Some(w16) = &self.bf16 else {
             return self
                 .gpu
-                .linear_backward_weight(dw, db, dy, x, n, d_in, d_out, sc);
+                .linear_backward_weight((dw, db), dy, x, (n, d_in, d_out), sc);
         };
         let gpu = &self.gpu;
         let (dy16, x16) = w16.operands()?;
@@ -861,19 +861,26 @@ impl GpuStage {
 
     /// Norm layer `name` (`h.3.ln_1`, `ln_f`) over `n` rows of `x` into `acts`.
     fn norm_forward(&self, acts: &NormActs, x: u64, name: &str, n: usize) -> Result<()> {
-        let m = &self.plan.model;
-        self.gpu.norm_forward(
-            acts.out.ptr(),
-            acts.mean.ptr(),
-            acts.rstd.ptr(),
-            x,
+        let params = (
             self.at(&self.values, &format!("{name}.weight")),
             self.at(&self.values, &format!("{name}.bias")),
+        );
+        let saved = self.norm_saved(acts, x, n);
+        let eps = self.plan.model.norm_eps as f32;
+        self.gpu.norm_forward(acts.out.ptr(), params, &saved, eps)
+    }
+
+    /// The norm's input `x` over `n` rows with the statistics in `acts`.
+    fn norm_saved(&self, acts: &NormActs, x: u64, n: usize) -> NormSaved {
+        let m = &self.plan.model;
+        NormSaved {
+            x,
+            mean: acts.mean.ptr(),
+            rstd: acts.rstd.ptr(),
             n,
-            m.d_model,
-            m.norm_eps as f32,
-            m.norm == Norm::RmsNorm,
-        )
+            c: m.d_model,
+            rms: m.norm == Norm::RmsNorm,
+        }
     }
 
     /// The input half of [`GpuStage::norm_forward`]'s backward: `dx` = d(input) from `dy` over
@@ -891,13 +898,12 @@ impl GpuStage {
         (n, sc): (usize, &Buf<f32>),
         to: NormGrads,
     ) -> Result<()> {
-        let m = &self.plan.model;
-        let (c, rms) = (m.d_model, m.norm == Norm::RmsNorm);
+        let c = self.plan.model.d_model;
+        let saved = self.norm_saved(acts, x, n);
         let weight = format!("{name}.weight");
-        let stats = (acts.mean.ptr(), acts.rstd.ptr());
         let w = self.at(&self.values, &weight);
         let gpu = &self.gpu;
-        gpu.norm_backward_input(dx, dy, x, stats.0, stats.1, w, n, c, rms)?;
+        gpu.norm_backward_input(dx, dy, w, &saved)?;
         let (grads, accumulate) = match to {
             NormGrads::Accumulate(acc) => {
                 let bias = self.grad_at(acc, &format!("{name}.bias"));
@@ -905,7 +911,7 @@ impl GpuStage {
             }
             NormGrads::Keep => ((acts.grads.ptr(), acts.grads.at(c)), false),
         };
-        gpu.norm_backward_params(grads, dy, x, stats, (n, c), rms, (sc, accumulate))
+        gpu.norm_backward_params(grads, dy, &saved, (sc, accumulate))
     }
 
     /// The weight half of a split backward's norm `name`: the parameter gradients its input half
