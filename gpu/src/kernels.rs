@@ -540,13 +540,17 @@ impl Gpu {
         n.div_ceil(ROWS_PER_CHUNK).max(1) * c
     }
 
+    /// Launches the elementwise kernel `name` with one thread per element of `total`.
+    fn launch_over(&self, name: &str, total: usize, args: &[Arg]) -> Result<()> {
+        self.launch(name, (blocks(total), 1, 1), THREADS, args)
+    }
+
     /// `y (n, c) += b`.
     pub fn add_bias(&self, y: u64, b: u64, n: usize, c: usize) -> Result<()> {
         let total = n * c;
-        self.launch(
+        self.launch_over(
             "add_bias",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[
                 Arg::P(y),
                 Arg::P(b),
@@ -558,10 +562,9 @@ impl Gpu {
 
     /// `out = a + b` over `total` floats.
     pub fn add(&self, out: u64, a: u64, b: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "add",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(a), Arg::P(b), Arg::L(total as i64)],
         )
     }
@@ -614,20 +617,18 @@ impl Gpu {
 
     /// `out = bf16(x)` over `total` floats (round to nearest even), as 16-bit words.
     pub fn to_bf16(&self, out: u64, x: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "to_bf16",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(x), Arg::L(total as i64)],
         )
     }
 
     /// `out += a` over `total` floats.
     pub fn add_assign(&self, out: u64, a: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "add_assign",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(a), Arg::L(total as i64)],
         )
     }
@@ -635,10 +636,9 @@ impl Gpu {
     /// `x += b` (kept for the backward), `y = gelu_tanh(x)`; `b` 0: no bias.
     pub fn bias_gelu_forward(&self, y: u64, x: u64, b: u64, n: usize, c: usize) -> Result<()> {
         let total = n * c;
-        self.launch(
+        self.launch_over(
             "bias_gelu_forward",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[
                 Arg::P(y),
                 Arg::P(x),
@@ -651,10 +651,9 @@ impl Gpu {
 
     /// `du = dy * gelu'(u)`.
     pub fn gelu_backward(&self, du: u64, dy: u64, u: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "gelu_backward",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(du), Arg::P(dy), Arg::P(u), Arg::L(total as i64)],
         )
     }
