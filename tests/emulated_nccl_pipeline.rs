@@ -19,6 +19,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::emulated::TINY;
 use common::{assert_final_state, children_of, ckpt_url, final_state, fresh_dir, run_events};
 use common::{run_ok, seqpipe, steps_done};
 use trainer::runtime::events::RunEvent;
@@ -26,23 +27,19 @@ use trainer::runtime::recovery::Tier;
 
 const STEPS: u64 = 2;
 
-/// A three-stage job of CUDA stages small enough for the emulated GPU (a step takes tens of
-/// seconds there: each kernel launch runs its blocks' threads on the CPU).
+/// A three-stage job of CUDA stages on the [`TINY`] model (a step takes tens of seconds on the
+/// emulated GPU: each kernel launch runs its blocks' threads on the CPU).
 fn job(run_dir: &Path, transport: &str) -> Command {
     let mut cmd = seqpipe();
     cmd.args(["train", "-q"]);
+    for s in TINY {
+        cmd.args(["--set", s]);
+    }
     let sets = [
         "model.device=cuda".to_string(),
         format!("pipeline.transport={transport}"),
         "pipeline.stages=3".into(),
-        "pipeline.microbatches=2".into(),
-        "pipeline.splits=2".into(),
-        "model.vocab_size=64".into(),
         "model.layers=3".into(),
-        "model.d_model=32".into(),
-        "model.heads=2".into(),
-        "model.max_seq_len=16".into(),
-        "train.seq_len=16".into(),
         "train.micro_batch_size=1".into(),
         "train.eval_every=0".into(),
         "elastic.mid_step=true".into(),
