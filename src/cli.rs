@@ -21,7 +21,7 @@ use trainer::runtime::agent::{AgentArgs, run_agent};
 use trainer::runtime::control::PEER_FAILURE_EXIT_CODE;
 use trainer::runtime::notice_watch::WatchConfig;
 use trainer::runtime::recovery::{ResumePoint, Start};
-use trainer::runtime::run::{LaunchOptions, run_evaluation, run_training};
+use trainer::runtime::run::{LaunchOptions, RunSummary, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use trainer::schedule::{
     Partition, ScheduleKind, UnitCosts, formula_bubble, generate_virtual, render_svg, render_text,
@@ -793,6 +793,19 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         Err(PlanError::Data(e)) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
         Err(e) => return Err(e.into()),
     };
+    describe_plan(&cfg, &plan)?;
+    let bound = plan.data.loss_lower_bound();
+    eprintln!("run directory: {}", cfg.run.dir.display());
+    let summary = match run_training(&cfg, &plan, &opts) {
+        Ok(summary) => summary,
+        // Whatever ended the run, say which state survives it and how to continue from there.
+        Err(e) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
+    };
+    Ok(report_summary(&cfg, &summary, bound))
+}
+
+/// Prints the run's layout (stages, their layers, the schedule) and its data.
+fn describe_plan(cfg: &Config, plan: &RunPlan) -> Result<()> {
     let v = cfg.pipeline.virtual_stages;
     let (stages, ranges): (String, Vec<String>) = if v > 1 {
         // Each stage's chunks: virtual stages c·p + r, c = 0..v.
@@ -844,13 +857,12 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
         ),
         DataSummary::Tokens { source } => eprintln!("data: {source}"),
     }
-    let bound = plan.data.loss_lower_bound();
-    eprintln!("run directory: {}", cfg.run.dir.display());
-    let summary = match run_training(&cfg, &plan, &opts) {
-        Ok(summary) => summary,
-        // Whatever ended the run, say which state survives it and how to continue from there.
-        Err(e) => bail!("{e}\n{}", newest_checkpoint_note(&cfg)),
-    };
+    Ok(())
+}
+
+/// Prints how the run ended and where its outputs are; the exit status: success, or that of a
+/// run stopped at a step boundary with a final checkpoint (preemption, a signal).
+fn report_summary(cfg: &Config, summary: &RunSummary, bound: Option<f64>) -> ExitCode {
     let val = summary
         .val_loss
         .map_or(String::new(), |v| format!(", val loss {v:.4}"));
@@ -869,7 +881,7 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
     eprintln!(
         "checkpoints: {} (newest committed: {})",
         cfg.checkpoint.resolved_url(&cfg.run.dir),
-        match newest_committed(&cfg) {
+        match newest_committed(cfg) {
             Ok(Some(step)) => format!("step {step}"),
             Ok(None) => "none".into(),
             Err(e) => format!("unknown: {e:#}"),
@@ -883,7 +895,7 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
             summary.last_step,
             cfg.run.dir.display()
         );
-        return Ok(ExitCode::from(PREEMPTED_EXIT_CODE));
+        return ExitCode::from(PREEMPTED_EXIT_CODE);
     }
     if let Some(sig) = summary.interrupted_by {
         // The driver returns a summary only once the final checkpoint is committed.
@@ -893,9 +905,9 @@ fn train(cfg: Config, opts: LaunchOptions) -> Result<ExitCode> {
             summary.last_step,
             cfg.run.dir.display()
         );
-        return Ok(ExitCode::from(128 + sig as u8));
+        return ExitCode::from(128 + sig as u8);
     }
-    Ok(ExitCode::SUCCESS)
+    ExitCode::SUCCESS
 }
 
 /// The newest committed checkpoint step of `cfg`'s store (read-only), `None` when it holds none.

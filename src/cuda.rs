@@ -193,10 +193,9 @@ mod enabled {
     use serde::Serialize;
 
     use super::{CheckArgs, GemmArgs, GpuBenchArgs, InfoArgs, PtxArgs};
-    use crate::bench::step::{median, random_batch};
+    use crate::bench::step::{gradients, median, random_batch};
     use trainer::model::params::{WeightDecay, param_count};
-    use trainer::model::{Mode, ModelConfig, Stage, StageInput, StageLayout, StageOutput};
-    use trainer::schedule::Unit;
+    use trainer::model::{ModelConfig, Stage, StageLayout};
 
     /// Learning rate, weight decay and clipping of the benchmark (as `bench step`'s).
     const LR: f64 = 3e-4;
@@ -360,6 +359,22 @@ mod enabled {
         loss_cpu: f64,
         /// Enforced in FP32 only (`null` otherwise: TF32 and BF16 products round by design).
         bound: Option<f64>,
+    }
+
+    impl GradCheck {
+        /// Refuses gradients past the bound (a NaN included), naming the worst parameter.
+        fn within_bound(&self) -> Result<()> {
+            if let Some(bound) = self.bound
+                && (self.worst_rel_l2.is_nan() || self.worst_rel_l2 > bound)
+            {
+                bail!(
+                    "GPU gradients differ from the CPU stage's: {} has relative L2 error {:.2e} (bound {bound:.0e})",
+                    self.worst_param,
+                    self.worst_rel_l2,
+                );
+            }
+            Ok(())
+        }
     }
 
     /// Dense peak FLOP/s of an H100/H200 (SXM) by precision: the MFU denominators
@@ -565,20 +580,8 @@ mod enabled {
         (inputs, targets): (&Tensor, &Tensor),
         precision: Precision,
     ) -> Result<GradCheck> {
-        stage.begin_step(1);
         let loss_gpu = step.gradients(m)?;
-        let out = stage.forward(
-            Unit::new(0, 0),
-            StageInput::Tokens(inputs.clone()),
-            Some(targets),
-            step.loss_scale,
-            Mode::Train,
-        )?;
-        let StageOutput::LossSum(loss_cpu) = out else {
-            bail!("a single stage must end in the loss");
-        };
-        stage.backward(Unit::new(0, 0), None)?;
-        stage.finish_gradients()?;
+        let loss_cpu = gradients(stage, inputs, targets, step.loss_scale)?;
         let (worst_rel_l2, worst_param) = worst_gradient(m, stage)?;
         step.update(m)?;
         Ok(GradCheck {
@@ -627,17 +630,23 @@ mod enabled {
         Ok(m.gpu().profile_end(steps)?)
     }
 
-    pub(super) fn bench(args: &GpuBenchArgs) -> Result<()> {
-        let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
-        let shape = BenchShape::from_args(args)?;
-        let (model, batch, seq) = (&shape.model, shape.batch, shape.seq);
-        let (mbs, segs) = (shape.micro_batches, shape.segments);
+    /// The GPU of `--device` in `precision`, with the BF16 path the flags ask for.
+    fn open_gpu(args: &GpuBenchArgs, precision: Precision) -> Result<Gpu> {
         let mut g = Gpu::open(args.device, precision)?;
         g.set_bf16_path(if args.bf16_operands {
             gpu::Bf16Path::Operands
         } else {
             args.bf16_path.parse().map_err(anyhow::Error::msg)?
         });
+        Ok(g)
+    }
+
+    pub(super) fn bench(args: &GpuBenchArgs) -> Result<()> {
+        let precision: Precision = args.precision.parse().map_err(anyhow::Error::msg)?;
+        let shape = BenchShape::from_args(args)?;
+        let (model, batch, seq) = (&shape.model, shape.batch, shape.seq);
+        let (mbs, segs) = (shape.micro_batches, shape.segments);
+        let g = open_gpu(args, precision)?;
         let layout = StageLayout {
             stage: 0,
             stages: 1,
@@ -720,17 +729,10 @@ mod enabled {
             grad_check,
         };
         println!("{}", serde_json::to_string(&report)?);
-        if let Some(c) = &report.grad_check
-            && let Some(bound) = c.bound
-            && (c.worst_rel_l2.is_nan() || c.worst_rel_l2 > bound)
-        {
-            bail!(
-                "GPU gradients differ from the CPU stage's: {} has relative L2 error {:.2e} (bound {bound:.0e})",
-                c.worst_param,
-                c.worst_rel_l2,
-            );
-        }
-        Ok(())
+        report
+            .grad_check
+            .as_ref()
+            .map_or(Ok(()), GradCheck::within_bound)
     }
 
     #[cfg(test)]

@@ -20,16 +20,9 @@
 mod common;
 
 use common::emulated::{
-    CPU_TCP, CUDA_NCCL, CUDA_TCP, MASKS, PLAIN, assert_bit_identical, assert_within_cpu_bounds,
-    sets, step_records, train,
+    CPU_TCP, CUDA_NCCL, CUDA_TCP, INTERLEAVED, INTERLEAVED_ACTIONS, MASKS, PLAIN, PLAIN_ACTIONS,
+    assert_bit_identical, assert_within_cpu_bounds, sets, step_records, train,
 };
-
-/// Settings of `seq1f1b-i` with 2 chunks per worker.
-const INTERLEAVED: [&str; 2] = ["pipeline.schedule=seq1f1b-i", "pipeline.virtual_stages=2"];
-
-/// Compute actions per unit and worker: F and B, on each chunk.
-const PLAIN_ACTIONS: u64 = 2;
-const INTERLEAVED_ACTIONS: u64 = 4;
 
 /// Issue 33 on CUDA stages over TCP: each of a worker's chunks is a CUDA stage of its own.
 #[test]

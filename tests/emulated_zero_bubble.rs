@@ -18,16 +18,9 @@
 mod common;
 
 use common::emulated::{
-    CPU_TCP, CUDA_NCCL, CUDA_TCP, MASKS, PLAIN, assert_bit_identical, assert_within_cpu_bounds,
-    sets, step_records, train,
+    CPU_TCP, CUDA_NCCL, CUDA_TCP, MASKS, PLAIN, PLAIN_ACTIONS, ZB_ACTIONS, ZERO_BUBBLE,
+    assert_bit_identical, assert_within_cpu_bounds, sets, step_records, train,
 };
-
-/// Settings of `seq1f1b-zb`.
-const ZERO_BUBBLE: [&str; 2] = ["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"];
-
-/// Compute actions per unit and stage: F and B, or F, I and W.
-const PLAIN_ACTIONS: u64 = 2;
-const ZB_ACTIONS: u64 = 3;
 
 #[test]
 fn seq1f1b_zb_on_cuda_stages_over_tcp_matches_seq1f1b_bit_for_bit_and_the_cpu_within_bounds() {

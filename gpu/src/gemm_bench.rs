@@ -196,83 +196,26 @@ pub fn run(
     gpu.bind()?;
     let list = products(rows, c, vocab, head_rows);
     let padded = vocab.div_ceil(VOCAB_PADDING) * VOCAB_PADDING;
-    // Room for every way's operands (the fast path's head reads rows of the padded vocabulary).
-    let biggest = |f: &dyn Fn(&Product, &Cached) -> usize| {
-        list.iter()
-            .map(|p| f(p, &cached(p, padded)))
-            .max()
-            .unwrap_or(1)
-    };
-    let a_len = biggest(&|p, q| {
-        let ((m, _, k), lda) = (q.mnk, q.lds.0);
-        (p.mnk.0 * p.mnk.2).max(if p.ta { k * lda } else { m * lda })
-    });
-    let b_len = biggest(&|p, q| {
-        let ((_, n, k), ldb) = (q.mnk, q.lds.1);
-        (p.mnk.1 * p.mnk.2).max(if p.tb { n * ldb } else { k * ldb })
-    });
-    let c_len = biggest(&|p, q| (p.mnk.0 * p.mnk.1).max(q.mnk.0 * q.mnk.1));
-    let random = |n: usize, salt: u64| -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| {
-                let x = (i ^ salt).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-                (x as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-            })
-            .collect()
-    };
-    let a = gpu.upload(&random(a_len, 1))?;
-    let b = gpu.upload(&random(b_len, 2))?;
-    let out: Buf<f32> = gpu.zeros(c_len)?;
-    let fast: Buf<f32> = gpu.zeros(c_len)?;
-    let (a16, b16): (Buf<u16>, Buf<u16>) = (gpu.zeros(a_len)?, gpu.zeros(b_len)?);
+    let bufs = Buffers::new(gpu, &list, padded)?;
     let mut times = Vec::new();
     let mut worst: f64 = 0.0;
     let before = gpu.precision();
     for p in &list {
-        let t = (p.ta, p.tb);
         let path = cached(p, padded);
         for how in WAYS {
             let (m, n, k) = if how == CACHED { path.mnk } else { p.mnk };
-            let once = |gpu: &mut Gpu, dst: u64| -> Result<()> {
-                match how {
-                    "fp32" | "tf32" | "bf16 fast (fp32 operands)" => {
-                        gpu.set_precision(match how {
-                            "fp32" => Precision::Fp32,
-                            "tf32" => Precision::Tf32,
-                            _ => Precision::Bf16,
-                        });
-                        gpu.gemm_of(dst, a.ptr(), b.ptr(), p.mnk, t, 0.0, Operands::F32)
-                    }
-                    "bf16 operands + casts" => {
-                        gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
-                        gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
-                        gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16)
-                    }
-                    CACHED => {
-                        if path.cast_a {
-                            gpu.to_bf16(a16.ptr(), a.ptr(), m * k)?;
-                        }
-                        if path.cast_b {
-                            gpu.to_bf16(b16.ptr(), b.ptr(), n * k)?;
-                        }
-                        let (a16, b16) = (a16.ptr(), b16.ptr());
-                        gpu.gemm_bf16(dst, a16, b16, path.mnk, t, path.lds, 0.0)
-                    }
-                    _ => gpu.gemm_of(dst, a16.ptr(), b16.ptr(), p.mnk, t, 0.0, Operands::Bf16),
-                }
-            };
             if how == "bf16 operands" || how == CACHED {
                 // Operands rounded once, outside the timing (the fast path's weight copies and the
                 // operands an earlier product rounded).
-                gpu.to_bf16(a16.ptr(), a.ptr(), a_len)?;
-                gpu.to_bf16(b16.ptr(), b.ptr(), b_len)?;
+                gpu.to_bf16(bufs.a16.ptr(), bufs.a.ptr(), bufs.a_len)?;
+                gpu.to_bf16(bufs.b16.ptr(), bufs.b.ptr(), bufs.b_len)?;
             }
             let dst = if how == "bf16 fast (fp32 operands)" {
-                fast.ptr()
+                bufs.fast.ptr()
             } else {
-                out.ptr()
+                bufs.out.ptr()
             };
-            let median = median_ms(gpu, reps, |gpu| once(gpu, dst))?;
+            let median = median_ms(gpu, reps, |gpu| bufs.product(gpu, p, &path, how, dst))?;
             times.push(GemmTime {
                 what: p.what.clone(),
                 mnk: (m, n, k),
@@ -282,8 +225,8 @@ pub fn run(
             });
             if how == "bf16 operands" {
                 let (x, y) = (
-                    gpu.download_prefix(&out, m * n)?,
-                    gpu.download_prefix(&fast, m * n)?,
+                    gpu.download_prefix(&bufs.out, m * n)?,
+                    gpu.download_prefix(&bufs.fast, m * n)?,
                 );
                 worst = worst.max(rel_l2(&x, &y));
             }
@@ -304,6 +247,104 @@ pub fn run(
         totals_ms,
         bf16_operands_vs_fast_rel_l2: worst,
     })
+}
+
+/// The operands every product reads (FP32, with BF16 copies) and the two outputs (the fast
+/// BF16 way's apart, to compare with the BF16-operand way's), each as large as the largest
+/// product needs in any way.
+struct Buffers {
+    a: Buf<f32>,
+    b: Buf<f32>,
+    a16: Buf<u16>,
+    b16: Buf<u16>,
+    out: Buf<f32>,
+    fast: Buf<f32>,
+    a_len: usize,
+    b_len: usize,
+}
+
+impl Buffers {
+    /// Room for every way's operands of `list` (the fast path's head reads rows of the `padded`
+    /// vocabulary), A and B filled with fixed pseudo-random values.
+    fn new(gpu: &Gpu, list: &[Product], padded: usize) -> Result<Self> {
+        let biggest = |f: &dyn Fn(&Product, &Cached) -> usize| {
+            list.iter()
+                .map(|p| f(p, &cached(p, padded)))
+                .max()
+                .unwrap_or(1)
+        };
+        let a_len = biggest(&|p, q| {
+            let ((m, _, k), lda) = (q.mnk, q.lds.0);
+            (p.mnk.0 * p.mnk.2).max(if p.ta { k * lda } else { m * lda })
+        });
+        let b_len = biggest(&|p, q| {
+            let ((_, n, k), ldb) = (q.mnk, q.lds.1);
+            (p.mnk.1 * p.mnk.2).max(if p.tb { n * ldb } else { k * ldb })
+        });
+        let c_len = biggest(&|p, q| (p.mnk.0 * p.mnk.1).max(q.mnk.0 * q.mnk.1));
+        let random = |n: usize, salt: u64| -> Vec<f32> {
+            (0..n as u64)
+                .map(|i| {
+                    let x = (i ^ salt).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    (x as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+                })
+                .collect()
+        };
+        let a = gpu.upload(&random(a_len, 1))?;
+        let b = gpu.upload(&random(b_len, 2))?;
+        let out: Buf<f32> = gpu.zeros(c_len)?;
+        let fast: Buf<f32> = gpu.zeros(c_len)?;
+        let (a16, b16): (Buf<u16>, Buf<u16>) = (gpu.zeros(a_len)?, gpu.zeros(b_len)?);
+        Ok(Buffers {
+            a,
+            b,
+            a16,
+            b16,
+            out,
+            fast,
+            a_len,
+            b_len,
+        })
+    }
+
+    /// Product `p` once, computed the way `how` (`path`: as the fast path runs it), into `dst`.
+    fn product(
+        &self,
+        gpu: &mut Gpu,
+        p: &Product,
+        path: &Cached,
+        how: &str,
+        dst: u64,
+    ) -> Result<()> {
+        let t = (p.ta, p.tb);
+        let (m, n, k) = if how == CACHED { path.mnk } else { p.mnk };
+        let (a, b, a16, b16) = (self.a.ptr(), self.b.ptr(), self.a16.ptr(), self.b16.ptr());
+        match how {
+            "fp32" | "tf32" | "bf16 fast (fp32 operands)" => {
+                gpu.set_precision(match how {
+                    "fp32" => Precision::Fp32,
+                    "tf32" => Precision::Tf32,
+                    _ => Precision::Bf16,
+                });
+                gpu.gemm_of(dst, a, b, p.mnk, t, 0.0, Operands::F32)
+            }
+            "bf16 operands + casts" => {
+                gpu.to_bf16(a16, a, m * k)?;
+                gpu.to_bf16(b16, b, n * k)?;
+                gpu.gemm_of(dst, a16, b16, p.mnk, t, 0.0, Operands::Bf16)
+            }
+            CACHED => {
+                if path.cast_a {
+                    gpu.to_bf16(a16, a, m * k)?;
+                }
+                if path.cast_b {
+                    gpu.to_bf16(b16, b, n * k)?;
+                }
+                gpu.gemm_bf16(dst, a16, b16, path.mnk, t, path.lds, 0.0)
+            }
+            _ => gpu.gemm_of(dst, a16, b16, p.mnk, t, 0.0, Operands::Bf16),
+        }
+    }
 }
 
 /// Median milliseconds of `reps` runs of `product` (each waited for), after one untimed run.
@@ -376,6 +417,42 @@ mod tests {
         assert_eq!(got[4], 0x3f81);
         assert_eq!(got[7] & 0x7f80, 0x7f80);
         assert_ne!(got[7] & 0x7f, 0);
+    }
+
+    /// The bench runs every product in every way on a tiny model (the head over a vocabulary
+    /// that needs padding), and the BF16-operand products match the fast BF16 ones closely.
+    #[test]
+    fn every_product_is_timed_in_every_way() {
+        let mut gpu = Gpu::open(0, Precision::Fp32).unwrap();
+        let report = run(&mut gpu, (8, 16, 40, 8), 1).unwrap();
+        let list = products(8, 16, 40, 8);
+        assert_eq!(
+            list.len(),
+            15,
+            "4 linear layers x 3 products, and the head's 3"
+        );
+        assert_eq!(report.times.len(), list.len() * WAYS.len());
+        let expected = list
+            .iter()
+            .flat_map(|p| WAYS.iter().map(move |&how| (p, how)));
+        for (time, (p, how)) in report.times.iter().zip(expected) {
+            assert_eq!((time.what.as_str(), time.how), (p.what.as_str(), how));
+            assert!(time.ms > 0.0 && time.tflops > 0.0, "{time:?}");
+        }
+        let padded = 40usize.div_ceil(VOCAB_PADDING) * VOCAB_PADDING;
+        let head = report
+            .times
+            .iter()
+            .find(|t| t.how == CACHED && t.what == "lm_head forward (one chunk)");
+        assert_eq!(head.unwrap().mnk, (8, padded, 16));
+        assert_eq!(report.totals_ms.len(), WAYS.len());
+        let rel = report.bf16_operands_vs_fast_rel_l2;
+        assert!(rel.is_finite() && rel < 1e-2, "{rel}");
+        assert_eq!(
+            gpu.precision(),
+            Precision::Fp32,
+            "the precision is restored"
+        );
     }
 
     /// With BF16 operands on, every product of BF16 mode is the BF16 product of rounded copies

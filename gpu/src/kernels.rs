@@ -91,6 +91,25 @@ pub struct DocStarts {
     pub len: usize,
 }
 
+/// What a norm layer's forward saves for its backward: the input `x (n, c)` and the per-row
+/// statistics [`Gpu::norm_forward`] writes (`mean` unused by an RMSNorm), which
+/// [`Gpu::norm_backward_input`] and [`Gpu::norm_backward_params`] read.
+#[derive(Clone, Copy, Debug)]
+pub struct NormSaved {
+    /// Device address of the input rows.
+    pub x: u64,
+    /// Device address of the `n` row means.
+    pub mean: u64,
+    /// Device address of the `n` reciprocal standard deviations (RMS with `rms`).
+    pub rstd: u64,
+    /// Rows.
+    pub n: usize,
+    /// Columns (the layer's width).
+    pub c: usize,
+    /// An RMSNorm (no mean, no bias) rather than a LayerNorm.
+    pub rms: bool,
+}
+
 /// Per sequence of `mask` and position `0..seq`, the start of its document (the layout of
 /// [`DocStarts`]); positions must fit the kernels' `int`s (checked by the kernel wrappers).
 pub fn position_doc_starts(mask: &ops::DocumentMask, seq: usize) -> Vec<u32> {
@@ -521,13 +540,17 @@ impl Gpu {
         n.div_ceil(ROWS_PER_CHUNK).max(1) * c
     }
 
+    /// Launches the elementwise kernel `name` with one thread per element of `total`.
+    fn launch_over(&self, name: &str, total: usize, args: &[Arg]) -> Result<()> {
+        self.launch(name, (blocks(total), 1, 1), THREADS, args)
+    }
+
     /// `y (n, c) += b`.
     pub fn add_bias(&self, y: u64, b: u64, n: usize, c: usize) -> Result<()> {
         let total = n * c;
-        self.launch(
+        self.launch_over(
             "add_bias",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[
                 Arg::P(y),
                 Arg::P(b),
@@ -539,10 +562,9 @@ impl Gpu {
 
     /// `out = a + b` over `total` floats.
     pub fn add(&self, out: u64, a: u64, b: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "add",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(a), Arg::P(b), Arg::L(total as i64)],
         )
     }
@@ -595,20 +617,18 @@ impl Gpu {
 
     /// `out = bf16(x)` over `total` floats (round to nearest even), as 16-bit words.
     pub fn to_bf16(&self, out: u64, x: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "to_bf16",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(x), Arg::L(total as i64)],
         )
     }
 
     /// `out += a` over `total` floats.
     pub fn add_assign(&self, out: u64, a: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "add_assign",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(out), Arg::P(a), Arg::L(total as i64)],
         )
     }
@@ -616,10 +636,9 @@ impl Gpu {
     /// `x += b` (kept for the backward), `y = gelu_tanh(x)`; `b` 0: no bias.
     pub fn bias_gelu_forward(&self, y: u64, x: u64, b: u64, n: usize, c: usize) -> Result<()> {
         let total = n * c;
-        self.launch(
+        self.launch_over(
             "bias_gelu_forward",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[
                 Arg::P(y),
                 Arg::P(x),
@@ -632,31 +651,32 @@ impl Gpu {
 
     /// `du = dy * gelu'(u)`.
     pub fn gelu_backward(&self, du: u64, dy: u64, u: u64, total: usize) -> Result<()> {
-        self.launch(
+        self.launch_over(
             "gelu_backward",
-            (blocks(total), 1, 1),
-            THREADS,
+            total,
             &[Arg::P(du), Arg::P(dy), Arg::P(u), Arg::L(total as i64)],
         )
     }
 
-    /// Layer norm (`b` non-zero) or RMS norm (`rms`) of the rows of `x (n, c)` into `y`, saving
-    /// each row's mean and reciprocal standard deviation.
-    #[allow(clippy::too_many_arguments)]
+    /// Layer norm (`b` non-zero) or RMS norm (`saved.rms`) of the rows of `saved.x (n, c)` into
+    /// `y`, writing each row's mean and reciprocal standard deviation to `saved.mean` and
+    /// `saved.rstd` for the backward.
     pub fn norm_forward(
         &self,
         y: u64,
-        mean: u64,
-        rstd: u64,
-        x: u64,
-        w: u64,
-        b: u64,
-        n: usize,
-        c: usize,
+        (w, b): (u64, u64),
+        saved: &NormSaved,
         eps: f32,
-        rms: bool,
     ) -> Result<()> {
         const OP: &str = "norm_forward";
+        let &NormSaved {
+            x,
+            mean,
+            rstd,
+            n,
+            c,
+            rms,
+        } = saved;
         self.launch(
             OP,
             (int(n, OP, "rows")? as u32, 1, 1),
@@ -675,44 +695,33 @@ impl Gpu {
         )
     }
 
-    /// Backward of [`Gpu::norm_forward`]: `dx` written; `dw` (and `db` unless RMS) accumulated.
-    /// [`Gpu::norm_backward_input`], then [`Gpu::norm_backward_params`].
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of [`Gpu::norm_forward`] with weight `w`: `dx` written; `dw` (and `db` unless
+    /// RMS) accumulated. [`Gpu::norm_backward_input`], then [`Gpu::norm_backward_params`].
     pub fn norm_backward(
         &self,
         dx: u64,
-        dw: u64,
-        db: u64,
+        (dw, db): (u64, u64),
         dy: u64,
-        x: u64,
-        mean: u64,
-        rstd: u64,
         w: u64,
-        n: usize,
-        c: usize,
-        rms: bool,
+        saved: &NormSaved,
         scratch: &Buf<f32>,
     ) -> Result<()> {
-        self.norm_backward_input(dx, dy, x, mean, rstd, w, n, c, rms)?;
-        self.norm_backward_params((dw, db), dy, x, (mean, rstd), (n, c), rms, (scratch, true))
+        self.norm_backward_input(dx, dy, w, saved)?;
+        self.norm_backward_params((dw, db), dy, saved, (scratch, true))
     }
 
-    /// The input half of [`Gpu::norm_backward`]: `dx` written from `dy`, the input `x`, its saved
-    /// statistics and the weight `w`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_backward_input(
-        &self,
-        dx: u64,
-        dy: u64,
-        x: u64,
-        mean: u64,
-        rstd: u64,
-        w: u64,
-        n: usize,
-        c: usize,
-        rms: bool,
-    ) -> Result<()> {
+    /// The input half of [`Gpu::norm_backward`]: `dx` written from `dy`, the forward's input and
+    /// statistics (`saved`) and the weight `w`.
+    pub fn norm_backward_input(&self, dx: u64, dy: u64, w: u64, saved: &NormSaved) -> Result<()> {
         const OP: &str = "norm_backward";
+        let &NormSaved {
+            x,
+            mean,
+            rstd,
+            n,
+            c,
+            rms,
+        } = saved;
         let (ni, ci) = (int(n, OP, "rows")?, int(c, OP, "c")?);
         self.launch(
             "norm_backward_input",
@@ -731,22 +740,26 @@ impl Gpu {
         )
     }
 
-    /// The parameter half of [`Gpu::norm_backward`]: the weight's (and, unless `rms`, the bias's)
-    /// gradients `(dw, db)` over the `n` rows of `dy` and `x` (with its statistics `(mean,
-    /// rstd)`), added to what is there with `accumulate`, else written; `scratch` holds twice
-    /// [`Gpu::column_scratch_len`] floats.
-    #[allow(clippy::too_many_arguments)]
+    /// The parameter half of [`Gpu::norm_backward`]: the weight's (and, unless an RMSNorm, the
+    /// bias's) gradients `(dw, db)` over the rows of `dy` and the forward's input (`saved`, with
+    /// its statistics), added to what is there with `accumulate`, else written; `scratch` holds
+    /// twice [`Gpu::column_scratch_len`] floats.
     pub fn norm_backward_params(
         &self,
         (dw, db): (u64, u64),
         dy: u64,
-        x: u64,
-        (mean, rstd): (u64, u64),
-        (n, c): (usize, usize),
-        rms: bool,
+        saved: &NormSaved,
         (scratch, accumulate): (&Buf<f32>, bool),
     ) -> Result<()> {
         const OP: &str = "norm_backward";
+        let &NormSaved {
+            x,
+            mean,
+            rstd,
+            n,
+            c,
+            rms,
+        } = saved;
         let (ni, ci) = (int(n, OP, "rows")?, int(c, OP, "c")?);
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         if scratch.len() < 2 * chunks * c {
@@ -1141,25 +1154,19 @@ impl Gpu {
         Ok(())
     }
 
-    /// Backward of a linear layer: `dx = dy W` (when `dx` is non-zero; written), `dW += dy^T x`,
-    /// `db += column sums of dy` (when `db` is non-zero): [`Gpu::linear_backward_input`], then
-    /// [`Gpu::linear_backward_weight`].
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of a linear layer of `(n, d_in, d_out)` (as [`Gpu::linear_forward`]'s): `dx = dy
+    /// W` (when `dx` is non-zero; written), `dW += dy^T x`, `db += column sums of dy` (when `db` is
+    /// non-zero): [`Gpu::linear_backward_input`], then [`Gpu::linear_backward_weight`].
     pub fn linear_backward(
         &self,
-        dx: u64,
-        dw: u64,
-        db: u64,
+        (dx, dw, db): (u64, u64, u64),
         dy: u64,
-        x: u64,
-        w: u64,
-        n: usize,
-        d_in: usize,
-        d_out: usize,
+        (x, w): (u64, u64),
+        dims: (usize, usize, usize),
         scratch: &Buf<f32>,
     ) -> Result<()> {
-        self.linear_backward_input(dx, dy, w, n, d_in, d_out)?;
-        self.linear_backward_weight(dw, db, dy, x, n, d_in, d_out, scratch)
+        self.linear_backward_input(dx, dy, w, dims)?;
+        self.linear_backward_weight((dw, db), dy, x, dims, scratch)
     }
 
     /// The input half of [`Gpu::linear_backward`]: `dx (n, in) = dy (n, out) W` (when `dx` is
@@ -1169,9 +1176,7 @@ impl Gpu {
         dx: u64,
         dy: u64,
         w: u64,
-        n: usize,
-        d_in: usize,
-        d_out: usize,
+        (n, d_in, d_out): (usize, usize, usize),
     ) -> Result<()> {
         if dx != 0 {
             self.label_pass(Pass::Dx);
@@ -1182,16 +1187,12 @@ impl Gpu {
 
     /// The weight half of [`Gpu::linear_backward`]: `dW += dy^T x`, `db += column sums of dy`
     /// (when `db` is non-zero).
-    #[allow(clippy::too_many_arguments)]
     pub fn linear_backward_weight(
         &self,
-        dw: u64,
-        db: u64,
+        (dw, db): (u64, u64),
         dy: u64,
         x: u64,
-        n: usize,
-        d_in: usize,
-        d_out: usize,
+        (n, d_in, d_out): (usize, usize, usize),
         scratch: &Buf<f32>,
     ) -> Result<()> {
         self.label_pass(Pass::Dw);

@@ -48,6 +48,6 @@ mod types;
 
 pub use device::{Buf, Gpu, Precision, device_count, libraries_present};
 pub use error::{GpuError, Result};
-pub use kernels::{AttnShape, DocStarts, position_doc_starts};
+pub use kernels::{AttnShape, DocStarts, NormSaved, position_doc_starts};
 pub use profile::Profile;
 pub use types::{AttentionKernels, Bf16Path};

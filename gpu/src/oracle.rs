@@ -8,7 +8,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::device::{Gpu, Precision};
 use crate::error::{GpuError, Result};
-use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
+use crate::kernels::{AttnShape, DocStarts, NormSaved, position_doc_starts};
 use crate::types::AttentionKernels;
 
 /// One compared output.
@@ -218,15 +218,10 @@ fn linear(c: &mut Checker, p: Precision) -> Result<()> {
     let scratch = gpu.zeros::<f32>(Gpu::column_scratch_len(n, d_out))?;
     gpu.linear_forward(yd.ptr(), xd.ptr(), wd.ptr(), bd.ptr(), n, d_in, d_out)?;
     gpu.linear_backward(
-        dxd.ptr(),
-        dwd.ptr(),
-        dbd.ptr(),
+        (dxd.ptr(), dwd.ptr(), dbd.ptr()),
         dyd.ptr(),
-        xd.ptr(),
-        wd.ptr(),
-        n,
-        d_in,
-        d_out,
+        (xd.ptr(), wd.ptr()),
+        (n, d_in, d_out),
         &scratch,
     )?;
     let got = [
@@ -360,30 +355,21 @@ fn norms(c: &mut Checker) -> Result<()> {
         let (dwd, dbd) = (gpu.zeros::<f32>(ch)?, gpu.zeros::<f32>(ch)?);
         let scratch = gpu.zeros::<f32>(2 * Gpu::column_scratch_len(n, ch))?;
         let bptr = if rms { 0 } else { bd.ptr() };
-        gpu.norm_forward(
-            yd.ptr(),
-            mean.ptr(),
-            rstd.ptr(),
-            xd.ptr(),
-            wd.ptr(),
-            bptr,
+        let saved = NormSaved {
+            x: xd.ptr(),
+            mean: mean.ptr(),
+            rstd: rstd.ptr(),
             n,
-            ch,
-            eps as f32,
+            c: ch,
             rms,
-        )?;
+        };
+        gpu.norm_forward(yd.ptr(), (wd.ptr(), bptr), &saved, eps as f32)?;
         gpu.norm_backward(
             dxd.ptr(),
-            dwd.ptr(),
-            if rms { 0 } else { dbd.ptr() },
+            (dwd.ptr(), if rms { 0 } else { dbd.ptr() }),
             dyd.ptr(),
-            xd.ptr(),
-            mean.ptr(),
-            rstd.ptr(),
             wd.ptr(),
-            n,
-            ch,
-            rms,
+            &saved,
             &scratch,
         )?;
         let kind = if rms { "rms norm" } else { "layer norm" };

@@ -68,7 +68,7 @@ use model::{ModelConfig, Norm, Position, StageLayout, StepGradients, Unit};
 
 use crate::device::{Buf, Gpu};
 use crate::error::{GpuError, Result, shape};
-use crate::kernels::{AttnShape, DocStarts, position_doc_starts};
+use crate::kernels::{AttnShape, DocStarts, NormSaved, position_doc_starts};
 use crate::offload::{Download, Fence, StagingPool};
 use crate::profile::{GRAD_ACCUMULATION, LAYERNORM_BWD, Pass, WEIGHT_REFRESH};
 use crate::types::Bf16Path;
@@ -770,7 +770,7 @@ impl GpuStage {
         self.gpu.label_products(name, Pass::Dx);
         let Some(w16) = &self.bf16 else {
             let w = self.at(&self.values, &weight);
-            return self.gpu.linear_backward_input(dx, dy, w, n, d_in, d_out);
+            return self.gpu.linear_backward_input(dx, dy, w, (n, d_in, d_out));
         };
         let (dy16, _) = w16.operands()?;
         self.gpu.to_bf16(dy16, dy, n * d_out)?;
@@ -810,7 +810,7 @@ impl GpuStage {
         let Some(w16) = &self.bf16 else {
             return self
                 .gpu
-                .linear_backward_weight(dw, db, dy, x, n, d_in, d_out, sc);
+                .linear_backward_weight((dw, db), dy, x, (n, d_in, d_out), sc);
         };
         let gpu = &self.gpu;
         let (dy16, x16) = w16.operands()?;
@@ -861,19 +861,26 @@ impl GpuStage {
 
     /// Norm layer `name` (`h.3.ln_1`, `ln_f`) over `n` rows of `x` into `acts`.
     fn norm_forward(&self, acts: &NormActs, x: u64, name: &str, n: usize) -> Result<()> {
-        let m = &self.plan.model;
-        self.gpu.norm_forward(
-            acts.out.ptr(),
-            acts.mean.ptr(),
-            acts.rstd.ptr(),
-            x,
+        let params = (
             self.at(&self.values, &format!("{name}.weight")),
             self.at(&self.values, &format!("{name}.bias")),
+        );
+        let saved = self.norm_saved(acts, x, n);
+        let eps = self.plan.model.norm_eps as f32;
+        self.gpu.norm_forward(acts.out.ptr(), params, &saved, eps)
+    }
+
+    /// The norm's input `x` over `n` rows with the statistics in `acts`.
+    fn norm_saved(&self, acts: &NormActs, x: u64, n: usize) -> NormSaved {
+        let m = &self.plan.model;
+        NormSaved {
+            x,
+            mean: acts.mean.ptr(),
+            rstd: acts.rstd.ptr(),
             n,
-            m.d_model,
-            m.norm_eps as f32,
-            m.norm == Norm::RmsNorm,
-        )
+            c: m.d_model,
+            rms: m.norm == Norm::RmsNorm,
+        }
     }
 
     /// The input half of [`GpuStage::norm_forward`]'s backward: `dx` = d(input) from `dy` over
@@ -891,13 +898,12 @@ impl GpuStage {
         (n, sc): (usize, &Buf<f32>),
         to: NormGrads,
     ) -> Result<()> {
-        let m = &self.plan.model;
-        let (c, rms) = (m.d_model, m.norm == Norm::RmsNorm);
+        let c = self.plan.model.d_model;
+        let saved = self.norm_saved(acts, x, n);
         let weight = format!("{name}.weight");
-        let stats = (acts.mean.ptr(), acts.rstd.ptr());
         let w = self.at(&self.values, &weight);
         let gpu = &self.gpu;
-        gpu.norm_backward_input(dx, dy, x, stats.0, stats.1, w, n, c, rms)?;
+        gpu.norm_backward_input(dx, dy, w, &saved)?;
         let (grads, accumulate) = match to {
             NormGrads::Accumulate(acc) => {
                 let bias = self.grad_at(acc, &format!("{name}.bias"));
@@ -905,7 +911,7 @@ impl GpuStage {
             }
             NormGrads::Keep => ((acts.grads.ptr(), acts.grads.at(c)), false),
         };
-        gpu.norm_backward_params(grads, dy, x, stats, (n, c), rms, (sc, accumulate))
+        gpu.norm_backward_params(grads, dy, &saved, (sc, accumulate))
     }
 
     /// The weight half of a split backward's norm `name`: the parameter gradients its input half
@@ -1406,54 +1412,10 @@ impl GpuStage {
             }));
         }
         let seg = self.in_flight.segment(unit, &self.segments)?;
-        let len = seg.len;
-        let c = self.plan.model.d_model;
-        let in_len = match &input {
-            UnitInput::Tokens(ids) => ids.len(),
-            UnitInput::Hidden(x) => x.len(),
-            UnitInput::Received => {
-                self.links
-                    .received_len(Flow::Activation, (micro_batch, segment), OP)?
-            }
-        };
-        let rows = match (&input, self.plan.layout.is_first()) {
-            (UnitInput::Tokens(ids), true) => ids.len(),
-            (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
-            _ => {
-                return Err(order(
-                    OP,
-                    "tokens go to the first stage, hidden states to the others",
-                ));
-            }
-        };
-        let width = if self.plan.layout.is_first() { 1 } else { c };
-        if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
-            return shape(
-                OP,
-                format!("{in_len} input values do not fit a segment of {len} positions"),
-            );
-        }
-        let b = rows / len;
+        let b = self.input_batch(unit, &input, seg.len)?;
         self.fix_batch(b, OP)?;
-        let n = b * len;
         if self.plan.layout.is_last() {
-            let vocab = self.plan.model.vocab_size;
-            match targets {
-                Some(t) if t.len() == n => {
-                    // The cross-entropy kernel reads the logit at the target unchecked: an id past
-                    // the vocabulary reads another row (or past the buffer), a silently wrong loss.
-                    if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
-                        return shape(
-                            OP,
-                            format!("target id {bad} is not below the vocabulary size {vocab}"),
-                        );
-                    }
-                }
-                Some(t) => {
-                    return shape(OP, format!("{} targets for {n} positions", t.len()));
-                }
-                None => return Err(order(OP, "the last stage needs the segment's targets")),
-            }
+            self.check_targets(targets, b * seg.len)?;
         }
         // The buffers of a micro-batch not in flight: a spare one, or new.
         let mut fresh = match self.in_flight.contains(micro_batch) {
@@ -1493,6 +1455,60 @@ impl GpuStage {
         let now = self.activation_bytes();
         self.peak.record(now);
         result
+    }
+
+    /// The batch size of `input` for a segment of `len` positions: token ids on the first stage,
+    /// `d_model`-wide hidden states (given or received over the device link) on the others.
+    fn input_batch(&self, unit: Unit, input: &UnitInput, len: usize) -> Result<usize> {
+        const OP: &str = "GpuStage::forward";
+        let c = self.plan.model.d_model;
+        let in_len = match input {
+            UnitInput::Tokens(ids) => ids.len(),
+            UnitInput::Hidden(x) => x.len(),
+            UnitInput::Received => {
+                self.links
+                    .received_len(Flow::Activation, (unit.micro_batch, unit.segment), OP)?
+            }
+        };
+        let rows = match (input, self.plan.layout.is_first()) {
+            (UnitInput::Tokens(ids), true) => ids.len(),
+            (UnitInput::Hidden(_) | UnitInput::Received, false) => in_len / c,
+            _ => {
+                return Err(order(
+                    OP,
+                    "tokens go to the first stage, hidden states to the others",
+                ));
+            }
+        };
+        let width = if self.plan.layout.is_first() { 1 } else { c };
+        if rows == 0 || !rows.is_multiple_of(len) || rows * width != in_len {
+            return shape(
+                OP,
+                format!("{in_len} input values do not fit a segment of {len} positions"),
+            );
+        }
+        Ok(rows / len)
+    }
+
+    /// The last stage's targets: given, one per position (`n`), each below the vocabulary size.
+    fn check_targets(&self, targets: Option<&[u32]>, n: usize) -> Result<()> {
+        const OP: &str = "GpuStage::forward";
+        let vocab = self.plan.model.vocab_size;
+        match targets {
+            Some(t) if t.len() == n => {
+                // The cross-entropy kernel reads the logit at the target unchecked: an id past
+                // the vocabulary reads another row (or past the buffer), a silently wrong loss.
+                if let Some(bad) = t.iter().find(|&&id| id as usize >= vocab) {
+                    return shape(
+                        OP,
+                        format!("target id {bad} is not below the vocabulary size {vocab}"),
+                    );
+                }
+                Ok(())
+            }
+            Some(t) => shape(OP, format!("{} targets for {n} positions", t.len())),
+            None => Err(order(OP, "the last stage needs the segment's targets")),
+        }
     }
 
     /// [`GpuStage::forward`]'s computation ([`model::forward_unit`]) on the micro-batch's buffers;

@@ -39,6 +39,8 @@ use trainer::schedule::doc_segments::{
 };
 use trainer::schedule::{FlopsModel, Partition, segment_lengths};
 
+use crate::bench::step::median;
+
 mod step;
 
 /// Which parts `seqpipe bench docmask` runs.
@@ -191,7 +193,6 @@ fn attention(
     model: &FlopsModel,
     report: &mut Report,
 ) -> Result<()> {
-    let scale = 1.0 / (args.head_dim as f64).sqrt();
     println!(
         "document-masked attention, 1 sequence x 1 head x head dim {}, f32, 1 thread; documents \
          log-normal (median {}, sigma {}); forward + backward per segment over its trimmed K/V \
@@ -213,48 +214,12 @@ fn attention(
         let starts = document_starts(&tokens, docs.end_of_text());
         let mask = DocumentMask::new(vec![starts.clone()])?;
         let cost = MaskedCost::new(&starts, t, model)?;
-        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ t as u64);
-        let mut rand = |n: usize| -> Result<Tensor> {
-            let data: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            Ok(Tensor::from_vec(
-                data,
-                (1, 1, n / args.head_dim, args.head_dim),
-                &Device::Cpu,
-            )?)
-        };
-        let n = t * args.head_dim;
-        let (q, k, v, g) = (rand(n)?, rand(n)?, rand(n)?, rand(n)?);
+        let operands = Operands::random(args.seed ^ t as u64, t, args.head_dim)?;
         // The whole sequence with the mask and without, first: their times also fit the
         // kernels' own weights (time = a·pairs + b·tokens) for the "fitted" partition.
-        let (mut masked_s, mut unmasked_s) = (Vec::new(), Vec::new());
-        for _ in 0..args.rounds {
-            let start = thread_cpu_s();
-            let (_, ctx) = document_prefix_attention_forward(&q, &k, &v, scale, &mask, 0)?;
-            document_prefix_attention_backward(&ctx, &k, &v, &g, scale, &mask, 0)?;
-            masked_s.push(thread_cpu_s() - start);
-            let start = thread_cpu_s();
-            let (_, ctx) = causal_prefix_attention_forward(&q, &k, &v, scale)?;
-            causal_prefix_attention_backward(&ctx, &k, &v, &g, scale)?;
-            unmasked_s.push(thread_cpu_s() - start);
-        }
-        let pairs = |x: f64| x * (x + 1.0) / 2.0;
-        let visible: f64 = starts
-            .iter()
-            .zip(starts.iter().skip(1).chain([&t]))
-            .map(|(a, b)| pairs((b - a) as f64))
-            .sum();
-        let (tm, tu, all) = (min(&masked_s), min(&unmasked_s), pairs(t as f64));
-        let per_pair = ((tu - tm) / (all - visible)).max(0.0);
-        let per_token = ((tm - per_pair * visible) / t as f64).max(0.0);
-        let fitted = MaskedCost::with_weights(&[&starts], t, per_token, per_pair)?;
-        report.masks.push(MaskRow {
-            seq_len: t,
-            documents: starts.len(),
-            masked_s,
-            unmasked_s,
-            modelled_fraction: visible / all,
-            per_token_in_pairs: per_token / per_pair,
-        });
+        let (masked_s, unmasked_s) = whole_sequence_times(&operands, &mask, args.rounds)?;
+        let (row, fitted) = fit_mask_row(&starts, t, masked_s, unmasked_s)?;
+        report.masks.push(row);
         for &splits in &args.splits {
             let blind = segment_lengths(Partition::Compute, t, splits, model)?;
             let aware = document_segment_lengths(&starts, t, splits, model)?;
@@ -262,7 +227,7 @@ fn attention(
             for (name, lengths) in [("blind", blind), ("aware", aware), ("fitted", fit)] {
                 let mut time_ratios = Vec::with_capacity(args.rounds);
                 for _ in 0..args.rounds {
-                    let times = segment_times(&q, &k, &v, &g, scale, &mask, &lengths)?;
+                    let times = segment_times(&operands, &mask, &lengths)?;
                     time_ratios.push(cost_ratio(&times));
                 }
                 let row = PartitionRow {
@@ -288,6 +253,98 @@ fn attention(
         }
     }
     println!();
+    print_masks(&report.masks);
+    Ok(())
+}
+
+/// One head's attention operands over a sequence, (1, 1, T, head_dim) each, uniform in [-1, 1):
+/// queries, keys, values and the output gradient, with the softmax scale.
+struct Operands {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    scale: f64,
+}
+
+impl Operands {
+    /// Draws q, k, v and g in that order from a generator seeded with `seed`.
+    fn random(seed: u64, seq_len: usize, head_dim: usize) -> Result<Self> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut rand = || -> Result<Tensor> {
+            let data: Vec<f32> = (0..seq_len * head_dim)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            Ok(Tensor::from_vec(
+                data,
+                (1, 1, seq_len, head_dim),
+                &Device::Cpu,
+            )?)
+        };
+        let (q, k, v, g) = (rand()?, rand()?, rand()?, rand()?);
+        Ok(Operands {
+            q,
+            k,
+            v,
+            g,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+        })
+    }
+}
+
+/// Per round, the seconds of the whole sequence's attention forward + backward with the mask,
+/// and without it (causal only).
+fn whole_sequence_times(
+    o: &Operands,
+    mask: &DocumentMask,
+    rounds: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut masked_s, mut unmasked_s) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let start = thread_cpu_s();
+        let (_, ctx) = document_prefix_attention_forward(&o.q, &o.k, &o.v, o.scale, mask, 0)?;
+        document_prefix_attention_backward(&ctx, &o.k, &o.v, &o.g, o.scale, mask, 0)?;
+        masked_s.push(thread_cpu_s() - start);
+        let start = thread_cpu_s();
+        let (_, ctx) = causal_prefix_attention_forward(&o.q, &o.k, &o.v, o.scale)?;
+        causal_prefix_attention_backward(&ctx, &o.k, &o.v, &o.g, o.scale)?;
+        unmasked_s.push(thread_cpu_s() - start);
+    }
+    Ok((masked_s, unmasked_s))
+}
+
+/// The sequence's mask row, and the cost model with the kernels' own weights fitted from the
+/// fastest masked and unmasked times (time = a·pairs + b·tokens: the pairs the mask hides cost
+/// the difference).
+fn fit_mask_row(
+    starts: &[usize],
+    t: usize,
+    masked_s: Vec<f64>,
+    unmasked_s: Vec<f64>,
+) -> Result<(MaskRow, MaskedCost)> {
+    let pairs = |x: f64| x * (x + 1.0) / 2.0;
+    let visible: f64 = starts
+        .iter()
+        .zip(starts.iter().skip(1).chain([&t]))
+        .map(|(a, b)| pairs((b - a) as f64))
+        .sum();
+    let (tm, tu, all) = (min(&masked_s), min(&unmasked_s), pairs(t as f64));
+    let per_pair = ((tu - tm) / (all - visible)).max(0.0);
+    let per_token = ((tm - per_pair * visible) / t as f64).max(0.0);
+    let fitted = MaskedCost::with_weights(&[starts], t, per_token, per_pair)?;
+    let row = MaskRow {
+        seq_len: t,
+        documents: starts.len(),
+        masked_s,
+        unmasked_s,
+        modelled_fraction: visible / all,
+        per_token_in_pairs: per_token / per_pair,
+    };
+    Ok((row, fitted))
+}
+
+/// Prints the table of the whole sequences' masked against unmasked times.
+fn print_masks(masks: &[MaskRow]) {
     println!(
         "{:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>14} {:>15}",
         "T",
@@ -299,7 +356,7 @@ fn attention(
         "visible pairs",
         "fit tok/pair"
     );
-    for m in &report.masks {
+    for m in masks {
         let ratios: Vec<f64> = m
             .masked_s
             .iter()
@@ -318,20 +375,12 @@ fn attention(
             m.per_token_in_pairs
         );
     }
-    Ok(())
 }
 
 /// Seconds of each segment's masked attention forward + backward, over the K/V prefix from the
 /// earliest document start its queries need.
-fn segment_times(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    scale: f64,
-    mask: &DocumentMask,
-    lengths: &[usize],
-) -> Result<Vec<f64>> {
+fn segment_times(o: &Operands, mask: &DocumentMask, lengths: &[usize]) -> Result<Vec<f64>> {
+    let (q, k, v, g, scale) = (&o.q, &o.k, &o.v, &o.g, o.scale);
     let mut times = Vec::with_capacity(lengths.len());
     let mut start = 0;
     for &len in lengths {
@@ -367,15 +416,4 @@ fn thread_cpu_s() -> f64 {
 
 fn min(xs: &[f64]) -> f64 {
     xs.iter().copied().fold(f64::INFINITY, f64::min)
-}
-
-fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }

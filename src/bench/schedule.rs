@@ -497,28 +497,7 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         },
     )?;
     let first = if cfg.train.steps > 1 { 2 } else { 1 };
-    let metrics = std::fs::read_to_string(cfg.run.dir.join("metrics.jsonl"))?;
-    let records: Vec<Value> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v.get("loss").is_some() && v["step"].as_u64().is_some_and(|s| s >= first))
-        .collect();
-    if records.is_empty() {
-        bail!("no metrics record of step {first} or later");
-    }
-    let mut peak_activation_bytes = vec![0u64; cfg.pipeline.stages];
-    for v in &records {
-        let peaks: Vec<u64> = serde_json::from_value(v["peak_activation_bytes"].clone())?;
-        for (max, peak) in peak_activation_bytes.iter_mut().zip(peaks) {
-            *max = (*max).max(peak);
-        }
-    }
-    let mut walls: Vec<f64> = records
-        .iter()
-        .filter_map(|v| v["step_time_s"].as_f64())
-        .collect();
-    walls.sort_by(f64::total_cmp);
-    let wall_step_s = walls.get(walls.len() / 2).copied().unwrap_or(f64::NAN);
+    let (peak_activation_bytes, wall_step_s) = recorded_peaks_and_wall(cfg, first)?;
 
     let (p, k) = (cfg.pipeline.stages, cfg.pipeline.splits);
     let durations = unit_cpu_times(&std::fs::read(&trace)?, first, p)?;
@@ -544,35 +523,8 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         .then(|| memory_bound_bubble(&schedule, &costs))
         .transpose()?;
     let weight_share = split.then(|| weight_share(&costs.durations));
-    let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
-    for (action, t) in costs.durations.iter().flatten() {
-        let sum = if action.op() == Op::Forward {
-            &mut segment_forward_s
-        } else {
-            &mut segment_backward_s
-        };
-        sum[action.unit().segment] += t / m as f64;
-    }
-    let flops = |attention_cost: f64| {
-        let m = FlopsModel {
-            attention_cost,
-            ..cfg.flops_model()
-        };
-        let starts = segment_lengths.iter().scan(0, |at, &len| {
-            *at += len;
-            Some(*at - len)
-        });
-        starts
-            .zip(&segment_lengths)
-            .map(|(start, &len)| segment_flops(start, len, &m) * cfg.train.micro_batch_size as f64)
-            .collect::<Vec<f64>>()
-    };
-    let segment_dense_flops = flops(0.0);
-    let segment_attention_flops: Vec<f64> = flops(1.0)
-        .iter()
-        .zip(&segment_dense_flops)
-        .map(|(all, dense)| all - dense)
-        .collect();
+    let (segment_forward_s, segment_backward_s) = per_segment_times(&costs.durations, k, m);
+    let (segment_dense_flops, segment_attention_flops) = per_segment_flops(cfg, &segment_lengths);
     Ok(ScheduleRun {
         schedule: cfg.pipeline.schedule,
         virtual_stages: v,
@@ -596,6 +548,79 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
         segment_dense_flops,
         segment_attention_flops,
     })
+}
+
+/// From the metrics of the run `cfg` names, of step `first` on: per stage its largest peak of
+/// activations, and the median wall-clock step.
+fn recorded_peaks_and_wall(cfg: &Config, first: u64) -> Result<(Vec<u64>, f64)> {
+    let metrics = std::fs::read_to_string(cfg.run.dir.join("metrics.jsonl"))?;
+    let records: Vec<Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("loss").is_some() && v["step"].as_u64().is_some_and(|s| s >= first))
+        .collect();
+    if records.is_empty() {
+        bail!("no metrics record of step {first} or later");
+    }
+    let mut peak_activation_bytes = vec![0u64; cfg.pipeline.stages];
+    for v in &records {
+        let peaks: Vec<u64> = serde_json::from_value(v["peak_activation_bytes"].clone())?;
+        for (max, peak) in peak_activation_bytes.iter_mut().zip(peaks) {
+            *max = (*max).max(peak);
+        }
+    }
+    let mut walls: Vec<f64> = records
+        .iter()
+        .filter_map(|v| v["step_time_s"].as_f64())
+        .collect();
+    walls.sort_by(f64::total_cmp);
+    let wall_step_s = walls.get(walls.len() / 2).copied().unwrap_or(f64::NAN);
+    Ok((peak_activation_bytes, wall_step_s))
+}
+
+/// Per segment (of `k`), the compute seconds of its forwards and of its backwards (input and
+/// weight halves together) summed over the stages, per micro-batch (of `m`).
+fn per_segment_times(
+    durations: &[HashMap<Action, f64>],
+    k: usize,
+    m: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut segment_forward_s, mut segment_backward_s) = (vec![0.0; k], vec![0.0; k]);
+    for (action, t) in durations.iter().flatten() {
+        let sum = if action.op() == Op::Forward {
+            &mut segment_forward_s
+        } else {
+            &mut segment_backward_s
+        };
+        sum[action.unit().segment] += t / m as f64;
+    }
+    (segment_forward_s, segment_backward_s)
+}
+
+/// Per segment of `segment_lengths`, the FLOPs of a micro-batch's rows (`cfg`'s model): the
+/// dense ones (no attention) and the attention's.
+fn per_segment_flops(cfg: &Config, segment_lengths: &[usize]) -> (Vec<f64>, Vec<f64>) {
+    let flops = |attention_cost: f64| {
+        let m = FlopsModel {
+            attention_cost,
+            ..cfg.flops_model()
+        };
+        let starts = segment_lengths.iter().scan(0, |at, &len| {
+            *at += len;
+            Some(*at - len)
+        });
+        starts
+            .zip(segment_lengths)
+            .map(|(start, &len)| segment_flops(start, len, &m) * cfg.train.micro_batch_size as f64)
+            .collect::<Vec<f64>>()
+    };
+    let segment_dense_flops = flops(0.0);
+    let segment_attention_flops: Vec<f64> = flops(1.0)
+        .iter()
+        .zip(&segment_dense_flops)
+        .map(|(all, dense)| all - dense)
+        .collect();
+    (segment_dense_flops, segment_attention_flops)
 }
 
 /// The least bubble a split-backward order of `s`'s shape could replay with `costs` at Seq1F1B's
@@ -634,8 +659,9 @@ fn weight_share(durations: &[HashMap<Action, f64>]) -> f64 {
     w / (i + w)
 }
 
-/// Each action's mean time over the stages.
-fn averaged_over_stages(durations: &[HashMap<Action, f64>]) -> HashMap<Action, f64> {
+/// Each action's mean time over the stages (a replay of it on every stage shows what the
+/// segments' imbalance alone leaves, the stages balanced).
+pub(crate) fn averaged_over_stages(durations: &[HashMap<Action, f64>]) -> HashMap<Action, f64> {
     let mut mean: HashMap<Action, f64> = HashMap::new();
     for (action, t) in durations.iter().flatten() {
         *mean.entry(*action).or_default() += t / durations.len() as f64;

@@ -151,7 +151,6 @@ fn measure(args: &StepBenchArgs) -> Result<()> {
     let mut losses = Vec::new();
     let mut step_ms = Vec::new();
     let mut first_grads = None;
-    let unit = Unit::new(0, 0);
     let loss_scale = 1.0 / (batch * seq_len) as f64;
     let mut usage = ProcessUsage::default();
     for step in 0..=args.steps {
@@ -159,27 +158,9 @@ fn measure(args: &StepBenchArgs) -> Result<()> {
             usage = ProcessUsage::now();
         }
         let started = Instant::now();
-        stage.begin_step(1);
-        let out = stage.forward(
-            unit,
-            StageInput::Tokens(inputs.clone()),
-            Some(&targets),
-            loss_scale,
-            Mode::Train,
-        )?;
-        let StageOutput::LossSum(loss_sum) = out else {
-            bail!("a single stage must end in the loss");
-        };
-        stage.backward(unit, None)?;
-        stage.finish_gradients()?;
+        let loss_sum = gradients(&mut stage, &inputs, &targets, loss_scale)?;
         if step == 0 && args.dump.is_some() {
-            first_grads = Some(named(stage.params().specs().iter().map(|s| {
-                let g = stage
-                    .grads()
-                    .get(&s.name)
-                    .expect("every parameter has a gradient");
-                (s.name.as_str(), g)
-            }))?);
+            first_grads = Some(named_grads(&stage)?);
         }
         let norm =
             ops::clip::global_norm(stage.grad_sums_of_squares()?.into_iter().map(|(_, ss)| ss));
@@ -241,23 +222,64 @@ fn measure(args: &StepBenchArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
-            "preset {:?}: {} parameters, batch {} × seq {}, threads {}",
-            report.preset, report.params, report.batch, report.seq_len, report.threads
-        );
-        println!(
-            "median {:.1} ms/step over {} steps ({:.0} tokens/s), peak RSS {:.0} MiB, {:.0} page faults/step, {:.1}% of CPU time in the kernel, loss {:.4} -> {:.4}",
-            report.median_ms,
-            report.steps,
-            report.tokens_per_s,
-            report.peak_rss_mb,
-            report.page_faults_per_step,
-            100.0 * report.cpu_system_share,
-            report.losses[0],
-            report.losses[report.losses.len() - 1]
-        );
+        print_report(&report);
     }
     Ok(())
+}
+
+/// One step's gradients on the single stage: the batch's forward to the loss and its backward,
+/// the gradients finished. Returns the loss summed over the tokens.
+pub(crate) fn gradients(
+    stage: &mut Stage,
+    inputs: &Tensor,
+    targets: &Tensor,
+    loss_scale: f64,
+) -> Result<f64> {
+    let unit = Unit::new(0, 0);
+    stage.begin_step(1);
+    let out = stage.forward(
+        unit,
+        StageInput::Tokens(inputs.clone()),
+        Some(targets),
+        loss_scale,
+        Mode::Train,
+    )?;
+    let StageOutput::LossSum(loss_sum) = out else {
+        bail!("a single stage must end in the loss");
+    };
+    stage.backward(unit, None)?;
+    stage.finish_gradients()?;
+    Ok(loss_sum)
+}
+
+/// The stage's gradients by parameter name.
+fn named_grads(stage: &Stage) -> Result<HashMap<String, Tensor>> {
+    named(stage.params().specs().iter().map(|s| {
+        let g = stage
+            .grads()
+            .get(&s.name)
+            .expect("every parameter has a gradient");
+        (s.name.as_str(), g)
+    }))
+}
+
+/// The report's summary, for a reader.
+fn print_report(report: &Report) {
+    println!(
+        "preset {:?}: {} parameters, batch {} × seq {}, threads {}",
+        report.preset, report.params, report.batch, report.seq_len, report.threads
+    );
+    println!(
+        "median {:.1} ms/step over {} steps ({:.0} tokens/s), peak RSS {:.0} MiB, {:.0} page faults/step, {:.1}% of CPU time in the kernel, loss {:.4} -> {:.4}",
+        report.median_ms,
+        report.steps,
+        report.tokens_per_s,
+        report.peak_rss_mb,
+        report.page_faults_per_step,
+        100.0 * report.cpu_system_share,
+        report.losses[0],
+        report.losses[report.losses.len() - 1]
+    );
 }
 
 /// Uniform random token rows: inputs `(B, T)` and the next-token targets `(B·T,)`, both U32.

@@ -31,6 +31,30 @@ pub const LOSS_BOUND: f64 = 5e-7;
 
 /// Plain `seq1f1b`.
 pub const PLAIN: [&str; 2] = ["pipeline.schedule=seq1f1b", "pipeline.virtual_stages=1"];
+/// `seq1f1b-zb`.
+pub const ZERO_BUBBLE: [&str; 2] = ["pipeline.schedule=seq1f1b-zb", "pipeline.virtual_stages=1"];
+/// `seq1f1b-i` with 2 chunks per worker.
+pub const INTERLEAVED: [&str; 2] = ["pipeline.schedule=seq1f1b-i", "pipeline.virtual_stages=2"];
+
+/// Compute actions per unit and worker of [`PLAIN`]: F and B.
+pub const PLAIN_ACTIONS: u64 = 2;
+/// Of [`ZERO_BUBBLE`]: F, I and W.
+pub const ZB_ACTIONS: u64 = 3;
+/// Of [`INTERLEAVED`]: F and B on each of the 2 chunks.
+pub const INTERLEAVED_ACTIONS: u64 = 4;
+
+/// The tiny model and its micro-batches, small enough for the emulated GPU (each kernel launch
+/// runs its blocks' threads on the CPU): 2 micro-batches of 2 segments of 16 tokens, a 2-head
+/// 32-wide model over 64 token ids. The jobs add their stages, layers and rows.
+pub const TINY: [&str; 7] = [
+    "pipeline.microbatches=2",
+    "pipeline.splits=2",
+    "model.vocab_size=64",
+    "model.d_model=32",
+    "model.heads=2",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+];
 /// CUDA stages over TCP, and over NCCL device links.
 pub const CUDA_TCP: [&str; 2] = ["model.device=cuda", "pipeline.transport=tcp"];
 pub const CUDA_NCCL: [&str; 2] = ["model.device=cuda", "pipeline.transport=nccl"];
@@ -65,14 +89,7 @@ fn job(name: &str, sets: &[&str]) -> (PathBuf, Command) {
     cmd.args(["train", "-q"]);
     let common = [
         "pipeline.stages=2".to_string(),
-        "pipeline.microbatches=2".into(),
-        "pipeline.splits=2".into(),
-        "model.vocab_size=64".into(),
         "model.layers=4".into(),
-        "model.d_model=32".into(),
-        "model.heads=2".into(),
-        "model.max_seq_len=16".into(),
-        "train.seq_len=16".into(),
         "train.micro_batch_size=2".into(),
         format!("train.eval_every={STEPS}"),
         "train.eval_batches=2".into(),
@@ -81,9 +98,9 @@ fn job(name: &str, sets: &[&str]) -> (PathBuf, Command) {
         format!("train.steps={STEPS}"),
         format!("run.dir={}", dir.display()),
     ];
-    for s in common
-        .iter()
-        .map(String::as_str)
+    for s in TINY
+        .into_iter()
+        .chain(common.iter().map(String::as_str))
         .chain(sets.iter().copied())
     {
         cmd.args(["--set", s]);

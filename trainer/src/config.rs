@@ -364,10 +364,22 @@ impl Config {
         valid_replica_counts(self.pipeline.microbatches)
     }
 
-    /// Checks every value and their consistency.
+    /// Checks every value and their consistency, section by section; the first problem found is
+    /// the one reported.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid =
-            |key: &'static str, message: String| Err(ConfigError::Invalid { key, message });
+        self.validate_sizes()?;
+        self.validate_shapes()?;
+        self.validate_optimizer()?;
+        self.validate_costs_and_reads()?;
+        self.validate_schedule()?;
+        self.elastic.validate()?;
+        self.validate_checkpoint()?;
+        self.validate_documents()
+    }
+
+    /// The sizes: each at least 1, and none so large that products of them (shapes, token
+    /// counts, bytes) could overflow.
+    fn validate_sizes(&self) -> Result<(), ConfigError> {
         let (m, t, p) = (&self.model, &self.train, &self.pipeline);
         let positive = [
             ("model.vocab_size", m.vocab_size),
@@ -435,6 +447,13 @@ impl Config {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// How the sizes fit together: heads into the width, the sequence into the model, replicas
+    /// into the summation tree, layers into stages, segments into the sequence.
+    fn validate_shapes(&self) -> Result<(), ConfigError> {
+        let (m, t, p) = (&self.model, &self.train, &self.pipeline);
         if m.d_model % m.heads != 0 {
             return invalid(
                 "model.heads",
@@ -488,6 +507,12 @@ impl Config {
             );
         }
         self.segment_rule()?;
+        Ok(())
+    }
+
+    /// The optimizer's and evaluation's numbers: rates, betas, decay, clipping.
+    fn validate_optimizer(&self) -> Result<(), ConfigError> {
+        let t = &self.train;
         for (key, value) in [("train.lr", t.lr), ("train.eps", t.eps)] {
             if !(value > 0.0 && value.is_finite()) {
                 return invalid(key, format!("must be a positive number, got {value}"));
@@ -519,6 +544,12 @@ impl Config {
                 "must be at least 1 when train.eval_every > 0".into(),
             );
         }
+        Ok(())
+    }
+
+    /// The attention cost weight, the pipeline's timeout and the dataset's read bounds.
+    fn validate_costs_and_reads(&self) -> Result<(), ConfigError> {
+        let p = &self.pipeline;
         if !(p.attention_cost > 0.0 && p.attention_cost.is_finite()) {
             return invalid(
                 "pipeline.attention_cost",
@@ -543,6 +574,12 @@ impl Config {
                     .into(),
             );
         }
+        Ok(())
+    }
+
+    /// The schedule with its chunks per stage, split backwards and stage links.
+    fn validate_schedule(&self) -> Result<(), ConfigError> {
+        let p = &self.pipeline;
         if p.schedule.is_interleaved() != (p.virtual_stages > 1) || p.virtual_stages == 0 {
             return invalid(
                 "pipeline.virtual_stages",
@@ -556,14 +593,18 @@ impl Config {
         if p.virtual_stages > 1 {
             self.validate_virtual_stages()?;
         }
-        if p.transport == StageTransport::Nccl && m.device != DeviceKind::Cuda {
+        if p.transport == StageTransport::Nccl && self.model.device != DeviceKind::Cuda {
             return invalid(
                 "pipeline.transport",
                 "\"nccl\" links the GPUs of CUDA stages: set model.device = \"cuda\", or use \"tcp\""
                     .into(),
             );
         }
-        self.elastic.validate()?;
+        Ok(())
+    }
+
+    /// Checkpoint retention, the grace period and the byte limits (memory budget, upload rate).
+    fn validate_checkpoint(&self) -> Result<(), ConfigError> {
         let c = &self.checkpoint;
         if c.keep_last == 0 {
             return invalid(
@@ -573,7 +614,7 @@ impl Config {
         }
         seconds("checkpoint.grace_s", c.grace_s, Zero::Refused)?;
         for (key, value) in [
-            ("train.memory_budget_bytes", t.memory_budget_bytes),
+            ("train.memory_budget_bytes", self.train.memory_budget_bytes),
             (
                 "checkpoint.max_upload_bytes_per_s",
                 c.max_upload_bytes_per_s,
@@ -589,7 +630,7 @@ impl Config {
                 );
             }
         }
-        self.validate_documents()
+        Ok(())
     }
 
     /// With virtual stages (`pipeline.virtual_stages` ≥ 2, an interleaved schedule): a layer for
@@ -788,6 +829,11 @@ fn flatten(tree: &toml::Table) -> std::collections::BTreeMap<String, toml::Value
 
 /// The largest byte count a size key accepts (1 PiB): far above any machine, far below overflow.
 pub const MAX_BYTES: u64 = 1 << 50;
+
+/// A refusal of `key`'s value, saying why.
+fn invalid(key: &'static str, message: String) -> Result<(), ConfigError> {
+    Err(ConfigError::Invalid { key, message })
+}
 
 /// Checks the seconds of `key` with the shared rule ([`elastic::checked_seconds`]).
 fn seconds(key: &'static str, value: f64, zero: Zero) -> Result<Duration, ConfigError> {

@@ -11,6 +11,8 @@
 //! values of order one (so attention is far from uniform and a mask matters), stages driven by the
 //! generated schedule's action lists, and gradients compared by name.
 
+mod common;
+
 use std::collections::HashMap;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -22,7 +24,7 @@ use trainer::model::{
     Mode, ModelConfig, ModelError, Norm, Position, Stage, StageInput, StageLayout, StageOutput,
     partition_layers,
 };
-use trainer::schedule::{Action, ScheduleKind, SegmentRule, Unit, generate};
+use trainer::schedule::{ScheduleKind, SegmentRule, Unit, generate};
 
 const VOCAB: usize = 32;
 const D_MODEL: usize = 16;
@@ -278,82 +280,28 @@ fn run_step(
         stage.begin_step(MICRO_BATCHES);
     }
     let schedule = generate(kind, p, MICRO_BATCHES, cut.splits())?;
-    let compute: Vec<Vec<Action>> = schedule
-        .actions
-        .iter()
-        .map(|acts| {
-            acts.iter()
-                .copied()
-                .filter(|a| matches!(a, Action::Forward(_) | Action::Backward(_)))
-                .collect()
-        })
-        .collect();
     let scale = 1.0 / batch.tokens() as f64;
-    let mut next = vec![0; p];
-    let mut activations: HashMap<(usize, Unit), Tensor> = HashMap::new();
-    let mut gradients: HashMap<(usize, Unit), Tensor> = HashMap::new();
-    let mut loss = 0.0;
-    loop {
-        let mut progressed = false;
-        for r in 0..p {
-            while let Some(&action) = compute[r].get(next[r]) {
-                match action {
-                    Action::Forward(u) => {
-                        let lengths = &cut.lengths[u.micro_batch];
-                        let (start, len) = (starts(lengths)[u.segment], lengths[u.segment]);
-                        let input = if r == 0 {
-                            StageInput::Tokens(batch.inputs(u.micro_batch, start, len)?)
-                        } else {
-                            match activations.remove(&(r, u)) {
-                                Some(h) => StageInput::Hidden(h),
-                                None => break,
-                            }
-                        };
-                        if masks == Masks::On {
-                            // As the worker does: every unit's message carries the starts.
-                            stages[r].set_documents(u.micro_batch, batch.docs(u.micro_batch))?;
-                        }
-                        if cut.own {
-                            // As the worker does: every stage computes them from the starts.
-                            stages[r].set_segment_lengths(u.micro_batch, lengths.clone())?;
-                        }
-                        let targets = batch.targets(u.micro_batch, start, len)?;
-                        let targets = (r + 1 == p).then_some(&targets);
-                        match stages[r].forward(u, input, targets, scale, Mode::Train)? {
-                            StageOutput::Hidden(h) => {
-                                activations.insert((r + 1, u), h);
-                            }
-                            StageOutput::LossSum(l) => loss += l,
-                        }
-                    }
-                    Action::Backward(u) => {
-                        let d = if r + 1 == p {
-                            None
-                        } else {
-                            match gradients.remove(&(r, u)) {
-                                Some(g) => Some(g),
-                                None => break,
-                            }
-                        };
-                        if let Some(g) = stages[r].backward(u, d)? {
-                            gradients.insert((r - 1, u), g);
-                        }
-                    }
-                    other => bail!("unexpected action {other:?}"),
-                }
-                next[r] += 1;
-                progressed = true;
-            }
+    let losses = common::run_in_process(stages, &schedule, |stage, r, u, hidden| {
+        let lengths = &cut.lengths[u.micro_batch];
+        let (start, len) = (starts(lengths)[u.segment], lengths[u.segment]);
+        let input = match hidden {
+            None => StageInput::Tokens(batch.inputs(u.micro_batch, start, len)?),
+            Some(h) => StageInput::Hidden(h),
+        };
+        if masks == Masks::On {
+            // As the worker does: every unit's message carries the starts.
+            stage.set_documents(u.micro_batch, batch.docs(u.micro_batch))?;
         }
-        if (0..p).all(|r| next[r] == compute[r].len()) {
-            break;
+        if cut.own {
+            // As the worker does: every stage computes them from the starts.
+            stage.set_segment_lengths(u.micro_batch, lengths.clone())?;
         }
-        ensure!(progressed, "schedule {kind:?} deadlocked at {next:?}");
-    }
-    ensure!(
-        activations.is_empty() && gradients.is_empty(),
-        "undelivered messages"
-    );
+        let targets = batch.targets(u.micro_batch, start, len)?;
+        let targets = (r + 1 == p).then_some(&targets);
+        Ok(stage.forward(u, input, targets, scale, Mode::Train)?)
+    })?;
+    // Summed in the order the last stage computed them, from 0.
+    let loss = losses.iter().fold(0.0, |sum, l| sum + l);
     let mut grads = HashMap::new();
     for stage in stages.iter_mut() {
         stage.finish_gradients()?;

@@ -7,9 +7,11 @@
 //! name-seeded random values of order one (norm gains around 1, non-zero biases, weights scaled
 //! by 1/sqrt(fan_in)) so that attention is far from uniform and every parameter matters.
 
+mod common;
+
 use std::collections::HashMap;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use candle_core::{D, DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -17,7 +19,7 @@ use trainer::model::{
     Mode, ModelConfig, Norm, Position, Stage, StageInput, StageLayout, StageOutput,
     partition_layers,
 };
-use trainer::schedule::{Action, ScheduleKind, Unit, generate};
+use trainer::schedule::{ScheduleKind, Unit, generate};
 
 const VOCAB: usize = 32;
 const D_MODEL: usize = 16;
@@ -327,73 +329,14 @@ fn run_schedule(
     segments: &[usize],
     kind: ScheduleKind,
 ) -> Result<Vec<f64>> {
-    let p = stages.len();
-    let schedule = generate(kind, p, batch.micro_batches, segments.len())?;
-    let compute: Vec<Vec<Action>> = schedule
-        .actions
-        .iter()
-        .map(|acts| {
-            acts.iter()
-                .copied()
-                .filter(|a| matches!(a, Action::Forward(_) | Action::Backward(_)))
-                .collect()
-        })
-        .collect();
-    let mut next = vec![0; p];
-    let mut activations: HashMap<(usize, Unit), Tensor> = HashMap::new();
-    let mut gradients: HashMap<(usize, Unit), Tensor> = HashMap::new();
-    let mut losses = Vec::new();
-    loop {
-        let mut progressed = false;
-        for r in 0..p {
-            while let Some(&action) = compute[r].get(next[r]) {
-                match action {
-                    Action::Forward(unit) => {
-                        let input = if r == 0 {
-                            first_input(batch, segments, unit)?
-                        } else {
-                            match activations.remove(&(r, unit)) {
-                                Some(h) => StageInput::Hidden(h),
-                                None => break,
-                            }
-                        };
-                        match forward_on(&mut stages[r], batch, segments, unit, input, Mode::Train)?
-                        {
-                            StageOutput::Hidden(h) => {
-                                activations.insert((r + 1, unit), h);
-                            }
-                            StageOutput::LossSum(l) => losses.push(l),
-                        }
-                    }
-                    Action::Backward(unit) => {
-                        let d = if r + 1 == p {
-                            None
-                        } else {
-                            match gradients.remove(&(r, unit)) {
-                                Some(g) => Some(g),
-                                None => break,
-                            }
-                        };
-                        if let Some(g) = stages[r].backward(unit, d)? {
-                            gradients.insert((r - 1, unit), g);
-                        }
-                    }
-                    other => bail!("unexpected action {other:?}"),
-                }
-                next[r] += 1;
-                progressed = true;
-            }
-        }
-        if (0..p).all(|r| next[r] == compute[r].len()) {
-            break;
-        }
-        ensure!(progressed, "schedule {kind:?} deadlocked at {next:?}");
-    }
-    ensure!(
-        activations.is_empty() && gradients.is_empty(),
-        "undelivered messages"
-    );
-    Ok(losses)
+    let schedule = generate(kind, stages.len(), batch.micro_batches, segments.len())?;
+    common::run_in_process(stages, &schedule, |stage, _, unit, hidden| {
+        let input = match hidden {
+            None => first_input(batch, segments, unit)?,
+            Some(h) => StageInput::Hidden(h),
+        };
+        forward_on(stage, batch, segments, unit, input, Mode::Train)
+    })
 }
 
 /// Starts a training step of `micro_batches` micro-batches on every stage.

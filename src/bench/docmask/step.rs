@@ -32,6 +32,7 @@ use trainer::schedule::{
 };
 
 use super::{median, min, thread_cpu_s};
+use crate::bench::schedule::averaged_over_stages;
 
 /// The step's shape: stages, micro-batches, rounds, head width.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -136,103 +137,134 @@ pub(super) fn run(
     let mut rows = Vec::new();
     for &t in seq_lens {
         let model = step_model(shape, t);
-        let fm = flops(&model);
-        // Each micro-batch's row: T inputs and T targets (the next tokens), and its starts.
-        let mut batches = Vec::with_capacity(shape.microbatches);
-        for mb in 0..shape.microbatches {
-            let key = SampleKey {
-                seed,
-                step: t as u64,
-                micro_batch: mb as u64,
-                row: 0,
-            };
-            let tokens = docs.sample(Split::Train, key, t + 1)?;
-            let starts = document_starts(&tokens[..t], docs.end_of_text());
-            batches.push((tokens, starts));
-        }
+        let batches = micro_batches(docs, seed, t, shape.microbatches)?;
         for &k in splits {
-            let rule = SegmentRule::new(Partition::Documents, t, k, &fm)?;
-            let blind = SegmentRule::new(Partition::Compute, t, k, &fm)?;
-            let aware_cuts = batches
-                .iter()
-                .map(|(_, starts)| rule.lengths(Some(std::slice::from_ref(starts))))
-                .collect::<Result<Vec<_>, _>>()?;
-            let blind_cuts = vec![blind.table().to_vec(); shape.microbatches];
-            let schedule = generate(ScheduleKind::Seq1F1B, shape.stages, shape.microbatches, k)?;
-            let formula =
-                (shape.stages - 1) as f64 / (shape.microbatches * k + shape.stages - 1) as f64;
-            let variants: [Variant; 3] = [
-                ("aware", true, &aware_cuts, Some(rule.longest())),
-                ("blind", true, &blind_cuts, None),
-                ("unmasked", false, &blind_cuts, None),
-            ];
-            let mut at = rows.len();
-            for (variant, masked, cuts, longest) in variants {
-                let mut stages = build(&model, shape.stages, t, &cuts[0], longest, seed)?;
-                let mut row = StepRow {
-                    seq_len: t,
-                    splits: k,
-                    variant,
-                    lengths: cuts.to_vec(),
-                    step_s: Vec::new(),
-                    bubble: Vec::new(),
-                    compute_s: Vec::new(),
-                    balanced_bubble: Vec::new(),
-                    formula_bubble: formula,
-                };
-                for _ in 0..shape.rounds {
-                    let durations = measure(&mut stages, &batches, cuts, masked, longest.is_some())
-                        .with_context(|| format!("T {t}, k {k}, {variant}"))?;
-                    // Activation tokens of a unit (the token peaks only): the first cut's.
-                    let balanced = MeasuredCosts {
-                        durations: vec![mean_over_stages(&durations); durations.len()],
-                        tokens: cuts[0].clone(),
-                    };
-                    row.balanced_bubble
-                        .push(replay(&schedule, &balanced)?.bubble_fraction);
-                    let costs = MeasuredCosts {
-                        durations,
-                        tokens: cuts[0].clone(),
-                    };
-                    let sim = replay(&schedule, &costs)?;
-                    row.step_s.push(sim.step_time);
-                    row.bubble.push(sim.bubble_fraction);
-                    row.compute_s.push(sim.stages.iter().map(|s| s.busy).sum());
-                }
-                rows.push(row);
-            }
-            let unmasked = rows.last().map(|r| r.step_s.clone()).unwrap_or_default();
-            while at < rows.len() {
-                let r = &rows[at];
-                let ratios: Vec<f64> = r.step_s.iter().zip(&unmasked).map(|(a, b)| a / b).collect();
-                println!(
-                    "{:>6} {:>2} {:>9} {:>10.1}% {:>10.1}% {:>12.1}% {:>7.1}% {:>10.3}s {:>10.3}s {:>14.3} {:>14.3}",
-                    t,
-                    k,
-                    r.variant,
-                    100.0 * min(&r.bubble),
-                    100.0 * median(&r.bubble),
-                    100.0 * median(&r.balanced_bubble),
-                    100.0 * formula,
-                    min(&r.step_s),
-                    median(&r.step_s),
-                    min(&ratios),
-                    median(&ratios)
-                );
-                at += 1;
-            }
+            let at = rows.len();
+            rows.extend(split_rows(shape, &model, &batches, seed, k)?);
+            print_rows(&rows[at..]);
         }
     }
     Ok(rows)
 }
 
-/// Each action's mean time over the stages.
-fn mean_over_stages(durations: &[HashMap<Action, f64>]) -> HashMap<Action, f64> {
-    let mut mean: HashMap<Action, f64> = HashMap::new();
-    for (action, t) in durations.iter().flatten() {
-        *mean.entry(*action).or_default() += t / durations.len() as f64;
+/// Each micro-batch's row at sequence length `seq_len`: T inputs and T targets (the next
+/// tokens), and its document starts.
+fn micro_batches(
+    docs: &SyntheticDocuments,
+    seed: u64,
+    seq_len: usize,
+    microbatches: usize,
+) -> Result<Vec<(Vec<u32>, Vec<usize>)>> {
+    (0..microbatches)
+        .map(|mb| {
+            let key = SampleKey {
+                seed,
+                step: seq_len as u64,
+                micro_batch: mb as u64,
+                row: 0,
+            };
+            let tokens = docs.sample(Split::Train, key, seq_len + 1)?;
+            let starts = document_starts(&tokens[..seq_len], docs.end_of_text());
+            Ok((tokens, starts))
+        })
+        .collect()
+}
+
+/// The rows of the three variants (aware, blind, unmasked) at `k` segments.
+fn split_rows(
+    shape: &StepShape,
+    model: &ModelConfig,
+    batches: &[(Vec<u32>, Vec<usize>)],
+    seed: u64,
+    k: usize,
+) -> Result<Vec<StepRow>> {
+    let t = model.max_seq_len; // T: the step model is built for it
+
+    let fm = flops(model);
+    let rule = SegmentRule::new(Partition::Documents, t, k, &fm)?;
+    let blind = SegmentRule::new(Partition::Compute, t, k, &fm)?;
+    let aware_cuts = batches
+        .iter()
+        .map(|(_, starts)| rule.lengths(Some(std::slice::from_ref(starts))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let blind_cuts = vec![blind.table().to_vec(); shape.microbatches];
+    let variants: [Variant; 3] = [
+        ("aware", true, &aware_cuts, Some(rule.longest())),
+        ("blind", true, &blind_cuts, None),
+        ("unmasked", false, &blind_cuts, None),
+    ];
+    variants
+        .into_iter()
+        .map(|variant| variant_row(shape, model, batches, seed, k, variant))
+        .collect()
+}
+
+/// One variant's row: its stages built once, its step measured and replayed `shape.rounds` times.
+fn variant_row(
+    shape: &StepShape,
+    model: &ModelConfig,
+    batches: &[(Vec<u32>, Vec<usize>)],
+    seed: u64,
+    k: usize,
+    (variant, masked, cuts, longest): Variant,
+) -> Result<StepRow> {
+    let t = model.max_seq_len; // T: the step model is built for it
+    let schedule = generate(ScheduleKind::Seq1F1B, shape.stages, shape.microbatches, k)?;
+    let mut stages = build(model, shape.stages, t, &cuts[0], longest, seed)?;
+    let mut row = StepRow {
+        seq_len: t,
+        splits: k,
+        variant,
+        lengths: cuts.to_vec(),
+        step_s: Vec::new(),
+        bubble: Vec::new(),
+        compute_s: Vec::new(),
+        balanced_bubble: Vec::new(),
+        formula_bubble: (shape.stages - 1) as f64
+            / (shape.microbatches * k + shape.stages - 1) as f64,
+    };
+    for _ in 0..shape.rounds {
+        let durations = measure(&mut stages, batches, cuts, masked, longest.is_some())
+            .with_context(|| format!("T {t}, k {k}, {variant}"))?;
+        // Activation tokens of a unit (the token peaks only): the first cut's.
+        let balanced = MeasuredCosts {
+            durations: vec![averaged_over_stages(&durations); durations.len()],
+            tokens: cuts[0].clone(),
+        };
+        row.balanced_bubble
+            .push(replay(&schedule, &balanced)?.bubble_fraction);
+        let costs = MeasuredCosts {
+            durations,
+            tokens: cuts[0].clone(),
+        };
+        let sim = replay(&schedule, &costs)?;
+        row.step_s.push(sim.step_time);
+        row.bubble.push(sim.bubble_fraction);
+        row.compute_s.push(sim.stages.iter().map(|s| s.busy).sum());
     }
-    mean
+    Ok(row)
+}
+
+/// Prints one (T, k)'s rows, each step time also over the unmasked one (the last row's).
+fn print_rows(rows: &[StepRow]) {
+    let unmasked = rows.last().map(|r| r.step_s.clone()).unwrap_or_default();
+    for r in rows {
+        let ratios: Vec<f64> = r.step_s.iter().zip(&unmasked).map(|(a, b)| a / b).collect();
+        println!(
+            "{:>6} {:>2} {:>9} {:>10.1}% {:>10.1}% {:>12.1}% {:>7.1}% {:>10.3}s {:>10.3}s {:>14.3} {:>14.3}",
+            r.seq_len,
+            r.splits,
+            r.variant,
+            100.0 * min(&r.bubble),
+            100.0 * median(&r.bubble),
+            100.0 * median(&r.balanced_bubble),
+            100.0 * r.formula_bubble,
+            min(&r.step_s),
+            median(&r.step_s),
+            min(&ratios),
+            median(&ratios)
+        );
+    }
 }
 
 /// `p` CPU stages of the step model, one layer each, built with `table` (and `longest` when

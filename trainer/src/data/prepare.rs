@@ -384,49 +384,9 @@ pub fn prepare(
     out_dir: &Path,
     val_fraction: f64,
 ) -> Result<PrepareReport, DataError> {
-    if !(0.0..1.0).contains(&val_fraction) {
-        return Err(DataError::InvalidArgument(format!(
-            "val_fraction is {val_fraction}; it must be in [0, 1), e.g. 0.1"
-        )));
-    }
-    if inputs.is_empty() {
-        return Err(DataError::InvalidArgument(
-            "no input files; pass one or more .txt or .jsonl files".into(),
-        ));
-    }
-
-    for path in inputs {
-        input_kind(path)?;
-        open_regular(path)?;
-    }
-
+    check_inputs(inputs, val_fraction)?;
     // Pass 1: validate every input and count documents before writing anything.
-    let mut n_docs = 0u64;
-    for_each_piece(
-        inputs,
-        PIECE_BYTES,
-        &mut |_, last| {
-            n_docs += u64::from(last);
-            Ok(())
-        },
-        &mut |path, had_text| {
-            if had_text {
-                Ok(())
-            } else {
-                Err(DataError::Input {
-                    path: path.to_path_buf(),
-                    message: "it has no text, so no tokens: add text or leave the file out".into(),
-                })
-            }
-        },
-    )?;
-    if n_docs == 0 {
-        return Err(DataError::Input {
-            path: inputs[0].clone(),
-            message: "the inputs contain no documents (all .jsonl inputs are empty); add text"
-                .into(),
-        });
-    }
+    let n_docs = count_documents(inputs)?;
     let n_val = val_documents(n_docs, val_fraction);
     let n_train = n_docs - n_val;
     // With a single document there is no document to hold out: its last tokens are (see
@@ -439,26 +399,8 @@ pub fn prepare(
     let mut val = TokenWriter::create(out_dir.join(Split::Val.file_name()))?;
 
     // Pass 2: tokenize and stream out (a single document all to train.bin, its tail moved after).
-    let mut doc = 0u64;
-    for_each_piece(
-        inputs,
-        PIECE_BYTES,
-        &mut |text, last| {
-            let mut tokens = bpe.encode_ordinary(text);
-            if last {
-                tokens.push(GPT2_EOT);
-            }
-            let out = if split_one_document || doc < n_train {
-                &mut train
-            } else {
-                &mut val
-            };
-            out.write(&tokens)?;
-            doc += u64::from(last);
-            Ok(())
-        },
-        &mut |_, _| Ok(()),
-    )?;
+    let train_docs = if split_one_document { n_docs } else { n_train };
+    let doc = tokenize(inputs, &bpe, train_docs, (&mut train, &mut val))?;
     if doc != n_docs {
         return Err(DataError::InvalidArgument(format!(
             "the inputs changed while being prepared ({n_docs} documents, then {doc}); \
@@ -496,17 +438,7 @@ pub fn prepare(
     }
     let (train_path, train_tokens) = train.finish()?;
     let (val_path, val_tokens) = val.finish()?;
-    let meta = DatasetMeta {
-        vocab_size: GPT2_VOCAB_SIZE,
-        dtype: TokenDtype::U16,
-        tokenizer: "gpt2".into(),
-        train_tokens,
-        val_tokens,
-        end_of_text: Some(GPT2_EOT),
-    };
-    let meta_path = out_dir.join(META_FILE);
-    let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
-    std::fs::write(&meta_path, json + "\n").map_err(io_err("write", &meta_path))?;
+    let meta_path = write_meta(out_dir, train_tokens, val_tokens)?;
     tracing::info!(
         train_documents = n_train,
         val_documents = n_val,
@@ -524,6 +456,104 @@ pub fn prepare(
         val_path,
         meta_path,
     })
+}
+
+/// [`prepare`]'s arguments: a fraction in `[0, 1)` and at least one input, each a regular file
+/// of a kind it reads.
+fn check_inputs(inputs: &[PathBuf], val_fraction: f64) -> Result<(), DataError> {
+    if !(0.0..1.0).contains(&val_fraction) {
+        return Err(DataError::InvalidArgument(format!(
+            "val_fraction is {val_fraction}; it must be in [0, 1), e.g. 0.1"
+        )));
+    }
+    if inputs.is_empty() {
+        return Err(DataError::InvalidArgument(
+            "no input files; pass one or more .txt or .jsonl files".into(),
+        ));
+    }
+    for path in inputs {
+        input_kind(path)?;
+        open_regular(path)?;
+    }
+    Ok(())
+}
+
+/// The documents of `inputs` (at least one), every input read and checked to have text.
+fn count_documents(inputs: &[PathBuf]) -> Result<u64, DataError> {
+    let mut n_docs = 0u64;
+    for_each_piece(
+        inputs,
+        PIECE_BYTES,
+        &mut |_, last| {
+            n_docs += u64::from(last);
+            Ok(())
+        },
+        &mut |path, had_text| {
+            if had_text {
+                Ok(())
+            } else {
+                Err(DataError::Input {
+                    path: path.to_path_buf(),
+                    message: "it has no text, so no tokens: add text or leave the file out".into(),
+                })
+            }
+        },
+    )?;
+    if n_docs == 0 {
+        return Err(DataError::Input {
+            path: inputs[0].clone(),
+            message: "the inputs contain no documents (all .jsonl inputs are empty); add text"
+                .into(),
+        });
+    }
+    Ok(n_docs)
+}
+
+/// Tokenizes `inputs` with `bpe`, each document ended by the end-of-text token: the first
+/// `train_docs` documents into `train`, the rest into `val`. Returns the documents seen.
+fn tokenize(
+    inputs: &[PathBuf],
+    bpe: &tiktoken_rs::CoreBPE,
+    train_docs: u64,
+    (train, val): (&mut TokenWriter, &mut TokenWriter),
+) -> Result<u64, DataError> {
+    let mut doc = 0u64;
+    for_each_piece(
+        inputs,
+        PIECE_BYTES,
+        &mut |text, last| {
+            let mut tokens = bpe.encode_ordinary(text);
+            if last {
+                tokens.push(GPT2_EOT);
+            }
+            let out = if doc < train_docs {
+                &mut *train
+            } else {
+                &mut *val
+            };
+            out.write(&tokens)?;
+            doc += u64::from(last);
+            Ok(())
+        },
+        &mut |_, _| Ok(()),
+    )?;
+    Ok(doc)
+}
+
+/// Writes `out_dir/meta.json` for GPT-2 tokens; returns its path.
+fn write_meta(out_dir: &Path, train_tokens: u64, val_tokens: u64) -> Result<PathBuf, DataError> {
+    let meta = DatasetMeta {
+        vocab_size: GPT2_VOCAB_SIZE,
+        dtype: TokenDtype::U16,
+        tokenizer: "gpt2".into(),
+        train_tokens,
+        val_tokens,
+        end_of_text: Some(GPT2_EOT),
+    };
+    let meta_path = out_dir.join(META_FILE);
+    let json = serde_json::to_string_pretty(&meta).expect("DatasetMeta serializes");
+    std::fs::write(&meta_path, json + "\n").map_err(io_err("write", &meta_path))?;
+    Ok(meta_path)
 }
 
 /// What [`prepare_sharded`] wrote.

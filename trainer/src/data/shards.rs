@@ -220,6 +220,33 @@ impl DatasetIndex {
 
     /// Checks the index's internal consistency; the error says what is wrong.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_layout()?;
+        for split in [Split::Train, Split::Val] {
+            let s = self.split(split);
+            if s.shards.len() > MAX_SHARDS {
+                return Err(format!("{split} has over {MAX_SHARDS} shards"));
+            }
+            let (mut tokens, mut documents) = (0u64, 0u64);
+            for (n, shard) in s.shards.iter().enumerate() {
+                self.validate_shard(split, n, shard)?;
+                tokens = tokens
+                    .checked_add(shard.tokens)
+                    .ok_or_else(|| format!("{split}: token count overflows"))?;
+                documents += shard.doc_starts.len() as u64;
+            }
+            if tokens != s.tokens || documents != s.documents {
+                return Err(format!(
+                    "{split} declares {} tokens and {} documents but its shards hold {tokens} and \
+                     {documents}",
+                    s.tokens, s.documents
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The format and version, the vocabulary, and the chunk and block sizes the hashes cover.
+    fn validate_layout(&self) -> Result<(), String> {
         if self.format != INDEX_FORMAT
             || !(self.version == INDEX_VERSION || self.version == INDEX_VERSION_CHUNKS)
         {
@@ -271,57 +298,44 @@ impl DatasetIndex {
                 }
             }
         }
-        for split in [Split::Train, Split::Val] {
-            let s = self.split(split);
-            if s.shards.len() > MAX_SHARDS {
-                return Err(format!("{split} has over {MAX_SHARDS} shards"));
-            }
-            let (mut tokens, mut documents) = (0u64, 0u64);
-            for (n, shard) in s.shards.iter().enumerate() {
-                let at = format!("{split} shard {n} ({})", shard.key);
-                if shard.key != shard_key(split, n) {
-                    return Err(format!("{at}: the key should be {}", shard_key(split, n)));
-                }
-                if shard.tokens == 0 || shard.tokens.checked_mul(width) != Some(shard.bytes) {
-                    return Err(format!(
-                        "{at}: {} bytes do not hold {} {} ids (or the shard is empty)",
-                        shard.bytes, shard.tokens, self.dtype
-                    ));
-                }
-                if shard.bytes > MAX_SHARD_BYTES {
-                    return Err(format!("{at}: over {MAX_SHARD_BYTES} bytes"));
-                }
-                if !is_hex_hash(&shard.blake3) || !shard.chunks.iter().all(|h| is_hex_hash(h)) {
-                    return Err(format!("{at}: a hash is not 64 lowercase hex digits"));
-                }
-                if shard.chunks.len() as u64 != shard.bytes.div_ceil(self.chunk_bytes) {
-                    return Err(format!(
-                        "{at}: {} chunk hashes for {} bytes in chunks of {}",
-                        shard.chunks.len(),
-                        shard.bytes,
-                        self.chunk_bytes
-                    ));
-                }
-                if !shard.doc_starts.windows(2).all(|w| w[0] < w[1])
-                    || shard.doc_starts.last().is_some_and(|&d| d >= shard.tokens)
-                {
-                    return Err(format!(
-                        "{at}: doc_starts are not increasing offsets below {}",
-                        shard.tokens
-                    ));
-                }
-                tokens = tokens
-                    .checked_add(shard.tokens)
-                    .ok_or_else(|| format!("{split}: token count overflows"))?;
-                documents += shard.doc_starts.len() as u64;
-            }
-            if tokens != s.tokens || documents != s.documents {
-                return Err(format!(
-                    "{split} declares {} tokens and {} documents but its shards hold {tokens} and \
-                     {documents}",
-                    s.tokens, s.documents
-                ));
-            }
+        Ok(())
+    }
+
+    /// Shard `n` of `split`: its key, its size in ids and bytes, its hashes (one per chunk) and
+    /// its document starts.
+    fn validate_shard(&self, split: Split, n: usize, shard: &ShardEntry) -> Result<(), String> {
+        let width = self.dtype.width() as u64;
+        let at = format!("{split} shard {n} ({})", shard.key);
+        if shard.key != shard_key(split, n) {
+            return Err(format!("{at}: the key should be {}", shard_key(split, n)));
+        }
+        if shard.tokens == 0 || shard.tokens.checked_mul(width) != Some(shard.bytes) {
+            return Err(format!(
+                "{at}: {} bytes do not hold {} {} ids (or the shard is empty)",
+                shard.bytes, shard.tokens, self.dtype
+            ));
+        }
+        if shard.bytes > MAX_SHARD_BYTES {
+            return Err(format!("{at}: over {MAX_SHARD_BYTES} bytes"));
+        }
+        if !is_hex_hash(&shard.blake3) || !shard.chunks.iter().all(|h| is_hex_hash(h)) {
+            return Err(format!("{at}: a hash is not 64 lowercase hex digits"));
+        }
+        if shard.chunks.len() as u64 != shard.bytes.div_ceil(self.chunk_bytes) {
+            return Err(format!(
+                "{at}: {} chunk hashes for {} bytes in chunks of {}",
+                shard.chunks.len(),
+                shard.bytes,
+                self.chunk_bytes
+            ));
+        }
+        if !shard.doc_starts.windows(2).all(|w| w[0] < w[1])
+            || shard.doc_starts.last().is_some_and(|&d| d >= shard.tokens)
+        {
+            return Err(format!(
+                "{at}: doc_starts are not increasing offsets below {}",
+                shard.tokens
+            ));
         }
         Ok(())
     }

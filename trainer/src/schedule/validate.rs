@@ -232,7 +232,6 @@ pub(super) fn check_local_order(
     r: usize,
     done: &[Action],
 ) -> Result<(), ScheduleError> {
-    let k = s.splits;
     // The (chunk, unit)s whose backward is split into I and W on this stage.
     let split: HashSet<(usize, Unit)> = done
         .iter()
@@ -240,7 +239,57 @@ pub(super) fn check_local_order(
         .filter(|a| a.op() == Op::BackwardInput)
         .map(|a| (a.chunk(), a.unit()))
         .collect();
-    let input_backward = |c: usize, u: Unit| {
+    let mut done: HashSet<Action> = done.iter().copied().collect();
+    for (position, &action) in s.actions[r].iter().enumerate() {
+        let at = place_of(s, r, action);
+        match missing_before(action, at, s.splits, &done, &split) {
+            None => {}
+            Some(Missing::Dependency(needs, why)) => {
+                return Err(ScheduleError::Dependency {
+                    stage: r,
+                    position,
+                    action,
+                    needs,
+                    why,
+                });
+            }
+            Some(Missing::Message(needs)) => {
+                return Err(ScheduleError::Unpaired {
+                    stage: r,
+                    position,
+                    action,
+                    needs,
+                });
+            }
+        }
+        done.insert(action);
+    }
+    Ok(())
+}
+
+/// What an action lacks before it on its stage ([`missing_before`]).
+enum Missing {
+    /// An action it depends on, and why.
+    Dependency(Action, &'static str),
+    /// The other end of its message: the receive before a compute action, the compute action
+    /// before a send.
+    Message(Action),
+}
+
+/// The first action `action` needs before it on its stage (at `at`, with `k` segments per
+/// micro-batch) that is not in `done`. `split` holds the (chunk, unit)s whose backward is split
+/// into I and W.
+fn missing_before(
+    action: Action,
+    at: Place,
+    k: usize,
+    done: &HashSet<Action>,
+    split: &HashSet<(usize, Unit)>,
+) -> Option<Missing> {
+    let (u, c) = (action.unit(), action.chunk());
+    let (i, j) = (u.micro_batch, u.segment);
+    // The action that completes a unit's input gradient: its I where split, else its B.
+    let input_backward = |u: Unit| {
         let op = if split.contains(&(c, u)) {
             Op::BackwardInput
         } else {
@@ -248,95 +297,75 @@ pub(super) fn check_local_order(
         };
         Action::new(op, u, c)
     };
-    let mut done: HashSet<Action> = done.iter().copied().collect();
-    for (position, &action) in s.actions[r].iter().enumerate() {
-        let u = action.unit();
-        let c = action.chunk();
-        let at = place_of(s, r, action);
-        let (i, j) = (u.micro_batch, u.segment);
-        let dependency = |needs: Action, why: &'static str| ScheduleError::Dependency {
-            stage: r,
-            position,
-            action,
-            needs,
-            why,
-        };
-        let unpaired = |needs: Action| ScheduleError::Unpaired {
-            stage: r,
-            position,
-            action,
-            needs,
-        };
-        match action.op() {
-            Op::Forward => {
-                let prev = Action::new(Op::Forward, Unit::new(i, j.wrapping_sub(1)), c);
-                if j > 0 && !done.contains(&prev) {
-                    return Err(dependency(
-                        prev,
-                        "a segment attends to the K/V of the previous segments of its micro-batch",
-                    ));
-                }
-                let recv = action.with_op(Op::RecvActivation);
-                if !at.first && !done.contains(&recv) {
-                    return Err(unpaired(recv));
-                }
+    let lacks = |needs: &Action| !done.contains(needs);
+    match action.op() {
+        Op::Forward => {
+            let prev = Action::new(Op::Forward, Unit::new(i, j.wrapping_sub(1)), c);
+            if j > 0 && lacks(&prev) {
+                return Some(Missing::Dependency(
+                    prev,
+                    "a segment attends to the K/V of the previous segments of its micro-batch",
+                ));
             }
-            Op::Backward | Op::BackwardInput => {
-                let fwd = action.with_op(Op::Forward);
-                if !done.contains(&fwd) {
-                    return Err(dependency(
-                        fwd,
-                        "a backward needs the unit's forward context",
-                    ));
-                }
-                let last_fwd = Action::new(Op::Forward, Unit::new(i, k - 1), c);
-                if !done.contains(&last_fwd) {
-                    return Err(dependency(
-                        last_fwd,
-                        "no backward of a micro-batch before all of its segments are forwarded \
-                         (later segments' K/V)",
-                    ));
-                }
-                let later = input_backward(c, Unit::new(i, j + 1));
-                if j + 1 < k && !done.contains(&later) {
-                    return Err(dependency(
-                        later,
-                        "segments of a micro-batch are backwarded last to first (dK/dV of the \
-                         prefix flows backwards)",
-                    ));
-                }
-                let recv = action.with_op(Op::RecvGrad);
-                if !at.last && !done.contains(&recv) {
-                    return Err(unpaired(recv));
-                }
+            let recv = action.with_op(Op::RecvActivation);
+            if !at.first && lacks(&recv) {
+                return Some(Missing::Message(recv));
             }
-            Op::BackwardWeight => {
-                let input = action.with_op(Op::BackwardInput);
-                if !done.contains(&input) {
-                    return Err(dependency(
-                        input,
-                        "the weight half of a backward needs the output gradients its input \
-                         half completed (dK/dV from later segments included)",
-                    ));
-                }
-            }
-            Op::SendActivation => {
-                let fwd = action.with_op(Op::Forward);
-                if !done.contains(&fwd) {
-                    return Err(unpaired(fwd));
-                }
-            }
-            Op::SendGrad => {
-                let bwd = input_backward(c, u);
-                if !done.contains(&bwd) {
-                    return Err(unpaired(bwd));
-                }
-            }
-            Op::RecvActivation | Op::RecvGrad => {}
         }
-        done.insert(action);
+        Op::Backward | Op::BackwardInput => {
+            let fwd = action.with_op(Op::Forward);
+            if lacks(&fwd) {
+                return Some(Missing::Dependency(
+                    fwd,
+                    "a backward needs the unit's forward context",
+                ));
+            }
+            let last_fwd = Action::new(Op::Forward, Unit::new(i, k - 1), c);
+            if lacks(&last_fwd) {
+                return Some(Missing::Dependency(
+                    last_fwd,
+                    "no backward of a micro-batch before all of its segments are forwarded \
+                     (later segments' K/V)",
+                ));
+            }
+            let later = input_backward(Unit::new(i, j + 1));
+            if j + 1 < k && lacks(&later) {
+                return Some(Missing::Dependency(
+                    later,
+                    "segments of a micro-batch are backwarded last to first (dK/dV of the \
+                     prefix flows backwards)",
+                ));
+            }
+            let recv = action.with_op(Op::RecvGrad);
+            if !at.last && lacks(&recv) {
+                return Some(Missing::Message(recv));
+            }
+        }
+        Op::BackwardWeight => {
+            let input = action.with_op(Op::BackwardInput);
+            if lacks(&input) {
+                return Some(Missing::Dependency(
+                    input,
+                    "the weight half of a backward needs the output gradients its input \
+                     half completed (dK/dV from later segments included)",
+                ));
+            }
+        }
+        Op::SendActivation => {
+            let fwd = action.with_op(Op::Forward);
+            if lacks(&fwd) {
+                return Some(Missing::Message(fwd));
+            }
+        }
+        Op::SendGrad => {
+            let bwd = input_backward(u);
+            if lacks(&bwd) {
+                return Some(Missing::Message(bwd));
+            }
+        }
+        Op::RecvActivation | Op::RecvGrad => {}
     }
-    Ok(())
+    None
 }
 
 /// A message in flight: the unit and the send action that put it in the channel.

@@ -282,32 +282,11 @@ impl Coordinator {
         };
         match msg {
             FromAgent::Heartbeat => {
-                if let Err(e) = self.state.membership.heartbeat(&node, now) {
-                    // A dead node's connection is closed with the refusal, so that its agent
-                    // joins again rather than heartbeat into the void.
-                    warn!(%node, error = %e, "refused a heartbeat; fencing the connection");
-                    if let Some((_, sender)) = self.agents.remove(&conn) {
-                        sender.send_and_close(&ToAgent::Refused {
-                            reason: e.to_string(),
-                        });
-                    }
-                }
+                self.heartbeat(conn, &node, now);
                 None
             }
             FromAgent::Leaving { notice } => {
-                let notice = notice.filter(|n| match n.check() {
-                    Ok(()) => true,
-                    Err(e) => {
-                        warn!(%node, error = %e, "a leaving agent sent a malformed cloud notice");
-                        false
-                    }
-                });
-                let reason = elastic::preemption::leave_reason(notice.as_ref());
-                info!(%node, %reason, "the node leaves at the next step boundary");
-                if let Some(notice) = notice {
-                    self.notices.insert(node.clone(), notice);
-                }
-                let _ = self.state.membership.leave(&node, now);
+                self.leaving(&node, notice, now);
                 None
             }
             FromAgent::WorkerExited {
@@ -373,6 +352,43 @@ impl Coordinator {
                 None
             }
         }
+    }
+
+    /// A heartbeat of `node` on connection `conn`; a node the membership refuses (dead) has its
+    /// connection closed with the refusal, so that its agent joins again rather than heartbeat
+    /// into the void.
+    fn heartbeat(&mut self, conn: u64, node: &NodeId, now: Instant) {
+        if let Err(e) = self.state.membership.heartbeat(node, now) {
+            warn!(%node, error = %e, "refused a heartbeat; fencing the connection");
+            if let Some((_, sender)) = self.agents.remove(&conn) {
+                sender.send_and_close(&ToAgent::Refused {
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
+
+    /// `node` leaves at the next step boundary, with the cloud's preemption notice if it sent a
+    /// well-formed one (a malformed one is logged and dropped).
+    fn leaving(
+        &mut self,
+        node: &NodeId,
+        notice: Option<elastic::preemption::Notice>,
+        now: Instant,
+    ) {
+        let notice = notice.filter(|n| match n.check() {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(%node, error = %e, "a leaving agent sent a malformed cloud notice");
+                false
+            }
+        });
+        let reason = elastic::preemption::leave_reason(notice.as_ref());
+        info!(%node, %reason, "the node leaves at the next step boundary");
+        if let Some(notice) = notice {
+            self.notices.insert(node.clone(), notice);
+        }
+        let _ = self.state.membership.leave(node, now);
     }
 
     pub(super) fn closed(&mut self, conn: u64, reason: String) -> Option<Incoming> {

@@ -42,7 +42,7 @@ use crate::checkpointing::hf;
 use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, document_separator, open_source};
 use crate::model::partition::partition_virtual_layers;
-use crate::model::{ModelError, StageSpec, UpdateSettings, build_stage};
+use crate::model::{ModelError, StageLayout, StageSpec, UpdateSettings, build_stage};
 use crate::schedule::{Delivered, ScheduleError, SegmentRule, generate_virtual};
 use crate::usage::ProcessUsage;
 use chunks::Chunks;
@@ -394,6 +394,48 @@ fn resolve(addr: &str) -> Result<std::net::SocketAddr, WorkerError> {
     })
 }
 
+/// The stages of worker `stage_index`'s virtual-stage chunks (one layout each; one chunk without
+/// virtual stages), built from `cfg` with the segment rule `segments`.
+fn build_chunks(
+    cfg: &Config,
+    layouts: Vec<StageLayout>,
+    stage_index: usize,
+    segments: &SegmentRule,
+) -> Result<Chunks, WorkerError> {
+    let (t, v) = (&cfg.train, cfg.pipeline.virtual_stages);
+    let mut chunks = Vec::with_capacity(layouts.len());
+    for layout in layouts {
+        info!(
+            stage = stage_index,
+            virtual_stage = layout.stage,
+            layers = ?layout.layers,
+            %segments,
+            "building stage"
+        );
+        let mut stage = build_stage(
+            &cfg.model,
+            StageSpec {
+                layout,
+                segment_lengths: segments.table().to_vec(),
+                longest_segment: segments.per_micro_batch().then(|| segments.longest()),
+                seed: t.seed,
+                adamw: AdamWConfig {
+                    beta1: t.beta1,
+                    beta2: t.beta2,
+                    eps: t.eps,
+                },
+                // With virtual stages the budget is the worker's, checked over its chunks.
+                memory_budget: t.memory_budget().filter(|_| v == 1),
+            },
+        )?;
+        if cfg.data.reset_positions {
+            stage.set_reset_positions(true)?;
+        }
+        chunks.push(stage);
+    }
+    Ok(Chunks::new(chunks)?)
+}
+
 /// The answer to a restore request: `Restored`, or `RestoreFailed` saying whether the checkpoint
 /// itself is damaged (a damaged shard or an unreadable or inconsistent manifest: an older
 /// checkpoint may still be good).
@@ -431,39 +473,8 @@ impl Worker {
         // Replica r computes the step's micro-batches [r·c, (r+1)·c).
         let local_micro_batches = cfg.pipeline.microbatches / d;
         let segments = cfg.segment_rule()?;
-        let t = &cfg.train;
-        let mut chunks = Vec::with_capacity(layouts.len());
-        for layout in layouts {
-            info!(
-                stage = stage_index,
-                virtual_stage = layout.stage,
-                layers = ?layout.layers,
-                %segments,
-                "building stage"
-            );
-            let mut stage = build_stage(
-                &cfg.model,
-                StageSpec {
-                    layout,
-                    segment_lengths: segments.table().to_vec(),
-                    longest_segment: segments.per_micro_batch().then(|| segments.longest()),
-                    seed: t.seed,
-                    adamw: AdamWConfig {
-                        beta1: t.beta1,
-                        beta2: t.beta2,
-                        eps: t.eps,
-                    },
-                    // With virtual stages the budget is the worker's, checked over its chunks.
-                    memory_budget: t.memory_budget().filter(|_| v == 1),
-                },
-            )?;
-            if cfg.data.reset_positions {
-                stage.set_reset_positions(true)?;
-            }
-            chunks.push(stage);
-        }
-        let mut stage = Chunks::new(chunks)?;
-        stage.set_memory_budget(t.memory_budget());
+        let mut stage = build_chunks(&cfg, layouts, stage_index, &segments)?;
+        stage.set_memory_budget(cfg.train.memory_budget());
         if v > 1 {
             info!(
                 stage = stage_index,
