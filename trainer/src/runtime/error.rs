@@ -149,7 +149,7 @@ impl LossCause {
 
 /// A node lost in a failure, and whether its agent survived (its worker died or hung): such a node
 /// joins again at once as a new incarnation, so the pipeline keeps its size.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Lost {
     /// The node.
     pub node: NodeId,

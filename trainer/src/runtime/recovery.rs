@@ -380,13 +380,17 @@ pub struct Observed<'a> {
     pub suspects: &'a BTreeSet<usize>,
     /// The exit code of a worker that stopped only because a neighbour failed.
     pub peer_failure_exit_code: i32,
+    /// Stages replaced mid-step in the step that failed → the loss each was replaced for. A
+    /// replacement's exit overwrites its stage's entry in `exits`.
+    pub replaced: &'a BTreeMap<usize, Lost>,
 }
 
 /// Decision 4: the nodes a failure (`cause`, for people) cost: those declared lost, those whose
 /// agent is gone, and those whose worker died by itself (killed, or failed), as opposed to
 /// workers that stopped only because a neighbour failed, whose nodes are healthy. When nothing
 /// died, the stages a neighbour found silent are the lost ones (hung or cut off). A node whose
-/// agent lives lost only its worker: it joins again at once.
+/// agent lives lost only its worker: it joins again at once. A stage replaced mid-step whose
+/// replacement exited too costs the node it was replaced for.
 pub fn classify(cause: &str, seen: Observed<'_>) -> Vec<Lost> {
     fn add(lost: &mut Vec<Lost>, node: &NodeId, reason: String, cause: LossCause, alive: bool) {
         if !lost.iter().any(|l| l.node == *node) {
@@ -421,6 +425,15 @@ pub fn classify(cause: &str, seen: Observed<'_>) -> Vec<Lost> {
                 LossCause::WorkerExited,
                 alive,
             );
+        }
+    }
+    // A stage replaced mid-step whose replacement exited too (say, with a neighbour-failure code
+    // after its relink timed out): the first loss still stands, though the replacement's exit
+    // code replaced the evidence of it. Without it a failed mid-step recovery with every agent
+    // alive would cost no node, and the run would end instead of restarting the step.
+    for (stage, l) in seen.replaced {
+        if seen.exits.contains_key(stage) {
+            add(&mut lost, &l.node, l.reason.clone(), l.cause, l.agent_alive);
         }
     }
     if lost.is_empty() {
@@ -692,6 +705,7 @@ mod tests {
             exits: &exits,
             suspects: &BTreeSet::from([2]),
             peer_failure_exit_code: 3,
+            replaced: &BTreeMap::new(),
         };
         let got = classify("boom", seen);
         assert_eq!(got.len(), 1);
@@ -722,6 +736,48 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].cause, LossCause::AgentDisconnected);
         assert!(!got[0].agent_alive);
+    }
+
+    /// A mid-step replacement that exited with the neighbour-failure code (its relink timed out,
+    /// and its neighbour's too): nothing died this time, but the node it replaced was lost, and
+    /// that loss is what the run recovers from (restarting the step), not a reason to end it.
+    #[test]
+    fn a_failed_mid_step_replacement_still_costs_the_node_it_replaced() {
+        let stages: Vec<NodeId> = ["a", "b"].map(NodeId::new).to_vec();
+        let live: BTreeSet<NodeId> = stages.iter().cloned().collect();
+        let killed = Lost {
+            node: NodeId::new("b"),
+            reason: "the worker of stage 1 was killed".into(),
+            cause: LossCause::WorkerExited,
+            agent_alive: true,
+        };
+        let replaced = BTreeMap::from([(1, killed.clone())]);
+        let both_stopped = BTreeMap::from([(0, Some(3)), (1, Some(3))]);
+        let seen = Observed {
+            stages: &stages,
+            live_agents: &live,
+            reported: &[],
+            exits: &both_stopped,
+            suspects: &BTreeSet::from([0]),
+            peer_failure_exit_code: 3,
+            replaced: &replaced,
+        };
+        assert_eq!(classify("relink timed out", seen), vec![killed]);
+        // Without the replacement's record the same exits cost nothing: the run would end.
+        let none = BTreeMap::new();
+        let without = Observed {
+            replaced: &none,
+            ..seen
+        };
+        assert_eq!(classify("relink timed out", without), vec![]);
+        // A replacement that has not exited (it still runs, or the step it was made in is over):
+        // the loss it stood in for is not counted again.
+        let only_0 = BTreeMap::from([(0, Some(3))]);
+        let running = Observed {
+            exits: &only_0,
+            ..seen
+        };
+        assert_eq!(classify("relink timed out", running), vec![]);
     }
 
     #[test]

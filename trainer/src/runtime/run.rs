@@ -235,7 +235,12 @@ fn with_pipeline<T>(
             };
             coordinator.stop_workers(Duration::from_secs(5));
             let lost = if recover {
-                coordinator.losses(&e.to_string(), &reported, &Default::default())
+                coordinator.losses(
+                    &e.to_string(),
+                    &reported,
+                    &Default::default(),
+                    &Default::default(),
+                )
             } else {
                 Vec::new()
             };

@@ -549,12 +549,14 @@ impl Coordinator {
     /// lost (`reported`) or whose agent is gone, and those whose worker died by itself (killed, or
     /// failed) rather than because a neighbour failed (exit code [`PEER_FAILURE_EXIT_CODE`]). When
     /// nothing died, the `suspects` (stages a neighbour found silent) are the lost ones: hung or
-    /// cut off.
+    /// cut off. A stage replaced mid-step in the failed step (`replaced`) whose replacement
+    /// exited too costs the node it was replaced for.
     pub(super) fn losses(
         &self,
         cause: &str,
         reported: &[Lost],
         suspects: &BTreeSet<usize>,
+        replaced: &BTreeMap<usize, Lost>,
     ) -> Vec<Lost> {
         let plan = self.plan();
         let live_agents: BTreeSet<NodeId> = plan
@@ -572,6 +574,7 @@ impl Coordinator {
                 exits: &self.exits,
                 suspects,
                 peer_failure_exit_code: i32::from(PEER_FAILURE_EXIT_CODE),
+                replaced,
             },
         )
     }

@@ -489,6 +489,7 @@ impl Driver<'_, '_> {
             trace: self.trace.is_some(),
         })?;
         let mut replies = self.forward_backward(step, canonical)?;
+        self.pipeline.step_units_done();
         self.record_replacements(step, &replies.replaced, step_started)?;
         let rerouted = replies.rerouted.take();
         let loss_sum = replies.loss_sum(cfg.pipeline.microbatches);

@@ -303,7 +303,11 @@ impl Pipeline<'_> {
         }
         self.coordinator.stop_workers(Duration::from_secs(5));
         let reported = std::mem::take(&mut self.lost);
-        self.coordinator
-            .losses(&failure.to_string(), &reported, &self.suspects)
+        self.coordinator.losses(
+            &failure.to_string(),
+            &reported,
+            &self.suspects,
+            &self.replaced,
+        )
     }
 }

@@ -42,6 +42,10 @@ pub struct Pipeline<'c> {
     timeout: Duration,
     /// Stage → the node of its mid-step replacement, where that worker logs.
     hosts: BTreeMap<usize, NodeId>,
+    /// Stages replaced mid-step in the current step → the loss each was replaced for: if the
+    /// step fails after all, that loss is still one to recover from (see
+    /// [`recovery::classify`](super::recovery::classify)).
+    replaced: BTreeMap<usize, Lost>,
     /// Stage → its worker's data address.
     data_addrs: Vec<String>,
     /// The workers' config (TOML), for a replacement.
@@ -105,6 +109,7 @@ impl<'c> Pipeline<'c> {
             // neighbour gives up first and names it.
             timeout: 2 * cfg.pipeline.timeout() + Duration::from_secs(1),
             hosts: BTreeMap::new(),
+            replaced: BTreeMap::new(),
             data_addrs: Vec::new(),
             worker_config,
             dump_grads: dump_grads.map(Path::to_path_buf),
@@ -360,6 +365,12 @@ impl<'c> Pipeline<'c> {
             }
         }
         Ok(got)
+    }
+
+    /// Every stage finished the current step's units: its mid-step replacements proved
+    /// themselves, and a later failure's losses no longer include the losses they replaced.
+    pub fn step_units_done(&mut self) {
+        self.replaced.clear();
     }
 
     /// The next worker reply (checkpoint-upload messages are set aside), waiting up to the

@@ -34,6 +34,7 @@ impl Pipeline<'_> {
             .find(|n| self.coordinator.agent_alive(n))
             .ok_or_else(|| LaunchError::Run("no live node to host a replacement".into()))?;
         info!(stage, step, %host, "replacing a lost stage mid-step");
+        self.replaced.insert(stage, lost.clone());
         let (config, dump) = (self.worker_config.clone(), self.dump_grads.clone());
         self.coordinator
             .start_replacement(&host, stage, &config, dump.as_deref())?;
