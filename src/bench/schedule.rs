@@ -32,7 +32,7 @@ use trainer::runtime::error::LaunchError;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
     Action, FlopsModel, MeasuredCosts, Op, Partition, Schedule, ScheduleKind, UnitCosts,
-    formula_bubble, generate_virtual, replay, segment_flops, simulate, split_backward_bound,
+    formula_bubble, replay, segment_flops, simulate, split_backward_bound,
 };
 
 /// Flags of `seqpipe bench schedule`.
@@ -531,7 +531,8 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
             .collect(),
     };
     let (v, m) = (cfg.pipeline.virtual_stages, cfg.pipeline.microbatches);
-    let schedule = generate_virtual(cfg.pipeline.schedule, p, v, m, k)?;
+    // The order the run's workers ran (seq1f1b-zb's depends on the config's byte model).
+    let schedule = trainer::memory::training_schedule(cfg, m)?;
     let sim = replay(&schedule, &costs)?;
     let balanced = MeasuredCosts {
         durations: vec![averaged_over_stages(&costs.durations); p],
@@ -677,6 +678,7 @@ fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap
 #[cfg(test)]
 mod tests {
     use super::*;
+    use trainer::schedule::generate_virtual;
 
     /// Measured times of every compute action of `s`: F takes f, I takes i, W takes w (and a
     /// stage `slow` takes twice as long).

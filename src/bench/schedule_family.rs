@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use trainer::schedule::{
-    FlopsModel, Partition, ScheduleKind, UnitCosts, formula_bubble, generate_virtual,
+    FlopsModel, Partition, ScheduleKind, UnitBytes, UnitCosts, formula_bubble, generate_within,
     segment_flops, segment_lengths, simulate,
 };
 
@@ -106,10 +106,20 @@ pub fn simulate_one(
         forward,
         tokens: lengths.clone(),
     };
-    let s = generate_virtual(schedule, STAGES, virtual_stages, microbatches, splits)?;
-    let sim = simulate(&s, &costs)?;
     let layers_per_chunk = (fm.layers / (STAGES * virtual_stages)) as u64;
     let bytes_per_token_layer = ((6 * fm.hidden + fm.ffn) * 4) as u64;
+    // The byte model this bench counts in, so that seq1f1b-zb is capped in the same bytes.
+    let unit = |len: &usize| *len as u64 * layers_per_chunk * bytes_per_token_layer;
+    let bytes = UnitBytes::new(vec![lengths.iter().map(unit).collect(); STAGES])?;
+    let s = generate_within(
+        schedule,
+        STAGES,
+        virtual_stages,
+        microbatches,
+        splits,
+        Some(&bytes),
+    )?;
+    let sim = simulate(&s, &costs)?;
     Ok(FamilyRow {
         schedule,
         virtual_stages,
