@@ -6,6 +6,10 @@
 //! (16 bytes per parameter), plus the activations of the micro-batches a stage keeps in flight
 //! (about `6·d_model + ffn` floats per token and layer; the last stage also its logits and their
 //! gradient). All arithmetic saturates, so absurd sizes give `u64::MAX`, never an overflow.
+//!
+//! The same per-token sizes give each unit's activation bytes on each stage ([`unit_bytes`]),
+//! the byte model `seq1f1b-zb`'s order is capped by; [`training_schedule`] is a run's schedule
+//! with it, the one every party generates from the config.
 
 use thiserror::Error;
 
