@@ -11,6 +11,7 @@
 //! compute partition (equal FLOPs). Activation bytes: a unit keeps `(6·d_model + ffn)·4` bytes
 //! per token per layer alive (the runtime's own estimate, `trainer::memory`) from its forward to
 //! the end of its backward (whole, or weight half); embeddings, head and K/V caches are left out.
+//! `seq1f1b-zb` is generated within Seq1F1B's job peak in these bytes ([`UnitBytes`]).
 
 use std::path::Path;
 
@@ -189,8 +190,8 @@ pub struct Ratios {
     /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the goal ≤ 0.5: ZB-H1's
     /// (p−1)·F idle at F = I = W, a third of Seq1F1B's).
     pub zero_bubble_bubble: f64,
-    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1 in the model: every
-    /// stage holds at most the first stage's Seq1F1B peak of units, all of equal size here).
+    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1: the zb order is
+    /// generated within Seq1F1B's job peak of bytes in this bench's own byte model).
     pub zero_bubble_memory: f64,
 }
 
