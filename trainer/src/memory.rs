@@ -375,6 +375,63 @@ mod tests {
         );
     }
 
+    /// A unit's bytes: its segment's tokens × the stage's layers × the per-token size, the last
+    /// stage also the logits and their gradient; the document partition sizes every segment at
+    /// the longest. The run's schedule is the zero-bubble order within that model.
+    #[test]
+    fn unit_bytes_follow_segments_layers_and_the_head() {
+        let cfg = Config::default()
+            .with_overrides(&[
+                "pipeline.partition=\"compute\"".into(),
+                "pipeline.schedule=\"seq1f1b-zb\"".into(),
+            ])
+            .unwrap();
+        let (m, t, p) = (&cfg.model, &cfg.train, &cfg.pipeline);
+        let bytes = unit_bytes(&cfg).unwrap();
+        assert_eq!((bytes.stages(), bytes.splits()), (p.stages, p.splits));
+        let lengths = cfg.segment_lengths().unwrap();
+        let layouts = partition_layers(m, t.seq_len, p.stages).unwrap();
+        let per_token_layer = ((6 + m.ffn_mult) * m.d_model * 4) as u64;
+        for (r, layout) in layouts.iter().enumerate() {
+            let head = if layout.is_last() {
+                m.vocab_size as u64 * 8
+            } else {
+                0
+            };
+            for (j, &len) in lengths.iter().enumerate() {
+                let tokens = (t.micro_batch_size * len) as u64;
+                let want = tokens * (layout.layers.len() as u64 * per_token_layer + head);
+                assert_eq!(
+                    bytes.of(r, crate::schedule::Unit::new(0, j)),
+                    want,
+                    "r={r} j={j}"
+                );
+            }
+        }
+        let expected = generate_within(
+            ScheduleKind::Seq1F1BZeroBubble,
+            p.stages,
+            1,
+            p.microbatches,
+            p.splits,
+            Some(&bytes),
+        )
+        .unwrap();
+        assert_eq!(training_schedule(&cfg, p.microbatches).unwrap(), expected);
+        let documents = cfg
+            .with_overrides(&[
+                "pipeline.partition=\"documents\"".into(),
+                "data.document_mask=true".into(),
+            ])
+            .unwrap();
+        let longest = documents.segment_rule().unwrap().longest();
+        let b = unit_bytes(&documents).unwrap();
+        let unit = |j| b.of(0, crate::schedule::Unit::new(3, j));
+        assert!((0..p.splits).all(|j| unit(j) == unit(0)));
+        let stage0 = layouts[0].layers.len() as u64 * per_token_layer;
+        assert_eq!(unit(0), (t.micro_batch_size * longest) as u64 * stage0);
+    }
+
     #[test]
     fn huge_vocabulary_is_refused_with_the_numbers() {
         let cfg = Config::default()
