@@ -24,7 +24,7 @@ use trainer::runtime::recovery::{ResumePoint, Start};
 use trainer::runtime::run::{LaunchOptions, RunSummary, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use trainer::schedule::{
-    Partition, ScheduleKind, UnitCosts, formula_bubble, generate_virtual, render_svg, render_text,
+    Partition, ScheduleKind, UnitCosts, formula_bubble, generate_within, render_svg, render_text,
     report_json, segment_lengths, simulate,
 };
 
@@ -1207,7 +1207,24 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
     let v = args
         .virtual_stages
         .unwrap_or(if args.schedule.is_interleaved() { 2 } else { 1 });
-    let sched = generate_virtual(args.schedule, args.stages, v, c, args.splits)?;
+    // The byte model of the config's model at this shape: seq1f1b-zb's order depends on it.
+    let bytes = {
+        let mut run = cfg.clone();
+        let pl = &mut run.pipeline;
+        (pl.schedule, pl.stages, pl.virtual_stages) = (args.schedule, args.stages, v);
+        (pl.microbatches, pl.replicas, pl.splits) = (args.microbatches, d, args.splits);
+        pl.partition = args.partition;
+        run.train.seq_len = args.seq_len;
+        trainer::memory::unit_bytes(&run)
+    };
+    let sched = generate_within(
+        args.schedule,
+        args.stages,
+        v,
+        c,
+        args.splits,
+        bytes.as_ref(),
+    )?;
     let batch = cfg.train.micro_batch_size;
     let costs = match args.costs.as_str() {
         "flops" => UnitCosts::from_flops(&lengths, batch, &cfg.flops_model()),
@@ -1251,10 +1268,29 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
         args.schedule,
         formula_bubble(args.schedule, args.stages, v, c, args.splits)
     );
-    for st in &sim.stages {
+    let peak_bytes = match bytes.as_ref().filter(|_| v == 1) {
+        Some(b) => {
+            println!(
+                "activation bytes per unit from the config's model (memory estimate); seq1f1b-zb holds no stage above seq1f1b's job peak of them"
+            );
+            sim.peak_bytes(&sched, b)?
+        }
+        None => {
+            println!(
+                "no byte model (the config's model cannot be split into {} stages, or chunks): seq1f1b-zb holds each stage to seq1f1b's job peak of live units only",
+                args.stages
+            );
+            vec![0; args.stages]
+        }
+    };
+    for (st, bytes) in sim.stages.iter().zip(peak_bytes) {
         println!(
-            "stage {}: bubble {:.4}, peak in-flight units {}, peak activation tokens {}",
-            st.stage, st.bubble_fraction, st.peak_inflight_units, st.peak_activation_tokens
+            "stage {}: bubble {:.4}, peak in-flight units {}, peak activation tokens {}, peak activation MiB {:.1}",
+            st.stage,
+            st.bubble_fraction,
+            st.peak_inflight_units,
+            st.peak_activation_tokens,
+            bytes as f64 / (1u64 << 20) as f64
         );
     }
     if let Some(path) = &args.svg {

@@ -4,8 +4,9 @@
 //! (p, m, k) — same losses, validation losses and tensors — because the weight halves add the
 //! same gradients, computed by the same operations, in the order of the input halves, which is
 //! Seq1F1B's backward order. Its activations live until each unit's `W`; under ZB-H1's memory rule
-//! every stage holds at most the job's Seq1F1B peak of live units (its first stage's), the later
-//! stages more than under Seq1F1B. Checkpoints move between the two kinds bit-identically. A worker
+//! every stage holds at most the job's Seq1F1B peak of live units (its first stage's) and of
+//! measured activation bytes (its most loaded stage's), the later stages more than under
+//! Seq1F1B. Checkpoints move between the two kinds bit-identically. A worker
 //! SIGKILLed in the middle of a step (first, middle or last stage, once or again and again) is
 //! replaced mid-step: its replacement redoes its whole list from the step-start state, weight
 //! halves in their order, sending only what its neighbours lack; with two replicas a lost
@@ -191,7 +192,7 @@ fn assert_trace_live_units_within_the_jobs_peak(trace: &Path, shape: Shape, name
 }
 
 #[test]
-fn seq1f1b_zb_trains_bit_identically_to_seq1f1b_within_the_jobs_peak_of_live_units() {
+fn seq1f1b_zb_trains_bit_identically_to_seq1f1b_within_the_jobs_peak_of_units_and_bytes() {
     let dir = fresh_dir("zero-bubble");
     const STEPS: u64 = 4;
     for (p, m, k) in [(2, 4, 2), (3, 2, 3), (4, 4, 2), (4, 8, 4)] {
@@ -236,17 +237,27 @@ fn seq1f1b_zb_trains_bit_identically_to_seq1f1b_within_the_jobs_peak_of_live_uni
                 zb.units(),
                 "{name} step {step}: F, I and W of every unit"
             );
-            // ZB-H1's memory rule: every stage may hold up to the job's Seq1F1B peak of live
-            // units (checked on the trace); the first stage holds exactly Seq1F1B's units, so
-            // no more bytes there. The later stages hold more than under Seq1F1B, and their
-            // units are not the first stage's size (the last stage keeps the head's and loss's
-            // activations too): their bytes may pass the first stage's (BENCHMARKS.md).
+            // ZB-H1's memory rule in bytes: every worker may hold up to the job's Seq1F1B peak
+            // of live units (checked on the trace) and of activation bytes, as the workers
+            // measured them. The later stages hold more than under Seq1F1B; their units are
+            // not the first stage's size (the last keeps the head's and loss's activations
+            // too), which the order's byte model caps. The first stage holds exactly
+            // Seq1F1B's units.
             assert_eq!(x.peaks.len(), p, "{name}");
             assert_eq!(y.peaks.len(), p, "{name}");
             assert!(
                 x.peaks.iter().chain(&y.peaks).all(|&b| b > 0),
                 "{name}: none measured"
             );
+            let job = *x.peaks.iter().max().expect("stages");
+            for (r, &held) in y.peaks.iter().enumerate() {
+                assert!(
+                    held <= job,
+                    "{name} step {step}: stage {r} held {held} activation bytes, the job's \
+                     seq1f1b peak is {job} (per stage {:?})",
+                    x.peaks
+                );
+            }
             assert!(
                 y.peaks[0] <= x.peaks[0],
                 "{name} step {step}: the first stage held {} activation bytes, seq1f1b {}",

@@ -17,8 +17,9 @@ mod harness;
 use std::collections::HashSet;
 
 use harness::{Pos, Rule, kill_it, run};
+use trainer::config::Config;
 use trainer::runtime::recovery::Tier;
-use trainer::schedule::{Action, Delivered, Op, ScheduleKind, Unit, generate};
+use trainer::schedule::{Action, Delivered, Op, Schedule, ScheduleKind, Unit};
 
 /// The scenarios' job with the zero-bubble schedule.
 const ZB: [&str; 1] = ["pipeline.schedule=seq1f1b-zb"];
@@ -30,6 +31,24 @@ const K: usize = 2;
 
 /// Compute actions of one stage in one step: every unit's F, I and W.
 const UNITS_PER_STAGE: usize = M * K * 3;
+
+/// The schedule the scenarios' workers run: the job's `seq1f1b-zb`, capped by its config's byte
+/// model (which the order depends on).
+fn zb_schedule() -> Schedule {
+    let mut sets = harness::base_sets();
+    sets.extend(ZB.iter().map(|s| s.to_string()));
+    let cfg = Config::load(None, &sets).expect("the scenarios' config");
+    assert_eq!(cfg.pipeline.schedule, ScheduleKind::Seq1F1BZeroBubble);
+    assert_eq!(
+        (
+            cfg.pipeline.stages,
+            cfg.pipeline.microbatches,
+            cfg.pipeline.splits
+        ),
+        (P, M, K)
+    );
+    trainer::memory::training_schedule(&cfg, M).expect("the job's schedule")
+}
 
 /// Where to kill `stage` in its list: just after the first send that follows its second weight
 /// half, so that it had done weight halves that a delivered message proves, and had more of
@@ -73,7 +92,7 @@ fn expected_replay(list: &[Action], at: usize) -> Vec<Action> {
 /// recomputed, exactly the model's units redone (weight halves among them), bit-identical.
 fn mid_step_kill(stage: usize) {
     let name = format!("zb-mid-step-{stage}");
-    let s = generate(ScheduleKind::Seq1F1BZeroBubble, P, M, K).unwrap();
+    let s = zb_schedule();
     let list = &s.actions[stage];
     let at = kill_point(list);
     let replay = expected_replay(list, at);

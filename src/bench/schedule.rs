@@ -32,7 +32,7 @@ use trainer::runtime::error::LaunchError;
 use trainer::runtime::run::{LaunchOptions, run_training};
 use trainer::schedule::{
     Action, FlopsModel, MeasuredCosts, Op, Partition, Schedule, ScheduleKind, UnitCosts,
-    formula_bubble, generate_virtual, replay, segment_flops, simulate, split_backward_bound,
+    formula_bubble, replay, segment_flops, simulate, split_backward_bound,
 };
 
 /// Flags of `seqpipe bench schedule`.
@@ -249,11 +249,78 @@ pub fn run(args: &ScheduleBenchArgs) -> Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     print_comparisons(&runs);
+    print_family_table(&runs);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_vec_pretty(&runs)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The schedule family's table (BENCHMARKS.md "Schedules"), one markdown row per (T, m, k,
+/// partition) of the segmented runs: every kind's replayed bubble (its formula's), the largest
+/// worker's peak MiB, and `seq1f1b-i` and `seq1f1b-zb` against `seq1f1b` (bubble · largest
+/// worker's peak · replayed step). The kinds without segments (`1f1b`, `1f1b-i`) repeat on
+/// every k's row; a kind not run, or over the memory budget, shows "–".
+fn print_family_table(runs: &[ScheduleRun]) {
+    use ScheduleKind::*;
+    const KINDS: [ScheduleKind; 5] = [
+        OneFOneB,
+        OneFOneBInterleaved,
+        Seq1F1B,
+        Seq1F1BInterleaved,
+        Seq1F1BZeroBubble,
+    ];
+    let mut rows: Vec<(usize, usize, usize, Partition)> = Vec::new();
+    for r in runs.iter().filter(|r| segmented(r.schedule)) {
+        let row = (r.seq_len, r.microbatches, r.splits, r.partition);
+        if !rows.contains(&row) {
+            rows.push(row);
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    println!(
+        "| T | m | k | bubble % (formula): 1f1b · 1f1b-i · seq1f1b · seq1f1b-i · seq1f1b-zb | peak MiB, same order | seq1f1b-i / seq1f1b: bubble · peak · step | seq1f1b-zb / seq1f1b: bubble · peak · step |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (t, m, k, part) in rows {
+        let find = |kind: ScheduleKind| {
+            runs.iter().find(|r| {
+                r.schedule == kind
+                    && (r.seq_len, r.microbatches) == (t, m)
+                    && (!segmented(kind) || (r.splits, r.partition) == (k, part))
+            })
+        };
+        let cells = |cell: &dyn Fn(&ScheduleRun) -> String| {
+            KINDS
+                .map(|kind| find(kind).map_or_else(|| "–".to_string(), cell))
+                .join(" · ")
+        };
+        let bubbles = cells(&|r| {
+            format!(
+                "{:.1} ({:.1})",
+                100.0 * r.replayed_bubble,
+                100.0 * r.formula_bubble
+            )
+        });
+        let peaks = cells(&|r| format!("{:.0}", r.max_peak_bytes() as f64 / (1u64 << 20) as f64));
+        let against = |kind| match (find(kind), find(Seq1F1B)) {
+            (Some(a), Some(b)) => format!(
+                "{:.2} · {:.2} · {:.2}",
+                a.replayed_bubble / b.replayed_bubble,
+                a.max_peak_bytes() as f64 / b.max_peak_bytes() as f64,
+                a.replayed_step_s / b.replayed_step_s
+            ),
+            _ => "–".into(),
+        };
+        println!(
+            "| {t} | {m} | {k} | {bubbles} | {peaks} | {} | {} |",
+            against(Seq1F1BInterleaved),
+            against(Seq1F1BZeroBubble)
+        );
+    }
 }
 
 /// Whether `kind` cuts micro-batches into segments (the Seq1F1B family); the others run each
@@ -510,7 +577,8 @@ fn measure(cfg: &Config, dir: &Path) -> Result<ScheduleRun> {
             .collect(),
     };
     let (v, m) = (cfg.pipeline.virtual_stages, cfg.pipeline.microbatches);
-    let schedule = generate_virtual(cfg.pipeline.schedule, p, v, m, k)?;
+    // The order the run's workers ran (seq1f1b-zb's depends on the config's byte model).
+    let schedule = trainer::memory::training_schedule(cfg, m)?;
     let sim = replay(&schedule, &costs)?;
     let balanced = MeasuredCosts {
         durations: vec![averaged_over_stages(&costs.durations); p],
@@ -703,6 +771,7 @@ fn unit_cpu_times(trace: &[u8], first: u64, stages: usize) -> Result<Vec<HashMap
 #[cfg(test)]
 mod tests {
     use super::*;
+    use trainer::schedule::generate_virtual;
 
     /// Measured times of every compute action of `s`: F takes f, I takes i, W takes w (and a
     /// stage `slow` takes twice as long).

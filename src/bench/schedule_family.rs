@@ -11,6 +11,7 @@
 //! compute partition (equal FLOPs). Activation bytes: a unit keeps `(6·d_model + ffn)·4` bytes
 //! per token per layer alive (the runtime's own estimate, `trainer::memory`) from its forward to
 //! the end of its backward (whole, or weight half); embeddings, head and K/V caches are left out.
+//! `seq1f1b-zb` is generated within Seq1F1B's job peak in these bytes ([`UnitBytes`]).
 
 use std::path::Path;
 
@@ -18,7 +19,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use trainer::schedule::{
-    FlopsModel, Partition, ScheduleKind, UnitCosts, formula_bubble, generate_virtual,
+    FlopsModel, Partition, ScheduleKind, UnitBytes, UnitCosts, formula_bubble, generate_within,
     segment_flops, segment_lengths, simulate,
 };
 
@@ -106,10 +107,20 @@ pub fn simulate_one(
         forward,
         tokens: lengths.clone(),
     };
-    let s = generate_virtual(schedule, STAGES, virtual_stages, microbatches, splits)?;
-    let sim = simulate(&s, &costs)?;
     let layers_per_chunk = (fm.layers / (STAGES * virtual_stages)) as u64;
     let bytes_per_token_layer = ((6 * fm.hidden + fm.ffn) * 4) as u64;
+    // The byte model this bench counts in, so that seq1f1b-zb is capped in the same bytes.
+    let unit = |len: &usize| *len as u64 * layers_per_chunk * bytes_per_token_layer;
+    let bytes = UnitBytes::new(vec![lengths.iter().map(unit).collect(); STAGES])?;
+    let s = generate_within(
+        schedule,
+        STAGES,
+        virtual_stages,
+        microbatches,
+        splits,
+        Some(&bytes),
+    )?;
+    let sim = simulate(&s, &costs)?;
     Ok(FamilyRow {
         schedule,
         virtual_stages,
@@ -179,8 +190,8 @@ pub struct Ratios {
     /// Simulated bubble fraction, seq1f1b-zb / seq1f1b (the goal ≤ 0.5: ZB-H1's
     /// (p−1)·F idle at F = I = W, a third of Seq1F1B's).
     pub zero_bubble_bubble: f64,
-    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1 in the model: every
-    /// stage holds at most the first stage's Seq1F1B peak of units, all of equal size here).
+    /// Largest per-stage peak activation bytes, seq1f1b-zb / seq1f1b (≤ 1: the zb order is
+    /// generated within Seq1F1B's job peak of bytes in this bench's own byte model).
     pub zero_bubble_memory: f64,
 }
 

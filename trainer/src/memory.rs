@@ -6,13 +6,17 @@
 //! (16 bytes per parameter), plus the activations of the micro-batches a stage keeps in flight
 //! (about `6·d_model + ffn` floats per token and layer; the last stage also its logits and their
 //! gradient). All arithmetic saturates, so absurd sizes give `u64::MAX`, never an overflow.
+//!
+//! The same per-token sizes give each unit's activation bytes on each stage ([`unit_bytes`]),
+//! the byte model `seq1f1b-zb`'s order is capped by; [`training_schedule`] is a run's schedule
+//! with it, the one every party generates from the config.
 
 use thiserror::Error;
 
 use crate::config::Config;
 use crate::model::params::component_params;
 use crate::model::partition::partition_layers;
-use crate::schedule::ScheduleKind;
+use crate::schedule::{Schedule, ScheduleKind, SegmentRule, UnitBytes, generate_within};
 
 /// Bytes per parameter: the FP32 weight, its gradient and AdamW's m and v.
 pub const STATE_BYTES_PER_PARAM: u64 = 16;
@@ -135,10 +139,8 @@ fn mul(values: &[u64]) -> u64 {
 pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
     let (m, t, p) = (&cfg.model, &cfg.train, &cfg.pipeline);
     let layouts = partition_layers(m, t.seq_len, p.stages).ok()?;
-    let c = m.d_model as u64;
-    let ffn = c.saturating_mul(m.ffn_mult as u64);
     let tokens_per_mb = mul(&[t.micro_batch_size as u64, t.seq_len as u64]);
-    let per_token_layer = mul(&[c, 6]).saturating_add(ffn).saturating_mul(F32);
+    let per_token_layer = bytes_per_token_layer(cfg);
     // The longest segment a micro-batch may get (with the document partition, of any layout).
     let segment = cfg.segment_rule().map_or_else(
         |_| (t.seq_len as u64).div_ceil(p.splits.max(1) as u64),
@@ -166,12 +168,8 @@ pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
                     mul(&[in_flight, tokens_per_mb, layers, per_token_layer]);
                 if layout.is_last() {
                     // Logits of the longest segment and their gradient.
-                    let logits = mul(&[
-                        t.micro_batch_size as u64,
-                        segment,
-                        m.vocab_size as u64,
-                        2 * F32,
-                    ]);
+                    let tokens = mul(&[t.micro_batch_size as u64, segment]);
+                    let logits = mul(&[tokens, head_bytes_per_token(cfg)]);
                     activation_bytes = activation_bytes.saturating_add(logits);
                 }
                 StageMemory {
@@ -182,6 +180,65 @@ pub fn estimate(cfg: &Config) -> Option<Vec<StageMemory>> {
                 }
             })
             .collect(),
+    )
+}
+
+/// Activation bytes a layer keeps per token: about `6·d_model + ffn` floats.
+fn bytes_per_token_layer(cfg: &Config) -> u64 {
+    let c = cfg.model.d_model as u64;
+    let ffn = c.saturating_mul(cfg.model.ffn_mult as u64);
+    mul(&[c, 6]).saturating_add(ffn).saturating_mul(F32)
+}
+
+/// Bytes the last stage's head keeps per token: its logits and their gradient.
+fn head_bytes_per_token(cfg: &Config) -> u64 {
+    mul(&[cfg.model.vocab_size as u64, 2 * F32])
+}
+
+/// The byte model of `cfg`'s units, by the estimate above: a unit of segment j on stage r keeps
+/// `micro_batch_size · len_j` tokens of `6·d_model + ffn` floats per layer the stage holds, and
+/// on the last stage also the head's logits and their gradient. The same config gives the same
+/// model on every party, so `seq1f1b-zb` generated with it ([`crate::schedule::generate_within`])
+/// is the same order everywhere. With the document partition (per-micro-batch lengths) every
+/// segment is sized at the longest one may get. `None` when the config cannot be split into
+/// stages or segments (validation reports that).
+pub fn unit_bytes(cfg: &Config) -> Option<UnitBytes> {
+    let (m, t, p) = (&cfg.model, &cfg.train, &cfg.pipeline);
+    let layouts = partition_layers(m, t.seq_len, p.stages).ok()?;
+    let lengths = match cfg.segment_rule().ok()? {
+        SegmentRule::Fixed(lengths) => lengths,
+        rule => vec![rule.longest(); rule.splits()],
+    };
+    let (layer, head) = (bytes_per_token_layer(cfg), head_bytes_per_token(cfg));
+    let per_stage = layouts
+        .iter()
+        .map(|layout| {
+            let per_token = mul(&[layout.layers.len() as u64, layer])
+                .saturating_add(if layout.is_last() { head } else { 0 });
+            lengths
+                .iter()
+                .map(|&len| mul(&[t.micro_batch_size as u64, len as u64, per_token]))
+                .collect()
+        })
+        .collect();
+    UnitBytes::new(per_stage).ok()
+}
+
+/// `cfg`'s training schedule for `microbatches` micro-batches per replica: its kind, stages,
+/// virtual stages and splits, with the byte model of [`unit_bytes`] (the order `seq1f1b-zb`
+/// takes depends on it). What every worker, a replacement and the bench's replay run.
+pub fn training_schedule(
+    cfg: &Config,
+    microbatches: usize,
+) -> Result<Schedule, crate::schedule::ScheduleError> {
+    let p = &cfg.pipeline;
+    generate_within(
+        p.schedule,
+        p.stages,
+        p.virtual_stages,
+        microbatches,
+        p.splits,
+        unit_bytes(cfg).as_ref(),
     )
 }
 
@@ -316,6 +373,63 @@ mod tests {
             b[last].activation_bytes - a[last].activation_bytes,
             logits(&documents, longest) - logits(&compute, longest_compute)
         );
+    }
+
+    /// A unit's bytes: its segment's tokens × the stage's layers × the per-token size, the last
+    /// stage also the logits and their gradient; the document partition sizes every segment at
+    /// the longest. The run's schedule is the zero-bubble order within that model.
+    #[test]
+    fn unit_bytes_follow_segments_layers_and_the_head() {
+        let cfg = Config::default()
+            .with_overrides(&[
+                "pipeline.partition=\"compute\"".into(),
+                "pipeline.schedule=\"seq1f1b-zb\"".into(),
+            ])
+            .unwrap();
+        let (m, t, p) = (&cfg.model, &cfg.train, &cfg.pipeline);
+        let bytes = unit_bytes(&cfg).unwrap();
+        assert_eq!((bytes.stages(), bytes.splits()), (p.stages, p.splits));
+        let lengths = cfg.segment_lengths().unwrap();
+        let layouts = partition_layers(m, t.seq_len, p.stages).unwrap();
+        let per_token_layer = ((6 + m.ffn_mult) * m.d_model * 4) as u64;
+        for (r, layout) in layouts.iter().enumerate() {
+            let head = if layout.is_last() {
+                m.vocab_size as u64 * 8
+            } else {
+                0
+            };
+            for (j, &len) in lengths.iter().enumerate() {
+                let tokens = (t.micro_batch_size * len) as u64;
+                let want = tokens * (layout.layers.len() as u64 * per_token_layer + head);
+                assert_eq!(
+                    bytes.of(r, crate::schedule::Unit::new(0, j)),
+                    want,
+                    "r={r} j={j}"
+                );
+            }
+        }
+        let expected = generate_within(
+            ScheduleKind::Seq1F1BZeroBubble,
+            p.stages,
+            1,
+            p.microbatches,
+            p.splits,
+            Some(&bytes),
+        )
+        .unwrap();
+        assert_eq!(training_schedule(&cfg, p.microbatches).unwrap(), expected);
+        let documents = cfg
+            .with_overrides(&[
+                "pipeline.partition=\"documents\"".into(),
+                "data.document_mask=true".into(),
+            ])
+            .unwrap();
+        let longest = documents.segment_rule().unwrap().longest();
+        let b = unit_bytes(&documents).unwrap();
+        let unit = |j| b.of(0, crate::schedule::Unit::new(3, j));
+        assert!((0..p.splits).all(|j| unit(j) == unit(0)));
+        let stage0 = layouts[0].layers.len() as u64 * per_token_layer;
+        assert_eq!(unit(0), (t.micro_batch_size * longest) as u64 * stage0);
     }
 
     #[test]

@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(test)]
 use super::formula_bubble;
-use super::{Action, Op, ScheduleError, ScheduleKind, Unit};
+use super::{Action, Op, ScheduleError, ScheduleKind, Unit, UnitBytes};
 
 /// A whole schedule: one ordered action list per stage (worker), communication actions included.
 ///
@@ -181,8 +181,31 @@ pub fn generate_virtual(
     microbatches: usize,
     splits: usize,
 ) -> Result<Schedule, ScheduleError> {
+    generate_within(kind, stages, virtual_stages, microbatches, splits, None)
+}
+
+/// [`generate_virtual`] with the byte model of the run's activations, when known: `seq1f1b-zb`
+/// then holds no stage above Seq1F1B's job peak of activation bytes as `bytes` counts them (see
+/// [`zero_bubble_order`]); without it, above the job's Seq1F1B peak of live units. The other
+/// kinds do not depend on `bytes`. Every party that builds a run's schedule (its workers, their
+/// replacements, the bench's replay, `seqpipe schedule`) passes the model derived from the same
+/// config ([`crate::memory::unit_bytes`]), so all get the same order.
+///
+/// Errors as [`generate_virtual`], and with [`ScheduleError::InvalidParameters`] when `bytes`
+/// does not size `stages` stages × `splits` segments.
+pub fn generate_within(
+    kind: ScheduleKind,
+    stages: usize,
+    virtual_stages: usize,
+    microbatches: usize,
+    splits: usize,
+    bytes: Option<&UnitBytes>,
+) -> Result<Schedule, ScheduleError> {
     check_parameters(stages, microbatches, splits)?;
     check_virtual(kind, stages, virtual_stages, microbatches, splits)?;
+    if let Some(b) = bytes {
+        b.check_shape(stages, splits)?;
+    }
     let (p, v, m, k) = (stages, virtual_stages, microbatches, splits);
     let on_chunk0 = |u: &Unit, op: Op| Action::new(op, *u, 0);
     let singles = |units: Vec<Unit>, op: Op| -> Vec<Vec<Action>> {
@@ -265,7 +288,7 @@ pub fn generate_virtual(
                 })
                 .collect()
         }
-        ScheduleKind::Seq1F1BZeroBubble => zero_bubble_order(p, m, k)?,
+        ScheduleKind::Seq1F1BZeroBubble => zero_bubble_order(p, m, k, bytes)?,
     };
     Ok(Schedule {
         kind,
@@ -364,11 +387,16 @@ fn check_virtual(
 /// into `I` (input gradient) and `W` (weight gradient), the `W`s deferred into the bubbles.
 ///
 /// Memory rule (ZB-H1's, Qi et al., "Zero Bubble Pipeline Parallelism"): equal memory is the
-/// job's peak, not each stage's. Every stage may hold up to Seq1F1B's first stage's peak of live
-/// units, `min(p + k − 1, m·k)` (a unit is alive from its `F` until its `W`, which needs the
-/// saved inputs and output gradients), the most any Seq1F1B stage holds; so the job's peak is
-/// Seq1F1B's, while the later stages hold more than under Seq1F1B (up to that peak) because
-/// their `W`s wait for the idle time. The first stage holds exactly Seq1F1B's.
+/// job's peak, not each stage's. A unit is alive from its `F` until its `W` (which needs the
+/// saved inputs and output gradients). Every stage may hold up to Seq1F1B's first stage's peak
+/// of live units, `min(p + k − 1, m·k)`, the most any Seq1F1B stage holds, and, given the byte
+/// model of the run (`bytes`), up to Seq1F1B's job peak of activation bytes: the most bytes any
+/// Seq1F1B stage holds at the same (p, m, k) as `bytes` counts them (its units differ in size
+/// between stages — the last keeps the head's logits — and between segments). So the job's
+/// peak, in units and in bytes, is Seq1F1B's, while the later stages hold more than under
+/// Seq1F1B because their `W`s wait for the idle time. Without a byte model only the unit cap
+/// holds, and a stage whose units are larger than the first stage's (the last) may pass
+/// Seq1F1B's job peak of bytes by its larger units' excess.
 ///
 /// Built by list scheduling over unit time (every `F`, `I` and `W` takes one tick: the
 /// zero-bubble papers' T_F = T_B = T_W, i.e. a whole backward is twice a forward, as in
@@ -377,9 +405,9 @@ fn check_virtual(
 /// their `I`), and at each tick a free stage runs, in order of preference:
 ///
 /// 1. its oldest pending `W`, when the next `F`'s activation has arrived or arrives at the end
-///    of this tick but the stage holds the job's peak of live units: freeing one now lets that
-///    `F` run on time (waiting for the arrival to free it costs the whole pipeline a tick);
-/// 2. its next `F`, when the activation has arrived and both caps allow it;
+///    of this tick but the stage cannot take that unit under the caps: freeing one now lets
+///    that `F` run on time (waiting for the arrival to free it costs the whole pipeline a tick);
+/// 2. its next `F`, when the activation has arrived and the rhythm and both caps allow it;
 /// 3. its next `I`, when the gradient has arrived (on the last stage: when the micro-batch's
 ///    last segment is forwarded);
 /// 4. its oldest pending `W`.
@@ -388,27 +416,33 @@ fn check_virtual(
 /// each `I` first and replayed slower than Seq1F1B on measured unit times, where the input half
 /// costs several weight halves).
 ///
-/// At equal unit times (each F, each I and each W the same, here F = I = W) and m·k ≥ p + k − 1
-/// its step is ZB-H1's, `m·k·(F+I+W) + (p−1)·F`, the least any order can take at the job's
-/// peak: the first stage's first `I` cannot start before the first unit's last segment has gone
-/// up and its gradient come down, and until then it may forward only `p + k − 1` units (tested
-/// over p ≤ 6, m ≤ 6, k ≤ 5; bubble `(p−1)/(3·m·k + p−1)`, a third of Seq1F1B's). That is below
+/// It never stalls: with no `W` pending, stage r's live units are a prefix of the forward order
+/// less a prefix of the backward order, within its Seq1F1B rhythm — a subset of what Seq1F1B's
+/// stage r holds after the same forward — so the next `F` fits both caps.
+///
+/// At equal unit times (each F, each I and each W the same, here F = I = W) and equal unit
+/// bytes (or no byte model) and m·k ≥ p + k − 1 its step is ZB-H1's,
+/// `m·k·(F+I+W) + (p−1)·F`, the least any order can take at the job's peak: the first stage's
+/// first `I` cannot start before the first unit's last segment has gone up and its gradient come
+/// down, and until then it may forward only `p + k − 1` units (tested over p ≤ 8, m ≤ 8,
+/// k ≤ 5; bubble `(p−1)/(3·m·k + p−1)`, a third of Seq1F1B's). That is below
 /// [`super::split_backward_bound`], the least step at Seq1F1B's per-stage memory.
 ///
 /// The `I`s run in Seq1F1B's backward order (micro-batch ascending, segment descending: the
 /// dK/dV carry flows from later to earlier segments), and the `W`s run in the order of the `I`s
 /// (a FIFO), which is the order of Seq1F1B's `B`s: every parameter's gradient accumulates over
-/// the step's units in exactly Seq1F1B's order. The live units are always a prefix of the
-/// forward order less a prefix of the backward order, at most the first stage's peak of them,
-/// so they are a subset of a set the first stage holds under Seq1F1B: no stage's activation
-/// bytes exceed Seq1F1B's first stage's, whatever the segment lengths.
-fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, ScheduleError> {
+/// the step's units in exactly Seq1F1B's order.
+fn zero_bubble_order(
+    p: usize,
+    m: usize,
+    k: usize,
+    bytes: Option<&UnitBytes>,
+) -> Result<Vec<Vec<Action>>, ScheduleError> {
     let n = m * k;
     let idx = |u: Unit| u.micro_batch * k + u.segment;
     let fwd = forward_units(m, k);
     let bwd = backward_units(m, k);
-    // The job's peak: Seq1F1B's first stage's live units, the most of any of its stages.
-    let job_peak = (seq1f1b_warmup(p, m, k, 0) + 1).min(n);
+    let caps = ZeroBubbleCaps::new(p, m, k, bytes)?;
     // Seq1F1B's rhythm on stage r: at most its peak of units forwarded and not yet through I.
     let ahead: Vec<usize> = (0..p)
         .map(|r| (seq1f1b_warmup(p, m, k, r) + 1).min(n))
@@ -419,7 +453,8 @@ fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, S
     let mut next_f = vec![0usize; p];
     let mut next_i = vec![0usize; p];
     let mut pending_w: Vec<VecDeque<Unit>> = vec![VecDeque::new(); p];
-    let mut alive = vec![0usize; p];
+    // Live units and their bytes per stage.
+    let mut alive = vec![(0usize, 0u64); p];
     let mut order: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * n); p];
     // Every tick at least one stage can work while any is left (the greedy never waits when an
     // action is ready), so 3·n·p ticks bound a schedule with 3·n actions per stage.
@@ -444,16 +479,18 @@ fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, S
                         && (r == 0 || done_by(f_end[r - 1][idx(u)], by))
                 })
             };
-            let forward_waits_on_w = alive[r] >= job_peak && next_forward(t + 1).is_some();
-            let forward_ready = next_forward(t).filter(|_| alive[r] < job_peak);
-            if let Some(u) = pending_w[r].front().copied().filter(|_| forward_waits_on_w) {
+            let admit = |u: &Unit| caps.admit(r, alive[r], *u);
+            let forward_waits_on_w = next_forward(t + 1).is_some_and(|u| !admit(&u));
+            let forward_ready = next_forward(t).filter(admit);
+            let w = pending_w[r].front().copied();
+            if let Some(u) = w.filter(|_| forward_waits_on_w) {
                 pending_w[r].pop_front();
-                alive[r] -= 1;
+                alive[r] = caps.free(r, alive[r], u);
                 order[r].push(Action::new(Op::BackwardWeight, u, 0));
             } else if let Some(u) = forward_ready {
                 f_end[r][idx(u)] = Some(t + 1);
                 next_f[r] += 1;
-                alive[r] += 1;
+                alive[r] = caps.take(r, alive[r], u);
                 order[r].push(Action::Forward(u));
             } else if let Some(u) = input_ready {
                 i_end[r][idx(u)] = Some(t + 1);
@@ -461,7 +498,7 @@ fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, S
                 pending_w[r].push_back(u);
                 order[r].push(Action::new(Op::BackwardInput, u, 0));
             } else if let Some(u) = pending_w[r].pop_front() {
-                alive[r] -= 1;
+                alive[r] = caps.free(r, alive[r], u);
                 order[r].push(Action::new(Op::BackwardWeight, u, 0));
             }
         }
@@ -471,6 +508,59 @@ fn zero_bubble_order(p: usize, m: usize, k: usize) -> Result<Vec<Vec<Action>>, S
         blocked: format!("seq1f1b-zb list scheduling stalled for p={p} m={m} k={k}"),
         grid: String::new(),
     })
+}
+
+/// What every stage of `seq1f1b-zb` may hold ([`zero_bubble_order`]'s memory rule): Seq1F1B's
+/// job peak of live units and, with a byte model, of activation bytes.
+struct ZeroBubbleCaps<'a> {
+    /// `min(p + k − 1, m·k)`: Seq1F1B's first stage's live units, the most of any stage.
+    units: usize,
+    /// The byte model and Seq1F1B's job peak in it.
+    bytes: Option<(&'a UnitBytes, u64)>,
+}
+
+impl<'a> ZeroBubbleCaps<'a> {
+    fn new(
+        p: usize,
+        m: usize,
+        k: usize,
+        bytes: Option<&'a UnitBytes>,
+    ) -> Result<Self, ScheduleError> {
+        let bytes = match bytes {
+            Some(b) => {
+                let seq1f1b = generate_virtual(ScheduleKind::Seq1F1B, p, 1, m, k)?;
+                Some((b, b.job_peak(&seq1f1b)))
+            }
+            None => None,
+        };
+        Ok(Self {
+            units: (seq1f1b_warmup(p, m, k, 0) + 1).min(m * k),
+            bytes,
+        })
+    }
+
+    /// Bytes unit `u` keeps on stage `r` (0 without a byte model).
+    fn size(&self, r: usize, u: Unit) -> u64 {
+        self.bytes.map_or(0, |(b, _)| b.of(r, u))
+    }
+
+    /// Whether stage `r`, holding `(units, bytes)`, may forward `u` too.
+    fn admit(&self, r: usize, (units, held): (usize, u64), u: Unit) -> bool {
+        units < self.units
+            && self
+                .bytes
+                .is_none_or(|(_, cap)| held.saturating_add(self.size(r, u)) <= cap)
+    }
+
+    /// What stage `r` holds after forwarding `u`.
+    fn take(&self, r: usize, (units, held): (usize, u64), u: Unit) -> (usize, u64) {
+        (units + 1, held.saturating_add(self.size(r, u)))
+    }
+
+    /// What stage `r` holds after `u`'s `W`.
+    fn free(&self, r: usize, (units, held): (usize, u64), u: Unit) -> (usize, u64) {
+        (units - 1, held.saturating_sub(self.size(r, u)))
+    }
 }
 
 /// Generates an evaluation (forward-only) schedule: every stage forwards the units in order
@@ -988,6 +1078,106 @@ mod family_tests {
                 }
             }
         }
+    }
+
+    /// Byte models to test the zero-bubble order's byte cap with, for p stages and k segments:
+    /// unequal segment lengths (the compute partition's first segments are the longest) on
+    /// stages of equal layers; a last stage with the head's logits on top; stages of unequal
+    /// layer counts; and a last stage far heavier than the rest.
+    fn byte_models(p: usize, k: usize) -> Vec<(&'static str, UnitBytes)> {
+        let tokens = |j: usize| (10 * (k - j) + 3) as u64;
+        let model = |per_token: &dyn Fn(usize) -> u64| {
+            let rows = (0..p)
+                .map(|r| (0..k).map(|j| tokens(j) * per_token(r)).collect())
+                .collect();
+            UnitBytes::new(rows).unwrap()
+        };
+        let last = |r: usize| r + 1 == p;
+        vec![
+            ("equal stages", model(&|_| 100)),
+            (
+                "head on the last",
+                model(&|r| 100 + 40 * u64::from(last(r))),
+            ),
+            ("unequal layers", model(&|r| 100 * (r as u64 % 3 + 1))),
+            ("heavy last", model(&|r| if last(r) { 350 } else { 100 })),
+        ]
+    }
+
+    /// The memory rule in bytes: given the run's byte model, no `seq1f1b-zb` worker
+    /// holds more activation bytes than Seq1F1B's job peak (its most loaded stage's) at the same
+    /// (p, m, k), each counted independently by the simulator on the timelines, while the I's
+    /// and W's keep Seq1F1B's backward and gradient order and the unit cap holds. Without the
+    /// byte model (today's unit rule) some of these shapes go over, so the cap is what holds
+    /// them.
+    #[test]
+    fn zero_bubble_within_a_byte_model_holds_no_worker_above_seq1f1bs_job_peak_of_bytes() {
+        let (mut checked, mut over_without) = (0, 0);
+        for p in 1..=6 {
+            for m in 1..=6 {
+                for k in 1..=4 {
+                    let costs = UnitCosts::uniform(k, 1);
+                    let s = generate(ScheduleKind::Seq1F1B, p, m, k).unwrap();
+                    let seq = simulate(&s, &costs).unwrap();
+                    let units = (p + k - 1).min(m * k);
+                    let zb = ScheduleKind::Seq1F1BZeroBubble;
+                    let units_only = generate(zb, p, m, k).unwrap();
+                    let units_only_sim = simulate(&units_only, &costs).unwrap();
+                    for (name, bytes) in byte_models(p, k) {
+                        let what = format!("{name} p={p} m={m} k={k}");
+                        let z = generate_within(zb, p, 1, m, k, Some(&bytes)).unwrap();
+                        validate(&z).unwrap_or_else(|e| panic!("{what}: {e}\n{}", render_text(&z)));
+                        let job = *seq.peak_bytes(&s, &bytes).unwrap().iter().max().unwrap();
+                        let sim = simulate(&z, &costs).unwrap();
+                        for (r, peak) in sim.peak_bytes(&z, &bytes).unwrap().into_iter().enumerate()
+                        {
+                            assert!(
+                                peak <= job,
+                                "{what} r={r}: zb holds {peak} bytes, seq1f1b's job peak {job}\n{}",
+                                render_text(&z)
+                            );
+                            assert!(sim.stages[r].peak_inflight_units <= units, "{what} r={r}");
+                            assert_eq!(z.gradient_order(r), s.gradient_order(r), "{what} r={r}");
+                            assert_eq!(z.backward_order(r), s.backward_order(r), "{what} r={r}");
+                            assert!(z.compute_actions(r).all(|a| a.op() != Op::Backward));
+                        }
+                        let before = units_only_sim.peak_bytes(&units_only, &bytes).unwrap();
+                        over_without += usize::from(before.into_iter().any(|b| b > job));
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 6 * 6 * 4 * 4);
+        assert!(
+            over_without > 50,
+            "only {over_without} shapes need the byte cap"
+        );
+    }
+
+    /// Equal unit bytes on every stage and segment cap nothing the unit cap does not: the order
+    /// is the unit rule's, so ZB-H1's step (below) holds with the byte model too.
+    #[test]
+    fn zero_bubble_with_equal_unit_bytes_is_the_unit_rules_order() {
+        for p in 1..=6 {
+            for m in 1..=6 {
+                for k in 1..=5 {
+                    let zb = ScheduleKind::Seq1F1BZeroBubble;
+                    let bytes = UnitBytes::uniform(p, k, 4096).unwrap();
+                    assert_eq!(
+                        generate_within(zb, p, 1, m, k, Some(&bytes)).unwrap(),
+                        generate(zb, p, m, k).unwrap(),
+                        "p={p} m={m} k={k}"
+                    );
+                }
+            }
+        }
+        // A model of the wrong shape is refused, saying what it sizes.
+        let bytes = UnitBytes::uniform(3, 2, 1).unwrap();
+        let e = generate_within(ScheduleKind::Seq1F1BZeroBubble, 4, 1, 4, 2, Some(&bytes))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 stages × 2 segments"), "{e}");
     }
 
     #[test]

@@ -19,8 +19,10 @@
 //! stages over TCP.
 //!
 //! How short a split-backward step can be at Seq1F1B's memory per worker, whatever the order,
-//! is [`split_backward_bound`]; `seq1f1b-zb` holds up to the job's peak (the first stage's) on
-//! every stage, ZB-H1's rule, and goes below it to ZB-H1's step.
+//! is [`split_backward_bound`]; `seq1f1b-zb` holds up to the job's Seq1F1B peak on every stage,
+//! ZB-H1's rule, and goes below it to ZB-H1's step. Given the run's [`UnitBytes`] (what a unit
+//! keeps on each stage), [`generate_within`] caps it at Seq1F1B's job peak of activation bytes
+//! too, not only of live units.
 //!
 //! Segment lengths (equal, or equal-FLOPs per the paper) live in [`segments`]; the
 //! document-aware partition (equal cost under document masks, per micro-batch) in
@@ -46,12 +48,13 @@ mod resume;
 mod segment_rule;
 pub mod segments;
 mod simulate;
+mod unit_bytes;
 mod validate;
 
 pub use action::{Action, Op, ScheduleKind, Unit};
 pub use bound::split_backward_bound;
 pub use error::ScheduleError;
-pub use generate::{Schedule, generate, generate_forward_only, generate_virtual};
+pub use generate::{Schedule, generate, generate_forward_only, generate_virtual, generate_within};
 pub use render::{render_svg, render_text, report_json};
 pub use resume::{
     Delivered, LostOutput, NeighbourRelink, ResumedStep, neighbour_relink, neighbours_of,
@@ -64,4 +67,5 @@ pub use segments::{
 pub use simulate::{
     MeasuredCosts, Simulation, Slot, StageStats, UnitCosts, formula_bubble, replay, simulate,
 };
+pub use unit_bytes::UnitBytes;
 pub use validate::validate;

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use super::segments::{FlopsModel, segment_flops};
-use super::{Action, Op, Schedule, ScheduleError, ScheduleKind, validate};
+use super::{Action, Op, Schedule, ScheduleError, ScheduleKind, UnitBytes, validate};
 
 /// Per-segment costs of one unit (a micro-batch's segment j), for [`simulate`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -310,12 +310,43 @@ fn check_costs(costs: &UnitCosts, splits: usize) -> Result<(), ScheduleError> {
     Ok(())
 }
 
-/// Peak (tokens, units) alive on one stage, from its timeline: a unit on a chunk is alive from
-/// the start of its `F` to the end of its `B` or `W` (see the module docs).
+impl Simulation {
+    /// Per stage, the most activation bytes alive at once on its timeline, each unit sized by
+    /// `bytes` (alive as for the token peaks, see the module docs); `s` is the schedule this
+    /// simulation placed. Errors with [`ScheduleError::InvalidParameters`] when `bytes` does not
+    /// size `s`'s stages and segments, or `s` has chunks (the model sizes whole stages).
+    pub fn peak_bytes(&self, s: &Schedule, bytes: &UnitBytes) -> Result<Vec<u64>, ScheduleError> {
+        bytes.check_shape(s.stages, s.splits)?;
+        if s.virtual_stages != 1 {
+            return Err(ScheduleError::InvalidParameters(format!(
+                "the unit byte model sizes whole stages, the schedule has {} chunks per stage",
+                s.virtual_stages
+            )));
+        }
+        Ok(self
+            .timeline
+            .iter()
+            .enumerate()
+            .map(|(r, slots)| {
+                let size = |a: Action| i128::from(bytes.of(r, a.unit()));
+                peak_live(s, slots, size) as u64
+            })
+            .collect())
+    }
+}
+
+/// Peak (tokens, units) alive on one stage, from its timeline (see [`peak_live`]).
 fn peak_memory(s: &Schedule, tokens: &[usize], slots: &[Slot]) -> (usize, usize) {
+    let tokens = peak_live(s, slots, |a| tokens[a.unit().segment] as i128);
+    (tokens as usize, peak_live(s, slots, |_| 1) as usize)
+}
+
+/// The most of `size` alive at once on one stage, from its timeline: a unit on a chunk is alive
+/// from the start of its `F` to the end of its `B` or `W` (see the module docs).
+fn peak_live(s: &Schedule, slots: &[Slot], size: impl Fn(Action) -> i128) -> i128 {
     let (k, m) = (s.splits, s.microbatches);
-    // (time, release-before-allocate at equal times, sequence, token delta, unit delta)
-    let mut events: Vec<(f64, u8, usize, i64, i64)> = Vec::new();
+    // (time, release-before-allocate at equal times, sequence, delta)
+    let mut events: Vec<(f64, u8, usize, i128)> = Vec::new();
     let mut last_fwd_end = vec![0.0f64; m * s.virtual_stages];
     let mb = |a: Action| a.chunk() * m + a.unit().micro_batch;
     for sl in slots {
@@ -324,28 +355,25 @@ fn peak_memory(s: &Schedule, tokens: &[usize], slots: &[Slot]) -> (usize, usize)
         }
     }
     for (seq, sl) in slots.iter().enumerate() {
-        let u = sl.action.unit();
-        let tok = tokens[u.segment] as i64;
+        let n = size(sl.action);
         match sl.action.op() {
             Op::Forward => {
-                events.push((sl.start, 1, seq, tok, 1));
+                events.push((sl.start, 1, seq, n));
                 if s.forward_only {
-                    events.push((last_fwd_end[mb(sl.action)], 0, seq, -tok, -1));
+                    events.push((last_fwd_end[mb(sl.action)], 0, seq, -n));
                 }
             }
-            Op::Backward | Op::BackwardWeight => events.push((sl.end, 0, seq, -tok, -1)),
+            Op::Backward | Op::BackwardWeight => events.push((sl.end, 0, seq, -n)),
             _ => {}
         }
     }
     events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let (mut tokens, mut units, mut peak_t, mut peak_u) = (0i64, 0i64, 0i64, 0i64);
-    for (_, _, _, dt, du) in events {
-        tokens += dt;
-        units += du;
-        peak_t = peak_t.max(tokens);
-        peak_u = peak_u.max(units);
+    let (mut live, mut peak) = (0i128, 0i128);
+    for (_, _, _, delta) in events {
+        live += delta;
+        peak = peak.max(live);
     }
-    (peak_t as usize, peak_u as usize)
+    peak
 }
 
 #[cfg(test)]

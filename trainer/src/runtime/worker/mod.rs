@@ -43,7 +43,7 @@ use crate::config::{Config, ConfigError};
 use crate::data::{DataError, TokenSource, document_separator, open_source};
 use crate::model::partition::partition_virtual_layers;
 use crate::model::{ModelError, StageLayout, StageSpec, UpdateSettings, build_stage};
-use crate::schedule::{Delivered, ScheduleError, SegmentRule, generate_virtual};
+use crate::schedule::{Delivered, ScheduleError, SegmentRule};
 use crate::usage::ProcessUsage;
 use chunks::Chunks;
 use execute::ValidSchedule;
@@ -494,13 +494,9 @@ impl Worker {
             (Some(src), true) => document_separator(&cfg.data, src.as_ref())?,
             _ => None,
         };
-        let schedule = ValidSchedule::new(generate_virtual(
-            cfg.pipeline.schedule,
-            p,
-            v,
-            local_micro_batches,
-            cfg.pipeline.splits,
-        )?)?;
+        // The config's byte model goes in: seq1f1b-zb's order depends on it.
+        let schedule =
+            ValidSchedule::new(crate::memory::training_schedule(&cfg, local_micro_batches)?)?;
         Ok(Self {
             cfg,
             stage,
