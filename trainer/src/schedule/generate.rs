@@ -529,7 +529,7 @@ impl<'a> ZeroBubbleCaps<'a> {
         let bytes = match bytes {
             Some(b) => {
                 let seq1f1b = generate_virtual(ScheduleKind::Seq1F1B, p, 1, m, k)?;
-                Some((b, b.job_peak(&seq1f1b)))
+                Some((b, b.job_peak(&seq1f1b.actions)))
             }
             None => None,
         };

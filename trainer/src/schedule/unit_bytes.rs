@@ -10,7 +10,7 @@
 //! [`crate::memory::unit_bytes`] derives it from a config; [`super::generate_within`] caps
 //! `seq1f1b-zb` by it; [`super::Simulation::peak_bytes`] counts a simulated timeline in it.
 
-use super::{Op, Schedule, ScheduleError, Unit};
+use super::{Action, Op, ScheduleError, Unit};
 
 /// Bytes one unit of segment j keeps alive on stage r: `of(r, j)`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,12 +77,12 @@ impl UnitBytes {
         )))
     }
 
-    /// The most bytes stage `r` of `s` (one chunk per stage) holds along its own order: `F`
-    /// allocates its unit, `B` or `W` frees it. A stage runs one action at a time, so this is
+    /// The most bytes stage `r` holds along its own action list `order` (one chunk per stage):
+    /// `F` allocates its unit, `B` or `W` frees it. A stage runs one action at a time, so this is
     /// its peak in every execution.
-    pub(crate) fn peak_along(&self, s: &Schedule, r: usize) -> u64 {
+    pub(crate) fn peak_along(&self, r: usize, order: &[Action]) -> u64 {
         let (mut live, mut peak) = (0u64, 0u64);
-        for a in s.compute_actions(r) {
+        for a in order.iter().filter(|a| a.is_compute()) {
             let size = self.of(r, a.unit());
             match a.op() {
                 Op::Forward => live = live.saturating_add(size),
@@ -94,10 +94,13 @@ impl UnitBytes {
         peak
     }
 
-    /// The job's peak of `s`: the most any of its stages holds.
-    pub(crate) fn job_peak(&self, s: &Schedule) -> u64 {
-        (0..s.stages)
-            .map(|r| self.peak_along(s, r))
+    /// The job's peak of a schedule whose stages' action lists are `actions`: the most any of
+    /// its stages holds.
+    pub(crate) fn job_peak(&self, actions: &[Vec<Action>]) -> u64 {
+        actions
+            .iter()
+            .enumerate()
+            .map(|(r, order)| self.peak_along(r, order))
             .max()
             .unwrap_or(0)
     }
