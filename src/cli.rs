@@ -24,8 +24,8 @@ use trainer::runtime::recovery::{ResumePoint, Start};
 use trainer::runtime::run::{LaunchOptions, RunSummary, run_evaluation, run_training};
 use trainer::runtime::worker::{WorkerArgs, WorkerError, run_worker};
 use trainer::schedule::{
-    Partition, ScheduleKind, UnitCosts, formula_bubble, generate_within, render_svg, render_text,
-    report_json, segment_lengths, simulate,
+    Partition, Schedule, ScheduleKind, Simulation, UnitBytes, UnitCosts, formula_bubble,
+    generate_within, render_svg, render_text, report_json, segment_lengths, simulate,
 };
 
 /// seqpipe: a fault-tolerant Seq1F1B pipeline-parallel GPT trainer.
@@ -1180,22 +1180,7 @@ fn plot(args: PlotArgs) -> Result<()> {
 
 fn schedule(args: ScheduleArgs) -> Result<()> {
     let cfg = args.config.load()?;
-    if args.stages == 0 || args.microbatches == 0 || args.splits == 0 {
-        bail!("--stages, --microbatches and --splits must all be at least 1");
-    }
-    let d = args.replicas.unwrap_or(cfg.pipeline.replicas);
-    let valid = {
-        let mut c = cfg.clone();
-        c.pipeline.microbatches = args.microbatches;
-        c.valid_replicas()
-    };
-    if !valid.contains(&d) {
-        bail!(
-            "{d} replicas cannot split {} micro-batches so that every replica count trains to the \
-             same bits; valid replica counts: {valid:?}",
-            args.microbatches
-        );
-    }
+    let d = schedule_replicas(&args, &cfg)?;
     // Each replica runs the pipeline schedule over its own c = m/d micro-batches.
     let c = args.microbatches / d;
     let lengths = segment_lengths(
@@ -1207,16 +1192,7 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
     let v = args
         .virtual_stages
         .unwrap_or(if args.schedule.is_interleaved() { 2 } else { 1 });
-    // The byte model of the config's model at this shape: seq1f1b-zb's order depends on it.
-    let bytes = {
-        let mut run = cfg.clone();
-        let pl = &mut run.pipeline;
-        (pl.schedule, pl.stages, pl.virtual_stages) = (args.schedule, args.stages, v);
-        (pl.microbatches, pl.replicas, pl.splits) = (args.microbatches, d, args.splits);
-        pl.partition = args.partition;
-        run.train.seq_len = args.seq_len;
-        trainer::memory::unit_bytes(&run)
-    };
+    let bytes = schedule_byte_model(&args, &cfg, v, d);
     let sched = generate_within(
         args.schedule,
         args.stages,
@@ -1245,6 +1221,54 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    print_schedule(&args, (d, c, v), &lengths, &sched, &sim, bytes.as_ref())
+}
+
+/// `seqpipe schedule`'s replica count d: `--replicas`, or the config's; refused (with the valid
+/// counts) when it cannot split the micro-batches so that every replica count trains to the same
+/// bits, and when a count is 0.
+fn schedule_replicas(args: &ScheduleArgs, cfg: &Config) -> Result<usize> {
+    if args.stages == 0 || args.microbatches == 0 || args.splits == 0 {
+        bail!("--stages, --microbatches and --splits must all be at least 1");
+    }
+    let d = args.replicas.unwrap_or(cfg.pipeline.replicas);
+    let valid = {
+        let mut c = cfg.clone();
+        c.pipeline.microbatches = args.microbatches;
+        c.valid_replicas()
+    };
+    if !valid.contains(&d) {
+        bail!(
+            "{d} replicas cannot split {} micro-batches so that every replica count trains to the \
+             same bits; valid replica counts: {valid:?}",
+            args.microbatches
+        );
+    }
+    Ok(d)
+}
+
+/// The byte model of the config's model at the shape `seqpipe schedule` was asked for (v chunks,
+/// d replicas): seq1f1b-zb's order depends on it. `None` where the model cannot be split so.
+fn schedule_byte_model(args: &ScheduleArgs, cfg: &Config, v: usize, d: usize) -> Option<UnitBytes> {
+    let mut run = cfg.clone();
+    let pl = &mut run.pipeline;
+    (pl.schedule, pl.stages, pl.virtual_stages) = (args.schedule, args.stages, v);
+    (pl.microbatches, pl.replicas, pl.splits) = (args.microbatches, d, args.splits);
+    pl.partition = args.partition;
+    run.train.seq_len = args.seq_len;
+    trainer::memory::unit_bytes(&run)
+}
+
+/// `seqpipe schedule`'s text: the shape, the action lists, the simulated bubble against the
+/// formulas, and each stage's bubble and peaks (activation bytes by `bytes`, when known).
+fn print_schedule(
+    args: &ScheduleArgs,
+    (d, c, v): (usize, usize, usize),
+    lengths: &[usize],
+    sched: &Schedule,
+    sim: &Simulation,
+    bytes: Option<&UnitBytes>,
+) -> Result<()> {
     let (p, c_f, k) = (args.stages as f64, c as f64, args.splits as f64);
     println!(
         "{} schedule: p={} m={} k={}, segment lengths {:?}",
@@ -1259,7 +1283,7 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
             "virtual stages: {v} layer chunks per stage; `@c` marks an action on a stage's chunk c (virtual stage c·p + stage)"
         );
     }
-    print!("{}", render_text(&sched));
+    print!("{}", render_text(sched));
     println!(
         "simulated bubble fraction per replica: {:.4} (Seq1F1B ideal (p-1)/(ck+p-1) = {:.4}; 1F1B (p-1)/(c+p-1) = {:.4}; {} formula {:.4})",
         sim.bubble_fraction,
@@ -1268,12 +1292,12 @@ fn schedule(args: ScheduleArgs) -> Result<()> {
         args.schedule,
         formula_bubble(args.schedule, args.stages, v, c, args.splits)
     );
-    let peak_bytes = match bytes.as_ref().filter(|_| v == 1) {
+    let peak_bytes = match bytes.filter(|_| v == 1) {
         Some(b) => {
             println!(
                 "activation bytes per unit from the config's model (memory estimate); seq1f1b-zb holds no stage above seq1f1b's job peak of them"
             );
-            sim.peak_bytes(&sched, b)?
+            sim.peak_bytes(sched, b)?
         }
         None => {
             println!(

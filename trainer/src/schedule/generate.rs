@@ -207,86 +207,12 @@ pub fn generate_within(
         b.check_shape(stages, splits)?;
     }
     let (p, v, m, k) = (stages, virtual_stages, microbatches, splits);
-    let on_chunk0 = |u: &Unit, op: Op| Action::new(op, *u, 0);
-    let singles = |units: Vec<Unit>, op: Op| -> Vec<Vec<Action>> {
-        units.iter().map(|u| vec![on_chunk0(u, op)]).collect()
-    };
-    let whole_microbatches = |op: Op| -> Vec<Vec<Action>> {
-        (0..m)
-            .map(|i| {
-                let segs: Vec<usize> = match op {
-                    Op::Forward => (0..k).collect(),
-                    _ => (0..k).rev().collect(),
-                };
-                segs.into_iter()
-                    .map(|j| on_chunk0(&Unit::new(i, j), op))
-                    .collect()
-            })
-            .collect()
-    };
     let actions: Vec<Vec<Action>> = match kind {
         ScheduleKind::GPipe | ScheduleKind::Seq1F1B | ScheduleKind::OneFOneB => {
-            let (fwd, bwd) = if kind == ScheduleKind::OneFOneB {
-                (
-                    whole_microbatches(Op::Forward),
-                    whole_microbatches(Op::Backward),
-                )
-            } else {
-                (
-                    singles(forward_units(m, k), Op::Forward),
-                    singles(backward_units(m, k), Op::Backward),
-                )
-            };
-            (0..p)
-                .map(|r| {
-                    let warmup = match kind {
-                        ScheduleKind::GPipe => m * k,
-                        ScheduleKind::OneFOneB => (p - r - 1).min(m),
-                        _ => seq1f1b_warmup(p, m, k, r),
-                    };
-                    one_f_one_b(&fwd, &bwd, warmup)
-                })
-                .collect()
+            plain_orders(kind, p, m, k)
         }
         ScheduleKind::OneFOneBInterleaved | ScheduleKind::Seq1F1BInterleaved => {
-            let seq = kind == ScheduleKind::Seq1F1BInterleaved;
-            // The items each chunk works through, in order: units for seq1f1b-i (backward order
-            // micro-batch ascending, segment descending: FIFO across micro-batches, LIFO within
-            // one), whole micro-batches for 1f1b-i.
-            let (fwd_items, bwd_items) = if seq {
-                (
-                    singles(forward_units(m, k), Op::Forward),
-                    singles(backward_units(m, k), Op::Backward),
-                )
-            } else {
-                (
-                    whole_microbatches(Op::Forward),
-                    whole_microbatches(Op::Backward),
-                )
-            };
-            let n = fwd_items.len();
-            let on = |items: &[Vec<Action>], q: usize, chunk: usize| -> Vec<Action> {
-                items[q]
-                    .iter()
-                    .map(|a| Action::new(a.op(), a.unit(), chunk))
-                    .collect()
-            };
-            // Megatron's `get_model_chunk_id`: the t-th forward of a worker is on chunk
-            // (t mod p·v) / p, the t-th backward on chunk v−1 − (t mod p·v) / p; each chunk
-            // takes its items in order, in rounds of p.
-            let item = |t: usize| (t / (p * v)) * p + t % p;
-            let fwd: Vec<Vec<Action>> = (0..n * v)
-                .map(|t| on(&fwd_items, item(t), (t % (p * v)) / p))
-                .collect();
-            let bwd: Vec<Vec<Action>> = (0..n * v)
-                .map(|t| on(&bwd_items, item(t), v - 1 - (t % (p * v)) / p))
-                .collect();
-            (0..p)
-                .map(|r| {
-                    let warmup = interleaved_warmup(p, v, m, if seq { k } else { 1 }, r, n * v);
-                    one_f_one_b(&fwd, &bwd, warmup)
-                })
-                .collect()
+            interleaved_orders(kind == ScheduleKind::Seq1F1BInterleaved, p, v, m, k)
         }
         ScheduleKind::Seq1F1BZeroBubble => zero_bubble_order(p, m, k, bytes)?,
     };
@@ -303,6 +229,95 @@ pub fn generate_within(
             .map(|(r, order)| with_communication(order, r, p, v))
             .collect(),
     })
+}
+
+/// Each unit of `units` as a group of its own: one `op` on chunk 0.
+fn singles(units: Vec<Unit>, op: Op) -> Vec<Vec<Action>> {
+    units.iter().map(|&u| vec![Action::new(op, u, 0)]).collect()
+}
+
+/// Each micro-batch's k segments as one group of `op`s on chunk 0: forwards in segment order,
+/// backwards in reverse (1F1B's whole micro-batches).
+fn whole_microbatches(m: usize, k: usize, op: Op) -> Vec<Vec<Action>> {
+    (0..m)
+        .map(|i| {
+            let segs: Vec<usize> = match op {
+                Op::Forward => (0..k).collect(),
+                _ => (0..k).rev().collect(),
+            };
+            segs.into_iter()
+                .map(|j| Action::new(op, Unit::new(i, j), 0))
+                .collect()
+        })
+        .collect()
+}
+
+/// The compute orders of GPipe, 1F1B (whole micro-batches) and Seq1F1B (units): each stage's
+/// warm-up forwards, then one forward and one backward in turn, then the cool-down backwards.
+fn plain_orders(kind: ScheduleKind, p: usize, m: usize, k: usize) -> Vec<Vec<Action>> {
+    let (fwd, bwd) = if kind == ScheduleKind::OneFOneB {
+        (
+            whole_microbatches(m, k, Op::Forward),
+            whole_microbatches(m, k, Op::Backward),
+        )
+    } else {
+        (
+            singles(forward_units(m, k), Op::Forward),
+            singles(backward_units(m, k), Op::Backward),
+        )
+    };
+    (0..p)
+        .map(|r| {
+            let warmup = match kind {
+                ScheduleKind::GPipe => m * k,
+                ScheduleKind::OneFOneB => (p - r - 1).min(m),
+                _ => seq1f1b_warmup(p, m, k, r),
+            };
+            one_f_one_b(&fwd, &bwd, warmup)
+        })
+        .collect()
+}
+
+/// The compute orders of Seq1F1B-I (`seq`: units) and 1F1B-I (whole micro-batches) on p workers
+/// of v chunks each, in Megatron's interleaved order.
+fn interleaved_orders(seq: bool, p: usize, v: usize, m: usize, k: usize) -> Vec<Vec<Action>> {
+    // The items each chunk works through, in order: units for seq1f1b-i (backward order
+    // micro-batch ascending, segment descending: FIFO across micro-batches, LIFO within
+    // one), whole micro-batches for 1f1b-i.
+    let (fwd_items, bwd_items) = if seq {
+        (
+            singles(forward_units(m, k), Op::Forward),
+            singles(backward_units(m, k), Op::Backward),
+        )
+    } else {
+        (
+            whole_microbatches(m, k, Op::Forward),
+            whole_microbatches(m, k, Op::Backward),
+        )
+    };
+    let n = fwd_items.len();
+    let on = |items: &[Vec<Action>], q: usize, chunk: usize| -> Vec<Action> {
+        items[q]
+            .iter()
+            .map(|a| Action::new(a.op(), a.unit(), chunk))
+            .collect()
+    };
+    // Megatron's `get_model_chunk_id`: the t-th forward of a worker is on chunk
+    // (t mod p·v) / p, the t-th backward on chunk v−1 − (t mod p·v) / p; each chunk
+    // takes its items in order, in rounds of p.
+    let item = |t: usize| (t / (p * v)) * p + t % p;
+    let fwd: Vec<Vec<Action>> = (0..n * v)
+        .map(|t| on(&fwd_items, item(t), (t % (p * v)) / p))
+        .collect();
+    let bwd: Vec<Vec<Action>> = (0..n * v)
+        .map(|t| on(&bwd_items, item(t), v - 1 - (t % (p * v)) / p))
+        .collect();
+    (0..p)
+        .map(|r| {
+            let warmup = interleaved_warmup(p, v, m, if seq { k } else { 1 }, r, n * v);
+            one_f_one_b(&fwd, &bwd, warmup)
+        })
+        .collect()
 }
 
 /// Seq1F1B's warm-up forwards on stage r: `min((p−r−1) + (k−1), m·k)`.
