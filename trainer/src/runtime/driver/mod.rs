@@ -554,26 +554,40 @@ impl Driver<'_, '_> {
             val_loss,
         };
         self.append_step(&record)?;
-        if let Some((replica, failure)) = rerouted {
-            let p = self.pipeline.stages();
-            let node = self.pipeline.coordinator().node_of(replica * p);
-            self.append_event(&RunEvent::Recovered(Recovered {
-                step,
-                recovery_s: step_started.elapsed().as_secs_f64(),
-                lost_steps: 0,
-                tier: recovery::Tier::Reroute,
-                stages_before: p,
-                stages_after: p,
-                at_unix_s: unix_time_s(),
-                stage: None,
-                node: Some(node),
-                host: None,
-                redone_units: Some(replies.redone.0),
-                redone_s: Some(replies.redone.1),
-            }))?;
-            self.rerouted = Some(failure);
+        if let Some(lost) = rerouted {
+            self.record_reroute(step, lost, replies.redone, step_started)?;
         }
         Ok(record)
+    }
+
+    /// Data parallelism: the `recovered` event of `step`, whose lost replica's share (`lost`:
+    /// the replica and the failure that took it out) was re-routed, costing `redone` (units
+    /// computed again, their seconds); the failure is kept for the step boundary.
+    fn record_reroute(
+        &mut self,
+        step: u64,
+        (replica, failure): (usize, LaunchError),
+        redone: (usize, f64),
+        step_started: Instant,
+    ) -> Result<(), LaunchError> {
+        let p = self.pipeline.stages();
+        let node = self.pipeline.coordinator().node_of(replica * p);
+        self.append_event(&RunEvent::Recovered(Recovered {
+            step,
+            recovery_s: step_started.elapsed().as_secs_f64(),
+            lost_steps: 0,
+            tier: recovery::Tier::Reroute,
+            stages_before: p,
+            stages_after: p,
+            at_unix_s: unix_time_s(),
+            stage: None,
+            node: Some(node),
+            host: None,
+            redone_units: Some(redone.0),
+            redone_s: Some(redone.1),
+        }))?;
+        self.rerouted = Some(failure);
+        Ok(())
     }
 
     /// The optimizer update of `step`: the global gradient norm from the stages' sums of squares

@@ -70,6 +70,16 @@ pub struct Pipeline<'c> {
     ring: bool,
 }
 
+/// What the workers of a starting pipeline said in their hellos, per slot.
+struct Hellos {
+    /// The worker's control connection.
+    conns: Vec<u64>,
+    /// Its data address.
+    data_addrs: Vec<String>,
+    /// Its gradient-reduction address (with replicas; empty otherwise).
+    reduce_addrs: Vec<String>,
+}
+
 /// A stage replaced in the middle of a step.
 #[derive(Clone, Debug)]
 pub struct Replacement {
@@ -122,44 +132,12 @@ impl<'c> Pipeline<'c> {
             ring: cfg_virtual_stages > 1,
         };
         // Hello from everyone, then the topology, then ready from everyone.
-        let mut conns: Vec<Option<u64>> = vec![None; workers];
-        let mut data_addrs = vec![String::new(); workers];
-        let mut reduce_addrs = vec![String::new(); workers];
-        let deadline = Instant::now() + pipeline.timeout;
-        while conns.iter().any(Option::is_none) {
-            match pipeline.next_incoming(deadline, "every worker to say hello")? {
-                Incoming::Hello(
-                    conn,
-                    ToLauncher::Hello {
-                        stage,
-                        generation: g,
-                        data_addr,
-                        reduce_addr,
-                        ..
-                    },
-                ) if Generation::admits(generation, g)
-                    && stage < workers
-                    && conns[stage].is_none()
-                    && (d == 1 || reduce_addr.is_some()) =>
-                {
-                    conns[stage] = Some(conn);
-                    data_addrs[stage] = data_addr;
-                    reduce_addrs[stage] = reduce_addr.unwrap_or_default();
-                }
-                Incoming::Hello(conn, msg) => {
-                    warn!(
-                        ?msg,
-                        generation, "refused a worker that is not of the current plan"
-                    );
-                    pipeline.coordinator.drop_worker(conn);
-                }
-                other => pipeline.fail_on(other)?,
-            }
-        }
-        pipeline.conns = conns
-            .into_iter()
-            .map(|c| c.expect("every stage said hello"))
-            .collect();
+        let Hellos {
+            conns,
+            data_addrs,
+            reduce_addrs,
+        } = pipeline.await_hellos(workers, generation)?;
+        pipeline.conns = conns;
         let ring = cfg_virtual_stages > 1;
         for slot in 0..workers {
             // Slot r·p + s runs stage s of replica r; its neighbours are in its replica (with
@@ -189,6 +167,56 @@ impl<'c> Pipeline<'c> {
         pipeline.collect(workers, "the workers to connect to their neighbours")?;
         info!(stages = p, replicas = d, generation, "pipeline connected");
         Ok(pipeline)
+    }
+
+    /// Waits for a hello from the worker of every one of `workers` slots of plan `generation`
+    /// (refusing workers of other plans); returns each slot's control connection, data address
+    /// and (with replicas) reduction address.
+    fn await_hellos(&mut self, workers: usize, generation: u64) -> Result<Hellos, LaunchError> {
+        let d = self.replicas;
+        let mut conns: Vec<Option<u64>> = vec![None; workers];
+        let mut data_addrs = vec![String::new(); workers];
+        let mut reduce_addrs = vec![String::new(); workers];
+        let deadline = Instant::now() + self.timeout;
+        while conns.iter().any(Option::is_none) {
+            match self.next_incoming(deadline, "every worker to say hello")? {
+                Incoming::Hello(
+                    conn,
+                    ToLauncher::Hello {
+                        stage,
+                        generation: g,
+                        data_addr,
+                        reduce_addr,
+                        ..
+                    },
+                ) if Generation::admits(generation, g)
+                    && stage < workers
+                    && conns[stage].is_none()
+                    && (d == 1 || reduce_addr.is_some()) =>
+                {
+                    conns[stage] = Some(conn);
+                    data_addrs[stage] = data_addr;
+                    reduce_addrs[stage] = reduce_addr.unwrap_or_default();
+                }
+                Incoming::Hello(conn, msg) => {
+                    warn!(
+                        ?msg,
+                        generation, "refused a worker that is not of the current plan"
+                    );
+                    self.coordinator.drop_worker(conn);
+                }
+                other => self.fail_on(other)?,
+            }
+        }
+        let conns = conns
+            .into_iter()
+            .map(|c| c.expect("every stage said hello"))
+            .collect();
+        Ok(Hellos {
+            conns,
+            data_addrs,
+            reduce_addrs,
+        })
     }
 
     fn timeout_error(&self, what: &str) -> LaunchError {
