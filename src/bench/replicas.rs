@@ -43,7 +43,7 @@ use super::final_state;
 use trainer::config::Config;
 use trainer::plan::RunPlan;
 use trainer::runtime::run::{LaunchOptions, run_training};
-use trainer::schedule::{Action, MeasuredCosts, generate, replay};
+use trainer::schedule::{Action, MeasuredCosts, replay};
 
 /// Flags of `seqpipe bench replicas`.
 #[derive(Args, Debug)]
@@ -568,9 +568,8 @@ fn replay_replicas(
     durations: UnitTimes,
     joined_by_stage: &[f64],
 ) -> Result<Replayed> {
-    let (p, k) = (cfg.pipeline.stages, cfg.pipeline.splits);
     let c = cfg.pipeline.microbatches / cfg.pipeline.replicas;
-    let schedule = generate(cfg.pipeline.schedule, p, c, k)?;
+    let schedule = trainer::memory::training_schedule(cfg, c)?;
     let tokens: Vec<usize> = cfg
         .segment_lengths()?
         .iter()
